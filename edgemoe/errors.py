@@ -1,0 +1,30 @@
+"""Typed exceptions. Every message says what went wrong and what to do about it."""
+from __future__ import annotations
+
+
+class EdgeMoeError(Exception):
+    """Base class of all edgemoe errors; the CLI prints these as one line."""
+
+
+class ModelLoadError(EdgeMoeError):
+    """The model file is missing, not a GGUF, truncated or corrupt, or llama.cpp refused it."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The GGUF declares an architecture llama.cpp (and so edgemoe) does not know."""
+
+
+class NativeLibraryError(EdgeMoeError):
+    """The patched llama.cpp library is missing, stock, or too old for this edgemoe."""
+
+
+class PatchApplyError(EdgeMoeError):
+    """A patch of the series does not apply to the vendored llama.cpp."""
+
+
+class ContextOverflowError(EdgeMoeError):
+    """The prompt (plus requested tokens) does not fit into the context window."""
+
+
+class InvalidSizeError(EdgeMoeError, ValueError):
+    """A size such as --vram 6GiB could not be parsed."""
