@@ -154,8 +154,8 @@ def apply_series(src: Path, patches: list[Path]) -> None:
         if check.returncode != 0:
             raise BuildError(
                 f"patch {p.name} does not apply to the vendored llama.cpp:\n{check.stderr.strip()}\n"
-                "Refresh it: `python tools/patches.py init`, fix the commit for this patch in "
-                ".build/patchwork/llama.cpp, then `python tools/patches.py export`.")
+                "Refresh it: `python tools/patches.py init`, fix this patch's commit in "
+                f".build/patchwork/{SDIST_NAME}/vendor/llama.cpp, then `python tools/patches.py export`.")
         subprocess.run(["git", "apply", "-p1", str(p)], cwd=llama_dir, check=True)
         log(f"applied {p.name}")
 

@@ -1,0 +1,37 @@
+# Two commands on a fresh machine (each installs whatever is missing into .venv):
+#   make chat   - chat with the bundled fixture model
+#   make test   - run the test suite
+# CUDA build: make install EDGEMOE_CUDA=1 [EDGEMOE_CUDA_ARCH=90]
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH := torch==2.13.0
+
+.PHONY: install llama chat test clean-build
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	touch $@
+
+# the patched llama.cpp; the tool itself skips the build when nothing changed
+llama: | $(PY)
+	$(PY) tools/build_llama.py
+
+$(VENV)/.edgemoe: pyproject.toml $(VENV)/.torch | $(PY)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: llama $(VENV)/.edgemoe
+
+chat: install
+	$(VENV)/bin/edgemoe chat
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean-build:
+	rm -rf .build

@@ -1,0 +1,23 @@
+"""edgemoe: run GGUF Mixture-of-Experts LLMs on a CPU + consumer GPU, faster than stock llama.cpp.
+
+Public API: Engine, LoadConfig, ChatSession, ChatMessage, SamplingParams, GREEDY.
+Importing edgemoe does not load llama.cpp; the names below load it on first use.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Engine": "engine", "LoadConfig": "engine", "ChatSession": "engine", "ChatMessage": "engine",
+    "Generation": "engine", "SamplingParams": "sampling", "GREEDY": "sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(name)

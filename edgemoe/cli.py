@@ -1,0 +1,224 @@
+"""edgemoe command line: a thin click layer over edgemoe's Python API."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import EdgeMoeError, InvalidSizeError
+
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
+
+
+class GGUFPath(click.ParamType):
+    """A path to a GGUF model; validated (exists, GGUF, complete, known architecture) at parse time."""
+
+    name = "MODEL.gguf"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        from .gguf_info import check_gguf
+
+        path = Path(value)
+        try:
+            check_gguf(path)
+        except EdgeMoeError as err:
+            self.fail(str(err), param, ctx)
+        return path
+
+
+class Size(click.ParamType):
+    """A byte size such as 6GiB, 8GB or 512MiB."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from .gguf_info import parse_size
+
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value, option=f"--{param.name}" if param else "size")
+        except InvalidSizeError as err:
+            self.fail(str(err), param, ctx)
+
+
+class EdgeMoeGroup(click.Group):
+    """Turns library errors into one-line messages; tracebacks only with --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except EdgeMoeError as err:
+            if ctx.meta.get("edgemoe.debug"):
+                traceback.print_exc()
+            raise click.ClickException(str(err)) from err
+        except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+            raise
+        except Exception as err:  # noqa: BLE001 - the CLI edge: never show a raw traceback by default
+            if ctx.meta.get("edgemoe.debug"):
+                raise
+            raise click.ClickException(
+                f"unexpected {type(err).__name__}: {err} (run `edgemoe --debug ...` for the traceback "
+                "and please report it)") from err
+
+
+def _sampling_options(f: Any) -> Any:
+    opts = [
+        click.option("--temp", "temperature", type=float, default=0.8, show_default=True,
+                     help="sampling temperature; 0 = greedy (identical to stock llama.cpp)"),
+        click.option("--top-k", type=int, default=40, show_default=True),
+        click.option("--top-p", type=float, default=0.95, show_default=True),
+        click.option("--min-p", type=float, default=0.05, show_default=True),
+        click.option("--repeat-penalty", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None, help="sampling seed (default: random)"),
+        click.option("-t", "--threads", type=click.IntRange(min=0), default=0,
+                     help="CPU threads (default: physical cores)", envvar="EDGEMOE_THREADS"),
+        click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
+                     help="context length (default: the model's, at most 4096)"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _make_sampling(temperature: float, top_k: int, top_p: float, min_p: float,
+                   repeat_penalty: float, seed: int | None) -> Any:
+    from .sampling import DEFAULT_SEED, SamplingParams
+
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, seed=DEFAULT_SEED if seed is None else seed)
+
+
+def _open_engine(model: Path, threads: int, n_ctx: int) -> Any:
+    from .engine import Engine, LoadConfig
+
+    engine = Engine(model, LoadConfig(n_threads=threads, n_ctx=n_ctx))
+    if not engine.info.is_moe:
+        click.echo(f"note: {model.name} is a dense model (no routed experts); edgemoe's MoE "
+                   "features are off and it runs as stock llama.cpp", err=True)
+    return engine
+
+
+@click.group(cls=EdgeMoeGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="edgemoe")
+@click.option("--debug", is_flag=True, envvar="EDGEMOE_DEBUG",
+              help="show llama.cpp's log and full tracebacks")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """edgemoe: run GGUF Mixture-of-Experts models fast on a CPU + GPU."""
+    ctx.meta["edgemoe.debug"] = debug
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not debug:
+        logging.getLogger("edgemoe.llama_cpp").setLevel(logging.CRITICAL)
+
+
+@cli.command()
+@click.argument("model", type=GGUFPath())
+@click.option("--vram", type=Size(), default=None, help="show what a GPU budget like 8GiB can hold")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="context length assumed for the KV-cache estimate")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
+    """Show a model's architecture, experts and where its bytes are."""
+    from .gguf_info import info_to_dict, read_model_info, vram_plan
+    from .report import format_info, format_plan, plan_to_dict
+
+    info = read_model_info(model)
+    plan = vram_plan(info, vram, n_ctx=n_ctx) if vram is not None else None
+    if as_json:
+        d = info_to_dict(info)
+        if plan is not None:
+            d["vram_plan"] = plan_to_dict(plan)
+        click.echo(json.dumps(d, indent=1))
+        return
+    click.echo(format_info(info))
+    if plan is not None:
+        click.echo(format_plan(plan))
+
+
+@cli.command()
+@click.argument("model", type=GGUFPath())
+@click.option("-p", "--prompt", required=True, help="prompt text ('-' reads it from stdin)")
+@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@_sampling_options
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object with ids and timings")
+def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
+             min_p: float, repeat_penalty: float, seed: int | None, threads: int, n_ctx: int,
+             as_json: bool) -> None:
+    """Complete a prompt (plain text streamed to stdout, or --json)."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    with _open_engine(model, threads, n_ctx) as engine:
+        if as_json:
+            g = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
+            click.echo(json.dumps({"model": str(model), "text": g.text, "prompt_tokens": g.prompt_tokens,
+                                   "tokens": g.tokens, "stop_reason": g.stop_reason,
+                                   "n_threads": engine.n_threads, "timings": g.timings.to_dict()}))
+            return
+        for _, piece in engine.stream(prompt, max_tokens=max_tokens, sampling=sampling):
+            click.echo(piece, nl=False)
+        click.echo()
+        click.echo(_stats_line(engine.last.timings), err=True)
+
+
+def _stats_line(t: Any) -> str:
+    return (f"[prompt {t.prompt_tokens} tok, {t.prompt_tps:.1f} tok/s | "
+            f"decode {t.decode_tokens} tok, {t.decode_tps:.1f} tok/s | ttft {t.ttft_s * 1000:.0f} ms]")
+
+
+@cli.command()
+@click.argument("model", type=GGUFPath(), required=False)
+@click.option("--system", default=None, help="system prompt")
+@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="most tokens per reply")
+@_sampling_options
+def chat(model: Path | None, system: str | None, max_tokens: int, temperature: float, top_k: int,
+         top_p: float, min_p: float, repeat_penalty: float, seed: int | None, threads: int,
+         n_ctx: int) -> None:
+    """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
+
+    When stdin is not a terminal, each non-empty input line is one user message.
+    """
+    from .engine import ChatSession
+
+    if model is None:
+        model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
+    sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    interactive = sys.stdin.isatty()
+    with _open_engine(model, threads, n_ctx) as engine:
+        session = ChatSession(engine, system=system)
+        if interactive:
+            click.echo(f"edgemoe chat · {model.name} · /reset clears history, /quit leaves", err=True)
+        while True:
+            try:
+                line = input("> ") if interactive else sys.stdin.readline()
+            except EOFError:
+                break
+            if not interactive and line == "":
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/quit", "/exit"):
+                break
+            if text == "/reset":
+                session.reset()
+                click.echo("(history cleared)", err=True)
+                continue
+            for piece in session.send(text, max_tokens=max_tokens, sampling=sampling):
+                click.echo(piece, nl=False)
+            click.echo()
+            click.echo(_stats_line(engine.last.timings), err=True)
+
+
+def main() -> None:
+    cli(prog_name="edgemoe")

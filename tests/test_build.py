@@ -1,0 +1,68 @@
+"""The patch pipeline: the series applies to the pinned sdist, failures name the patch, the stamp tracks inputs."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import build_llama as bl  # noqa: E402
+
+SDIST = ROOT / ".build" / "sdist" / f"{bl.SDIST_NAME}.tar.gz"
+needs_sdist = pytest.mark.skipif(not SDIST.exists(), reason="sdist not downloaded (make install fetches it)")
+
+
+def test_series_lists_existing_numbered_patches() -> None:
+    patches = bl.read_series(ROOT / "patches")
+    assert patches, "the series is empty"
+    for i, p in enumerate(patches, start=1):
+        assert p.name.startswith(f"{i:04d}-") and p.suffix == ".patch"
+
+
+@needs_sdist
+def test_series_applies_to_pristine_sdist(tmp_path: Path) -> None:
+    src = bl.unpack(SDIST, tmp_path / "src")
+    bl.apply_series(src, bl.read_series(ROOT / "patches"))
+    header = (src / "vendor" / "llama.cpp" / "include" / "llama.h").read_text()
+    assert "llama_edgemoe_patch_level" in header
+
+
+@needs_sdist
+def test_broken_patch_names_itself_and_how_to_refresh(tmp_path: Path) -> None:
+    src = bl.unpack(SDIST, tmp_path / "src")
+    bad = tmp_path / "0099-moe-broken.patch"
+    good = bl.read_series(ROOT / "patches")[0].read_text()
+    bad.write_text(good.replace("@@ -569,6 +569,10 @@", "@@ -9569,6 +9569,10 @@").replace(
+        "LLAMA_API bool llama_supports_rpc", "LLAMA_API bool llama_supports_nothing"))
+    with pytest.raises(bl.BuildError, match=r"(?s)0099-moe-broken\.patch does not apply.*tools/patches\.py"):
+        bl.apply_series(src, [bad])
+
+
+def test_stamp_changes_with_patches_and_options(tmp_path: Path) -> None:
+    p = tmp_path / "0001-a.patch"
+    p.write_text("one")
+    cpu = bl.BuildOptions(cuda=False, cuda_arch="", native=True, extra_cmake="")
+    cuda = bl.BuildOptions(cuda=True, cuda_arch="90", native=True, extra_cmake="")
+    k1 = bl.stamp_key([p], cpu)
+    assert bl.stamp_key([p], cpu) == k1
+    assert bl.stamp_key([p], cuda) != k1
+    p.write_text("two")
+    assert bl.stamp_key([p], cpu) != k1
+
+
+def test_cmake_args() -> None:
+    cpu = bl.BuildOptions(cuda=False, cuda_arch="", native=True, extra_cmake="-DFOO=1")
+    args = cpu.cmake_args()
+    assert "-DLLAVA_BUILD=OFF" in args and "-DLLAMA_BUILD_SERVER=OFF" in args and "-DFOO=1" in args
+    assert not any("GGML_CUDA" in a for a in args)
+    cuda = bl.BuildOptions(cuda=True, cuda_arch="86;89", native=False, extra_cmake="")
+    assert "-DGGML_CUDA=ON" in cuda.cmake_args() and "-DCMAKE_CUDA_ARCHITECTURES=86;89" in cuda.cmake_args()
+
+
+def test_missing_series_entry(tmp_path: Path) -> None:
+    (tmp_path / "series").write_text("0001-missing.patch\n")
+    with pytest.raises(bl.BuildError, match="0001-missing.patch"):
+        bl.read_series(tmp_path)

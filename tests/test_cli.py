@@ -1,0 +1,144 @@
+"""CLI behaviour with click's CliRunner, bad inputs included."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import pytest
+from click.testing import CliRunner
+from conftest import FIXTURE_MODELS, stock_greedy
+
+from edgemoe.cli import cli
+
+pytest_plugins = ["conftest_synth"]
+
+MODEL = FIXTURE_MODELS[0]
+
+
+def run(*args: str, input: str | None = None):  # type: ignore[no-untyped-def]
+    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+
+
+def test_version_and_help() -> None:
+    assert run("--version").output.startswith("edgemoe, version")
+    out = run("--help").output
+    for cmd in ("inspect", "generate", "chat"):
+        assert cmd in out
+
+
+def test_inspect_json_matches_gguf(fixture_model: Path) -> None:
+    res = run("inspect", str(fixture_model), "--json", "--vram", "4MiB")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    r = gguf.GGUFReader(str(fixture_model))
+    total = sum(int(t.n_bytes) for t in r.tensors)
+    experts = sum(int(t.n_bytes) for t in r.tensors if "_exps" in t.name)
+    assert d["expert_bytes_total"] == experts
+    assert d["dense_bytes"] == total - experts
+    assert d["architecture"] in ("qwen3moe", "llama")
+    assert d["n_layer"] == 8 and d["n_expert"] >= 8 and d["n_expert_used"] >= 2
+    assert d["vram_plan"]["budget_bytes"] == 4 * 2**20
+
+
+def test_inspect_text(fixture_model: Path) -> None:
+    res = run("inspect", str(fixture_model), "--vram", "8MiB")
+    assert res.exit_code == 0
+    assert "MoE layers   8" in res.output and "vram 8.00 MiB" in res.output
+
+
+def test_generate_json_greedy_equals_stock(fixture_model: Path) -> None:
+    prompt = "def main():\n"
+    res = run("generate", str(fixture_model), "-p", prompt, "-n", "20", "--temp", "0", "--json",
+              "--ctx", "512")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    stock_prompt, stock_tokens = stock_greedy(fixture_model, prompt, 20)
+    assert d["prompt_tokens"] == stock_prompt
+    assert d["tokens"] == stock_tokens
+    assert d["timings"]["prompt_tps"] > 0 and d["timings"]["decode_tps"] > 0
+    assert isinstance(d["text"], str)
+
+
+def test_generate_plain_text_streams() -> None:
+    res = run("generate", str(MODEL), "-p", "KING:", "-n", "8", "--temp", "0")
+    assert res.exit_code == 0
+    assert "tok/s" in res.output  # the stats line (stderr is mixed into output by CliRunner)
+
+
+def test_chat_reads_a_pipe_and_keeps_history() -> None:
+    res = run("chat", str(MODEL), "-n", "16", "--temp", "0", input="Hello there\n/reset\nWho are you?\n")
+    assert res.exit_code == 0, res.output
+    assert res.output.count("tok/s") == 2  # two replies, each with a stats line
+    assert "(history cleared)" in res.output
+
+
+def test_chat_default_model_is_bundled() -> None:
+    res = run("chat", "-n", "4", "--temp", "0", input="hi\n")
+    assert res.exit_code == 0, res.output
+    assert "tok/s" in res.output
+
+
+def test_dense_model_note(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    res = run("generate", str(make_tiny_gguf("tiny-llama-dense")), "-p", "hi", "-n", "2", "--temp", "0")
+    assert res.exit_code == 0
+    assert "dense model" in res.output
+
+
+# ---- bad input: one line, non-zero exit, no traceback ---------------------------------------
+
+def _assert_clean_error(res, needle: str) -> None:  # type: ignore[no-untyped-def]
+    assert res.exit_code != 0
+    assert "Traceback" not in res.output
+    assert needle in res.output, res.output
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    _assert_clean_error(run("inspect", str(tmp_path / "nope.gguf")), "does not exist")
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    p = tmp_path / "notes.gguf"
+    p.write_text("hello, I am not a model\n" * 10)
+    _assert_clean_error(run("generate", str(p), "-p", "x"), "not a GGUF")
+
+
+def test_truncated_gguf(tmp_path: Path) -> None:
+    p = tmp_path / "cut.gguf"
+    data = MODEL.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    _assert_clean_error(run("generate", str(p), "-p", "x"), "truncated")
+
+
+def test_unknown_architecture(tmp_path: Path, make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    src = make_tiny_gguf("tiny-llama-dense")
+    p = tmp_path / "weird.gguf"
+    shutil.copy(src, p)
+    data = bytearray(p.read_bytes())
+    i = data.find(b"general.architecture")
+    j = data.find(b"llama", i)
+    data[j:j + 5] = b"zzzzz"
+    p.write_bytes(bytes(data))
+    _assert_clean_error(run("inspect", str(p)), "zzzzz")
+
+
+def test_prompt_longer_than_context() -> None:
+    _assert_clean_error(run("generate", str(MODEL), "-p", "word " * 400, "--ctx", "64"), "context holds 64")
+
+
+@pytest.mark.parametrize("bad", ["6 gigs", "-1GiB", "GiB", ""])
+def test_vram_unparsable(bad: str) -> None:
+    _assert_clean_error(run("inspect", str(MODEL), "--vram", bad), "--vram")
+
+
+def test_unexpected_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import edgemoe.gguf_info as gi
+
+    def boom(*a, **k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(gi, "read_model_info", boom)
+    res = CliRunner().invoke(cli, ["inspect", str(MODEL)])
+    _assert_clean_error(res, "kaboom")
+    assert "--debug" in res.output

@@ -1,0 +1,120 @@
+"""Engine against stock llama-cpp-python on the same GGUF: the ground truth."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import stock_greedy
+
+from edgemoe.engine import ChatMessage, ChatSession, Engine, LoadConfig
+from edgemoe.errors import ContextOverflowError
+from edgemoe.sampling import GREEDY, SamplingParams
+
+pytest_plugins = ["conftest_synth"]
+
+PROMPT = "ROMEO:\nWhat light through yonder window"
+ARCH_PRESETS = ["tiny-qwen3moe", "tiny-mixtral", "tiny-qwen2moe", "tiny-deepseek2", "tiny-llama-dense"]
+
+
+def _engine_greedy(path: Path, prompt: str, n: int) -> tuple[list[int], list[int]]:
+    with Engine(path, LoadConfig(n_ctx=512, n_threads=2)) as eng:
+        g = eng.generate(prompt, max_tokens=n, sampling=GREEDY)
+        return g.prompt_tokens, g.tokens
+
+
+def test_greedy_equals_stock_on_fixtures(fixture_model: Path) -> None:
+    ours = _engine_greedy(fixture_model, PROMPT, 48)
+    stock = stock_greedy(fixture_model, PROMPT, 48)
+    assert ours[0] == stock[0]  # same prompt ids, BOS as the metadata says
+    assert ours[1] == stock[1]
+    assert len(ours[1]) >= 1
+
+
+@pytest.mark.parametrize("preset", ARCH_PRESETS)
+def test_greedy_equals_stock_on_architectures(preset: str, make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    path = make_tiny_gguf(preset)
+    ours = _engine_greedy(path, "hello world, the quick brown fox", 24)
+    stock = stock_greedy(path, "hello world, the quick brown fox", 24)
+    assert ours == stock
+
+
+def test_bos_follows_metadata(fixture_model: Path) -> None:
+    import gguf
+
+    r = gguf.GGUFReader(str(fixture_model))
+    field = r.get_field(gguf.Keys.Tokenizer.ADD_BOS)
+    add_bos = bool(field.contents()) if field is not None else False
+    bos = int(r.get_field(gguf.Keys.Tokenizer.BOS_ID).contents())
+    with Engine(fixture_model, LoadConfig(n_ctx=128)) as eng:
+        ids = eng.tokenize("hello")
+        assert (ids[0] == bos) == add_bos
+
+
+def test_stream_matches_generate_and_prefix_reuse(fixture_model: Path) -> None:
+    with Engine(fixture_model, LoadConfig(n_ctx=512)) as eng:
+        pieces = [p for _, p in eng.stream(PROMPT, max_tokens=24, sampling=GREEDY)]
+        first = eng.last
+        assert "".join(pieces) == first.text
+        # same prompt again: the KV prefix is reused, the result must not change
+        second = eng.generate(PROMPT, max_tokens=24, sampling=GREEDY)
+        assert second.tokens == first.tokens
+        assert second.timings.prompt_tokens == 1  # only the last prompt token was re-evaluated
+        # a different continuation then the original prompt again
+        eng.generate(PROMPT + " and", max_tokens=4, sampling=GREEDY)
+        assert eng.generate(PROMPT, max_tokens=24, sampling=GREEDY).tokens == first.tokens
+
+
+def test_logits_match_stock(fixture_model: Path) -> None:
+    import llama_cpp
+
+    with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=256, n_ubatch=256)) as eng:
+        ids = eng.tokenize(PROMPT)
+        ours = np.array(eng.eval_logits(ids))
+    llm = llama_cpp.Llama(model_path=str(fixture_model), n_ctx=256, n_batch=256, logits_all=True,
+                          n_threads=2, verbose=False)
+    llm.eval(ids)
+    stock = np.array(llm.scores[:len(ids)])
+    llm.close()
+    assert np.array_equal(ours, stock)  # same library, same batch: bitwise
+
+
+def test_seeded_sampling_is_reproducible(fixture_model: Path) -> None:
+    sp = SamplingParams(temperature=0.9, seed=42)
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        a = eng.generate(PROMPT, max_tokens=16, sampling=sp).tokens
+        eng.reset()
+        b = eng.generate(PROMPT, max_tokens=16, sampling=sp).tokens
+    assert a == b
+
+
+def test_chat_template_and_session(fixture_model: Path) -> None:
+    with Engine(fixture_model, LoadConfig(n_ctx=512)) as eng:
+        text = eng.format_chat([ChatMessage("user", "Hi")])
+        assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        chat = ChatSession(eng)
+        reply1 = "".join(chat.send("To be, or not to be", max_tokens=32, sampling=GREEDY))
+        assert eng.last.stop_reason in ("eog", "length")
+        reply2 = "".join(chat.send("Say more", max_tokens=16, sampling=GREEDY))
+        assert [m.role for m in chat.history] == ["user", "assistant", "user", "assistant"]
+        assert chat.history[1].content == reply1.strip() and chat.history[3].content == reply2.strip()
+        # the second turn reused the first turn's KV cache
+        assert eng.last.timings.prompt_tokens < len(eng.last.prompt_tokens)
+        chat.reset()
+        assert chat.history == []
+
+
+def test_prompt_longer_than_context(fixture_model: Path) -> None:
+    with Engine(fixture_model, LoadConfig(n_ctx=64)) as eng:
+        with pytest.raises(ContextOverflowError, match="context holds 64"):
+            eng.generate("word " * 200, max_tokens=4)
+        # the engine is still usable afterwards
+        assert eng.generate("hello", max_tokens=2, sampling=GREEDY).tokens
+
+
+def test_generation_stops_at_context_end(fixture_model: Path) -> None:
+    with Engine(fixture_model, LoadConfig(n_ctx=64)) as eng:
+        ids = eng.tokenize(PROMPT)
+        g = eng.generate(PROMPT, max_tokens=500, sampling=GREEDY)
+        assert g.stop_reason in ("context", "eog")
+        assert len(ids) + len(g.tokens) <= 64 + 1

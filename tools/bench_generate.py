@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Decode speed of edgemoe's Engine vs stock llama-cpp-python, same GGUF, same threads, one run.
+
+  .venv/bin/python tools/bench_generate.py models/*.gguf [--gen 64] [--reps 3] [--threads 2] [--json]
+
+Both sides generate greedily past end-of-generation tokens from the same
+prompt; decode tokens/s counts the steps after the first token (the first
+comes out of prefill). Runs alternate (stock, edgemoe, stock, ...) and the
+median of --reps is reported with the ratio edgemoe/stock.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import llama_cpp  # noqa: E402
+
+from edgemoe.engine import Engine, LoadConfig  # noqa: E402
+from edgemoe.sampling import GREEDY  # noqa: E402
+
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+
+
+def stock_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int) -> tuple[float, float]:
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
+    ids = llm.tokenize(PROMPT.encode())
+    t0 = time.perf_counter()
+    gen = llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0)
+    next(gen)  # prefill + first token
+    t1 = time.perf_counter()
+    for _ in range(n_gen - 1):
+        next(gen)
+    t2 = time.perf_counter()
+    llm.close()
+    return len(ids) / (t1 - t0), (n_gen - 1) / (t2 - t1)
+
+
+def edgemoe_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int) -> tuple[float, float]:
+    with Engine(path, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
+        g = eng.generate(PROMPT, max_tokens=n_gen, sampling=GREEDY, ignore_eog=True)
+    return g.timings.prompt_tps, g.timings.decode_tps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+", type=Path)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    for path in args.models:
+        stock, ours = [], []
+        for _ in range(args.reps):
+            stock.append(stock_decode_tps(path, args.gen, args.threads, args.ctx))
+            ours.append(edgemoe_decode_tps(path, args.gen, args.threads, args.ctx))
+        s = statistics.median(d for _, d in stock)
+        o = statistics.median(d for _, d in ours)
+        rows.append({"model": path.name, "threads": args.threads, "gen_tokens": args.gen,
+                     "stock_decode_tps": round(s, 2), "edgemoe_decode_tps": round(o, 2),
+                     "ratio": round(o / s, 3),
+                     "stock_prompt_tps": round(statistics.median(p for p, _ in stock), 1),
+                     "edgemoe_prompt_tps": round(statistics.median(p for p, _ in ours), 1)})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{'model':<44} {'stock tok/s':>12} {'edgemoe tok/s':>14} {'ratio':>7}")
+        for r in rows:
+            print(f"{r['model']:<44} {r['stock_decode_tps']:>12.2f} {r['edgemoe_decode_tps']:>14.2f} "
+                  f"{r['ratio']:>7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
