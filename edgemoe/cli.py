@@ -69,7 +69,7 @@ class EdgeMoeGroup(click.Group):
                 "and please report it)") from err
 
 
-def _sampling_options(f: Any) -> Any:
+def _run_options(f: Any) -> Any:
     opts = [
         click.option("--temp", "temperature", type=float, default=0.8, show_default=True,
                      help="sampling temperature; 0 = greedy (identical to stock llama.cpp)"),
@@ -82,6 +82,8 @@ def _sampling_options(f: Any) -> Any:
                      help="CPU threads (default: physical cores)", envvar="EDGEMOE_THREADS"),
         click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
                      help="context length (default: the model's, at most 4096)"),
+        click.option("-ngl", "--gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="layers stock llama.cpp offloads whole to the GPU (CUDA builds)"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -96,10 +98,10 @@ def _make_sampling(temperature: float, top_k: int, top_p: float, min_p: float,
                           repeat_penalty=repeat_penalty, seed=DEFAULT_SEED if seed is None else seed)
 
 
-def _open_engine(model: Path, threads: int, n_ctx: int) -> Any:
+def _open_engine(model: Path, threads: int, n_ctx: int, gpu_layers: int) -> Any:
     from .engine import Engine, LoadConfig
 
-    engine = Engine(model, LoadConfig(n_threads=threads, n_ctx=n_ctx))
+    engine = Engine(model, LoadConfig(n_threads=threads, n_ctx=n_ctx, n_gpu_layers=gpu_layers))
     if not engine.info.is_moe:
         click.echo(f"note: {model.name} is a dense model (no routed experts); edgemoe's MoE "
                    "features are off and it runs as stock llama.cpp", err=True)
@@ -148,16 +150,16 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
 @click.argument("model", type=GGUFPath())
 @click.option("-p", "--prompt", required=True, help="prompt text ('-' reads it from stdin)")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@_sampling_options
+@_run_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with ids and timings")
 def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
              min_p: float, repeat_penalty: float, seed: int | None, threads: int, n_ctx: int,
-             as_json: bool) -> None:
+             gpu_layers: int, as_json: bool) -> None:
     """Complete a prompt (plain text streamed to stdout, or --json)."""
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    with _open_engine(model, threads, n_ctx) as engine:
+    with _open_engine(model, threads, n_ctx, gpu_layers) as engine:
         if as_json:
             g = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
             click.echo(json.dumps({"model": str(model), "text": g.text, "prompt_tokens": g.prompt_tokens,
@@ -180,10 +182,10 @@ def _stats_line(t: Any) -> str:
 @click.option("--system", default=None, help="system prompt")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="most tokens per reply")
-@_sampling_options
+@_run_options
 def chat(model: Path | None, system: str | None, max_tokens: int, temperature: float, top_k: int,
          top_p: float, min_p: float, repeat_penalty: float, seed: int | None, threads: int,
-         n_ctx: int) -> None:
+         n_ctx: int, gpu_layers: int) -> None:
     """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
 
     When stdin is not a terminal, each non-empty input line is one user message.
@@ -194,7 +196,7 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
         model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
     sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     interactive = sys.stdin.isatty()
-    with _open_engine(model, threads, n_ctx) as engine:
+    with _open_engine(model, threads, n_ctx, gpu_layers) as engine:
         session = ChatSession(engine, system=system)
         if interactive:
             click.echo(f"edgemoe chat · {model.name} · /reset clears history, /quit leaves", err=True)

@@ -5,6 +5,7 @@ held out: never train, calibrate or tune thresholds on it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,3 +38,9 @@ def split_corpus(path: str | Path) -> CorpusSplit:
     nl = data.find(b"\n", cut)
     cut = len(data) if nl < 0 else nl + 1
     return CorpusSplit(path=p, train_bytes=(0, cut), heldout_bytes=(cut, len(data)))
+
+
+def default_corpus_dir() -> Path:
+    """EDGEMOE_CORPUS_DIR, else ../shared/corpus beside the repository (the project's corpora)."""
+    env = os.environ.get("EDGEMOE_CORPUS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "corpus"

@@ -60,7 +60,7 @@ _FILE_TYPES = {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (openai/gpt-2 encoder.py)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping, extra = {}, 0
@@ -75,7 +75,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def synthetic_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges): 256 byte tokens, merged tokens, specials, padding."""
-    tokens = [_bytes_to_unicode()[b] for b in range(256)]
+    tokens = [bytes_to_unicode()[b] for b in range(256)]
     tokens += [m.replace(" ", "") for m in _MERGES]
     types = [TokenType.NORMAL] * len(tokens)
     tokens += SPECIAL_TOKENS
