@@ -28,8 +28,8 @@ class GGUFPath(click.ParamType):
         path = Path(value)
         try:
             check_gguf(path)
-        except EdgeMoeError as err:
-            self.fail(str(err), param, ctx)
+        except EdgeMoeError as err:  # one line, no usage text: the path was fine, the file is not
+            raise click.ClickException(str(err)) from err
         return path
 
 
@@ -125,8 +125,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @cli.command()
 @click.argument("model", type=GGUFPath())
 @click.option("--vram", type=Size(), default=None, help="show what a GPU budget like 8GiB can hold")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="context length assumed for the KV-cache estimate")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
+              help="context length for the KV-cache estimate (default: the model's, at most 4096)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
@@ -134,6 +134,7 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     from .report import format_info, format_plan, plan_to_dict
 
     info = read_model_info(model)
+    n_ctx = n_ctx or min(info.n_ctx_train or 4096, 4096)
     plan = vram_plan(info, vram, n_ctx=n_ctx) if vram is not None else None
     if as_json:
         d = info_to_dict(info)

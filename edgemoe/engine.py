@@ -14,6 +14,8 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from . import native
 from .errors import ContextOverflowError, EdgeMoeError, ModelLoadError
 from .gguf_info import ModelInfo, check_gguf, read_model_info
@@ -140,7 +142,7 @@ class Engine:
         self.n_ctx = lib.llama_n_ctx(self._ctx)
         self.n_batch = cparams.n_batch
         self._kv: list[int] = []  # tokens whose K/V are in the cache, in order
-        self._logits_ready = False
+        self.last: Generation | None = None  # the result of the last generate()/stream()
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
@@ -193,7 +195,6 @@ class Engine:
         """Forget the KV cache."""
         lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
         self._kv = []
-        self._logits_ready = False
 
     def _decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
         """Append tokens to the sequence, n_batch at a time; logits of the last (or every) token."""
@@ -215,10 +216,8 @@ class Engine:
                 lib.llama_batch_free(batch)
             if rc != 0:
                 lib.llama_memory_seq_rm(mem, 0, len(self._kv), -1)
-                self._logits_ready = False
                 raise EdgeMoeError(f"llama_decode failed with code {rc} at position {len(self._kv)}")
             self._kv.extend(chunk)
-        self._logits_ready = True
 
     def _prefill(self, tokens: list[int]) -> int:
         """Make the KV cache hold exactly `tokens`, reusing the common prefix; returns tokens evaluated."""
@@ -242,10 +241,8 @@ class Engine:
         ptr = lib.llama_get_logits_ith(self._ctx, idx)
         return ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float * self.n_vocab)).contents
 
-    def eval_logits(self, tokens: Sequence[int]) -> list[list[float]]:
+    def eval_logits(self, tokens: Sequence[int]) -> list[np.ndarray]:
         """Fresh sequence: logits for every position (for perplexity and tests)."""
-        import numpy as np
-
         self.reset()
         out = []
         for start in range(0, len(tokens), self.n_batch):
@@ -277,6 +274,7 @@ class Engine:
         for _ in self.stream(prompt, max_tokens=max_tokens, sampling=sampling, parse_special=parse_special,
                              ignore_eog=ignore_eog):
             pass
+        assert self.last is not None
         return self.last
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, sampling: SamplingParams,
@@ -294,9 +292,6 @@ class Engine:
         t_first = t_prefill
         try:
             for i in range(max_tokens):
-                if len(self._kv) >= self.n_ctx:
-                    stop = "context"
-                    break
                 tok = sampler.sample(self._ctx)
                 out.append(tok)
                 if i == 0:
@@ -306,6 +301,9 @@ class Engine:
                     break
                 yield tok, text.push(self.token_piece(tok))
                 if i + 1 < max_tokens:
+                    if len(self._kv) >= self.n_ctx:  # no room to decode it: the context is full
+                        stop = "context"
+                        break
                     self._decode([tok])
         finally:
             sampler.close()

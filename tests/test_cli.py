@@ -45,7 +45,8 @@ def test_inspect_json_matches_gguf(fixture_model: Path) -> None:
 def test_inspect_text(fixture_model: Path) -> None:
     res = run("inspect", str(fixture_model), "--vram", "8MiB")
     assert res.exit_code == 0
-    assert "MoE layers   8" in res.output and "vram 8.00 MiB" in res.output
+    assert "MoE layers   8" in res.output and "vram 8.0 MiB" in res.output
+    assert "experts per layer" in res.output  # ctx defaults to the model's 512: experts fit
 
 
 def test_generate_json_greedy_equals_stock(fixture_model: Path) -> None:
@@ -70,14 +71,14 @@ def test_generate_plain_text_streams() -> None:
 def test_chat_reads_a_pipe_and_keeps_history() -> None:
     res = run("chat", str(MODEL), "-n", "16", "--temp", "0", input="Hello there\n/reset\nWho are you?\n")
     assert res.exit_code == 0, res.output
-    assert res.output.count("tok/s") == 2  # two replies, each with a stats line
+    assert res.output.count("[prompt ") == 2  # two replies, each with a stats line
     assert "(history cleared)" in res.output
 
 
 def test_chat_default_model_is_bundled() -> None:
     res = run("chat", "-n", "4", "--temp", "0", input="hi\n")
     assert res.exit_code == 0, res.output
-    assert "tok/s" in res.output
+    assert "[prompt " in res.output
 
 
 def test_dense_model_note(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
@@ -95,7 +96,9 @@ def _assert_clean_error(res, needle: str) -> None:  # type: ignore[no-untyped-de
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    _assert_clean_error(run("inspect", str(tmp_path / "nope.gguf")), "does not exist")
+    res = run("inspect", str(tmp_path / "nope.gguf"))
+    _assert_clean_error(res, "not found")
+    assert res.output.count("\n") == 1  # one line
 
 
 def test_not_a_gguf(tmp_path: Path) -> None:
@@ -124,7 +127,8 @@ def test_unknown_architecture(tmp_path: Path, make_tiny_gguf) -> None:  # type: 
 
 
 def test_prompt_longer_than_context() -> None:
-    _assert_clean_error(run("generate", str(MODEL), "-p", "word " * 400, "--ctx", "64"), "context holds 64")
+    # llama.cpp rounds the context up to a multiple of 256
+    _assert_clean_error(run("generate", str(MODEL), "-p", "word " * 400, "--ctx", "256"), "context holds 256")
 
 
 @pytest.mark.parametrize("bad", ["6 gigs", "-1GiB", "GiB", ""])

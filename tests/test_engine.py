@@ -14,7 +14,8 @@ from edgemoe.sampling import GREEDY, SamplingParams
 pytest_plugins = ["conftest_synth"]
 
 PROMPT = "ROMEO:\nWhat light through yonder window"
-ARCH_PRESETS = ["tiny-qwen3moe", "tiny-mixtral", "tiny-qwen2moe", "tiny-deepseek2", "tiny-llama-dense"]
+ARCH_PRESETS = ["tiny-qwen3moe", "tiny-mixtral", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe", "tiny-gpt-oss",
+                "tiny-llama-dense"]
 
 
 def _engine_greedy(path: Path, prompt: str, n: int) -> tuple[list[int], list[int]]:
@@ -105,16 +106,17 @@ def test_chat_template_and_session(fixture_model: Path) -> None:
 
 
 def test_prompt_longer_than_context(fixture_model: Path) -> None:
-    with Engine(fixture_model, LoadConfig(n_ctx=64)) as eng:
-        with pytest.raises(ContextOverflowError, match="context holds 64"):
-            eng.generate("word " * 200, max_tokens=4)
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        assert eng.n_ctx == 256
+        with pytest.raises(ContextOverflowError, match="context holds 256"):
+            eng.generate("word " * 400, max_tokens=4)
         # the engine is still usable afterwards
         assert eng.generate("hello", max_tokens=2, sampling=GREEDY).tokens
 
 
 def test_generation_stops_at_context_end(fixture_model: Path) -> None:
-    with Engine(fixture_model, LoadConfig(n_ctx=64)) as eng:
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
         ids = eng.tokenize(PROMPT)
-        g = eng.generate(PROMPT, max_tokens=500, sampling=GREEDY)
-        assert g.stop_reason in ("context", "eog")
-        assert len(ids) + len(g.tokens) <= 64 + 1
+        g = eng.generate(PROMPT, max_tokens=500, sampling=GREEDY, ignore_eog=True)
+        assert g.stop_reason == "context"
+        assert len(ids) + len(g.tokens) == eng.n_ctx + 1  # the last sampled token is not decoded
