@@ -30,7 +30,8 @@ pytest_plugins = ["conftest_synth"]
 
 MakeGguf = Callable[..., Path]  # the make_tiny_gguf fixture
 
-VENDORED_ARCH_CPP = (Path(__file__).resolve().parents[1] / ".build/patchwork/llama_cpp_python-0.3.36"
+# unpacked by tools/build_llama.py (make install) on every machine that built the library
+VENDORED_ARCH_CPP = (Path(__file__).resolve().parents[1] / ".build/src/llama_cpp_python-0.3.36"
                      / "vendor/llama.cpp/src/llama-arch.cpp")
 
 
