@@ -225,3 +225,60 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
 
 def main() -> None:
     cli(prog_name="edgemoe")
+
+
+@cli.command()
+@click.argument("model", type=GGUFPath())
+@click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="text file to run through the model")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="trace file to write (.npz); written only when complete")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="trace at most this many tokens of the input")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=512, show_default=True,
+              help="tokens per sequence: the input is cut into chunks of this size")
+@click.option("--mode", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True,
+              help="prefill: each chunk in one prefill; decode: a short prefill, then one token per decode")
+@click.option("--prefill-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="with --mode decode: tokens prefilled before decoding starts")
+@click.option("--gate-inputs", is_flag=True, help="also record the router inputs (hidden states, float16)")
+@click.option("--probs", is_flag=True, help="also record the full router probabilities")
+@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+def trace(model: Path, input_path: Path, out_path: Path, max_tokens: int, n_ctx: int, mode: str,
+          prefill_tokens: int, gate_inputs: bool, probs: bool, threads: int) -> None:
+    """Record which experts every MoE layer picks for every token of a text."""
+    from .engine import Engine, LoadConfig
+    from .progress import progress_bar
+    from .trace import record_trace
+
+    text = input_path.read_text(encoding="utf-8", errors="replace")
+    with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
+        if not eng.info.is_moe:
+            raise click.ClickException(f"{model.name} is a dense model: there are no experts to trace")
+        tokens = eng.tokenize(text)[:max_tokens]
+        with progress_bar(len(tokens), "trace", unit="tok") as bar:
+            tr = record_trace(eng, tokens, ctx=eng.n_ctx, mode=mode, prefill_tokens=prefill_tokens,
+                              probs=probs, gate_inputs=gate_inputs, progress=bar)
+    tr.meta["input"] = str(input_path)
+    tr.save(out_path)
+    click.echo(f"wrote {out_path}: {tr.n_tokens} tokens x {len(tr.layers)} MoE layers x top-{tr.ids.shape[2]} "
+               f"({mode})", err=True)
+
+
+@cli.command()
+@click.argument("model", type=GGUFPath())
+@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def verify(model: Path, threads: int, as_json: bool) -> None:
+    """Check that edgemoe's MoE hook reproduces stock llama.cpp on MODEL (exit 1 if a check fails)."""
+    from .verify import run_checks
+
+    results = run_checks(model, threads=threads)
+    ok = all(r.ok for r in results)
+    if as_json:
+        click.echo(json.dumps({"model": str(model), "ok": ok, "checks": [r.to_dict() for r in results]}))
+    else:
+        for r in results:
+            click.echo(f"{'PASS' if r.ok else 'FAIL'}  {r.name:<10} {r.detail}")
+    if not ok:
+        raise SystemExit(1)

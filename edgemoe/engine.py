@@ -19,6 +19,7 @@ import numpy as np
 from . import native
 from .errors import ContextOverflowError, EdgeMoeError, ModelLoadError
 from .gguf_info import ModelInfo, check_gguf, read_model_info
+from .hooks import HookChain, RoutePolicy
 from .native import lib
 from .sampling import SamplingParams, Sampler
 
@@ -39,6 +40,7 @@ class LoadConfig:
     n_gpu_layers: int = 0  # layers offloaded by stock llama.cpp (experts handled by later patches)
     use_mmap: bool = True
     flash_attn: bool = False  # off, as llama-cpp-python's default (llama.cpp's own default is "auto")
+    expert_used_count: int | None = None  # override the model's top-k (stock llama.cpp's --override-kv)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ class Engine:
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = self.config.n_gpu_layers
         mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP if self.config.use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        self._kv_overrides = self._make_kv_overrides()
+        if self._kv_overrides is not None:
+            mparams.kv_overrides = self._kv_overrides
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_log()[-400:].strip()}"
@@ -143,6 +148,17 @@ class Engine:
         self.n_batch = cparams.n_batch
         self._kv: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last: Generation | None = None  # the result of the last generate()/stream()
+        self._hooks: HookChain | None = None
+
+    def _make_kv_overrides(self) -> ctypes.Array[lib.llama_model_kv_override] | None:
+        if self.config.expert_used_count is None:
+            return None
+        arr = (lib.llama_model_kv_override * 2)()  # the last entry (empty key) ends the list
+        arr[0].key = f"{self.info.architecture}.expert_used_count".encode()
+        arr[0].tag = lib.LLAMA_KV_OVERRIDE_TYPE_INT
+        arr[0].value.val_i64 = self.config.expert_used_count
+        arr[1].key = b""
+        return arr
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
@@ -190,6 +206,17 @@ class Engine:
     def is_eog(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_eog(self._vocab, token))
 
+    # -- MoE routing hook -----------------------------------------------------------------
+    def set_policies(self, policies: Sequence[RoutePolicy] | None) -> HookChain | None:
+        """Route every MoE layer of every ubatch through these policies (None or [] removes the hook)."""
+        if policies:
+            self._hooks = HookChain(list(policies))
+            native.moe_set_hook(self._ctx, self._hooks.c_callback, self._hooks.flags)
+        else:
+            native.moe_set_hook(self._ctx, None, 0)
+            self._hooks = None
+        return self._hooks
+
     # -- evaluation ---------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the KV cache."""
@@ -216,8 +243,22 @@ class Engine:
                 lib.llama_batch_free(batch)
             if rc != 0:
                 lib.llama_memory_seq_rm(mem, 0, len(self._kv), -1)
+                err = self._hooks.take_error() if self._hooks else None
+                if err is not None:
+                    raise err  # a policy raised inside the hook: llama.cpp aborted the decode
                 raise EdgeMoeError(f"llama_decode failed with code {rc} at position {len(self._kv)}")
             self._kv.extend(chunk)
+
+    def feed(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
+        """Append tokens to the current sequence without sampling (prefill, teacher forcing).
+
+        all_logits asks for every token's logits; it also makes the last layer route every
+        token (llama.cpp computes the last layer only for tokens whose outputs are kept).
+        """
+        if len(self._kv) + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(
+                f"{len(self._kv)} + {len(tokens)} tokens do not fit the context of {self.n_ctx}; raise --ctx")
+        self._decode(list(tokens), all_logits=all_logits)
 
     def _prefill(self, tokens: list[int]) -> int:
         """Make the KV cache hold exactly `tokens`, reusing the common prefix; returns tokens evaluated."""

@@ -14,8 +14,8 @@ from typing import Any
 
 from .errors import NativeLibraryError
 
-# The patch level this edgemoe needs (patches/series: 0001 sets 1).
-REQUIRED_PATCH_LEVEL = 1
+# The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2).
+REQUIRED_PATCH_LEVEL = 2
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,41 @@ def _declare(name: str, argtypes: list[Any], restype: Any) -> Any:
 
 # int32_t llama_edgemoe_patch_level(void);
 _patch_level = _declare("llama_edgemoe_patch_level", [], ctypes.c_int32)
+
+
+# enum llama_moe_hook_flags
+MOE_HOOK_PROBS = 1 << 0
+MOE_HOOK_GATE_INP = 1 << 1
+
+
+class MoeRoute(ctypes.Structure):
+    """struct llama_moe_route: one MoE layer of one ubatch, after top-k, before the experts run."""
+
+    _fields_ = [
+        ("il", ctypes.c_int32),
+        ("n_tokens", ctypes.c_int32),
+        ("n_expert", ctypes.c_int32),
+        ("n_expert_used", ctypes.c_int32),
+        ("n_embd", ctypes.c_int32),
+        ("probs", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_expert] or NULL
+        ("gate_inp", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_embd] or NULL
+        ("ids", ctypes.POINTER(ctypes.c_int32)),  # [n_tokens][n_expert_used], editable, -1 drops
+        ("weights", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_expert_used], editable
+    ]
+
+
+# typedef bool (*llama_moe_hook_fn)(struct llama_moe_route * route, void * user_data);
+MoeHookFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.POINTER(MoeRoute), ctypes.c_void_p)
+
+# void llama_moe_set_hook(struct llama_context * ctx, llama_moe_hook_fn fn, void * user_data, uint32_t flags);
+_moe_set_hook = _declare("llama_moe_set_hook", [ctypes.c_void_p, MoeHookFn, ctypes.c_void_p, ctypes.c_uint32], None)
+
+
+def moe_set_hook(ctx: Any, fn: Any | None, flags: int) -> None:
+    """Set (fn: a MoeHookFn the caller keeps alive) or clear (fn None) the context's MoE hook."""
+    if _moe_set_hook is None:
+        require_patched()
+    _moe_set_hook(ctx, fn if fn is not None else MoeHookFn(), None, flags)
 
 
 def patch_level() -> int:
