@@ -282,3 +282,39 @@ def verify(model: Path, threads: int, as_json: bool) -> None:
             click.echo(f"{'PASS' if r.ok else 'FAIL'}  {r.name:<10} {r.detail}")
     if not ok:
         raise SystemExit(1)
+
+
+@cli.command("trace-stats")
+@click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", type=GGUFPath(), default=None,
+              help="the GGUF the trace came from (default: the path in the trace), for gate-reuse accuracy")
+@click.option("--window", type=click.IntRange(min=2), default=32, show_default=True,
+              help="tokens per window for the high-workload adjacency")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="write PNG figures into this directory")
+def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool, plots_dir: Path | None) -> None:
+    """Routing statistics of a trace: frequency, locality, similarity, gate reuse, LRU hit rates."""
+    from .report import format_stats
+    from .trace import Trace
+    from .trace_stats import compute_stats, load_routers
+
+    tr = Trace.load(trace_path)
+    routers = None
+    if tr.gate_inputs is not None:
+        src = model or Path(str(tr.meta.get("model", "")))
+        if src.is_file():
+            routers = load_routers(str(src), [int(x) for x in tr.layers])
+    st = compute_stats(tr, routers=routers, window=window)
+    d = st.to_dict()
+    d["trace"] = {"path": str(trace_path), "tokens": tr.n_tokens, "mode": tr.meta.get("mode"),
+                  "model": tr.meta.get("model"), "input": tr.meta.get("input")}
+    if plots_dir is not None:
+        from .trace_plots import write_plots
+
+        d["plots"] = [str(p) for p in write_plots(st, plots_dir, Path(str(tr.meta.get("model", "trace"))).stem)]
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    click.echo(format_stats(d))
+

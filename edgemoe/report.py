@@ -58,3 +58,29 @@ def plan_to_dict(plan: VramPlan) -> dict[str, Any]:
     d.update(dense_fits=plan.dense_fits, expert_fraction=plan.expert_fraction,
              all_experts_fit=plan.all_experts_fit)
     return d
+
+
+def format_stats(d: dict[str, Any]) -> str:
+    """Text table of TraceStats.to_dict() (plus its "trace" and "plots" entries)."""
+    def row(name: str, vals: list[float] | None, offset: int = 0) -> str:
+        if vals is None:
+            return f"{name:<28} n/a"
+        cells = [" " * 6] * offset + [f"{v:6.3f}" for v in vals]
+        return f"{name:<28} " + " ".join(cells)
+
+    t = d["trace"]
+    lines = [f"trace {t['path']}: {t['tokens']} tokens ({t['mode']}), {len(d['layers'])} MoE layers, "
+             f"{d['n_expert']} experts, top-{d['k']}",
+             f"{'MoE layer':<28} " + " ".join(f"{il:>6}" for il in d["layers"]),
+             row("normalised entropy", d["entropy"]), row("skew (hottest x E)", d["skew"]),
+             row("temporal locality", d["temporal_locality"]),
+             row(f"high-workload adj. (w={d['adjacency_window']})", d["high_workload_adjacency"]),
+             row("gate-input cos (l-1, l)", d["gate_input_cosine"], 1),
+             row("gate-reuse recall (l from l-1)", d["gate_reuse_recall"], 1),
+             row("prefill/decode similarity", d["prefill_decode_similarity"])]
+    lines.append("LRU hit rate (mean over layers): " + ", ".join(
+        f"{s}: {h:.3f}" for s, h in zip(d["lru_sizes"], d["lru_hit_rate_mean"])))
+    lines.append("means: " + ", ".join(f"{k} {v}" for k, v in d["mean"].items() if v is not None))
+    if d.get("plots"):
+        lines.append("plots: " + ", ".join(d["plots"]))
+    return "\n".join(lines)
