@@ -66,4 +66,11 @@ def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
            title=f"{title}: tokens per expert per window, layer {st.layers[j]}")
     fig.colorbar(im, ax=ax, label="tokens")
     save(fig, "workload.png")
+    # DALI-style adjacency: busiest experts of one window (rows) vs the next window (columns)
+    fig, ax = plt.subplots(figsize=(4.8, 4.2))
+    im = ax.imshow(st.adjacency_matrix[j], cmap="Blues", interpolation="nearest")
+    ax.set(xlabel="top-k busiest expert, next window", ylabel="top-k busiest expert, window",
+           title=f"high-workload adjacency, layer {st.layers[j]}")
+    fig.colorbar(im, ax=ax, label="window pairs")
+    save(fig, "adjacency.png")
     return paths

@@ -32,6 +32,7 @@ class TraceStats:
     adjacency_window: int
     high_workload_adjacency: np.ndarray  # (L,)
     workload_windows: np.ndarray  # (L, n_windows, E) tokens per expert per window (heatmap)
+    adjacency_matrix: np.ndarray  # (L, E, E) [a, b]: a busiest in window w and b in window w+1 (DALI Fig.)
     gate_input_cosine: np.ndarray | None  # (L-1,) between MoE layer j and j+1
     prefill_decode_similarity: np.ndarray | None  # (L,)
     gate_reuse_recall: np.ndarray | None  # (L-1,) predicting layer j+1 from layer j's input
@@ -116,6 +117,17 @@ def high_workload_adjacency(work: np.ndarray, top: int) -> np.ndarray:
     return res
 
 
+def adjacency_matrix(work: np.ndarray, top: int) -> np.ndarray:
+    """(L, E, E): how often expert a is among the `top` busiest of a window and b of the next one."""
+    L, n, E = work.shape
+    out = np.zeros((L, E, E), np.int64)
+    order = np.argsort(-work, axis=2, kind="stable")[:, :, :top]
+    for j in range(L):
+        for w in range(n - 1):
+            out[j][np.ix_(order[j, w], order[j, w + 1])] += 1
+    return out
+
+
 def gate_input_cosine(gate_inputs: np.ndarray) -> np.ndarray:
     """(L-1,) mean cosine similarity of each token's router input at MoE layer j and j+1."""
     g = gate_inputs.astype(np.float32)
@@ -194,7 +206,7 @@ def compute_stats(tr: Trace, *, routers: dict[int, np.ndarray] | None = None, wi
         layers=[int(x) for x in tr.layers], n_expert=E, k=k, frequency=share, entropy=ent,
         skew=share.max(1) * E, temporal_locality=temporal_locality(tr.ids, tr.seq, E),
         adjacency_window=window, high_workload_adjacency=high_workload_adjacency(work, k),
-        workload_windows=work,
+        workload_windows=work, adjacency_matrix=adjacency_matrix(work, k),
         gate_input_cosine=gate_input_cosine(tr.gate_inputs) if have_inputs else None,
         prefill_decode_similarity=prefill_decode_similarity(tr.ids, tr.phase, E),
         gate_reuse_recall=(gate_reuse_recall(tr.ids, tr.gate_inputs, routers, list(tr.layers))

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from edgemoe.cli import cli
 from edgemoe.trace import DECODE, PREFILL, Trace
-from edgemoe.trace_stats import (compute_stats, gate_input_cosine, gate_reuse_recall, high_workload_adjacency,
+from edgemoe.trace_stats import (adjacency_matrix, compute_stats, gate_input_cosine, gate_reuse_recall, high_workload_adjacency,
                                  lru_hit_rates, prefill_decode_similarity, temporal_locality, topk_recall,
                                  workload_windows)
 
@@ -50,6 +50,8 @@ def test_high_workload_adjacency_known() -> None:
     work[0, 1] = [5, 0, 4, 0]  # top-2 {0, 2}: 1 of 2 kept
     work[0, 2] = [5, 0, 4, 0]  # top-2 {0, 2}: 2 of 2 kept
     np.testing.assert_allclose(high_workload_adjacency(work, 2), [0.75])
+    m = adjacency_matrix(work, 2)[0]
+    assert m[0, 0] == 2 and m[1, 2] == 1 and m[2, 2] == 1 and m.sum() == 8  # 2 window pairs x 2 x 2
     ids = np.array([[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]])
     assert workload_windows(ids, 4, 2).tolist() == [[[2, 2, 0, 0], [0, 0, 2, 2]]]
 
