@@ -257,7 +257,7 @@ def trace(model: Path, input_path: Path, out_path: Path, max_tokens: int, n_ctx:
             raise click.ClickException(f"{model.name} is a dense model: there are no experts to trace")
         tokens = eng.tokenize(text)[:max_tokens]
         with progress_bar(len(tokens), "trace", unit="tok") as bar:
-            tr = record_trace(eng, tokens, ctx=eng.n_ctx, mode=mode, prefill_tokens=prefill_tokens,
+            tr = record_trace(eng, tokens, ctx=n_ctx, mode=mode, prefill_tokens=prefill_tokens,
                               probs=probs, gate_inputs=gate_inputs, progress=bar)
     tr.meta["input"] = str(input_path)
     tr.save(out_path)

@@ -88,6 +88,7 @@ def test_trace_cli(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     tr = Trace.load(out)
     assert tr.n_tokens == 100 and tr.gate_inputs is not None and tr.meta["mode"] == "decode"
+    assert list(np.bincount(tr.seq)) == [64, 36]  # chunks of --ctx tokens (llama.cpp rounds n_ctx up)
 
 
 @pytest.mark.parametrize("model", FIXTURE_MODELS, ids=lambda p: p.name.split(".")[0])
