@@ -318,3 +318,41 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
         return
     click.echo(format_stats(d))
 
+
+
+@cli.command()
+@click.argument("model", type=GGUFPath())
+@click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="text to score (use held-out text)")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=512, show_default=True,
+              help="tokens per chunk; each chunk is a fresh sequence")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="score at most this many tokens")
+@click.option("--gating", type=click.Choice(["off", "score", "ser"]), default="off", show_default=True,
+              help="adaptive top-k rule applied to every token (see docs/gating.md)")
+@click.option("--threshold", type=float, default=None,
+              help="the rule's threshold (score: top-1 weight; ser: p_i > T * p_0)")
+@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, gating: str,
+               threshold: float | None, threads: int, as_json: bool) -> None:
+    """Held-out NLL and perplexity through edgemoe, and the expert activations computed."""
+    from .engine import Engine, LoadConfig
+    from .gating import GatingPolicy, GatingRule
+    from .perplexity import perplexity as run_ppl
+    from .progress import progress_bar
+
+    rule = GatingRule(gating)
+    if rule is not GatingRule.OFF and threshold is None:
+        raise click.ClickException(f"--gating {gating} needs --threshold T")
+    text = input_path.read_text(encoding="utf-8", errors="replace")
+    with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
+        tokens = eng.tokenize(text, add_special=False)[:max_tokens]
+        policies = [] if rule is GatingRule.OFF else [GatingPolicy(rule, float(threshold), decode_only=False)]
+        with progress_bar(len(tokens), "perplexity", unit="tok") as bar:
+            res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar)
+    d = {"model": str(model), "input": str(input_path), "gating": gating, "threshold": threshold, **res.to_dict()}
+    if as_json:
+        click.echo(json.dumps(d))
+    else:
+        click.echo(f"nll {res.nll:.4f}  ppl {res.ppl:.3f}  tokens {res.tokens}  expert activations "
+                   f"{res.expert_activations} of {res.full_activations} (reduction {res.activation_reduction:.1%})")

@@ -203,6 +203,13 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_piece(t) for t in tokens).decode("utf-8", errors="replace")
 
+    def adds_bos(self) -> bool:
+        """Does tokenize(add_special=True) prepend BOS (the model's metadata says)?"""
+        return bool(lib.llama_vocab_get_add_bos(self._vocab))
+
+    def bos_token(self) -> int:
+        return int(lib.llama_vocab_bos(self._vocab))
+
     def is_eog(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_eog(self._vocab, token))
 
