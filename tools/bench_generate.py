@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Decode speed of edgemoe's Engine vs stock llama-cpp-python, same GGUF, same threads, one run.
 
-  .venv/bin/python tools/bench_generate.py models/*.gguf [--gen 64] [--reps 3] [--threads 2] [--json]
+  .venv/bin/python tools/bench_generate.py models/*.gguf [--gen 64] [--reps 3] [--threads 2] [--hooks] [--json]
 
 Both sides generate greedily past end-of-generation tokens from the same
 prompt; decode tokens/s counts the steps after the first token (the first
 comes out of prefill). Runs alternate (stock, edgemoe, stock, ...) and the
-median of --reps is reported with the ratio edgemoe/stock.
+median of --reps is reported with the ratio edgemoe/stock. --hooks adds two
+edgemoe variants: a no-op Python MoE hook, and the trace recorder (ids,
+weights and router inputs copied every layer).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import llama_cpp  # noqa: E402
 
 from edgemoe.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.sampling import GREEDY  # noqa: E402
+from edgemoe.trace import TraceRecorder  # noqa: E402
+from edgemoe.verify import FnPolicy  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
@@ -43,8 +47,12 @@ def stock_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int) -> tuple[
     return len(ids) / (t1 - t0), (n_gen - 1) / (t2 - t1)
 
 
-def edgemoe_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int) -> tuple[float, float]:
+def edgemoe_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int, hook: str = "none") -> tuple[float, float]:
     with Engine(path, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
+        if hook == "noop":
+            eng.set_policies([FnPolicy(lambda r: None)])
+        elif hook == "trace":
+            eng.set_policies([TraceRecorder(gate_inputs=True)])
         g = eng.generate(PROMPT, max_tokens=n_gen, sampling=GREEDY, ignore_eog=True)
     return g.timings.prompt_tps, g.timings.decode_tps
 
@@ -56,28 +64,37 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--hooks", action="store_true", help="also time a no-op hook and the trace recorder")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    variants = ["none", "noop", "trace"] if args.hooks else ["none"]
     rows = []
     for path in args.models:
-        stock, ours = [], []
+        stock: list[tuple[float, float]] = []
+        ours: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
         for _ in range(args.reps):
             stock.append(stock_decode_tps(path, args.gen, args.threads, args.ctx))
-            ours.append(edgemoe_decode_tps(path, args.gen, args.threads, args.ctx))
+            for v in variants:
+                ours[v].append(edgemoe_decode_tps(path, args.gen, args.threads, args.ctx, v))
         s = statistics.median(d for _, d in stock)
-        o = statistics.median(d for _, d in ours)
-        rows.append({"model": path.name, "threads": args.threads, "gen_tokens": args.gen,
-                     "stock_decode_tps": round(s, 2), "edgemoe_decode_tps": round(o, 2),
-                     "ratio": round(o / s, 3),
-                     "stock_prompt_tps": round(statistics.median(p for p, _ in stock), 1),
-                     "edgemoe_prompt_tps": round(statistics.median(p for p, _ in ours), 1)})
+        row = {"model": path.name, "threads": args.threads, "gen_tokens": args.gen,
+               "stock_decode_tps": round(s, 2),
+               "stock_prompt_tps": round(statistics.median(p for p, _ in stock), 1)}
+        for v in variants:
+            key = "edgemoe" if v == "none" else f"edgemoe_{v}_hook"
+            o = statistics.median(d for _, d in ours[v])
+            row[f"{key}_decode_tps"] = round(o, 2)
+            row[f"{key}_ratio"] = round(o / s, 3)
+            row[f"{key}_prompt_tps"] = round(statistics.median(p for p, _ in ours[v]), 1)
+        rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'model':<44} {'stock tok/s':>12} {'edgemoe tok/s':>14} {'ratio':>7}")
+        keys = ["edgemoe"] + ([f"edgemoe_{v}_hook" for v in variants[1:]])
+        print(f"{'model':<40} {'stock tok/s':>12} " + " ".join(f"{k + ' (ratio)':>26}" for k in keys))
         for r in rows:
-            print(f"{r['model']:<44} {r['stock_decode_tps']:>12.2f} {r['edgemoe_decode_tps']:>14.2f} "
-                  f"{r['ratio']:>7.3f}")
+            print(f"{r['model']:<40} {r['stock_decode_tps']:>12.2f} " + " ".join(
+                f"{r[k + '_decode_tps']:>17.2f} ({r[k + '_ratio']:.3f})" for k in keys))
     return 0
 
 
