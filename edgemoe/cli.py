@@ -90,6 +90,44 @@ def _run_options(f: Any) -> Any:
     return f
 
 
+def _gating_options(f: Any) -> Any:
+    opts = [
+        click.option("--gating", type=click.Choice(["off", "fisher", "empirical", "score", "ser"]), default="off",
+                     show_default=True, help="adaptive top-k: drop experts a token does not need (docs/gating.md)"),
+        click.option("--threshold", type=float, default=None, help="the gating rule's threshold"),
+        click.option("--target-reduction", type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+                     default=None, help="find the threshold that drops this share of expert activations "
+                                        "(on the calibration's validation text), e.g. 0.25"),
+        click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="calibration directory (default: the model's, see docs/predictors.md)"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _gating(model: Path, gating: str, threshold: float | None, target_reduction: float | None,
+            calibration: Path | None, *, decode_only: bool) -> Any:
+    from .adaptive import GatingOptions
+
+    if calibration is None:
+        from .adaptive import default_calibration_dir
+
+        calibration = default_calibration_dir(model)
+    return GatingOptions(mode=gating, threshold=threshold, target_reduction=target_reduction,
+                         calibration=calibration, decode_only=decode_only)
+
+
+def _install_gating(engine: Any, opts: Any) -> None:
+    from .adaptive import build_gating
+
+    policy = build_gating(engine, opts)
+    if policy is not None:
+        engine.set_policies([policy])
+        click.echo(f"gating: {opts.mode}, threshold {policy.threshold:.4g}"
+                   + (" (prefill at full top-k)" if opts.decode_only else ""), err=True)
+
+
 def _make_sampling(temperature: float, top_k: int, top_p: float, min_p: float,
                    repeat_penalty: float, seed: int | None) -> Any:
     from .sampling import DEFAULT_SEED, SamplingParams
@@ -152,15 +190,19 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
 @click.option("-p", "--prompt", required=True, help="prompt text ('-' reads it from stdin)")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @_run_options
+@_gating_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with ids and timings")
 def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
              min_p: float, repeat_penalty: float, seed: int | None, threads: int, n_ctx: int,
-             gpu_layers: int, as_json: bool) -> None:
+             gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
+             calibration: Path | None, as_json: bool) -> None:
     """Complete a prompt (plain text streamed to stdout, or --json)."""
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    gate = _gating(model, gating, threshold, target_reduction, calibration, decode_only=True)
     with _open_engine(model, threads, n_ctx, gpu_layers) as engine:
+        _install_gating(engine, gate)
         if as_json:
             g = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
             click.echo(json.dumps({"model": str(model), "text": g.text, "prompt_tokens": g.prompt_tokens,
@@ -184,9 +226,11 @@ def _stats_line(t: Any) -> str:
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="most tokens per reply")
 @_run_options
+@_gating_options
 def chat(model: Path | None, system: str | None, max_tokens: int, temperature: float, top_k: int,
          top_p: float, min_p: float, repeat_penalty: float, seed: int | None, threads: int,
-         n_ctx: int, gpu_layers: int) -> None:
+         n_ctx: int, gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
+         calibration: Path | None) -> None:
     """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
 
     When stdin is not a terminal, each non-empty input line is one user message.
@@ -196,8 +240,10 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
     if model is None:
         model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
     sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    gate = _gating(model, gating, threshold, target_reduction, calibration, decode_only=True)
     interactive = sys.stdin.isatty()
     with _open_engine(model, threads, n_ctx, gpu_layers) as engine:
+        _install_gating(engine, gate)
         session = ChatSession(engine, system=system)
         if interactive:
             click.echo(f"edgemoe chat · {model.name} · /reset clears history, /quit leaves", err=True)
@@ -327,30 +373,31 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=512, show_default=True,
               help="tokens per chunk; each chunk is a fresh sequence")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="score at most this many tokens")
-@click.option("--gating", type=click.Choice(["off", "score", "ser"]), default="off", show_default=True,
-              help="adaptive top-k rule applied to every token (see docs/gating.md)")
-@click.option("--threshold", type=float, default=None,
-              help="the rule's threshold (score: top-1 weight; ser: p_i > T * p_0)")
+@_gating_options
 @click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, gating: str,
-               threshold: float | None, threads: int, as_json: bool) -> None:
-    """Held-out NLL and perplexity through edgemoe, and the expert activations computed."""
+               threshold: float | None, target_reduction: float | None, calibration: Path | None, threads: int,
+               as_json: bool) -> None:
+    """Held-out NLL and perplexity through edgemoe, and the expert activations computed.
+
+    Gating applies to every token here (the text stands in for decode).
+    """
+    from .adaptive import build_gating
     from .engine import Engine, LoadConfig
-    from .gating import GatingPolicy, GatingRule
     from .perplexity import perplexity as run_ppl
     from .progress import progress_bar
 
-    rule = GatingRule(gating)
-    if rule is not GatingRule.OFF and threshold is None:
-        raise click.ClickException(f"--gating {gating} needs --threshold T")
+    gate = _gating(model, gating, threshold, target_reduction, calibration, decode_only=False)
     text = input_path.read_text(encoding="utf-8", errors="replace")
     with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
-        policies = [] if rule is GatingRule.OFF else [GatingPolicy(rule, float(threshold), decode_only=False)]
+        policy = build_gating(eng, gate)
+        policies = [policy] if policy is not None else []
         with progress_bar(len(tokens), "perplexity", unit="tok") as bar:
             res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar)
-    d = {"model": str(model), "input": str(input_path), "gating": gating, "threshold": threshold, **res.to_dict()}
+    d = {"model": str(model), "input": str(input_path), "gating": gating,
+         "threshold": policy.threshold if policy is not None else None, **res.to_dict()}
     if as_json:
         click.echo(json.dumps(d))
     else:

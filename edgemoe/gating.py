@@ -16,12 +16,13 @@ do for their top-k). Rules:
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
 
+from .errors import EdgeMoeError
 from .hooks import RouteRecord
 
 
@@ -79,3 +80,44 @@ class GatingPolicy:
             return
         s = 1.0 if self.sensitivity is None else float(self.sensitivity.get(route.layer, 1.0))
         apply_keep(route, keep_mask(self.rule, route.weights, self.threshold, s))
+
+
+# lower score thresholds drop more; higher ser / sensitivity thresholds drop more
+_MORE_DROPS_WITH_HIGHER_T = {GatingRule.SCORE: False, GatingRule.SER: True, GatingRule.SENSITIVITY: True}
+
+
+def bisect_threshold(reduction_at: Callable[[float], float], target: float, lo: float, hi: float, *,
+                     increasing: bool, iters: int = 24, tol: float = 0.0025) -> tuple[float, float]:
+    """(threshold, reduction) with reduction_at(threshold) closest to target, for a monotone reduction_at.
+
+    increasing: reduction grows with the threshold. Stops early within tol of the target.
+    """
+    best = (lo, reduction_at(lo))
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        r = reduction_at(mid)
+        if abs(r - target) < abs(best[1] - target):
+            best = (mid, r)
+        if abs(r - target) <= tol:
+            break
+        if (r < target) == increasing:
+            lo = mid
+        else:
+            hi = mid
+    return best
+
+
+def threshold_range(rule: GatingRule, sensitivity: Mapping[int, float] | None) -> tuple[float, float]:
+    if rule is GatingRule.SENSITIVITY:
+        # removed mass <= 1: T >= max S_l drops everything but the top-1 expert everywhere
+        return 0.0, max(sensitivity.values()) if sensitivity else 1.0
+    return 0.0, 1.0
+
+
+def search_threshold(rule: GatingRule, target_reduction: float, reduction_at: Callable[[float], float],
+                     sensitivity: Mapping[int, float] | None = None) -> tuple[float, float]:
+    """Find the rule's threshold giving `target_reduction` of expert activations (on validation text)."""
+    if not 0.0 < target_reduction < 1.0:
+        raise EdgeMoeError(f"--target-reduction {target_reduction} must be between 0 and 1 (e.g. 0.25)")
+    lo, hi = threshold_range(rule, sensitivity)
+    return bisect_threshold(reduction_at, target_reduction, lo, hi, increasing=_MORE_DROPS_WITH_HIGHER_T[rule])

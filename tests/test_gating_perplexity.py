@@ -112,4 +112,29 @@ def test_perplexity_cli(tmp_path: Path) -> None:
     d = json.loads(r.output)
     assert d["ppl"] > 1 and 0 < d["activation_reduction"] < 1 and d["tokens"] > 0
     r = CliRunner().invoke(cli, ["perplexity", str(FIXTURE_MODELS[0]), "--input", str(inp), "--gating", "score"])
-    assert r.exit_code != 0 and "needs --threshold" in r.output
+    assert r.exit_code != 0 and "needs exactly one of --threshold" in r.output
+
+
+def test_bisect_threshold_on_toy_curves() -> None:
+    from edgemoe.gating import bisect_threshold, search_threshold
+
+    calls = []
+
+    def rising(t: float) -> float:  # reduction = t^2
+        calls.append(t)
+        return t * t
+
+    t, r = bisect_threshold(rising, 0.25, 0.0, 1.0, increasing=True)
+    assert abs(t - 0.5) < 0.01 and abs(r - 0.25) <= 0.0025 and len(calls) < 26
+    t, r = bisect_threshold(lambda t: 1 - t, 0.3, 0.0, 1.0, increasing=False)
+    assert abs(t - 0.7) < 0.01
+    # a step function: the closest reachable value is returned
+    t, r = bisect_threshold(lambda t: 0.0 if t < 0.6 else 0.5, 0.25, 0.0, 1.0, increasing=True)
+    assert r in (0.0, 0.5)
+    # the rule decides the direction and the range
+    t, r = search_threshold(GatingRule.SCORE, 0.4, lambda t: 1 - t)
+    assert abs(t - 0.6) < 0.01
+    t, r = search_threshold(GatingRule.SENSITIVITY, 0.5, lambda t: t / 4.0, sensitivity={0: 4.0, 1: 1.0})
+    assert abs(t - 2.0) < 0.02
+    with pytest.raises(Exception, match="between 0 and 1"):
+        search_threshold(GatingRule.SER, 1.5, lambda t: t)
