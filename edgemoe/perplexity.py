@@ -41,11 +41,14 @@ class ActivationCounter:
     wants_probs = False
     wants_gate_inp = False
 
-    def __init__(self) -> None:
+    def __init__(self, *, decode_only: bool = False) -> None:
         self.kept = 0
         self.full = 0
+        self.decode_only = decode_only  # count single-token ubatches only
 
     def on_route(self, route: RouteRecord) -> None:
+        if self.decode_only and route.n_tokens > 1:
+            return
         self.kept += int((route.ids >= 0).sum())
         self.full += route.ids.size
 

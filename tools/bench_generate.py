@@ -26,9 +26,11 @@ import llama_cpp  # noqa: E402
 
 from edgemoe.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.sampling import GREEDY  # noqa: E402
+from edgemoe.perplexity import ActivationCounter  # noqa: E402
 from edgemoe.trace import TraceRecorder  # noqa: E402
 from edgemoe.verify import FnPolicy  # noqa: E402
 
+LAST_REDUCTION: list[object] = [None]  # the gate variant's activation counter (decode tokens)
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
 
@@ -47,9 +49,16 @@ def stock_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int) -> tuple[
     return len(ids) / (t1 - t0), (n_gen - 1) / (t2 - t1)
 
 
-def edgemoe_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int, hook: str = "none") -> tuple[float, float]:
+def edgemoe_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int, hook: str = "none",
+                       gating: tuple[str, float] | None = None) -> tuple[float, float]:
     with Engine(path, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
-        if hook == "noop":
+        if hook == "gate" and gating is not None:
+            from edgemoe.gating import GatingPolicy, GatingRule
+
+            counter = ActivationCounter(decode_only=True)
+            eng.set_policies([GatingPolicy(GatingRule(gating[0]), gating[1]), counter])
+            LAST_REDUCTION[0] = counter
+        elif hook == "noop":
             eng.set_policies([FnPolicy(lambda r: None)])
         elif hook == "trace":
             eng.set_policies([TraceRecorder(gate_inputs=True)])
@@ -65,9 +74,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--hooks", action="store_true", help="also time a no-op hook and the trace recorder")
+    ap.add_argument("--gating", nargs=2, metavar=("RULE", "T"), default=None,
+                    help="also time adaptive top-k (score|ser) with this threshold, decode tokens only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    variants = ["none", "noop", "trace"] if args.hooks else ["none"]
+    variants = (["none", "noop", "trace"] if args.hooks else ["none"]) + (["gate"] if args.gating else [])
+    gating = (args.gating[0], float(args.gating[1])) if args.gating else None
     rows = []
     for path in args.models:
         stock: list[tuple[float, float]] = []
@@ -75,7 +87,7 @@ def main() -> int:
         for _ in range(args.reps):
             stock.append(stock_decode_tps(path, args.gen, args.threads, args.ctx))
             for v in variants:
-                ours[v].append(edgemoe_decode_tps(path, args.gen, args.threads, args.ctx, v))
+                ours[v].append(edgemoe_decode_tps(path, args.gen, args.threads, args.ctx, v, gating))
         s = statistics.median(d for _, d in stock)
         row = {"model": path.name, "threads": args.threads, "gen_tokens": args.gen,
                "stock_decode_tps": round(s, 2),
@@ -86,6 +98,10 @@ def main() -> int:
             row[f"{key}_decode_tps"] = round(o, 2)
             row[f"{key}_ratio"] = round(o / s, 3)
             row[f"{key}_prompt_tps"] = round(statistics.median(p for p, _ in ours[v]), 1)
+        if "gate" in variants:
+            c = LAST_REDUCTION[0]
+            row["gating"] = list(args.gating)
+            row["gate_decode_activation_reduction"] = round(1 - c.kept / c.full, 3) if c.full else None
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
