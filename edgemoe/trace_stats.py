@@ -194,7 +194,7 @@ def lru_hit_rates(ids: np.ndarray, n_expert: int, sizes: np.ndarray) -> np.ndarr
 
 
 def compute_stats(tr: Trace, *, routers: dict[int, np.ndarray] | None = None, window: int = 32) -> TraceStats:
-    E, (T, L, k) = tr.n_expert, tr.ids.shape
+    E, k = tr.n_expert, int(tr.ids.shape[2])
     counts = expert_counts(tr.ids, E)
     share = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     with np.errstate(divide="ignore", invalid="ignore"):
