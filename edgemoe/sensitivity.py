@@ -19,11 +19,15 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import EdgeMoeError
 from .hooks import RouteRecord
+
+if TYPE_CHECKING:
+    from .calibration import StageContext
 
 FILE_NAME = "sensitivity.json"
 
@@ -151,3 +155,35 @@ def calibrate_sensitivity(model_path: Path, engine: object, tokens: Sequence[int
         fisher = None
     rho = spearman([fisher[k] for k in sorted(emp)], [emp[k] for k in sorted(emp)]) if fisher else None
     return Sensitivity(empirical=emp, fisher=fisher, base_nll=base_nll, tokens=n, spearman=rho)
+
+
+def sensitivity_stage(ctx: StageContext) -> dict[str, object]:
+    """Calibration stage `sensitivity`: sensitivity.json + the validation tokens for --target-reduction.
+
+    Options (ctx.options["sensitivity"]): tokens (calibration tokens, default min(budget, 4096)),
+    validation_tokens (default 2048), ctx (chunk length, default 256). Calibration and validation
+    tokens come from disjoint halves of the first 400 kB of each corpus' train split.
+    """
+    from .adaptive import VALIDATION_TOKENS, save_validation_tokens
+
+    opts = ctx.options.get("sensitivity", {})
+    n_cal = int(opts.get("tokens", min(ctx.tokens, 4096)))
+    n_val = int(opts.get("validation_tokens", 2048))
+    chunk = int(opts.get("ctx", 256))
+    per_cal, per_val = n_cal // len(ctx.texts), n_val // len(ctx.texts)
+    with ctx.open_engine() as eng:
+        cal: list[int] = []
+        val: list[int] = []
+        for t in ctx.texts:
+            head = t.data[:400_000].decode("utf-8", errors="replace")
+            half = len(head) // 2
+            cal += eng.tokenize(head[:half], add_special=False)[:per_cal]
+            val += eng.tokenize(head[half:], add_special=False)[:per_val]
+        with ctx.progress(len(eng.info.moe_layers), "sensitivity", unit="layer") as advance:
+            sens = calibrate_sensitivity(ctx.model, eng, cal, ctx=chunk, progress=advance)
+    sens.save(ctx.out_dir)
+    save_validation_tokens(ctx.out_dir, val)
+    return {"files": [FILE_NAME, VALIDATION_TOKENS], "tokens": sens.tokens, "validation_tokens": len(val),
+            "ctx": chunk, "base_nll": sens.base_nll, "spearman_fisher_empirical": sens.spearman,
+            "fisher": {str(k): v for k, v in (sens.fisher or {}).items()} or None,
+            "empirical": {str(k): v for k, v in sens.empirical.items()}}
