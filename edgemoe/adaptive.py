@@ -42,9 +42,13 @@ class GatingOptions:
 
 
 def default_calibration_dir(model: Path) -> Path | None:
-    """The bundled fixtures' calibration (predictors/<gguf stem>/ in the repository), if any."""
-    bundled = Path(__file__).resolve().parent.parent / "predictors" / model.name.removesuffix(".gguf")
-    return bundled if bundled.is_dir() else None
+    """The model's calibration directory (bundled, or the per-user cache), or None when it has none."""
+    from .calibration import CalibrationError, find_calibration
+
+    try:
+        return find_calibration(model).path
+    except CalibrationError:
+        return None
 
 
 def save_validation_tokens(directory: Path, tokens: Sequence[int]) -> None:
@@ -98,7 +102,10 @@ def _threshold_for_target(engine: object, opts: GatingOptions, rule: GatingRule,
 
     threshold, reached = search_threshold(rule, float(opts.target_reduction), reduction_at, sens)  # type: ignore[arg-type]
     cache[key] = {"threshold": threshold, "validation_reduction": reached, "validation_tokens": len(tokens)}
-    tmp = cache_path.with_name(THRESHOLDS + ".tmp")
-    tmp.write_text(json.dumps(cache, indent=1) + "\n")
-    os.replace(tmp, cache_path)
+    try:
+        tmp = cache_path.with_name(THRESHOLDS + ".tmp")
+        tmp.write_text(json.dumps(cache, indent=1) + "\n")
+        os.replace(tmp, cache_path)
+    except OSError:  # a read-only calibration directory: search again next time
+        pass
     return threshold

@@ -274,3 +274,4 @@ def main() -> None:
 
 
 from . import cli_analysis  # noqa: E402,F401  (registers trace / trace-stats / verify / perplexity)
+from . import cli_calibrate  # noqa: E402,F401  (registers calibrate / predict-eval)
