@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .predictors.metrics import recall
 from .trace import DECODE, PREFILL, Trace
 
 
@@ -145,12 +146,6 @@ def prefill_decode_similarity(ids: np.ndarray, phase: np.ndarray, n_expert: int)
     return (p * d).sum(1) / (np.linalg.norm(p, axis=1) * np.linalg.norm(d, axis=1) + 1e-12)
 
 
-def topk_recall(pred: np.ndarray, true: np.ndarray) -> float:
-    """Mean |pred ∩ true| / |true| over rows; pred (N, m), true (N, k)."""
-    hits = (pred[:, :, None] == true[:, None, :]).any(1).sum(1)
-    return float((hits / true.shape[1]).mean())
-
-
 def router_probs(router: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Softmax router: router (E, n_embd), x (N, n_embd) -> (N, E)."""
     logits = x.astype(np.float32) @ router.T
@@ -162,12 +157,9 @@ def router_probs(router: np.ndarray, x: np.ndarray) -> np.ndarray:
 def gate_reuse_recall(ids: np.ndarray, gate_inputs: np.ndarray, routers: dict[int, np.ndarray],
                       layers: list[int]) -> np.ndarray:
     """(L-1,) recall of layer j+1's top-k from its router applied to layer j's router input."""
-    k = ids.shape[2]
     out = np.zeros(len(layers) - 1)
     for j in range(len(layers) - 1):
-        probs = router_probs(routers[layers[j + 1]], gate_inputs[:, j])
-        pred = np.argsort(-probs, axis=1, kind="stable")[:, :k]
-        out[j] = topk_recall(pred, ids[:, j + 1])
+        out[j] = recall(router_probs(routers[layers[j + 1]], gate_inputs[:, j]), ids[:, j + 1])
     return out
 
 
