@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .calibration import write_json
 from .errors import EdgeMoeError
 from .gating import GatingPolicy, GatingRule, search_threshold
 from .sensitivity import Sensitivity
@@ -103,9 +104,7 @@ def _threshold_for_target(engine: object, opts: GatingOptions, rule: GatingRule,
     threshold, reached = search_threshold(rule, float(opts.target_reduction), reduction_at, sens)  # type: ignore[arg-type]
     cache[key] = {"threshold": threshold, "validation_reduction": reached, "validation_tokens": len(tokens)}
     try:
-        tmp = cache_path.with_name(THRESHOLDS + ".tmp")
-        tmp.write_text(json.dumps(cache, indent=1) + "\n")
-        os.replace(tmp, cache_path)
+        write_json(cache_path, cache)
     except OSError:  # a read-only calibration directory: search again next time
         pass
     return threshold

@@ -95,7 +95,7 @@ def model_sha256(path: str | os.PathLike[str]) -> str:
     digest = h.hexdigest()
     index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
     with contextlib.suppress(OSError):  # a read-only cache only costs a re-hash next time
-        _write_json(index_path, index)
+        write_json(index_path, index)
     return digest
 
 
@@ -119,7 +119,8 @@ def dumps(obj: Any) -> str:
     return _SCALAR_LIST.sub(lambda m: "[" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "]", text)
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (a temp file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
@@ -552,5 +553,5 @@ def run_calibration(cfg: CalibrationConfig, out: str | os.PathLike[str] | None =
             result = st.resolve()(sc)
             card[st.name] = json.loads(json.dumps(dict(result)))  # JSON-clean now, not at the end
             card["elapsed_s"][st.name] = round(time.perf_counter() - t0, 2)
-        _write_json(tmp / CARD, card)
+        write_json(tmp / CARD, card)
     return Calibration.load(out_dir)

@@ -15,7 +15,6 @@ Both are stored as sensitivity.json in a calibration directory.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,12 +47,10 @@ class Sensitivity:
         return values
 
     def save(self, directory: Path) -> Path:
-        d = asdict(self)
-        path = directory / FILE_NAME
-        tmp = path.with_name(FILE_NAME + ".tmp")
-        tmp.write_text(json.dumps(d, indent=1) + "\n")
-        os.replace(tmp, path)
-        return path
+        from .calibration import write_json
+
+        write_json(directory / FILE_NAME, asdict(self))
+        return directory / FILE_NAME
 
     @classmethod
     def load(cls, directory: Path) -> Sensitivity:
