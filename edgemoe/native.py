@@ -15,7 +15,7 @@ from typing import Any
 from .errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2).
-REQUIRED_PATCH_LEVEL = 2
+REQUIRED_PATCH_LEVEL = 3
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ def export() -> None:
     out = ROOT / "patches"
     for old in out.glob("[0-9][0-9][0-9][0-9]-*.patch"):
         old.unlink()
-    names = git(repo, "format-patch", "--zero-commit", "--no-signature", "--no-stat",
+    names = git(repo, "format-patch", "--zero-commit", "--no-signature", "--no-stat", "--no-numbered",
                 "--full-index", "-o", str(out), f"{BASE_TAG}..HEAD", capture=True).split()
     series = [Path(n).name for n in names]
     header = "# applied in order by tools/build_llama.py; regenerate with tools/patches.py export\n"

@@ -121,6 +121,9 @@ class MoE(nn.Module):
         self.gate = nn.Parameter(torch.randn(E, Fx, D) / math.sqrt(D))  # (E, n_ff, n_embd)
         self.up = nn.Parameter(torch.randn(E, Fx, D) / math.sqrt(D))
         self.down = nn.Parameter(torch.randn(E, D, Fx) / math.sqrt(Fx))  # (E, n_embd, n_ff)
+        # (N, k) bool, False drops that slot (weights renormalised over the kept ones): the reference
+        # for the runtime's dropped experts; None = full top-k
+        self.slot_mask: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouteStats]:
         shape = x.shape
@@ -128,6 +131,9 @@ class MoE(nn.Module):
         probs = F.softmax(self.router(x).float(), dim=-1)  # (N, E)
         w, ids = probs.topk(self.cfg.n_expert_used, dim=-1)  # (N, k)
         w = w / w.sum(-1, keepdim=True)
+        if self.slot_mask is not None:
+            w = w * self.slot_mask
+            w = w / w.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)

@@ -1,0 +1,140 @@
+"""Dropped experts (id -1 from the hook) are skipped by the expert matmuls (patches 0003/0004).
+
+Two checks beside the op tests (test_ops.py): the expert outputs of a dropped slot, read through
+llama.cpp's own eval callback, are exactly zero (a computed expert never gives an all-zero row);
+and logits with per-token drops equal an independent torch reference applying the same drops.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edgemoe import native
+from edgemoe.engine import Engine, LoadConfig
+from edgemoe.gating import apply_keep
+from edgemoe.hooks import RouteRecord
+from edgemoe.native import lib
+from edgemoe.torchref.gguf_export import export_gguf
+from edgemoe.torchref.model import MoEConfig, MoEModel
+from edgemoe.verify import FnPolicy
+
+from test_torchref import _vocab
+
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2
+
+
+def _ggml() -> ctypes.CDLL:
+    ggml = ctypes.CDLL(str(Path(lib._lib._name).with_name("libggml-base.so")))
+    ggml.ggml_get_name.restype = ctypes.c_char_p
+    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+    ggml.ggml_nbytes.restype = ctypes.c_size_t
+    ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    return ggml
+
+
+def test_dropped_slots_are_not_computed(fixture_model: Path) -> None:
+    """Drop the last slot of every token in every layer; its ffn_moe_down rows must be exactly 0."""
+    with Engine(fixture_model, LoadConfig(n_ctx=128)) as eng:
+        toks = eng.tokenize(TEXT)[:48]
+        n_embd = eng.info.n_embd
+    ggml = _ggml()
+    down: dict[int, np.ndarray] = {}
+    dropped: dict[int, np.ndarray] = {}
+
+    @lib.ggml_backend_sched_eval_callback
+    def cb(t: int, ask: bool, ud: int) -> bool:
+        name = ggml.ggml_get_name(t).decode()
+        if not name.startswith("ffn_moe_down-"):
+            return False
+        if not ask:
+            buf = np.empty(ggml.ggml_nbytes(t) // 4, np.float32)
+            ggml.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
+            down[int(name.split("-")[1])] = buf.reshape(len(toks), -1, n_embd)  # [T][k][n_embd]
+        return True
+
+    @native.MoeHookFn
+    def hook(route_p: ctypes._Pointer, ud: int) -> bool:  # type: ignore[type-arg]
+        r = route_p.contents
+        ids = np.ctypeslib.as_array(r.ids, shape=(r.n_tokens, r.n_expert_used))
+        w = np.ctypeslib.as_array(r.weights, shape=(r.n_tokens, r.n_expert_used))
+        ids[:, -1] = -1
+        w[:, -1] = 0.0
+        dropped[r.il] = ids.copy()
+        return True
+
+    mparams = lib.llama_model_default_params()
+    model = lib.llama_model_load_from_file(str(fixture_model).encode(), mparams)
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 128
+    cparams.cb_eval = cb
+    cparams.cb_eval_user_data = None
+    ctx = lib.llama_init_from_model(model, cparams)
+    native.moe_set_hook(ctx, hook, 0)
+    batch = lib.llama_batch_init(len(toks), 0, 1)
+    batch.n_tokens = len(toks)
+    for i, tok in enumerate(toks):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, True
+        batch.seq_id[i][0] = 0
+    try:
+        assert lib.llama_decode(ctx, batch) == 0
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
+
+    assert sorted(down) == sorted(dropped) and len(down) == 8
+    for il, out in down.items():
+        assert (dropped[il][:, -1] == -1).all()
+        assert np.all(out[:, -1, :] == 0.0), f"layer {il}: a dropped slot produced output"
+        # every kept slot ran an expert: no all-zero rows there
+        assert np.all(np.abs(out[:, :-1, :]).max(-1) > 0.0), f"layer {il}"
+
+
+def _drop_mask(layer: int, n_tokens: int, k: int) -> np.ndarray:
+    """A fixed per-token pattern: slot j of token t is dropped when (3t + 5*layer + j) % 4 == 0, slot 0 never."""
+    t = np.arange(n_tokens)[:, None]
+    j = np.arange(k)[None, :]
+    return ((3 * t + 5 * layer + j) % 4 != 0) | (j == 0)
+
+
+@pytest.mark.parametrize("arch,n_expert,k,n_ff", [("qwen3moe", 16, 4, 64), ("llama", 8, 2, 256)])
+def test_drops_equal_torch_reference(tmp_path: Path, arch: str, n_expert: int, k: int, n_ff: int) -> None:
+    torch.manual_seed(1)
+    cfg = MoEConfig(arch=arch, n_vocab=512, n_layer=3, n_expert=n_expert, n_expert_used=k, n_ff_exp=n_ff)
+    model = MoEModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    path = export_gguf(model, _vocab(cfg.n_vocab), tmp_path / f"{arch}.gguf", "test")
+    ids = torch.randint(0, 300, (40,))
+
+    with torch.no_grad():
+        full, _ = model(ids[None])
+        for il, block in enumerate(model.blocks):
+            block.moe.slot_mask = torch.from_numpy(_drop_mask(il, len(ids), k))
+        ref, _ = model(ids[None])
+    full_np, ref_np = full[0].numpy(), ref[0].numpy()
+
+    n_dropped = 0
+
+    def drop(r: RouteRecord) -> None:
+        nonlocal n_dropped
+        keep = _drop_mask(r.layer, r.n_tokens, r.n_expert_used)
+        n_dropped += int((~keep).sum())
+        apply_keep(r, keep)
+
+    with Engine(path, LoadConfig(n_ctx=64, n_batch=64, n_ubatch=64)) as eng:
+        eng.set_policies([FnPolicy(drop)])
+        got = np.array(eng.eval_logits(ids.tolist()))
+
+    def nmse(a: np.ndarray, b: np.ndarray) -> float:
+        return float(((a - b) ** 2).mean() / (b ** 2).mean())
+
+    assert n_dropped > 0
+    assert nmse(got, ref_np) < 2e-6  # as the no-drop export test: f16 KV cache in llama.cpp
+    assert nmse(full_np, ref_np) > 100 * nmse(got, ref_np)  # the drops matter far more than the noise
