@@ -19,8 +19,10 @@ import numpy as np
 from . import native
 from .errors import ContextOverflowError, EdgeMoeError, ModelLoadError
 from .gguf_info import ModelInfo, check_gguf, read_model_info
+from .expert_cache import CacheConfig, CacheController, ExpertCache, ExpertCacheError
 from .hooks import HookChain, RoutePolicy
 from .native import lib
+from .residency import make_policy
 from .sampling import SamplingParams, Sampler
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,9 @@ class LoadConfig:
     use_mmap: bool = True
     flash_attn: bool = False  # off, as llama-cpp-python's default (llama.cpp's own default is "auto")
     expert_used_count: int | None = None  # override the model's top-k (stock llama.cpp's --override-kv)
+    # CPU weight repacking (llama.cpp's default); the expert cache needs plain expert tensors, so an
+    # engine with a cache loads with False (and so does its stock reference in equality tests)
+    use_extra_bufts: bool = True
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,7 @@ class Engine:
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = self.config.n_gpu_layers
         mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP if self.config.use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        mparams.use_extra_bufts = self.config.use_extra_bufts
         self._kv_overrides = self._make_kv_overrides()
         if self._kv_overrides is not None:
             mparams.kv_overrides = self._kv_overrides
@@ -149,6 +155,8 @@ class Engine:
         self._kv: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last: Generation | None = None  # the result of the last generate()/stream()
         self._hooks: HookChain | None = None
+        self._policies: list[RoutePolicy] = []  # the user's, before the cache controller
+        self.cache: CacheController | None = None
 
     def _make_kv_overrides(self) -> ctypes.Array[lib.llama_model_kv_override] | None:
         if self.config.expert_used_count is None:
@@ -162,6 +170,9 @@ class Engine:
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
+        if getattr(self, "_ctx", None) and self.cache is not None:
+            self.cache.cache.close()
+            self.cache = None
         if getattr(self, "_ctx", None):
             lib.llama_free(self._ctx)
             self._ctx = None
@@ -216,13 +227,35 @@ class Engine:
     # -- MoE routing hook -----------------------------------------------------------------
     def set_policies(self, policies: Sequence[RoutePolicy] | None) -> HookChain | None:
         """Route every MoE layer of every ubatch through these policies (None or [] removes the hook)."""
-        if policies:
-            self._hooks = HookChain(list(policies))
+        self._policies = list(policies or [])
+        chain = self._policies + ([self.cache] if self.cache is not None and self.cache.needs_routes else [])
+        if chain:
+            self._hooks = HookChain(chain)
             native.moe_set_hook(self._ctx, self._hooks.c_callback, self._hooks.flags)
         else:
             native.moe_set_hook(self._ctx, None, 0)
             self._hooks = None
         return self._hooks
+
+    def enable_expert_cache(self, config: CacheConfig | None, *, device: object = None) -> ExpertCache | None:
+        """Give every MoE layer config.slots_per_layer expert slots run by config.policy (None removes it).
+
+        device None uses the CPU buffer that stands in for a GPU (the split logic without one).
+        """
+        if self.cache is not None:
+            self.cache.cache.close()
+            self.cache = None
+        if config is not None:
+            if self.config.use_extra_bufts:
+                raise ExpertCacheError("the expert cache copies experts from plain host tensors: load the "
+                                       "model with LoadConfig(use_extra_bufts=False)")
+            cache = ExpertCache(self._ctx, list(self.info.moe_layers), self.info.n_layer, self.info.n_expert,
+                                config.slots_per_layer, device)
+            policy = make_policy(config.policy, cache.n_slots, blocking=config.blocking,
+                                 calibration=config.calibration)
+            self.cache = CacheController(cache, policy)
+        self.set_policies(self._policies)
+        return self.cache.cache if self.cache is not None else None
 
     # -- evaluation ---------------------------------------------------------------------
     def reset(self) -> None:
@@ -254,6 +287,8 @@ class Engine:
                 if err is not None:
                     raise err  # a policy raised inside the hook: llama.cpp aborted the decode
                 raise EdgeMoeError(f"llama_decode failed with code {rc} at position {len(self._kv)}")
+            if self.cache is not None:
+                self.cache.flush()
             self._kv.extend(chunk)
 
     def feed(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 from .errors import NativeLibraryError
 
-# The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2).
-REQUIRED_PATCH_LEVEL = 3
+# The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4).
+REQUIRED_PATCH_LEVEL = 4
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,65 @@ def moe_set_hook(ctx: Any, fn: Any | None, flags: int) -> None:
     if _moe_set_hook is None:
         require_patched()
     _moe_set_hook(ctx, fn if fn is not None else MoeHookFn(), None, flags)
+
+
+class MoeCacheStats(ctypes.Structure):
+    """struct llama_moe_cache_stats: counters since the cache was made or the stats reset."""
+
+    _fields_ = [
+        ("hits", ctypes.c_uint64),  # routed slots computed from the cache
+        ("misses", ctypes.c_uint64),  # routed slots computed from the model's tensors (layers with a cache)
+        ("loads", ctypes.c_uint64),  # experts copied into slots
+        ("bytes_loaded", ctypes.c_uint64),
+    ]
+
+
+# int32_t llama_moe_cache_init(struct llama_context * ctx, ggml_backend_dev_t dev, const int32_t * n_slots);
+_moe_cache_init = _declare("llama_moe_cache_init", [ctypes.c_void_p, ctypes.c_void_p,
+                                                    ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32)
+# int32_t llama_moe_cache_n_slots(const struct llama_context * ctx, int32_t il);
+_moe_cache_n_slots = _declare("llama_moe_cache_n_slots", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+# bool llama_moe_cache_load(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot);
+_moe_cache_load = _declare("llama_moe_cache_load", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                    ctypes.c_int32], ctypes.c_bool)
+# const int32_t * llama_moe_cache_slots(const struct llama_context * ctx, int32_t il);
+_moe_cache_slots = _declare("llama_moe_cache_slots", [ctypes.c_void_p, ctypes.c_int32],
+                            ctypes.POINTER(ctypes.c_int32))
+# struct llama_moe_cache_stats llama_moe_cache_get_stats(const struct llama_context * ctx);
+_moe_cache_get_stats = _declare("llama_moe_cache_get_stats", [ctypes.c_void_p], MoeCacheStats)
+# void llama_moe_cache_reset_stats(struct llama_context * ctx);
+_moe_cache_reset_stats = _declare("llama_moe_cache_reset_stats", [ctypes.c_void_p], None)
+
+
+def moe_cache_init(ctx: Any, n_slots: list[int] | None, device: Any = None) -> int:
+    """Give each layer n_slots[il] expert slots on device (None: the CPU stand-in); None removes the cache."""
+    if _moe_cache_init is None:
+        require_patched()
+    arr = (ctypes.c_int32 * len(n_slots))(*n_slots) if n_slots is not None else None
+    return int(_moe_cache_init(ctx, device, arr))
+
+
+def moe_cache_n_slots(ctx: Any, layer: int) -> int:
+    return int(_moe_cache_n_slots(ctx, layer))
+
+
+def moe_cache_load(ctx: Any, layer: int, expert: int, slot: int) -> bool:
+    """Copy expert into slot (expert -1 only evicts)."""
+    return bool(_moe_cache_load(ctx, layer, expert, slot))
+
+
+def moe_cache_slots(ctx: Any, layer: int, n_expert: int) -> list[int] | None:
+    """The slot of each expert of the layer (-1: not resident), None when the layer has no slots."""
+    p = _moe_cache_slots(ctx, layer)
+    return [int(p[i]) for i in range(n_expert)] if p else None
+
+
+def moe_cache_stats(ctx: Any) -> MoeCacheStats:
+    return _moe_cache_get_stats(ctx)
+
+
+def moe_cache_reset_stats(ctx: Any) -> None:
+    _moe_cache_reset_stats(ctx)
 
 
 def patch_level() -> int:

@@ -1,0 +1,107 @@
+"""The engine side of the expert cache (patch 0005): slots per layer, loads, counters.
+
+`ExpertCache` wraps one context's cache (llama_moe_cache_*); `CacheController`
+is the route policy that runs a residency policy (edgemoe.residency) in the hook
+and applies its loads, now (blocking) or after the step (default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import native
+from .errors import EdgeMoeError
+from .hooks import RouteRecord
+from .residency import Load, ResidencyPolicy, StaticPolicy
+
+
+class ExpertCacheError(EdgeMoeError):
+    """The expert cache cannot be set up for this model or configuration."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    slots_per_layer: int  # expert slots in every MoE layer (equal allocation)
+    policy: str = "lru"  # edgemoe.residency.PolicyKind
+    blocking: bool = False  # lru: load a missed expert before its layer runs instead of after the step
+    calibration: Path | None = None  # static: where router_frequency.npz is
+
+
+class ExpertCache:
+    """The slots of one context. device None: the CPU buffer that stands in for a GPU."""
+
+    def __init__(self, ctx: Any, moe_layers: list[int], n_layer: int, n_expert: int, slots_per_layer: int,
+                 device: Any = None) -> None:
+        if slots_per_layer < 0 or slots_per_layer > n_expert:
+            raise ExpertCacheError(f"--expert-slots {slots_per_layer}: use 0..{n_expert} (the model has "
+                                   f"{n_expert} experts per layer)")
+        self._ctx = ctx
+        self.n_expert = n_expert
+        self.n_slots = {il: slots_per_layer for il in moe_layers}
+        per_layer = [self.n_slots.get(il, 0) for il in range(n_layer)]
+        rc = native.moe_cache_init(ctx, per_layer, device)
+        if rc != 0:
+            raise ExpertCacheError(
+                f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}")
+
+    def load(self, ld: Load) -> None:
+        if not native.moe_cache_load(self._ctx, ld.layer, ld.expert, ld.slot):
+            raise ExpertCacheError(f"loading expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed")
+
+    def slots(self, layer: int) -> list[int] | None:
+        """Slot of each expert of the layer (-1: not resident)."""
+        return native.moe_cache_slots(self._ctx, layer, self.n_expert)
+
+    def resident(self, layer: int) -> set[int]:
+        s = self.slots(layer)
+        return {e for e, slot in enumerate(s or []) if slot >= 0}
+
+    def reset_stats(self) -> None:
+        native.moe_cache_reset_stats(self._ctx)
+
+    def stats(self) -> dict[str, Any]:
+        st = native.moe_cache_stats(self._ctx)
+        routed = st.hits + st.misses
+        share = st.hits / routed if routed else 0.0
+        return {"hits": int(st.hits), "misses": int(st.misses), "hit_rate": share,
+                "loads": int(st.loads), "bytes_uploaded": int(st.bytes_loaded),
+                # routed expert slots computed from the cache (the GPU) among those of cached layers
+                "gpu_expert_share": share,
+                "slots_per_layer": max(self.n_slots.values(), default=0)}
+
+    def close(self) -> None:
+        native.moe_cache_init(self._ctx, None)
+
+
+class CacheController:
+    """Route policy: runs the residency policy on each layer's final ids and applies its loads."""
+
+    wants_probs = False
+    wants_gate_inp = False
+
+    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.pending: list[Load] = []
+        for ld in policy.initial_loads():
+            cache.load(ld)
+
+    @property
+    def needs_routes(self) -> bool:
+        """A static placement never changes: the hook (and its cost) is not needed."""
+        return not isinstance(self.policy, StaticPolicy)
+
+    def on_route(self, route: RouteRecord) -> None:
+        loads = self.policy.on_route(route.layer, route.ids)
+        if self.policy.blocking:
+            for ld in loads:  # before this layer's experts run: the C side maps the ids after the hook
+                self.cache.load(ld)
+        else:
+            self.pending += loads
+
+    def flush(self) -> None:
+        """Apply the loads queued during the step (called by the engine after each llama_decode)."""
+        for ld in self.pending:
+            self.cache.load(ld)
+        self.pending.clear()

@@ -1,0 +1,164 @@
+"""Expert cache and split execution (patch 0005) against stock, on the CPU stand-in cache device.
+
+Stock here is the same library with no hook and no cache (the graph llama.cpp builds), loaded with
+use_extra_bufts=False like the cached engine, so both use the same CPU kernels: equality is bitwise.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgemoe.engine import Engine, LoadConfig
+from edgemoe.expert_cache import CacheConfig, ExpertCacheError
+from edgemoe.hooks import RouteRecord
+from edgemoe.residency import Load, LruPolicy, StaticPolicy, simulate, used_experts
+from edgemoe.sampling import GREEDY
+from edgemoe.verify import FnPolicy
+
+pytest_plugins = ["conftest_synth"]
+
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
+PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)
+SYNTH = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-deepseek2", "tiny-mixtral", "tiny-olmoe"]
+
+
+def _models(make_tiny_gguf) -> list[Path]:  # type: ignore[no-untyped-def]
+    from conftest import FIXTURE_MODELS
+
+    return list(FIXTURE_MODELS) + [make_tiny_gguf(p) for p in SYNTH]
+
+
+def _run(path: Path, toks: list[int], *, cache: CacheConfig | None = None, rng: np.random.Generator | None = None,
+         decode_steps: int = 12) -> tuple[np.ndarray, list[np.ndarray], dict | None]:
+    """Prefill logits (ubatch 64) and then the logits of single-token steps; random loads between steps."""
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        c = eng.enable_expert_cache(cache) if cache is not None else None
+
+        def shuffle() -> None:
+            if c is None or rng is None:
+                return
+            for il, n in c.n_slots.items():
+                for s in range(n):
+                    e = int(rng.integers(-1, eng.info.n_expert))  # -1 empties the slot
+                    c.load(Load(il, e, s))
+
+        shuffle()
+        pre = np.array(eng.eval_logits(toks[:-decode_steps]))
+        steps = []
+        for tok in toks[-decode_steps:]:
+            shuffle()
+            eng.feed([tok])
+            steps.append(np.array(eng.logits(-1)))
+        return pre, steps, (c.stats() if c is not None else None)
+
+
+def test_random_residency_equals_stock(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(0)
+    for path in _models(make_tiny_gguf):
+        with Engine(path, LoadConfig(**PLAIN)) as eng:
+            toks = (eng.tokenize(TEXT) * 2)[:76]
+            n_expert = eng.info.n_expert
+        ref_pre, ref_steps, _ = _run(path, toks)
+        for slots in (1, n_expert // 2, n_expert):
+            pre, steps, st = _run(path, toks, cache=CacheConfig(slots, policy="lru"), rng=rng)
+            assert np.array_equal(pre, ref_pre), f"{path.name}: prefill, {slots} slots"
+            for i, (a, b) in enumerate(zip(steps, ref_steps)):
+                assert np.array_equal(a, b), f"{path.name}: decode step {i}, {slots} slots"
+            assert st is not None and st["hits"] > 0 and st["loads"] > 0
+            if slots == n_expert:
+                assert st["misses"] < st["hits"]  # most experts resident after the first loads
+
+
+@pytest.mark.parametrize("policy,blocking", [("lru", False), ("lru", True), ("static", False)])
+def test_every_policy_generates_as_stock(fixture_model: Path, policy: str, blocking: bool) -> None:
+    from edgemoe.adaptive import default_calibration_dir
+
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        ref = eng.generate(TEXT[:60], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
+    cfg = CacheConfig(4, policy=policy, blocking=blocking, calibration=default_calibration_dir(fixture_model))
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        cache = eng.enable_expert_cache(cfg)
+        got = eng.generate(TEXT[:60], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
+        st = cache.stats()
+    assert got == ref
+    assert st["hits"] > 0 and 0.0 < st["hit_rate"] < 1.0
+    assert st["bytes_uploaded"] > 0 and st["gpu_expert_share"] == st["hit_rate"]
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_native_counters_equal_the_policy_replayed_on_the_trace(fixture_model: Path, blocking: bool) -> None:
+    """The C side computes from the slots the Python policy believes are resident."""
+    steps: list[list[tuple[int, np.ndarray]]] = []
+
+    def record(r: RouteRecord) -> None:
+        if not steps or r.layer <= steps[-1][-1][0]:
+            steps.append([])
+        steps[-1].append((r.layer, r.ids.copy()))
+
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(6, policy="lru", blocking=blocking))
+        eng.set_policies([FnPolicy(record)])  # runs before the cache controller, sees the same ids
+        eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True)
+        st = cache.stats()
+        n_slots = dict(cache.n_slots)
+    sim = simulate(LruPolicy(n_slots, blocking=blocking), steps)
+    assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
+    prefill = simulate(LruPolicy(n_slots, blocking=blocking), steps[:1])
+    if blocking:
+        # a decode step's experts (k <= slots) are all loaded before their layer runs: misses only in
+        # prefill, whose ubatch uses more experts than there are slots
+        assert sim.misses == prefill.misses
+    else:
+        assert sim.misses > 0
+
+
+def test_lru_policy_on_hand_made_routes() -> None:
+    pol = LruPolicy({3: 2})
+    assert pol.on_route(3, np.array([[5, 7]])) == [Load(3, 5, 0), Load(3, 7, 1)]
+    assert pol.on_route(3, np.array([[7, -1]])) == []  # hit; -1 is a dropped slot
+    assert pol.on_route(3, np.array([[9, 7]])) == [Load(3, 9, 0)]  # 5 was least recently used
+    assert pol.resident(3) == {7, 9}
+    assert pol.on_route(4, np.array([[1, 2]])) == []  # a layer without slots
+    # more misses in one ubatch than slots: only the survivors are copied
+    assert pol.on_route(3, np.array([[1, 2], [3, 4]])) == [Load(3, 3, 0), Load(3, 4, 1)]
+    assert used_experts(np.array([[4, 2], [2, -1]])) == [4, 2]
+
+
+def test_static_policy_places_the_most_frequent() -> None:
+    freq = {0: np.array([5, 1, 9, 9, 0]), 2: np.array([0, 0, 0, 1, 2])}
+    pol = StaticPolicy(freq, {0: 3, 2: 1})
+    assert pol.initial_loads() == [Load(0, 0, 0), Load(0, 2, 1), Load(0, 3, 2), Load(2, 4, 0)]
+    assert pol.on_route(0, np.array([[1, 4]])) == []
+    res = simulate(pol, [[(0, np.array([[2, 1]])), (2, np.array([[4, 3]]))]])
+    assert (res.hits, res.misses, res.loads) == (2, 2, 4)
+
+
+def test_cache_needs_plain_expert_tensors(fixture_model: Path) -> None:
+    with Engine(fixture_model, LoadConfig(n_ctx=128)) as eng:
+        with pytest.raises(ExpertCacheError, match="use_extra_bufts"):
+            eng.enable_expert_cache(CacheConfig(2))
+    with Engine(fixture_model, LoadConfig(n_ctx=128, use_extra_bufts=False)) as eng:
+        with pytest.raises(ExpertCacheError, match="--expert-slots"):
+            eng.enable_expert_cache(CacheConfig(eng.info.n_expert + 1))
+
+
+def test_cache_with_dropped_experts_equals_drops_alone(fixture_model: Path) -> None:
+    """Gating and the cache together: a dropped slot is computed nowhere."""
+    def drop_last(r: RouteRecord) -> None:
+        r.ids[:, -1] = -1
+        r.weights[:, -1] = 0.0
+
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        toks = eng.tokenize(TEXT)[:40]
+        eng.set_policies([FnPolicy(drop_last)])
+        ref = np.array(eng.eval_logits(toks))
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert, policy="lru", blocking=True))
+        eng.set_policies([FnPolicy(drop_last)])
+        got = np.array(eng.eval_logits(toks))
+        st = cache.stats()
+    assert np.array_equal(got, ref)
+    k = eng.info.n_expert_used
+    assert st["hits"] + st["misses"] == len(toks) * (k - 1) * len(eng.info.moe_layers)
