@@ -13,7 +13,7 @@ from typing import Any
 from . import native
 from .errors import EdgeMoeError
 from .hooks import RouteRecord
-from .residency import Load, ResidencyPolicy, StaticPolicy
+from .residency import Load, ManualPolicy, ResidencyPolicy, StaticPolicy
 
 
 class ExpertCacheError(EdgeMoeError):
@@ -49,6 +49,20 @@ class ExpertCache:
         if not native.moe_cache_load(self._ctx, ld.layer, ld.expert, ld.slot):
             raise ExpertCacheError(f"loading expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed")
 
+    def prefetch(self, ld: Load, priority: int = 0) -> None:
+        """Queue ld; it is copied as issue() sends its chunks and used once its layer runs after that."""
+        if not native.moe_cache_prefetch(self._ctx, ld.layer, ld.expert, ld.slot, priority):
+            raise ExpertCacheError(f"prefetching expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed")
+
+    def issue(self, max_chunks: int = 2**31 - 1) -> int:
+        return native.moe_cache_issue(self._ctx, max_chunks)
+
+    def sync(self) -> None:
+        native.moe_cache_sync(self._ctx)
+
+    def state(self, layer: int, expert: int) -> str:
+        return ("absent", "queued", "copying", "resident")[native.moe_cache_state(self._ctx, layer, expert)]
+
     def slots(self, layer: int) -> list[int] | None:
         """Slot of each expert of the layer (-1: not resident)."""
         return native.moe_cache_slots(self._ctx, layer, self.n_expert)
@@ -66,6 +80,8 @@ class ExpertCache:
         share = st.hits / routed if routed else 0.0
         return {"hits": int(st.hits), "misses": int(st.misses), "hit_rate": share,
                 "loads": int(st.loads), "bytes_uploaded": int(st.bytes_loaded),
+                "prefetches": int(st.prefetches), "chunks": int(st.chunks),
+                "blocked_s": st.us_blocked / 1e6,
                 # routed expert slots computed from the cache (the GPU) among those of cached layers
                 "gpu_expert_share": share,
                 "slots_per_layer": max(self.n_slots.values(), default=0)}
@@ -75,7 +91,12 @@ class ExpertCache:
 
 
 class CacheController:
-    """Route policy: runs the residency policy on each layer's final ids and applies its loads."""
+    """Route policy: runs the residency policy on each layer's final ids and applies its loads.
+
+    Blocking: copied before the layer's experts run. Otherwise prefetched on the copy stream from
+    the next layer's hook (after this layer's ids were mapped to slots, so an eviction never turns
+    this step's hit into a miss) while the later layers compute, and used from the layer's next run.
+    """
 
     wants_probs = False
     wants_gate_inp = False
@@ -90,18 +111,21 @@ class CacheController:
     @property
     def needs_routes(self) -> bool:
         """A static placement never changes: the hook (and its cost) is not needed."""
-        return not isinstance(self.policy, StaticPolicy)
+        return not isinstance(self.policy, (StaticPolicy, ManualPolicy))
 
     def on_route(self, route: RouteRecord) -> None:
+        self.flush()
         loads = self.policy.on_route(route.layer, route.ids)
         if self.policy.blocking:
             for ld in loads:  # before this layer's experts run: the C side maps the ids after the hook
                 self.cache.load(ld)
         else:
-            self.pending += loads
+            self.pending = loads
 
     def flush(self) -> None:
-        """Apply the loads queued during the step (called by the engine after each llama_decode)."""
+        """Prefetch and issue the loads decided at an earlier layer (the engine calls it after each decode)."""
         for ld in self.pending:
-            self.cache.load(ld)
-        self.pending.clear()
+            self.cache.prefetch(ld)
+        if self.pending:
+            self.cache.issue()
+        self.pending = []

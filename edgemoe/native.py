@@ -14,8 +14,9 @@ from typing import Any
 
 from .errors import NativeLibraryError
 
-# The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4).
-REQUIRED_PATCH_LEVEL = 4
+# The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
+# 0006 sets 5).
+REQUIRED_PATCH_LEVEL = 5
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,14 @@ class MoeCacheStats(ctypes.Structure):
         ("misses", ctypes.c_uint64),  # routed slots computed from the model's tensors (layers with a cache)
         ("loads", ctypes.c_uint64),  # experts copied into slots
         ("bytes_loaded", ctypes.c_uint64),
+        ("prefetches", ctypes.c_uint64),  # loads queued by llama_moe_cache_prefetch
+        ("chunks", ctypes.c_uint64),  # chunks issued (gate/up/down byte ranges)
+        ("us_blocked", ctypes.c_uint64),  # host time spent waiting for copies
     ]
+
+
+# enum llama_moe_cache_state
+MOE_CACHE_ABSENT, MOE_CACHE_QUEUED, MOE_CACHE_COPYING, MOE_CACHE_RESIDENT = 0, 1, 2, 3
 
 
 # int32_t llama_moe_cache_init(struct llama_context * ctx, ggml_backend_dev_t dev, const int32_t * n_slots);
@@ -99,6 +107,16 @@ _moe_cache_load = _declare("llama_moe_cache_load", [ctypes.c_void_p, ctypes.c_in
 # const int32_t * llama_moe_cache_slots(const struct llama_context * ctx, int32_t il);
 _moe_cache_slots = _declare("llama_moe_cache_slots", [ctypes.c_void_p, ctypes.c_int32],
                             ctypes.POINTER(ctypes.c_int32))
+# bool llama_moe_cache_prefetch(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot, int32_t priority);
+_moe_cache_prefetch = _declare("llama_moe_cache_prefetch", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                            ctypes.c_int32, ctypes.c_int32], ctypes.c_bool)
+# int32_t llama_moe_cache_issue(struct llama_context * ctx, int32_t max_chunks);
+_moe_cache_issue = _declare("llama_moe_cache_issue", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+# void llama_moe_cache_sync(struct llama_context * ctx);
+_moe_cache_sync = _declare("llama_moe_cache_sync", [ctypes.c_void_p], None)
+# enum llama_moe_cache_state llama_moe_cache_get_state(const struct llama_context * ctx, int32_t il, int32_t expert);
+_moe_cache_get_state = _declare("llama_moe_cache_get_state", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+                                ctypes.c_int)
 # struct llama_moe_cache_stats llama_moe_cache_get_stats(const struct llama_context * ctx);
 _moe_cache_get_stats = _declare("llama_moe_cache_get_stats", [ctypes.c_void_p], MoeCacheStats)
 # void llama_moe_cache_reset_stats(struct llama_context * ctx);
@@ -126,6 +144,25 @@ def moe_cache_slots(ctx: Any, layer: int, n_expert: int) -> list[int] | None:
     """The slot of each expert of the layer (-1: not resident), None when the layer has no slots."""
     p = _moe_cache_slots(ctx, layer)
     return [int(p[i]) for i in range(n_expert)] if p else None
+
+
+def moe_cache_prefetch(ctx: Any, layer: int, expert: int, slot: int, priority: int = 0) -> bool:
+    """Queue an asynchronous load (evicts the slot's expert now)."""
+    return bool(_moe_cache_prefetch(ctx, layer, expert, slot, priority))
+
+
+def moe_cache_issue(ctx: Any, max_chunks: int = 2**31 - 1) -> int:
+    """Issue up to max_chunks queued chunks, most urgent first; returns how many."""
+    return int(_moe_cache_issue(ctx, max_chunks))
+
+
+def moe_cache_sync(ctx: Any) -> None:
+    """Wait for the issued loads; they become resident."""
+    _moe_cache_sync(ctx)
+
+
+def moe_cache_state(ctx: Any, layer: int, expert: int) -> int:
+    return int(_moe_cache_get_state(ctx, layer, expert))
 
 
 def moe_cache_stats(ctx: Any) -> MoeCacheStats:

@@ -9,6 +9,7 @@ A policy answers with loads: copy expert e of layer l into slot s.
 - ``lru``: per-layer least-recently-used. On a miss the expert runs on the CPU
   for this step and is loaded for the next (Fiddler/DAOP); ``blocking`` loads it
   before the layer's experts run instead (mixtral-offloading), for comparison.
+- ``manual``: no loads of its own (tests, external prefetchers).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .errors import EdgeMoeError
 class PolicyKind(str, enum.Enum):
     STATIC = "static"
     LRU = "lru"
+    MANUAL = "manual"  # no automatic loads: the caller drives ExpertCache.load / prefetch
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,12 @@ class LruPolicy:
             return []
         lru = self._resident.setdefault(layer, OrderedDict())
         before = dict(lru)
-        for e in used_experts(ids):
+        used = used_experts(ids)
+        for e in used:  # hits first: this step's misses evict experts the step does not use
             if e in lru:
                 lru.move_to_end(e)
+        for e in used:
+            if e in lru:
                 continue
             if len(lru) < n:
                 slot = min(set(range(n)) - set(lru.values()))
@@ -95,7 +100,21 @@ class LruPolicy:
         return set(self._resident.get(layer, {}))
 
 
-ResidencyPolicy = StaticPolicy | LruPolicy
+@dataclass
+class ManualPolicy:
+    """Loads nothing by itself (the API user, or an external prefetcher, places experts)."""
+
+    n_slots: Mapping[int, int]
+    blocking: bool = False
+
+    def initial_loads(self) -> list[Load]:
+        return []
+
+    def on_route(self, layer: int, ids: np.ndarray) -> list[Load]:
+        return []
+
+
+ResidencyPolicy = StaticPolicy | LruPolicy | ManualPolicy
 
 
 def load_frequency(calibration: Path) -> dict[int, np.ndarray]:
@@ -117,6 +136,8 @@ def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False
                            f"{', '.join(p.value for p in PolicyKind)}") from None
     if k is PolicyKind.LRU:
         return LruPolicy(dict(n_slots), blocking=blocking)
+    if k is PolicyKind.MANUAL:
+        return ManualPolicy(dict(n_slots))
     if calibration is None:
         raise EdgeMoeError("the static policy needs a calibration with router frequencies: "
                            "run `edgemoe calibrate MODEL --corpus FILE` or pass --calibration DIR")

@@ -8,7 +8,9 @@ prompt; decode tokens/s counts the steps after the first token (the first
 comes out of prefill). Runs alternate (stock, edgemoe, stock, ...) and the
 median of --reps is reported with the ratio edgemoe/stock. --hooks adds two
 edgemoe variants: a no-op Python MoE hook, and the trace recorder (ids,
-weights and router inputs copied every layer).
+weights and router inputs copied every layer). --gating MODE with --threshold T
+or --target-reduction R adds adaptive top-k on decode tokens (dropped experts are
+skipped by the expert matmuls, patch 0003) and reports the activation reduction.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import llama_cpp  # noqa: E402
 
+from edgemoe.adaptive import MODES, GatingOptions, build_gating, default_calibration_dir  # noqa: E402
 from edgemoe.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.sampling import GREEDY  # noqa: E402
 from edgemoe.perplexity import ActivationCounter  # noqa: E402
@@ -50,13 +54,12 @@ def stock_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int) -> tuple[
 
 
 def edgemoe_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int, hook: str = "none",
-                       gating: tuple[str, float] | None = None) -> tuple[float, float]:
+                       gating: GatingOptions | None = None) -> tuple[float, float]:
     with Engine(path, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
         if hook == "gate" and gating is not None:
-            from edgemoe.gating import GatingPolicy, GatingRule
-
             counter = ActivationCounter(decode_only=True)
-            eng.set_policies([GatingPolicy(GatingRule(gating[0]), gating[1]), counter])
+            opts = replace(gating, calibration=gating.calibration or default_calibration_dir(path))
+            eng.set_policies([build_gating(eng, opts), counter])
             LAST_REDUCTION[0] = counter
         elif hook == "noop":
             eng.set_policies([FnPolicy(lambda r: None)])
@@ -74,12 +77,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--hooks", action="store_true", help="also time a no-op hook and the trace recorder")
-    ap.add_argument("--gating", nargs=2, metavar=("RULE", "T"), default=None,
-                    help="also time adaptive top-k (score|ser) with this threshold, decode tokens only")
+    ap.add_argument("--gating", choices=[m for m in MODES if m != "off"], default=None,
+                    help="also time adaptive top-k with this rule (decode tokens only); "
+                         "needs --threshold or --target-reduction (the latter and fisher/empirical "
+                         "need the model's calibration)")
+    ap.add_argument("--threshold", type=float, default=None)
+    ap.add_argument("--target-reduction", type=float, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     variants = (["none", "noop", "trace"] if args.hooks else ["none"]) + (["gate"] if args.gating else [])
-    gating = (args.gating[0], float(args.gating[1])) if args.gating else None
+    gating = (GatingOptions(args.gating, threshold=args.threshold, target_reduction=args.target_reduction)
+              if args.gating else None)
     rows = []
     for path in args.models:
         stock: list[tuple[float, float]] = []
@@ -100,7 +108,8 @@ def main() -> int:
             row[f"{key}_prompt_tps"] = round(statistics.median(p for p, _ in ours[v]), 1)
         if "gate" in variants:
             c = LAST_REDUCTION[0]
-            row["gating"] = list(args.gating)
+            row["gating"] = {"mode": args.gating, "threshold": args.threshold,
+                             "target_reduction": args.target_reduction}
             row["gate_decode_activation_reduction"] = round(1 - c.kept / c.full, 3) if c.full else None
         rows.append(row)
     if args.json:

@@ -69,7 +69,8 @@ def main() -> int:
 
     results: list[dict[str, object]] = []
     for model in MODELS:
-        with Engine(model, LoadConfig(n_ctx=CTX, n_batch=CTX, n_ubatch=CTX, n_threads=2)) as eng, \
+        # perplexity runs in chunks of CTX; the context has room for a prompt plus 256 generated tokens
+        with Engine(model, LoadConfig(n_ctx=2 * CTX, n_batch=2 * CTX, n_ubatch=2 * CTX, n_threads=2)) as eng, \
                 tempfile.TemporaryDirectory() as tmp:
             calib = Path(tmp)
             sens = calibrate_sensitivity(model, eng, train_tokens(eng, 100_000, args.calib_tokens), ctx=CTX)
@@ -84,6 +85,7 @@ def main() -> int:
                 prompt = toks[:32]
                 eng.reset()
                 cont = eng.generate(prompt, max_tokens=256, sampling=GREEDY, ignore_eog=True).tokens
+                assert len(cont) == 256, len(cont)
                 evals[c] = (toks, base, prompt, cont)
             for rule in RULES:
                 for target in args.targets:
