@@ -12,41 +12,11 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import EdgeMoeError, InvalidSizeError
+from .cli_cache import cache_from_options, cache_options, install_cache, load_config
+from .cli_types import GGUFPath, Size
+from .errors import EdgeMoeError
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
-
-
-class GGUFPath(click.ParamType):
-    """A path to a GGUF model; validated (exists, GGUF, complete, known architecture) at parse time."""
-
-    name = "MODEL.gguf"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
-        from .gguf_info import check_gguf
-
-        path = Path(value)
-        try:
-            check_gguf(path)
-        except EdgeMoeError as err:  # one line, no usage text: the path was fine, the file is not
-            raise click.ClickException(str(err)) from err
-        return path
-
-
-class Size(click.ParamType):
-    """A byte size such as 6GiB, 8GB or 512MiB."""
-
-    name = "SIZE"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        from .gguf_info import parse_size
-
-        if isinstance(value, int):
-            return value
-        try:
-            return parse_size(value, option=f"--{param.name}" if param else "size")
-        except InvalidSizeError as err:
-            self.fail(str(err), param, ctx)
 
 
 class EdgeMoeGroup(click.Group):
@@ -136,13 +106,23 @@ def _make_sampling(temperature: float, top_k: int, top_p: float, min_p: float,
                           repeat_penalty=repeat_penalty, seed=DEFAULT_SEED if seed is None else seed)
 
 
-def _open_engine(model: Path, threads: int, n_ctx: int, gpu_layers: int) -> Any:
+def _open_engine(model: Path, threads: int, n_ctx: int, gpu_layers: int, cache: Any = None,
+                 calibration: Path | None = None) -> Any:
     from .engine import Engine, LoadConfig
 
-    engine = Engine(model, LoadConfig(n_threads=threads, n_ctx=n_ctx, n_gpu_layers=gpu_layers))
+    config = LoadConfig(n_threads=threads, n_ctx=n_ctx, n_gpu_layers=gpu_layers)
+    if cache is not None:
+        config = load_config(config, cache, model)
+    engine = Engine(model, config)
     if not engine.info.is_moe:
         click.echo(f"note: {model.name} is a dense model (no routed experts); edgemoe's MoE "
                    "features are off and it runs as stock llama.cpp", err=True)
+    elif cache is not None:
+        try:
+            install_cache(engine, model, cache, calibration)
+        except BaseException:
+            engine.close()
+            raise
     return engine
 
 
@@ -191,23 +171,29 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @_run_options
 @gating_options
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object with ids and timings")
+@cache_options
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object with ids, timings and cache counters")
 def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
              min_p: float, repeat_penalty: float, seed: int | None, threads: int, n_ctx: int,
              gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
-             calibration: Path | None, as_json: bool) -> None:
+             calibration: Path | None, vram: int | None, expert_slots: int | None, policy: str,
+             blocking_loads: bool, as_json: bool) -> None:
     """Complete a prompt (plain text streamed to stdout, or --json)."""
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
-    with _open_engine(model, threads, n_ctx, gpu_layers) as engine:
+    cache = cache_from_options(vram, expert_slots, policy, blocking_loads)
+    with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
         _install_gating(engine, gate)
         if as_json:
             g = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
-            click.echo(json.dumps({"model": str(model), "text": g.text, "prompt_tokens": g.prompt_tokens,
-                                   "tokens": g.tokens, "stop_reason": g.stop_reason,
-                                   "n_threads": engine.n_threads, "timings": g.timings.to_dict()}))
+            out = {"model": str(model), "text": g.text, "prompt_tokens": g.prompt_tokens,
+                   "tokens": g.tokens, "stop_reason": g.stop_reason,
+                   "n_threads": engine.n_threads, "timings": g.timings.to_dict()}
+            if engine.cache is not None:
+                out["cache"] = dict(engine.cache.cache.stats(), policy=cache.policy)
+            click.echo(json.dumps(out))
             return
         for _, piece in engine.stream(prompt, max_tokens=max_tokens, sampling=sampling):
             click.echo(piece, nl=False)
@@ -227,10 +213,12 @@ def _stats_line(t: Any) -> str:
               help="most tokens per reply")
 @_run_options
 @gating_options
+@cache_options
 def chat(model: Path | None, system: str | None, max_tokens: int, temperature: float, top_k: int,
          top_p: float, min_p: float, repeat_penalty: float, seed: int | None, threads: int,
          n_ctx: int, gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
-         calibration: Path | None) -> None:
+         calibration: Path | None, vram: int | None, expert_slots: int | None, policy: str,
+         blocking_loads: bool) -> None:
     """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
 
     When stdin is not a terminal, each non-empty input line is one user message.
@@ -241,8 +229,9 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
         model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
     sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
+    cache = cache_from_options(vram, expert_slots, policy, blocking_loads)
     interactive = sys.stdin.isatty()
-    with _open_engine(model, threads, n_ctx, gpu_layers) as engine:
+    with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
         _install_gating(engine, gate)
         session = ChatSession(engine, system=system)
         if interactive:
@@ -275,3 +264,4 @@ def main() -> None:
 
 from . import cli_analysis  # noqa: E402,F401  (registers trace / trace-stats / verify / perplexity)
 from . import cli_calibrate  # noqa: E402,F401  (registers calibrate / predict-eval)
+from . import cli_bench  # noqa: E402,F401  (registers bench)

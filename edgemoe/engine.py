@@ -46,6 +46,9 @@ class LoadConfig:
     # CPU weight repacking (llama.cpp's default); the expert cache needs plain expert tensors, so an
     # engine with a cache loads with False (and so does its stock reference in equality tests)
     use_extra_bufts: bool = True
+    # MoE layers whose routed experts stay in CPU memory while n_gpu_layers offloads the rest
+    # (llama.cpp's -ot exps=CPU for all of them, --n-cpu-moe N for the first N); None: llama.cpp decides
+    cpu_expert_layers: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,11 @@ class Engine:
         mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP if self.config.use_mmap else lib.LLAMA_LOAD_MODE_NONE
         mparams.use_extra_bufts = self.config.use_extra_bufts
         self._kv_overrides = self._make_kv_overrides()
+        self._buft_overrides = None
+        if self.config.cpu_expert_layers:
+            layers = "|".join(str(i) for i in sorted(self.config.cpu_expert_layers))
+            self._buft_overrides = native.cpu_overrides([rf"^blk\.({layers})\.ffn_(gate_up|up|gate|down)_exps"])
+            mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)
         if self._kv_overrides is not None:
             mparams.kv_overrides = self._kv_overrides
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)

@@ -173,6 +173,71 @@ def moe_cache_reset_stats(ctx: Any) -> None:
     _moe_cache_reset_stats(ctx)
 
 
+# -- ggml device and buffer-type lookups (libggml / libggml-cpu beside libllama) ------------------------
+GGML_BACKEND_DEVICE_TYPE_GPU = 1  # enum ggml_backend_dev_type: CPU 0, GPU 1, ACCEL 2, IGPU 3
+
+
+def _sibling(name: str) -> ctypes.CDLL | None:
+    from pathlib import Path
+
+    path = Path(getattr(_cdll, "_name", "")).with_name(name)
+    return ctypes.CDLL(str(path)) if path.exists() else None
+
+
+_ggml = _sibling("libggml.so")
+_ggml_cpu = _sibling("libggml-cpu.so")
+# ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
+_dev_by_type = getattr(_ggml, "ggml_backend_dev_by_type", None)
+if _dev_by_type is not None:
+    _dev_by_type.argtypes, _dev_by_type.restype = [ctypes.c_int], ctypes.c_void_p
+# const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+_dev_name = getattr(_ggml, "ggml_backend_dev_name", None)
+if _dev_name is not None:
+    _dev_name.argtypes, _dev_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+# void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+_dev_memory = getattr(_ggml, "ggml_backend_dev_memory", None)
+if _dev_memory is not None:
+    _dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    _dev_memory.restype = None
+# ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
+_cpu_buft = getattr(_ggml_cpu, "ggml_backend_cpu_buffer_type", None)
+if _cpu_buft is not None:
+    _cpu_buft.argtypes, _cpu_buft.restype = [], ctypes.c_void_p
+
+
+def gpu_device() -> int | None:
+    """The first GPU device of this build (a ggml_backend_dev_t), None in a CPU-only build."""
+    return _dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) if _dev_by_type is not None else None
+
+
+def device_name(dev: int) -> str:
+    return _dev_name(dev).decode() if _dev_name is not None else "?"
+
+
+def device_memory(dev: int) -> tuple[int, int]:
+    """(free, total) bytes of a device."""
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+    return int(free.value), int(total.value)
+
+
+class TensorBuftOverride(ctypes.Structure):
+    """struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }"""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def cpu_overrides(patterns: list[str]) -> ctypes.Array[TensorBuftOverride]:
+    """A NULL-terminated override list putting tensors matching the regexes in plain CPU buffers."""
+    if _cpu_buft is None:
+        raise NativeLibraryError("libggml-cpu does not export ggml_backend_cpu_buffer_type: run `make install`")
+    arr = (TensorBuftOverride * (len(patterns) + 1))()
+    for i, p in enumerate(patterns):
+        arr[i].pattern = p.encode()
+        arr[i].buft = _cpu_buft()
+    return arr
+
+
 def patch_level() -> int:
     """edgemoe patch series level compiled into libllama (0 = stock llama.cpp)."""
     return int(_patch_level()) if _patch_level is not None else 0

@@ -146,3 +146,29 @@ def test_unexpected_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     res = CliRunner().invoke(cli, ["inspect", str(MODEL)])
     _assert_clean_error(res, "kaboom")
     assert "--debug" in res.output
+
+
+@pytest.mark.parametrize("flags", [["--expert-slots", "4"], ["--vram", "1GiB", "--policy", "static"],
+                                   ["--expert-slots", "2", "--blocking-loads"]])
+def test_generate_with_expert_cache_reports_it(flags: list[str]) -> None:
+    res = CliRunner().invoke(cli, ["generate", str(MODEL), "-p", "ROMEO:", "-n", "12", "--temp", "0", "--json",
+                                   *flags], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.splitlines()[-1])
+    cache = out["cache"]
+    for key in ("hits", "misses", "hit_rate", "bytes_uploaded", "gpu_expert_share", "loads", "slots_per_layer"):
+        assert key in cache
+    assert cache["hits"] + cache["misses"] > 0 and cache["bytes_uploaded"] > 0
+    plain = json.loads(run("generate", str(MODEL), "-p", "ROMEO:", "-n", "12", "--temp", "0", "--json").stdout)
+    assert out["tokens"] == plain["tokens"]  # any residency: the same greedy tokens
+    if "--vram" in flags:
+        from edgemoe.gguf_info import read_model_info
+
+        assert cache["slots_per_layer"] == read_model_info(MODEL).n_expert  # 1 GiB holds every expert
+
+
+def test_cache_option_errors() -> None:
+    res = CliRunner().invoke(cli, ["generate", str(MODEL), "-p", "x", "--vram", "1GiB", "--expert-slots", "2"])
+    assert res.exit_code == 2 and "not both" in res.output
+    res = CliRunner().invoke(cli, ["generate", str(MODEL), "-p", "x", "--expert-slots", "99"])
+    assert res.exit_code == 1 and "--expert-slots 99" in res.output

@@ -1,0 +1,44 @@
+"""edgemoe bench on a fixture (CPU: the GPU configurations collapse to the CPU stand-in)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+from conftest import FIXTURE_MODELS
+
+from edgemoe.bench import best_n_cpu_moe
+from edgemoe.cli import cli
+from edgemoe.gguf_info import read_model_info
+
+
+def test_bench_cli_runs_every_configuration(tmp_path: Path) -> None:
+    png = tmp_path / "bench.png"
+    res = CliRunner().invoke(cli, ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "48",
+                                   "--gen-tokens", "8", "-t", "2", "--json", "--plot", str(png)],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    names = [r["name"] for r in out["rows"]]
+    assert names == ["stock -ot exps=CPU", "edgemoe lru", "edgemoe static"]
+    assert 0 < out["slots_per_layer"] < read_model_info(FIXTURE_MODELS[0]).n_expert  # what the budget leaves
+    for r in out["rows"]:
+        assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["ttft_s"] > 0, r
+        assert r["ratio_decode"] is not None
+    assert out["rows"][0]["ratio_decode"] == 1.0
+    assert out["rows"][1]["cache"]["hits"] > 0
+    assert png.stat().st_size > 1000
+
+
+def test_best_n_cpu_moe_is_the_fewest_layers_that_fit() -> None:
+    info = read_model_info(FIXTURE_MODELS[0])
+    per_layer = info.bytes_per_expert_by_layer[0] * info.n_expert
+    fixed = best_n_cpu_moe(info, 10**12, 256)
+    assert fixed == 0  # everything fits
+    n_layers = len(info.moe_layers)
+    from edgemoe.bench import VRAM_RESERVE
+    from edgemoe.gguf_info import estimate_kv_cache_bytes
+
+    base = info.dense_bytes + estimate_kv_cache_bytes(info, 256) + VRAM_RESERVE
+    assert best_n_cpu_moe(info, base + 3 * per_layer, 256) == n_layers - 3
+    assert best_n_cpu_moe(info, base - 1, 256) is None
