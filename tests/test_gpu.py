@@ -41,3 +41,58 @@ def test_gpu_logits_close_to_cpu(fixture_model: Path) -> None:
         cpu = np.array(eng.eval_logits(ids))
     nmse = ((gpu - cpu) ** 2).mean() / (cpu ** 2).mean()
     assert nmse < 1e-3, nmse
+
+
+# -- expert cache on CUDA (patches 0003-0006): the CPU-only suite checks the same on the stand-in ----------
+CACHE_PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False, n_gpu_layers=999)
+
+
+def _steps(eng: Engine, toks: list[int]) -> list[np.ndarray]:
+    out = []
+    for t in toks:
+        eng.feed([t])
+        out.append(np.array(eng.logits(-1)))
+    return out
+
+
+def _nmse(a: np.ndarray, b: np.ndarray) -> float:
+    return float(((a - b) ** 2).mean() / (b ** 2).mean())
+
+
+@pytest.mark.parametrize("slots,policy", [(0, "manual"), (2, "lru"), (4, "lru"), (8, "static")])
+def test_cache_on_gpu_close_to_experts_on_cpu(fixture_model: Path, slots: int, policy: str) -> None:
+    """Experts split between the GPU cache and the CPU: NMSE vs all experts on the CPU (-ot exps=CPU)."""
+    from edgemoe.adaptive import default_calibration_dir
+    from edgemoe.expert_cache import CacheConfig
+
+    with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_gpu_layers=999)) as eng:
+        moe = tuple(eng.info.moe_layers)
+    cfg = LoadConfig(**CACHE_PLAIN, cpu_expert_layers=moe)
+    with Engine(fixture_model, cfg) as eng:
+        toks = eng.tokenize(PROMPT * 4)[:60]
+        ref = np.array(eng.eval_logits(toks))
+        steps_ref = _steps(eng, toks[-8:])
+    with Engine(fixture_model, cfg) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(slots, policy=policy,
+                                                    calibration=default_calibration_dir(fixture_model)),
+                                        device=native.gpu_device())
+        got = np.array(eng.eval_logits(toks))  # prefill: ubatch of 60 (MMQ / MMF paths)
+        steps = _steps(eng, toks[-8:])  # ubatch 1 (MMVQ)
+        st = cache.stats()
+    assert _nmse(got, ref) < 1e-4, _nmse(got, ref)
+    for a, b in zip(steps, steps_ref):
+        assert _nmse(a, b) < 1e-4
+    if slots:
+        assert st["hits"] > 0
+
+
+def test_gpu_skipped_ids_op_test_passes() -> None:
+    """tests/native/test_mmid_skip.cpp covers CUDA when the library has it: its run must include CUDA cases."""
+    import subprocess
+
+    from test_ops import build_native
+
+    exe = build_native("test_mmid_skip", Path(__import__("tempfile").mkdtemp()))
+    out = subprocess.run([str(exe), "4"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "OK   CUDA0" in out.stdout
