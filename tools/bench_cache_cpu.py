@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""CPU cost of the expert cache's split execution, against the same library without it, one run.
+
+  .venv/bin/python tools/bench_cache_cpu.py MODEL... [--gen 64] [--reps 3] [--threads 2] [--slots 8]
+
+Decode tokens/s (median of --reps, runs interleaved) for:
+  stock            llama.cpp's graph, CPU weight repacking on (its default)
+  stock-plain      the same without repacking (what the cache needs: experts copied from plain tensors)
+  empty-cache      --slots slots per layer, nothing loaded (manual policy): the split graph and the
+                   C callback per MoE layer, every expert on the CPU branch
+  lru              --slots slots, lru policy (Python hook per layer; the stand-in cache computes on the CPU)
+Ratios are against `stock`. On a CPU-only build the cache device is a CPU buffer: no speedup is possible,
+this measures what the split costs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from edgemoe.engine import Engine, LoadConfig  # noqa: E402
+from edgemoe.expert_cache import CacheConfig  # noqa: E402
+from edgemoe.sampling import GREEDY  # noqa: E402
+
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+
+
+def decode_tps(path: Path, variant: str, gen: int, threads: int, slots: int) -> float:
+    plain = variant != "stock"
+    with Engine(path, LoadConfig(n_ctx=512, n_threads=threads, use_extra_bufts=not plain)) as eng:
+        if variant in ("empty-cache", "lru"):
+            eng.enable_expert_cache(CacheConfig(slots, policy="manual" if variant == "empty-cache" else "lru"))
+        g = eng.generate(PROMPT, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
+    return g.timings.decode_tps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+", type=Path)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=8)
+    args = ap.parse_args()
+    variants = ["stock", "stock-plain", "empty-cache", "lru"]
+    rows = []
+    for path in args.models:
+        runs: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(args.reps):
+            for v in variants:
+                runs[v].append(decode_tps(path, v, args.gen, args.threads, args.slots))
+        med = {v: statistics.median(r) for v, r in runs.items()}
+        row = {"model": path.name, "threads": args.threads, "slots": args.slots,
+               **{f"{v}_decode_tps": round(med[v], 2) for v in variants},
+               **{f"{v}_ratio": round(med[v] / med["stock"], 3) for v in variants[1:]}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
