@@ -127,7 +127,7 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
     if on_gpu and n_cpu is not None and n_cpu < len(moe):
         configs.append((f"stock --n-cpu-moe {n_cpu}", "stock",
                         replace(base, cpu_expert_layers=moe[:n_cpu] or None), None, ""))
-    cached = replace(base, cpu_expert_layers=cpu_moe, use_extra_bufts=False)
+    cached = replace(base, cpu_expert_layers=cpu_moe)
     for pol in spec.policies:
         cfg = CacheConfig(slots, policy=pol, calibration=spec.calibration)
 

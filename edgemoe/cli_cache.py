@@ -63,19 +63,16 @@ def slots_for(model: Path, opts: CacheOptions, n_ctx: int) -> int:
 
 
 def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
-    """The engine's LoadConfig with the cache's needs: plain expert tensors in CPU memory, the rest on the GPU."""
+    """The engine's LoadConfig with the cache's needs: on a GPU build, experts in CPU memory and the rest on the GPU."""
     from dataclasses import replace
 
     from . import native
     from .gguf_info import read_model_info
 
-    if not opts.enabled:
+    if not opts.enabled or native.gpu_device() is None:
         return base
-    cfg = replace(base, use_extra_bufts=False)
-    if native.gpu_device() is not None:
-        moe = read_model_info(model).moe_layers
-        return replace(cfg, n_gpu_layers=999, cpu_expert_layers=tuple(moe))
-    return cfg
+    moe = read_model_info(model).moe_layers
+    return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(moe))
 
 
 def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from . import native
 from .errors import ContextOverflowError, EdgeMoeError, ModelLoadError
 from .gguf_info import ModelInfo, check_gguf, read_model_info
-from .expert_cache import CacheConfig, CacheController, ExpertCache, ExpertCacheError
+from .expert_cache import CacheConfig, CacheController, ExpertCache
 from .hooks import HookChain, RoutePolicy
 from .native import lib
 from .residency import make_policy
@@ -43,8 +43,8 @@ class LoadConfig:
     use_mmap: bool = True
     flash_attn: bool = False  # off, as llama-cpp-python's default (llama.cpp's own default is "auto")
     expert_used_count: int | None = None  # override the model's top-k (stock llama.cpp's --override-kv)
-    # CPU weight repacking (llama.cpp's default); the expert cache needs plain expert tensors, so an
-    # engine with a cache loads with False (and so does its stock reference in equality tests)
+    # CPU weight repacking (llama.cpp's default); equality tests of the expert cache load both sides
+    # with False, so that the CPU and the stand-in cache run the same kernels
     use_extra_bufts: bool = True
     # MoE layers whose routed experts stay in CPU memory while n_gpu_layers offloads the rest
     # (llama.cpp's -ot exps=CPU for all of them, --n-cpu-moe N for the first N); None: llama.cpp decides
@@ -254,14 +254,15 @@ class Engine:
             self.cache.cache.close()
             self.cache = None
         if config is not None:
-            if self.config.use_extra_bufts:
-                raise ExpertCacheError("the expert cache copies experts from plain host tensors: load the "
-                                       "model with LoadConfig(use_extra_bufts=False)")
-            cache = ExpertCache(self._ctx, list(self.info.moe_layers), self.info.n_layer, self.info.n_expert,
-                                config.slots_per_layer, device)
-            policy = make_policy(config.policy, cache.n_slots, blocking=config.blocking,
-                                 calibration=config.calibration)
-            self.cache = CacheController(cache, policy)
+            policy = make_policy(config.policy, {il: config.slots_per_layer for il in self.info.moe_layers},
+                                 blocking=config.blocking, calibration=config.calibration)
+            cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
+                                self.info.n_expert, config.slots_per_layer, device)
+            try:
+                self.cache = CacheController(cache, policy)
+            except BaseException:
+                cache.close()
+                raise
         self.set_policies(self._policies)
         return self.cache.cache if self.cache is not None else None
 

@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import native
 from .errors import EdgeMoeError
+from .gguf_header import check_gguf
 from .hooks import RouteRecord
 from .residency import Load, ManualPolicy, ResidencyPolicy, StaticPolicy
 
@@ -28,11 +31,18 @@ class CacheConfig:
     calibration: Path | None = None  # static: where router_frequency.npz is
 
 
-class ExpertCache:
-    """The slots of one context. device None: the CPU buffer that stands in for a GPU."""
+EXPERT_TENSORS = ("ffn_gate_up_exps", "ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")  # chunk order
 
-    def __init__(self, ctx: Any, moe_layers: list[int], n_layer: int, n_expert: int, slots_per_layer: int,
-                 device: Any = None) -> None:
+
+class ExpertCache:
+    """The slots of one context. device None: the CPU buffer that stands in for a GPU.
+
+    Loads read the experts' bytes from the GGUF file (mapped here, read-only), so the model's own
+    expert tensors may be repacked for the CPU or live anywhere.
+    """
+
+    def __init__(self, ctx: Any, model_path: Path, moe_layers: list[int], n_layer: int, n_expert: int,
+                 slots_per_layer: int, device: Any = None) -> None:
         if slots_per_layer < 0 or slots_per_layer > n_expert:
             raise ExpertCacheError(f"--expert-slots {slots_per_layer}: use 0..{n_expert} (the model has "
                                    f"{n_expert} experts per layer)")
@@ -44,6 +54,22 @@ class ExpertCache:
         if rc != 0:
             raise ExpertCacheError(
                 f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}")
+        self._map = self._set_sources(model_path, [il for il, n in self.n_slots.items() if n > 0])
+
+    def _set_sources(self, path: Path, layers: list[int]) -> np.memmap | None:
+        if not layers:
+            return None
+        header = check_gguf(path)
+        where = {t.name: header.data_offset + t.offset for t in header.tensors}
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        base = mapped.ctypes.data
+        for il in layers:
+            ptrs = [base + where[f"blk.{il}.{name}.weight"] if f"blk.{il}.{name}.weight" in where else None
+                    for name in EXPERT_TENSORS]
+            if not native.moe_cache_set_source(self._ctx, il, ptrs):
+                raise ExpertCacheError(f"layer {il}: the GGUF's expert tensors do not match the model's "
+                                       f"({native.recent_log()[-200:].strip()})")
+        return mapped
 
     def load(self, ld: Load) -> None:
         if not native.moe_cache_load(self._ctx, ld.layer, ld.expert, ld.slot):
@@ -88,6 +114,7 @@ class ExpertCache:
 
     def close(self) -> None:
         native.moe_cache_init(self._ctx, None)
+        self._map = None  # after the cache is gone: nothing reads the mapping any more
 
 
 class CacheController:

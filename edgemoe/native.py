@@ -15,8 +15,8 @@ from typing import Any
 from .errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
-# 0006 sets 5).
-REQUIRED_PATCH_LEVEL = 5
+# 0006 sets 5, 0007 sets 6).
+REQUIRED_PATCH_LEVEL = 6
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,9 @@ _moe_cache_init = _declare("llama_moe_cache_init", [ctypes.c_void_p, ctypes.c_vo
                                                     ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32)
 # int32_t llama_moe_cache_n_slots(const struct llama_context * ctx, int32_t il);
 _moe_cache_n_slots = _declare("llama_moe_cache_n_slots", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+# bool llama_moe_cache_set_source(struct llama_context * ctx, int32_t il, const void * const * data);
+_moe_cache_set_source = _declare("llama_moe_cache_set_source", [ctypes.c_void_p, ctypes.c_int32,
+                                                                ctypes.POINTER(ctypes.c_void_p)], ctypes.c_bool)
 # bool llama_moe_cache_load(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot);
 _moe_cache_load = _declare("llama_moe_cache_load", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                                                     ctypes.c_int32], ctypes.c_bool)
@@ -133,6 +136,12 @@ def moe_cache_init(ctx: Any, n_slots: list[int] | None, device: Any = None) -> i
 
 def moe_cache_n_slots(ctx: Any, layer: int) -> int:
     return int(_moe_cache_n_slots(ctx, layer))
+
+
+def moe_cache_set_source(ctx: Any, layer: int, pointers: list[int | None]) -> bool:
+    """Where loads of the layer read: addresses of its stacked gate_up, up, gate, down bytes (None: absent)."""
+    arr = (ctypes.c_void_p * 4)(*pointers)
+    return bool(_moe_cache_set_source(ctx, layer, arr))
 
 
 def moe_cache_load(ctx: Any, layer: int, expert: int, slot: int) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from edgemoe.engine import Engine, LoadConfig
+from edgemoe.errors import EdgeMoeError
 from edgemoe.expert_cache import CacheConfig, ExpertCacheError
 from edgemoe.hooks import RouteRecord
 from edgemoe.residency import Load, LruPolicy, StaticPolicy, simulate, used_experts
@@ -138,13 +139,32 @@ def test_static_policy_places_the_most_frequent() -> None:
     assert (res.hits, res.misses, res.loads) == (2, 2, 4)
 
 
-def test_cache_needs_plain_expert_tensors(fixture_model: Path) -> None:
+def test_cache_beside_repacked_cpu_experts(fixture_model: Path) -> None:
+    """Loads read the GGUF's bytes, so the CPU keeps its repacked experts (different kernels: close, not bitwise)."""
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        toks = eng.tokenize(TEXT)[:48]
+        ref = np.array(eng.eval_logits(toks))
+        ref_gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 2, policy="lru", blocking=True))
+        got = np.array(eng.eval_logits(toks))
+        got_gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+        st = cache.stats()
+    nmse = float(((got - ref) ** 2).mean() / (ref ** 2).mean())
+    assert nmse < 1e-5, nmse
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.97 and got_gen == ref_gen
+    assert st["hits"] > 0
+
+
+def test_cache_errors(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(n_ctx=128)) as eng:
-        with pytest.raises(ExpertCacheError, match="use_extra_bufts"):
-            eng.enable_expert_cache(CacheConfig(2))
-    with Engine(fixture_model, LoadConfig(n_ctx=128, use_extra_bufts=False)) as eng:
         with pytest.raises(ExpertCacheError, match="--expert-slots"):
             eng.enable_expert_cache(CacheConfig(eng.info.n_expert + 1))
+        with pytest.raises(EdgeMoeError, match="unknown cache policy"):
+            eng.enable_expert_cache(CacheConfig(2, policy="fifo"))
+        cache = eng.enable_expert_cache(CacheConfig(2, policy="manual"))
+        with pytest.raises(ExpertCacheError, match="slot 5"):
+            cache.load(Load(eng.info.moe_layers[0], 1, 5))
 
 
 def test_cache_with_dropped_experts_equals_drops_alone(fixture_model: Path) -> None:

@@ -7,7 +7,7 @@ Decode tokens/s (median of --reps, runs interleaved) for:
   stock            llama.cpp's graph, CPU weight repacking on (its default)
   stock-plain      the same without repacking (what the cache needs: experts copied from plain tensors)
   empty-cache      --slots slots per layer, nothing loaded (manual policy): the split graph and the
-                   C callback per MoE layer, every expert on the CPU branch
+                   C callback per MoE layer, every expert on the CPU branch (repacked, as stock)
   lru              --slots slots, lru policy (Python hook per layer; the stand-in cache computes on the CPU)
 Ratios are against `stock`. On a CPU-only build the cache device is a CPU buffer: no speedup is possible,
 this measures what the split costs.
@@ -31,7 +31,7 @@ PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
 
 def decode_tps(path: Path, variant: str, gen: int, threads: int, slots: int) -> float:
-    plain = variant != "stock"
+    plain = variant == "stock-plain"
     with Engine(path, LoadConfig(n_ctx=512, n_threads=threads, use_extra_bufts=not plain)) as eng:
         if variant in ("empty-cache", "lru"):
             eng.enable_expert_cache(CacheConfig(slots, policy="manual" if variant == "empty-cache" else "lru"))
