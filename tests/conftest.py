@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,3 +32,54 @@ def stock_greedy(path: Path, prompt: str, n: int, n_ctx: int = 512) -> tuple[lis
         return prompt_ids, out
     finally:
         llm.close()
+
+
+def eval_callback_tensors(path: Path, toks: list[int], prefix: str, dtype: type, *,
+                          hook: object = None) -> dict[int, np.ndarray]:
+    """Decode toks (every one an output) with llama.cpp's own eval callback and return, per layer,
+    the flat contents of the nodes named `<prefix><il>`; `hook` (a native.MoeHookFn) is set if given."""
+    import ctypes
+
+    from edgemoe import native
+    from edgemoe.native import lib
+
+    ggml = ctypes.CDLL(str(Path(lib._lib._name).with_name("libggml-base.so")))
+    ggml.ggml_get_name.restype = ctypes.c_char_p
+    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+    ggml.ggml_nbytes.restype = ctypes.c_size_t
+    ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    out: dict[int, np.ndarray] = {}
+
+    @lib.ggml_backend_sched_eval_callback
+    def cb(t: int, ask: bool, ud: int) -> bool:
+        name = ggml.ggml_get_name(t).decode()
+        if not name.startswith(prefix):
+            return False
+        if not ask:
+            buf = np.empty(ggml.ggml_nbytes(t) // np.dtype(dtype).itemsize, dtype)
+            ggml.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
+            out[int(name[len(prefix):])] = buf
+        return True
+
+    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 128
+    cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as the Engine (llama-cpp-python default)
+    cparams.cb_eval = cb
+    cparams.cb_eval_user_data = None
+    ctx = lib.llama_init_from_model(model, cparams)
+    if hook is not None:
+        native.moe_set_hook(ctx, hook, 0)
+    batch = lib.llama_batch_init(len(toks), 0, 1)
+    batch.n_tokens = len(toks)
+    for i, tok in enumerate(toks):  # every token an output, so the last layer routes all of them
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, True
+        batch.seq_id[i][0] = 0
+    try:
+        assert lib.llama_decode(ctx, batch) == 0
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
+    return out

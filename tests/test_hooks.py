@@ -1,7 +1,6 @@
 """The MoE hook (patch 0002) against stock llama.cpp: identity, drops, edits, traces, errors."""
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -83,50 +82,16 @@ def test_route_record_contents(fixture_model: Path) -> None:
 
 def test_trace_ids_equal_stock_topk(fixture_model: Path) -> None:
     """Read ffn_moe_topk-<il> through llama.cpp's own eval callback (no hook) and compare."""
-    from edgemoe.native import lib
     from edgemoe.trace import record_trace
 
     with Engine(fixture_model, LoadConfig(n_ctx=128, n_batch=128, n_ubatch=128)) as eng:
         toks = eng.tokenize(TEXT)[:64]
         tr = record_trace(eng, toks, ctx=128)
 
-    stock: dict[int, np.ndarray] = {}
-    ggml = ctypes.CDLL(str(Path(lib._lib._name).with_name("libggml-base.so")))
-    ggml.ggml_get_name.restype = ctypes.c_char_p
-    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_nbytes.restype = ctypes.c_size_t
-    ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    from conftest import eval_callback_tensors
 
-    @lib.ggml_backend_sched_eval_callback
-    def cb(t: int, ask: bool, ud: int) -> bool:
-        name = ggml.ggml_get_name(t).decode()
-        if not name.startswith("ffn_moe_argsort-"):
-            return False
-        if not ask:
-            nb = ggml.ggml_nbytes(t)
-            buf = np.empty(nb // 4, np.int32)
-            ggml.ggml_backend_tensor_get(t, buf.ctypes.data, 0, nb)
-            stock[int(name.split("-")[1])] = buf.reshape(len(toks), -1)
-        return True
-
-    mparams = lib.llama_model_default_params()
-    model = lib.llama_model_load_from_file(str(fixture_model).encode(), mparams)
-    cparams = lib.llama_context_default_params()
-    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 128
-    cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as the Engine (llama-cpp-python default)
-    cparams.cb_eval = cb
-    cparams.cb_eval_user_data = None
-    ctx = lib.llama_init_from_model(model, cparams)
-    batch = lib.llama_batch_init(len(toks), 0, 1)
-    batch.n_tokens = len(toks)
-    for i, tok in enumerate(toks):  # every token an output, so the last layer routes all of them
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, True
-        batch.seq_id[i][0] = 0
-    assert lib.llama_decode(ctx, batch) == 0
-    lib.llama_batch_free(batch)
-    lib.llama_free(ctx)
-    lib.llama_model_free(model)
+    flat = eval_callback_tensors(fixture_model, toks, "ffn_moe_argsort-", np.int32)
+    stock = {il: a.reshape(len(toks), -1) for il, a in flat.items()}
     k = tr.ids.shape[2]
     for j, il in enumerate(tr.layers):
         assert np.array_equal(tr.ids[:, j, :], stock[int(il)][:, :k]), f"layer {il}"

@@ -17,24 +17,14 @@ from edgemoe import native
 from edgemoe.engine import Engine, LoadConfig
 from edgemoe.gating import apply_keep
 from edgemoe.hooks import RouteRecord
-from edgemoe.native import lib
 from edgemoe.torchref.gguf_export import export_gguf
 from edgemoe.torchref.model import MoEConfig, MoEModel
 from edgemoe.verify import FnPolicy
 
+from conftest import eval_callback_tensors
 from test_torchref import _vocab
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2
-
-
-def _ggml() -> ctypes.CDLL:
-    ggml = ctypes.CDLL(str(Path(lib._lib._name).with_name("libggml-base.so")))
-    ggml.ggml_get_name.restype = ctypes.c_char_p
-    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_nbytes.restype = ctypes.c_size_t
-    ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    return ggml
 
 
 def test_dropped_slots_are_not_computed(fixture_model: Path) -> None:
@@ -42,20 +32,7 @@ def test_dropped_slots_are_not_computed(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(n_ctx=128)) as eng:
         toks = eng.tokenize(TEXT)[:48]
         n_embd = eng.info.n_embd
-    ggml = _ggml()
-    down: dict[int, np.ndarray] = {}
     dropped: dict[int, np.ndarray] = {}
-
-    @lib.ggml_backend_sched_eval_callback
-    def cb(t: int, ask: bool, ud: int) -> bool:
-        name = ggml.ggml_get_name(t).decode()
-        if not name.startswith("ffn_moe_down-"):
-            return False
-        if not ask:
-            buf = np.empty(ggml.ggml_nbytes(t) // 4, np.float32)
-            ggml.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
-            down[int(name.split("-")[1])] = buf.reshape(len(toks), -1, n_embd)  # [T][k][n_embd]
-        return True
 
     @native.MoeHookFn
     def hook(route_p: ctypes._Pointer, ud: int) -> bool:  # type: ignore[type-arg]
@@ -67,25 +44,8 @@ def test_dropped_slots_are_not_computed(fixture_model: Path) -> None:
         dropped[r.il] = ids.copy()
         return True
 
-    mparams = lib.llama_model_default_params()
-    model = lib.llama_model_load_from_file(str(fixture_model).encode(), mparams)
-    cparams = lib.llama_context_default_params()
-    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 128
-    cparams.cb_eval = cb
-    cparams.cb_eval_user_data = None
-    ctx = lib.llama_init_from_model(model, cparams)
-    native.moe_set_hook(ctx, hook, 0)
-    batch = lib.llama_batch_init(len(toks), 0, 1)
-    batch.n_tokens = len(toks)
-    for i, tok in enumerate(toks):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, True
-        batch.seq_id[i][0] = 0
-    try:
-        assert lib.llama_decode(ctx, batch) == 0
-    finally:
-        lib.llama_batch_free(batch)
-        lib.llama_free(ctx)
-        lib.llama_model_free(model)
+    flat = eval_callback_tensors(fixture_model, toks, "ffn_moe_down-", np.float32, hook=hook)
+    down = {il: a.reshape(len(toks), -1, n_embd) for il, a in flat.items()}  # [T][k][n_embd]
 
     assert sorted(down) == sorted(dropped) and len(down) == 8
     for il, out in down.items():
