@@ -198,12 +198,16 @@ def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_
         for _, piece in engine.stream(prompt, max_tokens=max_tokens, sampling=sampling):
             click.echo(piece, nl=False)
         click.echo()
-        click.echo(_stats_line(engine.last.timings), err=True)
+        click.echo(_stats_line(engine.last.timings, engine), err=True)
 
 
-def _stats_line(t: Any) -> str:
+def _stats_line(t: Any, engine: Any = None) -> str:
+    cache = ""
+    if engine is not None and engine.cache is not None:
+        st = engine.cache.cache.stats()  # since the cache was set up
+        cache = f" | expert cache hit rate {st['hit_rate']:.2f}, {st['bytes_uploaded'] / 2**20:.1f} MiB loaded"
     return (f"[prompt {t.prompt_tokens} tok, {t.prompt_tps:.1f} tok/s | "
-            f"decode {t.decode_tokens} tok, {t.decode_tps:.1f} tok/s | ttft {t.ttft_s * 1000:.0f} ms]")
+            f"decode {t.decode_tokens} tok, {t.decode_tps:.1f} tok/s | ttft {t.ttft_s * 1000:.0f} ms{cache}]")
 
 
 @cli.command()
@@ -255,7 +259,7 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
             for piece in session.send(text, max_tokens=max_tokens, sampling=sampling):
                 click.echo(piece, nl=False)
             click.echo()
-            click.echo(_stats_line(engine.last.timings), err=True)
+            click.echo(_stats_line(engine.last.timings, engine), err=True)
 
 
 def main() -> None:
