@@ -19,10 +19,9 @@ import numpy as np
 from . import native
 from .engine import Engine, LoadConfig
 from .expert_cache import CacheConfig
-from .gguf_info import ModelInfo, estimate_kv_cache_bytes, read_model_info, vram_plan
+from .gguf_info import VRAM_RESERVE, ModelInfo, estimate_kv_cache_bytes, read_model_info, vram_plan
 from .sampling import GREEDY
 
-VRAM_RESERVE = 512 * 2**20  # compute buffers and the like (as edgemoe.cli_cache)
 
 
 @dataclass(frozen=True)

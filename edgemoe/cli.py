@@ -148,12 +148,12 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
-    from .gguf_info import info_to_dict, read_model_info, vram_plan
+    from .gguf_info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
     from .report import format_info, format_plan, plan_to_dict
 
     info = read_model_info(model)
     n_ctx = n_ctx or min(info.n_ctx_train or 4096, 4096)
-    plan = vram_plan(info, vram, n_ctx=n_ctx) if vram is not None else None
+    plan = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE) if vram is not None else None
     if as_json:
         d = info_to_dict(info)
         if plan is not None:

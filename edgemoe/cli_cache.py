@@ -10,8 +10,6 @@ import click
 
 from .cli_types import Size
 
-# compute buffers and the like, left out of the expert budget (llama.cpp needs a few hundred MiB)
-VRAM_RESERVE = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,7 @@ def slots_for(model: Path, opts: CacheOptions, n_ctx: int) -> int:
     """Expert slots per MoE layer: --expert-slots, or what --vram leaves after dense weights and KV cache."""
     if opts.expert_slots is not None:
         return opts.expert_slots
-    from .gguf_info import read_model_info, vram_plan
+    from .gguf_info import VRAM_RESERVE, read_model_info, vram_plan
 
     info = read_model_info(model)
     plan = vram_plan(info, opts.vram or 0, n_ctx=n_ctx or min(info.n_ctx_train or 4096, 4096),

@@ -274,6 +274,10 @@ def estimate_kv_cache_bytes(info: ModelInfo, n_ctx: int) -> int:
     return info.n_layer * n_ctx * per_token_layer
 
 
+# what edgemoe leaves free on the GPU for compute buffers and the like when it plans --vram
+VRAM_RESERVE = 512 * 2**20
+
+
 def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_bytes: int = 0) -> VramPlan:
     """Split a VRAM budget: dense weights + KV cache first, then equal expert slots per MoE layer.
 

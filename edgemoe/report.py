@@ -42,10 +42,11 @@ def format_info(info: ModelInfo) -> str:
 
 
 def format_plan(plan: VramPlan) -> str:
+    reserve = f" + {format_size(plan.reserve_bytes)} compute reserve" if plan.reserve_bytes else ""
     head = (f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
-            f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx})")
+            f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}){reserve}")
     if not plan.dense_fits:
-        return head + " -> the dense part alone does not fit; experts stay on the CPU"
+        return head + " -> does not fit; experts stay on the CPU"
     if plan.n_expert == 0:
         return head + " -> fits"
     return (head + f" -> {format_size(plan.expert_budget_bytes)} for experts: {plan.experts_per_layer} of "

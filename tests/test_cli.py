@@ -43,10 +43,12 @@ def test_inspect_json_matches_gguf(fixture_model: Path) -> None:
 
 
 def test_inspect_text(fixture_model: Path) -> None:
-    res = run("inspect", str(fixture_model), "--vram", "8MiB")
+    res = run("inspect", str(fixture_model), "--vram", "520MiB")
     assert res.exit_code == 0
-    assert "MoE layers   8" in res.output and "vram 8.0 MiB" in res.output
+    assert "MoE layers   8" in res.output and "vram 520.0 MiB" in res.output
+    assert "512.0 MiB compute reserve" in res.output  # as generate/chat --vram plan it
     assert "experts per layer" in res.output  # ctx defaults to the model's 512: experts fit
+    assert "does not fit" in run("inspect", str(fixture_model), "--vram", "8MiB").output
 
 
 def test_generate_json_greedy_equals_stock(fixture_model: Path) -> None:
