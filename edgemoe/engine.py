@@ -49,6 +49,7 @@ class LoadConfig:
     # MoE layers whose routed experts stay in CPU memory while n_gpu_layers offloads the rest
     # (llama.cpp's -ot exps=CPU for all of them, --n-cpu-moe N for the first N); None: llama.cpp decides
     cpu_expert_layers: tuple[int, ...] | None = None
+    op_offload: bool = True  # llama.cpp moves big-batch ops on host weights to a GPU (its default)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class Engine:
         cparams.n_threads_batch = self.n_threads
         cparams.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.config.flash_attn
                                    else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.op_offload = self.config.op_offload
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             lib.llama_model_free(self._model)

@@ -186,15 +186,17 @@ def moe_cache_reset_stats(ctx: Any) -> None:
 GGML_BACKEND_DEVICE_TYPE_GPU = 1  # enum ggml_backend_dev_type: CPU 0, GPU 1, ACCEL 2, IGPU 3
 
 
-def _sibling(name: str) -> ctypes.CDLL | None:
-    from pathlib import Path
+def _sibling(soname: str) -> ctypes.CDLL | None:
+    """The copy libllama itself loaded: by soname (pip installs libggml.so and libggml.so.0 as two
+    files, and a second copy would have a registry of devices of its own)."""
+    try:
+        return ctypes.CDLL(soname)  # already loaded as libllama's dependency: the same object
+    except OSError:
+        return None
 
-    path = Path(getattr(_cdll, "_name", "")).with_name(name)
-    return ctypes.CDLL(str(path)) if path.exists() else None
 
-
-_ggml = _sibling("libggml.so")
-_ggml_cpu = _sibling("libggml-cpu.so")
+_ggml = _sibling("libggml.so.0")
+_ggml_cpu = _sibling("libggml-cpu.so.0")
 # ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
 _dev_by_type = getattr(_ggml, "ggml_backend_dev_by_type", None)
 if _dev_by_type is not None:
@@ -228,6 +230,59 @@ def device_memory(dev: int) -> tuple[int, int]:
     free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
     _dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
     return int(free.value), int(total.value)
+
+
+def _ggml_fn(name: str, argtypes: list[Any], restype: Any) -> Any:
+    fn = getattr(_ggml, name, None) if _ggml is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+# ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
+_reg_by_name = _ggml_fn("ggml_backend_reg_by_name", [ctypes.c_char_p], ctypes.c_void_p)
+# void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+_reg_proc = _ggml_fn("ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p)
+# void ggml_backend_register(ggml_backend_reg_t reg);
+_register = _ggml_fn("ggml_backend_register", [ctypes.c_void_p], None)
+# ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+_reg_dev_get = _ggml_fn("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p)
+# size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+_reg_dev_count = _ggml_fn("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t)
+_CPU_DEVICE_TYPE = 0
+
+# void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads,
+#                                    size_t n_devices, ggml_backend_dev_t * devices);
+_RpcStartServer = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                                   ctypes.POINTER(ctypes.c_void_p))
+# ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+_RpcAddServer = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+
+
+def rpc_loopback_device(port: int, n_threads: int = 1) -> int:
+    """Start llama.cpp's RPC server on 127.0.0.1:port in this process (serving the CPU backend from a
+    daemon thread), register it, and return its device: a GPU-type device with its own buffers, async
+    copies and events, reached over loopback. For tests of the cache's device paths without a GPU.
+    Every model loaded afterwards in this process sees the device (run it in a process of its own).
+    """
+    import threading
+    import time
+
+    reg = _reg_by_name(b"RPC") if _reg_by_name is not None else None
+    if not reg:
+        raise NativeLibraryError("llama.cpp was built without the RPC backend: run `make install`")
+    start = _RpcStartServer(_reg_proc(reg, b"ggml_backend_rpc_start_server"))
+    add = _RpcAddServer(_reg_proc(reg, b"ggml_backend_rpc_add_server"))
+    cpu = _dev_by_type(_CPU_DEVICE_TYPE)
+    endpoint = f"127.0.0.1:{port}".encode()
+    devs = (ctypes.c_void_p * 1)(cpu)
+    threading.Thread(target=start, args=(endpoint, None, n_threads, 1, devs), daemon=True).start()
+    time.sleep(0.3)  # the server binds its socket
+    server = add(endpoint)
+    if not server or _reg_dev_count(server) < 1:
+        raise NativeLibraryError(f"no RPC device at {endpoint.decode()}")
+    _register(server)
+    return int(_reg_dev_get(server, 0))
 
 
 class TensorBuftOverride(ctypes.Structure):

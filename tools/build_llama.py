@@ -48,6 +48,9 @@ TRIM_CMAKE_ARGS = [
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_CURL=OFF",
+    # llama.cpp's RPC backend, started in-process on loopback, is the GPU-like stand-in cache device
+    # of the CPU-only tests (a device of its own, async copies and events; tests/test_cache_rpc.py)
+    "-DGGML_RPC=ON",
 ]
 
 

@@ -1,0 +1,89 @@
+"""Run by tests/test_cache_rpc.py in a process of its own: the expert cache on llama.cpp's RPC backend.
+
+The RPC server runs in this process on loopback and serves the CPU backend, so the cache device is a
+real separate device (its own buffers, a scheduler split of its own, cross-device copies of the ids
+and activations, a loader connection with async copies and events) and the arithmetic is still the
+CPU's: results must equal stock bitwise. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from edgemoe import native
+from edgemoe.engine import Engine, LoadConfig
+from edgemoe.expert_cache import CacheConfig
+from edgemoe.residency import Load
+from edgemoe.sampling import GREEDY
+
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
+CFG = LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, use_extra_bufts=False, op_offload=False)
+
+
+def run(eng: Engine, toks: list[int], between: object = None) -> tuple[np.ndarray, list[np.ndarray]]:
+    pre = np.array(eng.eval_logits(toks[:-8]))
+    steps = []
+    for tok in toks[-8:]:
+        if between is not None:
+            between()  # type: ignore[operator]
+        eng.feed([tok])
+        steps.append(np.array(eng.logits(-1)))
+    return pre, steps
+
+
+def same(a: tuple[np.ndarray, list[np.ndarray]], b: tuple[np.ndarray, list[np.ndarray]]) -> bool:
+    return bool(np.array_equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1])))
+
+
+def main(path: Path) -> dict[str, object]:
+    with Engine(path, CFG) as eng:  # stock, before the RPC device exists
+        toks = eng.tokenize(TEXT)[:56]
+        ref = run(eng, toks)
+        ref_gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+        n_expert, layers = eng.info.n_expert, list(eng.info.moe_layers)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dev = native.rpc_loopback_device(port)
+    out: dict[str, object] = {"device": native.device_name(dev)}
+    rng = np.random.default_rng(0)
+
+    with Engine(path, CFG) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="manual"), device=dev)
+
+        def shuffle() -> None:
+            for il in layers:
+                for slot in range(n_expert // 2):
+                    cache.load(Load(il, int(rng.integers(-1, n_expert)), slot))
+
+        shuffle()
+        out["sync_loads_equal"] = same(run(eng, toks, shuffle), ref)
+        out["sync_stats"] = cache.stats()
+
+        def prefetch_some() -> None:  # async loads over the loader connection, often left half issued
+            for il in layers:
+                absent = [e for e in range(n_expert) if cache.state(il, e) == "absent"]
+                if absent:
+                    cache.prefetch(Load(il, int(rng.choice(absent)), int(rng.integers(n_expert // 2))))
+            cache.issue(int(rng.integers(0, 4)))
+
+        cache.reset_stats()
+        out["async_loads_equal"] = same(run(eng, toks, prefetch_some), ref)
+        cache.sync()
+        out["async_stats"] = cache.stats()
+
+    with Engine(path, CFG) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru"), device=dev)
+        gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+        out["lru_generate_equal"] = gen == ref_gen
+        out["lru_stats"] = cache.stats()
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(Path(sys.argv[1]))))

@@ -1,0 +1,30 @@
+"""The expert cache on a device that is not the CPU: llama.cpp's RPC backend on loopback (no GPU needed).
+
+Runs tests/rpc_cache_check.py in a subprocess, because a registered RPC device is seen by every model
+loaded afterwards in the process.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import FIXTURE_MODELS
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_cache_on_rpc_device_equals_stock() -> None:
+    for path in FIXTURE_MODELS:
+        proc = subprocess.run([sys.executable, str(HERE / "rpc_cache_check.py"), str(path)],
+                              capture_output=True, text=True, timeout=600, cwd=HERE)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["device"].startswith("RPC"), out
+        assert out["sync_loads_equal"], (path.name, out)
+        assert out["async_loads_equal"], (path.name, out)
+        assert out["lru_generate_equal"], (path.name, out)
+        for key in ("sync_stats", "async_stats", "lru_stats"):
+            assert out[key]["hits"] > 0 and out[key]["misses"] > 0, (key, out[key])
+        assert out["async_stats"]["chunks"] > out["async_stats"]["loads"] > 0  # some copies were left unfinished
