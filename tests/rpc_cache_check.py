@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,18 @@ def main(path: Path) -> dict[str, object]:
         gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         out["lru_generate_equal"] = gen == ref_gen
         out["lru_stats"] = cache.stats()
+
+    # the CLI's GPU layout: every layer offloaded (-ngl 999) to the device, routed experts kept in CPU
+    # memory by tensor overrides (-ot exps=CPU), the cache on the device
+    gpu_layout = replace(CFG, n_gpu_layers=999, cpu_expert_layers=tuple(layers))
+    with Engine(path, gpu_layout) as eng:
+        stock_layout = run(eng, toks)
+    with Engine(path, gpu_layout) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru"), device=dev)
+        got = run(eng, toks)
+        out["gpu_layout_stats"] = cache.stats()
+    out["gpu_layout_equal"] = same(got, stock_layout)
+    out["gpu_layout_nmse_vs_cpu"] = float(((got[0] - ref[0]) ** 2).mean() / (ref[0] ** 2).mean())
     return out
 
 

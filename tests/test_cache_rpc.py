@@ -25,6 +25,8 @@ def test_cache_on_rpc_device_equals_stock() -> None:
         assert out["sync_loads_equal"], (path.name, out)
         assert out["async_loads_equal"], (path.name, out)
         assert out["lru_generate_equal"], (path.name, out)
-        for key in ("sync_stats", "async_stats", "lru_stats"):
+        # the CLI's GPU layout: all layers on the device, routed experts in CPU memory, cache on the device
+        assert out["gpu_layout_equal"] and out["gpu_layout_nmse_vs_cpu"] < 1e-9, (path.name, out)
+        for key in ("sync_stats", "async_stats", "lru_stats", "gpu_layout_stats"):
             assert out[key]["hits"] > 0 and out[key]["misses"] > 0, (key, out[key])
         assert out["async_stats"]["chunks"] > out["async_stats"]["loads"] > 0  # some copies were left unfinished
