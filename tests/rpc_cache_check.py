@@ -95,6 +95,17 @@ def main(path: Path) -> dict[str, object]:
         out["gpu_layout_stats"] = cache.stats()
     out["gpu_layout_equal"] = same(got, stock_layout)
     out["gpu_layout_nmse_vs_cpu"] = float(((got[0] - ref[0]) ** 2).mean() / (ref[0] ** 2).mean())
+
+    # edgemoe bench's device configurations (numbers over loopback TCP mean nothing: the code paths run)
+    from edgemoe.bench import BenchSpec, run_bench
+    from edgemoe.gguf_info import VRAM_RESERVE, estimate_kv_cache_bytes, read_model_info
+
+    info = read_model_info(path)
+    budget = (info.dense_bytes + estimate_kv_cache_bytes(info, 256) + VRAM_RESERVE
+              + 3 * info.bytes_per_expert_by_layer[layers[0]] * n_expert)  # about 3 layers of experts
+    res = run_bench(path, BenchSpec(vram=budget, prompt_tokens=32, gen_tokens=4, threads=2, policies=("lru",)))
+    out["bench_rows"] = [(r.name, r.decode_tps > 0, r.note) for r in res.rows]
+    out["bench_n_cpu_moe"] = res.n_cpu_moe
     return out
 
 

@@ -30,3 +30,7 @@ def test_cache_on_rpc_device_equals_stock() -> None:
         for key in ("sync_stats", "async_stats", "lru_stats", "gpu_layout_stats"):
             assert out[key]["hits"] > 0 and out[key]["misses"] > 0, (key, out[key])
         assert out["async_stats"]["chunks"] > out["async_stats"]["loads"] > 0  # some copies were left unfinished
+        # bench on a device: the best --n-cpu-moe for about 3 layers of experts leaves 5 of 8 on the CPU
+        assert out["bench_n_cpu_moe"] == 5
+        assert [r[0] for r in out["bench_rows"]] == ["stock -ot exps=CPU", "stock --n-cpu-moe 5", "edgemoe lru"]
+        assert all(ok for _, ok, _ in out["bench_rows"]), out["bench_rows"]
