@@ -48,16 +48,13 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
     return CacheOptions(vram, expert_slots, policy, blocking)
 
 
-def slots_for(model: Path, opts: CacheOptions, n_ctx: int) -> int:
+def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
     """Expert slots per MoE layer: --expert-slots, or what --vram leaves after dense weights and KV cache."""
     if opts.expert_slots is not None:
         return opts.expert_slots
-    from .gguf_info import VRAM_RESERVE, read_model_info, vram_plan
+    from .gguf_info import VRAM_RESERVE, vram_plan
 
-    info = read_model_info(model)
-    plan = vram_plan(info, opts.vram or 0, n_ctx=n_ctx or min(info.n_ctx_train or 4096, 4096),
-                     reserve_bytes=VRAM_RESERVE)
-    return plan.experts_per_layer
+    return vram_plan(info, opts.vram or 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer
 
 
 def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
@@ -80,7 +77,7 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
 
     if not opts.enabled or not engine.info.is_moe:
         return
-    slots = slots_for(model, opts, engine.n_ctx)
+    slots = slots_for(engine.info, opts, engine.n_ctx)
     dev = native.gpu_device()
     cfg = CacheConfig(slots, policy=opts.policy, blocking=opts.blocking,
                       calibration=calibration or default_calibration_dir(model))

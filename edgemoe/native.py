@@ -30,8 +30,9 @@ except ImportError as err:  # pragma: no cover - exercised only on a broken inst
 _cdll: ctypes.CDLL = lib._lib
 
 
-def _declare(name: str, argtypes: list[Any], restype: Any) -> Any:
-    fn = getattr(_cdll, name, None)
+def _declare(name: str, argtypes: list[Any], restype: Any, dll: ctypes.CDLL | None = None) -> Any:
+    """Declare a function of libllama (or of dll); None when the library lacks it."""
+    fn = getattr(dll if dll is not None else _cdll, name, None)
     if fn is None:
         return None
     fn.argtypes = argtypes
@@ -183,7 +184,9 @@ def moe_cache_reset_stats(ctx: Any) -> None:
 
 
 # -- ggml device and buffer-type lookups (libggml / libggml-cpu beside libllama) ------------------------
-GGML_BACKEND_DEVICE_TYPE_GPU = 1  # enum ggml_backend_dev_type: CPU 0, GPU 1, ACCEL 2, IGPU 3
+# enum ggml_backend_dev_type (ACCEL 2, IGPU 3)
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
 
 
 def _sibling(soname: str) -> ctypes.CDLL | None:
@@ -198,22 +201,14 @@ def _sibling(soname: str) -> ctypes.CDLL | None:
 _ggml = _sibling("libggml.so.0")
 _ggml_cpu = _sibling("libggml-cpu.so.0")
 # ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
-_dev_by_type = getattr(_ggml, "ggml_backend_dev_by_type", None)
-if _dev_by_type is not None:
-    _dev_by_type.argtypes, _dev_by_type.restype = [ctypes.c_int], ctypes.c_void_p
+_dev_by_type = _declare("ggml_backend_dev_by_type", [ctypes.c_int], ctypes.c_void_p, _ggml)
 # const char * ggml_backend_dev_name(ggml_backend_dev_t device);
-_dev_name = getattr(_ggml, "ggml_backend_dev_name", None)
-if _dev_name is not None:
-    _dev_name.argtypes, _dev_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+_dev_name = _declare("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p, _ggml)
 # void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
-_dev_memory = getattr(_ggml, "ggml_backend_dev_memory", None)
-if _dev_memory is not None:
-    _dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
-    _dev_memory.restype = None
+_dev_memory = _declare("ggml_backend_dev_memory", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                                   ctypes.POINTER(ctypes.c_size_t)], None, _ggml)
 # ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
-_cpu_buft = getattr(_ggml_cpu, "ggml_backend_cpu_buffer_type", None)
-if _cpu_buft is not None:
-    _cpu_buft.argtypes, _cpu_buft.restype = [], ctypes.c_void_p
+_cpu_buft = _declare("ggml_backend_cpu_buffer_type", [], ctypes.c_void_p, _ggml_cpu)
 
 
 def gpu_device() -> int | None:
@@ -232,24 +227,16 @@ def device_memory(dev: int) -> tuple[int, int]:
     return int(free.value), int(total.value)
 
 
-def _ggml_fn(name: str, argtypes: list[Any], restype: Any) -> Any:
-    fn = getattr(_ggml, name, None) if _ggml is not None else None
-    if fn is not None:
-        fn.argtypes, fn.restype = argtypes, restype
-    return fn
-
-
 # ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
-_reg_by_name = _ggml_fn("ggml_backend_reg_by_name", [ctypes.c_char_p], ctypes.c_void_p)
+_reg_by_name = _declare("ggml_backend_reg_by_name", [ctypes.c_char_p], ctypes.c_void_p, _ggml)
 # void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
-_reg_proc = _ggml_fn("ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p)
+_reg_proc = _declare("ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p, _ggml)
 # void ggml_backend_register(ggml_backend_reg_t reg);
-_register = _ggml_fn("ggml_backend_register", [ctypes.c_void_p], None)
+_register = _declare("ggml_backend_register", [ctypes.c_void_p], None, _ggml)
 # ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
-_reg_dev_get = _ggml_fn("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p)
+_reg_dev_get = _declare("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p, _ggml)
 # size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
-_reg_dev_count = _ggml_fn("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t)
-_CPU_DEVICE_TYPE = 0
+_reg_dev_count = _declare("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t, _ggml)
 
 # void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads,
 #                                    size_t n_devices, ggml_backend_dev_t * devices);
@@ -273,7 +260,7 @@ def rpc_loopback_device(port: int, n_threads: int = 1) -> int:
         raise NativeLibraryError("llama.cpp was built without the RPC backend: run `make install`")
     start = _RpcStartServer(_reg_proc(reg, b"ggml_backend_rpc_start_server"))
     add = _RpcAddServer(_reg_proc(reg, b"ggml_backend_rpc_add_server"))
-    cpu = _dev_by_type(_CPU_DEVICE_TYPE)
+    cpu = _dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
     endpoint = f"127.0.0.1:{port}".encode()
     devs = (ctypes.c_void_p * 1)(cpu)
     threading.Thread(target=start, args=(endpoint, None, n_threads, 1, devs), daemon=True).start()

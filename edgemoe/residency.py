@@ -183,7 +183,7 @@ def simulate(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.nda
                 pending += loads
             flat = np.asarray(ids).reshape(-1)
             flat = flat[flat >= 0]
-            hit = np.isin(flat, list(resident.get(layer, {}))) if layer in resident else np.zeros(len(flat), bool)
+            hit = np.isin(flat, list(resident.get(layer, {})))
             if policy.n_slots.get(layer, 0) > 0:
                 res.hits += int(hit.sum())
                 res.misses += int((~hit).sum())
