@@ -17,12 +17,11 @@ from edgemoe import native
 from edgemoe.engine import Engine, LoadConfig
 from edgemoe.gating import apply_keep
 from edgemoe.hooks import RouteRecord
-from edgemoe.torchref.gguf_export import export_gguf
-from edgemoe.torchref.model import MoEConfig, MoEModel
+from edgemoe.torchref.model import MoEConfig
 from edgemoe.verify import FnPolicy
 
 from conftest import eval_callback_tensors
-from test_torchref import _vocab
+from test_torchref import random_exported_model
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2
 
@@ -64,13 +63,8 @@ def _drop_mask(layer: int, n_tokens: int, k: int) -> np.ndarray:
 
 @pytest.mark.parametrize("arch,n_expert,k,n_ff", [("qwen3moe", 16, 4, 64), ("llama", 8, 2, 256)])
 def test_drops_equal_torch_reference(tmp_path: Path, arch: str, n_expert: int, k: int, n_ff: int) -> None:
-    torch.manual_seed(1)
     cfg = MoEConfig(arch=arch, n_vocab=512, n_layer=3, n_expert=n_expert, n_expert_used=k, n_ff_exp=n_ff)
-    model = MoEModel(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    path = export_gguf(model, _vocab(cfg.n_vocab), tmp_path / f"{arch}.gguf", "test")
+    model, path = random_exported_model(tmp_path, cfg, seed=1)
     ids = torch.randint(0, 300, (40,))
 
     with torch.no_grad():

@@ -20,15 +20,21 @@ def _vocab(n_vocab: int) -> VocabSpec:
                      add_bos=False, chat_template="")
 
 
-@pytest.mark.parametrize("arch,n_expert,k,n_ff", [("qwen3moe", 16, 4, 64), ("llama", 8, 2, 256)])
-def test_export_reproduces_torch_logits(tmp_path: Path, arch: str, n_expert: int, k: int, n_ff: int) -> None:
-    torch.manual_seed(0)
-    cfg = MoEConfig(arch=arch, n_vocab=512, n_layer=2, n_expert=n_expert, n_expert_used=k, n_ff_exp=n_ff)
+def random_exported_model(tmp_path: Path, cfg: MoEConfig, seed: int) -> tuple[MoEModel, Path]:
+    """A random torch reference model (weights larger than the init, so routing and attention
+    matter) and its F32 GGUF export."""
+    torch.manual_seed(seed)
     model = MoEModel(cfg).eval()
-    with torch.no_grad():  # larger weights than the init, so routing and attention matter
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    path = export_gguf(model, _vocab(cfg.n_vocab), tmp_path / f"{arch}.gguf", "test")
+    return model, export_gguf(model, _vocab(cfg.n_vocab), tmp_path / f"{cfg.arch}.gguf", "test")
+
+
+@pytest.mark.parametrize("arch,n_expert,k,n_ff", [("qwen3moe", 16, 4, 64), ("llama", 8, 2, 256)])
+def test_export_reproduces_torch_logits(tmp_path: Path, arch: str, n_expert: int, k: int, n_ff: int) -> None:
+    cfg = MoEConfig(arch=arch, n_vocab=512, n_layer=2, n_expert=n_expert, n_expert_used=k, n_ff_exp=n_ff)
+    model, path = random_exported_model(tmp_path, cfg, seed=0)
     ids = torch.randint(0, 300, (40,))
     with torch.no_grad():
         ref, _ = model(ids[None])
