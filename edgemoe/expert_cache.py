@@ -31,6 +31,8 @@ class CacheConfig:
     calibration: Path | None = None  # static: where router_frequency.npz is
 
 
+_STATE_NAMES = {native.MOE_CACHE_ABSENT: "absent", native.MOE_CACHE_QUEUED: "queued",
+                native.MOE_CACHE_COPYING: "copying", native.MOE_CACHE_RESIDENT: "resident"}
 EXPERT_TENSORS = ("ffn_gate_up_exps", "ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")  # chunk order
 
 
@@ -87,15 +89,11 @@ class ExpertCache:
         native.moe_cache_sync(self._ctx)
 
     def state(self, layer: int, expert: int) -> str:
-        return ("absent", "queued", "copying", "resident")[native.moe_cache_state(self._ctx, layer, expert)]
+        return _STATE_NAMES[native.moe_cache_state(self._ctx, layer, expert)]
 
     def slots(self, layer: int) -> list[int] | None:
         """Slot of each expert of the layer (-1: not resident)."""
         return native.moe_cache_slots(self._ctx, layer, self.n_expert)
-
-    def resident(self, layer: int) -> set[int]:
-        s = self.slots(layer)
-        return {e for e, slot in enumerate(s or []) if slot >= 0}
 
     def reset_stats(self) -> None:
         native.moe_cache_reset_stats(self._ctx)

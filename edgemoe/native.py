@@ -100,8 +100,6 @@ MOE_CACHE_ABSENT, MOE_CACHE_QUEUED, MOE_CACHE_COPYING, MOE_CACHE_RESIDENT = 0, 1
 # int32_t llama_moe_cache_init(struct llama_context * ctx, ggml_backend_dev_t dev, const int32_t * n_slots);
 _moe_cache_init = _declare("llama_moe_cache_init", [ctypes.c_void_p, ctypes.c_void_p,
                                                     ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32)
-# int32_t llama_moe_cache_n_slots(const struct llama_context * ctx, int32_t il);
-_moe_cache_n_slots = _declare("llama_moe_cache_n_slots", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
 # bool llama_moe_cache_set_source(struct llama_context * ctx, int32_t il, const void * const * data);
 _moe_cache_set_source = _declare("llama_moe_cache_set_source", [ctypes.c_void_p, ctypes.c_int32,
                                                                 ctypes.POINTER(ctypes.c_void_p)], ctypes.c_bool)
@@ -133,10 +131,6 @@ def moe_cache_init(ctx: Any, n_slots: list[int] | None, device: Any = None) -> i
         require_patched()
     arr = (ctypes.c_int32 * len(n_slots))(*n_slots) if n_slots is not None else None
     return int(_moe_cache_init(ctx, device, arr))
-
-
-def moe_cache_n_slots(ctx: Any, layer: int) -> int:
-    return int(_moe_cache_n_slots(ctx, layer))
 
 
 def moe_cache_set_source(ctx: Any, layer: int, pointers: list[int | None]) -> bool:
