@@ -15,12 +15,13 @@ from conftest import FIXTURE_MODELS
 HERE = Path(__file__).resolve().parent
 
 
-def test_cache_on_rpc_device_equals_stock() -> None:
+def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
     for path in FIXTURE_MODELS:
-        proc = subprocess.run([sys.executable, str(HERE / "rpc_cache_check.py"), str(path)],
+        result = tmp_path / f"{path.stem}.json"
+        proc = subprocess.run([sys.executable, str(HERE / "rpc_cache_check.py"), str(path), str(result)],
                               capture_output=True, text=True, timeout=600, cwd=HERE)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        out = json.loads(result.read_text())
         assert out["device"].startswith("RPC"), out
         assert out["sync_loads_equal"], (path.name, out)
         assert out["async_loads_equal"], (path.name, out)
