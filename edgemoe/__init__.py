@@ -10,8 +10,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Engine": "engine", "LoadConfig": "engine", "ChatSession": "engine", "ChatMessage": "engine",
-    "Generation": "engine", "SamplingParams": "sampling", "GREEDY": "sampling",
+    "Engine": "runtime.engine", "LoadConfig": "runtime.engine", "ChatSession": "runtime.engine",
+    "ChatMessage": "runtime.engine", "Generation": "runtime.engine",
+    "SamplingParams": "runtime.sampling", "GREEDY": "runtime.sampling",
 }
 
 

@@ -40,8 +40,8 @@ def eval_callback_tensors(path: Path, toks: list[int], prefix: str, dtype: type,
     the flat contents of the nodes named `<prefix><il>`; `hook` (a native.MoeHookFn) is set if given."""
     import ctypes
 
-    from edgemoe import native
-    from edgemoe.native import lib
+    from edgemoe.runtime import native
+    from edgemoe.runtime.native import lib
 
     ggml = ctypes.CDLL(str(Path(lib._lib._name).with_name("libggml-base.so")))
     ggml.ggml_get_name.restype = ctypes.c_char_p

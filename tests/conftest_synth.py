@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from edgemoe.synth import write_synthetic
-from edgemoe.synth_presets import PRESETS
+from edgemoe.gguf.synth import write_synthetic
+from edgemoe.gguf.presets import PRESETS
 
 TINY_PRESETS: tuple[str, ...] = tuple(name for name, p in PRESETS.items() if p.tiny)
 MakeGguf = Callable[..., Path]

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edgemoe import native
-from edgemoe.engine import Engine, LoadConfig
-from edgemoe.expert_cache import CacheConfig
-from edgemoe.residency import Load
-from edgemoe.sampling import GREEDY
+from edgemoe.runtime import native
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.policies.residency import Load
+from edgemoe.runtime.sampling import GREEDY
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 CFG = LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, use_extra_bufts=False, op_offload=False)
@@ -97,8 +97,8 @@ def main(path: Path) -> dict[str, object]:
     out["gpu_layout_nmse_vs_cpu"] = float(((got[0] - ref[0]) ** 2).mean() / (ref[0] ** 2).mean())
 
     # edgemoe bench's device configurations (numbers over loopback TCP mean nothing: the code paths run)
-    from edgemoe.bench import BenchSpec, run_bench
-    from edgemoe.gguf_info import VRAM_RESERVE, estimate_kv_cache_bytes, read_model_info
+    from edgemoe.perf.bench import BenchSpec, run_bench
+    from edgemoe.gguf.info import VRAM_RESERVE, estimate_kv_cache_bytes, read_model_info
 
     info = read_model_info(path)
     budget = (info.dense_bytes + estimate_kv_cache_bytes(info, 256) + VRAM_RESERVE

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import FIXTURE_MODELS, ROOT
 
-from edgemoe import calibration as cal_mod
+from edgemoe.calibration import card as cal_mod
 from edgemoe.calibration import (
     CARD,
     Calibration,
@@ -28,7 +28,7 @@ from edgemoe.calibration import (
     unregister_stage,
 )
 from edgemoe.cli import cli
-from edgemoe.corpus import default_corpus_dir, split_corpus
+from edgemoe.calibration.corpus import default_corpus_dir, split_corpus
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 CORPORA = [default_corpus_dir() / "tinyshakespeare.txt", default_corpus_dir() / "python-docs.txt"]
@@ -43,7 +43,7 @@ def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _fake_card(model: Path, **model_over: Any) -> dict[str, Any]:
-    from edgemoe.gguf_info import read_model_info
+    from edgemoe.gguf.info import read_model_info
 
     info = read_model_info(model)
     m = {"file": model.name, "sha256": model_sha256(model), "layers": list(info.moe_layers),

@@ -139,7 +139,7 @@ def test_vram_unparsable(bad: str) -> None:
 
 
 def test_unexpected_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    import edgemoe.gguf_info as gi
+    import edgemoe.gguf.info as gi
 
     def boom(*a, **k):  # type: ignore[no-untyped-def]
         raise RuntimeError("kaboom")
@@ -164,7 +164,7 @@ def test_generate_with_expert_cache_reports_it(flags: list[str]) -> None:
     plain = json.loads(run("generate", str(MODEL), "-p", "ROMEO:", "-n", "12", "--temp", "0", "--json").stdout)
     assert out["tokens"] == plain["tokens"]  # any residency: the same greedy tokens
     if "--vram" in flags:
-        from edgemoe.gguf_info import read_model_info
+        from edgemoe.gguf.info import read_model_info
 
         assert cache["slots_per_layer"] == read_model_info(MODEL).n_expert  # 1 GiB holds every expert
 

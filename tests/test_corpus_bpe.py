@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from edgemoe.corpus import default_corpus_dir, split_corpus
+from edgemoe.calibration.corpus import default_corpus_dir, split_corpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "fixtures"))
 from bpe import train_bpe  # noqa: E402

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import stock_greedy
 
-from edgemoe.engine import ChatMessage, ChatSession, Engine, LoadConfig
+from edgemoe.runtime.engine import ChatMessage, ChatSession, Engine, LoadConfig
 from edgemoe.errors import ContextOverflowError
-from edgemoe.sampling import GREEDY, SamplingParams
+from edgemoe.runtime.sampling import GREEDY, SamplingParams
 
 pytest_plugins = ["conftest_synth"]
 

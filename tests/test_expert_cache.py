@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemoe.engine import Engine, LoadConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.errors import EdgeMoeError
-from edgemoe.expert_cache import CacheConfig, ExpertCacheError
-from edgemoe.hooks import RouteRecord
-from edgemoe.residency import Load, LruPolicy, StaticPolicy, simulate, used_experts
-from edgemoe.sampling import GREEDY
-from edgemoe.verify import FnPolicy
+from edgemoe.runtime.expert_cache import CacheConfig, ExpertCacheError
+from edgemoe.policies.route import RouteRecord
+from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, simulate, used_experts
+from edgemoe.runtime.sampling import GREEDY
+from edgemoe.analysis.verify import FnPolicy
 
 pytest_plugins = ["conftest_synth"]
 
@@ -72,7 +72,7 @@ def test_random_residency_equals_stock(make_tiny_gguf) -> None:  # type: ignore[
 
 @pytest.mark.parametrize("policy,blocking", [("lru", False), ("lru", True), ("static", False)])
 def test_every_policy_generates_as_stock(fixture_model: Path, policy: str, blocking: bool) -> None:
-    from edgemoe.adaptive import default_calibration_dir
+    from edgemoe.calibration.adaptive import default_calibration_dir
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         ref = eng.generate(TEXT[:60], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from conftest import FIXTURE_MODELS
 
 from edgemoe.cli import cli
-from edgemoe.engine import Engine, LoadConfig
-from edgemoe.gating import GatingPolicy, GatingRule, apply_keep, keep_mask
-from edgemoe.hooks import RouteRecord
-from edgemoe.perplexity import chunk_tokens, log_softmax_nll, perplexity
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.policies.gating import GatingPolicy, GatingRule, apply_keep, keep_mask
+from edgemoe.policies.route import RouteRecord
+from edgemoe.analysis.perplexity import chunk_tokens, log_softmax_nll, perplexity
 
 W = np.array([[0.7, 0.2, 0.1], [0.4, 0.35, 0.25], [0.5, 0.5, 0.0]], np.float32)
 
@@ -116,7 +116,7 @@ def test_perplexity_cli(tmp_path: Path) -> None:
 
 
 def test_bisect_threshold_on_toy_curves() -> None:
-    from edgemoe.gating import bisect_threshold, search_threshold
+    from edgemoe.policies.gating import bisect_threshold, search_threshold
 
     calls = []
 

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import Keys
 
 from edgemoe.errors import InvalidSizeError, ModelLoadError, UnsupportedArchitectureError
-from edgemoe.gguf_info import (
+from edgemoe.gguf.info import (
     KNOWN_ARCHITECTURES,
     check_gguf,
     estimate_kv_cache_bytes,
@@ -24,7 +24,7 @@ from edgemoe.gguf_info import (
     read_model_info,
     vram_plan,
 )
-from edgemoe.synth_presets import PRESETS
+from edgemoe.gguf.presets import PRESETS
 
 pytest_plugins = ["conftest_synth"]
 
@@ -159,7 +159,7 @@ def test_vram_plan_mla_cache_and_dense_models(make_tiny_gguf: MakeGguf) -> None:
 
 def test_vram_plan_real_qwen3_shapes_without_writing(make_tiny_gguf: MakeGguf) -> None:
     # numbers of the full model from the plan, checked against the published sizes
-    from edgemoe.synth_presets import Role, plan_tensors
+    from edgemoe.gguf.presets import Role, plan_tensors
 
     plan = plan_tensors("qwen3-30b-a3b")
     experts = sum(t.nbytes for t in plan if t.role is Role.EXPERT)

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemoe import native
-from edgemoe.engine import Engine, LoadConfig
-from edgemoe.sampling import GREEDY
+from edgemoe.runtime import native
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.sampling import GREEDY
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,8 +62,8 @@ def _nmse(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("slots,policy", [(0, "manual"), (2, "lru"), (4, "lru"), (8, "static")])
 def test_cache_on_gpu_close_to_experts_on_cpu(fixture_model: Path, slots: int, policy: str) -> None:
     """Experts split between the GPU cache and the CPU: NMSE vs all experts on the CPU (-ot exps=CPU)."""
-    from edgemoe.adaptive import default_calibration_dir
-    from edgemoe.expert_cache import CacheConfig
+    from edgemoe.calibration.adaptive import default_calibration_dir
+    from edgemoe.runtime.expert_cache import CacheConfig
 
     with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_gpu_layers=999)) as eng:
         moe = tuple(eng.info.moe_layers)

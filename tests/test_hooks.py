@@ -6,11 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemoe import native
-from edgemoe.engine import Engine, LoadConfig
-from edgemoe.hooks import RouteRecord
-from edgemoe.sampling import GREEDY
-from edgemoe.verify import FnPolicy, check_drop_last, check_identity, check_swap, _logits
+from edgemoe.runtime import native
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.policies.route import RouteRecord
+from edgemoe.runtime.sampling import GREEDY
+from edgemoe.analysis.verify import FnPolicy, check_drop_last, check_identity, check_swap, _logits
 
 pytest_plugins = ["conftest_synth"]
 
@@ -82,7 +82,7 @@ def test_route_record_contents(fixture_model: Path) -> None:
 
 def test_trace_ids_equal_stock_topk(fixture_model: Path) -> None:
     """Read ffn_moe_topk-<il> through llama.cpp's own eval callback (no hook) and compare."""
-    from edgemoe.trace import record_trace
+    from edgemoe.analysis.trace import record_trace
 
     with Engine(fixture_model, LoadConfig(n_ctx=128, n_batch=128, n_ubatch=128)) as eng:
         toks = eng.tokenize(TEXT)[:64]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgemoe import native
+from edgemoe.runtime import native
 from edgemoe.errors import NativeLibraryError
 
 

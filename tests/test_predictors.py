@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURE_MODELS
 
+from edgemoe.analysis.predictor_eval import evaluate, evaluation_to_json, format_evaluation, known_from_trace
 from edgemoe.predictors import (
     GatePredictor,
     Known,
@@ -19,10 +20,6 @@ from edgemoe.predictors import (
     RandomPredictor,
     TokenIdPredictor,
     create_predictor,
-    evaluate,
-    evaluation_to_json,
-    format_evaluation,
-    known_from_trace,
     load_predictors,
     metrics,
     mlp_hidden,
@@ -31,7 +28,7 @@ from edgemoe.predictors import (
     source_of,
     topk_ids,
 )
-from edgemoe.trace import Trace
+from edgemoe.analysis.trace import Trace
 
 
 # -- metrics -----------------------------------------------------------------------------------------
@@ -176,12 +173,12 @@ def fitted(request: pytest.FixtureRequest) -> tuple[Path, list, dict, Trace]:  #
     """All predictors fitted on ~3k train-split tokens (3 epochs) and a 1k-token held-out trace."""
     import torch
 
-    from edgemoe.corpus import default_corpus_dir, split_corpus
-    from edgemoe.engine import Engine, LoadConfig
+    from edgemoe.calibration.corpus import default_corpus_dir, split_corpus
+    from edgemoe.runtime.engine import Engine, LoadConfig
     from edgemoe.predictors import spec_for_model
-    from edgemoe.predictors.fit import fit_predictors
+    from edgemoe.calibration.predictor_fit import fit_predictors
     from edgemoe.predictors.train import TrainConfig
-    from edgemoe.trace import record_trace
+    from edgemoe.analysis.trace import record_trace
 
     torch.set_num_threads(1)
     model = request.param

@@ -8,11 +8,12 @@ import pytest
 import torch
 from conftest import FIXTURE_MODELS
 
-from edgemoe.adaptive import GatingOptions, build_gating, save_validation_tokens
-from edgemoe.engine import Engine, LoadConfig
+from edgemoe.calibration.adaptive import GatingOptions, build_gating
+from edgemoe.calibration.sensitivity import save_validation_tokens
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.errors import EdgeMoeError, UnsupportedArchitectureError
-from edgemoe.gating import GatingRule
-from edgemoe.sensitivity import Sensitivity, calibrate_sensitivity, spearman
+from edgemoe.policies.gating import GatingRule
+from edgemoe.calibration.sensitivity import Sensitivity, calibrate_sensitivity, spearman
 from edgemoe.torchref.gguf_import import load_gguf_model
 
 pytest_plugins = ["conftest_synth"]
@@ -76,7 +77,7 @@ def test_build_gating_options(tmp_path: Path) -> None:
         save_validation_tokens(tmp_path, eng.tokenize(TEXT, add_special=False)[:200])
         opts = GatingOptions(mode="empirical", target_reduction=0.25, calibration=tmp_path, decode_only=False)
         pol = build_gating(eng, opts)
-        from edgemoe.perplexity import perplexity
+        from edgemoe.analysis.perplexity import perplexity
 
         red = perplexity(eng, np.load(tmp_path / "gating_validation_tokens.npy").tolist(), ctx=128,
                          policies=[pol]).activation_reduction

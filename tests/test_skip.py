@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from edgemoe import native
-from edgemoe.engine import Engine, LoadConfig
-from edgemoe.gating import apply_keep
-from edgemoe.hooks import RouteRecord
+from edgemoe.runtime import native
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.policies.gating import apply_keep
+from edgemoe.policies.route import RouteRecord
 from edgemoe.torchref.model import MoEConfig
-from edgemoe.verify import FnPolicy
+from edgemoe.analysis.verify import FnPolicy
 
 from conftest import eval_callback_tensors
 from test_torchref import random_exported_model

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 from gguf.constants import Keys
 
-from edgemoe import synth
-from edgemoe.randquant import SUPPORTED_TYPES, TARGET_STD, iter_random_tensor
-from edgemoe.synth import PRESETS, plan_tensors, synthetic_vocab, write_synthetic
-from edgemoe.synth_presets import QTYPES, Role, tensor_type
+from edgemoe.gguf import synth
+from edgemoe.gguf.randquant import SUPPORTED_TYPES, TARGET_STD, iter_random_tensor
+from edgemoe.gguf.synth import PRESETS, plan_tensors, synthetic_vocab, write_synthetic
+from edgemoe.gguf.presets import QTYPES, Role, tensor_type
 
 pytest_plugins = ["conftest_synth"]
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from edgemoe.engine import Engine, LoadConfig
-from edgemoe.synth import synthetic_vocab
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.gguf.synth import synthetic_vocab
 from edgemoe.torchref.gguf_export import VocabSpec, export_gguf
 from edgemoe.torchref.model import MoEConfig, MoEModel, load_balancing_loss
 

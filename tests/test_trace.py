@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from conftest import FIXTURE_MODELS
 
 from edgemoe.cli import cli
-from edgemoe.engine import Engine, LoadConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.errors import EdgeMoeError
-from edgemoe.trace import DECODE, PREFILL, Trace, record_trace
+from edgemoe.analysis.trace import DECODE, PREFILL, Trace, record_trace
 
 MODEL = FIXTURE_MODELS[-1]  # the qwen3moe fixture
 TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
@@ -100,7 +100,7 @@ def test_verify_cli(model: Path) -> None:
 
 
 def test_verify_cli_fails_when_a_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    import edgemoe.verify as v
+    import edgemoe.analysis.verify as v
 
     monkeypatch.setattr(v, "check_swap", lambda *a, **k: v.CheckResult("swap", False, "forced failure"))
     res = CliRunner().invoke(cli, ["verify", str(MODEL)])

@@ -8,8 +8,8 @@ import numpy as np
 from click.testing import CliRunner
 
 from edgemoe.cli import cli
-from edgemoe.trace import DECODE, PREFILL, Trace
-from edgemoe.trace_stats import (adjacency_matrix, compute_stats, gate_input_cosine, gate_reuse_recall, high_workload_adjacency,
+from edgemoe.analysis.trace import DECODE, PREFILL, Trace
+from edgemoe.analysis.trace_stats import (adjacency_matrix, compute_stats, gate_input_cosine, gate_reuse_recall, high_workload_adjacency,
                                  lru_hit_rates, prefill_decode_similarity, temporal_locality,
                                  workload_windows)
 

@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edgemoe.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.expert_cache import CacheConfig  # noqa: E402
-from edgemoe.sampling import GREEDY  # noqa: E402
+from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
+from edgemoe.runtime.expert_cache import CacheConfig  # noqa: E402
+from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 

@@ -27,12 +27,12 @@ sys.path.insert(0, str(ROOT))
 
 import llama_cpp  # noqa: E402
 
-from edgemoe.adaptive import MODES, GatingOptions, build_gating, default_calibration_dir  # noqa: E402
-from edgemoe.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.sampling import GREEDY  # noqa: E402
-from edgemoe.perplexity import ActivationCounter  # noqa: E402
-from edgemoe.trace import TraceRecorder  # noqa: E402
-from edgemoe.verify import FnPolicy  # noqa: E402
+from edgemoe.calibration.adaptive import MODES, GatingOptions, build_gating, default_calibration_dir  # noqa: E402
+from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
+from edgemoe.runtime.sampling import GREEDY  # noqa: E402
+from edgemoe.analysis.perplexity import ActivationCounter  # noqa: E402
+from edgemoe.analysis.trace import TraceRecorder  # noqa: E402
+from edgemoe.analysis.verify import FnPolicy  # noqa: E402
 
 LAST_REDUCTION: list[object] = [None]  # the gate variant's activation counter (decode tokens)
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"

@@ -25,12 +25,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edgemoe.adaptive import GatingOptions, build_gating, save_validation_tokens  # noqa: E402
-from edgemoe.corpus import default_corpus_dir, split_corpus  # noqa: E402
-from edgemoe.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.perplexity import perplexity  # noqa: E402
-from edgemoe.sampling import GREEDY  # noqa: E402
-from edgemoe.sensitivity import calibrate_sensitivity  # noqa: E402
+from edgemoe.calibration.adaptive import GatingOptions, build_gating  # noqa: E402
+from edgemoe.calibration.sensitivity import save_validation_tokens  # noqa: E402
+from edgemoe.calibration.corpus import default_corpus_dir, split_corpus  # noqa: E402
+from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
+from edgemoe.analysis.perplexity import perplexity  # noqa: E402
+from edgemoe.runtime.sampling import GREEDY  # noqa: E402
+from edgemoe.calibration.sensitivity import calibrate_sensitivity  # noqa: E402
 
 MODELS = [ROOT / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf", ROOT / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"]
 CORPORA = ["tinyshakespeare.txt", "python-docs.txt"]

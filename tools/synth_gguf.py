@@ -14,9 +14,9 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from edgemoe.gguf_info import format_size
-from edgemoe.synth import PRESETS, plan_tensors, write_synthetic
-from edgemoe.synth_presets import QTYPES
+from edgemoe.gguf.info import format_size
+from edgemoe.gguf.synth import PRESETS, plan_tensors, write_synthetic
+from edgemoe.gguf.presets import QTYPES
 
 
 def _print_presets(qtype: str) -> None:

@@ -3,33 +3,24 @@
 Kinds (PredictorKind): mlp (ProMoE), gate (AdapMoE / DAOP gate reuse), residual (DALI),
 prev-token, token-id (ProMoE's token-based baseline), first-layer (AdapMoE eq. 9), random.
 Trained by `edgemoe calibrate` (torch, edgemoe.predictors.train), stored as numpy arrays,
-evaluated by `edgemoe predict-eval`. See docs/predictors.md.
+evaluated by `edgemoe predict-eval` (edgemoe.analysis.predictor_eval), fitted by the
+calibration stage edgemoe.calibration.predictor_fit. See docs/predictors.md.
 
 Importing this package does not import torch.
 """
 from __future__ import annotations
 
-from .base import (
-    Known,
-    ModelSpec,
-    Predictor,
-    PredictorError,
-    PredictorKind,
-    create_predictor,
-    parse_kind,
-    predictor_class,
-    source_of,
-    topk_ids,
-)
+from .base import Known, ModelSpec, Predictor, PredictorError, PredictorKind, parse_kind, source_of, topk_ids
+from .registry import create_predictor, predictor_class
+
+# importing each kind registers it: after this package's import the registry is complete
 from .baselines import PrevTokenPredictor, RandomPredictor, TokenIdPredictor
-from .evaluate import Evaluation, Score, evaluate, evaluation_to_json, format_evaluation, known_from_trace
 from .first_layer import FirstLayerPredictor
 from .gate import GatePredictor, ResidualPredictor
 from .mlp import MLPPredictor, mlp_hidden
 from .store import load_predictors, save_predictors, spec_for_model
 
 __all__ = [
-    "Evaluation",
     "FirstLayerPredictor",
     "GatePredictor",
     "Known",
@@ -41,13 +32,8 @@ __all__ = [
     "PrevTokenPredictor",
     "RandomPredictor",
     "ResidualPredictor",
-    "Score",
     "TokenIdPredictor",
     "create_predictor",
-    "evaluate",
-    "evaluation_to_json",
-    "format_evaluation",
-    "known_from_trace",
     "load_predictors",
     "mlp_hidden",
     "parse_kind",

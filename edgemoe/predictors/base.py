@@ -15,10 +15,10 @@ numpy arrays, so run-time inference needs numpy only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -82,7 +82,7 @@ class ModelSpec:
     def router(self, target: int) -> np.ndarray:
         if self.routers is None or target not in self.routers:
             raise PredictorError(f"the router of MoE layer {target} is not loaded: build the ModelSpec with "
-                                 "routers=load_routers(model, layers) (edgemoe.trace_stats)")
+                                 "routers=load_routers(model, layers) (edgemoe.gguf.routers)")
         return self.routers[target]
 
 
@@ -142,35 +142,6 @@ class Predictor(ABC):
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "distance": self.distance,
                 "targets": [t for t in range(self.spec.n_layers) if self.covers(t)]}
-
-
-P = TypeVar("P", bound=Predictor)
-_REGISTRY: dict[PredictorKind, type[Predictor]] = {}
-
-
-def register(kind: PredictorKind) -> Callable[[type[P]], type[P]]:
-    """Class decorator: make `kind` build this class."""
-    def deco(cls: type[P]) -> type[P]:
-        cls.kind = kind
-        _REGISTRY[kind] = cls
-        return cls
-    return deco
-
-
-def predictor_class(kind: str | PredictorKind) -> type[Predictor]:
-    k = parse_kind(kind)
-    if k not in _REGISTRY:  # the kind modules register on import (edgemoe.predictors does it)
-        from . import baselines, first_layer, gate, mlp  # noqa: F401
-    return _REGISTRY[k]
-
-
-def create_predictor(kind: str | PredictorKind, spec: ModelSpec, distance: int,
-                     arrays: Mapping[str, np.ndarray] | None = None) -> Predictor:
-    """The factory: a predictor of `kind` for `distance`, from its stored arrays when it is trained."""
-    cls = predictor_class(kind)
-    if cls.trained and not arrays:
-        raise PredictorError(f"the {cls.kind.value} predictor needs calibration data: run `edgemoe calibrate`")
-    return cls.from_arrays(spec, distance, arrays or {})
 
 
 def topk_ids(scores: np.ndarray, n: int) -> np.ndarray:

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .base import Known, ModelSpec, Predictor, PredictorError, PredictorKind, register
+from .base import Known, ModelSpec, Predictor, PredictorError, PredictorKind
+from .registry import register
 
 
 @register(PredictorKind.GATE)

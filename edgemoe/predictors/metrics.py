@@ -6,7 +6,7 @@
 - high-workload recall (DALI Table 2, Fig. 16b): over windows of consecutive tokens (a prefill
   ubatch), are the `top` experts with the most predicted tokens among the `top` busiest
   experts of the window? Ties in the true workload count as hits. The caller builds the
-  window's scores from what is known for a whole ubatch (edgemoe.predictors.evaluate).
+  window's scores from what is known for a whole ubatch (edgemoe.analysis.predictor_eval).
 - GoodPred (ProMoE §4.1) = Accuracy x FetchRate: FetchRate needs the runtime's copy timing
   (a later issue), so it is a placeholder here.
 """

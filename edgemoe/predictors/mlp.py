@@ -14,7 +14,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .base import Known, ModelSpec, Predictor, PredictorError, PredictorKind, register
+from .base import Known, ModelSpec, Predictor, PredictorError, PredictorKind
+from .registry import register
 
 MAX_HIDDEN = 1024
 MIN_HIDDEN = 64

@@ -9,15 +9,16 @@ from typing import Any
 
 import numpy as np
 
-from .base import ModelSpec, Predictor, PredictorError, create_predictor, parse_kind, predictor_class
+from .base import ModelSpec, Predictor, PredictorError, parse_kind
+from .registry import create_predictor, predictor_class
 
 SUBDIR = "predictors"
 
 
 def spec_for_model(model_path: str | os.PathLike[str], *, routers: bool = True) -> ModelSpec:
     """The ModelSpec of a GGUF: MoE layers, experts, top-k, width, and (by default) its routers."""
-    from ..gguf_info import read_model_info
-    from ..trace_stats import load_routers
+    from ..gguf.info import read_model_info
+    from ..gguf.routers import load_routers
 
     info = read_model_info(Path(model_path))
     if not info.is_moe:

@@ -1,0 +1,87 @@
+"""Human-readable text for `edgemoe inspect` (the numbers come from edgemoe.gguf.info)."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from ..gguf.info import ModelInfo, VramPlan, format_size
+
+
+def format_info(info: ModelInfo) -> str:
+    lines = [
+        f"model        {info.name or info.path.name} ({info.path.name}, {format_size(info.file_size)})",
+        f"architecture {info.architecture}",
+        f"layers       {info.n_layer} (n_embd {info.n_embd}, heads {info.n_head}/{info.n_head_kv} kv, "
+        f"vocab {info.n_vocab}, train ctx {info.n_ctx_train})",
+    ]
+    if not info.is_moe:
+        lines.append("experts      none: dense model (edgemoe's MoE features are off)")
+    else:
+        moe = info.moe_layers
+        span = f"{moe[0]}..{moe[-1]}" if len(moe) == moe[-1] - moe[0] + 1 else ",".join(map(str, moe))
+        lines += [
+            f"MoE layers   {len(moe)} (layers {span})",
+            f"experts      {info.n_expert} routed, {info.n_expert_used} used per token, "
+            f"{info.n_expert_shared} shared; expert n_ff {info.n_ff_exp}",
+            f"per expert   {format_size(info.bytes_per_expert)} (one layer); "
+            f"per layer {format_size(info.bytes_per_expert * info.n_expert)}",
+        ]
+        first = info.expert_tensors[moe[0]]
+        for t in first:
+            lines.append(f"  {t.name:<36} {t.qtype:<6} {'x'.join(map(str, t.shape)):<18} "
+                         f"{format_size(t.bytes_per_expert)}/expert")
+    total = info.total_tensor_bytes
+    lines += [
+        f"bytes        experts {format_size(info.expert_bytes_total)} "
+        f"({100 * info.expert_bytes_total / max(total, 1):.1f}%), dense {format_size(info.dense_bytes)} "
+        f"(shared experts {format_size(info.shared_expert_bytes)}), total {format_size(total)}",
+        "by type      " + ", ".join(f"{k} {format_size(v)}" for k, v in
+                                   sorted(info.bytes_by_type.items(), key=lambda kv: -kv[1])),
+    ]
+    return "\n".join(lines)
+
+
+def format_plan(plan: VramPlan) -> str:
+    reserve = f" + {format_size(plan.reserve_bytes)} compute reserve" if plan.reserve_bytes else ""
+    head = (f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
+            f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}){reserve}")
+    if not plan.dense_fits:
+        return head + " -> does not fit; experts stay on the CPU"
+    if plan.n_expert == 0:
+        return head + " -> fits"
+    return (head + f" -> {format_size(plan.expert_budget_bytes)} for experts: {plan.experts_per_layer} of "
+            f"{plan.n_expert} experts per layer ({100 * plan.expert_fraction:.0f}%) in "
+            f"{plan.n_moe_layers} MoE layers")
+
+
+def plan_to_dict(plan: VramPlan) -> dict[str, Any]:
+    d = asdict(plan)
+    d.update(dense_fits=plan.dense_fits, expert_fraction=plan.expert_fraction,
+             all_experts_fit=plan.all_experts_fit)
+    return d
+
+
+def format_stats(d: dict[str, Any]) -> str:
+    """Text table of TraceStats.to_dict() (plus its "trace" and "plots" entries)."""
+    def row(name: str, vals: list[float] | None, offset: int = 0) -> str:
+        if vals is None:
+            return f"{name:<28} n/a"
+        cells = [" " * 6] * offset + [f"{v:6.3f}" for v in vals]
+        return f"{name:<28} " + " ".join(cells)
+
+    t = d["trace"]
+    lines = [f"trace {t['path']}: {t['tokens']} tokens ({t['mode']}), {len(d['layers'])} MoE layers, "
+             f"{d['n_expert']} experts, top-{d['k']}",
+             f"{'MoE layer':<28} " + " ".join(f"{il:>6}" for il in d["layers"]),
+             row("normalised entropy", d["entropy"]), row("skew (hottest x E)", d["skew"]),
+             row("temporal locality", d["temporal_locality"]),
+             row(f"high-workload adj. (w={d['adjacency_window']})", d["high_workload_adjacency"]),
+             row("gate-input cos (l-1, l)", d["gate_input_cosine"], 1),
+             row("gate-reuse recall (l from l-1)", d["gate_reuse_recall"], 1),
+             row("prefill/decode similarity", d["prefill_decode_similarity"])]
+    lines.append("LRU hit rate (mean over layers): " + ", ".join(
+        f"{s}: {h:.3f}" for s, h in zip(d["lru_sizes"], d["lru_hit_rate_mean"])))
+    lines.append("means: " + ", ".join(f"{k} {v}" for k, v in d["mean"].items() if v is not None))
+    if d.get("plots"):
+        lines.append("plots: " + ", ".join(d["plots"]))
+    return "\n".join(lines)

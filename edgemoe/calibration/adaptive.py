@@ -1,0 +1,100 @@
+"""Build the adaptive top-k gating policy from user options (--gating, --threshold, --target-reduction).
+
+`fisher` and `empirical` are the AdapMoE sensitivity rule with S_l from the
+calibration directory; `score` and `ser` need no calibration. A target
+reduction is turned into a threshold on the calibration directory's
+validation tokens (never on the text being evaluated); the result is cached
+there in thresholds.json.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import EdgeMoeError
+from ..policies.gating import GatingPolicy, GatingRule, search_threshold
+from .card import write_json
+from .sensitivity import VALIDATION_TOKENS, Sensitivity
+
+MODES = ("off", "fisher", "empirical", "score", "ser")
+THRESHOLDS = "thresholds.json"
+
+
+@dataclass(frozen=True)
+class GatingOptions:
+    mode: str = "off"  # one of MODES
+    threshold: float | None = None
+    target_reduction: float | None = None
+    calibration: Path | None = None  # directory with sensitivity.json / validation tokens
+    decode_only: bool = True  # leave prefill ubatches at full top-k
+
+    @property
+    def rule(self) -> GatingRule:
+        if self.mode not in MODES:
+            raise EdgeMoeError(f"unknown --gating {self.mode!r}: use one of {', '.join(MODES)}")
+        return {"off": GatingRule.OFF, "score": GatingRule.SCORE, "ser": GatingRule.SER}.get(
+            self.mode, GatingRule.SENSITIVITY)
+
+
+def default_calibration_dir(model: Path) -> Path | None:
+    """The model's calibration directory (bundled, or the per-user cache), or None when it has none."""
+    from .card import CalibrationError, find_calibration
+
+    try:
+        return find_calibration(model).path
+    except CalibrationError:
+        return None
+
+
+def _need_calibration(opts: GatingOptions, what: str) -> Path:
+    if opts.calibration is None or not opts.calibration.is_dir():
+        raise EdgeMoeError(f"{what} needs calibration data: run `edgemoe calibrate MODEL --corpus FILE` "
+                           "and pass --calibration DIR (bundled fixtures have it in predictors/)")
+    return opts.calibration
+
+
+def build_gating(engine: object, opts: GatingOptions, *, ctx: int = 256) -> GatingPolicy | None:
+    """The policy for these options, or None when gating is off."""
+    rule = opts.rule
+    if rule is GatingRule.OFF:
+        return None
+    if (opts.threshold is None) == (opts.target_reduction is None):
+        raise EdgeMoeError(f"--gating {opts.mode} needs exactly one of --threshold T or --target-reduction R")
+    sens = None
+    if rule is GatingRule.SENSITIVITY:
+        sens = Sensitivity.load(_need_calibration(opts, f"--gating {opts.mode}")).of(opts.mode)
+    threshold = opts.threshold
+    if threshold is None:
+        threshold = _threshold_for_target(engine, opts, rule, sens, ctx)
+    return GatingPolicy(rule, float(threshold), sensitivity=sens, decode_only=opts.decode_only)
+
+
+def _threshold_for_target(engine: object, opts: GatingOptions, rule: GatingRule,
+                          sens: dict[int, float] | None, ctx: int) -> float:
+    from ..analysis.perplexity import perplexity
+
+    directory = _need_calibration(opts, "--target-reduction")
+    cache_path = directory / THRESHOLDS
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    key = f"{opts.mode}@{opts.target_reduction:.4f}"
+    if key in cache:
+        return float(cache[key]["threshold"])
+    vpath = directory / VALIDATION_TOKENS
+    if not vpath.exists():
+        raise EdgeMoeError(f"{directory} has no {VALIDATION_TOKENS}; run `edgemoe calibrate` again")
+    tokens = np.load(vpath).tolist()
+
+    def reduction_at(t: float) -> float:
+        pol = GatingPolicy(rule, t, sensitivity=sens, decode_only=False)
+        return perplexity(engine, tokens, ctx=ctx, policies=[pol]).activation_reduction  # type: ignore[arg-type]
+
+    threshold, reached = search_threshold(rule, float(opts.target_reduction), reduction_at, sens)  # type: ignore[arg-type]
+    cache[key] = {"threshold": threshold, "validation_reduction": reached, "validation_tokens": len(tokens)}
+    try:
+        write_json(cache_path, cache)
+    except OSError:  # a read-only calibration directory: search again next time
+        pass
+    return threshold

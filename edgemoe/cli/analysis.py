@@ -1,0 +1,143 @@
+"""edgemoe CLI, analysis commands: trace, trace-stats, verify, perplexity (registered by edgemoe.cli.main)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .options import gating_from_options, gating_options
+from .types import GGUFPath
+
+
+@click.command()
+@click.argument("model", type=GGUFPath())
+@click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="text file to run through the model")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="trace file to write (.npz); written only when complete")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="trace at most this many tokens of the input")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=512, show_default=True,
+              help="tokens per sequence: the input is cut into chunks of this size")
+@click.option("--mode", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True,
+              help="prefill: each chunk in one prefill; decode: a short prefill, then one token per decode")
+@click.option("--prefill-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="with --mode decode: tokens prefilled before decoding starts")
+@click.option("--gate-inputs", is_flag=True, help="also record the router inputs (hidden states, float16)")
+@click.option("--probs", is_flag=True, help="also record the full router probabilities")
+@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+def trace(model: Path, input_path: Path, out_path: Path, max_tokens: int, n_ctx: int, mode: str,
+          prefill_tokens: int, gate_inputs: bool, probs: bool, threads: int) -> None:
+    """Record which experts every MoE layer picks for every token of a text."""
+    from ..runtime.engine import Engine, LoadConfig
+    from ..progress import progress_bar
+    from ..analysis.trace import record_trace
+
+    text = input_path.read_text(encoding="utf-8", errors="replace")
+    with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
+        if not eng.info.is_moe:
+            raise click.ClickException(f"{model.name} is a dense model: there are no experts to trace")
+        tokens = eng.tokenize(text)[:max_tokens]
+        with progress_bar(len(tokens), "trace", unit="tok") as bar:
+            tr = record_trace(eng, tokens, ctx=n_ctx, mode=mode, prefill_tokens=prefill_tokens,
+                              probs=probs, gate_inputs=gate_inputs, progress=bar)
+    tr.meta["input"] = str(input_path)
+    tr.save(out_path)
+    click.echo(f"wrote {out_path}: {tr.n_tokens} tokens x {len(tr.layers)} MoE layers x top-{tr.ids.shape[2]} "
+               f"({mode})", err=True)
+
+
+@click.command()
+@click.argument("model", type=GGUFPath())
+@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def verify(model: Path, threads: int, as_json: bool) -> None:
+    """Check that edgemoe's MoE hook reproduces stock llama.cpp on MODEL (exit 1 if a check fails)."""
+    from ..analysis.verify import run_checks
+
+    results = run_checks(model, threads=threads)
+    ok = all(r.ok for r in results)
+    if as_json:
+        click.echo(json.dumps({"model": str(model), "ok": ok, "checks": [r.to_dict() for r in results]}))
+    else:
+        for r in results:
+            click.echo(f"{'PASS' if r.ok else 'FAIL'}  {r.name:<10} {r.detail}")
+    if not ok:
+        raise SystemExit(1)
+
+
+@click.command("trace-stats")
+@click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", type=GGUFPath(), default=None,
+              help="the GGUF the trace came from (default: the path in the trace), for gate-reuse accuracy")
+@click.option("--window", type=click.IntRange(min=2), default=32, show_default=True,
+              help="tokens per window for the high-workload adjacency")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="write PNG figures into this directory")
+def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool, plots_dir: Path | None) -> None:
+    """Routing statistics of a trace: frequency, locality, similarity, gate reuse, LRU hit rates."""
+    from ..analysis.report import format_stats
+    from ..analysis.trace import Trace
+    from ..analysis.trace_stats import compute_stats
+    from ..gguf.routers import load_routers
+
+    tr = Trace.load(trace_path)
+    routers = None
+    if tr.gate_inputs is not None:
+        src = model or Path(str(tr.meta.get("model", "")))
+        if src.is_file():
+            routers = load_routers(str(src), [int(x) for x in tr.layers])
+    st = compute_stats(tr, routers=routers, window=window)
+    d = st.to_dict()
+    d["trace"] = {"path": str(trace_path), "tokens": tr.n_tokens, "mode": tr.meta.get("mode"),
+                  "model": tr.meta.get("model"), "input": tr.meta.get("input")}
+    if plots_dir is not None:
+        from ..analysis.trace_plots import write_plots
+
+        d["plots"] = [str(p) for p in write_plots(st, plots_dir, Path(str(tr.meta.get("model", "trace"))).stem)]
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    click.echo(format_stats(d))
+
+
+
+@click.command()
+@click.argument("model", type=GGUFPath())
+@click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="text to score (use held-out text)")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=512, show_default=True,
+              help="tokens per chunk; each chunk is a fresh sequence")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="score at most this many tokens")
+@gating_options
+@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, gating: str,
+               threshold: float | None, target_reduction: float | None, calibration: Path | None, threads: int,
+               as_json: bool) -> None:
+    """Held-out NLL and perplexity through edgemoe, and the expert activations computed.
+
+    Gating applies to every token here (the text stands in for decode).
+    """
+    from ..calibration.adaptive import build_gating
+    from ..runtime.engine import Engine, LoadConfig
+    from ..analysis.perplexity import perplexity as run_ppl
+    from ..progress import progress_bar
+
+    gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=False)
+    text = input_path.read_text(encoding="utf-8", errors="replace")
+    with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
+        tokens = eng.tokenize(text, add_special=False)[:max_tokens]
+        policy = build_gating(eng, gate)
+        policies = [policy] if policy is not None else []
+        with progress_bar(len(tokens), "perplexity", unit="tok") as bar:
+            res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar)
+    d = {"model": str(model), "input": str(input_path), "gating": gating,
+         "threshold": policy.threshold if policy is not None else None, **res.to_dict()}
+    if as_json:
+        click.echo(json.dumps(d))
+    else:
+        click.echo(f"nll {res.nll:.4f}  ppl {res.ppl:.3f}  tokens {res.tokens}  expert activations "
+                   f"{res.expert_activations} of {res.full_activations} (reduction {res.activation_reduction:.1%})")

@@ -1,0 +1,36 @@
+"""`edgemoe bench`: stock placements vs the expert cache at one VRAM budget (edgemoe.perf.bench)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .types import GGUFPath, Size
+
+
+@click.command()
+@click.argument("model", type=GGUFPath())
+@click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget shared by every configuration")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--gen-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (default: physical cores)")
+@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "static"]),
+              default=("lru", "static"), show_default=True, help="edgemoe policies to run (repeatable)")
+@click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="calibration directory for the static policy (default: the model's)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="write a PNG bar chart")
+def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: int, policies: tuple[str, ...],
+          calibration: Path | None, as_json: bool, plot: Path | None) -> None:
+    """Prefill/decode tokens/s, TTFT, TPOT and VRAM: stock -ot exps=CPU, the best --n-cpu-moe, edgemoe policies."""
+    from ..calibration.adaptive import default_calibration_dir
+    from ..perf.bench import BenchSpec, format_table, run_bench
+    from ..perf.bench import plot as plot_png
+
+    spec = BenchSpec(vram=vram, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, threads=threads,
+                     policies=policies, calibration=calibration or default_calibration_dir(model))
+    res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
+    if plot is not None:
+        plot_png(res, plot)
+    click.echo(json.dumps(res.to_dict(), indent=1) if as_json else format_table(res))

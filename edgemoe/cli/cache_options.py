@@ -1,0 +1,87 @@
+"""CLI options of the expert cache: --vram / --expert-slots / --policy, and opening an engine with them."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .types import Size
+
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    vram: int | None
+    expert_slots: int | None
+    policy: str
+    blocking: bool
+
+    @property
+    def enabled(self) -> bool:
+        return self.vram is not None or self.expert_slots is not None
+
+
+def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    opts = [
+        click.option("--vram", type=Size(), default=None,
+                     help="GPU budget, e.g. 6GiB: dense weights and KV cache first, the rest as expert slots "
+                          "(equal per MoE layer)"),
+        click.option("--expert-slots", type=click.IntRange(min=0), default=None,
+                     help="expert slots per MoE layer (instead of --vram)"),
+        click.option("--policy", type=click.Choice(["lru", "static", "manual"]), default="lru", show_default=True,
+                     help="which experts the slots hold: lru (load misses for the next token), static "
+                          "(the calibration's most frequent), manual (API only)"),
+        click.option("--blocking-loads", is_flag=True,
+                     help="lru: load a missed expert before its layer runs instead of running it on the CPU"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, blocking: bool) -> CacheOptions:
+    if vram is not None and expert_slots is not None:
+        raise click.UsageError("give --vram or --expert-slots, not both")
+    return CacheOptions(vram, expert_slots, policy, blocking)
+
+
+def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
+    """Expert slots per MoE layer: --expert-slots, or what --vram leaves after dense weights and KV cache."""
+    if opts.expert_slots is not None:
+        return opts.expert_slots
+    from ..gguf.info import VRAM_RESERVE, vram_plan
+
+    return vram_plan(info, opts.vram or 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer
+
+
+def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
+    """The engine's LoadConfig with the cache's needs: on a GPU build, experts in CPU memory and the rest on the GPU."""
+    from dataclasses import replace
+
+    from ..runtime import native
+    from ..gguf.info import read_model_info
+
+    if not opts.enabled or native.gpu_device() is None:
+        return base
+    moe = read_model_info(model).moe_layers
+    return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(moe))
+
+
+def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:
+    from ..runtime import native
+    from ..calibration.adaptive import default_calibration_dir
+    from ..runtime.expert_cache import CacheConfig
+
+    if not opts.enabled or not engine.info.is_moe:
+        return
+    slots = slots_for(engine.info, opts, engine.n_ctx)
+    dev = native.gpu_device()
+    cfg = CacheConfig(slots, policy=opts.policy, blocking=opts.blocking,
+                      calibration=calibration or default_calibration_dir(model))
+    engine.enable_expert_cache(cfg, device=dev)
+    where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
+    click.echo(f"expert cache: {slots} slots per MoE layer on {where}, policy {opts.policy}"
+               + (" (blocking loads)" if opts.blocking else ""), err=True)

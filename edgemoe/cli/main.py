@@ -1,0 +1,64 @@
+"""edgemoe command line: a thin click layer over edgemoe's Python API.
+
+The root group and the one place where every command group's commands are registered;
+the command modules (model, analysis, calibrate, bench) never import this module.
+"""
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any
+
+import click
+
+from .. import __version__
+from ..errors import EdgeMoeError
+from . import analysis, bench, calibrate, model
+
+
+class EdgeMoeGroup(click.Group):
+    """Turns library errors into one-line messages; tracebacks only with --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except EdgeMoeError as err:
+            if ctx.meta.get("edgemoe.debug"):
+                traceback.print_exc()
+            raise click.ClickException(str(err)) from err
+        except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+            raise
+        except Exception as err:  # noqa: BLE001 - the CLI edge: never show a raw traceback by default
+            if ctx.meta.get("edgemoe.debug"):
+                raise
+            raise click.ClickException(
+                f"unexpected {type(err).__name__}: {err} (run `edgemoe --debug ...` for the traceback "
+                "and please report it)") from err
+
+
+@click.group(cls=EdgeMoeGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="edgemoe")
+@click.option("--debug", is_flag=True, envvar="EDGEMOE_DEBUG",
+              help="show llama.cpp's log and full tracebacks")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """edgemoe: run GGUF Mixture-of-Experts models fast on a CPU + GPU."""
+    ctx.meta["edgemoe.debug"] = debug
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not debug:
+        logging.getLogger("edgemoe.llama_cpp").setLevel(logging.CRITICAL)
+
+
+COMMANDS: tuple[click.Command, ...] = (
+    model.inspect, model.generate, model.chat,
+    analysis.trace, analysis.trace_stats, analysis.verify, analysis.perplexity,
+    calibrate.calibrate, calibrate.predict_eval,
+    bench.bench,
+)
+for _command in COMMANDS:
+    cli.add_command(_command)
+
+
+def main() -> None:
+    cli(prog_name="edgemoe")

@@ -1,0 +1,197 @@
+"""Commands on one model: inspect (header, VRAM plan), generate, chat."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .cache_options import cache_from_options, cache_options, install_cache, load_config
+from .options import gating_from_options, gating_options
+from .types import GGUFPath, Size
+
+BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
+
+
+def _run_options(f: Any) -> Any:
+    opts = [
+        click.option("--temp", "temperature", type=float, default=0.8, show_default=True,
+                     help="sampling temperature; 0 = greedy (identical to stock llama.cpp)"),
+        click.option("--top-k", type=int, default=40, show_default=True),
+        click.option("--top-p", type=float, default=0.95, show_default=True),
+        click.option("--min-p", type=float, default=0.05, show_default=True),
+        click.option("--repeat-penalty", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None, help="sampling seed (default: random)"),
+        click.option("-t", "--threads", type=click.IntRange(min=0), default=0,
+                     help="CPU threads (default: physical cores)", envvar="EDGEMOE_THREADS"),
+        click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
+                     help="context length (default: the model's, at most 4096)"),
+        click.option("-ngl", "--gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="layers stock llama.cpp offloads whole to the GPU (CUDA builds)"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _install_gating(engine: Any, opts: Any) -> None:
+    from ..calibration.adaptive import build_gating
+
+    policy = build_gating(engine, opts)
+    if policy is not None:
+        engine.set_policies([policy])
+        click.echo(f"gating: {opts.mode}, threshold {policy.threshold:.4g}"
+                   + (" (prefill at full top-k)" if opts.decode_only else ""), err=True)
+
+
+def _make_sampling(temperature: float, top_k: int, top_p: float, min_p: float,
+                   repeat_penalty: float, seed: int | None) -> Any:
+    from ..runtime.sampling import DEFAULT_SEED, SamplingParams
+
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, seed=DEFAULT_SEED if seed is None else seed)
+
+
+def _open_engine(model: Path, threads: int, n_ctx: int, gpu_layers: int, cache: Any = None,
+                 calibration: Path | None = None) -> Any:
+    from ..runtime.engine import Engine, LoadConfig
+
+    config = LoadConfig(n_threads=threads, n_ctx=n_ctx, n_gpu_layers=gpu_layers)
+    if cache is not None:
+        config = load_config(config, cache, model)
+    engine = Engine(model, config)
+    if not engine.info.is_moe:
+        click.echo(f"note: {model.name} is a dense model (no routed experts); edgemoe's MoE "
+                   "features are off and it runs as stock llama.cpp", err=True)
+    elif cache is not None:
+        try:
+            install_cache(engine, model, cache, calibration)
+        except BaseException:
+            engine.close()
+            raise
+    return engine
+
+
+@click.command()
+@click.argument("model", type=GGUFPath())
+@click.option("--vram", type=Size(), default=None, help="show what a GPU budget like 8GiB can hold")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
+              help="context length for the KV-cache estimate (default: the model's, at most 4096)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
+    """Show a model's architecture, experts and where its bytes are."""
+    from ..gguf.info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
+    from ..analysis.report import format_info, format_plan, plan_to_dict
+
+    info = read_model_info(model)
+    n_ctx = n_ctx or min(info.n_ctx_train or 4096, 4096)
+    plan = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE) if vram is not None else None
+    if as_json:
+        d = info_to_dict(info)
+        if plan is not None:
+            d["vram_plan"] = plan_to_dict(plan)
+        click.echo(json.dumps(d, indent=1))
+        return
+    click.echo(format_info(info))
+    if plan is not None:
+        click.echo(format_plan(plan))
+
+
+@click.command()
+@click.argument("model", type=GGUFPath())
+@click.option("-p", "--prompt", required=True, help="prompt text ('-' reads it from stdin)")
+@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@_run_options
+@gating_options
+@cache_options
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object with ids, timings and cache counters")
+def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
+             min_p: float, repeat_penalty: float, seed: int | None, threads: int, n_ctx: int,
+             gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
+             calibration: Path | None, vram: int | None, expert_slots: int | None, policy: str,
+             blocking_loads: bool, as_json: bool) -> None:
+    """Complete a prompt (plain text streamed to stdout, or --json)."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
+    cache = cache_from_options(vram, expert_slots, policy, blocking_loads)
+    with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
+        _install_gating(engine, gate)
+        if as_json:
+            g = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
+            out = {"model": str(model), "text": g.text, "prompt_tokens": g.prompt_tokens,
+                   "tokens": g.tokens, "stop_reason": g.stop_reason,
+                   "n_threads": engine.n_threads, "timings": g.timings.to_dict()}
+            if engine.cache is not None:
+                out["cache"] = dict(engine.cache.cache.stats(), policy=cache.policy)
+            click.echo(json.dumps(out))
+            return
+        for _, piece in engine.stream(prompt, max_tokens=max_tokens, sampling=sampling):
+            click.echo(piece, nl=False)
+        click.echo()
+        click.echo(_stats_line(engine.last.timings, engine), err=True)
+
+
+def _stats_line(t: Any, engine: Any = None) -> str:
+    cache = ""
+    if engine is not None and engine.cache is not None:
+        st = engine.cache.cache.stats()  # since the cache was set up
+        cache = f" | expert cache hit rate {st['hit_rate']:.2f}, {st['bytes_uploaded'] / 2**20:.1f} MiB loaded"
+    return (f"[prompt {t.prompt_tokens} tok, {t.prompt_tps:.1f} tok/s | "
+            f"decode {t.decode_tokens} tok, {t.decode_tps:.1f} tok/s | ttft {t.ttft_s * 1000:.0f} ms{cache}]")
+
+
+@click.command()
+@click.argument("model", type=GGUFPath(), required=False)
+@click.option("--system", default=None, help="system prompt")
+@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="most tokens per reply")
+@_run_options
+@gating_options
+@cache_options
+def chat(model: Path | None, system: str | None, max_tokens: int, temperature: float, top_k: int,
+         top_p: float, min_p: float, repeat_penalty: float, seed: int | None, threads: int,
+         n_ctx: int, gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
+         calibration: Path | None, vram: int | None, expert_slots: int | None, policy: str,
+         blocking_loads: bool) -> None:
+    """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
+
+    When stdin is not a terminal, each non-empty input line is one user message.
+    """
+    from ..runtime.engine import ChatSession
+
+    if model is None:
+        model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
+    sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
+    cache = cache_from_options(vram, expert_slots, policy, blocking_loads)
+    interactive = sys.stdin.isatty()
+    with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
+        _install_gating(engine, gate)
+        session = ChatSession(engine, system=system)
+        if interactive:
+            click.echo(f"edgemoe chat · {model.name} · /reset clears history, /quit leaves", err=True)
+        while True:
+            try:
+                line = input("> ") if interactive else sys.stdin.readline()
+            except EOFError:
+                break
+            if not interactive and line == "":
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/quit", "/exit"):
+                break
+            if text == "/reset":
+                session.reset()
+                click.echo("(history cleared)", err=True)
+                continue
+            for piece in session.send(text, max_tokens=max_tokens, sampling=sampling):
+                click.echo(piece, nl=False)
+            click.echo()
+            click.echo(_stats_line(engine.last.timings, engine), err=True)

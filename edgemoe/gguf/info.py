@@ -1,0 +1,339 @@
+"""Inspect and validate GGUF Mixture-of-Experts models in pure Python (no llama.cpp).
+
+- `check_gguf(path)`: a cheap header walk (mmap, no tensor data read) that turns a
+  missing, truncated, corrupt or unsupported file into one actionable error.
+- `read_model_info(path)`: hyperparameters and a byte budget split into routed
+  experts / everything else, from the same header walk (gguf-py's GGUFReader is
+  exact but takes seconds on a 150k-token vocabulary; the tests cross-check with it).
+- `vram_plan(info, budget)`: how many expert slots per MoE layer fit a VRAM budget.
+- `parse_size("6GiB")`: sizes as typed on the command line.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
+
+from ..errors import InvalidSizeError, ModelLoadError
+from .header import KNOWN_ARCHITECTURES, GgufArray, GgufHeader, TensorRecord, check_gguf
+
+__all__ = [
+    "KNOWN_ARCHITECTURES", "ExpertTensorInfo", "GgufHeader", "ModelInfo", "TensorRecord", "VramPlan",
+    "check_gguf", "estimate_kv_cache_bytes", "format_size", "info_to_dict", "parse_size", "read_model_info",
+    "vram_plan",
+]
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+_TOKEN_EMBD = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight"
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class ExpertTensorInfo:
+    """One stacked routed-expert tensor of one layer (e.g. blk.3.ffn_up_exps.weight)."""
+
+    name: str
+    qtype: str  # ggml type name, e.g. "Q4_K"
+    shape: tuple[int, ...]  # ggml order (ne0 first); the last dim is n_expert
+    nbytes: int
+    bytes_per_expert: int  # nbytes / n_expert: the slice one expert occupies
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Hyperparameters and byte accounting of a GGUF model. Mappings are read-only."""
+
+    path: Path
+    file_size: int
+    architecture: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head_k: int  # key length per head (for MLA: kv_lora_rank + rope dim)
+    n_embd_head_v: int
+    n_rot: int
+    kv_lora_rank: int  # MLA latent size (deepseek2 family), 0 otherwise
+    n_ctx_train: int
+    n_vocab: int
+    n_expert: int
+    n_expert_used: int
+    n_expert_shared: int  # 0 if the model has no shared expert
+    n_ff_exp: int  # feed-forward length of one routed expert, 0 if dense
+    moe_layers: tuple[int, ...]  # layers holding routed-expert tensors
+    expert_tensors: Mapping[int, tuple[ExpertTensorInfo, ...]]  # per MoE layer
+    bytes_per_expert: int  # one expert of the first MoE layer (all its _exps slices)
+    bytes_per_expert_by_layer: Mapping[int, int]
+    expert_bytes_total: int  # all routed-expert tensors ("_exps")
+    shared_expert_bytes: int  # "_shexp" tensors (also counted in dense_bytes)
+    dense_bytes: int  # everything that is not a routed expert
+    total_tensor_bytes: int
+    bytes_by_type: Mapping[str, int]
+    sliding_window: int  # 0 if no sliding-window attention
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0 and bool(self.moe_layers)
+
+
+@dataclass(frozen=True)
+class VramPlan:
+    """What a VRAM budget holds: the dense part and KV cache first, then expert slots."""
+
+    budget_bytes: int
+    n_ctx: int
+    dense_bytes: int
+    kv_cache_bytes: int  # estimate, see `estimate_kv_cache_bytes`
+    reserve_bytes: int  # caller's allowance for compute buffers etc.
+    expert_budget_bytes: int  # what is left for experts (0 if the dense part does not fit)
+    slot_bytes: int  # one expert slot in every MoE layer together
+    experts_per_layer: int  # expert slots per MoE layer (equal per layer)
+    n_moe_layers: int
+    n_expert: int
+
+    @property
+    def dense_fits(self) -> bool:
+        return self.dense_bytes + self.kv_cache_bytes + self.reserve_bytes <= self.budget_bytes
+
+    @property
+    def expert_fraction(self) -> float:
+        """Fraction of all routed experts that fit (1.0 for dense models that fit)."""
+        if self.n_expert == 0:
+            return 1.0 if self.dense_fits else 0.0
+        return self.experts_per_layer / self.n_expert
+
+    @property
+    def all_experts_fit(self) -> bool:
+        return self.dense_fits and self.experts_per_layer >= self.n_expert
+
+
+# --------------------------------------------------------------------------- read_model_info
+
+
+def _int(meta: Mapping[str, Any], key: str, default: int = 0) -> int:
+    """An integer key; per-layer arrays (e.g. head_count_kv) give their maximum."""
+    value = meta.get(key)
+    if value is None or isinstance(value, GgufArray):
+        return default
+    if isinstance(value, tuple):
+        return max((int(v) for v in value), default=default)
+    return int(value)
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    """Hyperparameters and per-expert byte counts, from the header alone (fast: ~0.1 s)."""
+    header = check_gguf(path)
+    meta, arch = header.metadata, header.architecture
+    llm, attn = Keys.LLM, Keys.Attention
+
+    def key(template: str) -> str:
+        return template.format(arch=arch)
+
+    n_embd = _int(meta, key(llm.EMBEDDING_LENGTH))
+    n_head = _int(meta, key(attn.HEAD_COUNT))
+    head = n_embd // n_head if n_head else 0
+    n_embd_head_k = _int(meta, key(attn.KEY_LENGTH), head)
+
+    expert_tensors: dict[int, list[ExpertTensorInfo]] = {}
+    by_type: dict[str, int] = {}
+    expert_total = shared_total = total = embd_rows = 0
+    for t in header.tensors:
+        total += t.nbytes
+        by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.nbytes
+        if t.name == _TOKEN_EMBD:
+            embd_rows = t.shape[-1]
+        if "_exps" in t.name:
+            expert_total += t.nbytes
+            expert_tensors.setdefault(_layer_of(t.name), []).append(ExpertTensorInfo(
+                name=t.name, qtype=t.qtype.name, shape=t.shape, nbytes=t.nbytes,
+                bytes_per_expert=t.nbytes // t.shape[-1]))
+        elif "_shexp" in t.name:
+            shared_total += t.nbytes
+
+    moe_layers = tuple(sorted(expert_tensors))
+    per_layer = {il: sum(e.bytes_per_expert for e in expert_tensors[il]) for il in moe_layers}
+    first = expert_tensors[moe_layers[0]] if moe_layers else []
+    tokens = meta.get(Keys.Tokenizer.LIST)
+
+    return ModelInfo(
+        path=header.path,
+        file_size=header.file_size,
+        architecture=arch,
+        name=str(meta.get(Keys.General.NAME, "")),
+        n_layer=_int(meta, key(llm.BLOCK_COUNT)),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=_int(meta, key(attn.HEAD_COUNT_KV), n_head),
+        n_embd_head_k=n_embd_head_k,
+        n_embd_head_v=_int(meta, key(attn.VALUE_LENGTH), head),
+        n_rot=_int(meta, key(Keys.Rope.DIMENSION_COUNT), n_embd_head_k),
+        kv_lora_rank=_int(meta, key(attn.KV_LORA_RANK)),
+        n_ctx_train=_int(meta, key(llm.CONTEXT_LENGTH)),
+        n_vocab=tokens.count if isinstance(tokens, GgufArray) else _int(meta, key(llm.VOCAB_SIZE), embd_rows),
+        n_expert=_int(meta, key(llm.EXPERT_COUNT), first[0].shape[-1] if first else 0),
+        n_expert_used=_int(meta, key(llm.EXPERT_USED_COUNT)),
+        n_expert_shared=_int(meta, key(llm.EXPERT_SHARED_COUNT), 1 if shared_total else 0),
+        n_ff_exp=_n_ff_exp(first) or _int(meta, key(llm.EXPERT_FEED_FORWARD_LENGTH)),
+        moe_layers=moe_layers,
+        expert_tensors=MappingProxyType({il: tuple(expert_tensors[il]) for il in moe_layers}),
+        bytes_per_expert=per_layer[moe_layers[0]] if moe_layers else 0,
+        bytes_per_expert_by_layer=MappingProxyType(per_layer),
+        expert_bytes_total=expert_total,
+        shared_expert_bytes=shared_total,
+        dense_bytes=total - expert_total,
+        total_tensor_bytes=total,
+        bytes_by_type=MappingProxyType(dict(sorted(by_type.items()))),
+        sliding_window=_int(meta, key(attn.SLIDING_WINDOW)),
+    )
+
+
+def _layer_of(name: str) -> int:
+    m = _LAYER_RE.match(name)
+    if m is None:
+        raise ModelLoadError(f"expert tensor {name!r} is not inside a block (blk.N.*); the file is malformed")
+    return int(m.group(1))
+
+
+def _n_ff_exp(tensors: list[ExpertTensorInfo]) -> int:
+    """Expert FFN length from the stacked shapes: down is (n_ff_exp, n_embd, n_expert)."""
+    for t in tensors:
+        if ".ffn_down_exps.weight" in t.name:
+            return t.shape[0]
+        if ".ffn_gate_up_exps.weight" in t.name:
+            return t.shape[1] // 2
+    return 0
+
+
+def info_to_dict(info: ModelInfo) -> dict[str, Any]:
+    """A JSON-ready view of `ModelInfo` (layer keys become strings)."""
+    return {
+        "path": str(info.path),
+        "file_size": info.file_size,
+        "architecture": info.architecture,
+        "name": info.name,
+        "n_layer": info.n_layer,
+        "n_embd": info.n_embd,
+        "n_head": info.n_head,
+        "n_head_kv": info.n_head_kv,
+        "n_embd_head_k": info.n_embd_head_k,
+        "n_embd_head_v": info.n_embd_head_v,
+        "n_rot": info.n_rot,
+        "kv_lora_rank": info.kv_lora_rank,
+        "n_ctx_train": info.n_ctx_train,
+        "n_vocab": info.n_vocab,
+        "n_expert": info.n_expert,
+        "n_expert_used": info.n_expert_used,
+        "n_expert_shared": info.n_expert_shared,
+        "n_ff_exp": info.n_ff_exp,
+        "sliding_window": info.sliding_window,
+        "is_moe": info.is_moe,
+        "moe_layers": list(info.moe_layers),
+        "bytes_per_expert": info.bytes_per_expert,
+        "bytes_per_expert_by_layer": {str(k): v for k, v in info.bytes_per_expert_by_layer.items()},
+        "expert_bytes_total": info.expert_bytes_total,
+        "shared_expert_bytes": info.shared_expert_bytes,
+        "dense_bytes": info.dense_bytes,
+        "total_tensor_bytes": info.total_tensor_bytes,
+        "bytes_by_type": dict(info.bytes_by_type),
+        "expert_tensors": {
+            str(layer): [
+                {"name": t.name, "type": t.qtype, "shape": list(t.shape), "nbytes": t.nbytes,
+                 "bytes_per_expert": t.bytes_per_expert}
+                for t in tensors
+            ]
+            for layer, tensors in info.expert_tensors.items()
+        },
+    }
+
+
+# --------------------------------------------------------------------------- VRAM planning
+
+
+def estimate_kv_cache_bytes(info: ModelInfo, n_ctx: int) -> int:
+    """KV cache of llama.cpp's default f16 cache for `n_ctx` tokens, all layers.
+
+    Standard attention: n_layer * n_ctx * n_head_kv * (head_k + head_v) * 2 bytes.
+    MLA (deepseek2 family, kv_lora_rank > 0): llama.cpp caches only the compressed
+    latent plus the rope part as K and no V: n_layer * n_ctx * (kv_lora_rank + n_rot) * 2.
+    Sliding-window layers (gpt-oss) cache fewer tokens, so this is an upper bound there.
+    """
+    f16 = 2
+    if info.kv_lora_rank > 0:
+        per_token_layer = (info.kv_lora_rank + info.n_rot) * f16
+    else:
+        per_token_layer = info.n_head_kv * (info.n_embd_head_k + info.n_embd_head_v) * f16
+    return info.n_layer * n_ctx * per_token_layer
+
+
+# what edgemoe leaves free on the GPU for compute buffers and the like when it plans --vram
+VRAM_RESERVE = 512 * 2**20
+
+
+def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_bytes: int = 0) -> VramPlan:
+    """Split a VRAM budget: dense weights + KV cache first, then equal expert slots per MoE layer.
+
+    `reserve_bytes` is left free for compute buffers and the like (llama.cpp needs a
+    few hundred MiB; the caller knows its batch size, this module does not).
+    """
+    if budget_bytes < 0 or n_ctx <= 0 or reserve_bytes < 0:
+        raise ValueError(f"budget ({budget_bytes}), n_ctx ({n_ctx}) and reserve ({reserve_bytes}) must be positive")
+    kv = estimate_kv_cache_bytes(info, n_ctx)
+    left = max(0, budget_bytes - info.dense_bytes - kv - reserve_bytes)
+    slot = sum(info.bytes_per_expert_by_layer.values())  # one expert in each MoE layer
+    slots = min(info.n_expert, left // slot) if slot else 0
+    return VramPlan(
+        budget_bytes=budget_bytes, n_ctx=n_ctx, dense_bytes=info.dense_bytes, kv_cache_bytes=kv,
+        reserve_bytes=reserve_bytes, expert_budget_bytes=left, slot_bytes=slot,
+        experts_per_layer=int(slots), n_moe_layers=len(info.moe_layers), n_expert=info.n_expert if info.is_moe else 0)
+
+
+# --------------------------------------------------------------------------- sizes
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    # bare letters follow the binary convention of docker and ulimit
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_size(text: str | int, *, option: str = "size") -> int:
+    """Parse '6GiB', '8 GB', '1.5gib', '512MiB', '4096' (bytes) into a byte count.
+
+    KB/MB/GB/TB are decimal (10**3...), KiB/MiB/GiB/TiB and bare K/M/G/T binary
+    (2**10...). Case-insensitive. `option` names the flag in the error message.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise InvalidSizeError(f"cannot parse {option} {text}: a size cannot be negative")
+        return text
+    hint = f"cannot parse {option} {str(text)!r}: use a size such as 6GiB, 8GB or 512MiB"
+    m = _SIZE_RE.match(str(text))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise InvalidSizeError(hint)
+    try:
+        value = Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
+    except InvalidOperation as err:
+        raise InvalidSizeError(hint) from err
+    if value != value.to_integral_value() and _UNITS[m.group(2).lower()] == 1:
+        raise InvalidSizeError(f"{hint} (a byte count must be a whole number)")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """Binary units with one decimal: 17.3 GiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,2 @@
+"""Performance: benchmarks of stock placements against the expert cache (bench); profiling and
+simulation go here next."""

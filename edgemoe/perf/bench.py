@@ -1,0 +1,191 @@
+"""`edgemoe bench`: stock llama.cpp placements vs edgemoe's expert cache, one process, one run.
+
+Stock configurations run through the same library with no hook and no cache, which builds
+llama.cpp's own graph: all routed experts in CPU memory (``-ot exps=CPU``) and the best
+``--n-cpu-moe N`` that fits the VRAM budget (the first N layers' experts on the CPU, the rest on
+the GPU). edgemoe runs its policies with the slots the same budget leaves. Every configuration
+gets the same prompt (fixed random token ids), the same threads and the same greedy decode.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..runtime import native
+from ..runtime.engine import Engine, LoadConfig
+from ..runtime.expert_cache import CacheConfig
+from ..gguf.info import VRAM_RESERVE, ModelInfo, estimate_kv_cache_bytes, read_model_info, vram_plan
+from ..runtime.sampling import GREEDY
+
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    vram: int  # budget in bytes
+    prompt_tokens: int = 512
+    gen_tokens: int = 64
+    threads: int = 0
+    n_ctx: int = 0  # 0: prompt + gen rounded up
+    policies: tuple[str, ...] = ("lru", "static")
+    calibration: Path | None = None
+
+
+@dataclass
+class BenchRow:
+    name: str  # e.g. "stock -ot exps=CPU", "stock --n-cpu-moe 30", "edgemoe lru"
+    kind: str  # "stock" | "edgemoe"
+    prefill_tps: float
+    decode_tps: float
+    ttft_s: float
+    tpot_s: float
+    peak_vram_bytes: int | None  # device memory used while it ran (None without a GPU)
+    cache: dict[str, Any] | None = None
+    note: str = ""
+    ratio_decode: float | None = None  # vs the best stock configuration
+    ratio_prefill: float | None = None
+
+
+@dataclass
+class BenchResult:
+    model: str
+    device: str
+    vram: int
+    threads: int
+    prompt_tokens: int
+    gen_tokens: int
+    slots_per_layer: int
+    n_cpu_moe: int | None
+    rows: list[BenchRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rows"] = [asdict(r) for r in self.rows]
+        return d
+
+
+def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:
+    """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit; None: never fits."""
+    fixed = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE
+    layers = sorted(info.moe_layers)
+    per_layer = {il: info.bytes_per_expert_by_layer[il] * info.n_expert for il in layers}
+    for n in range(len(layers) + 1):
+        if fixed + sum(per_layer[il] for il in layers[n:]) <= budget:
+            return n
+    return None
+
+
+def _prompt(info: ModelInfo, n: int) -> list[int]:
+    rng = np.random.default_rng(0)
+    return [int(t) for t in rng.integers(16, max(17, min(info.n_vocab, 32000)), n)]
+
+
+def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
+             setup: Callable[[Engine], None] | None = None) -> tuple[float, float, float, float, int | None, Any]:
+    dev = native.gpu_device()
+    free0 = native.device_memory(dev)[0] if dev is not None else None
+    with Engine(path, config) as eng:
+        if setup is not None:
+            setup(eng)
+        eng.generate(prompt[:16], max_tokens=2, sampling=GREEDY, ignore_eog=True)  # warm-up
+        eng.reset()
+        if eng.cache is not None:
+            eng.cache.cache.reset_stats()
+        t0 = time.perf_counter()
+        g = eng.generate(prompt, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
+        wall = time.perf_counter() - t0
+        used = free0 - native.device_memory(dev)[0] if dev is not None and free0 is not None else None
+        cache = eng.cache.cache.stats() if eng.cache is not None else None
+    t = g.timings
+    tpot = 1.0 / t.decode_tps if t.decode_tps > 0 else wall
+    return t.prompt_tps, t.decode_tps, t.ttft_s, tpot, used, cache
+
+
+def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | None = None) -> BenchResult:
+    info = read_model_info(path)
+    n_ctx = spec.n_ctx or int(np.ceil((spec.prompt_tokens + spec.gen_tokens + 16) / 256) * 256)
+    dev = native.gpu_device()
+    on_gpu = dev is not None
+    base = LoadConfig(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=spec.threads,
+                      n_gpu_layers=999 if on_gpu else 0)
+    moe = tuple(info.moe_layers)
+    cpu_moe = moe if on_gpu else None  # without a GPU everything is in CPU memory (and stock keeps repacking)
+    slots = vram_plan(info, spec.vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer
+    n_cpu = best_n_cpu_moe(info, spec.vram, n_ctx)
+    res = BenchResult(model=path.name, device=native.device_name(dev) if on_gpu else "CPU (no GPU in this build)",
+                      vram=spec.vram, threads=spec.threads, prompt_tokens=spec.prompt_tokens,
+                      gen_tokens=spec.gen_tokens, slots_per_layer=slots, n_cpu_moe=n_cpu)
+    prompt = _prompt(info, spec.prompt_tokens)
+
+    configs: list[tuple[str, str, LoadConfig, Callable[[Engine], None] | None, str]] = [
+        ("stock -ot exps=CPU", "stock", replace(base, cpu_expert_layers=cpu_moe), None, "")]
+    if on_gpu and n_cpu is not None and n_cpu < len(moe):
+        configs.append((f"stock --n-cpu-moe {n_cpu}", "stock",
+                        replace(base, cpu_expert_layers=moe[:n_cpu] or None), None, ""))
+    cached = replace(base, cpu_expert_layers=cpu_moe)
+    for pol in spec.policies:
+        cfg = CacheConfig(slots, policy=pol, calibration=spec.calibration)
+
+        def setup(eng: Engine, cfg: CacheConfig = cfg) -> None:
+            eng.enable_expert_cache(cfg, device=dev)
+
+        configs.append((f"edgemoe {pol}", "edgemoe", cached, setup,
+                        "" if on_gpu else "cache on the CPU stand-in"))
+
+    for name, kind, cfg, setup, note in configs:
+        if progress:
+            progress(name)
+        try:
+            pre, dec, ttft, tpot, vram, cache = _measure(path, cfg, prompt, spec.gen_tokens, setup)
+        except Exception as err:  # noqa: BLE001 - one configuration failing (no calibration...) is a row
+            res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
+            continue
+        res.rows.append(BenchRow(name, kind, pre, dec, ttft, tpot, vram, cache, note))
+
+    stock = [r for r in res.rows if r.kind == "stock" and r.decode_tps > 0]
+    if stock:
+        best_dec = max(r.decode_tps for r in stock)
+        best_pre = max(r.prefill_tps for r in stock)
+        for r in res.rows:
+            if r.decode_tps > 0:
+                r.ratio_decode = r.decode_tps / best_dec
+                r.ratio_prefill = r.prefill_tps / best_pre
+    return res
+
+
+def format_table(res: BenchResult) -> str:
+    head = (f"{res.model} · {res.device} · budget {res.vram / 2**30:.1f} GiB · {res.slots_per_layer} slots/layer · "
+            f"{res.prompt_tokens} prompt + {res.gen_tokens} generated tokens")
+    lines = [head, f"{'configuration':<26} {'prefill t/s':>11} {'decode t/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} "
+                   f"{'VRAM GiB':>8} {'decode x':>8} {'prefill x':>9} {'hit rate':>8}  note"]
+    for r in res.rows:
+        vram = f"{r.peak_vram_bytes / 2**30:.2f}" if r.peak_vram_bytes is not None else "-"
+        ratio = f"{r.ratio_decode:.3f}" if r.ratio_decode is not None else "-"
+        pratio = f"{r.ratio_prefill:.3f}" if r.ratio_prefill is not None else "-"
+        hit = f"{r.cache['hit_rate']:.3f}" if r.cache else "-"
+        lines.append(f"{r.name:<26} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} "
+                     f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8}  {r.note}")
+    return "\n".join(lines)
+
+
+def plot(res: BenchResult, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res.rows if r.decode_tps > 0]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, key, label in ((axes[0], "decode_tps", "decode tokens/s"), (axes[1], "prefill_tps", "prefill tokens/s")):
+        ax.barh([r.name for r in rows], [getattr(r, key) for r in rows],
+                color=["#888" if r.kind == "stock" else "#2a7" for r in rows])
+        ax.set_xlabel(label)
+    fig.suptitle(f"{res.model} · {res.device} · {res.vram / 2**30:.1f} GiB", fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,7 @@
+"""Policies: pure Python decisions over routing records, no native code and no Engine.
+
+- route: RouteRecord (one MoE layer's routing as numpy arrays) and the RoutePolicy protocol;
+- gating: adaptive top-k rules that drop experts a token does not need;
+- residency: which experts stay in the expert cache's slots (LRU, static, manual).
+Prefetch and placement policies go here too. The runtime wires them to llama.cpp.
+"""

@@ -1,0 +1,123 @@
+"""Adaptive top-k gating rules: drop routed experts a token does not need (pure numpy, testable on traces).
+
+Every rule sees a route's renormalised top-k weights in the router's order
+(highest first), never drops the first expert, marks a dropped slot with id -1
+and weight 0, and renormalises the kept weights (as the fixture architectures
+do for their top-k). Rules:
+
+- ``score``: score-based adaptive gating: keep only the top-1 expert when its
+  weight alone is at least ``threshold``.
+- ``ser`` (ik_llama.cpp's -ser rule): keep expert i > 0 only if p_i > threshold * p_0.
+- ``sensitivity`` (AdapMoE, eq. in §4.2): drop experts from the end while the
+  perturbation estimate (removed weight mass)^2 * S_l stays <= threshold, S_l being
+  layer l's sensitivity. For k = 2 the removed mass is 1 - a (a = top-1 weight),
+  which is the paper's (1 - a)^2 * S_l <= T; for k > 2 the mass of all dropped
+  experts generalises it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from ..errors import EdgeMoeError
+from .route import RouteRecord
+
+
+class GatingRule(str, Enum):
+    OFF = "off"
+    SCORE = "score"
+    SER = "ser"
+    SENSITIVITY = "sensitivity"
+
+
+def keep_mask(rule: GatingRule, weights: np.ndarray, threshold: float, sensitivity: float = 1.0) -> np.ndarray:
+    """(n_tokens, k) bool: which slots to keep. weights: renormalised, highest first."""
+    t, k = weights.shape
+    keep = np.ones((t, k), bool)
+    if rule is GatingRule.OFF or k < 2:
+        return keep
+    w = weights / np.maximum(weights.sum(1, keepdims=True), 1e-30)
+    if rule is GatingRule.SCORE:
+        keep[w[:, 0] >= threshold, 1:] = False
+    elif rule is GatingRule.SER:
+        keep[:, 1:] = w[:, 1:] > threshold * w[:, :1]
+    elif rule is GatingRule.SENSITIVITY:
+        # removed mass if slots j.. are dropped: suffix sums of w
+        removed = np.cumsum(w[:, ::-1], axis=1)[:, ::-1]  # removed[:, j] = sum(w[:, j:])
+        ok = removed ** 2 * sensitivity <= threshold
+        ok[:, 0] = False  # never drop the top-1 expert
+        # drop from the end while allowed: slot j dropped iff dropping j.. is allowed
+        keep = ~ok
+    else:  # pragma: no cover - Enum is closed
+        raise ValueError(rule)
+    return keep
+
+
+def apply_keep(route: RouteRecord, keep: np.ndarray) -> None:
+    """Drop the slots not kept (id -1, weight 0) and renormalise the kept weights in place."""
+    route.ids[~keep] = -1
+    route.weights[~keep] = 0.0
+    total = route.weights.sum(1, keepdims=True)
+    route.weights[:] = route.weights / np.maximum(total, 1e-30)
+
+
+@dataclass
+class GatingPolicy:
+    """A route policy applying one rule; per-layer sensitivities for the sensitivity rule."""
+
+    rule: GatingRule
+    threshold: float
+    sensitivity: Mapping[int, float] | None = None
+    decode_only: bool = True  # leave prefill ubatches (more than one token) at full top-k
+    wants_probs: bool = False
+    wants_gate_inp: bool = False
+
+    def on_route(self, route: RouteRecord) -> None:
+        if self.rule is GatingRule.OFF or (self.decode_only and route.n_tokens > 1):
+            return
+        s = 1.0 if self.sensitivity is None else float(self.sensitivity.get(route.layer, 1.0))
+        apply_keep(route, keep_mask(self.rule, route.weights, self.threshold, s))
+
+
+# lower score thresholds drop more; higher ser / sensitivity thresholds drop more
+_MORE_DROPS_WITH_HIGHER_T = {GatingRule.SCORE: False, GatingRule.SER: True, GatingRule.SENSITIVITY: True}
+
+
+def bisect_threshold(reduction_at: Callable[[float], float], target: float, lo: float, hi: float, *,
+                     increasing: bool, iters: int = 24, tol: float = 0.0025) -> tuple[float, float]:
+    """(threshold, reduction) with reduction_at(threshold) closest to target, for a monotone reduction_at.
+
+    increasing: reduction grows with the threshold. Stops early within tol of the target.
+    """
+    best = (lo, reduction_at(lo))
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        r = reduction_at(mid)
+        if abs(r - target) < abs(best[1] - target):
+            best = (mid, r)
+        if abs(r - target) <= tol:
+            break
+        if (r < target) == increasing:
+            lo = mid
+        else:
+            hi = mid
+    return best
+
+
+def threshold_range(rule: GatingRule, sensitivity: Mapping[int, float] | None) -> tuple[float, float]:
+    if rule is GatingRule.SENSITIVITY:
+        # removed mass <= 1: T >= max S_l drops everything but the top-1 expert everywhere
+        return 0.0, max(sensitivity.values()) if sensitivity else 1.0
+    return 0.0, 1.0
+
+
+def search_threshold(rule: GatingRule, target_reduction: float, reduction_at: Callable[[float], float],
+                     sensitivity: Mapping[int, float] | None = None) -> tuple[float, float]:
+    """Find the rule's threshold giving `target_reduction` of expert activations (on validation text)."""
+    if not 0.0 < target_reduction < 1.0:
+        raise EdgeMoeError(f"--target-reduction {target_reduction} must be between 0 and 1 (e.g. 0.25)")
+    lo, hi = threshold_range(rule, sensitivity)
+    return bisect_threshold(reduction_at, target_reduction, lo, hi, increasing=_MORE_DROPS_WITH_HIGHER_T[rule])

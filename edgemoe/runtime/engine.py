@@ -1,0 +1,268 @@
+"""edgemoe.Engine: load a GGUF, tokenize, generate/stream, chat, timings.
+
+Built on llama-cpp-python's low-level bindings (edgemoe.runtime.native.lib). One
+sequence, one context; the KV cache keeps the longest common prefix between
+calls, so a chat turn only evaluates the new tokens.
+
+The Engine is assembled from one concern per module: loading and evaluation here, the
+generation loop (generation.py), chat templates (chat.py) and the routing hook / expert-cache
+wiring (wiring.py); LoadConfig is in config.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ContextOverflowError, EdgeMoeError, ModelLoadError
+from ..gguf.info import ModelInfo, check_gguf, read_model_info
+from ..policies.route import RoutePolicy
+from . import native
+from .chat import ChatMessage, ChatMixin
+from .config import LoadConfig, default_threads
+from .expert_cache import CacheController
+from .generation import Generation, GenerationMixin, Timings
+from .hooks import HookChain
+from .native import lib
+from .sampling import SamplingParams
+from .wiring import RoutingMixin
+
+__all__ = ["ChatMessage", "ChatSession", "Engine", "Generation", "LoadConfig", "Timings", "default_threads"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine(RoutingMixin, GenerationMixin, ChatMixin):
+    """A loaded model with one context. Use as a context manager or call close()."""
+
+    def __init__(self, model_path: str | os.PathLike[str], config: LoadConfig | None = None) -> None:
+        self.path = Path(model_path)
+        self.config = config or LoadConfig()
+        check_gguf(self.path)  # typed, actionable errors before llama.cpp sees the file
+        native.require_patched()
+        native.route_logs_to_python()
+        self.info: ModelInfo = read_model_info(self.path)
+        lib.llama_backend_init()
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = self.config.n_gpu_layers
+        mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP if self.config.use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        mparams.use_extra_bufts = self.config.use_extra_bufts
+        self._kv_overrides = self._make_kv_overrides()
+        self._buft_overrides = None
+        if self.config.cpu_expert_layers:
+            layers = "|".join(str(i) for i in sorted(self.config.cpu_expert_layers))
+            self._buft_overrides = native.cpu_overrides([rf"^blk\.({layers})\.ffn_(gate_up|up|gate|down)_exps"])
+            mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)
+        if self._kv_overrides is not None:
+            mparams.kv_overrides = self._kv_overrides
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_log()[-400:].strip()}"
+                                 " (run with --debug for the full log)")
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        n_ctx_train = lib.llama_model_n_ctx_train(self._model)
+        n_ctx = self.config.n_ctx or min(n_ctx_train, 4096)
+        self.n_threads = self.config.n_threads or default_threads()
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = min(self.config.n_batch, n_ctx)
+        cparams.n_ubatch = min(self.config.n_ubatch, cparams.n_batch)
+        cparams.n_threads = self.n_threads
+        cparams.n_threads_batch = self.n_threads
+        cparams.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.config.flash_attn
+                                   else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.op_offload = self.config.op_offload
+        self._ctx = lib.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            lib.llama_model_free(self._model)
+            self._model = None
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}: "
+                                 f"{native.recent_log()[-300:].strip()}; try a smaller --ctx")
+        self.n_ctx = lib.llama_n_ctx(self._ctx)
+        self.n_batch = cparams.n_batch
+        self._kv: list[int] = []  # tokens whose K/V are in the cache, in order
+        self.last: Generation | None = None  # the result of the last generate()/stream()
+        self._hooks: HookChain | None = None
+        self._policies: list[RoutePolicy] = []  # the user's, before the cache controller
+        self.cache: CacheController | None = None
+
+    def _make_kv_overrides(self) -> ctypes.Array[lib.llama_model_kv_override] | None:
+        if self.config.expert_used_count is None:
+            return None
+        arr = (lib.llama_model_kv_override * 2)()  # the last entry (empty key) ends the list
+        arr[0].key = f"{self.info.architecture}.expert_used_count".encode()
+        arr[0].tag = lib.LLAMA_KV_OVERRIDE_TYPE_INT
+        arr[0].value.val_i64 = self.config.expert_used_count
+        arr[1].key = b""
+        return arr
+
+    # -- lifetime -----------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_ctx", None) and self.cache is not None:
+            self.cache.cache.close()
+            self.cache = None
+        if getattr(self, "_ctx", None):
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- vocabulary ---------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return lib.llama_vocab_n_tokens(self._vocab)
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text -> ids; add_special adds BOS/EOS as the model's metadata says."""
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (lib.llama_token * cap)()
+        n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (lib.llama_token * cap)()
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_piece(self, token: int, *, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def adds_bos(self) -> bool:
+        """Does tokenize(add_special=True) prepend BOS (the model's metadata says)?"""
+        return bool(lib.llama_vocab_get_add_bos(self._vocab))
+
+    def bos_token(self) -> int:
+        return int(lib.llama_vocab_bos(self._vocab))
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lib.llama_vocab_is_eog(self._vocab, token))
+
+    # -- evaluation ---------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the KV cache."""
+        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+        self._kv = []
+
+    def _decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
+        """Append tokens to the sequence, n_batch at a time; logits of the last (or every) token."""
+        mem = lib.llama_get_memory(self._ctx)
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            batch = lib.llama_batch_init(len(chunk), 0, 1)
+            try:
+                batch.n_tokens = len(chunk)
+                last = start + len(chunk) == len(tokens)
+                for i, tok in enumerate(chunk):
+                    batch.token[i] = tok
+                    batch.pos[i] = len(self._kv) + i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = 0
+                    batch.logits[i] = all_logits or (last and i == len(chunk) - 1)
+                rc = lib.llama_decode(self._ctx, batch)
+            finally:
+                lib.llama_batch_free(batch)
+            if rc != 0:
+                lib.llama_memory_seq_rm(mem, 0, len(self._kv), -1)
+                err = self._hooks.take_error() if self._hooks else None
+                if err is not None:
+                    raise err  # a policy raised inside the hook: llama.cpp aborted the decode
+                raise EdgeMoeError(f"llama_decode failed with code {rc} at position {len(self._kv)}")
+            if self.cache is not None:
+                self.cache.flush()
+            self._kv.extend(chunk)
+
+    def feed(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
+        """Append tokens to the current sequence without sampling (prefill, teacher forcing).
+
+        all_logits asks for every token's logits; it also makes the last layer route every
+        token (llama.cpp computes the last layer only for tokens whose outputs are kept).
+        """
+        if len(self._kv) + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(
+                f"{len(self._kv)} + {len(tokens)} tokens do not fit the context of {self.n_ctx}; raise --ctx")
+        self._decode(list(tokens), all_logits=all_logits)
+
+    def _prefill(self, tokens: list[int]) -> int:
+        """Make the KV cache hold exactly `tokens`, reusing the common prefix; returns tokens evaluated."""
+        if len(tokens) >= self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx}; "
+                "shorten the prompt or raise --ctx")
+        keep = 0
+        for a, b in zip(self._kv, tokens):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(tokens) - 1)  # re-evaluate at least one token to get fresh logits
+        lib.llama_memory_seq_rm(lib.llama_get_memory(self._ctx), 0, keep, -1)
+        del self._kv[keep:]
+        self._decode(tokens[keep:])
+        return len(tokens) - keep
+
+    def logits(self, idx: int = -1) -> ctypes.Array[ctypes.c_float]:
+        """Logits of the idx-th output of the last decode (a float array of n_vocab)."""
+        ptr = lib.llama_get_logits_ith(self._ctx, idx)
+        return ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float * self.n_vocab)).contents
+
+    def eval_logits(self, tokens: Sequence[int]) -> list[np.ndarray]:
+        """Fresh sequence: logits for every position (for perplexity and tests)."""
+        self.reset()
+        out = []
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = list(tokens[start:start + self.n_batch])
+            self._decode(chunk, all_logits=True)
+            for i in range(len(chunk)):
+                out.append(np.ctypeslib.as_array(self.logits(i)).copy())
+        return out
+
+
+@dataclass
+class ChatSession:
+    """A conversation on an Engine: history + template; only new tokens are evaluated per turn."""
+
+    engine: Engine
+    system: str | None = None
+    history: list[ChatMessage] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.history.clear()
+
+    def messages(self) -> list[ChatMessage]:
+        head = [ChatMessage("system", self.system)] if self.system else []
+        return head + self.history
+
+    def send(self, user_text: str, *, max_tokens: int = 256,
+             sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Stream the assistant's reply to user_text; the full Generation is in engine.last."""
+        self.history.append(ChatMessage("user", user_text))
+        prompt = self.engine.format_chat(self.messages())
+        reply: list[str] = []
+        try:
+            for _, piece in self.engine.stream(prompt, max_tokens=max_tokens, sampling=sampling,
+                                               parse_special=True):
+                reply.append(piece)
+                yield piece
+        except BaseException:
+            self.history.pop()
+            raise
+        self.history.append(ChatMessage("assistant", "".join(reply).strip()))

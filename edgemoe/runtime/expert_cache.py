@@ -1,0 +1,156 @@
+"""The engine side of the expert cache (patch 0005): slots per layer, loads, counters.
+
+`ExpertCache` wraps one context's cache (llama_moe_cache_*); `CacheController`
+is the route policy that runs a residency policy (edgemoe.policies.residency) in the hook
+and applies its loads, now (blocking) or after the step (default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import native
+from ..errors import EdgeMoeError
+from ..gguf.header import check_gguf
+from ..policies.route import RouteRecord
+from ..policies.residency import Load, ManualPolicy, ResidencyPolicy, StaticPolicy
+
+
+class ExpertCacheError(EdgeMoeError):
+    """The expert cache cannot be set up for this model or configuration."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    slots_per_layer: int  # expert slots in every MoE layer (equal allocation)
+    policy: str = "lru"  # edgemoe.policies.residency.PolicyKind
+    blocking: bool = False  # lru: load a missed expert before its layer runs instead of after the step
+    calibration: Path | None = None  # static: where router_frequency.npz is
+
+
+_STATE_NAMES = {native.MOE_CACHE_ABSENT: "absent", native.MOE_CACHE_QUEUED: "queued",
+                native.MOE_CACHE_COPYING: "copying", native.MOE_CACHE_RESIDENT: "resident"}
+EXPERT_TENSORS = ("ffn_gate_up_exps", "ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")  # chunk order
+
+
+class ExpertCache:
+    """The slots of one context. device None: the CPU buffer that stands in for a GPU.
+
+    Loads read the experts' bytes from the GGUF file (mapped here, read-only), so the model's own
+    expert tensors may be repacked for the CPU or live anywhere.
+    """
+
+    def __init__(self, ctx: Any, model_path: Path, moe_layers: list[int], n_layer: int, n_expert: int,
+                 slots_per_layer: int, device: Any = None) -> None:
+        if slots_per_layer < 0 or slots_per_layer > n_expert:
+            raise ExpertCacheError(f"--expert-slots {slots_per_layer}: use 0..{n_expert} (the model has "
+                                   f"{n_expert} experts per layer)")
+        self._ctx = ctx
+        self.n_expert = n_expert
+        self.n_slots = {il: slots_per_layer for il in moe_layers}
+        per_layer = [self.n_slots.get(il, 0) for il in range(n_layer)]
+        rc = native.moe_cache_init(ctx, per_layer, device)
+        if rc != 0:
+            raise ExpertCacheError(
+                f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}")
+        self._map = self._set_sources(model_path, [il for il, n in self.n_slots.items() if n > 0])
+
+    def _set_sources(self, path: Path, layers: list[int]) -> np.memmap | None:
+        if not layers:
+            return None
+        header = check_gguf(path)
+        where = {t.name: header.data_offset + t.offset for t in header.tensors}
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        base = mapped.ctypes.data
+        for il in layers:
+            ptrs = [base + where[f"blk.{il}.{name}.weight"] if f"blk.{il}.{name}.weight" in where else None
+                    for name in EXPERT_TENSORS]
+            if not native.moe_cache_set_source(self._ctx, il, ptrs):
+                raise ExpertCacheError(f"layer {il}: the GGUF's expert tensors do not match the model's "
+                                       f"({native.recent_log()[-200:].strip()})")
+        return mapped
+
+    def load(self, ld: Load) -> None:
+        if not native.moe_cache_load(self._ctx, ld.layer, ld.expert, ld.slot):
+            raise ExpertCacheError(f"loading expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed")
+
+    def prefetch(self, ld: Load, priority: int = 0) -> None:
+        """Queue ld; it is copied as issue() sends its chunks and used once its layer runs after that."""
+        if not native.moe_cache_prefetch(self._ctx, ld.layer, ld.expert, ld.slot, priority):
+            raise ExpertCacheError(f"prefetching expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed")
+
+    def issue(self, max_chunks: int = 2**31 - 1) -> int:
+        return native.moe_cache_issue(self._ctx, max_chunks)
+
+    def sync(self) -> None:
+        native.moe_cache_sync(self._ctx)
+
+    def state(self, layer: int, expert: int) -> str:
+        return _STATE_NAMES[native.moe_cache_state(self._ctx, layer, expert)]
+
+    def slots(self, layer: int) -> list[int] | None:
+        """Slot of each expert of the layer (-1: not resident)."""
+        return native.moe_cache_slots(self._ctx, layer, self.n_expert)
+
+    def reset_stats(self) -> None:
+        native.moe_cache_reset_stats(self._ctx)
+
+    def stats(self) -> dict[str, Any]:
+        st = native.moe_cache_stats(self._ctx)
+        routed = st.hits + st.misses
+        share = st.hits / routed if routed else 0.0
+        return {"hits": int(st.hits), "misses": int(st.misses), "hit_rate": share,
+                "loads": int(st.loads), "bytes_uploaded": int(st.bytes_loaded),
+                "prefetches": int(st.prefetches), "chunks": int(st.chunks),
+                "blocked_s": st.us_blocked / 1e6,
+                # routed expert slots computed from the cache (the GPU) among those of cached layers
+                "gpu_expert_share": share,
+                "slots_per_layer": max(self.n_slots.values(), default=0)}
+
+    def close(self) -> None:
+        native.moe_cache_init(self._ctx, None)
+        self._map = None  # after the cache is gone: nothing reads the mapping any more
+
+
+class CacheController:
+    """Route policy: runs the residency policy on each layer's final ids and applies its loads.
+
+    Blocking: copied before the layer's experts run. Otherwise prefetched on the copy stream from
+    the next layer's hook (after this layer's ids were mapped to slots, so an eviction never turns
+    this step's hit into a miss) while the later layers compute, and used from the layer's next run.
+    """
+
+    wants_probs = False
+    wants_gate_inp = False
+
+    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.pending: list[Load] = []
+        for ld in policy.initial_loads():
+            cache.load(ld)
+
+    @property
+    def needs_routes(self) -> bool:
+        """A static placement never changes: the hook (and its cost) is not needed."""
+        return not isinstance(self.policy, (StaticPolicy, ManualPolicy))
+
+    def on_route(self, route: RouteRecord) -> None:
+        self.flush()
+        loads = self.policy.on_route(route.layer, route.ids)
+        if self.policy.blocking:
+            for ld in loads:  # before this layer's experts run: the C side maps the ids after the hook
+                self.cache.load(ld)
+        else:
+            self.pending = loads
+
+    def flush(self) -> None:
+        """Prefetch and issue the loads decided at an earlier layer (the engine calls it after each decode)."""
+        for ld in self.pending:
+            self.cache.prefetch(ld)
+        if self.pending:
+            self.cache.issue()
+        self.pending = []

@@ -1,0 +1,336 @@
+"""The one native boundary: loads llama-cpp-python's library and declares edgemoe's C API.
+
+Every ctypes declaration for functions added by patches/ lives here, each with
+its C prototype quoted. The rest of edgemoe imports ``lib`` (llama_cpp's
+low-level module) and the typed wrappers below; nothing else touches ctypes
+function declarations.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections import deque
+from typing import Any
+
+from ..errors import NativeLibraryError
+
+# The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
+# 0006 sets 5, 0007 sets 6).
+REQUIRED_PATCH_LEVEL = 6
+
+log = logging.getLogger(__name__)
+
+try:
+    import llama_cpp.llama_cpp as lib  # low-level bindings; we never use the high-level Llama class
+except ImportError as err:  # pragma: no cover - exercised only on a broken install
+    raise NativeLibraryError(
+        f"llama-cpp-python is not importable ({err}); run `make install` to build the patched "
+        "llama.cpp into .venv") from err
+
+_cdll: ctypes.CDLL = lib._lib
+
+
+def _declare(name: str, argtypes: list[Any], restype: Any, dll: ctypes.CDLL | None = None) -> Any:
+    """Declare a function of libllama (or of dll); None when the library lacks it."""
+    fn = getattr(dll if dll is not None else _cdll, name, None)
+    if fn is None:
+        return None
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
+# int32_t llama_edgemoe_patch_level(void);
+_patch_level = _declare("llama_edgemoe_patch_level", [], ctypes.c_int32)
+
+
+# enum llama_moe_hook_flags
+MOE_HOOK_PROBS = 1 << 0
+MOE_HOOK_GATE_INP = 1 << 1
+
+
+class MoeRoute(ctypes.Structure):
+    """struct llama_moe_route: one MoE layer of one ubatch, after top-k, before the experts run."""
+
+    _fields_ = [
+        ("il", ctypes.c_int32),
+        ("n_tokens", ctypes.c_int32),
+        ("n_expert", ctypes.c_int32),
+        ("n_expert_used", ctypes.c_int32),
+        ("n_embd", ctypes.c_int32),
+        ("probs", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_expert] or NULL
+        ("gate_inp", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_embd] or NULL
+        ("ids", ctypes.POINTER(ctypes.c_int32)),  # [n_tokens][n_expert_used], editable, -1 drops
+        ("weights", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_expert_used], editable
+    ]
+
+
+# typedef bool (*llama_moe_hook_fn)(struct llama_moe_route * route, void * user_data);
+MoeHookFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.POINTER(MoeRoute), ctypes.c_void_p)
+
+# void llama_moe_set_hook(struct llama_context * ctx, llama_moe_hook_fn fn, void * user_data, uint32_t flags);
+_moe_set_hook = _declare("llama_moe_set_hook", [ctypes.c_void_p, MoeHookFn, ctypes.c_void_p, ctypes.c_uint32], None)
+
+
+def moe_set_hook(ctx: Any, fn: Any | None, flags: int) -> None:
+    """Set (fn: a MoeHookFn the caller keeps alive) or clear (fn None) the context's MoE hook."""
+    if _moe_set_hook is None:
+        require_patched()
+    _moe_set_hook(ctx, fn if fn is not None else MoeHookFn(), None, flags)
+
+
+class MoeCacheStats(ctypes.Structure):
+    """struct llama_moe_cache_stats: counters since the cache was made or the stats reset."""
+
+    _fields_ = [
+        ("hits", ctypes.c_uint64),  # routed slots computed from the cache
+        ("misses", ctypes.c_uint64),  # routed slots computed from the model's tensors (layers with a cache)
+        ("loads", ctypes.c_uint64),  # experts copied into slots
+        ("bytes_loaded", ctypes.c_uint64),
+        ("prefetches", ctypes.c_uint64),  # loads queued by llama_moe_cache_prefetch
+        ("chunks", ctypes.c_uint64),  # chunks issued (gate/up/down byte ranges)
+        ("us_blocked", ctypes.c_uint64),  # host time spent waiting for copies
+    ]
+
+
+# enum llama_moe_cache_state
+MOE_CACHE_ABSENT, MOE_CACHE_QUEUED, MOE_CACHE_COPYING, MOE_CACHE_RESIDENT = 0, 1, 2, 3
+
+
+# int32_t llama_moe_cache_init(struct llama_context * ctx, ggml_backend_dev_t dev, const int32_t * n_slots);
+_moe_cache_init = _declare("llama_moe_cache_init", [ctypes.c_void_p, ctypes.c_void_p,
+                                                    ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32)
+# bool llama_moe_cache_set_source(struct llama_context * ctx, int32_t il, const void * const * data);
+_moe_cache_set_source = _declare("llama_moe_cache_set_source", [ctypes.c_void_p, ctypes.c_int32,
+                                                                ctypes.POINTER(ctypes.c_void_p)], ctypes.c_bool)
+# bool llama_moe_cache_load(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot);
+_moe_cache_load = _declare("llama_moe_cache_load", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                    ctypes.c_int32], ctypes.c_bool)
+# const int32_t * llama_moe_cache_slots(const struct llama_context * ctx, int32_t il);
+_moe_cache_slots = _declare("llama_moe_cache_slots", [ctypes.c_void_p, ctypes.c_int32],
+                            ctypes.POINTER(ctypes.c_int32))
+# bool llama_moe_cache_prefetch(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot, int32_t priority);
+_moe_cache_prefetch = _declare("llama_moe_cache_prefetch", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                            ctypes.c_int32, ctypes.c_int32], ctypes.c_bool)
+# int32_t llama_moe_cache_issue(struct llama_context * ctx, int32_t max_chunks);
+_moe_cache_issue = _declare("llama_moe_cache_issue", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+# void llama_moe_cache_sync(struct llama_context * ctx);
+_moe_cache_sync = _declare("llama_moe_cache_sync", [ctypes.c_void_p], None)
+# enum llama_moe_cache_state llama_moe_cache_get_state(const struct llama_context * ctx, int32_t il, int32_t expert);
+_moe_cache_get_state = _declare("llama_moe_cache_get_state", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+                                ctypes.c_int)
+# struct llama_moe_cache_stats llama_moe_cache_get_stats(const struct llama_context * ctx);
+_moe_cache_get_stats = _declare("llama_moe_cache_get_stats", [ctypes.c_void_p], MoeCacheStats)
+# void llama_moe_cache_reset_stats(struct llama_context * ctx);
+_moe_cache_reset_stats = _declare("llama_moe_cache_reset_stats", [ctypes.c_void_p], None)
+
+
+def moe_cache_init(ctx: Any, n_slots: list[int] | None, device: Any = None) -> int:
+    """Give each layer n_slots[il] expert slots on device (None: the CPU stand-in); None removes the cache."""
+    if _moe_cache_init is None:
+        require_patched()
+    arr = (ctypes.c_int32 * len(n_slots))(*n_slots) if n_slots is not None else None
+    return int(_moe_cache_init(ctx, device, arr))
+
+
+def moe_cache_set_source(ctx: Any, layer: int, pointers: list[int | None]) -> bool:
+    """Where loads of the layer read: addresses of its stacked gate_up, up, gate, down bytes (None: absent)."""
+    arr = (ctypes.c_void_p * 4)(*pointers)
+    return bool(_moe_cache_set_source(ctx, layer, arr))
+
+
+def moe_cache_load(ctx: Any, layer: int, expert: int, slot: int) -> bool:
+    """Copy expert into slot (expert -1 only evicts)."""
+    return bool(_moe_cache_load(ctx, layer, expert, slot))
+
+
+def moe_cache_slots(ctx: Any, layer: int, n_expert: int) -> list[int] | None:
+    """The slot of each expert of the layer (-1: not resident), None when the layer has no slots."""
+    p = _moe_cache_slots(ctx, layer)
+    return [int(p[i]) for i in range(n_expert)] if p else None
+
+
+def moe_cache_prefetch(ctx: Any, layer: int, expert: int, slot: int, priority: int = 0) -> bool:
+    """Queue an asynchronous load (evicts the slot's expert now)."""
+    return bool(_moe_cache_prefetch(ctx, layer, expert, slot, priority))
+
+
+def moe_cache_issue(ctx: Any, max_chunks: int = 2**31 - 1) -> int:
+    """Issue up to max_chunks queued chunks, most urgent first; returns how many."""
+    return int(_moe_cache_issue(ctx, max_chunks))
+
+
+def moe_cache_sync(ctx: Any) -> None:
+    """Wait for the issued loads; they become resident."""
+    _moe_cache_sync(ctx)
+
+
+def moe_cache_state(ctx: Any, layer: int, expert: int) -> int:
+    return int(_moe_cache_get_state(ctx, layer, expert))
+
+
+def moe_cache_stats(ctx: Any) -> MoeCacheStats:
+    return _moe_cache_get_stats(ctx)
+
+
+def moe_cache_reset_stats(ctx: Any) -> None:
+    _moe_cache_reset_stats(ctx)
+
+
+# -- ggml device and buffer-type lookups (libggml / libggml-cpu beside libllama) ------------------------
+# enum ggml_backend_dev_type (ACCEL 2, IGPU 3)
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+
+
+def _sibling(soname: str) -> ctypes.CDLL | None:
+    """The copy libllama itself loaded: by soname (pip installs libggml.so and libggml.so.0 as two
+    files, and a second copy would have a registry of devices of its own)."""
+    try:
+        return ctypes.CDLL(soname)  # already loaded as libllama's dependency: the same object
+    except OSError:
+        return None
+
+
+_ggml = _sibling("libggml.so.0")
+_ggml_cpu = _sibling("libggml-cpu.so.0")
+# ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
+_dev_by_type = _declare("ggml_backend_dev_by_type", [ctypes.c_int], ctypes.c_void_p, _ggml)
+# const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+_dev_name = _declare("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p, _ggml)
+# void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+_dev_memory = _declare("ggml_backend_dev_memory", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                                   ctypes.POINTER(ctypes.c_size_t)], None, _ggml)
+# ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
+_cpu_buft = _declare("ggml_backend_cpu_buffer_type", [], ctypes.c_void_p, _ggml_cpu)
+
+
+def gpu_device() -> int | None:
+    """The first GPU device of this build (a ggml_backend_dev_t), None in a CPU-only build."""
+    return _dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) if _dev_by_type is not None else None
+
+
+def device_name(dev: int) -> str:
+    return _dev_name(dev).decode() if _dev_name is not None else "?"
+
+
+def device_memory(dev: int) -> tuple[int, int]:
+    """(free, total) bytes of a device."""
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+    return int(free.value), int(total.value)
+
+
+# ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
+_reg_by_name = _declare("ggml_backend_reg_by_name", [ctypes.c_char_p], ctypes.c_void_p, _ggml)
+# void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+_reg_proc = _declare("ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p, _ggml)
+# void ggml_backend_register(ggml_backend_reg_t reg);
+_register = _declare("ggml_backend_register", [ctypes.c_void_p], None, _ggml)
+# ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+_reg_dev_get = _declare("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p, _ggml)
+# size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+_reg_dev_count = _declare("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t, _ggml)
+
+# void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads,
+#                                    size_t n_devices, ggml_backend_dev_t * devices);
+_RpcStartServer = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                                   ctypes.POINTER(ctypes.c_void_p))
+# ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+_RpcAddServer = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+
+
+def rpc_loopback_device(port: int, n_threads: int = 1) -> int:
+    """Start llama.cpp's RPC server on 127.0.0.1:port in this process (serving the CPU backend from a
+    daemon thread), register it, and return its device: a GPU-type device with its own buffers, async
+    copies and events, reached over loopback. For tests of the cache's device paths without a GPU.
+    Every model loaded afterwards in this process sees the device (run it in a process of its own).
+    """
+    import threading
+    import time
+
+    reg = _reg_by_name(b"RPC") if _reg_by_name is not None else None
+    if not reg:
+        raise NativeLibraryError("llama.cpp was built without the RPC backend: run `make install`")
+    start = _RpcStartServer(_reg_proc(reg, b"ggml_backend_rpc_start_server"))
+    add = _RpcAddServer(_reg_proc(reg, b"ggml_backend_rpc_add_server"))
+    cpu = _dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    endpoint = f"127.0.0.1:{port}".encode()
+    devs = (ctypes.c_void_p * 1)(cpu)
+    threading.Thread(target=start, args=(endpoint, None, n_threads, 1, devs), daemon=True).start()
+    time.sleep(0.3)  # the server binds its socket
+    server = add(endpoint)
+    if not server or _reg_dev_count(server) < 1:
+        raise NativeLibraryError(f"no RPC device at {endpoint.decode()}")
+    _register(server)
+    return int(_reg_dev_get(server, 0))
+
+
+class TensorBuftOverride(ctypes.Structure):
+    """struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }"""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def cpu_overrides(patterns: list[str]) -> ctypes.Array[TensorBuftOverride]:
+    """A NULL-terminated override list putting tensors matching the regexes in plain CPU buffers."""
+    if _cpu_buft is None:
+        raise NativeLibraryError("libggml-cpu does not export ggml_backend_cpu_buffer_type: run `make install`")
+    arr = (TensorBuftOverride * (len(patterns) + 1))()
+    for i, p in enumerate(patterns):
+        arr[i].pattern = p.encode()
+        arr[i].buft = _cpu_buft()
+    return arr
+
+
+def patch_level() -> int:
+    """edgemoe patch series level compiled into libllama (0 = stock llama.cpp)."""
+    return int(_patch_level()) if _patch_level is not None else 0
+
+
+def require_patched() -> None:
+    """Raise NativeLibraryError unless the loaded libllama carries our patch series."""
+    level = patch_level()
+    if level < REQUIRED_PATCH_LEVEL:
+        where = getattr(_cdll, "_name", "libllama")
+        raise NativeLibraryError(
+            f"{where} is stock llama.cpp (edgemoe patch level {level}, need >= {REQUIRED_PATCH_LEVEL}); "
+            "run `make install` (or `python tools/build_llama.py`) to build the patched library")
+
+
+def supports_gpu_offload() -> bool:
+    return bool(lib.llama_supports_gpu_offload())
+
+
+def system_info() -> str:
+    return lib.llama_print_system_info().decode("utf-8", errors="replace")
+
+
+# llama.cpp logs go to Python logging (hidden unless --debug), not straight to stderr.
+# ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the previous message)
+_LOG_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_llama_log = logging.getLogger("edgemoe.llama_cpp")
+_partial: list[str] = []
+_level = [logging.INFO]
+_recent: deque[str] = deque(maxlen=40)  # last complete llama.cpp log lines
+
+
+@lib.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover - native
+    if level in _LOG_LEVELS:
+        _level[0] = _LOG_LEVELS[level]
+    _partial.append(text.decode("utf-8", errors="replace"))
+    if _partial[-1].endswith("\n"):
+        line = "".join(_partial).rstrip()
+        _partial.clear()
+        _recent.append(line)
+        _llama_log.log(_level[0], "%s", line)
+
+
+def route_logs_to_python() -> None:
+    lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+def recent_log() -> str:
+    """The last llama.cpp log lines (for error messages when a load fails)."""
+    return "\n".join(_recent)
