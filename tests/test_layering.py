@@ -1,0 +1,162 @@
+"""The package's layers: a module imports only from its own layer or the layers below it, and no
+package or module imports form a circle. Reads the sources with ast (imports inside functions and
+under TYPE_CHECKING included), so it needs neither llama.cpp nor torch."""
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+PKG_DIR = Path(__file__).resolve().parents[1] / "edgemoe"
+
+# lowest first; a module may import its own layer and those below it (docs/architecture.md)
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("edgemoe", "edgemoe.errors", "edgemoe.progress"),  # version, lazy public names, errors, progress bars
+    ("edgemoe.gguf", "edgemoe.torchref"),  # file formats and the torch reference model
+    ("edgemoe.policies", "edgemoe.predictors"),  # pure numpy decisions over routing records
+    ("edgemoe.runtime",),  # the one native binding and the Engine over it
+    ("edgemoe.analysis",),  # traces, statistics, perplexity, verify, reports
+    ("edgemoe.calibration", "edgemoe.perf"),  # calibration stages and artifacts; benchmarks
+    ("edgemoe.cli", "edgemoe.__main__"),  # the command line
+)
+
+
+def unit_of(module: str) -> str:
+    """The layer-table entry a module belongs to (the longest matching prefix)."""
+    best = ""
+    for layer in LAYERS:
+        for unit in layer:
+            if (module == unit or module.startswith(unit + ".")) and len(unit) > len(best):
+                best = unit
+    if not best:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layering.py")
+    return best
+
+
+def layer_of(module: str) -> int:
+    unit = unit_of(module)
+    return next(i for i, layer in enumerate(LAYERS) if unit in layer)
+
+
+def module_name(path: Path, pkg_dir: Path = PKG_DIR) -> str:
+    parts = list(path.relative_to(pkg_dir.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules(pkg_dir: Path = PKG_DIR) -> dict[str, Path]:
+    return {module_name(p, pkg_dir): p for p in sorted(pkg_dir.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: Iterable[str]) -> set[str]:
+    """The edgemoe modules `name` imports anywhere in its source (absolute and relative)."""
+    known = set(known)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod
+            targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in known else src for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # a name inside a module: the module
+                t = t.rpartition(".")[0]
+            if t.startswith("edgemoe") and t != name:
+                out.add(t)
+    return out
+
+
+def import_graph(pkg_dir: Path = PKG_DIR) -> dict[str, set[str]]:
+    mods = all_modules(pkg_dir)
+    return {name: imports_of(name, path, mods) for name, path in mods.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of the directed graph, as a node list whose last node imports the first, or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
+            for a, deps in sorted(graph.items()) for b in sorted(deps) if layer_of(b) > layer_of(a)]
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Imports between the layer table's packages (a package's own modules importing each other drop out)."""
+    out: dict[str, set[str]] = {}
+    for a, deps in graph.items():
+        ua = unit_of(a)
+        out.setdefault(ua, set()).update(unit_of(b) for b in deps if unit_of(b) != ua)
+    return out
+
+
+GRAPH = import_graph()
+
+
+def test_every_module_has_a_layer() -> None:
+    for name in GRAPH:
+        layer_of(name)
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    assert layer_violations(GRAPH) == []
+
+
+def test_no_import_circle_between_packages() -> None:
+    assert find_cycle(unit_graph(GRAPH)) is None
+
+
+def test_no_import_circle_between_modules() -> None:
+    assert find_cycle(GRAPH) is None
+
+
+@pytest.mark.parametrize("src, bad", [
+    ("policies/gating.py", "from ..runtime.engine import Engine\n"),  # up two layers
+    ("runtime/native.py", "def f() -> None:\n    from ..cli import main\n"),  # inside a function
+])
+def test_an_upward_import_is_caught(tmp_path: Path, src: str, bad: str) -> None:
+    copy = tmp_path / "edgemoe"
+    for name, path in all_modules().items():
+        dst = copy / path.relative_to(PKG_DIR)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(path.read_text())
+    (copy / src).write_text((copy / src).read_text() + bad)
+    assert layer_violations(import_graph(copy))
+
+
+def test_a_circle_is_caught() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
