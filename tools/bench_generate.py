@@ -1,16 +1,24 @@
 #!/usr/bin/env python3
-"""Decode speed of edgemoe's Engine vs stock llama-cpp-python, same GGUF, same threads, one run.
+"""Decode and prefill speed of edgemoe's Engine vs stock llama-cpp-python, same GGUF, same threads, one run.
 
-  .venv/bin/python tools/bench_generate.py models/*.gguf [--gen 64] [--reps 3] [--threads 2] [--hooks] [--json]
+  .venv/bin/python tools/bench_generate.py MODEL... [--gen 64] [--reps 3] [--threads 2] [--prompt-tokens N]
+      [--hooks] [--gating MODE --threshold T | --target-reduction R] [--ideal-k K] [--json]
 
-Both sides generate greedily past end-of-generation tokens from the same
-prompt; decode tokens/s counts the steps after the first token (the first
-comes out of prefill). Runs alternate (stock, edgemoe, stock, ...) and the
-median of --reps is reported with the ratio edgemoe/stock. --hooks adds two
-edgemoe variants: a no-op Python MoE hook, and the trace recorder (ids,
-weights and router inputs copied every layer). --gating MODE with --threshold T
-or --target-reduction R adds adaptive top-k on decode tokens (dropped experts are
-skipped by the expert matmuls, patch 0003) and reports the activation reduction.
+Both sides generate greedily past end-of-generation tokens from the same prompt
+(the short PROMPT below, or --prompt-tokens tokens of the Shakespeare corpus's
+training part); decode tokens/s counts the steps after the first token (the first
+comes out of prefill), as llama.cpp does; prefill tokens/s is prompt tokens over
+the time to the first token on both sides. Runs alternate (stock, then each
+edgemoe variant, then each extra stock variant) and the median of --reps is
+reported with the ratio to stock.
+
+Variants: `edgemoe` (no hook); --hooks adds a no-op Python MoE hook and the trace
+recorder (ids, weights and router inputs copied every layer); --gating MODE with
+--threshold T or --target-reduction R adds adaptive top-k on decode tokens inside
+the graph (`gate`, Engine.set_gating) and through the Python hook (`gate_hook`),
+with the measured share of decode expert activations dropped; --ideal-k K adds
+stock with K experts per token instead of the model's k (llama.cpp's
+--override-kv), the ideal a gating rule that drops the same share would reach.
 """
 from __future__ import annotations
 
@@ -21,52 +29,113 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import llama_cpp  # noqa: E402
 
-from edgemoe.calibration.adaptive import MODES, GatingOptions, build_gating, default_calibration_dir  # noqa: E402
-from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.runtime.sampling import GREEDY  # noqa: E402
+from edgemoe import GREEDY, Engine, LoadConfig  # noqa: E402
 from edgemoe.analysis.perplexity import ActivationCounter  # noqa: E402
 from edgemoe.analysis.trace import TraceRecorder  # noqa: E402
 from edgemoe.analysis.verify import FnPolicy  # noqa: E402
+from edgemoe.calibration.adaptive import MODES, GatingOptions, build_gating, default_calibration_dir  # noqa: E402
+from edgemoe.calibration.corpus import default_corpus_dir, split_corpus  # noqa: E402
+from edgemoe.gguf.info import read_model_info  # noqa: E402
 
-LAST_REDUCTION: list[object] = [None]  # the gate variant's activation counter (decode tokens)
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+REDUCTION: dict[str, float | None] = {}  # variant -> decode activation reduction of its last run
 
 
-def stock_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int) -> tuple[float, float]:
+def stock_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: int,
+              k: int | None = None) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of llama-cpp-python's Llama; k overrides the experts per token."""
+    kv = {f"{read_model_info(path).architecture}.expert_used_count": k} if k else None
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)
-    ids = llm.tokenize(PROMPT.encode())
+                          kv_overrides=kv, verbose=False)
     t0 = time.perf_counter()
-    gen = llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0)
+    gen = llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0)
     next(gen)  # prefill + first token
     t1 = time.perf_counter()
     for _ in range(n_gen - 1):
         next(gen)
     t2 = time.perf_counter()
     llm.close()
-    return len(ids) / (t1 - t0), (n_gen - 1) / (t2 - t1)
+    return len(prompt) / (t1 - t0), (n_gen - 1) / (t2 - t1)
 
 
-def edgemoe_decode_tps(path: Path, n_gen: int, threads: int, n_ctx: int, hook: str = "none",
-                       gating: GatingOptions | None = None) -> tuple[float, float]:
+def edgemoe_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: int, variant: str,
+                gating: GatingOptions | None) -> tuple[float, float]:
     with Engine(path, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
-        if hook == "gate" and gating is not None:
-            counter = ActivationCounter(decode_only=True)
+        counter = None
+        if variant in ("gate", "gate_hook") and gating is not None:
             opts = replace(gating, calibration=gating.calibration or default_calibration_dir(path))
-            eng.set_policies([build_gating(eng, opts), counter])
-            LAST_REDUCTION[0] = counter
-        elif hook == "noop":
+            policy = build_gating(eng, opts)
+            if variant == "gate":
+                assert eng.set_gating(policy) == "graph"
+            else:
+                counter = ActivationCounter(decode_only=True)
+                eng.set_policies([policy, counter])
+        elif variant == "noop":
             eng.set_policies([FnPolicy(lambda r: None)])
-        elif hook == "trace":
+        elif variant == "trace":
             eng.set_policies([TraceRecorder(gate_inputs=True)])
-        g = eng.generate(PROMPT, max_tokens=n_gen, sampling=GREEDY, ignore_eog=True)
-    return g.timings.prompt_tps, g.timings.decode_tps
+        g = eng.generate(prompt, max_tokens=n_gen, sampling=GREEDY, ignore_eog=True)
+        if variant == "gate":
+            REDUCTION[variant] = eng.gating_report()["activation_reduction"]
+        elif counter is not None:
+            REDUCTION[variant] = 1 - counter.kept / counter.full if counter.full else None
+    return len(prompt) / g.timings.ttft_s, g.timings.decode_tps
+
+
+def make_prompt(path: Path, n_tokens: int | None) -> list[int]:
+    """The prompt's ids (llama.cpp's tokenizer, BOS as the model says: the same on both sides)."""
+    vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    text = PROMPT if n_tokens is None else split_corpus(
+        default_corpus_dir() / "tinyshakespeare.txt").train_text()[:20 * n_tokens]
+    ids = vocab.tokenize(text.encode(), add_bos=True)
+    vocab.close()
+    return ids if n_tokens is None else ids[:n_tokens]
+
+
+def bench_model(path: Path, args: argparse.Namespace, variants: list[str],
+                gating: GatingOptions | None) -> dict[str, Any]:
+    prompt = make_prompt(path, args.prompt_tokens)
+    n_ctx = max(args.ctx, len(prompt) + args.gen + 8)
+    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in ["stock", *variants]}
+    ideal = f"stock_k{args.ideal_k}" if args.ideal_k else None
+    if ideal:
+        runs[ideal] = []
+    for _ in range(args.reps):
+        runs["stock"].append(stock_run(path, prompt, args.gen, args.threads, n_ctx))
+        for v in variants:
+            runs[v].append(edgemoe_run(path, prompt, args.gen, args.threads, n_ctx, v, gating))
+        if ideal:
+            runs[ideal].append(stock_run(path, prompt, args.gen, args.threads, n_ctx, k=args.ideal_k))
+    med = {v: (statistics.median(p for p, _ in r), statistics.median(d for _, d in r)) for v, r in runs.items()}
+    row: dict[str, Any] = {"model": path.name, "threads": args.threads, "gen_tokens": args.gen,
+                           "prompt_tokens": len(prompt), "reps": args.reps}
+    for v, (p, d) in med.items():
+        key = "stock" if v == "stock" else (v if v.startswith("stock") else f"edgemoe_{v}".replace("_none", ""))
+        row[f"{key}_decode_tps"] = round(d, 2)
+        row[f"{key}_prefill_tps"] = round(p, 2)
+        if v != "stock":
+            row[f"{key}_decode_ratio"] = round(d / med["stock"][1], 3)
+            row[f"{key}_prefill_ratio"] = round(p / med["stock"][0], 3)
+    if gating is not None:
+        row["gating"] = {"mode": gating.mode, "threshold": gating.threshold,
+                         "target_reduction": gating.target_reduction}
+        for v in ("gate", "gate_hook"):
+            if v in REDUCTION:
+                row[f"edgemoe_{v}_decode_activation_reduction"] = round(REDUCTION[v], 3)
+    if ideal and "gate" in variants and REDUCTION.get("gate"):
+        # the ideal speed-up at the gate's reduction, by linear interpolation in the share of experts dropped
+        k = read_model_info(path).n_expert_used
+        ideal_gain = (row[f"{ideal}_decode_ratio"] - 1) * REDUCTION["gate"] / (1 - args.ideal_k / k)
+        row["ideal_decode_ratio_at_gate_reduction"] = round(1 + ideal_gain, 3)
+        row["gate_share_of_ideal_speedup"] = round((row["edgemoe_gate_decode_ratio"] - 1) / ideal_gain, 3)
+    return row
 
 
 def main() -> int:
@@ -76,50 +145,38 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--prompt-tokens", type=int, default=None,
+                    help="prompt of N corpus tokens (prefill speed); default: a short fixed prompt")
     ap.add_argument("--hooks", action="store_true", help="also time a no-op hook and the trace recorder")
     ap.add_argument("--gating", choices=[m for m in MODES if m != "off"], default=None,
-                    help="also time adaptive top-k with this rule (decode tokens only); "
-                         "needs --threshold or --target-reduction (the latter and fisher/empirical "
-                         "need the model's calibration)")
+                    help="also time adaptive top-k with this rule on decode tokens, in the graph and through "
+                         "the Python hook; needs --threshold or --target-reduction (the latter and "
+                         "fisher/empirical need the model's calibration)")
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--target-reduction", type=float, default=None)
+    ap.add_argument("--ideal-k", type=int, default=None,
+                    help="also time stock with K experts per token (the ideal of adaptive top-k)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    variants = (["none", "noop", "trace"] if args.hooks else ["none"]) + (["gate"] if args.gating else [])
+    variants = ["none"] + (["noop", "trace"] if args.hooks else []) + (["gate", "gate_hook"] if args.gating else [])
     gating = (GatingOptions(args.gating, threshold=args.threshold, target_reduction=args.target_reduction)
               if args.gating else None)
-    rows = []
-    for path in args.models:
-        stock: list[tuple[float, float]] = []
-        ours: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
-        for _ in range(args.reps):
-            stock.append(stock_decode_tps(path, args.gen, args.threads, args.ctx))
-            for v in variants:
-                ours[v].append(edgemoe_decode_tps(path, args.gen, args.threads, args.ctx, v, gating))
-        s = statistics.median(d for _, d in stock)
-        row = {"model": path.name, "threads": args.threads, "gen_tokens": args.gen,
-               "stock_decode_tps": round(s, 2),
-               "stock_prompt_tps": round(statistics.median(p for p, _ in stock), 1)}
-        for v in variants:
-            key = "edgemoe" if v == "none" else f"edgemoe_{v}_hook"
-            o = statistics.median(d for _, d in ours[v])
-            row[f"{key}_decode_tps"] = round(o, 2)
-            row[f"{key}_ratio"] = round(o / s, 3)
-            row[f"{key}_prompt_tps"] = round(statistics.median(p for p, _ in ours[v]), 1)
-        if "gate" in variants:
-            c = LAST_REDUCTION[0]
-            row["gating"] = {"mode": args.gating, "threshold": args.threshold,
-                             "target_reduction": args.target_reduction}
-            row["gate_decode_activation_reduction"] = round(1 - c.kept / c.full, 3) if c.full else None
-        rows.append(row)
+    rows = [bench_model(path, args, variants, gating) for path in args.models]
     if args.json:
         print(json.dumps(rows, indent=1))
-    else:
-        keys = ["edgemoe"] + ([f"edgemoe_{v}_hook" for v in variants[1:]])
-        print(f"{'model':<40} {'stock tok/s':>12} " + " ".join(f"{k + ' (ratio)':>26}" for k in keys))
-        for r in rows:
-            print(f"{r['model']:<40} {r['stock_decode_tps']:>12.2f} " + " ".join(
-                f"{r[k + '_decode_tps']:>17.2f} ({r[k + '_ratio']:.3f})" for k in keys))
+        return 0
+    for r in rows:
+        print(f"{r['model']}: {r['prompt_tokens']} prompt tokens, {r['gen_tokens']} generated, "
+              f"{r['threads']} threads, median of {r['reps']}")
+        print(f"  {'configuration':<24} {'decode tok/s':>12} {'ratio':>7} {'prefill tok/s':>14} {'ratio':>7}")
+        for key in [k[:-len("_decode_tps")] for k in r if k.endswith("_decode_tps")]:
+            ratio = r.get(f"{key}_decode_ratio", 1.0)
+            pratio = r.get(f"{key}_prefill_ratio", 1.0)
+            print(f"  {key:<24} {r[key + '_decode_tps']:>12.2f} {ratio:>7.3f} {r[key + '_prefill_tps']:>14.1f} "
+                  f"{pratio:>7.3f}")
+        for key, val in r.items():
+            if "reduction" in key or "ideal_decode" in key or "share_of_ideal" in key:
+                print(f"  {key}: {val}")
     return 0
 
 

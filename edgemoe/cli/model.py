@@ -42,8 +42,9 @@ def _install_gating(engine: Any, opts: Any) -> None:
 
     policy = build_gating(engine, opts)
     if policy is not None:
-        engine.set_policies([policy])
-        click.echo(f"gating: {opts.mode}, threshold {policy.threshold:.4g}"
+        path = engine.set_gating(policy)
+        where = "in the graph" if path == "graph" else "in the routing hook (the expert cache needs it)"
+        click.echo(f"gating: {opts.mode}, threshold {policy.threshold:.4g}, {where}"
                    + (" (prefill at full top-k)" if opts.decode_only else ""), err=True)
 
 
@@ -128,6 +129,10 @@ def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_
                    "n_threads": engine.n_threads, "timings": g.timings.to_dict()}
             if engine.cache is not None:
                 out["cache"] = dict(engine.cache.cache.stats(), policy=cache.policy)
+            gating_report = engine.gating_report()
+            if gating_report is not None:
+                out["gating"] = gating_report
+            out["control"] = engine.control_stats()
             click.echo(json.dumps(out))
             return
         for _, piece in engine.stream(prompt, max_tokens=max_tokens, sampling=sampling):
@@ -141,6 +146,9 @@ def _stats_line(t: Any, engine: Any = None) -> str:
     if engine is not None and engine.cache is not None:
         st = engine.cache.cache.stats()  # since the cache was set up
         cache = f" | expert cache hit rate {st['hit_rate']:.2f}, {st['bytes_uploaded'] / 2**20:.1f} MiB loaded"
+    report = engine.gating_report() if engine is not None else None
+    if report is not None and report["activation_reduction"] is not None:
+        cache += f" | gating dropped {report['activation_reduction']:.0%} of gated experts"
     return (f"[prompt {t.prompt_tokens} tok, {t.prompt_tps:.1f} tok/s | "
             f"decode {t.decode_tokens} tok, {t.decode_tps:.1f} tok/s | ttft {t.ttft_s * 1000:.0f} ms{cache}]")
 

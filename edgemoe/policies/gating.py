@@ -13,9 +13,15 @@ do for their top-k). Rules:
   layer l's sensitivity. For k = 2 the removed mass is 1 - a (a = top-1 weight),
   which is the paper's (1 - a)^2 * S_l <= T; for k > 2 the mass of all dropped
   experts generalises it.
+
+An Engine runs these rules inside llama.cpp's graph (patches 0008/0009: ggml_moe_gate, with the
+arithmetic of ``normalised``/``keep_mask`` and the model's own weight rule for the kept
+experts) unless a Python routing hook or the expert cache needs the routing callback; then
+GatingPolicy runs here, in the hook, with the same decisions.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -33,21 +39,35 @@ class GatingRule(str, Enum):
     SENSITIVITY = "sensitivity"
 
 
-def keep_mask(rule: GatingRule, weights: np.ndarray, threshold: float, sensitivity: float = 1.0) -> np.ndarray:
-    """(n_tokens, k) bool: which slots to keep. weights: renormalised, highest first."""
+def normalised(weights: np.ndarray, *, logits: bool = False) -> np.ndarray:
+    """(n_tokens, k) float64 weights summing to 1 per row: by their sum, or a softmax of logits.
+
+    The arithmetic is the native gate's (patch 0008, ggml_moe_gate): float64, sums in slot order
+    (np.cumsum adds sequentially), exp from the C library, so that both decide alike bit for bit.
+    """
+    x = np.asarray(weights, np.float64)
+    if logits:
+        x = np.vectorize(math.exp, otypes=[np.float64])(x - x.max(1, keepdims=True))
+    total = np.maximum(np.cumsum(x, axis=1)[:, -1:], 1e-30) if x.shape[1] else np.ones((len(x), 1))
+    return x / total
+
+
+def keep_mask(rule: GatingRule, weights: np.ndarray, threshold: float, sensitivity: float = 1.0, *,
+              logits: bool = False) -> np.ndarray:
+    """(n_tokens, k) bool: which slots to keep. weights: in the router's order (logits: before the softmax)."""
     t, k = weights.shape
     keep = np.ones((t, k), bool)
     if rule is GatingRule.OFF or k < 2:
         return keep
-    w = weights / np.maximum(weights.sum(1, keepdims=True), 1e-30)
+    w = normalised(weights, logits=logits)
     if rule is GatingRule.SCORE:
         keep[w[:, 0] >= threshold, 1:] = False
     elif rule is GatingRule.SER:
         keep[:, 1:] = w[:, 1:] > threshold * w[:, :1]
     elif rule is GatingRule.SENSITIVITY:
-        # removed mass if slots j.. are dropped: suffix sums of w
+        # removed mass if slots j.. are dropped: suffix sums of w, added from the last slot
         removed = np.cumsum(w[:, ::-1], axis=1)[:, ::-1]  # removed[:, j] = sum(w[:, j:])
-        ok = removed ** 2 * sensitivity <= threshold
+        ok = removed * removed * sensitivity <= threshold
         ok[:, 0] = False  # never drop the top-1 expert
         # drop from the end while allowed: slot j dropped iff dropping j.. is allowed
         keep = ~ok
@@ -74,12 +94,24 @@ class GatingPolicy:
     decode_only: bool = True  # leave prefill ubatches (more than one token) at full top-k
     wants_probs: bool = False
     wants_gate_inp: bool = False
+    n_routed: int = 0  # slots of the routes this policy gated (not those decode_only skipped)
+    n_dropped: int = 0  # of these, the slots it dropped
+
+    def layer_sensitivity(self, layer: int) -> float:
+        return 1.0 if self.sensitivity is None else float(self.sensitivity.get(layer, 1.0))
 
     def on_route(self, route: RouteRecord) -> None:
-        if self.rule is GatingRule.OFF or (self.decode_only and route.n_tokens > 1):
+        if self.rule is GatingRule.OFF or (self.decode_only and route.n_tokens > 1) or route.n_expert_used < 2:
             return
-        s = 1.0 if self.sensitivity is None else float(self.sensitivity.get(route.layer, 1.0))
-        apply_keep(route, keep_mask(self.rule, route.weights, self.threshold, s))
+        keep = keep_mask(self.rule, route.weights, self.threshold, self.layer_sensitivity(route.layer))
+        self.n_routed += keep.size
+        self.n_dropped += int((~keep).sum())
+        apply_keep(route, keep)
+
+    @property
+    def activation_reduction(self) -> float | None:
+        """Share of the gated routes' slots dropped so far (None before any)."""
+        return self.n_dropped / self.n_routed if self.n_routed else None
 
 
 # lower score thresholds drop more; higher ser / sensitivity thresholds drop more

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import ContextOverflowError, EdgeMoeError, ModelLoadError
 from ..gguf.info import ModelInfo, check_gguf, read_model_info
+from ..policies.gating import GatingPolicy
 from ..policies.route import RoutePolicy
 from . import native
 from .chat import ChatMessage, ChatMixin
@@ -90,6 +91,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         self._hooks: HookChain | None = None
         self._policies: list[RoutePolicy] = []  # the user's, before the cache controller
         self.cache: CacheController | None = None
+        self._gating: GatingPolicy | None = None  # adaptive top-k (set_gating), in the graph or the hook
 
     def _make_kv_overrides(self) -> ctypes.Array[lib.llama_model_kv_override] | None:
         if self.config.expert_used_count is None:

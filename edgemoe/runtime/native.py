@@ -15,8 +15,8 @@ from typing import Any
 from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
-# 0006 sets 5, 0007 sets 6).
-REQUIRED_PATCH_LEVEL = 6
+# 0006 sets 5, 0007 sets 6, 0009 sets 7).
+REQUIRED_PATCH_LEVEL = 7
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,52 @@ _moe_cache_get_state = _declare("llama_moe_cache_get_state", [ctypes.c_void_p, c
 _moe_cache_get_stats = _declare("llama_moe_cache_get_stats", [ctypes.c_void_p], MoeCacheStats)
 # void llama_moe_cache_reset_stats(struct llama_context * ctx);
 _moe_cache_reset_stats = _declare("llama_moe_cache_reset_stats", [ctypes.c_void_p], None)
+
+
+# enum llama_moe_gating_rule
+MOE_GATING_NONE = 0
+MOE_GATING_SCORE = 1
+MOE_GATING_SER = 2
+MOE_GATING_SENSITIVITY = 3
+
+
+class MoeStats(ctypes.Structure):
+    """struct llama_moe_stats: what the MoE control path did since the last reset."""
+
+    _fields_ = [
+        ("n_ubatch", ctypes.c_uint64),  # ubatches computed
+        ("n_host_syncs", ctypes.c_uint64),  # graph cuts at MoE layers for the routing callback
+        ("n_routed", ctypes.c_uint64),  # slots in the layers gated in the graph
+        ("n_dropped", ctypes.c_uint64),  # of these, slots the gating rule dropped
+    ]
+
+
+# int32_t llama_moe_set_gating(struct llama_context * ctx, enum llama_moe_gating_rule rule, double threshold,
+#                              const double * sensitivity, bool decode_only);
+_moe_set_gating = _declare("llama_moe_set_gating", [ctypes.c_void_p, ctypes.c_int, ctypes.c_double,
+                                                    ctypes.POINTER(ctypes.c_double), ctypes.c_bool], ctypes.c_int32)
+# struct llama_moe_stats llama_moe_get_stats(const struct llama_context * ctx);
+_moe_get_stats = _declare("llama_moe_get_stats", [ctypes.c_void_p], MoeStats)
+# void llama_moe_reset_stats(struct llama_context * ctx);
+_moe_reset_stats = _declare("llama_moe_reset_stats", [ctypes.c_void_p], None)
+
+
+def moe_set_gating(ctx: Any, rule: int, threshold: float, sensitivity: list[float] | None,
+                   decode_only: bool) -> int:
+    """Adaptive top-k inside the graph (rule MOE_GATING_NONE turns it off); 0 on success."""
+    if _moe_set_gating is None:
+        require_patched()
+    arr = (ctypes.c_double * len(sensitivity))(*sensitivity) if sensitivity is not None else None
+    return int(_moe_set_gating(ctx, rule, threshold, arr, decode_only))
+
+
+def moe_stats(ctx: Any) -> dict[str, int]:
+    s = _moe_get_stats(ctx)
+    return {name: int(getattr(s, name)) for name, _ in MoeStats._fields_}
+
+
+def moe_reset_stats(ctx: Any) -> None:
+    _moe_reset_stats(ctx)
 
 
 def moe_cache_init(ctx: Any, n_slots: list[int] | None, device: Any = None) -> int:

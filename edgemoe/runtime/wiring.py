@@ -1,7 +1,9 @@
-"""The MoE routing hook and the expert cache of an Engine: which policies see each routing.
+"""The MoE routing hook, adaptive top-k and the expert cache of an Engine: who decides each routing.
 
-RoutingMixin is a part of Engine (edgemoe.runtime.engine). The user's policies run first, then
-the expert-cache controller when its residency policy needs the routes; one HookChain serves all.
+RoutingMixin is a part of Engine (edgemoe.runtime.engine). Adaptive top-k runs inside llama.cpp's
+graph (no host round trip per MoE layer) while nothing else needs the routing callback; otherwise
+it runs first in the hook chain, then the user's policies, then the expert-cache controller when
+its residency policy needs the routes; one HookChain serves all.
 """
 from __future__ import annotations
 
@@ -9,12 +11,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
+from ..policies.gating import GatingPolicy, GatingRule
 from ..policies.residency import make_policy
 from ..policies.route import RoutePolicy
 from . import native
 from .expert_cache import CacheConfig, CacheController, ExpertCache
 from .hooks import HookChain
+
+_NATIVE_RULE = {GatingRule.OFF: native.MOE_GATING_NONE, GatingRule.SCORE: native.MOE_GATING_SCORE,
+                GatingRule.SER: native.MOE_GATING_SER, GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY}
 
 
 class RoutingMixin:
@@ -26,11 +33,20 @@ class RoutingMixin:
     _hooks: HookChain | None
     _policies: list[RoutePolicy]
     cache: CacheController | None
+    _gating: GatingPolicy | None
 
     def set_policies(self, policies: Sequence[RoutePolicy] | None) -> HookChain | None:
         """Route every MoE layer of every ubatch through these policies (None or [] removes the hook)."""
         self._policies = list(policies or [])
-        chain = self._policies + ([self.cache] if self.cache is not None and self.cache.needs_routes else [])
+        hook_gating = self._gating is not None and self.gating_path == "hook"
+        chain = (([self._gating] if hook_gating else []) + self._policies
+                 + ([self.cache] if self.cache is not None and self.cache.needs_routes else []))
+        if self._gating is not None:
+            rule = _NATIVE_RULE[GatingRule.OFF if hook_gating else self._gating.rule]
+            sens = [self._gating.layer_sensitivity(il) for il in range(self.info.n_layer)]
+            if native.moe_set_gating(self._ctx, rule, self._gating.threshold, sens, self._gating.decode_only) != 0:
+                raise EdgeMoeError(f"llama.cpp refused the gating rule {self._gating.rule.value} with threshold "
+                                   f"{self._gating.threshold}: {native.recent_log()[-200:].strip()}")
         if chain:
             self._hooks = HookChain(chain)
             native.moe_set_hook(self._ctx, self._hooks.c_callback, self._hooks.flags)
@@ -38,6 +54,43 @@ class RoutingMixin:
             native.moe_set_hook(self._ctx, None, 0)
             self._hooks = None
         return self._hooks
+
+    @property
+    def gating_path(self) -> str | None:
+        """Where adaptive top-k runs: "graph" (inside llama.cpp), "hook" (the Python callback) or None."""
+        if self._gating is None:
+            return None
+        return "hook" if self._policies or self.cache is not None else "graph"
+
+    def set_gating(self, policy: GatingPolicy | None) -> str | None:
+        """Adaptive top-k on every MoE layer (None turns it off); returns where it runs (gating_path).
+
+        In the graph the decisions equal ``policy``'s and the kept weights follow the model's own rule;
+        while the user's policies or the expert cache need the routing callback, ``policy`` runs there.
+        """
+        if self._gating is not None and policy is None:
+            native.moe_set_gating(self._ctx, native.MOE_GATING_NONE, 0.0, None, True)
+        self._gating = policy if policy is not None and policy.rule is not GatingRule.OFF else None
+        native.moe_reset_stats(self._ctx)
+        self.set_policies(self._policies)
+        return self.gating_path
+
+    def gating_report(self) -> dict[str, Any] | None:
+        """{"rule", "threshold", "path", "activation_reduction"} of the gated routes so far, or None."""
+        g = self._gating
+        if g is None:
+            return None
+        if self.gating_path == "graph":
+            st = native.moe_stats(self._ctx)
+            reduction = st["n_dropped"] / st["n_routed"] if st["n_routed"] else None
+        else:
+            reduction = g.activation_reduction
+        return {"rule": g.rule.value, "threshold": g.threshold, "path": self.gating_path,
+                "activation_reduction": reduction}
+
+    def control_stats(self) -> dict[str, int]:
+        """What the MoE control path cost: ubatches and the host syncs of the routing callback."""
+        return native.moe_stats(self._ctx)
 
     def enable_expert_cache(self, config: CacheConfig | None, *, device: object = None) -> ExpertCache | None:
         """Give every MoE layer config.slots_per_layer expert slots run by config.policy (None removes it).
