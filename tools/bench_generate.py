@@ -8,7 +8,9 @@ Both sides generate greedily past end-of-generation tokens from the same prompt
 (the short PROMPT below, or --prompt-tokens tokens of the Shakespeare corpus's
 training part); decode tokens/s counts the steps after the first token (the first
 comes out of prefill), as llama.cpp does; prefill tokens/s is prompt tokens over
-the time to the first token on both sides. Runs alternate (stock, then each
+the time to the first token on both sides. After each load both sides first
+generate --warmup tokens (page faults of the first pass over the weights), then
+forget them and run the timed generation. Runs alternate (stock, then each
 edgemoe variant, then each extra stock variant) and the median of --reps is
 reported with the ratio to stock.
 
@@ -48,12 +50,18 @@ PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 REDUCTION: dict[str, float | None] = {}  # variant -> decode activation reduction of its last run
 
 
-def stock_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: int,
+def stock_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: int, warmup: int,
               k: int | None = None) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) of llama-cpp-python's Llama; k overrides the experts per token."""
     kv = {f"{read_model_info(path).architecture}.expert_used_count": k} if k else None
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                           kv_overrides=kv, verbose=False)
+    if warmup:  # the first pass over the weights after a load pays for page faults
+        gen = llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0)
+        for _ in range(warmup):
+            next(gen)
+        gen.close()
+        llm.reset()
     t0 = time.perf_counter()
     gen = llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0)
     next(gen)  # prefill + first token
@@ -65,7 +73,7 @@ def stock_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: in
     return len(prompt) / (t1 - t0), (n_gen - 1) / (t2 - t1)
 
 
-def edgemoe_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: int, variant: str,
+def edgemoe_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: int, warmup: int, variant: str,
                 gating: GatingOptions | None) -> tuple[float, float]:
     with Engine(path, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
         counter = None
@@ -81,6 +89,12 @@ def edgemoe_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: 
             eng.set_policies([FnPolicy(lambda r: None)])
         elif variant == "trace":
             eng.set_policies([TraceRecorder(gate_inputs=True)])
+        if warmup:
+            eng.generate(prompt, max_tokens=warmup, sampling=GREEDY, ignore_eog=True)
+            eng.reset()
+            eng.reset_control_stats()
+            if counter is not None:
+                counter.kept = counter.full = 0
         g = eng.generate(prompt, max_tokens=n_gen, sampling=GREEDY, ignore_eog=True)
         if variant == "gate":
             REDUCTION[variant] = eng.gating_report()["activation_reduction"]
@@ -108,11 +122,11 @@ def bench_model(path: Path, args: argparse.Namespace, variants: list[str],
     if ideal:
         runs[ideal] = []
     for _ in range(args.reps):
-        runs["stock"].append(stock_run(path, prompt, args.gen, args.threads, n_ctx))
+        runs["stock"].append(stock_run(path, prompt, args.gen, args.threads, n_ctx, args.warmup))
         for v in variants:
-            runs[v].append(edgemoe_run(path, prompt, args.gen, args.threads, n_ctx, v, gating))
+            runs[v].append(edgemoe_run(path, prompt, args.gen, args.threads, n_ctx, args.warmup, v, gating))
         if ideal:
-            runs[ideal].append(stock_run(path, prompt, args.gen, args.threads, n_ctx, k=args.ideal_k))
+            runs[ideal].append(stock_run(path, prompt, args.gen, args.threads, n_ctx, args.warmup, k=args.ideal_k))
     med = {v: (statistics.median(p for p, _ in r), statistics.median(d for _, d in r)) for v, r in runs.items()}
     row: dict[str, Any] = {"model": path.name, "threads": args.threads, "gen_tokens": args.gen,
                            "prompt_tokens": len(prompt), "reps": args.reps}
@@ -145,6 +159,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--warmup", type=int, default=16,
+                    help="tokens generated (and discarded) after each load before the timed run")
     ap.add_argument("--prompt-tokens", type=int, default=None,
                     help="prompt of N corpus tokens (prefill speed); default: a short fixed prompt")
     ap.add_argument("--hooks", action="store_true", help="also time a no-op hook and the trace recorder")

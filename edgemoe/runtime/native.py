@@ -147,7 +147,7 @@ class MoeStats(ctypes.Structure):
 #                              const double * sensitivity, bool decode_only);
 _moe_set_gating = _declare("llama_moe_set_gating", [ctypes.c_void_p, ctypes.c_int, ctypes.c_double,
                                                     ctypes.POINTER(ctypes.c_double), ctypes.c_bool], ctypes.c_int32)
-# struct llama_moe_stats llama_moe_get_stats(const struct llama_context * ctx);
+# struct llama_moe_stats llama_moe_get_stats(struct llama_context * ctx);
 _moe_get_stats = _declare("llama_moe_get_stats", [ctypes.c_void_p], MoeStats)
 # void llama_moe_reset_stats(struct llama_context * ctx);
 _moe_reset_stats = _declare("llama_moe_reset_stats", [ctypes.c_void_p], None)

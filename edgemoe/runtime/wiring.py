@@ -71,7 +71,7 @@ class RoutingMixin:
         if self._gating is not None and policy is None:
             native.moe_set_gating(self._ctx, native.MOE_GATING_NONE, 0.0, None, True)
         self._gating = policy if policy is not None and policy.rule is not GatingRule.OFF else None
-        native.moe_reset_stats(self._ctx)
+        self.reset_control_stats()
         self.set_policies(self._policies)
         return self.gating_path
 
@@ -89,8 +89,14 @@ class RoutingMixin:
                 "activation_reduction": reduction}
 
     def control_stats(self) -> dict[str, int]:
-        """What the MoE control path cost: ubatches and the host syncs of the routing callback."""
+        """What the MoE control path did: ubatches, host syncs of the routing callback, slots gated in the graph."""
         return native.moe_stats(self._ctx)
+
+    def reset_control_stats(self) -> None:
+        """Zero control_stats() and the gating counters (the graph is kept)."""
+        native.moe_reset_stats(self._ctx)
+        if self._gating is not None:
+            self._gating.n_routed = self._gating.n_dropped = 0
 
     def enable_expert_cache(self, config: CacheConfig | None, *, device: object = None) -> ExpertCache | None:
         """Give every MoE layer config.slots_per_layer expert slots run by config.policy (None removes it).
