@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 from pathlib import Path
@@ -209,3 +210,18 @@ def test_set_gating_off_and_with_the_expert_cache() -> None:
         eng.reset()
         assert eng.generate("ROMEO:", max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens == gated
         assert eng.gating_report()["path"] == "hook" and eng.gating_report()["activation_reduction"] > 0
+
+
+def test_generate_json_reports_gating_and_control_counters() -> None:
+    from click.testing import CliRunner
+
+    from edgemoe.cli import cli
+
+    res = CliRunner().invoke(cli, ["generate", str(QWEN), "-p", "ROMEO:", "-n", "12", "--temp", "0",
+                                   "--gating", "ser", "--threshold", "0.5", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["gating"]["rule"] == "ser" and out["gating"]["threshold"] == 0.5
+    assert out["gating"]["path"] == "graph" and 0 < out["gating"]["activation_reduction"] < 1
+    assert out["control"]["n_host_syncs"] == 0 and out["control"]["n_ubatch"] == 12
+    assert out["control"]["n_dropped"] / out["control"]["n_routed"] == out["gating"]["activation_reduction"]
