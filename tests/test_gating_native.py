@@ -137,20 +137,32 @@ def test_gate_op_decides_as_the_python_rules(recorded_routes, tmp_path: Path) ->
     assert n_dropped > 1000  # the grid drops (and keeps) many slots
 
 
+@pytest.mark.parametrize("where", ["graph", "hook"])
 @pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-mixtral", "tiny-qwen2moe", "tiny-deepseek2",
                                     "tiny-olmoe", "tiny-gpt-oss"])
-def test_graph_top1_equals_stock_with_one_expert(preset: str, make_tiny_gguf) -> None:
-    """score with threshold 0 keeps only the first selected expert: stock llama.cpp with k = 1, bitwise."""
+def test_top1_equals_stock_with_one_expert(preset: str, where: str, make_tiny_gguf) -> None:
+    """score with threshold 0 keeps only the first selected expert: stock llama.cpp with k = 1, bitwise.
+
+    The kept weight follows each model's rule (normalised, softmax over the selected, scaled or as it
+    is), in the graph and in the hook alike.
+    """
     path = make_tiny_gguf(preset)
     toks = list(range(1, 40))
+    policy = GatingPolicy(GatingRule.SCORE, 0.0, decode_only=False)
     with Engine(path, LoadConfig(n_ctx=128, expert_used_count=4)) as eng:
-        assert eng.set_gating(GatingPolicy(GatingRule.SCORE, 0.0, decode_only=False)) == "graph"
+        if where == "graph":
+            assert eng.set_gating(policy) == "graph"
+        else:
+            eng.set_policies([policy])
         gated = np.stack(eng.eval_logits(toks))
         stats = eng.control_stats()
     with Engine(path, LoadConfig(n_ctx=128, expert_used_count=1)) as eng:
         top1 = np.stack(eng.eval_logits(toks))
     np.testing.assert_array_equal(gated, top1)
-    assert stats["n_dropped"] * 4 == stats["n_routed"] * 3 and stats["n_host_syncs"] == 0
+    if where == "graph":
+        assert stats["n_dropped"] * 4 == stats["n_routed"] * 3 and stats["n_host_syncs"] == 0
+    else:
+        assert policy.n_dropped * 4 == policy.n_routed * 3 and stats["n_host_syncs"] > 0
 
 
 @pytest.mark.parametrize("path", [QWEN, MIXTRAL], ids=["qwen3moe", "mixtral"])
@@ -204,9 +216,14 @@ def test_set_gating_off_and_with_the_expert_cache() -> None:
         eng.reset()
         assert eng.generate("ROMEO:", max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens == plain
         assert eng.control_stats()["n_routed"] == 0
-        # the cache's layers are split by the routing callback: gating runs there, with the same decisions
+        # with the expert cache's tables in the graph, gating stays there
         eng.enable_expert_cache(CacheConfig(slots_per_layer=8, policy="lru"))
-        assert eng.set_gating(GatingPolicy(GatingRule.SER, 0.9)) == "hook"
+        assert eng.set_gating(GatingPolicy(GatingRule.SER, 0.9)) == "graph"
+        eng.reset()
+        assert eng.generate("ROMEO:", max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens == gated
+        # blocking loads need the routing callback: gating runs there, with the same decisions
+        eng.enable_expert_cache(CacheConfig(slots_per_layer=8, policy="lru", blocking=True))
+        assert eng.gating_path == "hook"
         eng.reset()
         assert eng.generate("ROMEO:", max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens == gated
         assert eng.gating_report()["path"] == "hook" and eng.gating_report()["activation_reduction"] > 0

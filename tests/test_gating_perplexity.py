@@ -13,7 +13,7 @@ from conftest import FIXTURE_MODELS
 from edgemoe.cli import cli
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.policies.gating import GatingPolicy, GatingRule, apply_keep, keep_mask
-from edgemoe.policies.route import RouteRecord
+from edgemoe.policies.route import RouteRecord, WeightRule
 from edgemoe.analysis.perplexity import chunk_tokens, log_softmax_nll, perplexity
 
 W = np.array([[0.7, 0.2, 0.1], [0.4, 0.35, 0.25], [0.5, 0.5, 0.0]], np.float32)
@@ -50,6 +50,18 @@ def test_apply_keep_renormalises() -> None:
     apply_keep(r, np.array([[True, True, False]]))
     assert ids.tolist() == [[3, 1, -1]]
     np.testing.assert_allclose(w, [[0.625, 0.375, 0.0]])
+
+
+def test_apply_keep_follows_the_layers_weight_rule() -> None:
+    def kept(rule: WeightRule, scale: float) -> list[float]:
+        w = np.array([[0.5, 0.3, 0.2]], np.float32)
+        r = RouteRecord(0, np.array([[3, 1, 2]], np.int32), w, None, None, 4, weight_rule=rule, weight_scale=scale)
+        apply_keep(r, np.array([[True, True, False]]))
+        return w[0].tolist()
+
+    np.testing.assert_allclose(kept(WeightRule.AS_IS, 1.0), [0.5, 0.3, 0.0])  # qwen2moe, olmoe: as they are
+    np.testing.assert_allclose(kept(WeightRule.NORM, 2.5), [1.5625, 0.9375, 0.0])  # normalised, then scaled
+    np.testing.assert_allclose(kept(WeightRule.SOFTMAX, 1.0), [0.625, 0.375, 0.0])  # softmax over the kept
 
 
 def test_policy_leaves_prefill_alone_by_default() -> None:

@@ -6,9 +6,12 @@
 Decode tokens/s (median of --reps, runs interleaved) for:
   stock            llama.cpp's graph, CPU weight repacking on (its default)
   stock-plain      the same without repacking (what the cache needs: experts copied from plain tensors)
-  empty-cache      --slots slots per layer, nothing loaded (manual policy): the split graph and the
-                   C callback per MoE layer, every expert on the CPU branch (repacked, as stock)
-  lru              --slots slots, lru policy (Python hook per layer; the stand-in cache computes on the CPU)
+  empty-callback   --slots slots per layer, nothing loaded (manual policy), ids mapped by the C routing
+                   callback at every MoE layer (a scheduler stop each), every expert on the CPU branch
+  empty-cache      the same with the expert-to-slot tables in the graph (patch 0011, no stop)
+  lru-hook         --slots slots, lru run by the Python policy in the routing hook (a stop and a Python
+                   call per MoE layer; the stand-in cache computes on the CPU)
+  lru              --slots slots, lru in the graph (tables; native LRU after each step)
 Ratios are against `stock`. On a CPU-only build the cache device is a CPU buffer: no speedup is possible,
 this measures what the split costs.
 """
@@ -23,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from edgemoe.analysis.verify import FnPolicy  # noqa: E402
+from edgemoe.runtime import native  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.runtime.expert_cache import CacheConfig  # noqa: E402
 from edgemoe.runtime.sampling import GREEDY  # noqa: E402
@@ -33,8 +38,13 @@ PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 def decode_tps(path: Path, variant: str, gen: int, threads: int, slots: int) -> float:
     plain = variant == "stock-plain"
     with Engine(path, LoadConfig(n_ctx=512, n_threads=threads, use_extra_bufts=not plain)) as eng:
-        if variant in ("empty-cache", "lru"):
-            eng.enable_expert_cache(CacheConfig(slots, policy="manual" if variant == "empty-cache" else "lru"))
+        if variant != "stock" and variant != "stock-plain":
+            eng.enable_expert_cache(CacheConfig(slots, policy="manual" if variant.startswith("empty") else "lru"))
+        if variant == "empty-callback":
+            assert eng.cache is not None
+            eng.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK)
+        if variant == "lru-hook":
+            eng.set_policies([FnPolicy(lambda r: None)])  # a Python policy takes the cache into the hook
         g = eng.generate(PROMPT, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
     return g.timings.decode_tps
 
@@ -47,7 +57,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slots", type=int, default=8)
     args = ap.parse_args()
-    variants = ["stock", "stock-plain", "empty-cache", "lru"]
+    variants = ["stock", "stock-plain", "empty-callback", "empty-cache", "lru-hook", "lru"]
     rows = []
     for path in args.models:
         runs: dict[str, list[float]] = {v: [] for v in variants}

@@ -50,18 +50,31 @@ PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 REDUCTION: dict[str, float | None] = {}  # variant -> decode activation reduction of its last run
 
 
-def stock_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: int, warmup: int,
-              k: int | None = None) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of llama-cpp-python's Llama; k overrides the experts per token."""
+def load_stock(path: Path, threads: int, n_ctx: int, k: int | None = None, repack: bool = True) -> Any:
+    """llama-cpp-python's Llama; k overrides the experts per token, repack=False turns CPU repacking off."""
     kv = {f"{read_model_info(path).architecture}.expert_used_count": k} if k else None
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                          kv_overrides=kv, verbose=False)
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+    if not repack:  # Llama() has no option for it: its model params come from this function
+        def no_repack() -> Any:
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+        llama_cpp.llama_cpp.llama_model_default_params = no_repack
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                               kv_overrides=kv, verbose=False)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = defaults
+
+
+def stock_once(llm: Any, prompt: list[int], n_gen: int, warmup: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of one greedy generation, after `warmup` tokens generated and dropped."""
     if warmup:  # the first pass over the weights after a load pays for page faults
         gen = llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0)
         for _ in range(warmup):
             next(gen)
         gen.close()
-        llm.reset()
+    llm.reset()
     t0 = time.perf_counter()
     gen = llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0)
     next(gen)  # prefill + first token
@@ -69,38 +82,80 @@ def stock_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: in
     for _ in range(n_gen - 1):
         next(gen)
     t2 = time.perf_counter()
-    llm.close()
+    gen.close()
     return len(prompt) / (t1 - t0), (n_gen - 1) / (t2 - t1)
+
+
+def configure(eng: Engine, path: Path, variant: str, gating: GatingOptions | None) -> ActivationCounter | None:
+    """Set the engine up for one variant (gating, hooks); returns the hook path's activation counter."""
+    eng.set_gating(None)
+    eng.set_policies(None)
+    if variant in ("gate", "gate_hook") and gating is not None:
+        opts = replace(gating, calibration=gating.calibration or default_calibration_dir(path))
+        policy = build_gating(eng, opts)
+        if variant == "gate":
+            assert eng.set_gating(policy) == "graph"
+        else:
+            counter = ActivationCounter(decode_only=True)
+            eng.set_policies([policy, counter])
+            return counter
+    elif variant == "noop":
+        eng.set_policies([FnPolicy(lambda r: None)])
+    elif variant == "trace":
+        eng.set_policies([TraceRecorder(gate_inputs=True)])
+    return None
+
+
+def edgemoe_once(eng: Engine, prompt: list[int], n_gen: int, warmup: int, variant: str,
+                 counter: ActivationCounter | None) -> tuple[float, float]:
+    if warmup:  # page faults after a load, the graph rebuilt after a change of variant
+        eng.generate(prompt, max_tokens=warmup, sampling=GREEDY, ignore_eog=True)
+    eng.reset()
+    eng.reset_control_stats()
+    if counter is not None:
+        counter.kept = counter.full = 0
+    g = eng.generate(prompt, max_tokens=n_gen, sampling=GREEDY, ignore_eog=True)
+    if variant == "gate":
+        REDUCTION[variant] = eng.gating_report()["activation_reduction"]
+    elif counter is not None:
+        REDUCTION[variant] = 1 - counter.kept / counter.full if counter.full else None
+    return len(prompt) / g.timings.ttft_s, g.timings.decode_tps
+
+
+def stock_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: int, warmup: int,
+              k: int | None = None) -> tuple[float, float]:
+    llm = load_stock(path, threads, n_ctx, k)
+    try:
+        return stock_once(llm, prompt, n_gen, warmup)
+    finally:
+        llm.close()
 
 
 def edgemoe_run(path: Path, prompt: list[int], n_gen: int, threads: int, n_ctx: int, warmup: int, variant: str,
                 gating: GatingOptions | None) -> tuple[float, float]:
     with Engine(path, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
-        counter = None
-        if variant in ("gate", "gate_hook") and gating is not None:
-            opts = replace(gating, calibration=gating.calibration or default_calibration_dir(path))
-            policy = build_gating(eng, opts)
-            if variant == "gate":
-                assert eng.set_gating(policy) == "graph"
-            else:
-                counter = ActivationCounter(decode_only=True)
-                eng.set_policies([policy, counter])
-        elif variant == "noop":
-            eng.set_policies([FnPolicy(lambda r: None)])
-        elif variant == "trace":
-            eng.set_policies([TraceRecorder(gate_inputs=True)])
-        if warmup:
-            eng.generate(prompt, max_tokens=warmup, sampling=GREEDY, ignore_eog=True)
-            eng.reset()
-            eng.reset_control_stats()
-            if counter is not None:
-                counter.kept = counter.full = 0
-        g = eng.generate(prompt, max_tokens=n_gen, sampling=GREEDY, ignore_eog=True)
-        if variant == "gate":
-            REDUCTION[variant] = eng.gating_report()["activation_reduction"]
-        elif counter is not None:
-            REDUCTION[variant] = 1 - counter.kept / counter.full if counter.full else None
-    return len(prompt) / g.timings.ttft_s, g.timings.decode_tps
+        return edgemoe_once(eng, prompt, n_gen, warmup, variant, configure(eng, path, variant, gating))
+
+
+def same_process_runs(path: Path, prompt: list[int], args: argparse.Namespace, n_ctx: int, variants: list[str],
+                      gating: GatingOptions | None, ideal: str | None) -> dict[str, list[tuple[float, float]]]:
+    """Every configuration loaded once, side by side, repacking off so that they all compute from the
+    same mmap'd weights (no copies, one page cache); runs alternate."""
+    stock = load_stock(path, args.threads, n_ctx, repack=False)
+    low = load_stock(path, args.threads, n_ctx, k=args.ideal_k, repack=False) if ideal else None
+    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in ["stock", *variants, *([ideal] if ideal else [])]}
+    with Engine(path, LoadConfig(n_ctx=n_ctx, n_threads=args.threads, use_extra_bufts=False)) as eng:
+        for _ in range(args.reps):
+            runs["stock"].append(stock_once(stock, prompt, args.gen, args.warmup))
+            for v in variants:
+                counter = configure(eng, path, v, gating)
+                runs[v].append(edgemoe_once(eng, prompt, args.gen, args.warmup, v, counter))
+            if ideal:
+                runs[ideal].append(stock_once(low, prompt, args.gen, args.warmup))
+    stock.close()
+    if low is not None:
+        low.close()
+    return runs
 
 
 def make_prompt(path: Path, n_tokens: int | None) -> list[int]:
@@ -117,19 +172,23 @@ def bench_model(path: Path, args: argparse.Namespace, variants: list[str],
                 gating: GatingOptions | None) -> dict[str, Any]:
     prompt = make_prompt(path, args.prompt_tokens)
     n_ctx = max(args.ctx, len(prompt) + args.gen + 8)
-    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in ["stock", *variants]}
     ideal = f"stock_k{args.ideal_k}" if args.ideal_k else None
-    if ideal:
-        runs[ideal] = []
-    for _ in range(args.reps):
-        runs["stock"].append(stock_run(path, prompt, args.gen, args.threads, n_ctx, args.warmup))
-        for v in variants:
-            runs[v].append(edgemoe_run(path, prompt, args.gen, args.threads, n_ctx, args.warmup, v, gating))
-        if ideal:
-            runs[ideal].append(stock_run(path, prompt, args.gen, args.threads, n_ctx, args.warmup, k=args.ideal_k))
+    if args.same_process:
+        runs = same_process_runs(path, prompt, args, n_ctx, variants, gating, ideal)
+    else:
+        runs = {v: [] for v in ["stock", *variants, *([ideal] if ideal else [])]}
+        for _ in range(args.reps):
+            runs["stock"].append(stock_run(path, prompt, args.gen, args.threads, n_ctx, args.warmup))
+            for v in variants:
+                runs[v].append(edgemoe_run(path, prompt, args.gen, args.threads, n_ctx, args.warmup, v, gating))
+            if ideal:
+                runs[ideal].append(stock_run(path, prompt, args.gen, args.threads, n_ctx, args.warmup,
+                                             k=args.ideal_k))
     med = {v: (statistics.median(p for p, _ in r), statistics.median(d for _, d in r)) for v, r in runs.items()}
     row: dict[str, Any] = {"model": path.name, "threads": args.threads, "gen_tokens": args.gen,
-                           "prompt_tokens": len(prompt), "reps": args.reps}
+                           "prompt_tokens": len(prompt), "reps": args.reps,
+                           "mode": "same process, repacking off" if args.same_process else "a load per run",
+                           "decode_tps_runs": {v: [round(d, 2) for _, d in r] for v, r in runs.items()}}
     for v, (p, d) in med.items():
         key = "stock" if v == "stock" else (v if v.startswith("stock") else f"edgemoe_{v}".replace("_none", ""))
         row[f"{key}_decode_tps"] = round(d, 2)
@@ -172,6 +231,10 @@ def main() -> int:
     ap.add_argument("--target-reduction", type=float, default=None)
     ap.add_argument("--ideal-k", type=int, default=None,
                     help="also time stock with K experts per token (the ideal of adaptive top-k)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="load every configuration once, side by side, with CPU repacking off (all compute from "
+                         "the same mmap'd weights) and alternate the runs: removes the run-to-run spread of "
+                         "reloading a model larger than half the RAM")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     variants = ["none"] + (["noop", "trace"] if args.hooks else []) + (["gate", "gate_hook"] if args.gating else [])

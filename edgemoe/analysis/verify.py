@@ -1,8 +1,9 @@
 """`edgemoe verify`: the self-check after installing. Each check compares the hook against stock llama.cpp.
 
 1. identity: a hook that edits nothing gives bitwise the logits of a run without hook.
-2. drop-last: dropping the last expert of every token (renormalising the rest when the
-   model renormalises its top-k) equals stock llama.cpp with expert_used_count = k - 1.
+2. drop-last: dropping the last expert of every token (the others weighted by the layer's own
+   rule, which the route record carries: renormalised, softmax over the kept, or unchanged)
+   equals stock llama.cpp with expert_used_count = k - 1.
 3. swap: routing expert a's slots to expert b (and b's to a) in one layer equals stock
    llama.cpp on a copy of the GGUF whose expert a and b weights are swapped in that layer.
 """
@@ -19,7 +20,7 @@ import numpy as np
 from ..runtime.engine import Engine, LoadConfig
 from ..errors import EdgeMoeError
 from ..gguf.info import read_model_info
-from ..policies.route import RouteRecord
+from ..policies.route import RouteRecord, WeightRule
 
 PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is "
           "the sun.\n\nThe list type is a mutable sequence.")
@@ -81,40 +82,42 @@ def check_identity(path: Path, tokens: list[int], base: np.ndarray, threads: int
     return res
 
 
-def _renormalises(path: Path, tokens: list[int], threads: int) -> bool:
-    """Does the model renormalise its top-k weights? Read it off one route record."""
-    seen: list[bool] = []
-
-    def probe(r: RouteRecord) -> None:
-        if not seen and r.probs is not None:
-            picked = np.take_along_axis(r.probs, r.ids.astype(np.int64), axis=1)
-            seen.append(bool(np.allclose(r.weights, picked / picked.sum(1, keepdims=True), rtol=1e-4, atol=1e-6)))
-
-    _logits(path, tokens[:8], [FnPolicy(probe, probs=True)], threads=threads)
-    return bool(seen and seen[0])
+def _drop_last(r: RouteRecord) -> None:
+    """Drop every token's last slot and give the others the weights the layer's own rule gives k-1 experts."""
+    r.ids[:, -1] = -1
+    r.weights[:, -1] = 0.0
+    kept_ids = r.ids[:, :-1].astype(np.int64)
+    if r.weight_rule is WeightRule.NORM and r.probs is not None:
+        # renormalise the kept probabilities the way llama.cpp's graph does (sum_rows
+        # accumulates in double, clamp, f32 division), so the result can be bitwise equal
+        kept = np.take_along_axis(r.probs, kept_ids, axis=1)
+        total = np.maximum(kept.astype(np.float64).sum(1).astype(np.float32), np.float32(6.103515625e-5))
+        r.weights[:, :-1] = kept / total[:, None]
+    elif r.weight_rule is WeightRule.SOFTMAX and r.probs is not None:
+        logits = np.take_along_axis(r.probs, kept_ids, axis=1).astype(np.float64)  # the gating outputs are logits
+        e = np.exp(logits - logits.max(1, keepdims=True))
+        r.weights[:, :-1] = e / e.sum(1, keepdims=True)
+    else:
+        return  # AS_IS: the kept weights do not change
+    if r.weight_scale != 1.0:
+        r.weights[:, :-1] *= np.float32(r.weight_scale)
 
 
 def check_drop_last(path: Path, tokens: list[int], threads: int = 0) -> CheckResult:
     info = read_model_info(path)
     if info.n_expert_used < 2:
         return CheckResult("drop-last", True, "skipped: the model uses one expert per token")
-    renorm = _renormalises(path, tokens, threads)
+    rules: set[str] = set()
 
     def drop(r: RouteRecord) -> None:
-        r.ids[:, -1] = -1
-        r.weights[:, -1] = 0.0
-        if renorm and r.probs is not None:
-            # renormalise the kept probabilities the way llama.cpp's graph does (sum_rows
-            # accumulates in double, clamp, f32 division), so the result can be bitwise equal
-            kept = np.take_along_axis(r.probs, r.ids[:, :-1].astype(np.int64), axis=1)
-            total = np.maximum(kept.astype(np.float64).sum(1).astype(np.float32), np.float32(6.103515625e-5))
-            r.weights[:, :-1] = kept / total[:, None]
+        rules.add(r.weight_rule.name.lower())
+        _drop_last(r)
 
     got = _logits(path, tokens, [FnPolicy(drop, probs=True)], threads=threads)
     ref = _logits(path, tokens, expert_used_count=info.n_expert_used - 1, threads=threads)
     return _compare("drop-last", got, ref, bitwise=False,
                     what=f"drop expert {info.n_expert_used} of {info.n_expert_used} "
-                         f"({'renormalised' if renorm else 'not renormalised'}) vs stock with k={info.n_expert_used - 1}")
+                         f"(weights: {', '.join(sorted(rules))}) vs stock with k={info.n_expert_used - 1}")
 
 
 def _swap_experts_in_file(src: Path, dst: Path, layer: int, a: int, b: int) -> None:

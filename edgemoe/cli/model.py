@@ -43,7 +43,7 @@ def _install_gating(engine: Any, opts: Any) -> None:
     policy = build_gating(engine, opts)
     if policy is not None:
         path = engine.set_gating(policy)
-        where = "in the graph" if path == "graph" else "in the routing hook (the expert cache needs it)"
+        where = "in the graph" if path == "graph" else "in the routing hook (blocking loads need it)"
         click.echo(f"gating: {opts.mode}, threshold {policy.threshold:.4g}, {where}"
                    + (" (prefill at full top-k)" if opts.decode_only else ""), err=True)
 

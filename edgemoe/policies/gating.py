@@ -17,7 +17,8 @@ do for their top-k). Rules:
 An Engine runs these rules inside llama.cpp's graph (patches 0008/0009: ggml_moe_gate, with the
 arithmetic of ``normalised``/``keep_mask`` and the model's own weight rule for the kept
 experts) unless a Python routing hook or the expert cache needs the routing callback; then
-GatingPolicy runs here, in the hook, with the same decisions.
+GatingPolicy runs here, in the hook, with the same decisions and the same kept weights (the
+route record carries the layer's weight rule).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from enum import Enum
 import numpy as np
 
 from ..errors import EdgeMoeError
-from .route import RouteRecord
+from .route import RouteRecord, WeightRule
 
 
 class GatingRule(str, Enum):
@@ -77,11 +78,18 @@ def keep_mask(rule: GatingRule, weights: np.ndarray, threshold: float, sensitivi
 
 
 def apply_keep(route: RouteRecord, keep: np.ndarray) -> None:
-    """Drop the slots not kept (id -1, weight 0) and renormalise the kept weights in place."""
+    """Drop the slots not kept (id -1, weight 0); the kept weights become what a smaller top-k gives.
+
+    A layer that normalises its selected weights (or takes a softmax over them) gets the kept ones
+    renormalised to its scale; a layer that uses the gating outputs as they are keeps them unchanged.
+    """
     route.ids[~keep] = -1
     route.weights[~keep] = 0.0
-    total = route.weights.sum(1, keepdims=True)
-    route.weights[:] = route.weights / np.maximum(total, 1e-30)
+    if route.weight_rule is WeightRule.AS_IS:
+        return
+    w = route.weights.astype(np.float64)
+    total = np.maximum(w.sum(1, keepdims=True), 1e-30)
+    route.weights[:] = w / total * route.weight_scale
 
 
 @dataclass

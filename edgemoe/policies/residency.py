@@ -99,6 +99,12 @@ class LruPolicy:
     def resident(self, layer: int) -> set[int]:
         return set(self._resident.get(layer, {}))
 
+    def reseed(self, slots: Mapping[int, Sequence[int]]) -> None:
+        """Start over from what is resident: layer -> slot of each expert (-1: absent); LRU order = slot order."""
+        self._resident = {layer: OrderedDict(sorted(((e, s) for e, s in enumerate(per) if s >= 0),
+                                                    key=lambda es: es[1]))
+                          for layer, per in slots.items()}
+
 
 @dataclass
 class ManualPolicy:

@@ -6,9 +6,18 @@ records from llama.cpp's callback, and traces (edgemoe.analysis.trace) replay th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Protocol
 
 import numpy as np
+
+
+class WeightRule(IntEnum):
+    """How a MoE layer turns its selected experts' gating outputs into weights (enum llama_moe_weight_rule)."""
+
+    AS_IS = 0  # the gating outputs themselves (qwen2moe, olmoe, deepseek2, ...)
+    NORM = 1  # normalised to sum 1 over the selected (qwen3moe, Mixtral, ...)
+    SOFTMAX = 2  # a softmax over the selected logits (gpt-oss)
 
 
 @dataclass
@@ -21,6 +30,8 @@ class RouteRecord:
     probs: np.ndarray | None  # (n_tokens, n_expert) float32 gating output, when asked for
     gate_inp: np.ndarray | None  # (n_tokens, n_embd) float32 router input, when asked for
     n_expert: int
+    weight_rule: WeightRule = WeightRule.NORM  # the layer's rule; then multiplied by weight_scale
+    weight_scale: float = 1.0
 
     @property
     def n_tokens(self) -> int:

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 
 from . import native
+from .native import lib
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..policies.route import RouteRecord
-from ..policies.residency import Load, ManualPolicy, ResidencyPolicy, StaticPolicy
+from ..policies.residency import Load, LruPolicy, ManualPolicy, ResidencyPolicy, StaticPolicy
 
 
 class ExpertCacheError(EdgeMoeError):
@@ -57,6 +58,7 @@ class ExpertCache:
             raise ExpertCacheError(
                 f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}")
         self._map = self._set_sources(model_path, [il for il, n in self.n_slots.items() if n > 0])
+        native.moe_cache_set_policy(ctx, native.MOE_CACHE_POLICY_CALLBACK)  # CacheController.set_mode takes it on
 
     def _set_sources(self, path: Path, layers: list[int]) -> np.memmap | None:
         if not layers:
@@ -99,6 +101,7 @@ class ExpertCache:
         native.moe_cache_reset_stats(self._ctx)
 
     def stats(self) -> dict[str, Any]:
+        lib.llama_synchronize(self._ctx)  # the last ubatch's routes count once they are read back
         st = native.moe_cache_stats(self._ctx)
         routed = st.hits + st.misses
         share = st.hits / routed if routed else 0.0
@@ -116,11 +119,16 @@ class ExpertCache:
 
 
 class CacheController:
-    """Route policy: runs the residency policy on each layer's final ids and applies its loads.
+    """Runs a residency policy: inside llama.cpp when it can, else as a route policy in the hook.
 
-    Blocking: copied before the layer's experts run. Otherwise prefetched on the copy stream from
-    the next layer's hook (after this layer's ids were mapped to slots, so an eviction never turns
-    this step's hit into a miss) while the later layers compute, and used from the layer's next run.
+    In the graph (patch 0011): the cached layers split their ids with expert-to-slot tables, with no
+    host sync per layer; lru runs natively after each ubatch (the same decisions as LruPolicy, its
+    loads prefetched on the copy stream and used from the next ubatch), static and manual never load
+    by themselves. In the hook (a Python policy is set, or lru with blocking loads): the policy sees
+    each layer's final ids. Blocking: copied before the layer's experts run. Otherwise prefetched on
+    the copy stream from the next layer's hook (after this layer's ids were mapped to slots, so an
+    eviction never turns this step's hit into a miss) while the later layers compute, and used from
+    the layer's next run.
     """
 
     wants_probs = False
@@ -130,6 +138,7 @@ class CacheController:
         self.cache = cache
         self.policy = policy
         self.pending: list[Load] = []
+        self.mode = native.MOE_CACHE_POLICY_CALLBACK  # llama_moe_cache_init's default
         for ld in policy.initial_loads():
             cache.load(ld)
 
@@ -137,6 +146,25 @@ class CacheController:
     def needs_routes(self) -> bool:
         """A static placement never changes: the hook (and its cost) is not needed."""
         return not isinstance(self.policy, (StaticPolicy, ManualPolicy))
+
+    @property
+    def native_policy(self) -> int:
+        """The llama_moe_cache_policy that runs this policy in the graph (CALLBACK: it needs the hook)."""
+        if isinstance(self.policy, LruPolicy):
+            return native.MOE_CACHE_POLICY_CALLBACK if self.policy.blocking else native.MOE_CACHE_POLICY_LRU
+        return native.MOE_CACHE_POLICY_MANUAL
+
+    def set_mode(self, policy: int) -> None:
+        """Hand the policy to llama.cpp (policy != CALLBACK) or take it back into the hook."""
+        if policy == self.mode:
+            return
+        if native.moe_cache_set_policy(self.cache._ctx, policy) != 0:
+            raise ExpertCacheError(f"llama.cpp refused cache policy {policy}: {native.recent_log()[-200:].strip()}")
+        if policy == native.MOE_CACHE_POLICY_CALLBACK and isinstance(self.policy, LruPolicy):
+            # the Python LRU goes on from what is resident (the native one did the same the other way)
+            self.cache.sync()
+            self.policy.reseed({il: self.cache.slots(il) or [] for il in self.cache.n_slots})
+        self.mode = policy
 
     def on_route(self, route: RouteRecord) -> None:
         self.flush()

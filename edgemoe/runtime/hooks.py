@@ -16,7 +16,7 @@ import ctypes
 
 import numpy as np
 
-from ..policies.route import RoutePolicy, RouteRecord
+from ..policies.route import RoutePolicy, RouteRecord, WeightRule
 from . import native
 
 
@@ -57,6 +57,8 @@ class HookChain:
                 probs=_view(r.probs, (t, r.n_expert)) if r.probs else None,
                 gate_inp=_view(r.gate_inp, (t, r.n_embd)) if r.gate_inp else None,
                 n_expert=r.n_expert,
+                weight_rule=WeightRule(r.weight_rule),
+                weight_scale=float(r.weight_scale),
             )
             self.calls += 1
             for p in self.policies:

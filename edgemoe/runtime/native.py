@@ -15,8 +15,8 @@ from typing import Any
 from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
-# 0006 sets 5, 0007 sets 6, 0009 sets 7).
-REQUIRED_PATCH_LEVEL = 7
+# 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9).
+REQUIRED_PATCH_LEVEL = 9
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class MoeRoute(ctypes.Structure):
         ("gate_inp", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_embd] or NULL
         ("ids", ctypes.POINTER(ctypes.c_int32)),  # [n_tokens][n_expert_used], editable, -1 drops
         ("weights", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_expert_used], editable
+        ("weight_rule", ctypes.c_int32),  # enum llama_moe_weight_rule of the layer
+        ("weight_scale", ctypes.c_float),  # applied after the rule
     ]
 
 
@@ -169,6 +171,19 @@ def moe_stats(ctx: Any) -> dict[str, int]:
 
 def moe_reset_stats(ctx: Any) -> None:
     _moe_reset_stats(ctx)
+
+
+# enum llama_moe_cache_policy
+MOE_CACHE_POLICY_CALLBACK = 0  # the routing callback maps each cached layer's ids (a host sync per layer)
+MOE_CACHE_POLICY_MANUAL = 1  # expert-to-slot tables in the graph; only load/prefetch change them
+MOE_CACHE_POLICY_LRU = 2  # tables in the graph; a native per-layer LRU after each ubatch
+
+# int32_t llama_moe_cache_set_policy(struct llama_context * ctx, enum llama_moe_cache_policy policy);
+_moe_cache_set_policy = _declare("llama_moe_cache_set_policy", [ctypes.c_void_p, ctypes.c_int], ctypes.c_int32)
+
+
+def moe_cache_set_policy(ctx: Any, policy: int) -> int:
+    return int(_moe_cache_set_policy(ctx, policy))
 
 
 def moe_cache_init(ctx: Any, n_slots: list[int] | None, device: Any = None) -> int:

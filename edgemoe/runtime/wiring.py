@@ -1,9 +1,10 @@
 """The MoE routing hook, adaptive top-k and the expert cache of an Engine: who decides each routing.
 
-RoutingMixin is a part of Engine (edgemoe.runtime.engine). Adaptive top-k runs inside llama.cpp's
-graph (no host round trip per MoE layer) while nothing else needs the routing callback; otherwise
-it runs first in the hook chain, then the user's policies, then the expert-cache controller when
-its residency policy needs the routes; one HookChain serves all.
+RoutingMixin is a part of Engine (edgemoe.runtime.engine). Adaptive top-k and the expert cache's
+residency (expert-to-slot tables, the lru policy) run inside llama.cpp's graph, with no host round
+trip per MoE layer, while nothing needs the routing callback. A Python policy (or lru with blocking
+loads) needs it: then gating runs first in the hook chain, then the user's policies, then the
+expert-cache controller when its residency policy needs the routes; one HookChain serves all.
 """
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ class RoutingMixin:
     def set_policies(self, policies: Sequence[RoutePolicy] | None) -> HookChain | None:
         """Route every MoE layer of every ubatch through these policies (None or [] removes the hook)."""
         self._policies = list(policies or [])
+        callback_cache = self._callback_cache()
+        if self.cache is not None:
+            self.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK if callback_cache else self.cache.native_policy)
         hook_gating = self._gating is not None and self.gating_path == "hook"
         chain = (([self._gating] if hook_gating else []) + self._policies
-                 + ([self.cache] if self.cache is not None and self.cache.needs_routes else []))
+                 + ([self.cache] if callback_cache and self.cache is not None and self.cache.needs_routes else []))
         if self._gating is not None:
             rule = _NATIVE_RULE[GatingRule.OFF if hook_gating else self._gating.rule]
             sens = [self._gating.layer_sensitivity(il) for il in range(self.info.n_layer)]
@@ -55,18 +59,25 @@ class RoutingMixin:
             self._hooks = None
         return self._hooks
 
+    def _callback_cache(self) -> bool:
+        """Does the expert cache need the routing callback (a Python policy is set, or blocking loads)?"""
+        if self.cache is None:
+            return False
+        return bool(self._policies) or self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK
+
     @property
     def gating_path(self) -> str | None:
         """Where adaptive top-k runs: "graph" (inside llama.cpp), "hook" (the Python callback) or None."""
         if self._gating is None:
             return None
-        return "hook" if self._policies or self.cache is not None else "graph"
+        return "hook" if self._policies or self._callback_cache() else "graph"
 
     def set_gating(self, policy: GatingPolicy | None) -> str | None:
         """Adaptive top-k on every MoE layer (None turns it off); returns where it runs (gating_path).
 
         In the graph the decisions equal ``policy``'s and the kept weights follow the model's own rule;
-        while the user's policies or the expert cache need the routing callback, ``policy`` runs there.
+        while the user's policies or the expert cache's blocking loads need the routing callback,
+        ``policy`` runs there (same decisions, same kept weights).
         """
         if self._gating is not None and policy is None:
             native.moe_set_gating(self._ctx, native.MOE_GATING_NONE, 0.0, None, True)

@@ -1,0 +1,102 @@
+"""Expert-to-slot tables in the graph (patch 0011): the expert cache with no host sync per MoE layer.
+
+With no Python policy set, the cached layers split their routed ids with two table lookups inside
+the graph, and lru runs natively after each ubatch. Checked against stock (bitwise, same CPU kernels
+on both sides as in test_expert_cache.py), against the Python LruPolicy replayed on the same routes,
+and through the control counters (no routing-callback stop at all).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgemoe.analysis.verify import FnPolicy
+from edgemoe.policies.gating import GatingPolicy, GatingRule
+from edgemoe.policies.residency import LruPolicy, simulate
+from edgemoe.policies.route import RouteRecord
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.sampling import GREEDY
+
+pytest_plugins = ["conftest_synth"]
+
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
+PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)
+
+
+def _generate(path: Path, cache: CacheConfig | None, policies: list | None = None,
+              gating: GatingPolicy | None = None) -> tuple[list[int], dict | None, dict, str | None]:
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        c = eng.enable_expert_cache(cache) if cache is not None else None
+        if policies:
+            eng.set_policies(policies)
+        if gating is not None:
+            eng.set_gating(gating)
+        toks = eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True).tokens
+        if c is not None:
+            c.sync()
+        return toks, (c.stats() if c is not None else None), eng.control_stats(), eng.gating_path
+
+
+@pytest.mark.parametrize("preset", ["fixture", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe"])
+def test_native_lru_generates_as_stock_without_host_syncs(preset: str, fixture_model: Path, make_tiny_gguf) -> None:
+    path = fixture_model if preset == "fixture" else make_tiny_gguf(preset)
+    ref, _, _, _ = _generate(path, None)
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        n_expert, n_moe = eng.info.n_expert, len(eng.info.moe_layers)
+    for slots in (1, n_expert // 2, n_expert):
+        got, st, control, _ = _generate(path, CacheConfig(slots, policy="lru"))
+        assert got == ref, f"{path.name}, {slots} slots"
+        assert control["n_host_syncs"] == 0 and control["n_ubatch"] > 0
+        assert st["hits"] > 0 and st["loads"] > 0
+        if slots == n_expert:
+            assert st["loads"] <= n_expert * n_moe  # with a slot for every expert nothing is evicted
+
+
+def test_native_lru_decides_as_the_python_policy(fixture_model: Path) -> None:
+    """Counters of the native LRU = LruPolicy (non-blocking) replayed on the same run's routes."""
+    steps: list[list[tuple[int, np.ndarray]]] = []
+
+    def record(r: RouteRecord) -> None:
+        if not steps or r.layer <= steps[-1][-1][0]:
+            steps.append([])
+        steps[-1].append((r.layer, r.ids.copy()))
+
+    ref, _, _, _ = _generate(fixture_model, None, policies=[FnPolicy(record)])  # the routes (hook, no cache)
+    got, st, control, _ = _generate(fixture_model, CacheConfig(6, policy="lru"))
+    assert got == ref and control["n_host_syncs"] == 0
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        n_slots = {il: 6 for il in eng.info.moe_layers}
+    sim = simulate(LruPolicy(n_slots), steps)
+    assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
+    assert sim.misses > 0 and sim.hits > 0
+
+
+def test_gating_and_native_lru_together(fixture_model: Path) -> None:
+    gate = GatingPolicy(GatingRule.SER, 0.5)
+    no_cache, _, _, _ = _generate(fixture_model, None, gating=GatingPolicy(GatingRule.SER, 0.5))
+    got, st, control, path = _generate(fixture_model, CacheConfig(4, policy="lru"), gating=gate)
+    assert path == "graph" and got == no_cache
+    assert control["n_host_syncs"] == 0 and control["n_dropped"] > 0 and st["hits"] > 0
+
+
+def test_a_python_policy_takes_the_cache_back_into_the_hook(fixture_model: Path) -> None:
+    ref, _, _, _ = _generate(fixture_model, None)
+    seen: list[int] = []
+    got, st, control, _ = _generate(fixture_model, CacheConfig(4, policy="lru"),
+                                    policies=[FnPolicy(lambda r: seen.append(r.layer))])
+    assert got == ref and st["hits"] > 0
+    assert control["n_host_syncs"] == len(seen) > 0  # one stop per cached MoE layer and ubatch
+    # and back: without the policy the same engine runs the cache in the graph again
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        eng.enable_expert_cache(CacheConfig(4, policy="lru"))
+        eng.set_policies([FnPolicy(lambda r: None)])
+        first = eng.generate(TEXT[:80], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+        eng.set_policies(None)
+        eng.reset_control_stats()
+        eng.reset()
+        again = eng.generate(TEXT[:80], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+        assert eng.control_stats()["n_host_syncs"] == 0
+    assert first == again == ref[:16]
