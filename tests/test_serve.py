@@ -46,7 +46,7 @@ def text_reference(engine: Engine, prompt: str, n: int) -> str:
 
 def post(server: Server, path: str, body: Any = None, *, key: str | None = API_KEY, **kw: Any) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
-    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30, **kw)
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, **{"timeout": 30, **kw})
 
 
 def test_models_and_health(server: Server) -> None:
@@ -255,3 +255,58 @@ def test_openai_client_raises_typed_errors(server: Server) -> None:
     r = httpx.get(f"{server.base_url}/no/such/route", headers=headers, timeout=5)
     assert r.status_code == 404 and r.json()["error"]["message"]
     assert server.alive()
+
+
+def test_disconnect_while_waiting_for_a_whole_reply(server: Server) -> None:
+    body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": CTX - 16, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        post(server, "/completions", body, timeout=httpx.Timeout(30, read=0.3))
+    _wait_idle(server, 1.5)
+    assert server.alive()
+
+
+@pytest.mark.parametrize("stops, pieces, want, hit", [
+    (["END"], ["ab", "cE", "N", "Dxyz"], ["ab", "c", "", ""], True),  # a stop string across pieces
+    (["END"], ["ab", "cE", "x"], ["ab", "c", "Ex"], False),  # a false start is released
+    (["\n\n", "ROMEO"], ["hi\n", "\nRO"], ["hi", ""], True),
+    ([], ["a", "b"], ["a", "b"], False),
+])
+def test_stop_scanner(stops: list[str], pieces: list[str], want: list[str], hit: bool) -> None:
+    from edgemoe.serve.worker import StopScanner
+
+    scanner = StopScanner(stops)
+    got, hits = [], []
+    for p in pieces:
+        text, h = scanner.push(p)
+        got.append(text)
+        hits.append(h)
+        if h:
+            break
+    assert got == want[:len(got)] and any(hits) == hit
+    assert "".join(got) + ("" if hit else scanner.flush()) == ("".join(pieces).split(stops[0])[0] if hit
+                                                               else "".join(pieces))
+
+
+def test_serve_help_says_localhost() -> None:
+    from click.testing import CliRunner
+
+    from edgemoe.cli import cli
+
+    res = CliRunner().invoke(cli, ["--help"])
+    assert res.exit_code == 0 and "serve" in res.output
+    res = CliRunner().invoke(cli, ["serve", "--help"])
+    assert res.exit_code == 0 and "127.0.0.1" in res.output and "this machine only" in res.output
+    for option in ("--api-key", "--port", "--vram", "--policy", "--gating", "--ctx", "--threads", "--temp"):
+        assert option in res.output
+
+
+def test_serve_without_the_extra_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from click.testing import CliRunner
+
+    from edgemoe.cli import cli
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` raises ImportError
+    res = CliRunner().invoke(cli, ["serve", str(MODEL)])
+    assert res.exit_code == 1 and "pip install 'edgemoe[serve]'" in res.output
