@@ -208,6 +208,8 @@ def test_full_queue_answers_503(server: Server) -> None:
 
 BAD_REQUESTS = [  # (id, path, body or raw bytes, api key, status, param)
     ("malformed-json", "/chat/completions", b'{"model": "x", "messages": [', API_KEY, 400, None),
+    ("not-an-object", "/completions", b'[1, 2]', API_KEY, 400, None),
+    ("no-body", "/completions", b"", API_KEY, 400, None),
     ("missing-messages", "/chat/completions", {"model": MODEL_ID}, API_KEY, 400, "messages"),
     ("missing-model", "/chat/completions", {"messages": CONVERSATIONS[0]}, API_KEY, 400, "model"),
     ("missing-prompt", "/completions", {"model": MODEL_ID}, API_KEY, 400, "prompt"),

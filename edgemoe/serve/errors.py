@@ -44,6 +44,9 @@ def from_validation(exc: RequestValidationError) -> APIError:
                         code="json_invalid")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return APIError(400, "the request body must be a JSON object (send Content-Type: application/json)",
+                        code="invalid_body")
     msg = first.get("msg", "invalid request")
     return APIError(400, f"{param}: {msg}" if param else f"the request body is invalid: {msg}", param=param,
                     code="missing_field" if first.get("type") == "missing" else "invalid_value")
