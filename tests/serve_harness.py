@@ -94,3 +94,4 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     finally:
         log = stop_server(srv)
     assert "Traceback" not in log, log[-4000:]
+    assert "graceful shutdown exceeded" not in log, log[-4000:]  # no request handler left hanging

@@ -267,6 +267,23 @@ def test_disconnect_while_waiting_for_a_whole_reply(server: Server) -> None:
     assert server.alive()
 
 
+
+def test_disconnect_while_queued(server: Server) -> None:
+    started, stop = threading.Event(), threading.Event()
+    long = threading.Thread(target=_long_stream, args=(server, started, stop))
+    long.start()
+    assert started.wait(20)
+    body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 8, "temperature": 0}
+    for stream in (False, True):  # both wait for the engine, then their clients leave
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, "/completions", {**body, "stream": stream}, timeout=httpx.Timeout(30, read=0.3))
+    assert server.health()["queued"] == 2
+    stop.set()
+    long.join(10)
+    _wait_idle(server, 1.5)  # both skipped; their handlers end (the module's teardown checks none hangs)
+    assert server.alive()
+
+
 @pytest.mark.parametrize("stops, pieces, want, hit", [
     (["END"], ["ab", "cE", "N", "Dxyz"], ["ab", "c", "", ""], True),  # a stop string across pieces
     (["END"], ["ab", "cE", "x"], ["ab", "c", "Ex"], False),  # a false start is released

@@ -133,7 +133,8 @@ class EngineWorker:
 
     def _main(self) -> None:
         while (job := self._queue.get()) is not None:
-            if job.cancelled.is_set():
+            if job.cancelled.is_set():  # its client left while it waited: end its handler too
+                job.emit("error", APIError(499, "the client closed the request", type="cancelled"))
                 continue
             self._current = job
             try:
