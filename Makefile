@@ -22,7 +22,7 @@ llama: | $(PY)
 	$(PY) tools/build_llama.py
 
 $(VENV)/.edgemoe: pyproject.toml $(VENV)/.torch | $(PY)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,serve]'
 	touch $@
 
 install: llama $(VENV)/.edgemoe

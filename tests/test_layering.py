@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("edgemoe.runtime",),  # the one native binding and the Engine over it
     ("edgemoe.analysis",),  # traces, statistics, perplexity, verify, reports
     ("edgemoe.calibration", "edgemoe.perf"),  # calibration stages and artifacts; benchmarks
-    ("edgemoe.cli", "edgemoe.__main__"),  # the command line
+    ("edgemoe.cli", "edgemoe.serve", "edgemoe.__main__"),  # command line; HTTP server (cli imports serve)
 )
 
 

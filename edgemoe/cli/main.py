@@ -13,7 +13,7 @@ import click
 
 from .. import __version__
 from ..errors import EdgeMoeError
-from . import analysis, bench, calibrate, model
+from . import analysis, bench, calibrate, model, serve
 
 
 class EdgeMoeGroup(click.Group):
@@ -51,7 +51,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 COMMANDS: tuple[click.Command, ...] = (
-    model.inspect, model.generate, model.chat,
+    model.inspect, model.generate, model.chat, serve.serve,
     analysis.trace, analysis.trace_stats, analysis.verify, analysis.perplexity,
     calibrate.calibrate, calibrate.predict_eval,
     bench.bench,

@@ -1,0 +1,153 @@
+"""Request models (pydantic, as FastAPI validates them) and the OpenAI response bodies.
+
+Fields the server does not use (frequency_penalty, user, ...) are accepted and ignored, as
+other local servers do; fields it cannot honour (n > 1, logprobs) are refused with a 400.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..runtime.chat import ChatMessage
+from ..runtime.sampling import SamplingParams
+from .errors import APIError
+from .worker import Outcome
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class Message(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def to_chat(self, i: int) -> ChatMessage:
+        if self.content is None or isinstance(self.content, str):
+            return ChatMessage(self.role, self.content or "")
+        if any(p.type != "text" or p.text is None for p in self.content):
+            raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content",
+                           code="unsupported_content")
+        return ChatMessage(self.role, "".join(p.text or "" for p in self.content))
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class GenerationRequest(_Lenient):
+    """The fields chat and text completions share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(None, gt=0.0)  # llama.cpp's, not in OpenAI's API
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None
+
+    def check(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "only n = 1 is supported (one engine, one sequence)", param="n",
+                           code="unsupported_value")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def limit(self, default: int) -> int:
+        return self.max_tokens or self.max_completion_tokens or default
+
+    def sampling(self, default: SamplingParams) -> SamplingParams:
+        names = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed")
+        given = {k: getattr(self, k) for k in names}
+        return replace(default, **{k: v for k, v in given.items() if v is not None})
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+
+    def chat_messages(self) -> list[ChatMessage]:
+        return [m.to_chat(i) for i, m in enumerate(self.messages)]
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str]
+    echo: bool = False
+
+    def text(self) -> str:
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise APIError(400, "give one prompt per request", param="prompt", code="unsupported_value")
+        return self.prompt[0]
+
+
+Kind = Literal["chat", "text"]
+
+
+class Reply:
+    """Builds the response bodies of one request (the whole reply or its stream chunks)."""
+
+    def __init__(self, kind: Kind, model: str) -> None:
+        self.kind = kind
+        self.model = model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(out: Outcome) -> dict[str, int]:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+    def whole(self, text: str, out: Outcome) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._head(self.object), "choices": [choice], "usage": self.usage(out),
+                "edgemoe": out.extension}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *,
+              first: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice["text"] = text or ""
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, out: Outcome) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage(out)}
