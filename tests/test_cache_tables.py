@@ -100,3 +100,30 @@ def test_a_python_policy_takes_the_cache_back_into_the_hook(fixture_model: Path)
         again = eng.generate(TEXT[:80], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         assert eng.control_stats()["n_host_syncs"] == 0
     assert first == again == ref[:16]
+
+
+def test_tables_across_ubatches_of_one_decode(fixture_model: Path) -> None:
+    """A prefill of several ubatches: each one's routes are processed before the next uploads its tables."""
+    config = dict(PLAIN, n_batch=64, n_ubatch=16)
+    steps: list[list[tuple[int, np.ndarray]]] = []
+
+    def record(r: RouteRecord) -> None:
+        if not steps or r.layer <= steps[-1][-1][0]:
+            steps.append([])
+        steps[-1].append((r.layer, r.ids.copy()))
+
+    with Engine(fixture_model, LoadConfig(**config)) as eng:
+        toks = eng.tokenize(TEXT)[:56]
+        eng.set_policies([FnPolicy(record)])
+        ref = np.array(eng.eval_logits(toks))
+        n_slots = {il: 5 for il in eng.info.moe_layers}
+    with Engine(fixture_model, LoadConfig(**config)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(5, policy="lru"))
+        got = np.array(eng.eval_logits(toks))  # 56 tokens: ubatches of 16, 16, 16, 8
+        cache.sync()
+        st = cache.stats()
+        assert eng.control_stats()["n_host_syncs"] == 0
+    assert np.array_equal(got, ref)
+    assert len(steps) == 4
+    sim = simulate(LruPolicy(n_slots), steps)
+    assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads) and sim.hits > 0
