@@ -174,3 +174,16 @@ def test_cache_option_errors() -> None:
     assert res.exit_code == 2 and "not both" in res.output
     res = CliRunner().invoke(cli, ["generate", str(MODEL), "-p", "x", "--expert-slots", "99"])
     assert res.exit_code == 1 and "--expert-slots 99" in res.output
+
+
+@pytest.mark.parametrize("args", [["--temp", "nan"], ["--temp", "inf"], ["--top-p", "2"], ["--top-k", "-5"],
+                                  ["--min-p", "-1"], ["--repeat-penalty", "nan"],
+                                  ["--gating", "ser", "--threshold", "nan"], ["--gating", "ser", "--threshold", "-1"]])
+def test_sampling_and_gating_values_are_checked(args: list[str]) -> None:
+    res = CliRunner().invoke(cli, ["generate", str(MODEL), "-p", "hi", "-n", "2", *args])
+    assert res.exit_code == 2 and "Invalid value" in res.output and "Traceback" not in res.output
+
+
+def test_repeat_penalty_runs() -> None:
+    res = run("generate", str(MODEL), "-p", "ROMEO:", "-n", "8", "--temp", "0", "--repeat-penalty", "1.3", "--json")
+    assert res.exit_code == 0 and len(json.loads(res.stdout.strip().splitlines()[-1])["tokens"]) == 8

@@ -89,6 +89,23 @@ def test_seeded_sampling_is_reproducible(fixture_model: Path) -> None:
     assert a == b
 
 
+def test_repeat_penalty_equals_stock(fixture_model: Path) -> None:
+    """--repeat-penalty (llama.cpp's penalties sampler) runs and penalises like stock llama-cpp-python."""
+    import llama_cpp
+
+    sp = SamplingParams(temperature=0.0, repeat_penalty=1.5)
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        got = eng.generate(PROMPT, max_tokens=48, sampling=sp, ignore_eog=True).tokens
+        plain = eng.generate(PROMPT, max_tokens=48, sampling=GREEDY, ignore_eog=True).tokens
+        ids = eng.tokenize(PROMPT)
+    llm = llama_cpp.Llama(model_path=str(fixture_model), n_ctx=256, verbose=False)
+    gen = llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.5, penalize_nl=True)
+    ref = [next(gen) for _ in range(48)]
+    gen.close()
+    llm.close()
+    assert got != plain and got == ref
+
+
 def test_chat_template_and_session(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(n_ctx=512)) as eng:
         text = eng.format_chat([ChatMessage("user", "Hi")])

@@ -11,19 +11,19 @@ import click
 
 from .cache_options import cache_from_options, cache_options, install_cache, load_config
 from .options import gating_from_options, gating_options
-from .types import GGUFPath, Size
+from .types import Finite, GGUFPath, Size
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
 
 
 def _run_options(f: Any) -> Any:
     opts = [
-        click.option("--temp", "temperature", type=float, default=0.8, show_default=True,
+        click.option("--temp", "temperature", type=Finite(0.0), default=0.8, show_default=True,
                      help="sampling temperature; 0 = greedy (identical to stock llama.cpp)"),
-        click.option("--top-k", type=int, default=40, show_default=True),
-        click.option("--top-p", type=float, default=0.95, show_default=True),
-        click.option("--min-p", type=float, default=0.05, show_default=True),
-        click.option("--repeat-penalty", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: off"),
+        click.option("--top-p", type=Finite(0.0, 1.0), default=0.95, show_default=True),
+        click.option("--min-p", type=Finite(0.0, 1.0), default=0.05, show_default=True),
+        click.option("--repeat-penalty", type=Finite(0.0), default=1.0, show_default=True, help="1.0: off"),
         click.option("--seed", type=int, default=None, help="sampling seed (default: random)"),
         click.option("-t", "--threads", type=click.IntRange(min=0), default=0,
                      help="CPU threads (default: physical cores)", envvar="EDGEMOE_THREADS"),

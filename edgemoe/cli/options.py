@@ -6,12 +6,15 @@ from typing import Any
 
 import click
 
+from .types import Finite
+
 
 def gating_options(f: Any) -> Any:
     opts = [
         click.option("--gating", type=click.Choice(["off", "fisher", "empirical", "score", "ser"]), default="off",
                      show_default=True, help="adaptive top-k: drop experts a token does not need (docs/gating.md)"),
-        click.option("--threshold", type=float, default=None, help="the gating rule's threshold"),
+        click.option("--threshold", type=Finite(0.0), default=None,
+                     help="the gating rule's threshold (finite, >= 0)"),
         click.option("--target-reduction", type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
                      default=None, help="find the threshold that drops this share of expert activations "
                                         "(on the calibration's validation text), e.g. 0.25"),

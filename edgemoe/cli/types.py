@@ -1,6 +1,7 @@
 """click parameter types shared by the CLI modules."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +40,21 @@ class Size(click.ParamType):
             return parse_size(value, option=f"--{param.name}" if param else "size")
         except InvalidSizeError as err:
             self.fail(str(err), param, ctx)
+
+
+class Finite(click.ParamType):
+    """A finite number within [lo, hi] (click.FloatRange lets nan through: nan compares false)."""
+
+    name = "NUMBER"
+
+    def __init__(self, lo: float = -math.inf, hi: float = math.inf) -> None:
+        self.lo, self.hi = lo, hi
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(x) or not self.lo <= x <= self.hi:
+            self.fail(f"{value} is not a finite number in [{self.lo:g}, {self.hi:g}]", param, ctx)
+        return x

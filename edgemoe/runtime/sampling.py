@@ -40,7 +40,7 @@ class Sampler:
         self._chain = lib.llama_sampler_chain_init(chain_params)
         add = lambda s: lib.llama_sampler_chain_add(self._chain, s)  # noqa: E731
         if params.repeat_penalty != 1.0:
-            add(lib.llama_sampler_init_penalties(params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
+            add(lib.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
         if params.greedy:
             add(lib.llama_sampler_init_greedy())
             return
