@@ -187,3 +187,29 @@ def test_sampling_and_gating_values_are_checked(args: list[str]) -> None:
 def test_repeat_penalty_runs() -> None:
     res = run("generate", str(MODEL), "-p", "ROMEO:", "-n", "8", "--temp", "0", "--repeat-penalty", "1.3", "--json")
     assert res.exit_code == 0 and len(json.loads(res.stdout.strip().splitlines()[-1])["tokens"]) == 8
+
+
+def test_a_fifo_as_the_model_is_refused_not_read(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    res = CliRunner().invoke(cli, ["inspect", str(fifo)])  # reading it would block forever
+    assert res.exit_code == 1 and "not a regular file" in res.output
+
+
+def test_ctrl_c_exits_130_with_one_line() -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "edgemoe", "chat", str(MODEL)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(3)  # loaded and waiting for a line on stdin
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.decode().strip().splitlines()[-1] == "Interrupted."

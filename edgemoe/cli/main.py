@@ -61,4 +61,13 @@ for _command in COMMANDS:
 
 
 def main() -> None:
-    cli(prog_name="edgemoe")
+    try:
+        cli(prog_name="edgemoe", standalone_mode=False)
+    except click.exceptions.Exit as err:
+        raise SystemExit(err.exit_code) from None
+    except click.ClickException as err:
+        err.show()
+        raise SystemExit(err.exit_code) from None
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("Interrupted.", err=True)
+        raise SystemExit(130) from None  # the shell's convention for SIGINT

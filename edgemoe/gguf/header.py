@@ -179,6 +179,8 @@ def check_gguf(path: str | Path) -> GgufHeader:
         raise ModelLoadError(f"model file not found: {path} (check the path, or download the GGUF first)")
     if path.is_dir():
         raise ModelLoadError(f"{path} is a directory, not a GGUF file: pass the path of the .gguf file inside it")
+    if not path.is_file():  # a FIFO or a device would block the read below, or never end
+        raise ModelLoadError(f"{path} is not a regular file (a pipe or a device?): pass the path of a .gguf file")
     try:
         with path.open("rb") as f:
             head = f.read(64)
