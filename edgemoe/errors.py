@@ -28,3 +28,7 @@ class ContextOverflowError(EdgeMoeError):
 
 class InvalidSizeError(EdgeMoeError, ValueError):
     """A size such as --vram 6GiB could not be parsed."""
+
+
+class EngineClosedError(EdgeMoeError):
+    """The Engine was closed: its model and context are gone."""

@@ -137,3 +137,23 @@ def test_generation_stops_at_context_end(fixture_model: Path) -> None:
         g = eng.generate(PROMPT, max_tokens=500, sampling=GREEDY, ignore_eog=True)
         assert g.stop_reason == "context"
         assert len(ids) + len(g.tokens) == eng.n_ctx + 1  # the last sampled token is not decoded
+
+
+def test_closed_engine_and_bad_values_raise_instead_of_crashing(fixture_model: Path) -> None:
+    from edgemoe.errors import EdgeMoeError, EngineClosedError
+
+    eng = Engine(fixture_model, LoadConfig(n_ctx=128))
+    with pytest.raises(EdgeMoeError, match="not in the vocabulary"):
+        eng.token_piece(-1)
+    with pytest.raises(EdgeMoeError, match="not in the vocabulary"):
+        eng.detokenize([10**6])
+    eng.close()
+    eng.close()  # twice is fine
+    for call in (lambda: eng.generate("hi", max_tokens=2), lambda: eng.tokenize("hi"), lambda: eng.format_chat([]),
+                 lambda: eng.set_policies(None), lambda: eng.reset(), lambda: eng.control_stats()):
+        with pytest.raises(EngineClosedError, match="closed"):
+            call()
+    for cfg in (LoadConfig(expert_used_count=100), LoadConfig(expert_used_count=0), LoadConfig(expert_used_count=-1),
+                LoadConfig(n_threads=100000), LoadConfig(n_batch=0)):
+        with pytest.raises(EdgeMoeError):
+            Engine(fixture_model, cfg)

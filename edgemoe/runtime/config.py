@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..errors import EdgeMoeError
+
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
+
 
 def default_threads() -> int:
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -27,3 +31,17 @@ class LoadConfig:
     # (llama.cpp's -ot exps=CPU for all of them, --n-cpu-moe N for the first N); None: llama.cpp decides
     cpu_expert_layers: tuple[int, ...] | None = None
     op_offload: bool = True  # llama.cpp moves big-batch ops on host weights to a GPU (its default)
+
+    def validate(self, *, n_expert: int, n_expert_used: int) -> None:
+        """Refuse values llama.cpp would abort on, with a message that says what to pass instead."""
+        if not 0 <= self.n_threads <= MAX_THREADS:
+            raise EdgeMoeError(f"{self.n_threads} threads: use 1..{MAX_THREADS} (0 picks the physical cores)")
+        if self.n_ctx < 0 or self.n_batch < 1 or self.n_ubatch < 1:
+            raise EdgeMoeError(f"context {self.n_ctx}, batch {self.n_batch}, ubatch {self.n_ubatch}: "
+                               "the context must be >= 0 (0: the model's) and the batches >= 1")
+        k = self.expert_used_count
+        if k is not None and n_expert == 0:
+            raise EdgeMoeError("expert_used_count is set but the model has no routed experts")
+        if k is not None and not 1 <= k <= n_expert:
+            raise EdgeMoeError(f"expert_used_count {k}: use 1..{n_expert} (the model routes to {n_expert_used} "
+                               f"of {n_expert} experts per token)")

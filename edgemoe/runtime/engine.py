@@ -16,10 +16,11 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ..errors import ContextOverflowError, EdgeMoeError, ModelLoadError
+from ..errors import ContextOverflowError, EdgeMoeError, EngineClosedError, ModelLoadError
 from ..gguf.info import ModelInfo, check_gguf, read_model_info
 from ..policies.gating import GatingPolicy
 from ..policies.route import RoutePolicy
@@ -48,6 +49,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         native.require_patched()
         native.route_logs_to_python()
         self.info: ModelInfo = read_model_info(self.path)
+        self.config.validate(n_expert=self.info.n_expert, n_expert_used=self.info.n_expert_used)
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = self.config.n_gpu_layers
@@ -61,11 +63,11 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
             mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)
         if self._kv_overrides is not None:
             mparams.kv_overrides = self._kv_overrides
-        self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
-        if not self._model:
+        self._model_p = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model_p:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_log()[-400:].strip()}"
                                  " (run with --debug for the full log)")
-        self._vocab = lib.llama_model_get_vocab(self._model)
+        self._vocab_p = lib.llama_model_get_vocab(self._model_p)
         n_ctx_train = lib.llama_model_n_ctx_train(self._model)
         n_ctx = self.config.n_ctx or min(n_ctx_train, 4096)
         self.n_threads = self.config.n_threads or default_threads()
@@ -78,10 +80,10 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         cparams.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.config.flash_attn
                                    else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cparams.op_offload = self.config.op_offload
-        self._ctx = lib.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            lib.llama_model_free(self._model)
-            self._model = None
+        self._ctx_p = lib.llama_init_from_model(self._model_p, cparams)
+        if not self._ctx_p:
+            lib.llama_model_free(self._model_p)
+            self._model_p = None
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}: "
                                  f"{native.recent_log()[-300:].strip()}; try a smaller --ctx")
         self.n_ctx = lib.llama_n_ctx(self._ctx)
@@ -105,15 +107,35 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
-        if getattr(self, "_ctx", None) and self.cache is not None:
+        """Free the context and the model; any later use raises EngineClosedError. Closing twice is fine."""
+        if getattr(self, "_ctx_p", None) and self.cache is not None:
             self.cache.cache.close()
             self.cache = None
-        if getattr(self, "_ctx", None):
-            lib.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            lib.llama_model_free(self._model)
-            self._model = None
+        if getattr(self, "_ctx_p", None):
+            lib.llama_free(self._ctx_p)
+            self._ctx_p = None
+        if getattr(self, "_model_p", None):
+            lib.llama_model_free(self._model_p)
+            self._model_p = None
+
+    def _handle(self, name: str) -> Any:
+        h = getattr(self, name, None)
+        if h is None:
+            raise EngineClosedError(f"this Engine of {self.path.name} is closed: open a new one")
+        return h
+
+    @property
+    def _ctx(self) -> Any:
+        return self._handle("_ctx_p")
+
+    @property
+    def _model(self) -> Any:
+        return self._handle("_model_p")
+
+    @property
+    def _vocab(self) -> Any:
+        self._handle("_ctx_p")  # the vocabulary goes with the model
+        return self._handle("_vocab_p")
 
     def __enter__(self) -> Engine:
         return self
@@ -139,6 +161,9 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         return list(buf[:n])
 
     def token_piece(self, token: int, *, special: bool = False) -> bytes:
+        if not 0 <= token < self.n_vocab:
+            raise EdgeMoeError(f"token id {token} is not in the vocabulary of {self.path.name} "
+                               f"(0..{self.n_vocab - 1})")
         buf = ctypes.create_string_buffer(64)
         n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
