@@ -60,7 +60,10 @@ def test_spearman() -> None:
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
 
 
-def test_build_gating_options(tmp_path: Path) -> None:
+def test_build_gating_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edgemoe.calibration.adaptive import thresholds_cache_path
+
+    monkeypatch.setenv("EDGEMOE_CACHE_DIR", str(tmp_path / "user-cache"))
     model = FIXTURE_MODELS[-1]
     with Engine(model, LoadConfig(n_ctx=128, n_batch=128, n_ubatch=128)) as eng:
         assert build_gating(eng, GatingOptions()) is None
@@ -82,5 +85,8 @@ def test_build_gating_options(tmp_path: Path) -> None:
         red = perplexity(eng, np.load(tmp_path / "gating_validation_tokens.npy").tolist(), ctx=128,
                          policies=[pol]).activation_reduction
         assert abs(red - 0.25) < 0.03
-        assert (tmp_path / "thresholds.json").exists()
+        # cached for the user, never written into the calibration directory (it may be the installed package's)
+        assert not (tmp_path / "thresholds.json").exists()
+        assert thresholds_cache_path(tmp_path).is_relative_to(tmp_path / "user-cache")
+        assert thresholds_cache_path(tmp_path).exists()
         assert build_gating(eng, opts).threshold == pol.threshold  # from the cache

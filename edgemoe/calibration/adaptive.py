@@ -4,10 +4,11 @@
 calibration directory; `score` and `ser` need no calibration. A target
 reduction is turned into a threshold on the calibration directory's
 validation tokens (never on the text being evaluated); the result is cached
-there in thresholds.json.
+in the per-user cache (thresholds shipped in the directory's thresholds.json are read first).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..errors import EdgeMoeError
 from ..policies.gating import GatingPolicy, GatingRule, search_threshold
-from .card import write_json
+from .card import cache_dir, write_json
 from .sensitivity import VALIDATION_TOKENS, Sensitivity
 
 MODES = ("off", "fisher", "empirical", "score", "ser")
@@ -72,13 +73,28 @@ def build_gating(engine: object, opts: GatingOptions, *, ctx: int = 256) -> Gati
     return GatingPolicy(rule, float(threshold), sensitivity=sens, decode_only=opts.decode_only)
 
 
+def thresholds_cache_path(directory: Path) -> Path:
+    """Where thresholds found for a calibration directory are cached: the per-user cache, never the
+    calibration directory itself (it may be the installed package's, or read-only)."""
+    digest = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
+    return cache_dir() / "thresholds" / f"{directory.name}-{digest}.json"
+
+
+def _read_thresholds(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):  # unreadable or corrupt: search again and overwrite the cache
+        return {}
+
+
 def _threshold_for_target(engine: object, opts: GatingOptions, rule: GatingRule,
                           sens: dict[int, float] | None, ctx: int) -> float:
     from ..analysis.perplexity import perplexity
 
     directory = _need_calibration(opts, "--target-reduction")
-    cache_path = directory / THRESHOLDS
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    cache_path = thresholds_cache_path(directory)
+    # thresholds shipped with the calibration (the bundled fixtures' thresholds.json), then the user's
+    cache = {**_read_thresholds(directory / THRESHOLDS), **_read_thresholds(cache_path)}
     key = f"{opts.mode}@{opts.target_reduction:.4f}"
     if key in cache:
         return float(cache[key]["threshold"])
@@ -94,7 +110,8 @@ def _threshold_for_target(engine: object, opts: GatingOptions, rule: GatingRule,
     threshold, reached = search_threshold(rule, float(opts.target_reduction), reduction_at, sens)  # type: ignore[arg-type]
     cache[key] = {"threshold": threshold, "validation_reduction": reached, "validation_tokens": len(tokens)}
     try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
         write_json(cache_path, cache)
-    except OSError:  # a read-only calibration directory: search again next time
+    except OSError:  # no writable cache: search again next time
         pass
     return threshold
