@@ -207,7 +207,7 @@ def test_prefetch_is_used_only_after_its_copy_and_its_layer(fixture_model: Path)
         eng.feed(toks[4:5])
         assert cache.slots(layer)[6] == 1 and cache.slots(layer)[7] == 0
         st = cache.stats()
-        assert (st["prefetches"], st["loads"], st["chunks"]) == (3, 3, 9)
+        assert (st["prefetches"], st["loads"], st["chunks"], st["preempted"]) == (3, 3, 9, 1)  # 5 was preempted
 
 
 def test_partial_copies_are_never_computed(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]

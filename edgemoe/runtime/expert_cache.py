@@ -107,7 +107,7 @@ class ExpertCache:
         share = st.hits / routed if routed else 0.0
         return {"hits": int(st.hits), "misses": int(st.misses), "hit_rate": share,
                 "loads": int(st.loads), "bytes_uploaded": int(st.bytes_loaded),
-                "prefetches": int(st.prefetches), "chunks": int(st.chunks),
+                "prefetches": int(st.prefetches), "chunks": int(st.chunks), "preempted": int(st.preempted),
                 "blocked_s": st.us_blocked / 1e6,
                 # routed expert slots computed from the cache (the GPU) among those of cached layers
                 "gpu_expert_share": share,

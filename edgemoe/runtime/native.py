@@ -92,6 +92,7 @@ class MoeCacheStats(ctypes.Structure):
         ("prefetches", ctypes.c_uint64),  # loads queued by llama_moe_cache_prefetch
         ("chunks", ctypes.c_uint64),  # chunks issued (gate/up/down byte ranges)
         ("us_blocked", ctypes.c_uint64),  # host time spent waiting for copies
+        ("preempted", ctypes.c_uint64),  # queued or copying loads dropped before completing (patch 0011)
     ]
 
 
