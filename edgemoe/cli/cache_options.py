@@ -33,9 +33,10 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="expert slots per MoE layer (instead of --vram)"),
         click.option("--policy", type=click.Choice(["lru", "static", "manual"]), default="lru", show_default=True,
                      help="which experts the slots hold: lru (load misses for the next token), static "
-                          "(the calibration's most frequent), manual (API only)"),
+                          "(the calibration's most frequent), manual (API only); run inside llama.cpp's graph"),
         click.option("--blocking-loads", is_flag=True,
-                     help="lru: load a missed expert before its layer runs instead of running it on the CPU"),
+                     help="lru: load a missed expert before its layer runs instead of running it on the CPU "
+                          "(needs the routing callback: a host sync per MoE layer)"),
     ]
     for o in reversed(opts):
         f = o(f)
