@@ -83,3 +83,19 @@ def eval_callback_tensors(path: Path, toks: list[int], prefix: str, dtype: type,
         lib.llama_free(ctx)
         lib.llama_model_free(model)
     return out
+
+
+class StepRecorder:
+    """A route policy that groups each ubatch's routes into a step: [(layer, ids copy), ...] in layer order,
+    as edgemoe.policies.residency.simulate replays them."""
+
+    wants_probs = False
+    wants_gate_inp = False
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[int, np.ndarray]]] = []
+
+    def on_route(self, r) -> None:  # type: ignore[no-untyped-def]
+        if not self.steps or r.layer <= self.steps[-1][-1][0]:
+            self.steps.append([])
+        self.steps[-1].append((r.layer, r.ids.copy()))

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import StepRecorder
 
 from edgemoe.analysis.verify import FnPolicy
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.policies.residency import LruPolicy, simulate
-from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import CacheConfig
 from edgemoe.runtime.sampling import GREEDY
@@ -57,19 +57,14 @@ def test_native_lru_generates_as_stock_without_host_syncs(preset: str, fixture_m
 
 def test_native_lru_decides_as_the_python_policy(fixture_model: Path) -> None:
     """Counters of the native LRU = LruPolicy (non-blocking) replayed on the same run's routes."""
-    steps: list[list[tuple[int, np.ndarray]]] = []
+    recorder = StepRecorder()
 
-    def record(r: RouteRecord) -> None:
-        if not steps or r.layer <= steps[-1][-1][0]:
-            steps.append([])
-        steps[-1].append((r.layer, r.ids.copy()))
-
-    ref, _, _, _ = _generate(fixture_model, None, policies=[FnPolicy(record)])  # the routes (hook, no cache)
+    ref, _, _, _ = _generate(fixture_model, None, policies=[recorder])  # the routes (hook, no cache)
     got, st, control, _ = _generate(fixture_model, CacheConfig(6, policy="lru"))
     assert got == ref and control["n_host_syncs"] == 0
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         n_slots = {il: 6 for il in eng.info.moe_layers}
-    sim = simulate(LruPolicy(n_slots), steps)
+    sim = simulate(LruPolicy(n_slots), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
     assert sim.misses > 0 and sim.hits > 0
 
@@ -105,16 +100,11 @@ def test_a_python_policy_takes_the_cache_back_into_the_hook(fixture_model: Path)
 def test_tables_across_ubatches_of_one_decode(fixture_model: Path) -> None:
     """A prefill of several ubatches: each one's routes are processed before the next uploads its tables."""
     config = dict(PLAIN, n_batch=64, n_ubatch=16)
-    steps: list[list[tuple[int, np.ndarray]]] = []
-
-    def record(r: RouteRecord) -> None:
-        if not steps or r.layer <= steps[-1][-1][0]:
-            steps.append([])
-        steps[-1].append((r.layer, r.ids.copy()))
+    recorder = StepRecorder()
 
     with Engine(fixture_model, LoadConfig(**config)) as eng:
         toks = eng.tokenize(TEXT)[:56]
-        eng.set_policies([FnPolicy(record)])
+        eng.set_policies([recorder])
         ref = np.array(eng.eval_logits(toks))
         n_slots = {il: 5 for il in eng.info.moe_layers}
     with Engine(fixture_model, LoadConfig(**config)) as eng:
@@ -124,6 +114,6 @@ def test_tables_across_ubatches_of_one_decode(fixture_model: Path) -> None:
         st = cache.stats()
         assert eng.control_stats()["n_host_syncs"] == 0
     assert np.array_equal(got, ref)
-    assert len(steps) == 4
-    sim = simulate(LruPolicy(n_slots), steps)
+    assert len(recorder.steps) == 4
+    sim = simulate(LruPolicy(n_slots), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads) and sim.hits > 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import StepRecorder
 
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.errors import EdgeMoeError
@@ -89,23 +90,18 @@ def test_every_policy_generates_as_stock(fixture_model: Path, policy: str, block
 @pytest.mark.parametrize("blocking", [False, True])
 def test_native_counters_equal_the_policy_replayed_on_the_trace(fixture_model: Path, blocking: bool) -> None:
     """The C side computes from the slots the Python policy believes are resident."""
-    steps: list[list[tuple[int, np.ndarray]]] = []
-
-    def record(r: RouteRecord) -> None:
-        if not steps or r.layer <= steps[-1][-1][0]:
-            steps.append([])
-        steps[-1].append((r.layer, r.ids.copy()))
+    recorder = StepRecorder()
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         cache = eng.enable_expert_cache(CacheConfig(6, policy="lru", blocking=blocking))
-        eng.set_policies([FnPolicy(record)])  # runs before the cache controller, sees the same ids
+        eng.set_policies([recorder])  # runs before the cache controller, sees the same ids
         eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True)
         cache.sync()  # the last step's prefetches complete (the simulation applies them after the step)
         st = cache.stats()
         n_slots = dict(cache.n_slots)
-    sim = simulate(LruPolicy(n_slots, blocking=blocking), steps)
+    sim = simulate(LruPolicy(n_slots, blocking=blocking), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
-    prefill = simulate(LruPolicy(n_slots, blocking=blocking), steps[:1])
+    prefill = simulate(LruPolicy(n_slots, blocking=blocking), recorder.steps[:1])
     if blocking:
         # a decode step's experts (k <= slots) are all loaded before their layer runs: misses only in
         # prefill, whose ubatch uses more experts than there are slots

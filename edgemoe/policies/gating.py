@@ -1,9 +1,9 @@
 """Adaptive top-k gating rules: drop routed experts a token does not need (pure numpy, testable on traces).
 
-Every rule sees a route's renormalised top-k weights in the router's order
-(highest first), never drops the first expert, marks a dropped slot with id -1
-and weight 0, and renormalises the kept weights (as the fixture architectures
-do for their top-k). Rules:
+Every rule sees a route's top-k weights normalised to sum 1 (``normalised``), in the
+router's order (highest first), and never drops the first expert; ``apply_keep`` marks a
+dropped slot with id -1 and weight 0 and gives the kept ones the weights the layer's own
+rule gives a smaller top-k (renormalised and scaled, or as they are). Rules:
 
 - ``score``: score-based adaptive gating: keep only the top-1 expert when its
   weight alone is at least ``threshold``.

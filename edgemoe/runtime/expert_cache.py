@@ -1,8 +1,9 @@
 """The engine side of the expert cache (patch 0005): slots per layer, loads, counters.
 
-`ExpertCache` wraps one context's cache (llama_moe_cache_*); `CacheController`
-is the route policy that runs a residency policy (edgemoe.policies.residency) in the hook
-and applies its loads, now (blocking) or after the step (default).
+`ExpertCache` wraps one context's cache (llama_moe_cache_*); `CacheController` runs a
+residency policy (edgemoe.policies.residency): inside llama.cpp's graph with the expert-to-slot
+tables (patch 0011), or as a route policy in the hook that applies its loads now (blocking) or
+after the step.
 """
 from __future__ import annotations
 
@@ -58,7 +59,6 @@ class ExpertCache:
             raise ExpertCacheError(
                 f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}")
         self._map = self._set_sources(model_path, [il for il, n in self.n_slots.items() if n > 0])
-        native.moe_cache_set_policy(ctx, native.MOE_CACHE_POLICY_CALLBACK)  # CacheController.set_mode takes it on
 
     def _set_sources(self, path: Path, layers: list[int]) -> np.memmap | None:
         if not layers:
@@ -138,7 +138,7 @@ class CacheController:
         self.cache = cache
         self.policy = policy
         self.pending: list[Load] = []
-        self.mode = native.MOE_CACHE_POLICY_CALLBACK  # llama_moe_cache_init's default
+        self.mode = native.MOE_CACHE_POLICY_CALLBACK  # what llama_moe_cache_init starts with
         for ld in policy.initial_loads():
             cache.load(ld)
 

@@ -21,8 +21,8 @@ from . import native
 from .expert_cache import CacheConfig, CacheController, ExpertCache
 from .hooks import HookChain
 
-_NATIVE_RULE = {GatingRule.OFF: native.MOE_GATING_NONE, GatingRule.SCORE: native.MOE_GATING_SCORE,
-                GatingRule.SER: native.MOE_GATING_SER, GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY}
+_NATIVE_RULE = {GatingRule.SCORE: native.MOE_GATING_SCORE, GatingRule.SER: native.MOE_GATING_SER,
+                GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY}
 
 
 class RoutingMixin:
@@ -39,18 +39,13 @@ class RoutingMixin:
     def set_policies(self, policies: Sequence[RoutePolicy] | None) -> HookChain | None:
         """Route every MoE layer of every ubatch through these policies (None or [] removes the hook)."""
         self._policies = list(policies or [])
-        callback_cache = self._callback_cache()
+        callback = self._needs_callback()
         if self.cache is not None:
-            self.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK if callback_cache else self.cache.native_policy)
-        hook_gating = self._gating is not None and self.gating_path == "hook"
+            self.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK if callback else self.cache.native_policy)
+        hook_gating = self._gating is not None and callback
         chain = (([self._gating] if hook_gating else []) + self._policies
-                 + ([self.cache] if callback_cache and self.cache is not None and self.cache.needs_routes else []))
-        if self._gating is not None:
-            rule = _NATIVE_RULE[GatingRule.OFF if hook_gating else self._gating.rule]
-            sens = [self._gating.layer_sensitivity(il) for il in range(self.info.n_layer)]
-            if native.moe_set_gating(self._ctx, rule, self._gating.threshold, sens, self._gating.decode_only) != 0:
-                raise EdgeMoeError(f"llama.cpp refused the gating rule {self._gating.rule.value} with threshold "
-                                   f"{self._gating.threshold}: {native.recent_log()[-200:].strip()}")
+                 + ([self.cache] if callback and self.cache is not None and self.cache.needs_routes else []))
+        self._set_native_gating(None if hook_gating else self._gating)
         if chain:
             self._hooks = HookChain(chain)
             native.moe_set_hook(self._ctx, self._hooks.c_callback, self._hooks.flags)
@@ -59,18 +54,27 @@ class RoutingMixin:
             self._hooks = None
         return self._hooks
 
-    def _callback_cache(self) -> bool:
-        """Does the expert cache need the routing callback (a Python policy is set, or blocking loads)?"""
-        if self.cache is None:
-            return False
-        return bool(self._policies) or self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK
+    def _needs_callback(self) -> bool:
+        """Does anything need the routing callback: a Python policy, or the expert cache's blocking loads?"""
+        return bool(self._policies) or (self.cache is not None
+                                        and self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK)
+
+    def _set_native_gating(self, policy: GatingPolicy | None) -> None:
+        """The gating llama.cpp applies in the graph (None: none; an unchanged setting keeps the graph)."""
+        if policy is None:
+            native.moe_set_gating(self._ctx, native.MOE_GATING_NONE, 0.0, None, True)
+            return
+        sens = [policy.layer_sensitivity(il) for il in range(self.info.n_layer)]
+        if native.moe_set_gating(self._ctx, _NATIVE_RULE[policy.rule], policy.threshold, sens, policy.decode_only) != 0:
+            raise EdgeMoeError(f"llama.cpp refused the gating rule {policy.rule.value} with threshold "
+                               f"{policy.threshold}: {native.recent_log()[-200:].strip()}")
 
     @property
     def gating_path(self) -> str | None:
         """Where adaptive top-k runs: "graph" (inside llama.cpp), "hook" (the Python callback) or None."""
         if self._gating is None:
             return None
-        return "hook" if self._policies or self._callback_cache() else "graph"
+        return "hook" if self._needs_callback() else "graph"
 
     def set_gating(self, policy: GatingPolicy | None) -> str | None:
         """Adaptive top-k on every MoE layer (None turns it off); returns where it runs (gating_path).
@@ -79,8 +83,6 @@ class RoutingMixin:
         while the user's policies or the expert cache's blocking loads need the routing callback,
         ``policy`` runs there (same decisions, same kept weights).
         """
-        if self._gating is not None and policy is None:
-            native.moe_set_gating(self._ctx, native.MOE_GATING_NONE, 0.0, None, True)
         self._gating = policy if policy is not None and policy.rule is not GatingRule.OFF else None
         self.reset_control_stats()
         self.set_policies(self._policies)
