@@ -33,6 +33,8 @@ SDIST_NAME = "llama_cpp_python-0.3.36"
 SDIST_VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 STAMP_NAME = ".edgemoe-llama-stamp.json"
+# a tarball trimmed by tools/device_pack.py holds this file with the sha256 of the sdist it came from
+TRIM_MARKER = "EDGEMOE_TRIMMED_FROM"
 # llama-cpp-python's own runtime requirements (its pyproject) and our build backend;
 # installed first because the package itself is installed with --no-deps.
 SDIST_REQUIREMENTS = ["typing-extensions>=4.5.0", "numpy>=1.20.0", "diskcache>=5.6.1",
@@ -129,10 +131,23 @@ def fetch_sdist(cache: Path, python: str) -> Path:
             raise BuildError("pip could not download the llama-cpp-python sdist; check the "
                              "network/PyPI, or set EDGEMOE_SDIST=/path/to/" + tarball.name)
     digest = sha256_file(tarball)
+    if digest != SDIST_SHA256 and trimmed_from(tarball) == SDIST_SHA256:
+        log(f"{tarball.name} is the pinned sdist trimmed by tools/device_pack.py")
+        return tarball
     if digest != SDIST_SHA256:
         raise BuildError(f"{tarball} has sha256 {digest}, expected {SDIST_SHA256}; "
                          "delete it and run again")
     return tarball
+
+
+def trimmed_from(tarball: Path) -> str | None:
+    """The sha256 a trimmed tarball's marker names, None for any other tarball."""
+    try:
+        with tarfile.open(tarball) as tf:
+            f = tf.extractfile(f"{SDIST_NAME}/{TRIM_MARKER}")
+            return f.read().decode().strip() if f else None
+    except (KeyError, tarfile.TarError, OSError):
+        return None
 
 
 def unpack(tarball: Path, dest: Path) -> Path:
@@ -151,15 +166,18 @@ def unpack(tarball: Path, dest: Path) -> Path:
 
 def apply_series(src: Path, patches: list[Path]) -> None:
     llama_dir = src / "vendor" / "llama.cpp"
+    # git apply inside a repository only patches paths below the cwd; a source tree without its
+    # .git link (a trimmed sdist) sitting inside our checkout would be skipped silently
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(llama_dir.parent))
     for p in patches:
         check = subprocess.run(["git", "apply", "--check", "-p1", str(p)], cwd=llama_dir,
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, env=env)
         if check.returncode != 0:
             raise BuildError(
                 f"patch {p.name} does not apply to the vendored llama.cpp:\n{check.stderr.strip()}\n"
                 "Refresh it: `python tools/patches.py init`, fix this patch's commit in "
                 f".build/patchwork/{SDIST_NAME}/vendor/llama.cpp, then `python tools/patches.py export`.")
-        subprocess.run(["git", "apply", "-p1", str(p)], cwd=llama_dir, check=True)
+        subprocess.run(["git", "apply", "-p1", str(p)], cwd=llama_dir, check=True, env=env)
         log(f"applied {p.name}")
 
 
