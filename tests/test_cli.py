@@ -213,3 +213,35 @@ def test_ctrl_c_exits_130_with_one_line() -> None:
     finally:
         proc.kill()
     assert proc.returncode == 130 and err.decode().strip().splitlines()[-1] == "Interrupted."
+
+
+def test_chat_survives_bad_lines_and_keeps_going() -> None:
+    """Invalid UTF-8 is replaced, a message longer than the context is refused with one line, and the
+    lines after both are still answered (chat used to exit 1 and drop the rest of the input)."""
+    import subprocess
+    import sys
+
+    huge = ("word " * 20000).encode()  # 100 KB, far over the context
+    stdin = b"hello \xff\xfe there\n" + huge + b"\nlast question\n"
+    proc = subprocess.run([sys.executable, "-m", "edgemoe", "chat", str(MODEL), "--ctx", "256", "-n", "4",
+                           "--temp", "0"], input=stdin, capture_output=True, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert err.count("[prompt ") == 2  # the first and the last message were answered
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "raise --ctx" in errors[0]
+    assert "Traceback" not in err
+
+
+def test_chat_drops_oldest_turns_when_the_context_is_full() -> None:
+    question = "tell me about the python standard library and its many modules, please"
+    res = run("chat", str(MODEL), "--ctx", "256", "-n", "24", "--temp", "0", input=(question + "\n") * 6)
+    assert res.exit_code == 0, res.output
+    assert res.output.count("[prompt ") == 6  # every message answered
+    assert "oldest turn" in res.output and "dropped to fit the context of 256 tokens" in res.output
+
+
+def test_ctx_rounded_up_is_said() -> None:
+    res = run("generate", str(MODEL), "-p", "hi", "-n", "2", "--temp", "0", "--ctx", "1")
+    assert res.exit_code == 0, res.output
+    assert "the context is 256 tokens" in res.output

@@ -157,3 +157,20 @@ def test_closed_engine_and_bad_values_raise_instead_of_crashing(fixture_model: P
                 LoadConfig(n_threads=100000), LoadConfig(n_batch=0)):
         with pytest.raises(EdgeMoeError):
             Engine(fixture_model, cfg)
+
+
+def test_chat_session_trims_oldest_turns_and_refuses_a_message_alone_too_long(fixture_model: Path) -> None:
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        chat = ChatSession(eng)
+        for i in range(6):
+            list(chat.send(f"message {i}: " + "tell me more about the library " * 4, max_tokens=24,
+                           sampling=GREEDY))
+            n = len(eng.tokenize(eng.format_chat(chat.messages()), parse_special=True))
+            assert n <= eng.n_ctx
+        assert chat.dropped_turns > 0
+        assert chat.history[0].role == "user" and chat.history[-1].role == "assistant"
+        assert chat.history[-2].content.startswith("message 5")
+        before = list(chat.history)
+        with pytest.raises(ContextOverflowError, match="raise --ctx"):
+            list(chat.send("word " * 2000, max_tokens=8, sampling=GREEDY))
+        assert chat.history == before

@@ -1,6 +1,7 @@
 """Commands on one model: inspect (header, VRAM plan), generate, chat."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ from typing import Any
 
 import click
 
+from ..errors import EdgeMoeError
 from .cache_options import cache_from_options, cache_options, install_cache, load_config
 from .options import gating_from_options, gating_options
 from .types import Finite, GGUFPath, Size
@@ -28,7 +30,7 @@ def _run_options(f: Any) -> Any:
         click.option("-t", "--threads", type=click.IntRange(min=0), default=0,
                      help="CPU threads (default: physical cores)", envvar="EDGEMOE_THREADS"),
         click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
-                     help="context length (default: the model's, at most 4096)"),
+                     help="context length (default: the model's, at most 4096; llama.cpp rounds it up to a multiple of 256)"),
         click.option("-ngl", "--gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
                      help="layers stock llama.cpp offloads whole to the GPU (CUDA builds)"),
     ]
@@ -64,6 +66,9 @@ def _open_engine(model: Path, threads: int, n_ctx: int, gpu_layers: int, cache: 
     if cache is not None:
         config = load_config(config, cache, model)
     engine = Engine(model, config)
+    if n_ctx and engine.n_ctx != n_ctx:
+        click.echo(f"note: the context is {engine.n_ctx} tokens (llama.cpp sizes it in steps of 256; "
+                   f"--ctx {n_ctx} was asked)", err=True)
     if not engine.info.is_moe:
         click.echo(f"note: {model.name} is a dense model (no routed experts); edgemoe's MoE "
                    "features are off and it runs as stock llama.cpp", err=True)
@@ -178,6 +183,8 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
     gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
     cache = cache_from_options(vram, expert_slots, policy, blocking_loads)
     interactive = sys.stdin.isatty()
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 becomes U+FFFD, not the end of the chat
     with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
         _install_gating(engine, gate)
         session = ChatSession(engine, system=system)
@@ -199,7 +206,16 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
                 session.reset()
                 click.echo("(history cleared)", err=True)
                 continue
-            for piece in session.send(text, max_tokens=max_tokens, sampling=sampling):
-                click.echo(piece, nl=False)
+            dropped = session.dropped_turns
+            try:
+                for piece in session.send(text, max_tokens=max_tokens, sampling=sampling):
+                    click.echo(piece, nl=False)
+            except EdgeMoeError as err:  # this message fails; the conversation goes on
+                click.echo(f"error: {err}", err=True)
+                continue
             click.echo()
+            if session.dropped_turns > dropped:
+                n = session.dropped_turns - dropped
+                click.echo(f"({n} oldest turn{'s' if n > 1 else ''} dropped to fit the context of "
+                           f"{engine.n_ctx} tokens)", err=True)
             click.echo(_stats_line(engine.last.timings, engine), err=True)

@@ -1,17 +1,21 @@
 """Chat on an Engine: messages, the model's chat template (llama.cpp's template engine), sessions.
 
-ChatMixin is a part of Engine (edgemoe.runtime.engine), where ChatSession keeps a conversation.
+ChatMixin is a part of Engine (edgemoe.runtime.engine); ChatSession keeps a conversation on one.
 """
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import EdgeMoeError
+from ..errors import ContextOverflowError, EdgeMoeError
 from .native import lib
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .sampling import SamplingParams
 
 
 @dataclass
@@ -52,3 +56,72 @@ class ChatMixin:
             raise EdgeMoeError(f"llama.cpp does not recognise the chat template of {self.path.name}; "
                                "use `edgemoe generate` for plain completion")
         return buf.raw[:n].decode("utf-8")
+
+
+@dataclass
+class ChatSession:
+    """A conversation on an Engine: history + template; only new tokens are evaluated per turn.
+
+    When the history no longer fits the context (with room for the reply), the oldest turns are
+    dropped, as llama.cpp's own chat does; `dropped_turns` counts them.
+    """
+
+    engine: Engine
+    system: str | None = None
+    history: list[ChatMessage] = field(default_factory=list)
+    dropped_turns: int = 0
+
+    def reset(self) -> None:
+        self.history.clear()
+
+    def _head(self) -> list[ChatMessage]:
+        return [ChatMessage("system", self.system)] if self.system else []
+
+    def messages(self) -> list[ChatMessage]:
+        return self._head() + self.history
+
+    def reply_room(self, max_tokens: int) -> int:
+        """Tokens kept free for the reply: max_tokens, at most a quarter of the context."""
+        return max(1, min(max_tokens, self.engine.n_ctx // 4))
+
+    def fit_prompt(self, max_tokens: int) -> str:
+        """The templated prompt of the history, dropping the oldest turns until it leaves room for the
+        reply; when even the last message alone does not fit, raises and leaves the history as it was."""
+        room = self.reply_room(max_tokens)
+        head = self._head()
+        kept, dropped = list(self.history), 0
+        while True:
+            prompt = self.engine.format_chat(head + kept)
+            n = len(self.engine.tokenize(prompt, parse_special=True))
+            if n + room <= self.engine.n_ctx:
+                self.history[:] = kept
+                self.dropped_turns += dropped
+                return prompt
+            if len(kept) <= 1:  # the new message alone does not fit
+                raise ContextOverflowError(
+                    f"this message is {n} tokens with the chat template and the context holds "
+                    f"{self.engine.n_ctx}, {room} of them kept for the reply: shorten it or raise --ctx")
+            del kept[0]  # the oldest user message and the reply to it
+            if kept and kept[0].role == "assistant":
+                del kept[0]
+            dropped += 1
+
+    def send(self, user_text: str, *, max_tokens: int = 256,
+             sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Stream the assistant's reply to user_text; the full Generation is in engine.last.
+
+        Raises ContextOverflowError (and leaves the history as it was) when the message alone
+        does not fit the context.
+        """
+        self.history.append(ChatMessage("user", user_text))
+        reply: list[str] = []
+        try:
+            prompt = self.fit_prompt(max_tokens)
+            for _, piece in self.engine.stream(prompt, max_tokens=max_tokens, sampling=sampling,
+                                               parse_special=True):
+                reply.append(piece)
+                yield piece
+        except BaseException:
+            self.history.pop()
+            raise
+        self.history.append(ChatMessage("assistant", "".join(reply).strip()))

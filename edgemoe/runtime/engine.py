@@ -13,8 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,12 @@ from ..gguf.info import ModelInfo, check_gguf, read_model_info
 from ..policies.gating import GatingPolicy
 from ..policies.route import RoutePolicy
 from . import native
-from .chat import ChatMessage, ChatMixin
+from .chat import ChatMessage, ChatMixin, ChatSession
 from .config import LoadConfig, default_threads
 from .expert_cache import CacheController
 from .generation import Generation, GenerationMixin, Timings
 from .hooks import HookChain
 from .native import lib
-from .sampling import SamplingParams
 from .wiring import RoutingMixin
 
 __all__ = ["ChatMessage", "ChatSession", "Engine", "Generation", "LoadConfig", "Timings", "default_threads"]
@@ -261,35 +259,3 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
             for i in range(len(chunk)):
                 out.append(np.ctypeslib.as_array(self.logits(i)).copy())
         return out
-
-
-@dataclass
-class ChatSession:
-    """A conversation on an Engine: history + template; only new tokens are evaluated per turn."""
-
-    engine: Engine
-    system: str | None = None
-    history: list[ChatMessage] = field(default_factory=list)
-
-    def reset(self) -> None:
-        self.history.clear()
-
-    def messages(self) -> list[ChatMessage]:
-        head = [ChatMessage("system", self.system)] if self.system else []
-        return head + self.history
-
-    def send(self, user_text: str, *, max_tokens: int = 256,
-             sampling: SamplingParams | None = None) -> Iterator[str]:
-        """Stream the assistant's reply to user_text; the full Generation is in engine.last."""
-        self.history.append(ChatMessage("user", user_text))
-        prompt = self.engine.format_chat(self.messages())
-        reply: list[str] = []
-        try:
-            for _, piece in self.engine.stream(prompt, max_tokens=max_tokens, sampling=sampling,
-                                               parse_special=True):
-                reply.append(piece)
-                yield piece
-        except BaseException:
-            self.history.pop()
-            raise
-        self.history.append(ChatMessage("assistant", "".join(reply).strip()))
