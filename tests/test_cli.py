@@ -245,3 +245,33 @@ def test_ctx_rounded_up_is_said() -> None:
     res = run("generate", str(MODEL), "-p", "hi", "-n", "2", "--temp", "0", "--ctx", "1")
     assert res.exit_code == 0, res.output
     assert "the context is 256 tokens" in res.output
+
+
+@pytest.mark.parametrize("command", [
+    ["trace", "--out", "{tmp}/t.npz"],  # the Python route hook
+    ["perplexity", "--gating", "ser", "--threshold", "0.4"],  # hook counting, gating in the graph
+])
+def test_ctrl_c_during_native_work_with_a_hook_exits_130(tmp_path: Path, command: list[str]) -> None:
+    """Ctrl-C while llama.cpp calls a Python hook: it used to be swallowed ("Exception ignored") and the
+    run went on. Three trials each, since the signal lands at a random point of the decode."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    text = tmp_path / "long.txt"
+    text.write_text("ROMEO: What light through yonder window breaks? It is the east.\n" * 3000)
+    args = [a.format(tmp=tmp_path) for a in command]
+    for trial in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "edgemoe", args[0], str(MODEL), "--input", str(text),
+                                 *args[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            time.sleep(2.5 + 0.4 * trial)  # loaded, in the middle of the decodes
+            assert proc.poll() is None, "finished before the signal: make the input longer"
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        text_err = err.decode()
+        assert proc.returncode == 130, text_err[-1500:]
+        assert "Exception ignored" not in text_err and text_err.strip().splitlines()[-1] == "Interrupted."

@@ -6,6 +6,8 @@ the command modules (model, analysis, calibrate, bench) never import this module
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import traceback
 from typing import Any
 
@@ -48,6 +50,10 @@ def cli(ctx: click.Context, debug: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
     if not debug:
         logging.getLogger("edgemoe.llama_cpp").setLevel(logging.CRITICAL)
+    if debug:  # native aborts with ggml's backtrace; edgemoe.runtime.native reads this when it loads
+        os.environ["EDGEMOE_DEBUG"] = "1"
+        if "edgemoe.runtime.native" in sys.modules:
+            sys.modules["edgemoe.runtime.native"].set_native_debug(True)
 
 
 COMMANDS: tuple[click.Command, ...] = (

@@ -29,6 +29,7 @@ from .config import LoadConfig, default_threads
 from .expert_cache import CacheController
 from .generation import Generation, GenerationMixin, Timings
 from .hooks import HookChain
+from .interrupts import deferred_interrupts
 from .native import lib
 from .wiring import RoutingMixin
 
@@ -192,29 +193,33 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         """Append tokens to the sequence, n_batch at a time; logits of the last (or every) token."""
         mem = lib.llama_get_memory(self._ctx)
         for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            batch = lib.llama_batch_init(len(chunk), 0, 1)
-            try:
-                batch.n_tokens = len(chunk)
-                last = start + len(chunk) == len(tokens)
-                for i, tok in enumerate(chunk):
-                    batch.token[i] = tok
-                    batch.pos[i] = len(self._kv) + i
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = 0
-                    batch.logits[i] = all_logits or (last and i == len(chunk) - 1)
-                rc = lib.llama_decode(self._ctx, batch)
-            finally:
-                lib.llama_batch_free(batch)
-            if rc != 0:
-                lib.llama_memory_seq_rm(mem, 0, len(self._kv), -1)
-                err = self._hooks.take_error() if self._hooks else None
-                if err is not None:
-                    raise err  # a policy raised inside the hook: llama.cpp aborted the decode
-                raise EdgeMoeError(f"llama_decode failed with code {rc} at position {len(self._kv)}")
-            if self.cache is not None:
-                self.cache.flush()
-            self._kv.extend(chunk)
+            with deferred_interrupts():  # Ctrl-C during the decode is raised after it, never in a hook
+                self._decode_chunk(mem, tokens[start:start + self.n_batch], all_logits,
+                                   last=start + self.n_batch >= len(tokens))
+
+    def _decode_chunk(self, mem: Any, chunk: Sequence[int], all_logits: bool, *, last: bool) -> None:
+        """One llama_decode of at most n_batch tokens; on failure the KV cache is as before it."""
+        batch = lib.llama_batch_init(len(chunk), 0, 1)
+        try:
+            batch.n_tokens = len(chunk)
+            for i, tok in enumerate(chunk):
+                batch.token[i] = tok
+                batch.pos[i] = len(self._kv) + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = all_logits or (last and i == len(chunk) - 1)
+            rc = lib.llama_decode(self._ctx, batch)
+        finally:
+            lib.llama_batch_free(batch)
+        if rc != 0:
+            lib.llama_memory_seq_rm(mem, 0, len(self._kv), -1)
+            err = self._hooks.take_error() if self._hooks else None
+            if err is not None:
+                raise err  # a policy raised inside the hook: llama.cpp aborted the decode
+            raise EdgeMoeError(f"llama_decode failed with code {rc} at position {len(self._kv)}")
+        if self.cache is not None:
+            self.cache.flush()
+        self._kv.extend(chunk)
 
     def feed(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
         """Append tokens to the current sequence without sampling (prefill, teacher forcing).

@@ -17,7 +17,7 @@ import ctypes
 import numpy as np
 
 from ..policies.route import RoutePolicy, RouteRecord, WeightRule
-from . import native
+from . import interrupts, native
 
 
 def _view(ptr: ctypes._Pointer, shape: tuple[int, int]) -> np.ndarray:  # type: ignore[type-arg]
@@ -48,6 +48,9 @@ class HookChain:
 
     def _on_route(self, route_p: ctypes._Pointer, user_data: int) -> bool:  # type: ignore[type-arg]
         try:
+            if interrupts.pending():  # Ctrl-C: stop this decode; Engine raises KeyboardInterrupt
+                self.error = KeyboardInterrupt()
+                return False
             r = route_p.contents
             t, k = r.n_tokens, r.n_expert_used
             rec = RouteRecord(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections import deque
 from typing import Any
 
@@ -387,6 +388,43 @@ def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None: 
         _partial.clear()
         _recent.append(line)
         _llama_log.log(_level[0], "%s", line)
+
+
+# -- native aborts: one line, no debugger --------------------------------------------------------------
+# ggml's abort path runs gdb/lldb for a backtrace when one is installed, which can hang a process
+# for minutes; GGML_NO_BACKTRACE (read at abort time) turns that off unless edgemoe runs with --debug.
+# typedef void (*ggml_abort_callback_t)(const char * error_message);
+_AbortCallback = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_ggml_base = _sibling("libggml-base.so.0")
+# ggml_abort_callback_t ggml_set_abort_callback(ggml_abort_callback_t callback);
+_set_abort_callback = _declare("ggml_set_abort_callback", [_AbortCallback], ctypes.c_void_p, _ggml_base)
+_backtrace_env_set = [False]
+
+
+@_AbortCallback
+def _on_native_abort(message: bytes | None) -> None:  # pragma: no cover - runs in a dying process
+    text = (message or b"").decode("utf-8", errors="replace").strip()
+    os.write(2, f"edgemoe: llama.cpp stopped on an internal error: {text} (a bug: please report it with the "
+                "command; `edgemoe --debug` shows a native backtrace)\n".encode())
+
+
+def set_native_debug(debug: bool) -> None:
+    """debug: ggml's own abort output with a native backtrace; otherwise one line and no debugger."""
+    if debug:
+        if _backtrace_env_set[0]:
+            os.environ.pop("GGML_NO_BACKTRACE", None)
+            _backtrace_env_set[0] = False
+        if _set_abort_callback is not None:
+            _set_abort_callback(_AbortCallback())  # NULL: ggml's default
+    else:
+        if "GGML_NO_BACKTRACE" not in os.environ:
+            os.environ["GGML_NO_BACKTRACE"] = "1"
+            _backtrace_env_set[0] = True
+        if _set_abort_callback is not None:
+            _set_abort_callback(_on_native_abort)
+
+
+set_native_debug(os.environ.get("EDGEMOE_DEBUG", "") not in ("", "0"))
 
 
 def route_logs_to_python() -> None:
