@@ -8,13 +8,12 @@ import ctypes
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ContextOverflowError, EdgeMoeError
 from .native import lib
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .sampling import SamplingParams
 
 
@@ -58,6 +57,19 @@ class ChatMixin:
         return buf.raw[:n].decode("utf-8")
 
 
+class ChatEngine(Protocol):
+    """What a ChatSession uses of Engine (edgemoe.runtime.engine imports this module)."""
+
+    n_ctx: int
+
+    def format_chat(self, messages: Sequence[ChatMessage], *, add_assistant: bool = True) -> str: ...
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
+
+    def stream(self, prompt: str, *, max_tokens: int = ..., sampling: SamplingParams | None = None,
+               parse_special: bool = False) -> Iterator[tuple[int, str]]: ...
+
+
 @dataclass
 class ChatSession:
     """A conversation on an Engine: history + template; only new tokens are evaluated per turn.
@@ -66,7 +78,7 @@ class ChatSession:
     dropped, as llama.cpp's own chat does; `dropped_turns` counts them.
     """
 
-    engine: Engine
+    engine: ChatEngine
     system: str | None = None
     history: list[ChatMessage] = field(default_factory=list)
     dropped_turns: int = 0
