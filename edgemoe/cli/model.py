@@ -91,17 +91,23 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
     from ..gguf.info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
     from ..analysis.report import format_info, format_plan, plan_to_dict
+    from ..analysis.rules import describe_rules, routing_rules
 
     info = read_model_info(model)
     n_ctx = n_ctx or min(info.n_ctx_train or 4096, 4096)
     plan = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE) if vram is not None else None
+    rules = routing_rules(model) if info.is_moe else {}  # loads the model and decodes one token
     if as_json:
         d = info_to_dict(info)
+        if info.is_moe:
+            d["weight_rules"] = {str(il): {"rule": r.rule, "scale": r.scale} for il, r in sorted(rules.items())}
         if plan is not None:
             d["vram_plan"] = plan_to_dict(plan)
         click.echo(json.dumps(d, indent=1))
         return
     click.echo(format_info(info))
+    if info.is_moe:
+        click.echo(f"{'weights':12} {describe_rules(rules)}  (as llama.cpp weights the selected experts)")
     if plan is not None:
         click.echo(format_plan(plan))
 
