@@ -22,6 +22,10 @@ class PatchApplyError(EdgeMoeError):
     """A patch of the series does not apply to the vendored llama.cpp."""
 
 
+class NonFiniteLogitsError(EdgeMoeError):
+    """llama.cpp computed NaN or infinite logits: the model's weights (or a hook's edits) are not finite."""
+
+
 class ContextOverflowError(EdgeMoeError):
     """The prompt (plus requested tokens) does not fit into the context window."""
 

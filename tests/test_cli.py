@@ -275,3 +275,23 @@ def test_ctrl_c_during_native_work_with_a_hook_exits_130(tmp_path: Path, command
         text_err = err.decode()
         assert proc.returncode == 130, text_err[-1500:]
         assert "Exception ignored" not in text_err and text_err.strip().splitlines()[-1] == "Interrupted."
+
+
+@pytest.mark.parametrize("tensor", ["blk.3.ffn_norm.weight", "output_norm.weight"])
+def test_nan_weights_fail_every_command_with_one_line(tmp_path: Path, tensor: str) -> None:
+    """A model with NaN weights used to print control bytes, `nll nan` and pass verify, all with exit 0."""
+    import numpy as np
+
+    bad = tmp_path / "nan.gguf"
+    shutil.copyfile(MODEL, bad)
+    t = next(t for t in gguf.GGUFReader(str(MODEL)).tensors if t.name == tensor)
+    with bad.open("r+b") as f:
+        f.seek(t.data_offset)
+        f.write(np.full(int(t.n_bytes) // 4, np.nan, np.float32).tobytes())
+    text = tmp_path / "in.txt"
+    text.write_text("ROMEO: What light through yonder window breaks?\n" * 20)
+    for args in (["generate", str(bad), "-p", "hi", "-n", "4"], ["perplexity", str(bad), "--input", str(text)],
+                 ["verify", str(bad)]):
+        res = run(*args)
+        assert res.exit_code == 1, (args[0], res.output)
+        assert "logits over the vocabulary" in res.output and "re-convert the model" in res.output

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ContextOverflowError, EdgeMoeError, EngineClosedError, ModelLoadError
+from ..errors import ContextOverflowError, EdgeMoeError, EngineClosedError, ModelLoadError, NonFiniteLogitsError
 from ..gguf.info import ModelInfo, check_gguf, read_model_info
 from ..policies.gating import GatingPolicy
 from ..policies.route import RoutePolicy
@@ -249,6 +250,19 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         self._decode(tokens[keep:])
         return len(tokens) - keep
 
+    def check_logits(self, idx: int = -1) -> None:
+        """Raise NonFiniteLogitsError when output idx of the last decode has a NaN or inf, or one value for
+        every token (what NaN weights give on the CPU); a pass over the row, two when its ends are equal."""
+        row = np.ctypeslib.as_array(self.logits(idx))
+        bad = "NaN/inf" if not math.isfinite(float(row.sum(dtype=np.float32))) else None  # NaN, inf propagate
+        if bad is None and row[0] == row[-1] and row.min() == row.max():
+            bad = "identical"  # NaN weights reach the CPU matmuls as all-zero quantized activations
+        if bad is not None:
+            raise NonFiniteLogitsError(
+                f"llama.cpp computed {bad} logits over the vocabulary after {len(self._kv)} tokens of "
+                f"{self.path.name}: its weights are not finite numbers (a corrupt or badly converted file?), "
+                "or a routing hook wrote bad weights; re-download or re-convert the model")
+
     def logits(self, idx: int = -1) -> ctypes.Array[ctypes.c_float]:
         """Logits of the idx-th output of the last decode (a float array of n_vocab)."""
         ptr = lib.llama_get_logits_ith(self._ctx, idx)
@@ -262,5 +276,6 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
             chunk = list(tokens[start:start + self.n_batch])
             self._decode(chunk, all_logits=True)
             for i in range(len(chunk)):
+                self.check_logits(i)
                 out.append(np.ctypeslib.as_array(self.logits(i)).copy())
         return out

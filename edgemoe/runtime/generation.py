@@ -120,6 +120,7 @@ class GenerationMixin:
         t_first = t_prefill
         try:
             for i in range(max_tokens):
+                self.check_logits(-1)
                 tok = sampler.sample(self._ctx)
                 out.append(tok)
                 if i == 0:
