@@ -295,3 +295,30 @@ def test_nan_weights_fail_every_command_with_one_line(tmp_path: Path, tensor: st
         res = run(*args)
         assert res.exit_code == 1, (args[0], res.output)
         assert "logits over the vocabulary" in res.output and "re-convert the model" in res.output
+
+
+@pytest.mark.parametrize("args", [
+    ["--gating", "fisher", "--threshold", "0.1"],
+    ["--gating", "ser", "--target-reduction", "0.2"],
+    ["--expert-slots", "4", "--policy", "static"],
+])
+def test_calibration_of_another_model_is_refused(args: list[str]) -> None:
+    """The other fixture's calibration (32 experts vs 8) used to run."""
+    other = Path(__file__).resolve().parents[1] / "predictors" / FIXTURE_MODELS[1].name.removesuffix(".gguf")
+    res = run("generate", str(MODEL), "-p", "hi", "-n", "2", "--calibration", str(other), *args)
+    assert res.exit_code == 1, res.output
+    assert "another model" in res.output and "edgemoe calibrate" in res.output
+
+
+def test_target_reduction_on_too_few_validation_tokens_is_refused(tmp_path: Path) -> None:
+    import numpy as np
+
+    own = Path(__file__).resolve().parents[1] / "predictors" / MODEL.name.removesuffix(".gguf")
+    cal = tmp_path / "cal"
+    shutil.copytree(own, cal)
+    (cal / "thresholds.json").unlink(missing_ok=True)
+    np.save(cal / "gating_validation_tokens.npy", np.zeros(0, np.int32))
+    res = run("generate", str(MODEL), "-p", "hi", "-n", "2", "--calibration", str(cal),
+              "--gating", "ser", "--target-reduction", "0.2")
+    assert res.exit_code == 1, res.output
+    assert "holds 0 tokens" in res.output

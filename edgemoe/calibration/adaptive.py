@@ -22,6 +22,7 @@ from .sensitivity import VALIDATION_TOKENS, Sensitivity
 
 MODES = ("off", "fisher", "empirical", "score", "ser")
 THRESHOLDS = "thresholds.json"
+MIN_VALIDATION_TOKENS = 64  # a target reduction measured on fewer tokens is noise
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,15 @@ def default_calibration_dir(model: Path) -> Path | None:
         return None
 
 
-def _need_calibration(opts: GatingOptions, what: str) -> Path:
+def _need_calibration(opts: GatingOptions, what: str, model: Path | None) -> Path:
+    """The calibration directory, checked to be of `model` (same MoE layers and expert counts)."""
+    from .card import Calibration
+
     if opts.calibration is None or not opts.calibration.is_dir():
         raise EdgeMoeError(f"{what} needs calibration data: run `edgemoe calibrate MODEL --corpus FILE` "
                            "and pass --calibration DIR (bundled fixtures have it in predictors/)")
+    if model is not None:
+        Calibration.load(opts.calibration, "explicit").check_model(model)
     return opts.calibration
 
 
@@ -66,7 +72,8 @@ def build_gating(engine: object, opts: GatingOptions, *, ctx: int = 256) -> Gati
         raise EdgeMoeError(f"--gating {opts.mode} needs exactly one of --threshold T or --target-reduction R")
     sens = None
     if rule is GatingRule.SENSITIVITY:
-        sens = Sensitivity.load(_need_calibration(opts, f"--gating {opts.mode}")).of(opts.mode)
+        model = getattr(engine, "path", None)
+        sens = Sensitivity.load(_need_calibration(opts, f"--gating {opts.mode}", model)).of(opts.mode)
     threshold = opts.threshold
     if threshold is None:
         threshold = _threshold_for_target(engine, opts, rule, sens, ctx)
@@ -91,7 +98,7 @@ def _threshold_for_target(engine: object, opts: GatingOptions, rule: GatingRule,
                           sens: dict[int, float] | None, ctx: int) -> float:
     from ..analysis.perplexity import perplexity
 
-    directory = _need_calibration(opts, "--target-reduction")
+    directory = _need_calibration(opts, "--target-reduction", getattr(engine, "path", None))
     cache_path = thresholds_cache_path(directory)
     # thresholds shipped with the calibration (the bundled fixtures' thresholds.json), then the user's
     cache = {**_read_thresholds(directory / THRESHOLDS), **_read_thresholds(cache_path)}
@@ -102,6 +109,10 @@ def _threshold_for_target(engine: object, opts: GatingOptions, rule: GatingRule,
     if not vpath.exists():
         raise EdgeMoeError(f"{directory} has no {VALIDATION_TOKENS}; run `edgemoe calibrate` again")
     tokens = np.load(vpath).tolist()
+    if len(tokens) < MIN_VALIDATION_TOKENS:
+        raise EdgeMoeError(f"{vpath} holds {len(tokens)} tokens, too few to find a threshold for a "
+                           f"{opts.target_reduction:.0%} reduction (at least {MIN_VALIDATION_TOKENS}): run "
+                           "`edgemoe calibrate` with a longer corpus, or give --threshold T")
 
     def reduction_at(t: float) -> float:
         pol = GatingPolicy(rule, t, sensitivity=sens, decode_only=False)

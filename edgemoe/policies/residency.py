@@ -123,18 +123,28 @@ class ManualPolicy:
 ResidencyPolicy = StaticPolicy | LruPolicy | ManualPolicy
 
 
-def load_frequency(calibration: Path) -> dict[int, np.ndarray]:
-    """Per-layer routing counts from a calibration's router_frequency.npz."""
+def load_frequency(calibration: Path, *, n_expert: int | None = None,
+                   layers: Sequence[int] | None = None) -> dict[int, np.ndarray]:
+    """Per-layer routing counts from a calibration's router_frequency.npz; with n_expert / layers,
+    refuses counts of another model (another expert count, or MoE layers it lacks)."""
     path = calibration / "router_frequency.npz"
     if not path.exists():
         raise EdgeMoeError(f"{path} is missing: run `edgemoe calibrate MODEL --stage router_frequency` "
                            "(the static policy places the most frequent experts)")
     d = np.load(path)
-    return {int(layer): d["counts"][i] for i, layer in enumerate(d["layers"])}
+    freq = {int(layer): d["counts"][i] for i, layer in enumerate(d["layers"])}
+    width = {int(c.shape[-1]) for c in freq.values()}
+    missing = sorted(set(layers or ()) - set(freq))
+    if (n_expert is not None and width != {n_expert}) or missing:
+        what = (f"counts for {sorted(width)} experts per layer, the model has {n_expert}"
+                if n_expert is not None and width != {n_expert} else f"no counts for MoE layers {missing}")
+        raise EdgeMoeError(f"{path} is of another model ({what}): run `edgemoe calibrate MODEL --corpus FILE` "
+                           "for this model, or pass its --calibration DIR")
+    return freq
 
 
 def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False,
-                calibration: Path | None = None) -> ResidencyPolicy:
+                calibration: Path | None = None, n_expert: int | None = None) -> ResidencyPolicy:
     try:
         k = PolicyKind(kind)
     except ValueError:
@@ -147,7 +157,7 @@ def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False
     if calibration is None:
         raise EdgeMoeError("the static policy needs a calibration with router frequencies: "
                            "run `edgemoe calibrate MODEL --corpus FILE` or pass --calibration DIR")
-    return StaticPolicy(load_frequency(calibration), dict(n_slots))
+    return StaticPolicy(load_frequency(calibration, n_expert=n_expert, layers=list(n_slots)), dict(n_slots))
 
 
 @dataclass

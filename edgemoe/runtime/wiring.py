@@ -121,7 +121,8 @@ class RoutingMixin:
             self.cache = None
         if config is not None:
             policy = make_policy(config.policy, {il: config.slots_per_layer for il in self.info.moe_layers},
-                                 blocking=config.blocking, calibration=config.calibration)
+                                 blocking=config.blocking, calibration=config.calibration,
+                                 n_expert=self.info.n_expert)
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, config.slots_per_layer, device)
             try:
