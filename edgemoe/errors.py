@@ -34,5 +34,9 @@ class InvalidSizeError(EdgeMoeError, ValueError):
     """A size such as --vram 6GiB could not be parsed."""
 
 
+class EngineBusyError(EdgeMoeError):
+    """The Engine is decoding for another thread (or a hook tried to close it mid-decode)."""
+
+
 class EngineClosedError(EdgeMoeError):
     """The Engine was closed: its model and context are gone."""

@@ -174,3 +174,60 @@ def test_chat_session_trims_oldest_turns_and_refuses_a_message_alone_too_long(fi
         with pytest.raises(ContextOverflowError, match="raise --ctx"):
             list(chat.send("word " * 2000, max_tokens=8, sampling=GREEDY))
         assert chat.history == before
+
+
+def test_two_threads_on_one_engine_get_busy_errors_not_a_crash(fixture_model: Path) -> None:
+    import threading
+
+    from edgemoe.errors import EngineBusyError
+
+    with Engine(fixture_model, LoadConfig(n_ctx=512)) as eng:
+        want = eng.generate(PROMPT, max_tokens=16, sampling=GREEDY).tokens
+        got: list[list[int]] = []
+        busy: list[EngineBusyError] = []
+
+        def work() -> None:
+            for _ in range(8):
+                try:
+                    got.append(eng.generate(PROMPT, max_tokens=16, sampling=GREEDY).tokens)
+                except EngineBusyError as err:
+                    busy.append(err)
+
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(got) + len(busy) == 16 and got and all(g == want for g in got)
+    assert all("another thread" in str(e) for e in busy)
+
+
+def test_close_inside_a_hook_is_refused_and_the_engine_still_works(fixture_model: Path) -> None:
+    from edgemoe.errors import EngineBusyError
+
+    class Closer:
+        wants_probs = wants_gate_inp = False
+
+        def __init__(self, eng: Engine) -> None:
+            self.eng = eng
+
+        def on_route(self, route: object) -> None:
+            self.eng.close()
+
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        eng.set_policies([Closer(eng)])  # type: ignore[list-item]
+        with pytest.raises(EngineBusyError, match="routing hook"):
+            eng.generate(PROMPT, max_tokens=4, sampling=GREEDY)
+        eng.set_policies(None)
+        assert len(eng.generate(PROMPT, max_tokens=4, sampling=GREEDY).tokens) == 4
+
+
+def test_close_with_a_stream_left_open_then_the_stream_says_closed(fixture_model: Path) -> None:
+    from edgemoe.errors import EngineClosedError
+
+    eng = Engine(fixture_model, LoadConfig(n_ctx=256))
+    stream = eng.stream(PROMPT, max_tokens=8, sampling=GREEDY)
+    next(stream)
+    eng.close()
+    with pytest.raises(EngineClosedError):
+        next(stream)

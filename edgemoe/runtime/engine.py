@@ -14,13 +14,16 @@ import ctypes
 import logging
 import math
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import ContextOverflowError, EdgeMoeError, EngineClosedError, ModelLoadError, NonFiniteLogitsError
+from ..errors import (ContextOverflowError, EdgeMoeError, EngineBusyError, EngineClosedError, ModelLoadError,
+                      NonFiniteLogitsError)
 from ..gguf.info import ModelInfo, check_gguf, read_model_info
 from ..policies.gating import GatingPolicy
 from ..policies.route import RoutePolicy
@@ -106,8 +109,37 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         return arr
 
     # -- lifetime -----------------------------------------------------------------------
+    # one thread at a time: llama.cpp's context is not thread-safe (two decodes at once crash it)
+    _guard = threading.Lock()  # protects the three fields below of every Engine (held for a few instructions)
+    _user: int | None = None  # the thread generating or decoding now
+    _depth = 0  # nested _exclusive() of that thread
+    _decoding = 0  # of which inside llama_decode (a hook may run)
+
+    @contextmanager
+    def _exclusive(self, *, native: bool = False) -> Iterator[None]:
+        """The body uses llama.cpp for this thread; another thread's call raises EngineBusyError."""
+        me = threading.get_ident()
+        with Engine._guard:
+            if self._user not in (None, me):
+                raise EngineBusyError(f"this Engine of {self.path.name} is generating for another thread: use "
+                                      "one Engine per thread, or serialize the calls with a lock")
+            self._user, self._depth, self._decoding = me, self._depth + 1, self._decoding + native
+        try:
+            yield
+        finally:
+            with Engine._guard:
+                self._depth -= 1
+                self._decoding -= native
+                if self._depth == 0:
+                    self._user = None
+
     def close(self) -> None:
         """Free the context and the model; any later use raises EngineClosedError. Closing twice is fine."""
+        with Engine._guard:
+            busy = self._decoding or self._user not in (None, threading.get_ident())
+        if busy:
+            raise EngineBusyError(f"this Engine of {self.path.name} is decoding (close() came from a routing "
+                                  "hook or another thread): close it after the call returns")
         if getattr(self, "_ctx_p", None) and self.cache is not None:
             self.cache.cache.close()
             self.cache = None
@@ -194,7 +226,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         """Append tokens to the sequence, n_batch at a time; logits of the last (or every) token."""
         mem = lib.llama_get_memory(self._ctx)
         for start in range(0, len(tokens), self.n_batch):
-            with deferred_interrupts():  # Ctrl-C during the decode is raised after it, never in a hook
+            with self._exclusive(native=True), deferred_interrupts():  # Ctrl-C during the decode is raised after it, never in a hook
                 self._decode_chunk(mem, tokens[start:start + self.n_batch], all_logits,
                                    last=start + self.n_batch >= len(tokens))
 

@@ -89,12 +89,13 @@ class GenerationMixin:
         The id is -1 for a final piece flushed from an incomplete UTF-8 sequence.
         ignore_eog keeps generating past end-of-generation tokens (benchmarks).
         """
-        gen = self._run(prompt, max_tokens, sampling or SamplingParams(), parse_special, ignore_eog)
-        try:
-            while True:
-                yield next(gen)
-        except StopIteration as stop:
-            self.last = stop.value
+        with self._exclusive():  # the whole generation belongs to this thread
+            gen = self._run(prompt, max_tokens, sampling or SamplingParams(), parse_special, ignore_eog)
+            try:
+                while True:
+                    yield next(gen)
+            except StopIteration as stop:
+                self.last = stop.value
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
                  sampling: SamplingParams | None = None, parse_special: bool = False,
