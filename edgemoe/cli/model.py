@@ -21,7 +21,8 @@ BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "edgemoe-tiny-q
 def _run_options(f: Any) -> Any:
     opts = [
         click.option("--temp", "temperature", type=Finite(0.0), default=0.8, show_default=True,
-                     help="sampling temperature; 0 = greedy (identical to stock llama.cpp)"),
+                     help="sampling temperature; 0 = greedy (identical to stock llama.cpp; with an expert cache the "
+                          "cached experts run other kernels and long outputs may differ, see docs/expert-cache.md)"),
         click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: off"),
         click.option("--top-p", type=Finite(0.0, 1.0), default=0.95, show_default=True),
         click.option("--min-p", type=Finite(0.0, 1.0), default=0.05, show_default=True),
