@@ -78,6 +78,10 @@ def test_build_gating_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
                         fisher={il: 1.0 for il in eng.info.moe_layers}, base_nll=3.0, tokens=10, spearman=None)
         s.save(tmp_path)
         save_validation_tokens(tmp_path, eng.tokenize(TEXT, add_special=False)[:200])
+        from edgemoe.calibration.card import CARD, FORMAT_VERSION, write_json
+        from edgemoe.calibration.run import _model_entry
+
+        write_json(tmp_path / CARD, {"format": FORMAT_VERSION, "model": _model_entry(model)})  # of this model
         opts = GatingOptions(mode="empirical", target_reduction=0.25, calibration=tmp_path, decode_only=False)
         pol = build_gating(eng, opts)
         from edgemoe.analysis.perplexity import perplexity
