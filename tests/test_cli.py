@@ -322,3 +322,22 @@ def test_target_reduction_on_too_few_validation_tokens_is_refused(tmp_path: Path
               "--gating", "ser", "--target-reduction", "0.2")
     assert res.exit_code == 1, res.output
     assert "holds 0 tokens" in res.output
+
+
+def test_non_utf8_file_name_loads(tmp_path: Path) -> None:
+    import os
+
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/bad\xffname.gguf")
+    shutil.copyfile(MODEL, odd)
+    res = run("generate", odd, "-p", "hi", "-n", "2", "--temp", "0")
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("args", [
+    ["trace", str(MODEL), "--input", str(MODEL), "--out", "{missing}/t.npz"],
+    ["calibrate", str(MODEL), "--corpus", str(MODEL), "--out", "{missing}/cal"],
+    ["bench", str(MODEL), "--plot", "{missing}/b.png"],
+])
+def test_unwritable_output_fails_before_the_work(tmp_path: Path, args: list[str]) -> None:
+    res = run(*[a.format(missing=tmp_path / "nope") for a in args])
+    assert res.exit_code == 2 and "does not exist" in res.output, res.output

@@ -7,14 +7,14 @@ from pathlib import Path
 import click
 
 from .options import gating_from_options, gating_options
-from .types import GGUFPath
+from .types import GGUFPath, OutputPath
 
 
 @click.command()
 @click.argument("model", type=GGUFPath())
 @click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
               help="text file to run through the model")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("--out", "out_path", type=OutputPath(), required=True,
               help="trace file to write (.npz); written only when complete")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
               help="trace at most this many tokens of the input")
@@ -74,7 +74,7 @@ def verify(model: Path, threads: int, as_json: bool) -> None:
 @click.option("--window", type=click.IntRange(min=2), default=32, show_default=True,
               help="tokens per window for the high-workload adjacency")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--plots", "plots_dir", type=OutputPath(directory=True), default=None,
               help="write PNG figures into this directory")
 def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool, plots_dir: Path | None) -> None:
     """Routing statistics of a trace: frequency, locality, similarity, gate reuse, LRU hit rates."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .types import GGUFPath, Size
+from .types import GGUFPath, OutputPath, Size
 
 
 @click.command()
@@ -20,7 +20,7 @@ from .types import GGUFPath, Size
 @click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="calibration directory for the static policy (default: the model's)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="write a PNG bar chart")
+@click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: int, policies: tuple[str, ...],
           calibration: Path | None, as_json: bool, plot: Path | None) -> None:
     """Prefill/decode tokens/s, TTFT, TPOT and VRAM: stock -ot exps=CPU, the best --n-cpu-moe, edgemoe policies."""

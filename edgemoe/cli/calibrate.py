@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ..calibration.run import DEFAULT_CTX, DEFAULT_TOKENS
-from .types import GGUFPath
+from .types import GGUFPath, OutputPath
 
 
 @click.command()
@@ -20,7 +20,7 @@ from .types import GGUFPath
               help="corpus text file, repeatable; only its train split (the first 90%) is read")
 @click.option("--tokens", type=click.IntRange(min=64), default=DEFAULT_TOKENS, show_default=True,
               help="calibration trace tokens, split evenly over the corpora")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", "out_dir", type=OutputPath(directory=True), default=None,
               help="calibration directory to write (default: the per-user cache for this model file)")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=DEFAULT_CTX, show_default=True,
               help="tokens per traced sequence")

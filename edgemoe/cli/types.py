@@ -58,3 +58,26 @@ class Finite(click.ParamType):
         if not math.isfinite(x) or not self.lo <= x <= self.hi:
             self.fail(f"{value} is not a finite number in [{self.lo:g}, {self.hi:g}]", param, ctx)
         return x
+
+
+class OutputPath(click.ParamType):
+    """A file (or, with directory=True, a directory) to write at the end of a long run: its parent must
+    exist and be writable now, so a typo fails at once instead of after the work."""
+
+    name = "PATH"
+
+    def __init__(self, *, directory: bool = False) -> None:
+        self.directory = directory
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        import os
+
+        path = Path(value)
+        if path.exists() and path.is_dir() != self.directory:
+            self.fail(f"{path} is {'not ' if self.directory else ''}a directory", param, ctx)
+        parent = path if self.directory and path.exists() else path.parent
+        if not parent.is_dir():
+            self.fail(f"cannot write {path}: the directory {parent} does not exist", param, ctx)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            self.fail(f"cannot write {path}: the directory {parent} is not writable", param, ctx)
+        return path

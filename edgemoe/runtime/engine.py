@@ -66,7 +66,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
             mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)
         if self._kv_overrides is not None:
             mparams.kv_overrides = self._kv_overrides
-        self._model_p = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        self._model_p = lib.llama_model_load_from_file(os.fsencode(self.path), mparams)  # any file name bytes
         if not self._model_p:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_log()[-400:].strip()}"
                                  " (run with --debug for the full log)")
