@@ -14,6 +14,10 @@ class UnsupportedArchitectureError(ModelLoadError):
     """The GGUF declares an architecture llama.cpp (and so edgemoe) does not know."""
 
 
+class InvalidHyperparameterError(ModelLoadError):
+    """The GGUF's header parses but a hyper-parameter in it is impossible (llama.cpp would abort on it)."""
+
+
 class NativeLibraryError(EdgeMoeError):
     """The patched llama.cpp library is missing, stock, or too old for this edgemoe."""
 
