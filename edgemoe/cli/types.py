@@ -11,16 +11,17 @@ from ..errors import EdgeMoeError, InvalidSizeError
 
 
 class GGUFPath(click.ParamType):
-    """A path to a GGUF model; validated (exists, GGUF, complete, known architecture) at parse time."""
+    """A path to a GGUF model; validated (exists, GGUF, complete, known architecture, possible
+    hyper-parameters) at parse time."""
 
     name = "MODEL.gguf"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
-        from ..gguf.info import check_gguf
+        from ..gguf.validate import check_model
 
         path = Path(value)
         try:
-            check_gguf(path)
+            check_model(path)
         except EdgeMoeError as err:  # one line, no usage text: the path was fine, the file is not
             raise click.ClickException(str(err)) from err
         return path

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ContextOverflowError, EdgeMoeError, EngineClosedError, ModelLoadError
-from ..gguf.info import ModelInfo, check_gguf, read_model_info
+from ..gguf.info import ModelInfo, check_gguf, model_info
+from ..gguf.validate import validate_hparams
 from ..policies.gating import GatingPolicy
 from ..policies.route import RoutePolicy
 from . import native
@@ -45,11 +46,13 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
     def __init__(self, model_path: str | os.PathLike[str], config: LoadConfig | None = None) -> None:
         self.path = Path(model_path)
         self.config = config or LoadConfig()
-        check_gguf(self.path)  # typed, actionable errors before llama.cpp sees the file
+        header = check_gguf(self.path)  # typed, actionable errors before llama.cpp sees the file
         native.require_patched()
         native.route_logs_to_python()
-        self.info: ModelInfo = read_model_info(self.path)
+        self.info: ModelInfo = model_info(header)
         self.config.validate(n_expert=self.info.n_expert, n_expert_used=self.info.n_expert_used)
+        # values llama.cpp would abort on, with the expert_used_count override in place of the file's
+        validate_hparams(header, expert_used_count=self.config.expert_used_count)
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = self.config.n_gpu_layers
@@ -65,7 +68,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
             mparams.kv_overrides = self._kv_overrides
         self._model_p = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model_p:
-            raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_log()[-400:].strip()}"
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_error()[-400:]}"
                                  " (run with --debug for the full log)")
         self._vocab_p = lib.llama_model_get_vocab(self._model_p)
         n_ctx_train = lib.llama_model_n_ctx_train(self._model)
@@ -85,7 +88,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
             lib.llama_model_free(self._model_p)
             self._model_p = None
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}: "
-                                 f"{native.recent_log()[-300:].strip()}; try a smaller --ctx")
+                                 f"{native.recent_error()[-300:]}; try a smaller --ctx")
         self.n_ctx = lib.llama_n_ctx(self._ctx)
         self.n_batch = cparams.n_batch
         self._kv: list[int] = []  # tokens whose K/V are in the cache, in order

@@ -396,3 +396,14 @@ def route_logs_to_python() -> None:
 def recent_log() -> str:
     """The last llama.cpp log lines (for error messages when a load fails)."""
     return "\n".join(_recent)
+
+
+def recent_error() -> str:
+    """llama.cpp's last log line that names an error, as one line (the last line if none does).
+
+    A failed load logs "llama_model_load: error loading model: <why>" among tens of info lines;
+    this is the line a one-line error message wants.
+    """
+    lines = [line for line in _recent if line.strip()]
+    line = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "")
+    return " ".join(line.split())
