@@ -30,6 +30,10 @@ class ContextOverflowError(EdgeMoeError):
     """The prompt (plus requested tokens) does not fit into the context window."""
 
 
+class InvalidConfigError(EdgeMoeError, ValueError):
+    """A load setting (threads, batch, expert_used_count override) is outside what llama.cpp accepts."""
+
+
 class InvalidSizeError(EdgeMoeError, ValueError):
     """A size such as --vram 6GiB could not be parsed."""
 

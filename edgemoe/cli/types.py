@@ -8,6 +8,10 @@ from typing import Any
 import click
 
 from ..errors import EdgeMoeError, InvalidSizeError
+from ..runtime.config import MAX_THREADS
+
+# -t/--threads of every command: 0 (the default count) up to ggml's limit, past which llama.cpp aborts
+THREADS = click.IntRange(0, MAX_THREADS)
 
 
 class GGUFPath(click.ParamType):
