@@ -37,13 +37,13 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # LLAMA_ROPE_SCALIN
 # Taken from the vendored sources: every llama_model_X whose file has
 # GGML_ASSERT(n_embd_head == n_rot), mapped to its names through llama-model.cpp and llama-arch.cpp.
 ROPE_IS_HEAD_ARCHITECTURES: frozenset[str] = frozenset((
-    "apertus", "arcee", "arctic", "baichuan", "chameleon", "codeshell", "cogvlm", "cohere2moe", "dbrx", "deci",
-    "deepseek", "dots1", "dream", "ernie4_5", "ernie4_5-moe", "exaone", "exaone-moe", "exaone4", "falcon",
-    "granite", "granite_swa", "graniteswitch", "grok", "grovemoe", "hunyuan-moe", "hunyuan_vl", "hy_v3",
-    "internlm2", "jais2", "llada", "llada-moe", "llama", "llama4", "maincoder", "mellum", "minimax-01",
-    "minimax-m2", "mistral3", "nemotron", "olmo", "olmo2", "olmoe", "orion", "paddleocr", "pangu-embedded",
-    "plamo", "pockettts", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe", "rnd1",
-    "seed_oss", "smallthinker", "smollm3", "starcoder2", "talkie", "xverse",
+    "apertus", "arcee", "arctic", "baichuan", "chameleon", "codeshell", "cogvlm", "cohere2moe", "dbrx",
+    "deci", "deepseek", "dots1", "dream", "ernie4_5", "ernie4_5-moe", "exaone", "exaone-moe", "exaone4",
+    "falcon", "granite", "granite_swa", "graniteswitch", "grok", "grovemoe", "hunyuan-moe", "hunyuan_vl",
+    "hy_v3", "internlm2", "jais2", "llada", "llada-moe", "llama", "llama4", "maincoder", "mellum",
+    "minimax-01", "minimax-m2", "mistral3", "nemotron", "olmo", "olmo2", "olmoe", "orion", "paddleocr",
+    "pangu-embedded", "plamo", "pockettts", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe", "qwen3vl",
+    "qwen3vlmoe", "rnd1", "seed_oss", "smallthinker", "smollm3", "starcoder2", "talkie", "xverse",
 ))
 # hunyuan-vl and hunyuan-dense treat expert_count <= 1 as "no experts" (llama-model.cpp)
 _EXPERTS_OFF_BELOW_2 = frozenset(("hunyuan_vl", "hunyuan-dense"))
@@ -54,6 +54,9 @@ _OWN_GRAPH_BUDGET = frozenset((
     "qwen4exp", "deepseek4", "dflash", "nanbeige", "minimax-01", "minimax-m3", "hy_v4",
 ))
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+# keys llama.cpp reads with get_key_or_arr: one value, or an array of exactly block_count values
+_PER_LAYER_KEYS = (Keys.LLM.FEED_FORWARD_LENGTH, Keys.Attention.HEAD_COUNT, Keys.Attention.HEAD_COUNT_KV,
+                   Keys.LLM.EXPERT_USED_COUNT, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
 _FIX = "re-convert the model, or fix the key with gguf-py's gguf_set_metadata.py"
 
 Value = int | tuple[int, ...]
@@ -112,8 +115,6 @@ def _show(value: object) -> str:
         return f"the string {value[:40]!r}"
     if isinstance(value, tuple):
         return f"[{', '.join(str(v) for v in value[:8])}{', ...' if len(value) > 8 else ''}]"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
     if not isinstance(value, (int, float)):
         return "an array" if isinstance(value, GgufArray) else f"a {type(value).__name__}"
     return str(value)
@@ -133,7 +134,12 @@ def validate_hparams(header: GgufHeader, *, expert_used_count: int | None = None
     """
     m = _Meta(header.path, header.architecture, header.metadata)
     llm, attn, rope = Keys.LLM, Keys.Attention, Keys.Rope
-    _check_layers(m, header)
+    n_layer = _check_layers(m, header)
+    for template in _PER_LAYER_KEYS:
+        value = m.int_(template, per_layer=True)
+        if isinstance(value, tuple) and len(value) != n_layer:
+            raise m.fail(template, value, f", {len(value)} values for {n_layer} blocks; a per-layer value "
+                                          f"has one entry per block: {_FIX}")
     if m.required(llm.EMBEDDING_LENGTH) < 1:
         raise m.fail(llm.EMBEDDING_LENGTH, 0, f"; a model's hidden size is at least 1: {_FIX}")
     if m.required(llm.CONTEXT_LENGTH) < 1:
@@ -142,17 +148,19 @@ def validate_hparams(header: GgufHeader, *, expert_used_count: int | None = None
     for template in (attn.LAYERNORM_RMS_EPS, attn.LAYERNORM_EPS):
         eps = m.float_(template)
         if eps is not None and not (math.isfinite(eps) and eps > 0):
-            raise m.fail(template, eps, f"; a normalization epsilon is a small positive number such as 1e-6: {_FIX}")
+            raise m.fail(template, eps, f"; a normalization epsilon is a small positive number such as "
+                                        f"1e-6: {_FIX}")
     base = m.float_(rope.FREQ_BASE)
     if base is not None and not (math.isfinite(base) and base > 0):
-        raise m.fail(rope.FREQ_BASE, base, f"; a rope base frequency is a positive number such as 10000: {_FIX}")
+        raise m.fail(rope.FREQ_BASE, base, f"; a rope base frequency is a positive number such as 10000: "
+                                           f"{_FIX}")
     scaling = m.meta.get(m.name(rope.SCALING_TYPE))
     if scaling is not None and scaling not in ROPE_SCALING_TYPES:
         raise m.fail(rope.SCALING_TYPE, scaling, f"; llama.cpp knows {', '.join(ROPE_SCALING_TYPES)}: {_FIX}")
     _check_experts(m, header, expert_used_count)
 
 
-def _check_layers(m: _Meta, header: GgufHeader) -> None:
+def _check_layers(m: _Meta, header: GgufHeader) -> int:
     """block_count within llama.cpp's limit and matching the blk.N tensors in the file."""
     key = Keys.LLM.BLOCK_COUNT
     n_layer = m.required(key)
@@ -171,6 +179,7 @@ def _check_layers(m: _Meta, header: GgufHeader) -> None:
         if top < n_layer - nextn:
             raise m.fail(key, n_layer, f" but the file has tensors of blocks 0..{top - 1} only; "
                                        f"the file is incomplete or its header is wrong: {_FIX}")
+    return n_layer
 
 
 def _check_heads(m: _Meta) -> None:
@@ -195,8 +204,8 @@ def _check_heads(m: _Meta) -> None:
                                                   f"the whole head: {_FIX}")
     if needs_rope_head:
         if (n_rot if n_rot is not None else head_k) != head_k:
-            raise m.fail(rope.DIMENSION_COUNT, n_rot, f" but the head size is {head_k}; {m.arch} models rotate "
-                                                      f"the whole head: {_FIX}")
+            raise m.fail(rope.DIMENSION_COUNT, n_rot, f" but the head size is {head_k}; {m.arch} models "
+                                                      f"rotate the whole head: {_FIX}")
         if head_k != head_v:
             raise m.fail(attn.VALUE_LENGTH, head_v, f" but the key length is {head_k}; {m.arch} models have "
                                                     f"key and value heads of one size: {_FIX}")
@@ -233,12 +242,13 @@ def _check_experts(m: _Meta, header: GgufHeader, override: int | None) -> None:
             f"but expert_count is {n_expert}; a mixture-of-experts model routes each token to at least "
             f"1 expert: {_FIX}")
     if groups >= n_expert:
-        raise m.fail(llm.EXPERT_GROUP_COUNT, groups, f" but expert_count is {n_expert}; there are fewer groups "
-                                                     f"than experts: {_FIX}")
+        raise m.fail(llm.EXPERT_GROUP_COUNT, groups, f" but expert_count is {n_expert}; there are fewer "
+                                                     f"groups than experts: {_FIX}")
     if groups > 1:
         group_used = m.scalar(llm.EXPERT_GROUP_USED_COUNT) or 0
         if n_expert % groups:
-            raise m.fail(llm.EXPERT_GROUP_COUNT, groups, f" but expert_count {n_expert} is not a multiple of it: {_FIX}")
+            raise m.fail(llm.EXPERT_GROUP_COUNT, groups, f" but expert_count {n_expert} is not a multiple "
+                                                         f"of it: {_FIX}")
         if not 0 < group_used < groups:
             raise m.fail(llm.EXPERT_GROUP_USED_COUNT, group_used,
                          f"; with {groups} expert groups a token uses 1..{groups - 1} of them: {_FIX}")
@@ -264,9 +274,9 @@ def _check_graph_budget(m: _Meta, header: GgufHeader, used: int, source: str) ->
     budget = max(1024, 8 * (len(header.tensors) + 1))  # + 1: a tied output counts twice
     if min_graph_nodes(len(moe_layers), used) > budget:
         raise m.fail(Keys.LLM.EXPERT_USED_COUNT, used,
-                     f"{source}: summing that many experts in each of {len(moe_layers)} MoE layers needs more than "
-                     f"the {budget} graph nodes llama.cpp reserves for this model, and llama.cpp would abort; "
-                     f"use far fewer experts per token")
+                     f"{source}: summing that many experts in each of {len(moe_layers)} MoE layers needs "
+                     f"more than the {budget} graph nodes llama.cpp reserves for this model, and llama.cpp "
+                     f"would abort; use far fewer experts per token")
 
 
 def check_model(path: str | Path, *, expert_used_count: int | None = None) -> GgufHeader:
