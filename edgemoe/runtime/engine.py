@@ -66,9 +66,10 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
             mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)
         if self._kv_overrides is not None:
             mparams.kv_overrides = self._kv_overrides
+        mark = native.log_mark()
         self._model_p = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model_p:
-            raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_error()[-400:]}"
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_error(mark)[-400:]}"
                                  " (run with --debug for the full log)")
         self._vocab_p = lib.llama_model_get_vocab(self._model_p)
         n_ctx_train = lib.llama_model_n_ctx_train(self._model)
@@ -83,12 +84,13 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         cparams.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.config.flash_attn
                                    else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cparams.op_offload = self.config.op_offload
+        mark = native.log_mark()
         self._ctx_p = lib.llama_init_from_model(self._model_p, cparams)
         if not self._ctx_p:
             lib.llama_model_free(self._model_p)
             self._model_p = None
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}: "
-                                 f"{native.recent_error()[-300:]}; try a smaller --ctx")
+                                 f"{native.recent_error(mark)[-300:]}; try a smaller --ctx")
         self.n_ctx = lib.llama_n_ctx(self._ctx)
         self.n_batch = cparams.n_batch
         self._kv: list[int] = []  # tokens whose K/V are in the cache, in order
