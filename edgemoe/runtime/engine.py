@@ -72,6 +72,8 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_error(mark)[-400:]}"
                                  " (run with --debug for the full log)")
         self._vocab_p = lib.llama_model_get_vocab(self._model_p)
+        # a GGUF without a tokenizer (tokenizer.ggml.model "none") loads, but llama.cpp aborts on any text
+        self._has_tokenizer = lib.llama_vocab_type(self._vocab_p) != lib.LLAMA_VOCAB_TYPE_NONE
         n_ctx_train = lib.llama_model_n_ctx_train(self._model)
         n_ctx = self.config.n_ctx or min(n_ctx_train, 4096)
         self.n_threads = self.config.n_threads or default_threads()
@@ -153,8 +155,15 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
     def n_vocab(self) -> int:
         return lib.llama_vocab_n_tokens(self._vocab)
 
+    def _require_tokenizer(self) -> None:
+        if not self._has_tokenizer:
+            raise EdgeMoeError(f"{self.path.name} has no tokenizer (tokenizer.ggml.model none or no_vocab): "
+                               "it cannot turn text into tokens or back; pass token ids, or use a GGUF with "
+                               "a vocabulary")
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Text -> ids; add_special adds BOS/EOS as the model's metadata says."""
+        self._require_tokenizer()
         data = text.encode("utf-8")
         cap = len(data) + 16
         buf = (lib.llama_token * cap)()
@@ -169,6 +178,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         if not 0 <= token < self.n_vocab:
             raise EdgeMoeError(f"token id {token} is not in the vocabulary of {self.path.name} "
                                f"(0..{self.n_vocab - 1})")
+        self._require_tokenizer()
         buf = ctypes.create_string_buffer(64)
         n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
