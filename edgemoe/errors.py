@@ -14,6 +14,10 @@ class UnsupportedArchitectureError(ModelLoadError):
     """The GGUF declares an architecture llama.cpp (and so edgemoe) does not know."""
 
 
+class InvalidHyperparameterError(ModelLoadError):
+    """The GGUF's header parses but a hyper-parameter in it is impossible (llama.cpp would abort on it)."""
+
+
 class NativeLibraryError(EdgeMoeError):
     """The patched llama.cpp library is missing, stock, or too old for this edgemoe."""
 
@@ -28,6 +32,10 @@ class NonFiniteLogitsError(EdgeMoeError):
 
 class ContextOverflowError(EdgeMoeError):
     """The prompt (plus requested tokens) does not fit into the context window."""
+
+
+class InvalidConfigError(EdgeMoeError, ValueError):
+    """A load setting (threads, batch, expert_used_count override) is outside what llama.cpp accepts."""
 
 
 class InvalidSizeError(EdgeMoeError, ValueError):

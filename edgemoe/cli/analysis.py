@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from .options import gating_from_options, gating_options
-from .types import GGUFPath, OutputPath
+from .types import THREADS, GGUFPath, OutputPath
 
 
 @click.command()
@@ -26,7 +26,7 @@ from .types import GGUFPath, OutputPath
               help="with --mode decode: tokens prefilled before decoding starts")
 @click.option("--gate-inputs", is_flag=True, help="also record the router inputs (hidden states, float16)")
 @click.option("--probs", is_flag=True, help="also record the full router probabilities")
-@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+@click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
 def trace(model: Path, input_path: Path, out_path: Path, max_tokens: int, n_ctx: int, mode: str,
           prefill_tokens: int, gate_inputs: bool, probs: bool, threads: int) -> None:
     """Record which experts every MoE layer picks for every token of a text."""
@@ -50,7 +50,7 @@ def trace(model: Path, input_path: Path, out_path: Path, max_tokens: int, n_ctx:
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+@click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def verify(model: Path, threads: int, as_json: bool) -> None:
     """Check that edgemoe's MoE hook reproduces stock llama.cpp on MODEL (exit 1 if a check fails)."""
@@ -112,7 +112,7 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
               help="tokens per chunk; each chunk is a fresh sequence")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="score at most this many tokens")
 @gating_options
-@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+@click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, gating: str,
                threshold: float | None, target_reduction: float | None, calibration: Path | None, threads: int,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .types import GGUFPath, OutputPath, Size
+from .types import THREADS, GGUFPath, OutputPath, Size
 
 
 @click.command()
@@ -14,7 +14,7 @@ from .types import GGUFPath, OutputPath, Size
 @click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget shared by every configuration")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (default: physical cores)")
+@click.option("-t", "--threads", type=THREADS, default=0, help="CPU threads (default: physical cores)")
 @click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "static"]),
               default=("lru", "static"), show_default=True, help="edgemoe policies to run (repeatable)")
 @click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ..calibration.run import DEFAULT_CTX, DEFAULT_TOKENS
-from .types import GGUFPath, OutputPath
+from .types import THREADS, GGUFPath, OutputPath
 
 
 @click.command()
@@ -33,7 +33,7 @@ from .types import GGUFPath, OutputPath
 @click.option("--update", is_flag=True,
               help="run only the --stage stages into an existing directory, keeping the others (same model, "
                    "corpora, --tokens, --ctx, --seed)")
-@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS",
+@click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS",
               help="CPU threads for llama.cpp and torch (default: physical cores)")
 @click.option("--json", "as_json", is_flag=True, help="print card.json")
 def calibrate(model: Path, corpora: tuple[Path, ...], tokens: int, out_dir: Path | None, n_ctx: int, seed: int,
@@ -76,7 +76,7 @@ def _ran(card: Mapping[str, Any], stages: tuple[str, ...]) -> list[str]:
 @click.option("--window", type=click.IntRange(min=2), default=32, show_default=True,
               help="ubatch size (tokens) for the high-workload recall")
 @click.option("--kind", "kinds", multiple=True, help="evaluate only this predictor kind (repeatable)")
-@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, envvar="EDGEMOE_THREADS")
+@click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
 @click.option("--json", "as_json", is_flag=True,
               help='print {kind: {"d1": {"recall": r, ..., "per_layer": {...}}, "d2": {...}}}')
 def predict_eval(model: Path, calibration_dir: Path | None, input_path: Path, heldout: bool, max_tokens: int,

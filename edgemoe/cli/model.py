@@ -13,7 +13,7 @@ import click
 from ..errors import EdgeMoeError
 from .cache_options import cache_from_options, cache_options, install_cache, load_config
 from .options import gating_from_options, gating_options
-from .types import Finite, GGUFPath, Size
+from .types import THREADS, Finite, GGUFPath, Size
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
 
@@ -28,7 +28,7 @@ def _run_options(f: Any) -> Any:
         click.option("--min-p", type=Finite(0.0, 1.0), default=0.05, show_default=True),
         click.option("--repeat-penalty", type=Finite(0.0), default=1.0, show_default=True, help="1.0: off"),
         click.option("--seed", type=int, default=None, help="sampling seed (default: random)"),
-        click.option("-t", "--threads", type=click.IntRange(min=0), default=0,
+        click.option("-t", "--threads", type=THREADS, default=0,
                      help="CPU threads (default: physical cores)", envvar="EDGEMOE_THREADS"),
         click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
                      help="context length (default: the model's, at most 4096; llama.cpp rounds it up to a multiple of 256)"),

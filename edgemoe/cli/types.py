@@ -8,19 +8,24 @@ from typing import Any
 import click
 
 from ..errors import EdgeMoeError, InvalidSizeError
+from ..runtime.config import MAX_THREADS
+
+# -t/--threads of every command: 0 (the default count) up to ggml's limit, past which llama.cpp aborts
+THREADS = click.IntRange(0, MAX_THREADS)
 
 
 class GGUFPath(click.ParamType):
-    """A path to a GGUF model; validated (exists, GGUF, complete, known architecture) at parse time."""
+    """A path to a GGUF model; validated (exists, GGUF, complete, known architecture, possible
+    hyper-parameters) at parse time."""
 
     name = "MODEL.gguf"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
-        from ..gguf.info import check_gguf
+        from ..gguf.validate import check_model
 
         path = Path(value)
         try:
-            check_gguf(path)
+            check_model(path)
         except EdgeMoeError as err:  # one line, no usage text: the path was fine, the file is not
             raise click.ClickException(str(err)) from err
         return path

@@ -144,7 +144,8 @@ class _Cursor:
         if item_type in _SCALAR_FORMATS:
             fmt = _SCALAR_FORMATS[item_type]
             if count <= _MAX_KEPT_ARRAY:
-                return tuple(self.take(fmt, count)) if count else ()
+                values = self.take(fmt, count) if count else ()
+                return values if isinstance(values, tuple) else (values,)  # take() gives one item bare
             self.skip(struct.calcsize(fmt) * count)
         elif item_type in (GGUFValueType.STRING, GGUFValueType.ARRAY):
             if count > self.size:  # every item needs at least one byte

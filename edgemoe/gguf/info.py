@@ -25,8 +25,8 @@ from .header import KNOWN_ARCHITECTURES, GgufArray, GgufHeader, TensorRecord, ch
 
 __all__ = [
     "KNOWN_ARCHITECTURES", "ExpertTensorInfo", "GgufHeader", "ModelInfo", "TensorRecord", "VramPlan",
-    "check_gguf", "estimate_kv_cache_bytes", "format_size", "info_to_dict", "parse_size", "read_model_info",
-    "vram_plan",
+    "check_gguf", "estimate_kv_cache_bytes", "format_size", "info_to_dict", "model_info", "parse_size",
+    "read_model_info", "vram_plan",
 ]
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
@@ -119,19 +119,30 @@ class VramPlan:
 # --------------------------------------------------------------------------- read_model_info
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _int(meta: Mapping[str, Any], key: str, default: int = 0) -> int:
-    """An integer key; per-layer arrays (e.g. head_count_kv) give their maximum."""
+    """An integer key; per-layer arrays (e.g. head_count_kv) give their maximum. A value of another
+    type (a string, a float) gives the default: `validate_hparams` is the one that reports it."""
     value = meta.get(key)
-    if value is None or isinstance(value, GgufArray):
-        return default
-    if isinstance(value, tuple):
-        return max((int(v) for v in value), default=default)
-    return int(value)
+    if isinstance(value, tuple) and value and all(_is_int(v) for v in value):
+        return max(value)
+    return value if _is_int(value) else default
 
 
 def read_model_info(path: str | Path) -> ModelInfo:
-    """Hyperparameters and per-expert byte counts, from the header alone (fast: ~0.1 s)."""
-    header = check_gguf(path)
+    """Hyperparameters and per-expert byte counts, from the header alone (fast: ~0.1 s).
+
+    It reports what the header says and does not judge it: `edgemoe.gguf.validate.check_model`
+    refuses impossible values.
+    """
+    return model_info(check_gguf(path))
+
+
+def model_info(header: GgufHeader) -> ModelInfo:
+    """`read_model_info` of a header already read by `check_gguf`."""
     meta, arch = header.metadata, header.architecture
     llm, attn = Keys.LLM, Keys.Attention
 
@@ -155,7 +166,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
             expert_total += t.nbytes
             expert_tensors.setdefault(_layer_of(t.name), []).append(ExpertTensorInfo(
                 name=t.name, qtype=t.qtype.name, shape=t.shape, nbytes=t.nbytes,
-                bytes_per_expert=t.nbytes // t.shape[-1]))
+                bytes_per_expert=t.nbytes // max(1, t.shape[-1])))
         elif "_shexp" in t.name:
             shared_total += t.nbytes
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..errors import EdgeMoeError
+from ..errors import InvalidConfigError
 
-MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
+# ggml's GGML_MAX_N_THREADS: the threadpool has this many slots and aborts above it. Any count up
+# to it works (more threads than cores only oversubscribe them), so this is the bound, not a
+# multiple of os.cpu_count(): a command that runs on a big machine still runs on a small one.
+MAX_THREADS = 512
 
 
 def default_threads() -> int:
@@ -33,15 +36,21 @@ class LoadConfig:
     op_offload: bool = True  # llama.cpp moves big-batch ops on host weights to a GPU (its default)
 
     def validate(self, *, n_expert: int, n_expert_used: int) -> None:
-        """Refuse values llama.cpp would abort on, with a message that says what to pass instead."""
+        """Refuse values llama.cpp would abort on, with a message that says what to pass instead.
+
+        The expert_used_count override is checked against the model's expert count here; whether
+        llama.cpp's graph can sum that many experts is `edgemoe.gguf.validate.validate_hparams`'s.
+        """
         if not 0 <= self.n_threads <= MAX_THREADS:
-            raise EdgeMoeError(f"{self.n_threads} threads: use 1..{MAX_THREADS} (0 picks the physical cores)")
+            raise InvalidConfigError(f"{self.n_threads} threads: use 1..{MAX_THREADS} "
+                                     "(0 picks the physical cores)")
         if self.n_ctx < 0 or self.n_batch < 1 or self.n_ubatch < 1:
-            raise EdgeMoeError(f"context {self.n_ctx}, batch {self.n_batch}, ubatch {self.n_ubatch}: "
-                               "the context must be >= 0 (0: the model's) and the batches >= 1")
+            raise InvalidConfigError(f"context {self.n_ctx}, batch {self.n_batch}, ubatch {self.n_ubatch}: "
+                                     "the context must be >= 0 (0: the model's) and the batches >= 1")
         k = self.expert_used_count
         if k is not None and n_expert == 0:
-            raise EdgeMoeError("expert_used_count is set but the model has no routed experts")
+            raise InvalidConfigError("expert_used_count is set but the model has no routed experts: "
+                                     "leave it unset")
         if k is not None and not 1 <= k <= n_expert:
-            raise EdgeMoeError(f"expert_used_count {k}: use 1..{n_expert} (the model routes to {n_expert_used} "
-                               f"of {n_expert} experts per token)")
+            raise InvalidConfigError(f"expert_used_count {k}: use 1..{n_expert} (the model routes to "
+                                     f"{n_expert_used} of {n_expert} experts per token)")

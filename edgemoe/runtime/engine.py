@@ -24,7 +24,8 @@ import numpy as np
 
 from ..errors import (ContextOverflowError, EdgeMoeError, EngineBusyError, EngineClosedError, ModelLoadError,
                       NonFiniteLogitsError)
-from ..gguf.info import ModelInfo, check_gguf, read_model_info
+from ..gguf.info import ModelInfo, check_gguf, model_info
+from ..gguf.validate import validate_hparams
 from ..policies.gating import GatingPolicy
 from ..policies.route import RoutePolicy
 from . import native
@@ -48,11 +49,13 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
     def __init__(self, model_path: str | os.PathLike[str], config: LoadConfig | None = None) -> None:
         self.path = Path(model_path)
         self.config = config or LoadConfig()
-        check_gguf(self.path)  # typed, actionable errors before llama.cpp sees the file
+        header = check_gguf(self.path)  # typed, actionable errors before llama.cpp sees the file
         native.require_patched()
         native.route_logs_to_python()
-        self.info: ModelInfo = read_model_info(self.path)
+        self.info: ModelInfo = model_info(header)
         self.config.validate(n_expert=self.info.n_expert, n_expert_used=self.info.n_expert_used)
+        # values llama.cpp would abort on, with the expert_used_count override in place of the file's
+        validate_hparams(header, expert_used_count=self.config.expert_used_count)
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = self.config.n_gpu_layers
@@ -66,11 +69,14 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
             mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)
         if self._kv_overrides is not None:
             mparams.kv_overrides = self._kv_overrides
+        mark = native.log_mark()
         self._model_p = lib.llama_model_load_from_file(os.fsencode(self.path), mparams)  # any file name bytes
         if not self._model_p:
-            raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_log()[-400:].strip()}"
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_error(mark)[-400:]}"
                                  " (run with --debug for the full log)")
         self._vocab_p = lib.llama_model_get_vocab(self._model_p)
+        # a GGUF without a tokenizer (tokenizer.ggml.model "none") loads, but llama.cpp aborts on any text
+        self._has_tokenizer = lib.llama_vocab_type(self._vocab_p) != lib.LLAMA_VOCAB_TYPE_NONE
         n_ctx_train = lib.llama_model_n_ctx_train(self._model)
         n_ctx = self.config.n_ctx or min(n_ctx_train, 4096)
         self.n_threads = self.config.n_threads or default_threads()
@@ -83,12 +89,13 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         cparams.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.config.flash_attn
                                    else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cparams.op_offload = self.config.op_offload
+        mark = native.log_mark()
         self._ctx_p = lib.llama_init_from_model(self._model_p, cparams)
         if not self._ctx_p:
             lib.llama_model_free(self._model_p)
             self._model_p = None
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}: "
-                                 f"{native.recent_log()[-300:].strip()}; try a smaller --ctx")
+                                 f"{native.recent_error(mark)[-300:]}; try a smaller --ctx")
         self.n_ctx = lib.llama_n_ctx(self._ctx)
         self.n_batch = cparams.n_batch
         self._kv: list[int] = []  # tokens whose K/V are in the cache, in order
@@ -180,8 +187,15 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
     def n_vocab(self) -> int:
         return lib.llama_vocab_n_tokens(self._vocab)
 
+    def _require_tokenizer(self) -> None:
+        if not self._has_tokenizer:
+            raise EdgeMoeError(f"{self.path.name} has no tokenizer (tokenizer.ggml.model none or no_vocab): "
+                               "it cannot turn text into tokens or back; pass token ids, or use a GGUF with "
+                               "a vocabulary")
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Text -> ids; add_special adds BOS/EOS as the model's metadata says."""
+        self._require_tokenizer()
         data = text.encode("utf-8")
         cap = len(data) + 16
         buf = (lib.llama_token * cap)()
@@ -196,6 +210,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         if not 0 <= token < self.n_vocab:
             raise EdgeMoeError(f"token id {token} is not in the vocabulary of {self.path.name} "
                                f"(0..{self.n_vocab - 1})")
+        self._require_tokenizer()
         buf = ctypes.create_string_buffer(64)
         n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:

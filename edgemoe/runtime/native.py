@@ -376,6 +376,8 @@ _llama_log = logging.getLogger("edgemoe.llama_cpp")
 _partial: list[str] = []
 _level = [logging.INFO]
 _recent: deque[str] = deque(maxlen=40)  # last complete llama.cpp log lines
+_errors: deque[tuple[int, str]] = deque(maxlen=20)  # (line number, line) of the last ERROR lines
+_n_lines = [0]  # complete lines logged so far
 
 
 @lib.llama_log_callback
@@ -387,6 +389,9 @@ def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None: 
         line = "".join(_partial).rstrip()
         _partial.clear()
         _recent.append(line)
+        _n_lines[0] += 1
+        if _level[0] >= logging.ERROR:
+            _errors.append((_n_lines[0], line))
         _llama_log.log(_level[0], "%s", line)
 
 
@@ -434,3 +439,19 @@ def route_logs_to_python() -> None:
 def recent_log() -> str:
     """The last llama.cpp log lines (for error messages when a load fails)."""
     return "\n".join(_recent)
+
+
+def log_mark() -> int:
+    """A mark in llama.cpp's log: pass it to recent_error() to see only what was logged after it."""
+    return _n_lines[0]
+
+
+def recent_error(since: int = 0) -> str:
+    """The first error llama.cpp logged after the mark `since`, as one line (else its last log line).
+
+    A failed load logs its cause first ("gguf_init_from_reader: tensor 'x' has offset ...") and then
+    generic lines ("failed to load model"); the cause is what a one-line error message wants.
+    """
+    errors = [line for n, line in _errors if n > since]
+    line = errors[0] if errors else (_recent[-1] if _recent else "")
+    return " ".join(line.split())
