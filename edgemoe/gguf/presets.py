@@ -120,6 +120,7 @@ class Role(Enum):
     DENSE_FFN = "dense_ffn"
     SHARED = "shared"  # shared-expert matrices
     EXPERT = "expert"  # stacked routed experts (*_exps)
+    SCALE = "scale"  # per-expert output scales (*_exps.scale): F32 around 1
 
 
 @dataclass(frozen=True)
@@ -295,13 +296,22 @@ def n_layers_for(preset: SynthPreset, layers: int | None) -> int:
     return layers
 
 
-def plan_tensors(preset: SynthPreset | str, *, layers: int | None = None, qtype: str = "Q4_K") -> tuple[PlannedTensor, ...]:
-    """Every tensor of the synthetic file, in file order, with its ggml type. Writes nothing."""
+def plan_tensors(preset: SynthPreset | str, *, layers: int | None = None, qtype: str = "Q4_K",
+                 expert_scales: bool = False) -> tuple[PlannedTensor, ...]:
+    """Every tensor of the synthetic file, in file order, with its ggml type. Writes nothing.
+
+    expert_scales: each stacked expert tensor gets a per-expert scale `<name>.scale` [n_expert], which
+    llama.cpp loads for any architecture (llama_model::load_tensors' generic pass, as NVFP4 files have).
+    """
     p = get_preset(preset) if isinstance(preset, str) else preset
     q = normalize_qtype(qtype)
     specs: list[_Spec] = [(_tn(T.TOKEN_EMBD), (p.n_embd, p.n_vocab), Role.EMBED),
                           (_tn(T.OUTPUT_NORM), (p.n_embd,), Role.NORM),
                           (_tn(T.OUTPUT), (p.n_embd, p.n_vocab), Role.OUTPUT)]
     for il in range(n_layers_for(p, layers)):
-        specs += _BLOCKS[p.arch](p, il)
+        block = _BLOCKS[p.arch](p, il)
+        specs += block
+        if expert_scales:
+            specs += [(name.removesuffix(".weight") + ".scale", (shape[-1],), Role.SCALE)
+                      for name, shape, role in block if role is Role.EXPERT]
     return tuple(PlannedTensor(name, shape, tensor_type(role, shape, q), role) for name, shape, role in specs)

@@ -160,6 +160,8 @@ def _add_mla(w: GGUFWriter, p: SynthPreset, n_layer: int) -> None:
 def _tensor_bytes(t: PlannedTensor, rng: np.random.Generator) -> Iterator[np.ndarray]:
     if t.role is Role.NORM:
         yield constant_f32(t.n_elements, 1.0)
+    elif t.role is Role.SCALE:
+        yield rng.uniform(0.5, 1.5, t.n_elements).astype("<f4").view(np.uint8)
     else:
         yield from iter_random_tensor(t.qtype, t.n_elements, rng)
 
@@ -170,17 +172,18 @@ def _tensor_rng(seed: int, name: str) -> np.random.Generator:
 
 
 def write_synthetic(preset_name: str, out_path: str | Path, *, layers: int | None = None, qtype: str = "Q4_K",
-                    seed: int = 0, progress: bool = True) -> Path:
+                    seed: int = 0, progress: bool = True, expert_scales: bool = False) -> Path:
     """Write a random-weight GGUF of `preset_name` to `out_path` and return the path.
 
     `layers` keeps only the first N blocks; `qtype` is the type of the large matrices
-    (norms stay F32, the router F32, embeddings/output as llama-quantize's *_M mixes).
+    (norms stay F32, the router F32, embeddings/output as llama-quantize's *_M mixes);
+    `expert_scales` adds per-expert scales to the routed experts (plan_tensors).
     The same arguments always give byte-identical files.
     """
     preset = get_preset(preset_name)
     q = normalize_qtype(qtype)
     n_layer = n_layers_for(preset, layers)
-    plan = plan_tensors(preset, layers=n_layer, qtype=q)
+    plan = plan_tensors(preset, layers=n_layer, qtype=q, expert_scales=expert_scales)
     out = Path(out_path)
     tmp = out.with_name(out.name + ".tmp")
 

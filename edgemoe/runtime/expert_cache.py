@@ -35,7 +35,13 @@ class CacheConfig:
 
 _STATE_NAMES = {native.MOE_CACHE_ABSENT: "absent", native.MOE_CACHE_QUEUED: "queued",
                 native.MOE_CACHE_COPYING: "copying", native.MOE_CACHE_RESIDENT: "resident"}
-EXPERT_TENSORS = ("ffn_gate_up_exps", "ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")  # chunk order
+# the GGUF names (blk.{il}. + name) of a layer's stacked expert tensors in llama_moe_cache_set_source's
+# order: the weights, their biases (gpt-oss), the per-expert scales
+EXPERT_TENSORS = (
+    "ffn_gate_up_exps.weight", "ffn_up_exps.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight",
+    "ffn_gate_up_exps.bias", "ffn_up_exps.bias", "ffn_gate_exps.bias", "ffn_down_exps.bias",
+    "ffn_up_exps.scale", "ffn_gate_exps.scale", "ffn_down_exps.scale",
+)
 
 
 class ExpertCache:
@@ -68,7 +74,7 @@ class ExpertCache:
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
         base = mapped.ctypes.data
         for il in layers:
-            ptrs = [base + where[f"blk.{il}.{name}.weight"] if f"blk.{il}.{name}.weight" in where else None
+            ptrs = [base + where[f"blk.{il}.{name}"] if f"blk.{il}.{name}" in where else None
                     for name in EXPERT_TENSORS]
             if not native.moe_cache_set_source(self._ctx, il, ptrs):
                 raise ExpertCacheError(f"layer {il}: the GGUF's expert tensors do not match the model's "

@@ -16,8 +16,8 @@ from typing import Any
 from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
-# 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9).
-REQUIRED_PATCH_LEVEL = 9
+# 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10).
+REQUIRED_PATCH_LEVEL = 10
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,8 @@ MOE_CACHE_ABSENT, MOE_CACHE_QUEUED, MOE_CACHE_COPYING, MOE_CACHE_RESIDENT = 0, 1
 _moe_cache_init = _declare("llama_moe_cache_init", [ctypes.c_void_p, ctypes.c_void_p,
                                                     ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32)
 # bool llama_moe_cache_set_source(struct llama_context * ctx, int32_t il, const void * const * data);
+# data: LLAMA_MOE_CACHE_N_SOURCES pointers (include/llama.h lists their order)
+MOE_CACHE_N_SOURCES = 11
 _moe_cache_set_source = _declare("llama_moe_cache_set_source", [ctypes.c_void_p, ctypes.c_int32,
                                                                 ctypes.POINTER(ctypes.c_void_p)], ctypes.c_bool)
 # bool llama_moe_cache_load(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot);
@@ -197,8 +199,11 @@ def moe_cache_init(ctx: Any, n_slots: list[int] | None, device: Any = None) -> i
 
 
 def moe_cache_set_source(ctx: Any, layer: int, pointers: list[int | None]) -> bool:
-    """Where loads of the layer read: addresses of its stacked gate_up, up, gate, down bytes (None: absent)."""
-    arr = (ctypes.c_void_p * 4)(*pointers)
+    """Where loads of the layer read: addresses of its stacked expert tensors' bytes (None: absent), in the
+    order of expert_cache.EXPERT_TENSORS (gate_up, up, gate, down, their biases, the scales)."""
+    if len(pointers) != MOE_CACHE_N_SOURCES:
+        raise ValueError(f"{len(pointers)} sources, llama_moe_cache_set_source takes {MOE_CACHE_N_SOURCES}")
+    arr = (ctypes.c_void_p * MOE_CACHE_N_SOURCES)(*pointers)
     return bool(_moe_cache_set_source(ctx, layer, arr))
 
 
