@@ -248,7 +248,7 @@ def test_ctx_rounded_up_is_said() -> None:
 
 
 @pytest.mark.parametrize("command", [
-    ["trace", "--out", "{tmp}/t.npz"],  # the Python route hook
+    ["trace", "--out", "{tmp}/t.npz", "--max-tokens", "1000000"],  # the Python route hook
     ["perplexity", "--gating", "ser", "--threshold", "0.4"],  # hook counting, gating in the graph
 ])
 def test_ctrl_c_during_native_work_with_a_hook_exits_130(tmp_path: Path, command: list[str]) -> None:
@@ -260,7 +260,7 @@ def test_ctrl_c_during_native_work_with_a_hook_exits_130(tmp_path: Path, command
     import time
 
     text = tmp_path / "long.txt"
-    text.write_text("ROMEO: What light through yonder window breaks? It is the east.\n" * 3000)
+    text.write_text("ROMEO: What light through yonder window breaks? It is the east.\n" * 20000)
     args = [a.format(tmp=tmp_path) for a in command]
     for trial in range(3):
         proc = subprocess.Popen([sys.executable, "-m", "edgemoe", args[0], str(MODEL), "--input", str(text),
