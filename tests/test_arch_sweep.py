@@ -2,20 +2,23 @@
 
 The models are llama.cpp's own random-weight test models (tests/test-llama-archs.cpp, built and run
 by tools/arch_models.py on first use into .build/arch-models; every MoE one has 2 experts and routes
-to both), without the optional per-expert scale tensors ordinary GGUFs do not have. Per architecture:
+to both), without the optional per-expert scale tensors and the 0.0 norm epsilons ordinary GGUFs do not
+have (arch_models.rewrite_gguf). Per architecture:
 - generate: Engine.generate, greedy, 16 tokens == llama_cpp.Llama's greedy ids;
 - verify: `edgemoe verify MODEL --json` passes (identity, drop-last == stock k-1, swap);
 - gating-cli: `edgemoe generate MODEL -p hi -n 4 --gating ser --threshold 0.9` runs;
 - gating-top1: gating to the top-1 expert, in the graph and in the hook, == stock with k = 1,
   bitwise (drop-last == stock k-1 for these k = 2 models);
 - cache: the lru expert cache on the CPU stand-in device == stock logits, bitwise.
-test_with_optional_expert_scales runs generate, verify, gating-top1 and cache on the files as
-written, per-expert ffn_*_exps.scale tensors included, for a few architectures (arch_models.KEEP_SCALED).
+test_one_expert_per_token runs them on copies with expert_used_count 1 (the router chooses one of
+the two experts); test_with_optional_expert_scales on the files with the per-expert ffn_*_exps.scale
+tensors and test_files_as_llama_cpp_wrote_them_load loads the files as written, for a few
+architectures (arch_models.KEEP_SCALED).
 
 Everything that runs llama.cpp runs in a child process, so an abort fails that architecture's check
 only; the in-process checks of one model share a child (tests/arch_sweep_check.py). The children of
 the collected tests run EDGEMOE_SWEEP_JOBS (default: the CPU count) at a time, one thread each.
-Known failures with a precise cause are strict xfails (XFAIL, XFAIL_SCALED).
+Known failures with a precise cause are strict xfails (XFAIL, XFAIL_VARIANT).
 """
 from __future__ import annotations
 
@@ -40,9 +43,29 @@ WORKER_CHECKS = ("generate", "gating-top1", "cache")
 TIMEOUT_S = 180
 
 # (arch, check) pairs that fail for a known, precise reason: strict, so a fix shows up as XPASS
-XFAIL: dict[tuple[str, str], str] = {}
-# the same for test_with_optional_expert_scales
-XFAIL_SCALED: dict[tuple[str, str], str] = {}
+_DIFFUSION = ("stock llama_cpp.Llama cannot run it: a diffusion LM has no KV cache (llama_get_memory is NULL) and "
+              "Llama.generate asserts 'Memory is not initialized' (llama_cpp/_internals.py kv_cache_seq_rm); "
+              "greedy next-token generation is not how these models generate anyway")
+_REFACT = ("llama.cpp's refact graph (src/models/refact.cpp) never calls build_moe_ffn: the loader creates expert "
+           "tensors for it but nothing routes to them, so there is no route to hook, gate or cache")
+_GROVE = ("grovemoe calls build_moe_ffn twice per layer with the same il (its experts, then the chunk experts "
+          "ffn_*_chexps, src/models/grovemoe.cpp): edgemoe assumes one route per layer")
+XFAIL: dict[tuple[str, str], str] = {
+    ("llada-moe", "generate"): _DIFFUSION,
+    ("rnd1", "generate"): _DIFFUSION,
+    ("refact", "verify"): _REFACT + " (verify: 'the hook was never called')",
+    ("refact", "gating-top1"): _REFACT,
+    ("refact", "cache"): _REFACT + " (0 hits, 0 loads)",
+    ("arctic", "verify"): ("verify's swap check swaps entries a and b of blk.N.ffn_norm_exps.weight, arctic's "
+                           "norm of the MoE branch ([n_embd], not stacked experts): _swap_experts_in_file takes "
+                           "every tensor named *_exps for a stacked expert tensor"),
+    ("grovemoe", "verify"): _GROVE + "; the hook's swap also swaps the chunk-expert route, the GGUF swap only "
+                            "the experts",
+    ("grovemoe", "cache"): _GROVE + "; the cache's slots of layer il (copies of ffn_*_exps) also serve the "
+                           "chunk-expert call",
+}
+# (arch, variant, check) of the variant files (VARIANT_CHECKS), beside XFAIL
+XFAIL_VARIANT: dict[tuple[str, str, str], str] = {}
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,20 +82,24 @@ def _moe_entries() -> list[dict]:
     return arch_models.moe_entries(m) if m else []
 
 
-SCALED_CHECKS = ("generate", "verify", "gating-top1", "cache")
+# the checks run on the other files of an architecture (arch_models: <arch>.scaled.gguf, <arch>.k1.gguf)
+VARIANT_CHECKS = {"scaled": ("generate", "verify", "gating-top1", "cache"),
+                  "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache")}
 
 
-def _param(entry: dict, check: str, *values: object) -> object:
+def _param(entry: dict, check: str, variant: str = "") -> object:
     arch = entry["arch"]
     marks = []
-    ident = "-".join([arch, *map(str, values)])
-    key = (arch, values[0] if values else check)
-    if key[1] == "gating-top1" and entry["n_expert_used"] < 2:
-        ident += f"-k{entry['n_expert_used']}-nothing-to-drop"
-        marks.append(pytest.mark.skip(reason=f"{arch} routes to k={entry['n_expert_used']} expert: nothing to drop"))
-    elif key in (XFAIL_SCALED if values else XFAIL):
-        marks.append(pytest.mark.xfail(strict=True, reason=(XFAIL_SCALED if values else XFAIL)[key]))
-    return pytest.param(entry, *values, id=ident, marks=marks)
+    ident = f"{arch}-{check}" if variant else arch
+    k = 1 if variant == "k1" else entry["n_expert_used"]
+    # XFAIL holds for the .k1 copies too: they differ in k only
+    xfail = XFAIL_VARIANT.get((arch, variant, check)) or (XFAIL.get((arch, check)) if variant in ("", "k1") else None)
+    if check == "gating-top1" and k < 2:
+        ident += f"-k{k}-nothing-to-drop"
+        marks.append(pytest.mark.skip(reason=f"{arch}: k={k}, gating has nothing to drop"))
+    elif xfail:
+        marks.append(pytest.mark.xfail(strict=True, reason=xfail))
+    return pytest.param(entry, check, id=ident, marks=marks) if variant else pytest.param(entry, id=ident, marks=marks)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -80,9 +107,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "entry" not in metafunc.fixturenames or check is None:
         return
     entries = _moe_entries()
-    if getattr(metafunc.function, "scaled", False):
-        names = ["entry", "scaled_check"]
-        params = [_param(e, check, c) for e in entries if e["scaled_file"] for c in SCALED_CHECKS]
+    variant = metafunc.function.variant
+    if variant in VARIANT_CHECKS:
+        names = ["entry", "variant_check"]
+        params = [_param(e, c, variant) for e in entries if e[f"{variant}_file"] for c in VARIANT_CHECKS[variant]]
+    elif variant == "raw":
+        names = ["entry"]
+        params = [_param(e, check) for e in entries if e["raw_file"]]
     else:
         names = ["entry"]
         params = [_param(e, check) for e in entries]
@@ -92,11 +123,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(names, params)
 
 
-def check(name: str, *, scaled: bool = False):  # type: ignore[no-untyped-def]
-    """The check a test runs, for pytest_generate_tests; scaled: on the files with per-expert scales."""
+def check(name: str, *, variant: str = ""):  # type: ignore[no-untyped-def]
+    """The check a test runs, for pytest_generate_tests, and on which files: "" <arch>.gguf, "scaled"
+    <arch>.scaled.gguf (with per-expert scales), "raw" <arch>.raw.gguf (as test-llama-archs wrote it)."""
     def mark(fn):  # type: ignore[no-untyped-def]
         fn.check = name
-        fn.scaled = scaled
+        fn.variant = variant
         return fn
     return mark
 
@@ -177,6 +209,17 @@ def _gating_cli(path: Path) -> tuple[bool, str]:
     return ok, f"tokens {out['tokens']}, gating {out.get('gating')}"
 
 
+def _load_cli(path: Path) -> tuple[bool, str]:
+    proc, timeout = _run([sys.executable, "-m", "edgemoe", "generate", str(path), "-p", "hi", "-n", "2",
+                          "--ctx", "128", "--temp", "0", "-t", "1", "--json"])
+    if proc is None or timeout or proc.returncode != 0:
+        return False, f"edgemoe generate: {_why(proc, timeout)}"
+    return True, "loads and generates"
+
+
+_CLI_JOBS = {"verify": _verify, "gating-cli": _gating_cli, "load": _load_cli}
+
+
 def _job(path: Path, name: str) -> tuple[str, str]:
     """The unit of work behind a check: the in-process checks of a model share one child."""
     return (str(path), "worker" if name in WORKER_CHECKS else name)
@@ -185,7 +228,7 @@ def _job(path: Path, name: str) -> tuple[str, str]:
 def _run_job(path: Path, job: str) -> dict[str, tuple[bool, str]]:
     if job == "worker":
         return {c: (r["ok"], r["detail"]) for c, r in _worker_results(path).items()}
-    return {job: (_verify if job == "verify" else _gating_cli)(path)}
+    return {job: _CLI_JOBS[job](path)}
 
 
 class SweepPool:
@@ -220,9 +263,9 @@ def _wanted(item: pytest.Item) -> tuple[Path, str] | None:
     entry = spec.params.get("entry")
     if entry is None:
         return None
-    if fn.scaled:
-        return arch_models.DEFAULT_OUT / entry["scaled_file"], spec.params["scaled_check"]
-    return arch_models.DEFAULT_OUT / entry["file"], fn.check
+    if fn.variant in VARIANT_CHECKS:
+        return arch_models.DEFAULT_OUT / entry[f"{fn.variant}_file"], spec.params["variant_check"]
+    return arch_models.DEFAULT_OUT / entry[f"{fn.variant}_file" if fn.variant else "file"], fn.check
 
 
 @pytest.fixture(scope="session")
@@ -273,8 +316,22 @@ def test_expert_cache_equals_stock(sweep: SweepPool, entry: dict) -> None:
     assert ok, detail
 
 
-@check("scaled", scaled=True)
-def test_with_optional_expert_scales(sweep: SweepPool, entry: dict, scaled_check: str) -> None:
-    """The models as test-llama-archs writes them, with per-expert ffn_*_exps.scale tensors."""
-    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["scaled_file"], scaled_check)
+@check("scaled", variant="scaled")
+def test_with_optional_expert_scales(sweep: SweepPool, entry: dict, variant_check: str) -> None:
+    """The models with the per-expert ffn_*_exps.scale tensors test-llama-archs writes."""
+    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["scaled_file"], variant_check)
+    assert ok, detail
+
+
+@check("k1", variant="k1")
+def test_one_expert_per_token(sweep: SweepPool, entry: dict, variant_check: str) -> None:
+    """The models with expert_used_count 1: the router picks one of the two experts."""
+    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["k1_file"], variant_check)
+    assert ok, detail
+
+
+@check("load", variant="raw")
+def test_files_as_llama_cpp_wrote_them_load(sweep: SweepPool, entry: dict) -> None:
+    """edgemoe accepts what llama.cpp's own model saver writes: every hyper-parameter, the unread ones 0."""
+    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["raw_file"], "load")
     assert ok, detail

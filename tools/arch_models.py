@@ -10,14 +10,15 @@ and, given `-o DIR`, saves them as GGUF. This tool
    (.build/cmake-archs: CPU only, static libraries, no server/tools/examples);
 2. runs it once per architecture named in llama.cpp's src/llama-arch.cpp (an abort costs that
    architecture only) and keeps the models whose tensors hold routed experts (`ffn_*_exps`):
-   <arch>.gguf without the optional per-expert scale tensors llama.cpp's loader creates for every
-   MoE model (ordinary GGUFs have none; see strip_expert_scales), and for a few architectures
-   <arch>.scaled.gguf as written, scales included;
+   <arch>.gguf without two things ordinary GGUFs do not have (the optional per-expert scale
+   tensors and the 0.0 norm epsilon the architecture does not read; see rewrite_gguf), the same
+   with expert_used_count 1 as <arch>.k1.gguf, and for a few architectures <arch>.scaled.gguf with
+   the scales and <arch>.raw.gguf as written;
 3. writes manifest.json beside them: for every architecture its files, n_expert, k and routing
    keys, or why there is no MoE file.
 
-Every MoE model has 2 experts and routes to both (experts used == expert count); the tool makes
-no model with one expert or with fewer experts used than there are.
+test-llama-archs gives every MoE model 2 experts and routes to both (experts used == expert
+count); the .k1 copies route to one of the two. No model has a single expert.
 
 A stamp (the patched source's identity, build options, seed, stdev) makes a second run do nothing.
 Usage: tools/arch_models.py [--out DIR] [--jobs N] [--force]
@@ -25,6 +26,7 @@ Usage: tools/arch_models.py [--out DIR] [--jobs N] [--force]
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -52,7 +54,7 @@ DEFAULT_OUT = ROOT / ".build" / "arch-models"
 TARGET = "test-llama-archs"
 MANIFEST = "manifest.json"
 BUILD_STAMP = ".edgemoe-archs-stamp.json"
-FORMAT = 3  # bump when the manifest's contents change meaning
+FORMAT = 5  # bump when the manifest's contents change meaning
 SEED = 1234
 STDEV = 0.1  # test-llama-archs' default
 GEN_TIMEOUT_S = 120
@@ -97,9 +99,12 @@ class ArchEntry:
 
     arch: str
     status: str  # "moe": a MoE file; "dense": only a dense model; "skipped": none written; "failed"
-    file: str | None = None  # the MoE model without the optional per-expert scales (strip_expert_scales)
-    scaled_file: str | None = None  # as test-llama-archs wrote it, scales included (KEEP_SCALED only)
-    n_scales_removed: int = 0
+    file: str | None = None  # the MoE model, without what rewrite_gguf leaves out
+    scaled_file: str | None = None  # the same with the optional per-expert scales (KEEP_SCALED only)
+    raw_file: str | None = None  # as test-llama-archs wrote it (KEEP_SCALED only)
+    k1_file: str | None = None  # file with expert_used_count 1: each token routed to one of the experts
+    keys_removed: list[str] = field(default_factory=list)  # from file and scaled_file
+    tensors_removed: list[str] = field(default_factory=list)  # from file
     detail: str = ""
     seconds: float = 0.0
     n_expert: int = 0
@@ -252,45 +257,69 @@ def describe(path: Path) -> dict[str, object]:
                 expert_weights_scale=num("expert_weights_scale", float), edgemoe_error=edgemoe_error)
 
 
-# llama.cpp creates optional per-expert scale tensors (NVFP4/ModelOpt-style checkpoints) for every MoE
-# architecture, and test-llama-archs' random models have them all: ffn_*_exps.scale multiplies each
-# expert's output (gathered with the routed ids), ffn_*_exps.input_scale is loaded but unused. Ordinary
-# GGUFs have neither; the sweep runs on copies without them, the files as written stay for the
-# architectures in KEEP_SCALED (one per expert-tensor layout) to test the scales themselves.
+# Two things in the files as test-llama-archs writes them (llama_model_saver writes every tensor the
+# loader created and every hyper-parameter) that ordinary converted GGUFs do not have:
+# - the optional per-expert scale tensors llama.cpp's loader creates for every MoE architecture
+#   (NVFP4/ModelOpt-style checkpoints): ffn_*_exps.scale multiplies each expert's output, gathered with
+#   the routed ids; ffn_*_exps.input_scale is loaded but unused;
+# - the norm epsilon the architecture does not read, written as 0.0 (test-llama-archs sets both to
+#   1e-5, so a 0.0 in the file is one the architecture never read).
+# <arch>.gguf has neither; <arch>.scaled.gguf keeps the scales, for the architectures in KEEP_SCALED
+# (one per expert-tensor layout), and <arch>.raw.gguf is the file as written, for the same ones.
 _OPTIONAL_EXPERT_SCALE_RE = re.compile(r"^blk\.\d+\.ffn_(?:gate_up|gate|up|down)_exps\.(?:scale|input_scale)$")
+_NORM_EPS_RE = re.compile(r"^[^.]+\.attention\.layer_norm(?:_rms)?_epsilon$")
 KEEP_SCALED = ("qwen3moe", "qwen35moe", "gpt-oss")  # separate gate/up; merged gate_up; biases + softmax weights
 
 
-def strip_expert_scales(src: Path, dst: Path) -> int:
-    """Copy src to dst without the optional per-expert scale tensors; how many were left out.
+def _unread_norm_eps(name: str, value: object) -> bool:
+    return bool(_NORM_EPS_RE.match(name)) and value == 0.0
 
-    Byte-level: the header and metadata are copied as written (gguf-py's writer refuses the empty
-    arrays these files hold), the kept tensor infos get new contiguous offsets, the data is re-laid.
+
+def rewrite_gguf(src: Path, dst: Path, *, scales: bool, k: int | None = None) -> tuple[list[str], list[str]]:
+    """Copy src to dst without the unread norm epsilons and, unless scales, the optional per-expert
+    scale tensors, with expert_used_count k if given; (the keys left out, the tensors left out).
+
+    Byte-level: the header and the other metadata are copied as written (gguf-py's writer refuses the
+    empty arrays these files hold), the kept tensor infos get new contiguous offsets, the data is re-laid.
     """
     import gguf
 
     reader = gguf.GGUFReader(str(src))
     raw = np.memmap(src, dtype=np.uint8, mode="r")
     align = reader.alignment
-    kept = [t for t in reader.tensors if not _OPTIONAL_EXPERT_SCALE_RE.match(t.name)]
-    first_info = min(t.field.offset for t in reader.tensors)
-    header = bytearray(raw[:first_info])
-    header[8:16] = struct.pack("<Q", len(kept))  # magic, version, then the tensor count
+
+    def span(field: object) -> bytes:
+        start = field.offset  # type: ignore[attr-defined]
+        return raw[start:start + sum(int(p.nbytes) for p in field.parts)].tobytes()  # type: ignore[attr-defined]
+
+    fields = [f for f in reader.fields.values() if not f.name.startswith("GGUF.")]
+    dropped_keys = [f.name for f in fields if len(f.types) == 1 and _unread_norm_eps(f.name, f.contents())]
+    kept_fields = [f for f in fields if f.name not in dropped_keys]
+    kept = [t for t in reader.tensors if scales or not _OPTIONAL_EXPERT_SCALE_RE.match(t.name)]
+    dropped_tensors = sorted({t.name for t in reader.tensors} - {t.name for t in kept})
+    used_key = f"{reader.fields['general.architecture'].contents()}.expert_used_count"
+    if k is not None and reader.fields[used_key].types != [gguf.GGUFValueType.UINT32]:
+        raise BuildError(f"{src.name}: {used_key} is not one uint32, cannot set k={k}")
+    first_kv = min(f.offset for f in fields)
+    header = bytearray(raw[:first_kv])  # magic, version, tensor count, kv count
+    header[8:24] = struct.pack("<QQ", len(kept), len(kept_fields))
     infos, offset = bytearray(), 0
     for t in kept:
-        size = sum(int(part.nbytes) for part in t.field.parts)
-        info = bytearray(raw[t.field.offset:t.field.offset + size])
-        info[-8:] = struct.pack("<Q", offset)  # each info ends with its data offset
+        info = bytearray(span(t.field))
+        info[-8:] = struct.pack("<Q", offset)  # each tensor info ends with its data offset
         infos += info
         offset += -(-int(t.n_bytes) // align) * align
     with dst.open("wb") as f:
         f.write(header)
+        for field in kept_fields:
+            data = span(field)
+            f.write(data if k is None or field.name != used_key else data[:-4] + struct.pack("<I", k))
         f.write(infos)
         f.write(b"\0" * (-f.tell() % align))
         for t in kept:
             f.write(raw[t.data_offset:t.data_offset + int(t.n_bytes)].tobytes())
             f.write(b"\0" * (-int(t.n_bytes) % align))
-    return len(reader.tensors) - len(kept)
+    return dropped_keys, dropped_tensors
 
 
 def generate_one(exe: Path, arch: str, tmp: Path, seed: int, stdev: float) -> ArchEntry:
@@ -349,7 +378,7 @@ def up_to_date(out: Path, key: dict[str, object]) -> dict | None:
     m = load_manifest(out)
     if m is None or m.get("key") != key:
         return None
-    if any(not (out / f).exists() for e in m["archs"] for f in (e["file"], e["scaled_file"]) if f):
+    if any(not (out / f).exists() for e in m["archs"] for f in (e["file"], e["scaled_file"], e["raw_file"], e["k1_file"]) if f):
         return None
     return m
 
@@ -381,10 +410,14 @@ def generate(exe: Path, out: Path, key: dict[str, object], jobs: int, seed: int,
         if e.file:
             written = tmp / e.arch / e.file
             e.file = f"{e.arch}.gguf"
-            e.n_scales_removed = strip_expert_scales(written, final / e.file)
-            if e.arch in KEEP_SCALED and e.n_scales_removed:
-                e.scaled_file = f"{e.arch}.scaled.gguf"
-                shutil.move(str(written), final / e.scaled_file)
+            e.keys_removed, e.tensors_removed = rewrite_gguf(written, final / e.file, scales=False)
+            if e.n_expert_used > 1:
+                e.k1_file = f"{e.arch}.k1.gguf"
+                rewrite_gguf(written, final / e.k1_file, scales=False, k=1)
+            if e.arch in KEEP_SCALED:
+                e.scaled_file, e.raw_file = f"{e.arch}.scaled.gguf", f"{e.arch}.raw.gguf"
+                rewrite_gguf(written, final / e.scaled_file, scales=True)
+                shutil.move(str(written), final / e.raw_file)
     manifest = {"key": key, "seconds": round(time.time() - t0, 1), "archs": [asdict(e) for e in results]}
     (final / MANIFEST).write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(out, ignore_errors=True)
@@ -402,13 +435,17 @@ def ensure(out: Path = DEFAULT_OUT, *, jobs: int | None = None, force: bool = Fa
     jobs = jobs or os.cpu_count() or 2
     ident = source_identity(venv or Path(sys.prefix))
     key = models_key(ident, seed, stdev)
-    if not force:
-        m = up_to_date(out, key)
-        if m is not None:
-            log(f"up to date: {len(moe_entries(m))} MoE models in {out}")
-            return m
-    exe = build_exe(ident, jobs, force)
-    return generate(exe, out, key, jobs, seed, stdev)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one builder at a time: test sessions of several checkouts share .build (a worktree links it)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force:
+            m = up_to_date(out, key)
+            if m is not None:
+                log(f"up to date: {len(moe_entries(m))} MoE models in {out}")
+                return m
+        exe = build_exe(ident, jobs, force)
+        return generate(exe, out, key, jobs, seed, stdev)
 
 
 def moe_entries(manifest: dict) -> list[dict]:
