@@ -10,7 +10,8 @@ Checks, each against stock llama.cpp on the same GGUF:
 - gating-top1: adaptive top-k keeping the top-1 expert (score, threshold 0), in the graph and in the
   routing hook, == stock with expert_used_count = 1, bitwise (for k = 2 that is drop-last == k - 1).
 - cache: the expert cache (lru, CPU stand-in device) with 1 slot and with a slot per expert ==
-  stock logits bitwise, over a prefill and single-token decode steps.
+  stock logits bitwise, over a prefill and single-token decode steps, with its tables in the graph
+  (no host sync).
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def check_generate(path: Path) -> dict:
     if ours_prompt != prompt_ids:
         return dict(ok=False, detail=f"prompt tokens differ: edgemoe {ours_prompt} vs stock {prompt_ids}")
     ok = g.tokens == ref
-    first = next((i for i, (a, b) in enumerate(zip(g.tokens, ref)) if a != b), min(len(g.tokens), len(ref)))
+    first = next((i for i, (a, b) in enumerate(zip(g.tokens, ref)) if a != b),
+                 min(len(g.tokens), len(ref)))
     detail = (f"{len(ref)} greedy tokens equal" if ok
               else f"differ from token {first}: edgemoe {g.tokens} vs stock {ref}")
     return dict(ok=ok, detail=detail, tokens=g.tokens, stock=ref)
@@ -98,13 +100,14 @@ def check_gating_top1(path: Path) -> dict:
             problems.append(f"{where}: dropped {dropped} of {routed} routed slots, expected {k - 1} of {k}")
     weights = ", ".join(sorted(rules)) or "?"
     if problems:
-        return dict(ok=False, detail=f"top-1 of k={k} vs stock k=1 (weights: {weights}): " + "; ".join(problems),
-                    weight_rule=weights)
-    return dict(ok=True, detail=f"top-1 of k={k} in graph and hook == stock k=1 bitwise (weights: {weights})",
-                weight_rule=weights)
+        return dict(ok=False, weight_rule=weights,
+                    detail=f"top-1 of k={k} vs stock k=1 (weights: {weights}): " + "; ".join(problems))
+    return dict(ok=True, weight_rule=weights,
+                detail=f"top-1 of k={k} in graph and hook == stock k=1 bitwise (weights: {weights})")
 
 
-def _cache_run(path: Path, toks: list[int], n_decode: int, slots: int | None) -> tuple[np.ndarray, dict | None]:
+def _cache_run(path: Path, toks: list[int], n_decode: int,
+               slots: int | None) -> tuple[np.ndarray, dict | None]:
     from edgemoe import Engine, LoadConfig
     from edgemoe.runtime.expert_cache import CacheConfig
 
@@ -130,13 +133,16 @@ def check_cache(path: Path) -> dict:
     for slots in sorted({1, info.n_expert}):
         got, st = _cache_run(path, toks, 12, slots)
         assert st is not None
-        seen.append(f"{slots} slot(s): hits {st['hits']}, loads {st['loads']}")
+        used = f"hits {st['hits']}, loads {st['loads']}"
+        seen.append(f"{slots} slot(s): {used}")
         if not np.array_equal(got, ref):
             bad = [i for i in range(len(ref)) if not np.array_equal(got[i], ref[i])]
             problems.append(f"{slots} slot(s): rows {bad[:4]}{'...' if len(bad) > 4 else ''} differ, "
                             + _diff(got, ref))
         elif st["hits"] == 0 or st["loads"] == 0:
-            problems.append(f"{slots} slot(s): the cache was not used (hits {st['hits']}, loads {st['loads']})")
+            problems.append(f"{slots} slot(s): the cache was not used ({used})")
+        elif st["n_host_syncs"]:
+            problems.append(f"{slots} slot(s): {st['n_host_syncs']} host syncs (tables not in the graph)")
     if problems:
         return dict(ok=False, detail="lru cache vs stock: " + "; ".join(problems))
     return dict(ok=True, detail="lru cache == stock bitwise (" + "; ".join(seen) + ")")

@@ -43,24 +43,24 @@ WORKER_CHECKS = ("generate", "gating-top1", "cache")
 TIMEOUT_S = 180
 
 # (arch, check) pairs that fail for a known, precise reason: strict, so a fix shows up as XPASS
-_DIFFUSION = ("stock llama_cpp.Llama cannot run it: a diffusion LM has no KV cache (llama_get_memory is NULL) and "
-              "Llama.generate asserts 'Memory is not initialized' (llama_cpp/_internals.py kv_cache_seq_rm); "
-              "greedy next-token generation is not how these models generate anyway")
-_REFACT = ("llama.cpp's refact graph (src/models/refact.cpp) never calls build_moe_ffn: the loader creates expert "
-           "tensors for it but nothing routes to them, so there is no route to hook, gate or cache")
-_GROVE = ("grovemoe calls build_moe_ffn twice per layer with the same il (its experts, then the chunk experts "
-          "ffn_*_chexps, src/models/grovemoe.cpp): edgemoe assumes one route per layer")
+_DIFFUSION = ("stock llama_cpp.Llama cannot run it: a diffusion LM has no KV cache (llama_get_memory is "
+              "NULL) and Llama.generate asserts 'Memory is not initialized' (llama_cpp/_internals.py "
+              "kv_cache_seq_rm); greedy next-token generation is not how these models generate anyway")
+_REFACT = ("llama.cpp's refact graph (src/models/refact.cpp) never calls build_moe_ffn: the loader creates "
+           "expert tensors for it but nothing routes to them, so there is no route to hook, gate or cache")
+_GROVE = ("grovemoe calls build_moe_ffn twice per layer with the same il (its experts, then the chunk "
+          "experts ffn_*_chexps, src/models/grovemoe.cpp): edgemoe assumes one route per layer")
 XFAIL: dict[tuple[str, str], str] = {
     ("llada-moe", "generate"): _DIFFUSION,
     ("rnd1", "generate"): _DIFFUSION,
     ("refact", "verify"): _REFACT + " (verify: 'the hook was never called')",
     ("refact", "gating-top1"): _REFACT,
     ("refact", "cache"): _REFACT + " (0 hits, 0 loads)",
-    ("arctic", "verify"): ("verify's swap check swaps entries a and b of blk.N.ffn_norm_exps.weight, arctic's "
-                           "norm of the MoE branch ([n_embd], not stacked experts): _swap_experts_in_file takes "
-                           "every tensor named *_exps for a stacked expert tensor"),
-    ("grovemoe", "verify"): _GROVE + "; the hook's swap also swaps the chunk-expert route, the GGUF swap only "
-                            "the experts",
+    ("arctic", "verify"): ("verify's swap check swaps entries a and b of blk.N.ffn_norm_exps.weight, "
+                           "arctic's norm of the MoE branch ([n_embd], not stacked experts): "
+                           "_swap_experts_in_file takes every tensor named *_exps for stacked experts"),
+    ("grovemoe", "verify"): _GROVE + "; the hook's swap also swaps the chunk-expert route, the GGUF swap "
+                            "only the experts",
     ("grovemoe", "cache"): _GROVE + "; the cache's slots of layer il (copies of ffn_*_exps) also serve the "
                            "chunk-expert call",
 }
@@ -82,41 +82,45 @@ def _moe_entries() -> list[dict]:
     return arch_models.moe_entries(m) if m else []
 
 
-# the checks run on the other files of an architecture (arch_models: <arch>.scaled.gguf, <arch>.k1.gguf)
+# the checks run on an architecture's other files (arch_models: <arch>.scaled.gguf, <arch>.k1.gguf)
 VARIANT_CHECKS = {"scaled": ("generate", "verify", "gating-top1", "cache"),
                   "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache")}
+
+
+def _file(entry: dict, variant: str) -> Path:
+    """An architecture's model: "" <arch>.gguf, else <arch>.<variant>.gguf (scaled, k1, raw)."""
+    return arch_models.DEFAULT_OUT / entry[f"{variant}_file" if variant else "file"]
 
 
 def _param(entry: dict, check: str, variant: str = "") -> object:
     arch = entry["arch"]
     marks = []
-    ident = f"{arch}-{check}" if variant else arch
+    ident = f"{arch}-{check}" if variant in VARIANT_CHECKS else arch
     k = 1 if variant == "k1" else entry["n_expert_used"]
     # XFAIL holds for the .k1 copies too: they differ in k only
-    xfail = XFAIL_VARIANT.get((arch, variant, check)) or (XFAIL.get((arch, check)) if variant in ("", "k1") else None)
+    xfail = XFAIL_VARIANT.get((arch, variant, check)) or (
+        XFAIL.get((arch, check)) if variant in ("", "k1") else None)
     if check == "gating-top1" and k < 2:
         ident += f"-k{k}-nothing-to-drop"
         marks.append(pytest.mark.skip(reason=f"{arch}: k={k}, gating has nothing to drop"))
     elif xfail:
         marks.append(pytest.mark.xfail(strict=True, reason=xfail))
-    return pytest.param(entry, check, id=ident, marks=marks) if variant else pytest.param(entry, id=ident, marks=marks)
+    values = (entry, check) if variant in VARIANT_CHECKS else (entry,)
+    return pytest.param(*values, id=ident, marks=marks)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     check = getattr(metafunc.function, "check", None)
     if "entry" not in metafunc.fixturenames or check is None:
         return
-    entries = _moe_entries()
     variant = metafunc.function.variant
+    entries = [e for e in _moe_entries() if not variant or e[f"{variant}_file"]]
     if variant in VARIANT_CHECKS:
         names = ["entry", "variant_check"]
-        params = [_param(e, c, variant) for e in entries if e[f"{variant}_file"] for c in VARIANT_CHECKS[variant]]
-    elif variant == "raw":
-        names = ["entry"]
-        params = [_param(e, check) for e in entries if e["raw_file"]]
+        params = [_param(e, c, variant) for e in entries for c in VARIANT_CHECKS[variant]]
     else:
         names = ["entry"]
-        params = [_param(e, check) for e in entries]
+        params = [_param(e, check, variant) for e in entries]
     if not params:
         params = [pytest.param(*([None] * len(names)), id="no-models",
                                marks=pytest.mark.skip(reason="no MoE models; see test_models_generated"))]
@@ -124,8 +128,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def check(name: str, *, variant: str = ""):  # type: ignore[no-untyped-def]
-    """The check a test runs, for pytest_generate_tests, and on which files: "" <arch>.gguf, "scaled"
-    <arch>.scaled.gguf (with per-expert scales), "raw" <arch>.raw.gguf (as test-llama-archs wrote it)."""
+    """The check a test runs and on which files (_file), for pytest_generate_tests; a variant in
+    VARIANT_CHECKS runs each of its checks, given as the variant_check argument."""
     def mark(fn):  # type: ignore[no-untyped-def]
         fn.check = name
         fn.variant = variant
@@ -144,7 +148,7 @@ def arch_manifest() -> dict:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["GGML_NO_BACKTRACE"] = "1"  # ggml's abort handler attaches gdb to print a backtrace, and can hang there
+    env["GGML_NO_BACKTRACE"] = "1"  # ggml's abort handler attaches gdb for a backtrace, and can hang there
     return env
 
 
@@ -163,7 +167,8 @@ def _why(proc: subprocess.CompletedProcess | None, timeout: bool = False) -> str
 
 def _run(cmd: list[str]) -> tuple[subprocess.CompletedProcess | None, bool]:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(), cwd=ROOT), False
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(), cwd=ROOT)
+        return proc, False
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
         err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
@@ -201,7 +206,8 @@ def _verify(path: Path) -> tuple[bool, str]:
 
 def _gating_cli(path: Path) -> tuple[bool, str]:
     proc, timeout = _run([sys.executable, "-m", "edgemoe", "generate", str(path), "-p", "hi", "-n", "4",
-                          "--gating", "ser", "--threshold", "0.9", "--ctx", "128", "--temp", "0", "-t", "1", "--json"])
+                          "--gating", "ser", "--threshold", "0.9", "--ctx", "128", "--temp", "0", "-t", "1",
+                          "--json"])
     if proc is None or timeout or proc.returncode != 0:
         return False, f"edgemoe generate --gating ser: {_why(proc, timeout)}"
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
@@ -232,7 +238,7 @@ def _run_job(path: Path, job: str) -> dict[str, tuple[bool, str]]:
 
 
 class SweepPool:
-    """Runs the children of the collected sweep tests SWEEP_JOBS at a time, in the tests' order, so the
+    """Runs the children of the collected sweep tests `jobs` at a time, in the tests' order, so the
     tests mostly collect finished results."""
 
     def __init__(self, wanted: list[tuple[Path, str]], jobs: int) -> None:
@@ -263,9 +269,7 @@ def _wanted(item: pytest.Item) -> tuple[Path, str] | None:
     entry = spec.params.get("entry")
     if entry is None:
         return None
-    if fn.variant in VARIANT_CHECKS:
-        return arch_models.DEFAULT_OUT / entry[f"{fn.variant}_file"], spec.params["variant_check"]
-    return arch_models.DEFAULT_OUT / entry[f"{fn.variant}_file" if fn.variant else "file"], fn.check
+    return _file(entry, fn.variant), spec.params.get("variant_check", fn.check)
 
 
 @pytest.fixture(scope="session")
@@ -286,52 +290,49 @@ def test_models_generated(arch_manifest: dict) -> None:
     assert not failed, "\n".join(failed)
 
 
+def _assert(sweep: SweepPool, entry: dict, variant: str, name: str) -> None:
+    ok, detail = sweep.result(_file(entry, variant), name)
+    assert ok, detail
+
+
 @check("generate")
 def test_generate_equals_stock(sweep: SweepPool, entry: dict) -> None:
-    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["file"], "generate")
-    assert ok, detail
+    _assert(sweep, entry, "", "generate")
 
 
 @check("verify")
 def test_verify_passes(sweep: SweepPool, entry: dict) -> None:
-    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["file"], "verify")
-    assert ok, detail
+    _assert(sweep, entry, "", "verify")
 
 
 @check("gating-cli")
 def test_gating_cli_runs(sweep: SweepPool, entry: dict) -> None:
-    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["file"], "gating-cli")
-    assert ok, detail
+    _assert(sweep, entry, "", "gating-cli")
 
 
 @check("gating-top1")
 def test_gating_top1_equals_stock_k1(sweep: SweepPool, entry: dict) -> None:
-    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["file"], "gating-top1")
-    assert ok, detail
+    _assert(sweep, entry, "", "gating-top1")
 
 
 @check("cache")
 def test_expert_cache_equals_stock(sweep: SweepPool, entry: dict) -> None:
-    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["file"], "cache")
-    assert ok, detail
-
-
-@check("scaled", variant="scaled")
-def test_with_optional_expert_scales(sweep: SweepPool, entry: dict, variant_check: str) -> None:
-    """The models with the per-expert ffn_*_exps.scale tensors test-llama-archs writes."""
-    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["scaled_file"], variant_check)
-    assert ok, detail
+    _assert(sweep, entry, "", "cache")
 
 
 @check("k1", variant="k1")
 def test_one_expert_per_token(sweep: SweepPool, entry: dict, variant_check: str) -> None:
-    """The models with expert_used_count 1: the router picks one of the two experts."""
-    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["k1_file"], variant_check)
-    assert ok, detail
+    """The copies with expert_used_count 1: the router picks one of the two experts."""
+    _assert(sweep, entry, "k1", variant_check)
+
+
+@check("scaled", variant="scaled")
+def test_with_optional_expert_scales(sweep: SweepPool, entry: dict, variant_check: str) -> None:
+    """The files with the per-expert ffn_*_exps.scale tensors test-llama-archs writes."""
+    _assert(sweep, entry, "scaled", variant_check)
 
 
 @check("load", variant="raw")
 def test_files_as_llama_cpp_wrote_them_load(sweep: SweepPool, entry: dict) -> None:
-    """edgemoe accepts what llama.cpp's own model saver writes: every hyper-parameter, the unread ones 0."""
-    ok, detail = sweep.result(arch_models.DEFAULT_OUT / entry["raw_file"], "load")
-    assert ok, detail
+    """edgemoe loads what llama.cpp's own model saver writes: every hyper-parameter, the unread ones 0."""
+    _assert(sweep, entry, "raw", "load")

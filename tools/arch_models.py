@@ -85,7 +85,6 @@ CMAKE_ARGS = [
 ]
 
 _ARCH_NAME_RE = re.compile(r'\{\s*LLM_ARCH_(\w+)\s*,\s*"([^"]+)"\s*\}')
-_SAVED_RE = re.compile(r"Saving (\S+) model \((MoE|dense)\) to (\S+)\.\.\.")
 _UNSUPPORTED_RE = re.compile(r"(\S+) model \((MoE|dense)\) is unsupported, skipping")
 
 
@@ -112,13 +111,13 @@ class ArchEntry:
     n_expert_shared: int = 0
     n_layer: int = 0
     moe_layers: list[int] = field(default_factory=list)
-    expert_tensors: list[str] = field(default_factory=list)  # stacked expert weights of the first MoE layer
-    other_expert_tensors: list[str] = field(default_factory=list)  # its other *_exps tensors (bias, scales)
+    expert_tensors: list[str] = field(default_factory=list)  # stacked expert weights, first MoE layer
+    other_expert_tensors: list[str] = field(default_factory=list)  # its other *_exps tensors (biases...)
     # routing keys as the file has them (None: absent); an architecture may not read them
     gating_func: int | None = None
     expert_weights_norm: bool | None = None
     expert_weights_scale: float | None = None
-    edgemoe_error: str = ""  # edgemoe's own header reading failed or disagrees (the file is still swept)
+    edgemoe_error: str = ""  # edgemoe's header reading failed or disagrees (the file is still swept)
 
 
 # --------------------------------------------------------------------------- source and build
@@ -131,8 +130,8 @@ def source_identity(venv: Path) -> dict[str, str]:
     from what was built is warned about, not refused: .build/src is what the installed library runs.
     """
     if not (LLAMA_SRC / "tests" / f"{TARGET}.cpp").exists():
-        raise BuildError(f"{LLAMA_SRC}/tests/{TARGET}.cpp is missing: run `make install` first (it unpacks and "
-                         "patches the vendored llama.cpp under .build/src)")
+        raise BuildError(f"{LLAMA_SRC}/tests/{TARGET}.cpp is missing: run `make install` first (it unpacks "
+                         "and patches the vendored llama.cpp under .build/src)")
     h = hashlib.sha256()
     for p in read_series(ROOT / "patches"):
         h.update(p.name.encode())
@@ -143,7 +142,7 @@ def source_identity(venv: Path) -> dict[str, str]:
         log(f"warning: no {stamp}: assuming .build/src holds this checkout's patches/")
         return ours
     built = json.loads(stamp.read_text())
-    ident = {"sdist_sha256": str(built.get("sdist_sha256")), "patches_sha256": str(built.get("patches_sha256"))}
+    ident = {k: str(built.get(k)) for k in ("sdist_sha256", "patches_sha256")}
     if ident != ours:
         log("warning: this checkout's patches/ differ from what the last `make install` built; the models "
             "come from .build/src as it is (run `make install` to rebuild it from patches/)")
@@ -165,7 +164,7 @@ def build_exe(ident: dict[str, str], jobs: int, force: bool = False, build_dir: 
     if shutil.which("cmake") is None:
         raise BuildError("cmake is not on PATH; install it (and a C++17 compiler) to build " + TARGET)
     old = json.loads(stamp.read_text()) if stamp.exists() else None
-    if force or (old is not None and old.get("cmake_args") != CMAKE_ARGS):  # new options: configure afresh
+    if force or (old is not None and old.get("cmake_args") != CMAKE_ARGS):  # new options: a fresh configure
         shutil.rmtree(build_dir, ignore_errors=True)
     stamp.unlink(missing_ok=True)
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -266,21 +265,24 @@ def describe(path: Path) -> dict[str, object]:
 #   1e-5, so a 0.0 in the file is one the architecture never read).
 # <arch>.gguf has neither; <arch>.scaled.gguf keeps the scales, for the architectures in KEEP_SCALED
 # (one per expert-tensor layout), and <arch>.raw.gguf is the file as written, for the same ones.
-_OPTIONAL_EXPERT_SCALE_RE = re.compile(r"^blk\.\d+\.ffn_(?:gate_up|gate|up|down)_exps\.(?:scale|input_scale)$")
+_OPTIONAL_EXPERT_SCALE_RE = re.compile(r"^blk\.\d+\.ffn_(?:gate_up|gate|up|down)_exps\.(?:input_)?scale$")
 _NORM_EPS_RE = re.compile(r"^[^.]+\.attention\.layer_norm(?:_rms)?_epsilon$")
-KEEP_SCALED = ("qwen3moe", "qwen35moe", "gpt-oss")  # separate gate/up; merged gate_up; biases + softmax weights
+# separate gate/up experts; merged gate_up; expert biases and softmax weights
+KEEP_SCALED = ("qwen3moe", "qwen35moe", "gpt-oss")
 
 
 def _unread_norm_eps(name: str, value: object) -> bool:
     return bool(_NORM_EPS_RE.match(name)) and value == 0.0
 
 
-def rewrite_gguf(src: Path, dst: Path, *, scales: bool, k: int | None = None) -> tuple[list[str], list[str]]:
+def rewrite_gguf(src: Path, dst: Path, *, scales: bool,
+                 k: int | None = None) -> tuple[list[str], list[str]]:
     """Copy src to dst without the unread norm epsilons and, unless scales, the optional per-expert
     scale tensors, with expert_used_count k if given; (the keys left out, the tensors left out).
 
     Byte-level: the header and the other metadata are copied as written (gguf-py's writer refuses the
-    empty arrays these files hold), the kept tensor infos get new contiguous offsets, the data is re-laid.
+    empty arrays these files hold), the kept tensor infos get new contiguous offsets, the data is
+    laid out again.
     """
     import gguf
 
@@ -288,12 +290,12 @@ def rewrite_gguf(src: Path, dst: Path, *, scales: bool, k: int | None = None) ->
     raw = np.memmap(src, dtype=np.uint8, mode="r")
     align = reader.alignment
 
-    def span(field: object) -> bytes:
-        start = field.offset  # type: ignore[attr-defined]
-        return raw[start:start + sum(int(p.nbytes) for p in field.parts)].tobytes()  # type: ignore[attr-defined]
+    def span(rf: gguf.ReaderField) -> bytes:
+        return raw[rf.offset:rf.offset + sum(int(p.nbytes) for p in rf.parts)].tobytes()
 
     fields = [f for f in reader.fields.values() if not f.name.startswith("GGUF.")]
-    dropped_keys = [f.name for f in fields if len(f.types) == 1 and _unread_norm_eps(f.name, f.contents())]
+    dropped_keys = [f.name for f in fields
+                    if len(f.types) == 1 and _unread_norm_eps(f.name, f.contents())]
     kept_fields = [f for f in fields if f.name not in dropped_keys]
     kept = [t for t in reader.tensors if scales or not _OPTIONAL_EXPERT_SCALE_RE.match(t.name)]
     dropped_tensors = sorted({t.name for t in reader.tensors} - {t.name for t in kept})
@@ -311,9 +313,9 @@ def rewrite_gguf(src: Path, dst: Path, *, scales: bool, k: int | None = None) ->
         offset += -(-int(t.n_bytes) // align) * align
     with dst.open("wb") as f:
         f.write(header)
-        for field in kept_fields:
-            data = span(field)
-            f.write(data if k is None or field.name != used_key else data[:-4] + struct.pack("<I", k))
+        for kv in kept_fields:
+            data = span(kv)
+            f.write(data if k is None or kv.name != used_key else data[:-4] + struct.pack("<I", k))
         f.write(infos)
         f.write(b"\0" * (-f.tell() % align))
         for t in kept:
@@ -337,7 +339,8 @@ def generate_one(exe: Path, arch: str, tmp: Path, seed: int, stdev: float) -> Ar
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         lines = [ln for ln in out.splitlines() if ln.strip()]
-        why = next((ln for ln in lines if "error" in ln.lower() or "abort" in ln.lower()), lines[-1] if lines else "")
+        why = next((ln for ln in lines if "error" in ln.lower() or "abort" in ln.lower()),
+                   lines[-1] if lines else "")
         return ArchEntry(arch, "failed", detail=f"test-llama-archs exit {proc.returncode}: {why.strip()}",
                          seconds=seconds)
     files = sorted(work.glob("*.gguf"))
@@ -347,11 +350,13 @@ def generate_one(exe: Path, arch: str, tmp: Path, seed: int, stdev: float) -> Ar
         try:
             d = describe(f)
         except Exception as err:  # noqa: BLE001 - any unreadable file is this architecture's failure
-            return ArchEntry(arch, "failed", detail=f"{f.name}: gguf-py cannot read it: {err}", seconds=seconds)
+            return ArchEntry(arch, "failed", detail=f"{f.name}: gguf-py cannot read it: {err}",
+                             seconds=seconds)
         entries.append((f, d))
     moe = [(f, d) for f, d in entries if d["n_expert"]]
     if len(moe) > 1:
-        return ArchEntry(arch, "failed", detail=f"several MoE files: {[f.name for f, _ in moe]}", seconds=seconds)
+        return ArchEntry(arch, "failed", detail=f"several MoE files: {[f.name for f, _ in moe]}",
+                         seconds=seconds)
     if moe:
         f, d = moe[0]
         return ArchEntry(arch, "moe", file=f.name, seconds=seconds, **d)  # type: ignore[arg-type]
@@ -378,7 +383,8 @@ def up_to_date(out: Path, key: dict[str, object]) -> dict | None:
     m = load_manifest(out)
     if m is None or m.get("key") != key:
         return None
-    if any(not (out / f).exists() for e in m["archs"] for f in (e["file"], e["scaled_file"], e["raw_file"], e["k1_file"]) if f):
+    files = [e[k] for e in m["archs"] for k in ("file", "scaled_file", "raw_file", "k1_file") if e[k]]
+    if not all((out / f).exists() for f in files):
         return None
     return m
 
