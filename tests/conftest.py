@@ -16,11 +16,12 @@ def fixture_model(request: pytest.FixtureRequest) -> Path:
     return request.param
 
 
-def stock_greedy(path: Path, prompt: str, n: int, n_ctx: int = 512) -> tuple[list[int], list[int]]:
+def stock_greedy(path: Path, prompt: str, n: int, n_ctx: int = 512,
+                 n_threads: int = 2) -> tuple[list[int], list[int]]:
     """(prompt ids, generated ids) from stock llama-cpp-python's high-level Llama at temperature 0."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=2, verbose=False, seed=0)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=n_threads, verbose=False, seed=0)
     try:
         prompt_ids = llm.tokenize(prompt.encode("utf-8"))  # add_bos as the model's metadata says
         vocab = llama_cpp.llama_model_get_vocab(llm.model)

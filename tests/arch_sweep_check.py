@@ -1,0 +1,170 @@
+"""The in-process checks of tests/test_arch_sweep.py, run in a child process per model.
+
+    python tests/arch_sweep_check.py MODEL CHECK [CHECK ...]
+
+prints one line `@@ {"check", "ok", "detail", ...}` per check as it finishes. A llama.cpp abort
+kills this process only: the parent blames the first check without a line and runs the rest again.
+
+Checks, each against stock llama.cpp on the same GGUF:
+- generate: Engine.generate, greedy, N_GEN tokens == llama_cpp.Llama's greedy ids.
+- gating-top1: adaptive top-k keeping the top-1 expert (score, threshold 0), in the graph and in the
+  routing hook, == stock with expert_used_count = 1, bitwise (for k = 2 that is drop-last == k - 1).
+- cache: the expert cache (lru, CPU stand-in device) with 1 slot and with a slot per expert ==
+  stock logits bitwise, over a prefill and single-token decode steps, with its tables in the graph
+  (no host sync).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "ROMEO: But soft, what light through yonder window breaks?"  # 12 tokens of the test vocabulary
+N_GEN = 16
+N_CTX = 128
+# one thread: the models are tiny, and ggml's threads spin at their barriers, which on a busy machine
+# (the parent runs two of these children at a time) costs far more than they compute
+THREADS = 1
+PLAIN = dict(n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_threads=THREADS,
+             use_extra_bufts=False)  # as tests/test_expert_cache.py
+
+
+def _tokens(n_vocab: int, n: int) -> list[int]:
+    rng = np.random.default_rng(0)
+    return [int(t) for t in rng.integers(0, n_vocab, n)]
+
+
+def _diff(got: np.ndarray, ref: np.ndarray) -> str:
+    nmse = float(((got - ref) ** 2).mean() / max(float((ref ** 2).mean()), 1e-30))
+    agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    return f"NMSE {nmse:.2e}, max |diff| {float(np.abs(got - ref).max()):.3g}, argmax agreement {agree:.3f}"
+
+
+def check_generate(path: Path) -> dict:
+    from conftest import stock_greedy
+
+    from edgemoe import GREEDY, Engine, LoadConfig
+
+    prompt_ids, ref = stock_greedy(path, PROMPT, N_GEN, n_ctx=N_CTX, n_threads=THREADS)
+    with Engine(path, LoadConfig(n_ctx=N_CTX, n_threads=THREADS)) as eng:
+        g = eng.generate(PROMPT, max_tokens=N_GEN, sampling=GREEDY)
+        ours_prompt = eng.tokenize(PROMPT)
+    if ours_prompt != prompt_ids:
+        return dict(ok=False, detail=f"prompt tokens differ: edgemoe {ours_prompt} vs stock {prompt_ids}")
+    ok = g.tokens == ref
+    first = next((i for i, (a, b) in enumerate(zip(g.tokens, ref)) if a != b),
+                 min(len(g.tokens), len(ref)))
+    detail = (f"{len(ref)} greedy tokens equal" if ok
+              else f"differ from token {first}: edgemoe {g.tokens} vs stock {ref}")
+    return dict(ok=ok, detail=detail, tokens=g.tokens, stock=ref)
+
+
+def check_gating_top1(path: Path) -> dict:
+    from edgemoe import Engine, LoadConfig
+    from edgemoe.analysis.verify import FnPolicy
+    from edgemoe.policies.gating import GatingPolicy, GatingRule
+
+    with Engine(path, LoadConfig(n_ctx=N_CTX, n_threads=THREADS)) as eng:
+        toks = _tokens(eng.n_vocab, 40)
+        k = eng.info.n_expert_used
+    rules: set[str] = set()
+    out = {}
+    for where in ("graph", "hook"):
+        policy = GatingPolicy(GatingRule.SCORE, 0.0, decode_only=False)
+        with Engine(path, LoadConfig(n_ctx=N_CTX, n_threads=THREADS)) as eng:
+            if where == "graph":
+                got_where = eng.set_gating(policy)
+                if got_where != "graph":
+                    return dict(ok=False, detail=f"set_gating ran gating in the {got_where}, not the graph")
+            else:
+                eng.set_policies([FnPolicy(lambda r: rules.add(r.weight_rule.name.lower()
+                                                               + ("" if r.weight_scale == 1.0
+                                                                  else f" x{r.weight_scale:g}"))),
+                                  policy])
+            out[where] = (np.stack(eng.eval_logits(toks)), eng.control_stats(), policy)
+    with Engine(path, LoadConfig(n_ctx=N_CTX, n_threads=THREADS, expert_used_count=1)) as eng:
+        top1 = np.stack(eng.eval_logits(toks))
+    problems = []
+    for where, (got, stats, policy) in out.items():
+        if not np.array_equal(got, top1):
+            problems.append(f"{where}: {_diff(got, top1)}")
+        dropped, routed = ((stats["n_dropped"], stats["n_routed"]) if where == "graph"
+                           else (policy.n_dropped, policy.n_routed))
+        if routed == 0 or dropped * k != routed * (k - 1):
+            problems.append(f"{where}: dropped {dropped} of {routed} routed slots, expected {k - 1} of {k}")
+    weights = ", ".join(sorted(rules)) or "?"
+    if problems:
+        return dict(ok=False, weight_rule=weights,
+                    detail=f"top-1 of k={k} vs stock k=1 (weights: {weights}): " + "; ".join(problems))
+    return dict(ok=True, weight_rule=weights,
+                detail=f"top-1 of k={k} in graph and hook == stock k=1 bitwise (weights: {weights})")
+
+
+def _cache_run(path: Path, toks: list[int], n_decode: int,
+               slots: int | None) -> tuple[np.ndarray, dict | None]:
+    from edgemoe import Engine, LoadConfig
+    from edgemoe.runtime.expert_cache import CacheConfig
+
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(slots, policy="lru")) if slots is not None else None
+        rows = list(eng.eval_logits(toks[:-n_decode]))
+        for tok in toks[-n_decode:]:
+            eng.feed([tok])
+            rows.append(np.array(eng.logits(-1)))
+        stats = cache.stats() if cache is not None else None
+        if cache is not None:
+            stats["n_host_syncs"] = eng.control_stats()["n_host_syncs"]
+    return np.stack(rows), stats
+
+
+def check_cache(path: Path) -> dict:
+    from edgemoe.gguf.info import read_model_info
+
+    info = read_model_info(path)
+    toks = _tokens(info.n_vocab, 48)
+    ref, _ = _cache_run(path, toks, 12, None)
+    problems, seen = [], []
+    for slots in sorted({1, info.n_expert}):
+        got, st = _cache_run(path, toks, 12, slots)
+        assert st is not None
+        used = f"hits {st['hits']}, loads {st['loads']}"
+        seen.append(f"{slots} slot(s): {used}")
+        if not np.array_equal(got, ref):
+            bad = [i for i in range(len(ref)) if not np.array_equal(got[i], ref[i])]
+            problems.append(f"{slots} slot(s): rows {bad[:4]}{'...' if len(bad) > 4 else ''} differ, "
+                            + _diff(got, ref))
+        elif st["hits"] == 0 or st["loads"] == 0:
+            problems.append(f"{slots} slot(s): the cache was not used ({used})")
+        elif st["n_host_syncs"]:
+            problems.append(f"{slots} slot(s): {st['n_host_syncs']} host syncs (tables not in the graph)")
+    if problems:
+        return dict(ok=False, detail="lru cache vs stock: " + "; ".join(problems))
+    return dict(ok=True, detail="lru cache == stock bitwise (" + "; ".join(seen) + ")")
+
+
+CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache}
+
+
+def main(argv: list[str]) -> int:
+    path = Path(argv[0])
+    for name in argv[1:]:
+        try:
+            res = CHECKS[name](path)
+        except Exception as err:  # noqa: BLE001 - reported as this check's failure
+            tb = traceback.format_exc().strip().splitlines()
+            lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [""]
+            # a message that ends in llama.cpp's log tail: its first clause and the log's last line
+            msg = lines[0] if len(lines) == 1 else f"{lines[0].split(':')[0]}: ... {lines[-1]}"
+            res = dict(ok=False, detail=f"{type(err).__name__}: {msg}"[:600], where=tb[-3:])
+        print("@@ " + json.dumps(dict(check=name, **res)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
