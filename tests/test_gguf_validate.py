@@ -94,7 +94,6 @@ CASES = [
      r"layer_norm_rms_epsilon is nan; a normalization epsilon is a small positive number"),
     (MIXTRAL, "attention.layer_norm_rms_epsilon", F32, float("inf"),
      rf"{M}\.attention\.layer_norm_rms_epsilon is inf"),
-    (QWEN, "attention.layer_norm_rms_epsilon", F32, 0.0, r"layer_norm_rms_epsilon is 0\.0;"),
     (QWEN, "attention.layer_norm_rms_epsilon", F32, -1.0, r"layer_norm_rms_epsilon is -1\.0;"),
     (QWEN, "attention.layer_norm_epsilon", F32, float("-inf"),
      rf"{Q}\.attention\.layer_norm_epsilon is -inf"),

@@ -147,7 +147,8 @@ def validate_hparams(header: GgufHeader, *, expert_used_count: int | None = None
     _check_heads(m)
     for template in (attn.LAYERNORM_RMS_EPS, attn.LAYERNORM_EPS):
         eps = m.float_(template)
-        if eps is not None and not (math.isfinite(eps) and eps > 0):
+        # 0 is allowed: llama.cpp's own model saver writes 0 for the epsilon an architecture never reads
+        if eps is not None and not (math.isfinite(eps) and eps >= 0):
             raise m.fail(template, eps, f"; a normalization epsilon is a small positive number such as "
                                         f"1e-6: {_FIX}")
     base = m.float_(rope.FREQ_BASE)
