@@ -198,6 +198,14 @@ def test_a_fifo_as_the_model_is_refused_not_read(tmp_path: Path) -> None:
     assert res.exit_code == 1 and "not a regular file" in res.output
 
 
+def _sigint_default() -> None:
+    """In the child: Ctrl-C as at a terminal. A test run started in the background (`cmd &` in a
+    script) ignores SIGINT, children inherit that, and Python then installs no KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_with_one_line() -> None:
     import signal
     import subprocess
@@ -205,7 +213,7 @@ def test_ctrl_c_exits_130_with_one_line() -> None:
     import time
 
     proc = subprocess.Popen([sys.executable, "-m", "edgemoe", "chat", str(MODEL)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default)
     try:
         time.sleep(3)  # loaded and waiting for a line on stdin
         proc.send_signal(signal.SIGINT)
@@ -264,7 +272,8 @@ def test_ctrl_c_during_native_work_with_a_hook_exits_130(tmp_path: Path, command
     args = [a.format(tmp=tmp_path) for a in command]
     for trial in range(3):
         proc = subprocess.Popen([sys.executable, "-m", "edgemoe", args[0], str(MODEL), "--input", str(text),
-                                 *args[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                 *args[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=_sigint_default)
         try:
             time.sleep(2.5 + 0.4 * trial)  # loaded, in the middle of the decodes
             assert proc.poll() is None, "finished before the signal: make the input longer"
