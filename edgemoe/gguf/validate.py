@@ -26,7 +26,7 @@ from ..errors import InvalidHyperparameterError
 from .header import GgufArray, GgufHeader, check_gguf
 
 __all__ = ["LLAMA_MAX_EXPERTS", "LLAMA_MAX_LAYERS", "ROPE_IS_HEAD_ARCHITECTURES", "check_model",
-           "min_graph_nodes", "validate_hparams"]
+           "validate_hparams"]
 
 LLAMA_MAX_LAYERS = 512  # llama-hparams.h
 LLAMA_MAX_EXPERTS = 1024  # llama-hparams.h
@@ -47,12 +47,6 @@ ROPE_IS_HEAD_ARCHITECTURES: frozenset[str] = frozenset((
 ))
 # hunyuan-vl and hunyuan-dense treat expert_count <= 1 as "no experts" (llama-model.cpp)
 _EXPERTS_OFF_BELOW_2 = frozenset(("hunyuan_vl", "hunyuan-dense"))
-# llama_context::graph_max_nodes gives these architectures a budget that grows with the batch;
-# every other one gets max(1024, 8 * n_tensors) graph nodes
-_OWN_GRAPH_BUDGET = frozenset((
-    "kimi-k3", "glm5-next", "hrm_text", "qwen3next", "kimi-linear", "bailingmoe3", "qwen35", "qwen35moe",
-    "qwen4exp", "deepseek4", "dflash", "nanbeige", "minimax-01", "minimax-m3", "hy_v4",
-))
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 # keys llama.cpp reads with get_key_or_arr: one value, or an array of exactly block_count values
 _PER_LAYER_KEYS = (Keys.LLM.FEED_FORWARD_LENGTH, Keys.Attention.HEAD_COUNT, Keys.Attention.HEAD_COUNT_KV,
@@ -253,31 +247,6 @@ def _check_experts(m: _Meta, header: GgufHeader, override: int | None) -> None:
         if not 0 < group_used < groups:
             raise m.fail(llm.EXPERT_GROUP_USED_COUNT, group_used,
                          f"; with {groups} expert groups a token uses 1..{groups - 1} of them: {_FIX}")
-    _check_graph_budget(m, header, used, source)
-
-
-def min_graph_nodes(n_moe_layers: int, n_expert_used: int) -> int:
-    """A lower bound on the nodes of llama.cpp's graph that grows with top-k.
-
-    Each MoE layer adds a view per used expert and one add fewer to sum them
-    (llm_graph_context::build_moe_ffn), plus at least 6 more: router logits, probabilities,
-    top-k selection, weights, the up and down expert products.
-    """
-    return n_moe_layers * (2 * n_expert_used - 1 + 6)
-
-
-def _check_graph_budget(m: _Meta, header: GgufHeader, used: int, source: str) -> None:
-    """llama.cpp sizes its graph by the tensor count alone; a large top-k overflows it and aborts."""
-    if m.arch in _OWN_GRAPH_BUDGET:
-        return
-    moe_layers = {int(match.group(1)) for t in header.tensors
-                  if "_exps" in t.name and (match := _LAYER_RE.match(t.name))}
-    budget = max(1024, 8 * (len(header.tensors) + 1))  # + 1: a tied output counts twice
-    if min_graph_nodes(len(moe_layers), used) > budget:
-        raise m.fail(Keys.LLM.EXPERT_USED_COUNT, used,
-                     f"{source}: summing that many experts in each of {len(moe_layers)} MoE layers needs "
-                     f"more than the {budget} graph nodes llama.cpp reserves for this model, and llama.cpp "
-                     f"would abort; use far fewer experts per token")
 
 
 def check_model(path: str | Path, *, expert_used_count: int | None = None) -> GgufHeader:
