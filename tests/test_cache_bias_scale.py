@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_expert_cache import PLAIN, TEXT, _run
+from test_expert_cache import PLAIN, TEXT, _run, partial_copy_run
 
 from edgemoe.analysis.verify import FnPolicy
 from edgemoe.gguf.header import check_gguf
@@ -138,33 +138,8 @@ def test_bias_rows_and_scales_load_with_their_expert(name: str, model_path: Mode
 @pytest.mark.parametrize("name", ["gpt-oss", "qwen3moe-scales"])
 def test_partial_copies_with_biases_and_scales_are_never_computed(name: str, model_path: ModelPath) -> None:
     """Slots with some chunks of a new expert issued (a bias or scale row may be the stale one) stay out."""
-    path = model_path(name)
-    rng = np.random.default_rng(1)
-    with Engine(path, LoadConfig(**PLAIN)) as eng:
-        toks = eng.tokenize(TEXT)[:40]
-        ref = []
-        for tok in toks:
-            eng.feed([tok], all_logits=True)
-            ref.append(np.array(eng.logits(-1)))
-    with Engine(path, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert, policy="manual"))
-        n = eng.info.n_expert
-        for il in eng.info.moe_layers:
-            for e in range(0, n, 2):
-                cache.load(Load(il, e, e))
-        eng.reset()
-        got = []
-        for tok in toks:
-            for il in eng.info.moe_layers:
-                absent = [e for e in range(n) if cache.state(il, e) == "absent"]
-                if absent:
-                    cache.prefetch(Load(il, int(rng.choice(absent)), int(rng.integers(n))))
-            cache.issue(int(rng.integers(0, 8)))  # an expert is 6 chunks here
-            eng.feed([tok], all_logits=True)
-            got.append(np.array(eng.logits(-1)))
-        st = cache.stats()
-    assert np.array_equal(np.stack(got), np.stack(ref))
-    n_first = n // 2 * len(eng.info.moe_layers)  # the synchronous loads before
+    ref, got, st, n_first = partial_copy_run(model_path(name), np.random.default_rng(1), 8)  # 6 chunks each
+    assert np.array_equal(got, ref)
     assert st["hits"] > 0 and st["misses"] > 0
     assert st["prefetches"] > st["loads"] - n_first  # some were left unfinished
 

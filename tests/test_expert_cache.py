@@ -221,32 +221,41 @@ def test_prefetch_is_used_only_after_its_copy_and_its_layer(fixture_model: Path)
         assert (st["prefetches"], st["loads"], st["chunks"], st["preempted"]) == (3, 3, 9, 1)  # 5 was preempted
 
 
+def partial_copy_run(path: Path, rng: np.random.Generator, max_chunks: int
+                     ) -> tuple[np.ndarray, np.ndarray, dict[str, int], int]:
+    """Stock logits fed one token at a time, and the same with half the experts resident and, before
+    each token, an absent one prefetched over a random slot with at most max_chunks - 1 chunks issued;
+    (ref, got, cache stats, synchronous loads before)."""
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        toks = eng.tokenize(TEXT)[:40]
+        ref = []
+        for tok in toks:
+            eng.feed([tok], all_logits=True)
+            ref.append(np.array(eng.logits(-1)))
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert, policy="manual"))
+        n = eng.info.n_expert
+        for il in eng.info.moe_layers:  # half the experts resident ...
+            for e in range(0, n, 2):
+                cache.load(Load(il, e, e))
+        eng.reset()
+        got = []
+        for tok in toks:
+            for il in eng.info.moe_layers:  # ... then an absent one prefetched over a random slot
+                absent = [e for e in range(n) if cache.state(il, e) == "absent"]
+                if absent:
+                    cache.prefetch(Load(il, int(rng.choice(absent)), int(rng.integers(n))))
+            cache.issue(int(rng.integers(0, max_chunks)))  # a few chunks: most copies stay half done
+            eng.feed([tok], all_logits=True)
+            got.append(np.array(eng.logits(-1)))
+        n_first = n // 2 * len(eng.info.moe_layers)
+        return np.stack(ref), np.stack(got), cache.stats(), n_first
+
+
 def test_partial_copies_are_never_computed(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
     """Slots with some chunks of a new expert issued (the rest stale) stay out of compute."""
     rng = np.random.default_rng(1)
     for path in [*__import__("conftest").FIXTURE_MODELS, make_tiny_gguf("tiny-qwen2moe")]:
-        with Engine(path, LoadConfig(**PLAIN)) as eng:  # stock, fed one token at a time as below
-            toks = eng.tokenize(TEXT)[:40]
-            ref = []
-            for tok in toks:
-                eng.feed([tok], all_logits=True)
-                ref.append(np.array(eng.logits(-1)))
-        with Engine(path, LoadConfig(**PLAIN)) as eng:
-            cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert, policy="manual"))
-            n = eng.info.n_expert
-            for il in eng.info.moe_layers:  # half the experts resident ...
-                for e in range(0, n, 2):
-                    cache.load(Load(il, e, e))
-            eng.reset()
-            got = []
-            for tok in toks:
-                for il in eng.info.moe_layers:  # ... then an absent one prefetched over a random slot
-                    absent = [e for e in range(n) if cache.state(il, e) == "absent"]
-                    if absent:
-                        cache.prefetch(Load(il, int(rng.choice(absent)), int(rng.integers(n))))
-                cache.issue(int(rng.integers(0, 4)))  # a few chunks: most copies stay half done
-                eng.feed([tok], all_logits=True)
-                got.append(np.array(eng.logits(-1)))
-            st = cache.stats()
-        assert np.array_equal(np.stack(got), np.stack(ref)), path.name
+        ref, got, st, _ = partial_copy_run(path, rng, 4)
+        assert np.array_equal(got, ref), path.name
         assert st["hits"] > 0 and st["misses"] > 0 and st["chunks"] > st["loads"]
