@@ -15,7 +15,8 @@ from edgemoe.gguf.info import read_model_info
 def test_bench_cli_runs_every_configuration(tmp_path: Path) -> None:
     png = tmp_path / "bench.png"
     res = CliRunner().invoke(cli, ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "48",
-                                   "--gen-tokens", "8", "-t", "2", "--json", "--plot", str(png)],
+                                   "--gen-tokens", "8", "-t", "2", "--json", "--plot", str(png),
+                                   "--profile", "none"],
                              catch_exceptions=False)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout[res.stdout.index("{"):])
@@ -28,6 +29,26 @@ def test_bench_cli_runs_every_configuration(tmp_path: Path) -> None:
     assert out["rows"][0]["ratio_decode"] == 1.0
     assert out["rows"][1]["cache"]["hits"] > 0
     assert png.stat().st_size > 1000
+    assert all(r["projected_decode_tps"] is None for r in out["rows"])
+
+
+def test_bench_prints_the_projection_beside_the_measurement() -> None:
+    """With a profile, the rows the model covers get a projection and its error (on a CPU: stock only; the
+    stand-in cache is no device a user has)."""
+    res = CliRunner().invoke(cli, ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "48",
+                                   "--gen-tokens", "8", "-t", "2", "--policy", "lru", "--profile", "rtx4060-laptop",
+                                   "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    stock, lru = out["rows"]
+    assert stock["projected_decode_tps"] > 0 and stock["projected_prefill_tps"] > 0
+    assert stock["projection_error"] == stock["projected_decode_tps"] / stock["decode_tps"] - 1
+    assert lru["projected_decode_tps"] is None
+    assert "rtx4060-laptop" in out["projection_note"]
+    table = CliRunner().invoke(cli, ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "48",
+                                     "--gen-tokens", "8", "-t", "2", "--policy", "lru", "--profile",
+                                     "rtx4060-laptop"], catch_exceptions=False).output
+    assert "proj dec" in table and "PROJECTED" in table
 
 
 def test_best_n_cpu_moe_is_the_fewest_layers_that_fit() -> None:

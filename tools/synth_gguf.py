@@ -36,8 +36,10 @@ def _print_presets(qtype: str) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
 @click.option("--list", "list_presets", is_flag=True, help="List the presets and their sizes, then exit.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--shape-only", is_flag=True,
+              help="Tensor data as a sparse hole of zeros: the header for `edgemoe simulate`, not for running.")
 def main(preset: str | None, out: Path | None, layers: int | None, qtype: str, seed: int, list_presets: bool,
-         quiet: bool) -> None:
+         quiet: bool, shape_only: bool) -> None:
     """Write a random-weight GGUF of PRESET (speed/memory benchmarks only: routing is random)."""
     if list_presets:
         _print_presets(qtype.upper())
@@ -45,7 +47,8 @@ def main(preset: str | None, out: Path | None, layers: int | None, qtype: str, s
     if preset is None or out is None:
         raise click.UsageError("give a PRESET and --out PATH (or --list)")
     try:
-        path = write_synthetic(preset, out, layers=layers, qtype=qtype, seed=seed, progress=not quiet)
+        path = write_synthetic(preset, out, layers=layers, qtype=qtype, seed=seed, progress=not quiet,
+                               shape_only=shape_only)
     except ValueError as err:
         raise click.ClickException(str(err)) from err
     click.echo(f"wrote {path} ({format_size(path.stat().st_size)})")

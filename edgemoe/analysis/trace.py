@@ -151,4 +151,5 @@ def record_trace(engine: Any, tokens: Sequence[int], *, ctx: int, mode: str = "p
     return rec.build({"model": str(engine.path), "architecture": info.architecture, "mode": mode,
                       "ctx": ctx, "prefill_tokens": prefill_tokens if mode == "decode" else None,
                       "n_expert": info.n_expert, "n_expert_used": info.n_expert_used,
-                      "n_embd": info.n_embd, "n_batch": engine.n_batch})
+                      "n_embd": info.n_embd, "n_batch": engine.n_batch,
+                      "graph_nodes": list(engine.graph_nodes) if engine.graph_nodes else None})

@@ -19,17 +19,25 @@ from .types import THREADS, GGUFPath, OutputPath, Size
               default=("lru", "static"), show_default=True, help="edgemoe policies to run (repeatable)")
 @click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="calibration directory for the static policy (default: the model's)")
+@click.option("--profile", "profile_path", default=None,
+              help="machine profile for the projection printed beside each row (default: this machine's, "
+                   "if `edgemoe profile` has written one; 'none' turns projections off)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: int, policies: tuple[str, ...],
-          calibration: Path | None, as_json: bool, plot: Path | None) -> None:
+          calibration: Path | None, profile_path: str | None, as_json: bool, plot: Path | None) -> None:
     """Prefill/decode tokens/s, TTFT, TPOT and VRAM: stock -ot exps=CPU, the best --n-cpu-moe, edgemoe policies."""
     from ..calibration.adaptive import default_calibration_dir
     from ..perf.bench import BenchSpec, format_table, run_bench
     from ..perf.bench import plot as plot_png
+    from ..perf.profiling import default_profile_path
 
+    if profile_path is None:
+        profile = default_profile_path() if default_profile_path().exists() else None
+    else:
+        profile = None if profile_path == "none" else Path(profile_path)
     spec = BenchSpec(vram=vram, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, threads=threads,
-                     policies=policies, calibration=calibration or default_calibration_dir(model))
+                     policies=policies, calibration=calibration or default_calibration_dir(model), profile=profile)
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:
         plot_png(res, plot)

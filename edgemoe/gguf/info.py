@@ -25,7 +25,7 @@ from .header import KNOWN_ARCHITECTURES, GgufArray, GgufHeader, TensorRecord, ch
 
 __all__ = [
     "KNOWN_ARCHITECTURES", "ExpertTensorInfo", "GgufHeader", "ModelInfo", "TensorRecord", "VramPlan",
-    "check_gguf", "estimate_kv_cache_bytes", "format_size", "info_to_dict", "model_info", "parse_size",
+    "best_n_cpu_moe", "check_gguf", "estimate_kv_cache_bytes", "format_size", "info_to_dict", "model_info", "parse_size",
     "read_model_info", "vram_plan",
 ]
 
@@ -305,6 +305,17 @@ def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_
         budget_bytes=budget_bytes, n_ctx=n_ctx, dense_bytes=info.dense_bytes, kv_cache_bytes=kv,
         reserve_bytes=reserve_bytes, expert_budget_bytes=left, slot_bytes=slot,
         experts_per_layer=int(slots), n_moe_layers=len(info.moe_layers), n_expert=info.n_expert if info.is_moe else 0)
+
+
+def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:
+    """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit; None: never fits."""
+    fixed = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE
+    layers = sorted(info.moe_layers)
+    per_layer = {il: info.bytes_per_expert_by_layer[il] * info.n_expert for il in layers}
+    for n in range(len(layers) + 1):
+        if fixed + sum(per_layer[il] for il in layers[n:]) <= budget:
+            return n
+    return None
 
 
 # --------------------------------------------------------------------------- sizes

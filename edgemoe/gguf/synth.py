@@ -171,16 +171,19 @@ def _tensor_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def write_synthetic(preset_name: str, out_path: str | Path, *, layers: int | None = None, qtype: str = "Q4_K",
-                    seed: int = 0, progress: bool = True, expert_scales: bool = False) -> Path:
+def write_synthetic(preset_name: str | SynthPreset, out_path: str | Path, *, layers: int | None = None,
+                    qtype: str = "Q4_K", seed: int = 0, progress: bool = True, expert_scales: bool = False,
+                    shape_only: bool = False) -> Path:
     """Write a random-weight GGUF of `preset_name` to `out_path` and return the path.
 
     `layers` keeps only the first N blocks; `qtype` is the type of the large matrices
     (norms stay F32, the router F32, embeddings/output as llama-quantize's *_M mixes);
     `expert_scales` adds per-expert scales to the routed experts (plan_tensors).
+    `shape_only` leaves every tensor's bytes as a hole of zeros (a sparse file that takes no disk space):
+    for what reads only the header (`edgemoe simulate`), not for running.
     The same arguments always give byte-identical files.
     """
-    preset = get_preset(preset_name)
+    preset = preset_name if isinstance(preset_name, SynthPreset) else get_preset(preset_name)
     q = normalize_qtype(qtype)
     n_layer = n_layers_for(preset, layers)
     plan = plan_tensors(preset, layers=n_layer, qtype=q, expert_scales=expert_scales)
@@ -209,6 +212,11 @@ def write_synthetic(preset_name: str, out_path: str | Path, *, layers: int | Non
         w.write_padding(fout, fout.tell())
         with _progress_bar(total, enabled=progress and total >= _PROGRESS_MIN_BYTES, desc=out.name) as bar:
             for t in plan:
+                if shape_only:
+                    fout.seek(t.nbytes, os.SEEK_CUR)
+                    fout.truncate()
+                    w.write_padding(fout, t.nbytes)
+                    continue
                 written = 0
                 for chunk in _tensor_bytes(t, _tensor_rng(seed, t.name)):
                     fout.write(memoryview(chunk))

@@ -19,7 +19,7 @@ import numpy as np
 from ..runtime import native
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.expert_cache import CacheConfig
-from ..gguf.info import VRAM_RESERVE, ModelInfo, estimate_kv_cache_bytes, read_model_info, vram_plan
+from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, vram_plan
 from ..runtime.sampling import GREEDY
 
 
@@ -33,6 +33,7 @@ class BenchSpec:
     n_ctx: int = 0  # 0: prompt + gen rounded up
     policies: tuple[str, ...] = ("lru", "static")
     calibration: Path | None = None
+    profile: Path | None = None  # this machine's profile for the projections (None: none are made)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class BenchRow:
     note: str = ""
     ratio_decode: float | None = None  # vs the best stock configuration
     ratio_prefill: float | None = None
+    projected_decode_tps: float | None = None  # the performance model's projection from this machine's profile
+    projected_prefill_tps: float | None = None
+    projection_error: float | None = None  # projected / measured decode - 1
 
 
 @dataclass
@@ -61,22 +65,12 @@ class BenchResult:
     slots_per_layer: int
     n_cpu_moe: int | None
     rows: list[BenchRow] = field(default_factory=list)
+    projection_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["rows"] = [asdict(r) for r in self.rows]
         return d
-
-
-def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:
-    """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit; None: never fits."""
-    fixed = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE
-    layers = sorted(info.moe_layers)
-    per_layer = {il: info.bytes_per_expert_by_layer[il] * info.n_expert for il in layers}
-    for n in range(len(layers) + 1):
-        if fixed + sum(per_layer[il] for il in layers[n:]) <= budget:
-            return n
-    return None
 
 
 def _prompt(info: ModelInfo, n: int) -> list[int]:
@@ -85,7 +79,7 @@ def _prompt(info: ModelInfo, n: int) -> list[int]:
 
 
 def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
-             setup: Callable[[Engine], None] | None = None) -> tuple[float, float, float, float, int | None, Any]:
+             setup: Callable[[Engine], None] | None = None) -> tuple[float, float, float, float, int | None, Any, list[int]]:
     dev = native.gpu_device()
     free0 = native.device_memory(dev)[0] if dev is not None else None
     with Engine(path, config) as eng:
@@ -102,7 +96,7 @@ def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
         cache = eng.cache.cache.stats() if eng.cache is not None else None
     t = g.timings
     tpot = 1.0 / t.decode_tps if t.decode_tps > 0 else wall
-    return t.prompt_tps, t.decode_tps, t.ttft_s, tpot, used, cache
+    return t.prompt_tps, t.decode_tps, t.ttft_s, tpot, used, cache, g.tokens
 
 
 def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | None = None) -> BenchResult:
@@ -136,15 +130,21 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         configs.append((f"edgemoe {pol}", "edgemoe", cached, setup,
                         "" if on_gpu else "cache on the CPU stand-in"))
 
+    generated: list[int] = []
     for name, kind, cfg, setup, note in configs:
         if progress:
             progress(name)
         try:
-            pre, dec, ttft, tpot, vram, cache = _measure(path, cfg, prompt, spec.gen_tokens, setup)
+            pre, dec, ttft, tpot, vram, cache, tokens = _measure(path, cfg, prompt, spec.gen_tokens, setup)
         except Exception as err:  # noqa: BLE001 - one configuration failing (no calibration...) is a row
             res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
             continue
+        generated = generated or tokens
         res.rows.append(BenchRow(name, kind, pre, dec, ttft, tpot, vram, cache, note))
+    if spec.profile is not None and generated:
+        if progress:
+            progress("projection (trace + performance model)")
+        project(res, path, spec, base, prompt + generated[:-1], len(prompt), on_gpu)
 
     stock = [r for r in res.rows if r.kind == "stock" and r.decode_tps > 0]
     if stock:
@@ -157,18 +157,61 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
     return res
 
 
+def _sim_name(row: BenchRow, on_gpu: bool) -> str | None:
+    """The simulator's configuration of a bench row (None: not modelled, e.g. the CPU stand-in cache)."""
+    if row.name == "stock -ot exps=CPU":
+        return "stock-ot-exps-cpu" if on_gpu else "stock-cpu"
+    if row.name.startswith("stock --n-cpu-moe "):
+        return "stock-n-cpu-moe-" + row.name.rsplit(" ", 1)[1]
+    if row.name.startswith("edgemoe ") and on_gpu:
+        return "edgemoe-" + row.name.split(" ", 1)[1]
+    return None
+
+
+def project(res: BenchResult, path: Path, spec: BenchSpec, base: LoadConfig, tokens: list[int], n_prompt: int,
+            on_gpu: bool) -> None:
+    """Each row's projection from this machine's profile: the routing of the generated tokens recorded as a
+    trace and replayed by edgemoe.perf.simulate with the same budget."""
+    from ..analysis.trace import record_trace
+    from .profile import load_profile
+    from .simulate import SimSpec, simulate
+
+    assert spec.profile is not None
+    prof = load_profile(spec.profile)
+    with Engine(path, base) as eng:
+        trace = record_trace(eng, tokens, ctx=base.n_ctx, mode="decode", prefill_tokens=n_prompt)
+    sim = simulate(path, trace, prof, SimSpec(vram=spec.vram if on_gpu else 0, n_ctx=base.n_ctx,
+                                              n_ubatch=base.n_ubatch, policies=spec.policies,
+                                              calibration=spec.calibration))
+    by_name = {c.name: c for c in sim.configs}
+    for row in res.rows:
+        key = _sim_name(row, on_gpu)
+        if key is None or key not in by_name or row.decode_tps <= 0:
+            continue
+        c = by_name[key]
+        row.projected_decode_tps, row.projected_prefill_tps = c.decode_tps, c.prefill_tps
+        row.projection_error = c.decode_tps / row.decode_tps - 1
+    res.projection_note = f"projected with profile {spec.profile}" + (f"; {sim.workload_note}" if sim.workload_note else "")
+
+
 def format_table(res: BenchResult) -> str:
     head = (f"{res.model} · {res.device} · budget {res.vram / 2**30:.1f} GiB · {res.slots_per_layer} slots/layer · "
             f"{res.prompt_tokens} prompt + {res.gen_tokens} generated tokens")
     lines = [head, f"{'configuration':<26} {'prefill t/s':>11} {'decode t/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} "
-                   f"{'VRAM GiB':>8} {'decode x':>8} {'prefill x':>9} {'hit rate':>8}  note"]
+                   f"{'VRAM GiB':>8} {'decode x':>8} {'prefill x':>9} {'hit rate':>8} {'proj dec':>8} {'err':>6}  note"]
     for r in res.rows:
         vram = f"{r.peak_vram_bytes / 2**30:.2f}" if r.peak_vram_bytes is not None else "-"
         ratio = f"{r.ratio_decode:.3f}" if r.ratio_decode is not None else "-"
         pratio = f"{r.ratio_prefill:.3f}" if r.ratio_prefill is not None else "-"
         hit = f"{r.cache['hit_rate']:.3f}" if r.cache else "-"
+        proj = f"{r.projected_decode_tps:.2f}" if r.projected_decode_tps is not None else "-"
+        err = f"{r.projection_error:+.1%}" if r.projection_error is not None else "-"
         lines.append(f"{r.name:<26} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} "
-                     f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8}  {r.note}")
+                     f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8} {proj:>8} {err:>6}  {r.note}")
+    if res.projection_note:
+        lines.append(f"proj dec: PROJECTED decode tok/s, {res.projection_note}")
+    elif any(r.kind for r in res.rows):
+        lines.append("proj dec: no profile of this machine (run `edgemoe profile` to see projections next to measurements)")
     return "\n".join(lines)
 
 

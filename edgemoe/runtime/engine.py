@@ -14,6 +14,7 @@ import ctypes
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -41,6 +42,19 @@ from .wiring import RoutingMixin
 __all__ = ["ChatMessage", "ChatSession", "Engine", "Generation", "LoadConfig", "Timings", "default_threads"]
 
 log = logging.getLogger(__name__)
+
+
+
+_GRAPH_LINE = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = (\d+)(?: / (\d+))?")
+
+
+def graph_nodes_logged(lines: list[str]) -> tuple[int, int] | None:
+    """(prefill, decode) node counts of the graphs llama.cpp reserved for a new context, from its log."""
+    for line in reversed(lines):
+        m = _GRAPH_LINE.search(line)
+        if m:
+            return int(m.group(1)), int(m.group(2) or m.group(1))
+    return None
 
 
 class Engine(RoutingMixin, GenerationMixin, ChatMixin):
@@ -98,6 +112,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
                                  f"{native.recent_error(mark)[-300:]}; try a smaller --ctx")
         self.n_ctx = lib.llama_n_ctx(self._ctx)
         self.n_batch = cparams.n_batch
+        self.graph_nodes = graph_nodes_logged(native.recent_log().splitlines())
         self._kv: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last: Generation | None = None  # the result of the last generate()/stream()
         self._hooks: HookChain | None = None

@@ -1,0 +1,92 @@
+"""`edgemoe profile` and `edgemoe simulate`: the performance model (edgemoe.perf.profiling, .simulate)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .types import THREADS, Finite, GGUFPath, OutputPath, Size
+
+
+@click.command()
+@click.option("--out", type=OutputPath(), default=None,
+              help="write the profile here (default: ~/.cache/edgemoe/profiles/this-machine.json)")
+@click.option("-t", "--threads", type=THREADS, default=0, help="CPU threads (default: physical cores)")
+@click.option("--model", type=GGUFPath(), default=None,
+              help="also measure the ggml types this model uses (default: Q4_K, Q5_K, Q6_K, Q8_0, F16, F32)")
+@click.option("--json", "as_json", is_flag=True, help="print the profile as JSON")
+def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -> None:
+    """Measure this machine for the performance model: expert and matrix speeds per ggml type and token
+    count, graph-node and per-call costs, memory bandwidth (on a CUDA build also the GPU and its link)."""
+    from ..perf.profiling import default_profile_path, measure_profile, summary
+
+    with click.progressbar(length=100, label="profiling", file=click.get_text_stream("stderr")) as bar:
+        done = [0]
+
+        def progress(share: float) -> None:
+            step = int(share * 100) - done[0]
+            if step > 0:
+                bar.update(step)
+                done[0] += step
+
+        prof = measure_profile(threads=threads, model=model, progress=progress)
+    path = prof.save(out or default_profile_path())
+    click.echo(json.dumps(prof.to_dict(), indent=1) if as_json else summary(prof))
+    click.echo(f"profile written to {path}", err=True)
+
+
+@click.command()
+@click.argument("model", type=GGUFPath())
+@click.option("--trace", "trace_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="routing trace to replay (`edgemoe trace`); another model's trace works if it has the same "
+                   "expert count and top-k")
+@click.option("--profile", "profile_name", default=None,
+              help="profile file (`edgemoe profile`) or bundled name (rtx4060-laptop, rtx4090-desktop, h100-server); "
+                   "default: this machine's measured profile")
+@click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget; 0: CPU only")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,
+              help="context the KV cache is planned for")
+@click.option("--ubatch", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "static"]), default=("lru", "static"),
+              show_default=True, help="edgemoe cache policies to project (repeatable)")
+@click.option("--gating", type=click.Choice(["score", "ser"]), default=None,
+              help="add gated edgemoe configurations with this adaptive top-k rule (decode steps)")
+@click.option("--threshold", type=Finite(0.0), default=None, help="the gating rule's threshold")
+@click.option("--blocking-loads", is_flag=True, help="cache misses wait for their copy instead of running on the CPU")
+@click.option("--overlap", is_flag=True,
+              help="project CPU/GPU overlap within a layer (the current build runs the two branches one after the other)")
+@click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="calibration directory for the static policy (default: placement from the trace's first half)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
+def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int, n_ctx: int, n_ubatch: int,
+             policies: tuple[str, ...], gating: str | None, threshold: float | None, blocking_loads: bool,
+             overlap: bool, calibration: Path | None, as_json: bool, plot: Path | None) -> None:
+    """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
+    edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
+    from ..analysis.trace import Trace
+    from ..perf.profile import load_profile
+    from ..perf.profiling import default_profile_path
+    from ..perf.report import format_simulation, plot_simulation
+    from ..perf.simulate import SimSpec
+    from ..perf.simulate import simulate as run
+    from ..perf.workload import GatingSpec
+    from ..policies.gating import GatingRule
+
+    if (gating is None) != (threshold is None):
+        raise click.UsageError("--gating and --threshold go together")
+    if profile_name is None:
+        mine = default_profile_path()
+        if not mine.exists():
+            raise click.UsageError(f"no profile of this machine at {mine}: run `edgemoe profile` first, or pass "
+                                   "--profile with a bundled name (rtx4060-laptop, rtx4090-desktop, h100-server)")
+        profile_name = str(mine)
+    prof = load_profile(profile_name)
+    gate = GatingSpec(GatingRule(gating), float(threshold)) if gating is not None and threshold is not None else None
+    spec = SimSpec(vram=vram, n_ctx=n_ctx, n_ubatch=n_ubatch, policies=policies, gated=gate is not None,
+                   blocking=blocking_loads, overlap=overlap, calibration=calibration)
+    res = run(model, Trace.load(trace_path), prof, spec, gating=gate)
+    if plot is not None:
+        plot_simulation(res, plot)
+    click.echo(json.dumps(res.to_dict(), indent=1) if as_json else format_simulation(res))

@@ -1,0 +1,161 @@
+"""What one layer of a model costs on a device: the shapes of a GGUF priced by a machine profile.
+
+`ModelShape.read(path)` takes from the header alone (no weights read) what the timing model needs
+per layer: the bytes and types of the matrices every token multiplies (attention, router, shared
+experts, a dense FFN), the slices one routed expert occupies, the KV bytes and attention work per
+cached token, and the output head. `LayerCosts` turns them into seconds on one device.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..gguf.header import check_gguf
+from ..gguf.info import ModelInfo, estimate_kv_cache_bytes, model_info
+from .profile import Curve, DeviceProfile
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Weights:
+    qtype: str  # ggml type name
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    il: int
+    dense: tuple[Weights, ...]  # matrices every token of the layer multiplies
+    expert: tuple[Weights, ...]  # one routed expert's slices of the stacked *_exps matrices (empty: dense layer)
+    kv_bytes_per_token: int  # K and V (f16) one cached token adds
+    attn_flops_per_pair: int  # flops of one (query, cached key) pair: QK^T and the V product
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    architecture: str
+    n_vocab: int
+    n_expert: int
+    n_expert_used: int
+    layers: tuple[LayerShape, ...]
+    head: Weights  # the output projection (token_embd when the model ties them)
+    total_bytes: int  # every tensor: decides whether weights stay in a cache between tokens
+    info: ModelInfo
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(ly.il for ly in self.layers if ly.expert)
+
+    def expert_bytes(self, il: int) -> int:
+        return sum(w.nbytes for w in self.layer(il).expert)
+
+    def layer(self, il: int) -> LayerShape:
+        return self.layers[il]
+
+    @classmethod
+    def read(cls, path: str | Path) -> ModelShape:
+        header = check_gguf(path)
+        info = model_info(header)
+        dense: dict[int, list[Weights]] = {il: [] for il in range(info.n_layer)}
+        expert: dict[int, list[Weights]] = {il: [] for il in range(info.n_layer)}
+        head = embd = None
+        for t in header.tensors:
+            m = _BLOCK.match(t.name)
+            if m is None:
+                if t.name == "output.weight":
+                    head = Weights(t.qtype.name, t.nbytes)
+                elif t.name == "token_embd.weight":
+                    embd = Weights(t.qtype.name, t.nbytes)
+                continue
+            il = int(m.group(1))
+            if il not in dense or len(t.shape) < 2 or t.shape[1] == 1:
+                continue  # norms, biases, per-expert scales: no matrix product
+            if "_exps" in t.name:
+                if len(t.shape) == 3:
+                    expert[il].append(Weights(t.qtype.name, t.nbytes // t.shape[-1]))
+            else:
+                dense[il].append(Weights(t.qtype.name, t.nbytes))
+        kv_token = estimate_kv_cache_bytes(info, 1) // max(1, info.n_layer)
+        heads = info.n_head * (info.n_embd_head_k + info.n_embd_head_v)
+        layers = tuple(LayerShape(il, tuple(dense[il]), tuple(expert[il]), kv_token, 2 * heads)
+                       for il in range(info.n_layer))
+        out = head or embd or Weights("F16", 2 * info.n_vocab * info.n_embd)
+        return cls(name=Path(path).name, architecture=info.architecture, n_vocab=info.n_vocab,
+                   n_expert=info.n_expert, n_expert_used=info.n_expert_used, layers=layers, head=out,
+                   total_bytes=info.total_tensor_bytes, info=info)
+
+
+def _matmul_s(dev: DeviceProfile, ws: tuple[Weights, ...], tokens: int, hot: bool) -> float:
+    return sum(dev.matmul_curve(w.qtype).seconds(w.nbytes, tokens, hot=hot) for w in ws)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds of a model's pieces on one device. hot: the weights stay in its last-level cache."""
+
+    dev: DeviceProfile
+    shape: ModelShape
+    hot: bool
+    _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, dev: DeviceProfile, shape: ModelShape, *, resident_bytes: int | None = None) -> LayerCosts:
+        """resident_bytes: the weights this device reads each token (default: the whole model)."""
+        size = shape.total_bytes if resident_bytes is None else resident_bytes
+        return cls(dev, shape, hot=size <= dev.cache_bytes)
+
+    def dense(self, il: int, tokens: int) -> float:
+        key = ("dense", il, tokens)
+        if key not in self._memo:
+            self._memo[key] = _matmul_s(self.dev, self.shape.layers[il].dense, tokens, self.hot)
+        return self._memo[key]
+
+    def attention(self, il: int, tokens: int, kv_len: int) -> float:
+        """The attention of `tokens` new tokens over `kv_len` cached ones (each query sees about half of
+        the new tokens before it): read the cache once, and the multiply-adds."""
+        ly = self.shape.layers[il]
+        pairs = tokens * kv_len + tokens * (tokens + 1) // 2
+        roof = self.dev.roofline
+        bw = (roof.cache_bw or roof.mem_bw) if self.hot else roof.mem_bw
+        return (kv_len + tokens) * ly.kv_bytes_per_token / bw + pairs * ly.attn_flops_per_pair / roof.flops
+
+    def expert(self, il: int, tokens: int) -> float:
+        """One routed expert's FFN over `tokens` tokens routed to it."""
+        key = ("expert", il, tokens)
+        if key not in self._memo:
+            self._memo[key] = self._expert(il, tokens)
+        return self._memo[key]
+
+    def _expert(self, il: int, tokens: int) -> float:
+        ws = self.shape.layers[il].expert
+        if not ws or tokens <= 0:
+            return 0.0
+        main = max(ws, key=lambda w: w.nbytes).qtype
+        fixed = self.dev.expert_curve(main).rate(tokens).fixed_s  # once per expert: the FFN is one product chain
+        per_byte = sum(w.nbytes * _per_byte(self.dev.expert_curve(w.qtype), tokens, self.hot) for w in ws)
+        return fixed + per_byte
+
+    def experts(self, il: int, token_counts: Mapping[int, int] | list[int]) -> float:
+        counts = token_counts.values() if isinstance(token_counts, Mapping) else token_counts
+        return sum(self.expert(il, c) for c in counts)
+
+    def head(self, tokens: int) -> float:
+        return _matmul_s(self.dev, (self.shape.head,), tokens, self.hot)
+
+    def decode_step(self, kv_len: int, experts_per_layer: int | None = None) -> float:
+        """The matrix and attention work of one decode token with every layer's experts on this device, each
+        of `experts_per_layer` (default: the model's top-k) experts taking the token."""
+        k = self.shape.n_expert_used if experts_per_layer is None else experts_per_layer
+        t = self.head(1)
+        for ly in self.shape.layers:
+            t += self.dense(ly.il, 1) + self.attention(ly.il, 1, kv_len) + (k * self.expert(ly.il, 1) if ly.expert else 0.0)
+        return t
+
+
+def _per_byte(curve: Curve, tokens: int, hot: bool) -> float:
+    p = curve.rate(tokens)
+    return p.s_per_byte_hot if hot else p.s_per_byte

@@ -1,0 +1,520 @@
+"""Machine microbenchmarks through ggml, the numbers `edgemoe profile` fits its cost model to.
+
+Each function builds a small ggml graph of the ops llama.cpp runs (weights in the buffer type
+llama.cpp's default load would give them, activations F32), computes it many times on a backend
+(the CPU with a thread count, or any ggml device) and returns seconds per call: the median of
+individually timed ``ggml_backend_graph_compute`` calls, at least ``min_seconds`` of them per point.
+Everything a call allocates (contexts, buffers, backends, its threadpool) is freed before it returns.
+
+On the CPU the graphs run on a ggml threadpool held for the whole call, so no figure includes a thread
+start (llama.cpp pays that once per whole-model graph, if at all: in an OpenMP build, as `make install`
+makes, OpenMP's persistent threads do the work with or without the threadpool, and the figures agree).
+All ctypes declarations are in edgemoe.runtime.native; this module only calls its wrappers.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import EdgeMoeError
+from ..runtime import native
+
+log = logging.getLogger(__name__)
+
+# the weight types these benchmarks build (quantized from a few random rows, then tiled); the first
+# IQ1_*/IQ2_* weights of a process wait seconds for ggml to build its quantization grids
+QTYPES: tuple[str, ...] = (
+    "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "MXFP4",
+    "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
+)
+POOL_CAP_BYTES = 1 << 30  # cold pools stop here, whatever the cache
+MAX_POOL = 4096  # weight sets in a cold pool (each a tensor and, for matmuls, a graph)
+_FALLBACK_LLC_BYTES = 32 << 20  # when sysfs does not say
+_PROBE_TOKENS = 512  # llama.cpp asks the buffer type about a 512-token batch (weight_buft_supported)
+_MIN_CALLS = 5
+_MAX_CALLS = 20000
+_TILE_ROWS = 8  # distinct quantized rows tiled over a weight
+
+
+class Timings(dict[int, float]):
+    """Seconds per call for each token count, plus where they were measured.
+
+    buffer_type: the weights' buffer type ("CPU_REPACK", "CPU", "CUDA0", "RPC[...]");
+    backend: the backend that computed; pool: weight sets (experts or matrices) rotated over (1: hot);
+    pool_bytes: their bytes in all.
+    """
+
+    buffer_type: str
+    backend: str
+    pool: int
+    pool_bytes: int
+
+    def __init__(self, values: dict[int, float], *, buffer_type: str, backend: str, pool: int,
+                 pool_bytes: int) -> None:
+        super().__init__(values)
+        self.buffer_type, self.backend, self.pool, self.pool_bytes = buffer_type, backend, pool, pool_bytes
+
+    def __repr__(self) -> str:
+        return (f"Timings({dict.__repr__(self)}, buffer_type={self.buffer_type!r}, backend={self.backend!r}, "
+                f"pool={self.pool}, pool_bytes={self.pool_bytes})")
+
+
+def quant_types_supported() -> list[str]:
+    """The weight type names time_expert_ffn and time_matmul accept."""
+    return list(QTYPES)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache of cpu0 (sysfs cache/index*/size), 32 MiB when sysfs does not say."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            best = max(best, int(digits) * mult)
+    return best or _FALLBACK_LLC_BYTES
+
+
+# -- argument checks --------------------------------------------------------------------------------------
+
+def _type_id(qtype: str) -> int:
+    name = qtype.upper()
+    if name not in QTYPES:
+        raise EdgeMoeError(f"unknown weight type {qtype!r}: use one of {' '.join(QTYPES)}")
+    return native.GGML_TYPES[name]
+
+
+def _check_dims(qtype: str, type_id: int, rows: dict[str, int], other: dict[str, int]) -> None:
+    """rows: dimensions that are some weight's row length (a whole number of the type's blocks)."""
+    for what, n in {**rows, **other}.items():
+        if n < 1:
+            raise EdgeMoeError(f"{what}={n}: dimensions must be positive")
+    block = native.ggml_block_size(type_id)
+    for what, n in rows.items():
+        if n % block:
+            raise EdgeMoeError(f"{what}={n} is not a multiple of {qtype}'s block of {block} values (the "
+                               f"length of a {qtype} weight row): pick a multiple of {block} or another type")
+
+
+def _check_counts(token_counts: Sequence[int]) -> list[int]:
+    counts = sorted({int(c) for c in token_counts})
+    if not counts or counts[0] < 1:
+        raise EdgeMoeError(f"token counts {list(token_counts)}: give one or more counts >= 1")
+    return counts
+
+
+def _check_threads(threads: int) -> None:
+    if not 1 <= threads <= 512:
+        raise EdgeMoeError(f"threads={threads}: use 1..512 (ggml's GGML_MAX_N_THREADS)")
+
+
+# -- backends, weights and timing ---------------------------------------------------------------------------
+
+@dataclass
+class _Backend:
+    handle: int
+    compute_buft: int  # activations and results
+    weight_buft: int  # the plain buffer type for weights on this backend
+    device: int  # the ggml_backend_dev_t
+    is_cpu: bool
+    name: str
+
+
+@contextmanager
+def _open_backend(threads: int, device: int | None) -> Iterator[_Backend]:
+    native.require_ggml()
+    cpu = native.cpu_device()
+    with ExitStack() as stack:
+        if device is None or device == cpu:
+            _check_threads(threads)
+            backend = native.cpu_backend(threads)
+            stack.callback(native.backend_free, backend)
+            pool = native.threadpool_new(threads)
+            stack.callback(native.threadpool_free, pool)
+            native.cpu_set_threadpool(backend, pool)
+            stack.callback(native.cpu_set_threadpool, backend, None)  # runs before the pool is freed
+            buft = native.cpu_buffer_type()
+            yield _Backend(backend, buft, buft, cpu, True, native.backend_name(backend))
+        else:
+            backend = native.device_backend(device)
+            stack.callback(native.backend_free, backend)
+            yield _Backend(backend, native.backend_default_buffer_type(backend),
+                           native.device_buffer_type(device), device, False, native.backend_name(backend))
+
+
+def _repack_buft() -> int | None:
+    """The CPU's repack extra buffer type, as llama.cpp's make_cpu_buft_list finds it; None without one."""
+    for buft in native.cpu_extra_buffer_types():
+        if "REPACK" in native.buft_name(buft).upper():
+            return buft
+    return None
+
+
+def _fill_weight_rows(out: np.ndarray, type_id: int, n_per_row: int, n_rows: int, seed: int) -> np.ndarray:
+    """Write n_rows rows of the type's bytes into the start of out (a uint8 array) and return that part:
+    a few random rows (N(0, 0.02)) quantized with ggml and tiled, so every block has finite scales."""
+    rng = np.random.default_rng(seed)
+    k = math.gcd(n_rows, _TILE_ROWS)
+    src = (rng.standard_normal((k, n_per_row)) * 0.02).astype(np.float32)
+    if type_id == native.GGML_TYPES["F32"]:
+        block = src.view(np.uint8).reshape(-1)
+    elif type_id == native.GGML_TYPES["F16"]:
+        block = src.astype(np.float16).view(np.uint8).reshape(-1)
+    else:
+        block = np.empty(k * native.ggml_row_size(type_id, n_per_row), np.uint8)
+        imatrix = np.ones(n_per_row, np.float32)  # for the types that cannot do without one
+        imatrix_ptr = imatrix.ctypes.data if native.ggml_quantize_requires_imatrix(type_id) else None
+        native.ggml_quantize_rows(type_id, src.ctypes.data, block.ctypes.data, k, n_per_row, imatrix_ptr)
+    part = out[:(n_rows // k) * block.size]
+    part.reshape(n_rows // k, block.size)[:] = block  # broadcast: as fast as the pages can be written
+    return part
+
+
+@dataclass
+class _Weights:
+    tensors: list[int]
+    buft: int
+    nbytes: int
+
+
+def _make_weights(stack: ExitStack, be: _Backend, type_id: int, shapes: list[tuple[int, ...]], *,
+                  repack: bool, probe: Callable[[int, int, tuple[int, ...]], int]) -> _Weights:
+    """Weight tensors of the shapes in one buffer: the CPU's repack buffer type when asked for and it takes
+    every one of them (probe(ctx, w, shape) builds the op llama.cpp asks it about), else the backend's
+    plain one. Contents set with ggml_backend_tensor_set (where the repack happens)."""
+
+    def allocate(buft: int) -> tuple[int, list[int], int]:
+        ctx = native.ggml_context(len(shapes))
+        try:
+            tensors = [native.ggml_new_tensor(ctx, type_id, shape) for shape in shapes]
+            return ctx, tensors, native.alloc_ctx_tensors(ctx, buft)
+        except BaseException:
+            native.ggml_context_free(ctx)
+            raise
+
+    chosen = None
+    if repack and be.is_cpu and (rb := _repack_buft()) is not None:
+        ctx, tensors, buffer = allocate(rb)
+        pctx = native.ggml_context(8 * len(tensors))
+        try:
+            ok = all(native.device_supports_op(be.device, probe(pctx, w, shape))
+                     for w, shape in zip(tensors, shapes))
+        finally:
+            native.ggml_context_free(pctx)
+        if ok:
+            chosen = (ctx, tensors, buffer, rb)
+        else:
+            native.buffer_free(buffer)
+            native.ggml_context_free(ctx)
+    if chosen is None:
+        ctx, tensors, buffer = allocate(be.weight_buft)
+        chosen = (ctx, tensors, buffer, be.weight_buft)
+    ctx, tensors, buffer, buft = chosen
+    stack.callback(native.ggml_context_free, ctx)
+    stack.callback(native.buffer_free, buffer)
+    total = 0
+    staging = np.empty(max(native.ggml_nbytes(w) for w in tensors), np.uint8)  # one host copy, refilled
+    filled: tuple[int, int] | None = None
+    data = staging[:0]
+    for w, shape in zip(tensors, shapes):
+        key = (shape[0], math.prod(shape[1:]))
+        if key != filled:  # gate and up (and a pool of matrices) share the contents
+            data = _fill_weight_rows(staging, type_id, key[0], key[1], seed=key[0])
+            filled = key
+        if data.nbytes != native.ggml_nbytes(w):
+            raise AssertionError(f"{data.nbytes} bytes staged for a tensor of {native.ggml_nbytes(w)}")
+        native.tensor_set(w, data.ctypes.data, 0, data.nbytes)  # whole tensors: repack takes nothing less
+        total += data.nbytes
+    return _Weights(tensors, buft, total)
+
+
+def _pool_size(item_bytes: int, cold: bool, be: _Backend, pool_bytes: int | None) -> int:
+    """Weight sets to rotate over: 1 hot; cold, enough that their bytes reach pool_bytes (None: twice the
+    last-level cache, but not above POOL_CAP_BYTES nor a quarter of a device's free memory), at least 2
+    and at most MAX_POOL."""
+    if not cold:
+        return 1
+    if pool_bytes is not None:
+        return max(2, min(math.ceil(pool_bytes / item_bytes), MAX_POOL))
+    cap = POOL_CAP_BYTES
+    if not be.is_cpu:
+        free, _total = native.device_memory(be.device)
+        if free > 0:
+            cap = min(cap, free // 4)
+    n = min(math.ceil(2 * last_level_cache_bytes() / item_bytes), cap // item_bytes)
+    return max(2, min(n, MAX_POOL))
+
+
+def _median_call(compute: Callable[[], None], prepare: Callable[[int], None], min_seconds: float) -> float:
+    """The median of timed compute() calls, each after an untimed prepare(i); one warm-up call first;
+    at least _MIN_CALLS calls and min_seconds of calls."""
+    prepare(0)
+    compute()
+    times: list[float] = []
+    spent = 0.0
+    i = 1
+    while (len(times) < _MIN_CALLS or spent < min_seconds) and len(times) < _MAX_CALLS:
+        prepare(i)
+        t0 = time.perf_counter()
+        compute()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+        i += 1
+    return statistics.median(times)
+
+
+def _f32(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.standard_normal(n).astype(np.float32)
+
+
+# -- the benchmarks -------------------------------------------------------------------------------------
+
+def _mul_mat_id_probe(ctx: int, w: int, shape: tuple[int, ...]) -> int:
+    """llama.cpp's weight_buft_supported test for MUL_MAT_ID: [ne0, 1, 512] activations, ids [1, 512]."""
+    x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (shape[0], 1, _PROBE_TOKENS))
+    ids = native.ggml_new_tensor(ctx, native.GGML_TYPE_I32, (1, _PROBE_TOKENS))
+    return native.ggml_mul_mat_id(ctx, w, x, ids)
+
+
+def _mul_mat_probe(ctx: int, w: int, shape: tuple[int, ...]) -> int:
+    """llama.cpp's weight_buft_supported test for MUL_MAT: [ne0, 512] activations."""
+    x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (shape[0], _PROBE_TOKENS))
+    return native.ggml_mul_mat(ctx, w, x)
+
+
+def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[int], *, threads: int,
+                    repack: bool = True, cold: bool = True, device: int | None = None,
+                    min_seconds: float = 0.05, pool_bytes: int | None = None) -> Timings:
+    """Seconds for ONE expert's SwiGLU FFN over c tokens that all route to it, for each c in token_counts.
+
+    Timed: one ggml_backend_graph_compute of ggml_mul_mat_id of the stacked gate [n_embd, n_ff, n_expert]
+    and up weights by the F32 activations [n_embd, 1, c] (ids [1, c], every id the same expert),
+    ggml_swiglu_split, and ggml_mul_mat_id of the stacked down [n_ff, n_embd, n_expert]: the graph
+    llama.cpp builds for a MoE layer, with top-1 routing. Setting the ids between calls is not timed.
+
+    cold=True: the ids rotate over a pool of experts whose weights exceed twice the last-level cache
+    (capped at 1 GiB; pool_bytes overrides it), so every call reads its expert from DRAM (device memory
+    on a device); cold=False: always expert 0 of 2, which stays in cache after the warm-up call.
+    repack=True: on the CPU, weights in the CPU backend's repack buffer type when it takes the type and
+    shape (llama.cpp's default load), else the plain CPU buffer (repack=False: always the plain one).
+    device=None: the CPU backend with `threads` threads; otherwise a ggml_backend_dev_t (a CUDA GPU, the
+    RPC loopback device of native.rpc_loopback_device) whose backend computes the graph; threads is then
+    not used. Returns Timings: {c: seconds} with the buffer type, backend and pool used.
+    """
+    type_id = _type_id(qtype)
+    _check_dims(qtype, type_id, {"n_embd": n_embd, "n_ff": n_ff}, {})
+    counts = _check_counts(token_counts)
+    expert_bytes = (2 * native.ggml_row_size(type_id, n_embd) * n_ff
+                    + native.ggml_row_size(type_id, n_ff) * n_embd)
+    with ExitStack() as stack:
+        be = stack.enter_context(_open_backend(threads, device))
+        pool = _pool_size(expert_bytes, cold, be, pool_bytes)
+        n_expert = max(pool, 2)  # a stack of one expert is 2-d, and the repack type takes only 3-d ones
+        shapes = [(n_embd, n_ff, n_expert), (n_embd, n_ff, n_expert), (n_ff, n_embd, n_expert)]
+        weights = _make_weights(stack, be, type_id, shapes, repack=repack, probe=_mul_mat_id_probe)
+        gate, up, down = weights.tensors
+        order = np.random.default_rng(1).permutation(pool).astype(np.int32)  # [0] when hot
+        rng = np.random.default_rng(2)
+        out: dict[int, float] = {}
+        for c in counts:
+            with ExitStack() as per:
+                ctx = native.ggml_context(8, graph_size=16)
+                per.callback(native.ggml_context_free, ctx)
+                x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (n_embd, 1, c))
+                ids = native.ggml_new_tensor(ctx, native.GGML_TYPE_I32, (1, c))
+                h = native.ggml_swiglu_split(ctx, native.ggml_mul_mat_id(ctx, gate, x, ids),
+                                             native.ggml_mul_mat_id(ctx, up, x, ids))
+                graph = native.ggml_graph(ctx, [native.ggml_mul_mat_id(ctx, down, h, ids)], 16)
+                per.callback(native.buffer_free, native.alloc_ctx_tensors(ctx, be.compute_buft))
+                xs = _f32(rng, n_embd * c)
+                native.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
+                row = np.empty(c, np.int32)
+                last = [-1]
+
+                def prepare(i: int, ids: int = ids, row: np.ndarray = row, last: list[int] = last) -> None:
+                    expert = int(order[i % len(order)])
+                    if expert != last[0]:  # every token to the pool's next expert
+                        row.fill(expert)
+                        native.tensor_set(ids, row.ctypes.data, 0, row.nbytes)
+                        last[0] = expert
+
+                def compute(graph: int = graph) -> None:
+                    native.graph_compute(be.handle, graph)
+
+                out[c] = _median_call(compute, prepare, min_seconds)
+        result = Timings(out, buffer_type=native.buft_name(weights.buft), backend=be.name, pool=pool,
+                         pool_bytes=pool * expert_bytes)
+    log.debug("expert FFN %s %dx%d: %r", qtype, n_embd, n_ff, result)
+    return result
+
+
+def time_matmul(qtype: str, ne0: int, ne1: int, token_counts: Sequence[int], *, threads: int,
+                repack: bool = True, cold: bool = True, device: int | None = None, min_seconds: float = 0.05,
+                pool_bytes: int | None = None) -> Timings:
+    """Seconds for ggml_mul_mat of a [ne0, ne1] weight (ne0 = input features, ggml order) by [ne0, c] F32
+    activations, for each c in token_counts (a dense layer: attention projections, shared experts, output).
+
+    Timed: one ggml_backend_graph_compute of a one-node graph. cold=True: each call multiplies the next of
+    a pool of separate weights whose bytes exceed twice the last-level cache (capped at 1 GiB and MAX_POOL
+    weights; pool_bytes overrides it; one graph per weight, all writing the same result memory);
+    cold=False: always the same weight. repack, device and threads as in time_expert_ffn. Returns
+    Timings: {c: seconds} with the buffer type, backend and pool used.
+    """
+    type_id = _type_id(qtype)
+    _check_dims(qtype, type_id, {"ne0": ne0}, {"ne1": ne1})
+    counts = _check_counts(token_counts)
+    w_bytes = native.ggml_row_size(type_id, ne0) * ne1
+    with ExitStack() as stack:
+        be = stack.enter_context(_open_backend(threads, device))
+        pool = _pool_size(w_bytes, cold, be, pool_bytes)
+        weights = _make_weights(stack, be, type_id, [(ne0, ne1)] * pool, repack=repack, probe=_mul_mat_probe)
+        order = [weights.tensors[k] for k in np.random.default_rng(1).permutation(pool)]
+        rng = np.random.default_rng(2)
+        out: dict[int, float] = {}
+        align = 4096
+        for c in counts:
+            with ExitStack() as per:
+                ctx = native.ggml_context(1 + pool, graph_size=0)
+                per.callback(native.ggml_context_free, ctx)
+                x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (ne0, c))
+                results = [native.ggml_mul_mat(ctx, w, x) for w in order]
+                r_bytes = native.ggml_nbytes(results[0])
+                x_off = -(-r_bytes // align) * align
+                buf = native.buft_alloc_buffer(be.compute_buft, x_off + native.ggml_nbytes(x))
+                per.callback(native.buffer_free, buf)
+                base = native.buffer_base(buf)  # aligned as the buffer type needs
+                for r in results:  # every result in the same place: only the weight changes between calls
+                    native.tensor_alloc(buf, r, base)
+                native.tensor_alloc(buf, x, base + x_off)
+                xs = _f32(rng, ne0 * c)
+                native.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
+                graphs = []
+                for r in results:
+                    g_ctx = native.ggml_context(0, graph_size=4)
+                    per.callback(native.ggml_context_free, g_ctx)
+                    graphs.append(native.ggml_graph(g_ctx, [r], 4))
+                current = [graphs[0]]
+
+                def prepare(i: int, graphs: list[int] = graphs, current: list[int] = current) -> None:
+                    current[0] = graphs[i % len(graphs)]
+
+                def compute(current: list[int] = current) -> None:
+                    native.graph_compute(be.handle, current[0])
+
+                out[c] = _median_call(compute, prepare, min_seconds)
+        result = Timings(out, buffer_type=native.buft_name(weights.buft), backend=be.name, pool=pool,
+                         pool_bytes=pool * w_bytes)
+    log.debug("matmul %s %dx%d: %r", qtype, ne0, ne1, result)
+    return result
+
+
+def _chain_graph_seconds(be: _Backend, n_nodes: int, stack: ExitStack) -> Callable[[], float]:
+    """A graph of n_nodes trivial ops on a 64-element F32 tensor (alternately + 1 and * 0.5); returns a
+    function that computes it once and says how long that took."""
+    ctx = native.ggml_context(n_nodes + 2, graph_size=n_nodes + 8)
+    stack.callback(native.ggml_context_free, ctx)
+    x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (64,))
+    one = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (64,))
+    y = x
+    for i in range(n_nodes):
+        y = native.ggml_add(ctx, y, one) if i % 2 == 0 else native.ggml_scale(ctx, y, 0.5)
+    graph = native.ggml_graph(ctx, [y], n_nodes + 8)
+    stack.callback(native.buffer_free, native.alloc_ctx_tensors(ctx, be.compute_buft))
+    ones = np.ones(64, np.float32)
+    native.tensor_set(x, ones.ctypes.data, 0, ones.nbytes)
+    native.tensor_set(one, ones.ctypes.data, 0, ones.nbytes)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        native.graph_compute(be.handle, graph)
+        return time.perf_counter() - t0
+
+    return run
+
+
+def time_graph_node(*, threads: int, device: int | None = None, n_nodes: int = 256, runs: int = 15,
+                    max_seconds: float = 2.0) -> float:
+    """Seconds each extra node costs in a graph: (t(2N) - t(N)) / N for chains of N and 2N trivial ops
+    (ggml_add / ggml_scale on a 64-element F32 tensor), t the median of up to `runs` interleaved computes
+    of each (at least 3; no more once max_seconds have passed): the per-op dispatch and thread-barrier
+    cost, without the per-graph cost. Never above t(2N) / 2N (what it returns when noise makes the
+    difference negative)."""
+    if n_nodes < 1 or runs < 1:
+        raise EdgeMoeError(f"n_nodes={n_nodes}, runs={runs}: both must be >= 1")
+    with ExitStack() as stack:
+        be = stack.enter_context(_open_backend(threads, device))
+        short = _chain_graph_seconds(be, n_nodes, stack)
+        long = _chain_graph_seconds(be, 2 * n_nodes, stack)
+        short()
+        long()
+        t_short: list[float] = []
+        t_long: list[float] = []
+        start = time.perf_counter()
+        while len(t_short) < max(runs, 3) and (len(t_short) < 3 or time.perf_counter() - start < max_seconds):
+            t_short.append(short())
+            t_long.append(long())
+    a, b = statistics.median(t_short), statistics.median(t_long)
+    per_node = (b - a) / n_nodes
+    return per_node if 0 < per_node <= b / (2 * n_nodes) else b / (2 * n_nodes)
+
+
+def host_copy_bandwidth(nbytes: int = 256 << 20, *, repeats: int = 5) -> float:
+    """Bytes/s of a large host memcpy (numpy copyto of nbytes, bytes copied / median seconds; the memory
+    traffic is twice that, a read and a write), a proxy for DRAM bandwidth."""
+    if nbytes < 1:
+        raise EdgeMoeError(f"nbytes={nbytes}: copy at least one byte")
+    src = np.ones(nbytes, np.uint8)  # pages touched before timing
+    dst = np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def h2d_bandwidth(device: int, *, pinned: bool, nbytes: int = 64 << 20,
+                  min_seconds: float = 0.05) -> float | None:
+    """Bytes/s of ggml_backend_tensor_set of nbytes from host memory into a buffer on `device` (median of
+    timed copies, at least 5 and min_seconds of them). pinned=True stages from the device's host buffer
+    type (ggml_backend_dev_host_buffer_type: pinned memory on CUDA) and returns None when it has none;
+    pinned=False from ordinary (pageable) numpy memory."""
+    if nbytes < 1:
+        raise EdgeMoeError(f"nbytes={nbytes}: copy at least one byte")
+    native.require_ggml()
+    with ExitStack() as stack:
+        if pinned:
+            host_buft = native.device_host_buffer_type(device)
+            if host_buft is None:
+                return None
+            host = native.buft_alloc_buffer(host_buft, nbytes)
+            stack.callback(native.buffer_free, host)
+            native.buffer_clear(host, 1)
+            src = native.buffer_base(host)
+        else:
+            arr = np.ones(nbytes, np.uint8)  # a local: alive until the copies are done
+            src = arr.ctypes.data
+        ctx = native.ggml_context(1)
+        stack.callback(native.ggml_context_free, ctx)
+        t = native.ggml_new_tensor(ctx, native.GGML_TYPE_I8, (nbytes,))
+        stack.callback(native.buffer_free, native.alloc_ctx_tensors(ctx, native.device_buffer_type(device)))
+
+        def copy() -> None:
+            native.tensor_set(t, src, 0, nbytes)
+
+        seconds = _median_call(copy, lambda i: None, min_seconds)
+    return nbytes / seconds

@@ -1,0 +1,355 @@
+"""`edgemoe simulate`: replay a routing trace through stock llama.cpp placements and edgemoe's policies
+on a machine profile, with an event-level timing model of each decode step and prefill ubatch.
+
+Per step, layer by layer: the layer's matrices and attention run on the GPU (on the CPU without
+one); each routed expert runs where it is (a GPU-resident expert on the GPU, the others on the CPU
+with a hand-off each way, or, for a prefill ubatch of 32 tokens or more, copied to the GPU for the
+op as llama.cpp's op offload does); the expert cache's loads go on a copy stream of their own and a
+layer that needs a slot still loading waits for it. `overlap=False` is what the current build does
+(the CPU branch and the GPU branch of a layer run one after the other); `overlap=True` projects the
+DESIGN's CPU/GPU overlap. Host work per call (Python, sampling) and per graph node comes from the
+profile. Everything is a projection: docs/performance-model.md says how it was validated.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..analysis.trace import DECODE, PREFILL
+from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, vram_plan
+from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
+from .costmodel import LayerCosts, ModelShape
+from .profile import MachineProfile
+from .workload import Step, Workload
+
+OFFLOAD_MIN_TOKENS = 32  # llama.cpp's CUDA backend offloads an op on host weights from this batch size
+CPU_NODES_PER_SPLIT = 8  # graph nodes a layer's CPU expert branch adds (mul_mat_id x3, glu, weights, sums)
+GATE_NODES_PER_LAYER = 2  # ggml_moe_gate ids + weights (patch 0009)
+CACHE_NODES_PER_LAYER = 12  # the expert cache's second expert FFN and its table lookups (patch 0011)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    kind: str  # "stock" | "edgemoe"
+    gpu_expert_layers: frozenset[int] = frozenset()  # layers whose experts all live on the GPU (stock)
+    policy: str | None = None  # edgemoe expert cache policy
+    slots: Mapping[int, int] = field(default_factory=dict)  # per MoE layer
+    gated: bool = False
+    blocking: bool = False
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    kind: str
+    decode_tps: float
+    prefill_tps: float
+    ttft_s: float
+    hit_rate: float | None  # routed slots served by a GPU-resident expert (None: no cache)
+    decode_hit_rate: float | None
+    pcie_bytes_per_token: float  # decode: expert bytes copied host-to-device per token
+    bottleneck: str  # "gpu" | "cpu" | "pcie" | "host" of decode
+    busy: dict[str, float]  # decode share of time each resource works
+    note: str = ""
+
+
+@dataclass
+class _Acc:
+    time: float = 0.0
+    cpu: float = 0.0
+    gpu: float = 0.0
+    host: float = 0.0
+    pcie: float = 0.0
+    hits: int = 0
+    misses: int = 0
+
+
+class _Run:
+    """One configuration's replay: clock, copy stream, residency."""
+
+    def __init__(self, cfg: Config, shape: ModelShape, prof: MachineProfile, nodes: tuple[int, int],
+                 policy: ResidencyPolicy | None, *, overlap: bool, on_gpu: bool) -> None:
+        self.cfg, self.shape, self.prof, self.overlap = cfg, shape, prof, overlap
+        self.nodes_pp, self.nodes_tg = nodes
+        self.policy = policy
+        self.cpu = LayerCosts.of(prof.cpu, shape)
+        self.gpu = LayerCosts.of(prof.gpu, shape) if on_gpu and prof.gpu is not None else None
+        self.clock = 0.0
+        self.link_free = 0.0
+        self.ready: dict[tuple[int, int], float] = {}  # (layer, expert) -> when its load completes
+        self.resident: dict[int, dict[int, int]] = {}  # layer -> expert -> slot
+        self.on_gpu = self.gpu is not None
+        if policy is not None:
+            self._queue(policy.initial_loads(), start=0.0)
+            self.clock = self.link_free  # the initial placement is loaded before the first token
+
+    # -- copy stream --------------------------------------------------------------------------
+    def _queue(self, loads: list[Any], start: float) -> float:
+        t = max(self.link_free, start)
+        nbytes = 0
+        for ld in loads:
+            slots = self.resident.setdefault(ld.layer, {})
+            for e in [e for e, s in slots.items() if s == ld.slot or e == ld.expert]:
+                del slots[e]
+            slots[ld.expert] = ld.slot
+            b = self.shape.expert_bytes(ld.layer)
+            nbytes += b
+            if self.prof.link is not None and self.on_gpu:
+                t += b / self.prof.link.h2d_pageable
+            self.ready[(ld.layer, ld.expert)] = t
+        self.link_free = t
+        return nbytes
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, s: Step, acc: _Acc) -> float:
+        start = self.clock
+        t = start
+        n = s.n_tokens
+        out_tokens = 1  # llama.cpp computes logits for the last token of a ubatch (and each decode token)
+        main = self.gpu or self.cpu
+        pending: list[Any] = []
+        moe_index = {il: j for j, il in enumerate(self.shape.moe_layers)}
+        n_cpu_splits = 0
+        for ly in self.shape.layers:
+            d = main.dense(ly.il, n) + main.attention(ly.il, n, s.kv_len)
+            t += d
+            self._busy(acc, d, gpu=self.on_gpu)
+            j = moe_index.get(ly.il)
+            if j is None:
+                continue
+            ids = s.ids[:, j, :]
+            counts = s.counts(j)
+            if not self.on_gpu:
+                c = self.cpu.experts(ly.il, counts)
+                t += c
+                acc.cpu += c
+                continue
+            t, split = self._moe_layer(ly.il, ids, counts, s, t, acc, pending)
+            n_cpu_splits += split
+        h = main.head(out_tokens)
+        t += h
+        self._busy(acc, h, gpu=self.on_gpu)
+        host = self._host(s, n_cpu_splits)
+        t += host
+        acc.host += host
+        if pending:
+            acc.pcie += self._queue(pending, start=t)
+        acc.time += t - start
+        self.clock = t
+        return t - start
+
+    def _busy(self, acc: _Acc, dt: float, *, gpu: bool) -> None:
+        if gpu:
+            acc.gpu += dt
+        else:
+            acc.cpu += dt
+
+    def _moe_layer(self, il: int, ids: Any, counts: dict[int, int], s: Step, t: float, acc: _Acc,
+                   pending: list[Any]) -> tuple[float, int]:
+        assert self.gpu is not None and self.prof.link is not None
+        link = self.prof.link
+        if il in self.cfg.gpu_expert_layers:
+            g = self.gpu.experts(il, counts)
+            acc.gpu += g
+            return t + g, 0
+        if self.policy is not None:
+            loads = self.policy.on_route(il, ids)
+            if self.policy.blocking and loads:
+                acc.pcie += self._queue(loads, start=t)
+            elif loads:
+                pending += loads
+            resident = self.resident.get(il, {})
+            gpu_e = {e: c for e, c in counts.items() if e in resident}
+            hits = sum(gpu_e.values())
+            acc.hits += hits
+            acc.misses += sum(counts.values()) - hits
+        else:
+            gpu_e = {}
+        cpu_e = {e: c for e, c in counts.items() if e not in gpu_e}
+        wait = max([self.ready.get((il, e), 0.0) for e in gpu_e] + [t]) - t  # slots still loading
+        g = self.gpu.experts(il, gpu_e)
+        split = 0
+        if cpu_e and s.n_tokens >= OFFLOAD_MIN_TOKENS:
+            nbytes = self.shape.expert_bytes(il) * len(cpu_e)  # op offload copies the used experts
+            copy = nbytes / link.h2d_pageable
+            acc.pcie += nbytes
+            g += copy + self.gpu.experts(il, cpu_e)
+            c = 0.0
+        elif cpu_e:
+            c = 2 * link.latency_s + self.cpu.experts(il, cpu_e)
+            acc.cpu += c - 2 * link.latency_s
+            split = 1
+        else:
+            c = 0.0
+        acc.gpu += g
+        work = max(wait + g, c) if self.overlap else wait + g + c
+        return t + work, split
+
+    def _host(self, s: Step, n_cpu_splits: int) -> float:
+        prof = self.prof
+        nodes = self.nodes_pp if s.phase == PREFILL else self.nodes_tg
+        moe = len(self.shape.moe_layers)
+        if self.cfg.gated and (s.phase == DECODE):
+            nodes += GATE_NODES_PER_LAYER * moe
+        if self.cfg.policy is not None:
+            nodes += CACHE_NODES_PER_LAYER * moe
+        per_node = prof.gpu.node_s if self.on_gpu and prof.gpu is not None else prof.cpu.node_s
+        t = prof.host.call_s + prof.host.vocab_s * self.shape.n_vocab + nodes * per_node
+        if self.on_gpu:
+            t += n_cpu_splits * CPU_NODES_PER_SPLIT * prof.cpu.node_s
+        return t
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    vram: int  # bytes of GPU memory the model may use (0: CPU only)
+    n_ctx: int = 4096
+    n_ubatch: int = 512
+    policies: tuple[str, ...] = ("lru", "static")
+    gated: bool = False  # the workload carries a gate: add gated variants
+    blocking: bool = False
+    overlap: bool = False
+    calibration: Path | None = None
+
+
+@dataclass
+class SimResult:
+    model: str
+    profile: str
+    vram: int
+    slots_per_layer: int
+    n_cpu_moe: int | None
+    workload_note: str
+    configs: list[ConfigResult]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["configs"] = [asdict(c) for c in self.configs]
+        return d
+
+
+def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tuple[list[Config], int, int | None]:
+    """Stock placements and edgemoe policies at the budget; CPU only (no GPU in the profile, or --vram 0):
+    stock llama.cpp on the CPU and edgemoe on the CPU (its gate is the only difference)."""
+    moe = shape.moe_layers
+    if not prof.has_gpu or spec.vram <= 0:
+        cfgs = [Config("stock-cpu", "stock"), Config("edgemoe-cpu", "edgemoe")]
+        if spec.gated:
+            cfgs.append(Config("edgemoe-cpu-gated", "edgemoe", gated=True))
+        return cfgs, 0, None
+    plan = vram_plan(shape.info, spec.vram, n_ctx=spec.n_ctx, reserve_bytes=VRAM_RESERVE)
+    if not plan.dense_fits:
+        return [], 0, None
+    slots = plan.experts_per_layer
+    n_cpu = best_n_cpu_moe(shape.info, spec.vram, spec.n_ctx)
+    cfgs = [Config("stock-ot-exps-cpu", "stock")]
+    if n_cpu is not None and n_cpu < len(moe):
+        cfgs.append(Config(f"stock-n-cpu-moe-{n_cpu}", "stock", gpu_expert_layers=frozenset(moe[n_cpu:])))
+    for pol in spec.policies:
+        for gated in (False, True) if spec.gated else (False,):
+            cfgs.append(Config(f"edgemoe-{pol}" + ("-gated" if gated else ""), "edgemoe", policy=pol,
+                               slots={il: slots for il in moe}, gated=gated, blocking=spec.blocking))
+    return cfgs, slots, n_cpu
+
+
+def run_config(cfg: Config, work: Workload, shape: ModelShape, prof: MachineProfile, nodes: tuple[int, int], *,
+               on_gpu: bool, overlap: bool = False, calibration: Path | None = None,
+               frequency: Mapping[int, Any] | None = None) -> ConfigResult:
+    """Replay the workload's steps in order through one configuration."""
+    policy: ResidencyPolicy | None = None
+    if cfg.policy is not None:
+        if cfg.policy == "static" and frequency is not None:
+            policy = StaticPolicy(frequency, dict(cfg.slots))
+        else:
+            policy = make_policy(cfg.policy, dict(cfg.slots), blocking=cfg.blocking, calibration=calibration,
+                                 n_expert=shape.n_expert)
+    run = _Run(cfg, shape, prof, nodes, policy, overlap=overlap, on_gpu=on_gpu)
+    pre, dec = _Acc(), _Acc()
+    seq_pre: dict[int, float] = {}
+    for s in work.steps:
+        dt = run.step(s, pre if s.phase == PREFILL else dec)
+        if s.phase == PREFILL:
+            seq_pre[s.seq] = seq_pre.get(s.seq, 0.0) + dt
+    n_dec, n_pre = work.tokens(DECODE), work.tokens(PREFILL)
+    hits, slots = pre.hits + dec.hits, pre.hits + dec.hits + pre.misses + dec.misses
+    busy = {k: (getattr(dec, k) / dec.time if dec.time else 0.0) for k in ("gpu", "cpu", "host")}
+    busy["pcie"] = (dec.pcie / prof.link.h2d_pageable / dec.time) if prof.link is not None and dec.time else 0.0
+    return ConfigResult(
+        name=cfg.name, kind=cfg.kind,
+        decode_tps=n_dec / dec.time if dec.time else 0.0,
+        prefill_tps=n_pre / pre.time if pre.time else 0.0,
+        ttft_s=sum(seq_pre.values()) / len(seq_pre) if seq_pre else 0.0,
+        hit_rate=hits / slots if policy is not None and slots else None,
+        decode_hit_rate=dec.hits / (dec.hits + dec.misses) if policy is not None and dec.hits + dec.misses else None,
+        pcie_bytes_per_token=dec.pcie / n_dec if n_dec else 0.0,
+        bottleneck=max(busy, key=lambda k: busy[k]) if dec.time else "-",
+        busy=busy)
+
+
+def estimate_graph_nodes(shape: ModelShape) -> tuple[int, int]:
+    """Nodes of llama.cpp's graphs when no trace of this model recorded them: about 60 per layer with
+    experts, 52 per layer without (the fixtures' counts, 486 and 422 for 8 layers), plus the head."""
+    n = sum(60 if ly.expert else 52 for ly in shape.layers) + 6
+    return n, n
+
+
+def static_frequency(work: Workload) -> dict[int, Any]:
+    """Routing counts per MoE layer over a workload's steps (the static policy's placement)."""
+    import numpy as np
+
+    counts = {il: np.zeros(work.n_expert, np.int64) for il in work.moe_layers}
+    for s in work.steps:
+        for j, il in enumerate(work.moe_layers):
+            flat = s.ids[:, j, :].reshape(-1)
+            np.add.at(counts[il], flat[flat >= 0], 1)
+    return counts
+
+
+def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
+             gating: Any = None) -> SimResult:
+    """Replay `trace` (edgemoe.analysis.trace.Trace) on `model`'s shapes through every configuration."""
+    from ..policies.residency import load_frequency
+    from .workload import build_workload
+
+    shape = ModelShape.read(model)
+    cfgs, slots, n_cpu = plan_configs(shape, prof, spec)
+    notes = []
+    if not cfgs:
+        notes.append(f"the dense part and KV cache of {shape.name} do not fit {spec.vram / 2**30:.1f} GiB")
+    recorded = trace.meta.get("graph_nodes")
+    if recorded and Path(str(trace.meta.get("model", ""))).name == shape.name:
+        nodes = (int(recorded[0]), int(recorded[1]))
+    else:
+        nodes = estimate_graph_nodes(shape)
+        notes.append(f"graph nodes estimated ({nodes[1]} per decode step)")
+    moe, n_exp, k = shape.moe_layers, shape.n_expert, shape.n_expert_used
+    first_seq, frequency = 0, None
+    if any(c.policy == "static" for c in cfgs):
+        if spec.calibration is not None:
+            frequency = load_frequency(spec.calibration, n_expert=n_exp, layers=list(moe))
+        else:  # place by the first half of the trace's sequences, replay the second half (for every config)
+            seqs = sorted({int(x) for x in trace.seq})
+            first_seq = seqs[len(seqs) // 2] if len(seqs) > 1 else 0
+            frequency = static_frequency(build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch))
+            if first_seq:
+                head = build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch)
+                frequency = static_frequency(Workload(tuple(s for s in head.steps if s.seq < first_seq),
+                                                      head.moe_layers, head.n_expert))
+                notes.append(f"static placement from the trace's sequences before {first_seq}; "
+                             "every configuration replays the rest")
+            else:
+                notes.append("static placement from the whole trace (one sequence only): optimistic")
+    plain = build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, first_seq=first_seq)
+    gated = (build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, gating=gating, first_seq=first_seq)
+             if gating is not None else None)
+    if plain.note:
+        notes.append(plain.note)
+    on_gpu = prof.has_gpu and spec.vram > 0
+    results = [run_config(c, gated if c.gated and gated is not None else plain, shape, prof, nodes, on_gpu=on_gpu,
+                          overlap=spec.overlap, calibration=spec.calibration, frequency=frequency)
+               for c in cfgs]
+    return SimResult(model=shape.name, profile=prof.name, vram=spec.vram, slots_per_layer=slots, n_cpu_moe=n_cpu,
+                     workload_note="; ".join(notes), configs=results)

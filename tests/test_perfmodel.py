@@ -1,0 +1,254 @@
+"""The performance model's pure parts: profiles, the cost model, workloads and the simulator's replay."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from edgemoe.analysis.trace import DECODE, PREFILL, Trace
+from edgemoe.cli.main import cli
+from edgemoe.errors import EdgeMoeError
+from edgemoe.gguf.info import read_model_info
+from edgemoe.perf.costmodel import LayerCosts, ModelShape
+from edgemoe.perf.profile import (TOKEN_GRID, Curve, HostProfile, ProfileError, RatePoint, Roofline,
+                                  bundled_profiles, load_profile, profile_from_dict)
+from edgemoe.perf.simulate import SimSpec, simulate
+from edgemoe.perf.workload import GatingSpec, build_workload
+from edgemoe.policies.gating import GatingRule
+from edgemoe.policies.residency import LruPolicy
+from edgemoe.policies.residency import simulate as replay_residency
+
+QWEN = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
+MIXTRAL = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"
+
+
+def skewed_trace(model: Path, *, n_seq: int = 4, prefill: int = 40, decode: int = 60, seed: int = 0,
+                 layers: int | None = None) -> Trace:
+    """A made-up trace for the replay mechanics (a Zipf-skewed router, not real routing)."""
+    info = read_model_info(model)
+    rng = np.random.default_rng(seed)
+    n_layer = layers or len(info.moe_layers)
+    e, k = info.n_expert, info.n_expert_used
+    p = 1.0 / np.arange(1, e + 1) ** 1.1
+    p /= p.sum()
+    n = n_seq * (prefill + decode)
+    ids = np.stack([rng.choice(e, size=k, replace=False, p=p) for _ in range(n * n_layer)]).reshape(n, n_layer, k)
+    w = np.sort(rng.dirichlet(np.ones(k), size=(n, n_layer)), axis=-1)[..., ::-1].astype(np.float32)
+    phase = np.tile(np.r_[np.full(prefill, PREFILL), np.full(decode, DECODE)], n_seq).astype(np.uint8)
+    seq = np.repeat(np.arange(n_seq), prefill + decode).astype(np.int32)
+    return Trace(tokens=np.zeros(n, np.int32), layers=np.arange(n_layer, dtype=np.int32), ids=ids.astype(np.int32),
+                 weights=w, phase=phase, seq=seq, meta={"n_expert": e, "model": "made-up"})
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+def test_curve_interpolates_between_points_and_scales_past_the_last() -> None:
+    c = Curve((RatePoint(1, 1e-6, 1e-10, 5e-11), RatePoint(4, 2e-6, 2e-10, 1e-10)))
+    assert c.rate(1) == c.points[0] and c.rate(4).s_per_byte == pytest.approx(2e-10)
+    mid = c.rate(2)
+    assert 1e-10 < mid.s_per_byte < 2e-10 and 1e-6 < mid.fixed_s < 2e-6
+    assert c.rate(16).s_per_byte == pytest.approx(8e-10)  # compute-bound: four times the tokens
+    assert c.seconds(1e6, 1) == pytest.approx(1e-6 + 1e-4)
+    assert c.seconds(1e6, 1, hot=True) == pytest.approx(1e-6 + 5e-5)
+
+
+def test_roofline_is_memory_bound_for_one_token_and_compute_bound_for_many() -> None:
+    r = Roofline(mem_bw=100e9, flops=1e12)
+    c = r.curve("Q4_K")
+    assert c.rate(1).s_per_byte == pytest.approx(1 / 100e9)
+    wpb = 256 / 144
+    assert c.rate(512).s_per_byte == pytest.approx(2 * 512 * wpb / 1e12)
+    assert [p.tokens for p in c.points] == list(TOKEN_GRID)
+
+
+def test_bundled_profiles_load_and_name_their_sources() -> None:
+    names = bundled_profiles()
+    assert {"rtx4060-laptop", "rtx4090-desktop", "h100-server"} <= set(names)
+    for name in names:
+        p = load_profile(name)
+        assert p.kind == "spec" and p.has_gpu and len(p.sources) >= 2
+        assert p.gpu is not None and p.gpu.roofline.mem_bw > p.cpu.roofline.mem_bw
+        assert p.link is not None and p.link.h2d_pinned >= p.link.h2d_pageable
+
+
+def test_profile_round_trips_and_bad_files_say_what_to_do(tmp_path: Path) -> None:
+    p = load_profile("rtx4060-laptop")
+    path = p.save(tmp_path / "p.json")
+    assert load_profile(path) == p
+    with pytest.raises(ProfileError, match="bundled"):
+        load_profile(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_profile(tmp_path / "bad.json")
+    d = p.to_dict()
+    del d["cpu"]["roofline"]
+    with pytest.raises(ProfileError, match="edgemoe profile"):
+        profile_from_dict(d)
+    d = p.to_dict()
+    d["format"] = 99
+    with pytest.raises(ProfileError, match="format"):
+        profile_from_dict(d)
+
+
+# --------------------------------------------------------------------------- the cost model
+
+
+def test_model_shape_reads_expert_slices_dense_matrices_and_head() -> None:
+    shape = ModelShape.read(QWEN)
+    info = read_model_info(QWEN)
+    assert shape.moe_layers == info.moe_layers
+    for il in info.moe_layers:
+        assert shape.expert_bytes(il) == info.bytes_per_expert_by_layer[il]
+        assert len(shape.layer(il).dense) >= 4  # q, k, v, o projections and the router
+    assert shape.head.nbytes > 0 and shape.n_vocab == info.n_vocab
+
+
+def test_layer_costs_grow_with_tokens_and_context() -> None:
+    prof = load_profile("rtx4060-laptop")
+    costs = LayerCosts.of(prof.cpu, ModelShape.read(QWEN))
+    assert costs.hot  # 10 MB of weights fit a 24 MiB cache
+    assert costs.expert(0, 64) > costs.expert(0, 1) > 0
+    assert costs.attention(0, 1, 400) > costs.attention(0, 1, 10)
+    assert costs.decode_step(100) > costs.decode_step(100, experts_per_layer=1)
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def test_workload_splits_prefill_into_ubatches_and_counts_the_cache() -> None:
+    tr = skewed_trace(QWEN, n_seq=2, prefill=40, decode=5)
+    info = read_model_info(QWEN)
+    w = build_workload(tr, info.moe_layers, info.n_expert, info.n_expert_used, n_ubatch=16)
+    pre = [s for s in w.steps if s.phase == PREFILL]
+    assert [s.n_tokens for s in pre] == [16, 16, 8] * 2 and [s.kv_len for s in pre[:3]] == [0, 16, 32]
+    dec = [s for s in w.steps if s.phase == DECODE]
+    assert [s.kv_len for s in dec[:5]] == [40, 41, 42, 43, 44] and all(s.n_tokens == 1 for s in dec)
+    assert w.tokens(PREFILL) == 80 and w.tokens(DECODE) == 10
+
+
+def test_workload_gating_drops_decode_slots_only_and_never_the_first() -> None:
+    tr = skewed_trace(QWEN)
+    info = read_model_info(QWEN)
+    g = build_workload(tr, info.moe_layers, info.n_expert, 4, gating=GatingSpec(GatingRule.SER, 0.9))
+    dropped = sum(int((s.ids < 0).sum()) for s in g.steps if s.phase == DECODE)
+    assert dropped > 0
+    assert all((s.ids >= 0).all() for s in g.steps if s.phase == PREFILL)
+    assert all((s.ids[:, :, 0] >= 0).all() for s in g.steps)
+
+
+def test_workload_refuses_another_routing_shape_and_cycles_layers() -> None:
+    info = read_model_info(QWEN)
+    with pytest.raises(EdgeMoeError, match="top-2 of 8"):
+        build_workload(skewed_trace(MIXTRAL), info.moe_layers, info.n_expert, info.n_expert_used)
+    w = build_workload(skewed_trace(QWEN, layers=3), info.moe_layers, info.n_expert, info.n_expert_used)
+    assert "mod 3" in w.note
+    assert np.array_equal(w.steps[0].ids[:, 3, :], w.steps[0].ids[:, 0, :])
+
+
+# --------------------------------------------------------------------------- the simulator
+
+
+def _by_name(res):  # type: ignore[no-untyped-def]
+    return {c.name: c for c in res.configs}
+
+
+def test_simulated_lru_hit_rate_equals_the_residency_replay() -> None:
+    tr = skewed_trace(QWEN)
+    info = read_model_info(QWEN)
+    prof = load_profile("rtx4060-laptop")
+    res = simulate(QWEN, tr, prof, SimSpec(vram=518 * 2**20, n_ctx=512, policies=("lru",)))
+    slots = res.slots_per_layer
+    assert 0 < slots < info.n_expert
+    w = build_workload(tr, info.moe_layers, info.n_expert, info.n_expert_used)
+    steps = [[(il, s.ids[:, j, :]) for j, il in enumerate(info.moe_layers)] for s in w.steps]
+    want = replay_residency(LruPolicy({il: slots for il in info.moe_layers}), steps)
+    assert _by_name(res)["edgemoe-lru"].hit_rate == pytest.approx(want.hit_rate)
+
+
+def test_simulation_configurations_follow_the_budget() -> None:
+    tr = skewed_trace(QWEN)
+    prof = load_profile("rtx4060-laptop")
+    small = simulate(QWEN, tr, prof, SimSpec(vram=517 * 2**20, n_ctx=512))
+    big = simulate(QWEN, tr, prof, SimSpec(vram=2**30, n_ctx=512))
+    assert big.slots_per_layer == 32 and big.n_cpu_moe == 0
+    assert _by_name(big)["edgemoe-static"].hit_rate == 1.0
+    assert small.slots_per_layer < big.slots_per_layer
+    s, b = _by_name(small), _by_name(big)
+    assert b["edgemoe-lru"].hit_rate > s["edgemoe-lru"].hit_rate
+    assert b["edgemoe-static"].decode_tps > s["edgemoe-static"].decode_tps
+    assert all(c.name.startswith("stock-") for c in small.configs if c.kind == "stock")
+    assert {"stock-ot-exps-cpu", "edgemoe-lru", "edgemoe-static"} <= set(s)
+
+
+def test_overlap_and_cpu_only_projections() -> None:
+    tr = skewed_trace(QWEN)
+    prof = load_profile("rtx4060-laptop")
+    spec = SimSpec(vram=518 * 2**20, n_ctx=512, policies=("lru",))
+    serial = _by_name(simulate(QWEN, tr, prof, spec))["edgemoe-lru"]
+    overlap = _by_name(simulate(QWEN, tr, prof, dataclasses.replace(spec, overlap=True)))["edgemoe-lru"]
+    assert overlap.decode_tps >= serial.decode_tps
+    # without host and node costs a gate that drops experts can only make a CPU step faster
+    free = dataclasses.replace(prof, host=HostProfile(0.0, 0.0),
+                               cpu=dataclasses.replace(prof.cpu, node_s=0.0))
+    cpu = _by_name(simulate(QWEN, tr, free, SimSpec(vram=0, gated=True),
+                            gating=GatingSpec(GatingRule.SER, 0.9)))
+    assert set(cpu) == {"stock-cpu", "edgemoe-cpu", "edgemoe-cpu-gated"}
+    assert cpu["stock-cpu"].decode_tps == cpu["edgemoe-cpu"].decode_tps
+    assert cpu["edgemoe-cpu-gated"].decode_tps > cpu["edgemoe-cpu"].decode_tps
+    assert cpu["stock-cpu"].hit_rate is None and cpu["stock-cpu"].pcie_bytes_per_token == 0
+
+
+def test_simulate_cli_json_has_the_documented_fields(tmp_path: Path) -> None:
+    tr = skewed_trace(QWEN).save(tmp_path / "t.npz")
+    r = CliRunner().invoke(cli, ["simulate", str(QWEN), "--trace", str(tr), "--profile", "rtx4090-desktop",
+                                 "--vram", "518MiB", "--ctx", "512", "--gating", "ser", "--threshold", "0.5",
+                                 "--json", "--plot", str(tmp_path / "p.png")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    for c in d["configs"]:
+        assert {"name", "decode_tps", "prefill_tps", "ttft_s", "hit_rate", "pcie_bytes_per_token",
+                "bottleneck"} <= set(c)
+        assert c["decode_tps"] > 0 and c["prefill_tps"] > 0
+    assert any(c["name"] == "edgemoe-lru-gated" for c in d["configs"])
+    assert (tmp_path / "p.png").stat().st_size > 0
+    text = CliRunner().invoke(cli, ["simulate", str(QWEN), "--trace", str(tr), "--profile", "rtx4060-laptop",
+                                    "--vram", "0"], catch_exceptions=False).output
+    assert "PROJECTED" in text and "stock-cpu" in text
+    bad = CliRunner().invoke(cli, ["simulate", str(QWEN), "--trace", str(tr), "--profile", "nope"])
+    assert bad.exit_code != 0 and "bundled" in bad.output
+    half = CliRunner().invoke(cli, ["simulate", str(QWEN), "--trace", str(tr), "--profile", "rtx4060-laptop",
+                                    "--gating", "ser"])
+    assert half.exit_code != 0 and "--threshold" in half.output
+
+
+# --------------------------------------------------------------------------- profiling
+
+
+def test_curve_fit_splits_fixed_and_per_byte_time() -> None:
+    from edgemoe.perf.profiling import _fit
+
+    small = {c: 2e-6 + 1e-10 * c * 1000 for c in (1, 8)}
+    large = {c: 2e-6 + 1e-10 * c * 9000 for c in (1, 8)}
+    fit = _fit(small, large, 1000, 9000)
+    assert [c for c, _, _ in fit] == [1, 8]
+    for c, fixed, per_byte in fit:
+        assert fixed == pytest.approx(2e-6) and per_byte == pytest.approx(1e-10 * c)
+
+
+@pytest.mark.slow
+def test_profile_command_measures_this_machine(tmp_path: Path) -> None:
+    out = tmp_path / "me.json"
+    r = CliRunner().invoke(cli, ["profile", "--out", str(out), "-t", "1"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    prof = load_profile(out)
+    assert prof.kind == "measured" and prof.cpu.threads == 1
+    assert {"Q4_K", "Q8_0"} <= set(prof.cpu.expert) and {"F16", "F32"} <= set(prof.cpu.matmul)
+    q4 = prof.cpu.expert["Q4_K"]
+    assert q4.seconds(2_654_208, 512) > 10 * q4.seconds(2_654_208, 1)
+    assert prof.host.call_s >= 0 and prof.host.vocab_s >= 0 and prof.cpu.node_s > 0
+    assert prof.cpu.roofline.mem_bw > 1e9

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Projected tables (docs/performance-model.md): model shapes x bundled profiles x VRAM budgets.
+
+Every figure is a projection of `edgemoe simulate` (edgemoe.perf.simulate) from a specification
+profile, replaying a routing trace: the fixtures' traces on held-out text (real routing of trained
+models) for the shapes with the same expert count and top-k, the random-weight synthetic model's
+own trace where no trained model of that routing shape exists (labelled: no expert locality).
+
+    .venv/bin/python tools/synth_gguf.py qwen3-30b-a3b --shape-only --out .build/shapes/qwen3-30b-a3b.Q4_K.gguf
+    .venv/bin/python tools/synth_gguf.py gpt-oss-20b --type MXFP4 --shape-only --out .build/shapes/gpt-oss-20b.MXFP4.gguf
+    .venv/bin/python tools/synth_gguf.py mixtral-8x7b --shape-only --out .build/shapes/mixtral-8x7b.Q4_K.gguf
+    .venv/bin/python tools/project_tables.py --markdown            # traces as in SHAPES below
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edgemoe.analysis.trace import Trace  # noqa: E402
+from edgemoe.perf.profile import load_profile  # noqa: E402
+from edgemoe.perf.simulate import SimSpec, simulate  # noqa: E402
+from edgemoe.perf.workload import GatingSpec  # noqa: E402
+from edgemoe.policies.gating import GatingRule  # noqa: E402
+
+B = Path(".build")
+SHAPES = {  # shape -> (GGUF with its header, routing trace, what the trace is)
+    "Qwen3-30B-A3B": (B / "shapes/qwen3-30b-a3b.Q4_K.gguf", B / "traces/synth-qwen3-30b-a3b-tinyshakespeare.npz",
+                      "random-weight synthetic qwen3-30b-a3b on held-out Shakespeare (no expert locality: "
+                      "cache hit rates are pessimistic)"),
+    "gpt-oss-20b": (B / "shapes/gpt-oss-20b.MXFP4.gguf", B / "traces/qwen3moe-python-docs.npz",
+                    "trained tiny qwen3moe fixture (32 experts, top-4, as gpt-oss-20b) on held-out Python docs, "
+                    "its 8 MoE layers reused in turn for the 24"),
+    "Mixtral-8x7B": (B / "shapes/mixtral-8x7b.Q4_K.gguf", B / "traces/mixtral-python-docs.npz",
+                     "trained tiny Mixtral-style fixture (8 experts, top-2) on held-out Python docs, its 8 MoE "
+                     "layers reused in turn for the 32"),
+}
+PROFILES = ("rtx4060-laptop", "rtx4090-desktop", "h100-server")
+BUDGETS_GIB = (6, 8, 12)
+GATE = GatingSpec(GatingRule.SER, 0.4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    out = []
+    for shape, (model, trace_path, what) in SHAPES.items():
+        trace = Trace.load(trace_path)
+        if args.markdown:
+            print(f"\n### {shape} (PROJECTED; routing: {what})\n")
+            print("| profile | VRAM | slots/layer | configuration | decode tok/s | prefill tok/s | hit rate | "
+                  "PCIe MB/token | bottleneck |")
+            print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+        for prof_name in PROFILES:
+            prof = load_profile(prof_name)
+            for gib in BUDGETS_GIB:
+                res = simulate(model, trace, prof, SimSpec(vram=gib * 2**30, n_ctx=4096, gated=True), gating=GATE)
+                for ov in (False, True):
+                    if ov:  # the DESIGN's CPU/GPU overlap, for the edgemoe configurations only
+                        extra = simulate(model, trace, prof, SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True,
+                                                                     policies=("static",)))
+                        rows = [c for c in extra.configs if c.kind == "edgemoe"]
+                        for c in rows:
+                            c.name += " +overlap"
+                    else:
+                        rows = res.configs
+                    for c in rows:
+                        out.append({"shape": shape, "profile": prof_name, "vram_gib": gib,
+                                    "slots_per_layer": res.slots_per_layer, **c.__dict__})
+                        if args.markdown:
+                            hit = f"{c.hit_rate:.3f}" if c.hit_rate is not None else "-"
+                            print(f"| {prof_name} | {gib} GiB | {res.slots_per_layer} | {c.name} | {c.decode_tps:.1f} | "
+                                  f"{c.prefill_tps:.0f} | {hit} | {c.pcie_bytes_per_token / 1e6:.1f} | {c.bottleneck} |")
+    if args.json:
+        args.json.write_text(json.dumps({"projected": True, "rows": out}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
