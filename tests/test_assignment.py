@@ -18,7 +18,9 @@ from edgemoe.policies.assignment import (
     decode_miss_costs,
     exact_assign,
     greedy_assign,
+    make_assigner,
     optimal_assign,
+    ratio_assign,
     workload_from_ids,
 )
 
@@ -54,7 +56,7 @@ def brute_makespan(workload: dict[int, int], resident: set[int], cost: CostModel
     return best if active else 0.0
 
 
-SOLVERS = [greedy_assign, optimal_assign, exact_assign]
+SOLVERS = [greedy_assign, ratio_assign, optimal_assign, exact_assign]
 
 
 @pytest.mark.parametrize("solve", SOLVERS)
@@ -94,10 +96,13 @@ def test_hand_computed_optimum_in_both_transfer_modes() -> None:
         assert (a.cpu, a.gpu, a.makespan) == ((0,), (1, 2), 15.0)
     serial = affine((0.0, 10.0), (0.0, 1.0), 5.0, mode=TransferMode.SERIAL)
     # GPU times w + 5 = 6, 7, 15: all GPU 28; {0} CPU max(10, 22); {1} CPU max(20, 21) = 21 best
-    for solve in SOLVERS:
+    for solve in (greedy_assign, optimal_assign, exact_assign):
         a = solve(work, set(), serial)
         assert (a.cpu, a.gpu, a.t_cpu, a.t_gpu) == ((1,), (0, 2), 20.0, 21.0)
         assert a.t_transfer == 10.0
+    # ratios c/g = 10/6, 20/7, 100/15: order 2, 1, 0; the cuts give 130, 30, 22, 28: one above the optimum
+    r = ratio_assign(work, set(), serial)
+    assert (r.cpu, r.gpu, r.makespan) == ((0,), (1, 2), 22.0)
 
 
 def test_greedy_is_dalis_single_pass_and_can_miss_the_optimum() -> None:
@@ -108,14 +113,20 @@ def test_greedy_is_dalis_single_pass_and_can_miss_the_optimum() -> None:
     g = greedy_assign(work, set(work), cost)
     assert (g.gpu, g.cpu, g.makespan) == ((0, 2, 4), (1, 3), 7.0)
     assert optimal_assign(work, set(work), cost).makespan == 6.0
+    # every ratio is 1: the cuts of the id order; the first two on the GPU balance at 6
+    r = ratio_assign(work, set(work), cost)
+    assert (r.gpu, r.cpu, r.makespan) == ((0, 1), (2, 3, 4), 6.0)
 
 
-def test_handoff_can_make_all_gpu_optimal() -> None:
-    cost = affine((0.0, 1.0), (0.0, 1.0), 1.0, handoff=100.0)
-    work = {0: 5, 1: 6, 2: 7}
-    for solve in SOLVERS:
-        a = solve(work, set(), cost)
-        assert a.cpu == () and a.t_cpu == 0.0 and a.makespan == 18.0
+def test_ratio_fills_the_gpu_with_the_experts_the_cpu_is_worst_at() -> None:
+    # transfer-bound GPU (pipelined, nothing resident): every expert costs its copy, 10, on the GPU,
+    # so the CPU should take the smallest workloads: GPU {23, 19} = 20, CPU 13 + 12 + 4 + 1 = 30.
+    # DALI visits by |g - c| (23, 19, 1, 4, 13, 12) and alternates: GPU {23, 1, 13} = 30, CPU {19, 4, 12} = 35
+    cost = affine((0.0, 1.0), (0.0, 0.1), 10.0)
+    work = {0: 23, 1: 19, 2: 13, 3: 12, 4: 4, 5: 1}
+    r, g = ratio_assign(work, set(), cost), greedy_assign(work, set(), cost)
+    assert (r.gpu, r.makespan) == ((0, 1), 30.0) and optimal_assign(work, set(), cost).makespan == 30.0
+    assert (g.gpu, g.cpu, g.makespan) == ((0, 2, 5), (1, 3, 4), 35.0)
 
 
 def random_instance(rng: np.random.Generator, n_max: int) -> tuple[dict[int, int], set[int], CostModel]:
@@ -135,12 +146,19 @@ def test_greedy_never_beats_the_optimum_and_solvers_agree() -> None:
     ratios = []
     for _ in range(300):
         work, resident, cost = random_instance(rng, 10)
-        g, o, x = (solve(work, resident, cost) for solve in SOLVERS)
+        g, r, o, x = (solve(work, resident, cost) for solve in SOLVERS)
         ref = brute_makespan(work, resident, cost)
         assert o.makespan == pytest.approx(ref, rel=1e-12, abs=1e-15)
         assert x.makespan == pytest.approx(ref, rel=1e-12, abs=1e-15)
         assert g.makespan >= ref * (1 - 1e-12)
-        for a in (g, o, x):  # a placement: every active expert once, loads = the non-resident GPU ones
+        assert r.makespan >= ref * (1 - 1e-12)
+        # the ratio cut's bound: the optimum plus min(c_e, g_e) of one expert
+        p_c = [cost.cpu_s(w) for w in work.values() if w > 0]
+        p_g = [cost.gpu_s(w) + (cost.transfer_s() if cost.transfer_mode is TransferMode.SERIAL else 0.0)
+               for w in work.values() if w > 0]
+        slack = max((min(c, max(gg, cost.transfer_s())) for c, gg in zip(p_c, p_g)), default=0.0)
+        assert r.makespan <= ref + slack + 1e-12
+        for a in (g, r, o, x):  # a placement: every active expert once, loads = the non-resident GPU ones
             assert sorted(a.cpu + a.gpu) == sorted(e for e, w in work.items() if w > 0)
             assert set(a.load) == set(a.gpu) - resident
         ratios.append(g.makespan / ref if ref else 1.0)
@@ -173,6 +191,13 @@ def test_solvers_refuse_too_many_experts() -> None:
         exact_assign({e: 1 for e in range(MAX_EXACT_EXPERTS + 1)}, set(), cost)
     # inactive experts do not count
     optimal_assign({e: int(e < 3) for e in range(64)}, set(), cost)
+
+
+def test_assigners_by_name() -> None:
+    assert make_assigner("greedy") is greedy_assign and make_assigner("ratio") is ratio_assign
+    assert make_assigner("exact") is exact_assign and make_assigner("brute-force") is optimal_assign
+    with pytest.raises(AssignmentError, match="use one of greedy, ratio"):
+        make_assigner("lpt")
 
 
 def test_bad_inputs_raise_typed_errors() -> None:
