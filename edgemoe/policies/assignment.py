@@ -17,7 +17,8 @@ modelled: the caller passes only experts it has room to load.
 
 - ``greedy_assign``: DALI's Algorithm 1, O(n log n), as the paper describes it.
 - ``ratio_assign``: the best cut of the experts ordered by CPU/GPU time ratio, O(n log n); on
-  the fixtures' prefill routes it is within 0.5% of the optimum on average, DALI's within 2-13%.
+  the fixtures' prefill routes within 1% of the optimum on average (4.9% at worst), where
+  DALI's is up to 13% above it on average (37% at worst; docs/assignment.md).
 - ``optimal_assign``: brute force over the 2^n placements (n <= 20), the reference for tests.
 - ``exact_assign``: the same optimum by meet-in-the-middle over Pareto fronts (n <= 40), so
   layers with all 32 experts active can be scored exactly.
