@@ -48,3 +48,11 @@ class EngineBusyError(EdgeMoeError):
 
 class EngineClosedError(EdgeMoeError):
     """The Engine was closed: its model and context are gone."""
+
+
+class AssignmentError(EdgeMoeError, ValueError):
+    """A CPU/GPU expert assignment got an impossible input (a negative workload, a bad cost table)."""
+
+
+class AssignmentTooLargeError(AssignmentError):
+    """An exact assignment solver was asked for more active experts than it can enumerate."""
