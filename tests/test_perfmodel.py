@@ -252,3 +252,17 @@ def test_profile_command_measures_this_machine(tmp_path: Path) -> None:
     assert q4.seconds(2_654_208, 512) > 10 * q4.seconds(2_654_208, 1)
     assert prof.host.call_s >= 0 and prof.host.vocab_s >= 0 and prof.cpu.node_s > 0
     assert prof.cpu.roofline.mem_bw > 1e9
+
+
+def test_prefill_assignment_variant_is_close_to_offloading_every_miss_or_better() -> None:
+    """Without launch and host costs (the assigner does not see them) the assignment can only lose by one
+    expert's time per layer against copying every miss (one of the placements it considers)."""
+    tr = skewed_trace(QWEN, prefill=128, decode=10)
+    prof = load_profile("rtx4060-laptop")
+    assert prof.gpu is not None
+    prof = dataclasses.replace(prof, host=HostProfile(0.0, 0.0), gpu=dataclasses.replace(prof.gpu, node_s=0.0))
+    res = _by_name(simulate(QWEN, tr, prof, SimSpec(vram=518 * 2**20, n_ctx=512, policies=("static",),
+                                                    assign="ratio")))
+    base, assigned = res["edgemoe-static"], res["edgemoe-static-ratio-assign"]
+    assert assigned.prefill_tps >= 0.95 * base.prefill_tps
+    assert assigned.decode_tps == pytest.approx(base.decode_tps)  # decode steps are not assigned

@@ -39,6 +39,7 @@ class Config:
     slots: Mapping[int, int] = field(default_factory=dict)  # per MoE layer
     gated: bool = False
     blocking: bool = False
+    assign: str | None = None  # prefill ubatches: DALI's CPU/GPU assignment (edgemoe.policies.assignment) by name
 
 
 @dataclass
@@ -104,35 +105,47 @@ class _Run:
         return nbytes
 
     # -- one step ---------------------------------------------------------------------------
+    def _nodes(self, s: Step) -> int:
+        nodes = self.nodes_pp if s.phase == PREFILL else self.nodes_tg
+        moe = len(self.shape.moe_layers)
+        if self.cfg.gated and s.phase == DECODE:
+            nodes += GATE_NODES_PER_LAYER * moe
+        if self.cfg.policy is not None:
+            nodes += CACHE_NODES_PER_LAYER * moe
+        return nodes
+
     def step(self, s: Step, acc: _Acc) -> float:
+        """One ubatch or decode token. On a GPU a layer's kernels cannot run faster than the host launches
+        them (`node_s` each): its GPU time is at least its share of the graph's nodes times the launch cost."""
         start = self.clock
         t = start
         n = s.n_tokens
-        out_tokens = 1  # llama.cpp computes logits for the last token of a ubatch (and each decode token)
         main = self.gpu or self.cpu
         pending: list[Any] = []
         moe_index = {il: j for j, il in enumerate(self.shape.moe_layers)}
+        nodes = self._nodes(s)
+        launch = nodes / max(1, len(self.shape.layers)) * self.prof.gpu.node_s if self.gpu and self.prof.gpu else 0.0
         n_cpu_splits = 0
         for ly in self.shape.layers:
             d = main.dense(ly.il, n) + main.attention(ly.il, n, s.kv_len)
-            t += d
             self._busy(acc, d, gpu=self.on_gpu)
             j = moe_index.get(ly.il)
-            if j is None:
-                continue
-            ids = s.ids[:, j, :]
-            counts = s.counts(j)
             if not self.on_gpu:
-                c = self.cpu.experts(ly.il, counts)
-                t += c
+                c = self.cpu.experts(ly.il, s.counts(j)) if j is not None else 0.0
                 acc.cpu += c
+                t += d + c
                 continue
-            t, split = self._moe_layer(ly.il, ids, counts, s, t, acc, pending)
-            n_cpu_splits += split
-        h = main.head(out_tokens)
+            g, c, wait = (0.0, 0.0, 0.0) if j is None else self._moe_layer(ly.il, s.ids[:, j, :], s.counts(j), s, t,
+                                                                            acc, pending)
+            n_cpu_splits += bool(c)
+            gpu_side = max(d + g, launch)
+            acc.host += gpu_side - (d + g)  # the GPU idles while the host launches the layer's kernels
+            t += max(wait + gpu_side, c) if self.overlap or self.cfg.assign and n > 1 else wait + gpu_side + c
+        h = main.head(1)  # llama.cpp computes logits for the last token of a ubatch (and each decode token)
         t += h
         self._busy(acc, h, gpu=self.on_gpu)
-        host = self._host(s, n_cpu_splits)
+        host = self.prof.host.call_s + self.prof.host.vocab_s * self.shape.n_vocab
+        host += n_cpu_splits * CPU_NODES_PER_SPLIT * self.prof.cpu.node_s if self.on_gpu else nodes * self.prof.cpu.node_s
         t += host
         acc.host += host
         if pending:
@@ -148,13 +161,14 @@ class _Run:
             acc.cpu += dt
 
     def _moe_layer(self, il: int, ids: Any, counts: dict[int, int], s: Step, t: float, acc: _Acc,
-                   pending: list[Any]) -> tuple[float, int]:
+                   pending: list[Any]) -> tuple[float, float, float]:
+        """(GPU time, CPU time with its hand-offs, wait for slots still loading) of one MoE layer's experts."""
         assert self.gpu is not None and self.prof.link is not None
         link = self.prof.link
         if il in self.cfg.gpu_expert_layers:
             g = self.gpu.experts(il, counts)
             acc.gpu += g
-            return t + g, 0
+            return g, 0.0, 0.0
         if self.policy is not None:
             loads = self.policy.on_route(il, ids)
             if self.policy.blocking and loads:
@@ -170,37 +184,37 @@ class _Run:
             gpu_e = {}
         cpu_e = {e: c for e, c in counts.items() if e not in gpu_e}
         wait = max([self.ready.get((il, e), 0.0) for e in gpu_e] + [t]) - t  # slots still loading
+        if self.cfg.assign is not None and s.n_tokens > 1 and counts:
+            g, c = self._assigned(il, counts, set(gpu_e), acc)
+            return g, c, wait
         g = self.gpu.experts(il, gpu_e)
-        split = 0
+        c = 0.0
         if cpu_e and s.n_tokens >= OFFLOAD_MIN_TOKENS:
             nbytes = self.shape.expert_bytes(il) * len(cpu_e)  # op offload copies the used experts
-            copy = nbytes / link.h2d_pageable
             acc.pcie += nbytes
-            g += copy + self.gpu.experts(il, cpu_e)
-            c = 0.0
+            g += nbytes / link.h2d_pageable + self.gpu.experts(il, cpu_e)
         elif cpu_e:
-            c = 2 * link.latency_s + self.cpu.experts(il, cpu_e)
-            acc.cpu += c - 2 * link.latency_s
-            split = 1
-        else:
-            c = 0.0
+            cpu = self.cpu.experts(il, cpu_e)
+            acc.cpu += cpu
+            c = 2 * link.latency_s + cpu
         acc.gpu += g
-        work = max(wait + g, c) if self.overlap else wait + g + c
-        return t + work, split
+        return g, c, wait
 
-    def _host(self, s: Step, n_cpu_splits: int) -> float:
-        prof = self.prof
-        nodes = self.nodes_pp if s.phase == PREFILL else self.nodes_tg
-        moe = len(self.shape.moe_layers)
-        if self.cfg.gated and (s.phase == DECODE):
-            nodes += GATE_NODES_PER_LAYER * moe
-        if self.cfg.policy is not None:
-            nodes += CACHE_NODES_PER_LAYER * moe
-        per_node = prof.gpu.node_s if self.on_gpu and prof.gpu is not None else prof.cpu.node_s
-        t = prof.host.call_s + prof.host.vocab_s * self.shape.n_vocab + nodes * per_node
-        if self.on_gpu:
-            t += n_cpu_splits * CPU_NODES_PER_SPLIT * prof.cpu.node_s
-        return t
+    def _assigned(self, il: int, counts: dict[int, int], resident: set[int], acc: _Acc) -> tuple[float, float]:
+        """A prefill ubatch's experts split between the CPU and the GPU (copying some) by an assigner: (GPU time
+        with the copies, CPU time with the hand-off); the two sides run at once."""
+        from ..policies.assignment import CostModel, TransferMode, make_assigner
+
+        gpu, link = self.gpu, self.prof.link
+        assert gpu is not None and link is not None and self.cfg.assign is not None
+        copy = self.shape.expert_bytes(il) / link.h2d_pageable
+        cost = CostModel(cpu_s=lambda n: self.cpu.expert(il, n), gpu_s=lambda n: gpu.expert(il, n),
+                         transfer_s=lambda: copy, cpu_handoff_s=2 * link.latency_s, transfer_mode=TransferMode.SERIAL)
+        a = make_assigner(self.cfg.assign)(counts, resident, cost)
+        acc.cpu += a.t_cpu
+        acc.gpu += a.t_gpu - a.t_transfer
+        acc.pcie += len(a.load) * self.shape.expert_bytes(il)
+        return a.t_gpu, a.t_cpu
 
 
 @dataclass(frozen=True)
@@ -213,6 +227,7 @@ class SimSpec:
     blocking: bool = False
     overlap: bool = False
     calibration: Path | None = None
+    assign: str | None = None  # add edgemoe variants whose prefill ubatches use this CPU/GPU assigner
 
 
 @dataclass
@@ -252,6 +267,9 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
         for gated in (False, True) if spec.gated else (False,):
             cfgs.append(Config(f"edgemoe-{pol}" + ("-gated" if gated else ""), "edgemoe", policy=pol,
                                slots={il: slots for il in moe}, gated=gated, blocking=spec.blocking))
+        if spec.assign is not None:
+            cfgs.append(Config(f"edgemoe-{pol}-{spec.assign}-assign", "edgemoe", policy=pol,
+                               slots={il: slots for il in moe}, blocking=spec.blocking, assign=spec.assign))
     return cfgs, slots, n_cpu
 
 
