@@ -146,6 +146,18 @@ class LayerCosts:
     def head(self, tokens: int) -> float:
         return _matmul_s(self.dev, (self.shape.head,), tokens, self.hot)
 
+    def prefill_ubatch(self, tokens: int) -> float:
+        """A fresh sequence's ubatch of `tokens` with the routed slots spread evenly over the experts (a random
+        router's, as the profiling probes have): matrices, attention and experts, all on this device."""
+        e, k = max(1, self.shape.n_expert), self.shape.n_expert_used
+        per = max(1, round(tokens * k / e))
+        used = min(e, tokens * k)
+        t = self.head(1)
+        for ly in self.shape.layers:
+            t += self.dense(ly.il, tokens) + self.attention(ly.il, tokens, 0)
+            t += used * self.expert(ly.il, per) if ly.expert else 0.0
+        return t
+
     def decode_step(self, kv_len: int, experts_per_layer: int | None = None) -> float:
         """The matrix and attention work of one decode token with every layer's experts on this device, each
         of `experts_per_layer` (default: the model's top-k) experts taking the token."""

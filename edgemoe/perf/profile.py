@@ -135,6 +135,8 @@ class HostProfile:
 
     call_s: float  # per call
     vocab_s: float  # per vocabulary entry per call (logits copy, finiteness check, argmax)
+    node_elem_s: float = 0.0  # per graph node, per token beyond the first and per embedding element: the
+    #                           elementwise work (norms, adds, rope, softmax) of a ubatch's nodes on the CPU
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import logging
 import os
 import tempfile
@@ -113,38 +114,53 @@ def _roofline(mem_bw: float, curves: dict[str, Curve], fixed: float) -> Roofline
     return Roofline(mem_bw=mem_bw, flops=flops, cache_bw=cache_bw, fixed_s=fixed)
 
 
-def _probe_decode_s(path: Path, threads: int, reps: int = 3) -> tuple[float, int, int]:
-    """Median seconds per decode token of a model (64 greedy tokens after a 16-token prompt), its decode
-    graph's node count and its vocabulary."""
+PROBE_PROMPT = 128  # tokens of the probes' prefill
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    decode_s: float  # median seconds per decode token
+    prefill_s: float  # median seconds of the PROBE_PROMPT-token prefill
+    nodes_pp: int
+    nodes_tg: int
+    n_vocab: int
+    n_embd: int
+
+
+def _probe_run(path: Path, threads: int, reps: int = 3) -> ProbeRun:
+    """Decode (64 greedy tokens) and prefill (a PROBE_PROMPT-token prompt) times of a probe model."""
     from ..runtime.engine import Engine, LoadConfig
     from ..runtime.sampling import GREEDY
 
     with Engine(path, LoadConfig(n_ctx=256, n_threads=threads)) as eng:
-        prompt = list(range(16, 32))
+        prompt = [16 + i % 900 for i in range(PROBE_PROMPT)]
         eng.generate(prompt[:4], max_tokens=4, sampling=GREEDY, ignore_eog=True)
-        times = []
+        dec, pre = [], []
         for _ in range(reps):
             eng.reset()
             g = eng.generate(prompt, max_tokens=64, sampling=GREEDY, ignore_eog=True)
-            times.append(1.0 / g.timings.decode_tps)
-        nodes = eng.graph_nodes[1] if eng.graph_nodes else 0
-        return float(np.median(times)), nodes, eng.n_vocab
+            dec.append(1.0 / g.timings.decode_tps)
+            pre.append(g.timings.prompt_s)
+        pp, tg = eng.graph_nodes or (0, 0)
+        return ProbeRun(float(np.median(dec)), float(np.median(pre)), pp, tg, eng.n_vocab, eng.info.n_embd)
 
 
 def fit_host(cpu: DeviceProfile, threads: int, workdir: Path, tick: Callable[[], None]) -> tuple[HostProfile, float]:
-    """call_s, vocab_s and node_s from the probe models: measured time = modelled products + host terms."""
+    """call_s, vocab_s and node_s from the probes' decode: measured time = modelled products + host terms;
+    node_elem_s from their prefill's remainder."""
     from ..gguf.synth import write_synthetic
 
     base = get_preset("tiny-qwen3moe")
-    rows, rhs = [], []
+    rows, rhs, runs = [], [], []
     for name, layers, vocab in PROBES:
         path = workdir / f"{name}.gguf"
         preset = dataclasses.replace(base, name=name, n_layer=layers, n_vocab=vocab)
         write_synthetic(preset, path, progress=False)
-        t, nodes, n_vocab = _probe_decode_s(path, threads)
-        compute = LayerCosts.of(cpu, ModelShape.read(path)).decode_step(kv_len=48)
-        rows.append([1.0, float(nodes), float(n_vocab)])
-        rhs.append(t - compute)
+        run = _probe_run(path, threads)
+        costs = LayerCosts.of(cpu, ModelShape.read(path))
+        rows.append([1.0, float(run.nodes_tg), float(run.n_vocab)])
+        rhs.append(run.decode_s - costs.decode_step(kv_len=PROBE_PROMPT + 32))
+        runs.append((run, costs))
         tick()
     call_s, node_s, vocab_s = (float(x) for x in np.linalg.solve(np.array(rows), np.array(rhs)))
     if min(call_s, node_s, vocab_s) < 0:  # noise on a busy machine: keep the microbenchmark's node cost
@@ -154,7 +170,14 @@ def fit_host(cpu: DeviceProfile, threads: int, workdir: Path, tick: Callable[[],
         (call_s, vocab_s), *_ = np.linalg.lstsq(np.array([[r[0], r[2]] for r in rows]),
                                                np.array([y - r[1] * node_s for r, y in zip(rows, rhs)]), rcond=None)
         call_s, vocab_s = max(float(call_s), 0.0), max(float(vocab_s), 0.0)
-    return HostProfile(call_s=call_s, vocab_s=vocab_s), node_s
+    # prefill: what the matrices, attention and per-node dispatch leave is elementwise work per node and token
+    xs, ys = [], []
+    for run, costs in runs:
+        rest = run.prefill_s - costs.prefill_ubatch(PROBE_PROMPT) - call_s - run.nodes_pp * node_s - vocab_s * run.n_vocab
+        xs.append(run.nodes_pp * (PROBE_PROMPT - 1) * run.n_embd)
+        ys.append(rest)
+    node_elem_s = max(0.0, float(np.dot(xs, ys) / np.dot(xs, xs)))
+    return HostProfile(call_s=call_s, vocab_s=vocab_s, node_elem_s=node_elem_s), node_s
 
 
 def measure_profile(*, threads: int = 0, model: str | Path | None = None,
@@ -254,7 +277,8 @@ def summary(prof: MachineProfile) -> str:
     cpu = prof.cpu
     lines = [f"{prof.name}: {cpu.name}, last-level cache {cpu.cache_bytes / 2**20:.0f} MiB, "
              f"memory {cpu.roofline.mem_bw / 1e9:.1f} GB/s (copy), graph node {cpu.node_s * 1e6:.2f} us, "
-             f"per call {prof.host.call_s * 1e6:.0f} us + {prof.host.vocab_s * 1e9:.2f} ns per vocabulary entry"]
+             f"per call {prof.host.call_s * 1e6:.0f} us + {prof.host.vocab_s * 1e9:.2f} ns per vocabulary entry, "
+             f"elementwise {prof.host.node_elem_s * 1e12:.1f} ps per node, token and embedding element"]
     for q, c in sorted(cpu.expert.items()):
         nb = _expert_bytes(q, *EXPERT_SHAPES[1])
         ms = " ".join(f"{n}:{c.seconds(nb, n) * 1e3:.3f}" for n in (1, 8, 64, 512))

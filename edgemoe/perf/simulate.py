@@ -145,7 +145,11 @@ class _Run:
         t += h
         self._busy(acc, h, gpu=self.on_gpu)
         host = self.prof.host.call_s + self.prof.host.vocab_s * self.shape.n_vocab
-        host += n_cpu_splits * CPU_NODES_PER_SPLIT * self.prof.cpu.node_s if self.on_gpu else nodes * self.prof.cpu.node_s
+        if self.on_gpu:
+            host += n_cpu_splits * CPU_NODES_PER_SPLIT * self.prof.cpu.node_s
+        else:
+            per_node = self.prof.cpu.node_s + (n - 1) * self.shape.info.n_embd * self.prof.host.node_elem_s
+            host += nodes * per_node
         t += host
         acc.host += host
         if pending:
