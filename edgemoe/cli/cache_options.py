@@ -1,4 +1,4 @@
-"""CLI options of the expert cache: --vram / --expert-slots / --policy, and opening an engine with them."""
+"""CLI options of the expert cache: --vram / --expert-slots / --policy / --alloc, and opening an engine with them."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,6 +10,14 @@ import click
 
 from .types import Size
 
+POLICIES = ("lru", "dali", "static", "manual")
+POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's workload-aware "
+               "replacement: every 4 tokens the most-used absent experts replace the least-used resident ones; "
+               "runs in the routing hook), static (the calibration's most frequent), manual (API only); lru, "
+               "static and manual run inside llama.cpp's graph")
+ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise the "
+              "policy's misses replayed on the calibration's routing trace; --expert-slots N is then the average). "
+              "Default: dp when the calibration has a routing trace, else equal")
 
 
 @dataclass(frozen=True)
@@ -18,6 +26,7 @@ class CacheOptions:
     expert_slots: int | None
     policy: str
     blocking: bool
+    alloc: str | None = None  # "equal", "dp", or None: dp when the calibration has a routing trace
 
     @property
     def enabled(self) -> bool:
@@ -30,12 +39,11 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="GPU budget, e.g. 6GiB: dense weights and KV cache first, the rest as expert slots "
                           "(equal per MoE layer)"),
         click.option("--expert-slots", type=click.IntRange(min=0), default=None,
-                     help="expert slots per MoE layer (instead of --vram)"),
-        click.option("--policy", type=click.Choice(["lru", "static", "manual"]), default="lru", show_default=True,
-                     help="which experts the slots hold: lru (load misses for the next token), static "
-                          "(the calibration's most frequent), manual (API only); run inside llama.cpp's graph"),
+                     help="expert slots per MoE layer (instead of --vram; with --alloc dp the average)"),
+        click.option("--policy", type=click.Choice(POLICIES), default="lru", show_default=True, help=POLICY_HELP),
+        click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP),
         click.option("--blocking-loads", is_flag=True,
-                     help="lru: load a missed expert before its layer runs instead of running it on the CPU "
+                     help="lru, dali: load a missed expert before its layer runs instead of running it on the CPU "
                           "(needs the routing callback: a host sync per MoE layer)"),
     ]
     for o in reversed(opts):
@@ -43,10 +51,11 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, blocking: bool) -> CacheOptions:
+def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, blocking: bool,
+                       alloc: str | None = None) -> CacheOptions:
     if vram is not None and expert_slots is not None:
         raise click.UsageError("give --vram or --expert-slots, not both")
-    return CacheOptions(vram, expert_slots, policy, blocking)
+    return CacheOptions(vram, expert_slots, policy, blocking, alloc)
 
 
 def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
@@ -74,15 +83,26 @@ def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
 def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:
     from ..runtime import native
     from ..calibration.adaptive import default_calibration_dir
+    from ..calibration.allocation import describe, plan_allocation
+    from ..gguf.info import VRAM_RESERVE, vram_plan
     from ..runtime.expert_cache import CacheConfig
 
     if not opts.enabled or not engine.info.is_moe:
         return
     slots = slots_for(engine.info, opts, engine.n_ctx)
+    CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # --expert-slots in range
+    calibration = calibration or default_calibration_dir(model)
+    budget = None
+    if opts.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
+        budget = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=VRAM_RESERVE).expert_budget_bytes
+    plan = plan_allocation(engine.info, alloc=opts.alloc, policy=opts.policy, calibration=calibration,
+                           slots_per_layer=slots, budget_bytes=budget)
+    if plan.note:
+        click.echo(f"note: {plan.note}", err=True)
     dev = native.gpu_device()
-    cfg = CacheConfig(slots, policy=opts.policy, blocking=opts.blocking,
-                      calibration=calibration or default_calibration_dir(model))
+    cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=opts.policy, blocking=opts.blocking,
+                      calibration=calibration, alloc=plan.alloc)
     engine.enable_expert_cache(cfg, device=dev)
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
-    click.echo(f"expert cache: {slots} slots per MoE layer on {where}, policy {opts.policy}"
+    click.echo(f"expert cache: {describe(plan)} on {where}, policy {opts.policy}"
                + (" (blocking loads)" if opts.blocking else ""), err=True)

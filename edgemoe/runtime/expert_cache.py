@@ -36,6 +36,7 @@ class CacheConfig:
     calibration: Path | None = None  # static: where router_frequency.npz is
     dali_window: int = DALI_WINDOW  # dali: tokens per window (w)
     dali_update: int | None = None  # dali: experts replaced per window (u); None: the paper's for the expert count
+    alloc: str = "equal"  # how the slots per layer were chosen ("equal", "dp"): reported, not acted on
 
     def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:
         """Slots of each MoE layer, checked: 0..n_expert each, and only MoE layers named."""
@@ -161,9 +162,10 @@ class CacheController:
     wants_probs = False
     wants_gate_inp = False
 
-    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy) -> None:
+    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy, *, alloc: str = "equal") -> None:
         self.cache = cache
         self.policy = policy
+        self.alloc = alloc  # how the slots per layer were chosen
         self.pending: list[Load] = []
         self.mode = native.MOE_CACHE_POLICY_CALLBACK  # what llama_moe_cache_init starts with
         for ld in policy.initial_loads():

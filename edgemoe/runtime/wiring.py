@@ -127,7 +127,7 @@ class RoutingMixin:
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, slots, device)
             try:
-                self.cache = CacheController(cache, policy)
+                self.cache = CacheController(cache, policy, alloc=config.alloc)
             except BaseException:
                 cache.close()
                 raise
