@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemoe.policies.allocation import (AllocationError, dp_allocate, equal_allocate, f_curves, keep_top1,
-                                         layer_steps, replay_curve, steps_of, total_cost)
+from edgemoe.policies.allocation import (AllocationError, decode_steps, dp_allocate, equal_allocate, f_curves,
+                                         keep_top1, layer_steps, replay_curve, steps_of, total_cost)
 from edgemoe.policies.residency import (DaliPolicy, Load, LruPolicy, dali_default_update, make_policy,
                                         simulate)
 
@@ -37,16 +37,18 @@ def test_fast_replays_equal_simulate(kind: str) -> None:
         E, k = int(rng.choice([4, 8, 12])), int(rng.integers(1, 4))
         steps = _random_steps(rng, E, k)
         kw = dict(n_expert=E, frequency=rng.random(E), window=int(rng.integers(1, 6)), update=int(rng.integers(1, 4)))
-        fast = replay_curve(steps, kind, E, **kw)
-        slow = replay_curve(steps, kind, E, fast=False, **kw)
+        counted = rng.random(len(steps)) < 0.7 if rng.random() < 0.5 else None
+        fast = replay_curve(steps, kind, E, counted=counted, **kw)
+        slow = replay_curve(steps, kind, E, counted=counted, fast=False, **kw)
         assert np.array_equal(fast.misses, slow.misses) and np.array_equal(fast.loads, slow.loads)
         for t in (1, E // 2, E):  # one column, as the whole policy replays it
             pol = make_policy(kind, {0: t}, n_expert=E, window=kw["window"], update=kw["update"]) \
                 if kind != "static" else None
             if pol is not None:
-                res = simulate(pol, ([(0, s)] for s in steps))
+                res = simulate(pol, ([(0, s)] for s in steps), counted)
                 assert (res.misses, res.loads) == (fast.misses[t], fast.loads[t])
-        assert fast.misses[0] == fast.routed == sum(int((s >= 0).sum()) for s in steps)
+        on = [True] * len(steps) if counted is None else counted
+        assert fast.misses[0] == fast.routed == sum(int((s >= 0).sum()) for s, c in zip(steps, on) if c)
         if kind == "static":  # nested top-t sets
             assert np.all(np.diff(fast.misses) <= 0)
 
@@ -59,6 +61,7 @@ def test_layer_steps_cut_the_trace_as_the_engine_ran_it() -> None:
     assert [len(s) for s in steps[3]] == [3, 2, 1, 1, 2, 1]  # a prefill of 5 in ubatches of 3, decode tokens alone
     assert np.array_equal(steps[5][1][:, 0], ids[3:5, 1, 0])
     assert [[il for il, _ in st] for st in steps_of(steps)] == [[3, 5]] * 6
+    assert decode_steps(phase, seq, ubatch=3).tolist() == [False, False, True, True, False, True]
     with pytest.raises(Exception, match="expected"):
         layer_steps(ids, [3], phase, seq, ubatch=3)
 

@@ -28,7 +28,8 @@ AdapMoE's two parameters still apply where the trace does not already hold them:
   expert is prefetched with probability β_i). No prefetcher drives loads yet, so the default is 0.
 
 Everything is numpy over per-layer step lists ((n_tokens, k) id arrays, -1 for a dropped slot):
-`layer_steps` cuts a trace's arrays into the ubatches the engine ran, `replay_curve` replays one
+`layer_steps` cuts a trace's arrays into the ubatches the engine ran (`decode_steps` flags the
+decode tokens, the steps a DP for decoding counts), `replay_curve` replays one
 layer for every t (exact fast paths for lru and static, `simulate` per t for the others),
 `f_curves` builds the DP's input, `dp_allocate` and `equal_allocate` split a budget.
 """
@@ -54,6 +55,19 @@ class AllocationError(EdgeMoeError):
 
 
 # -- traces to steps ------------------------------------------------------------------------------
+def _step_bounds(phase: np.ndarray, seq: np.ndarray, ubatch: int) -> list[int]:
+    if ubatch < 1:
+        raise EdgeMoeError(f"ubatch {ubatch}: must be >= 1")
+    bounds = [0]
+    run = 0  # tokens in the current prefill ubatch
+    for i in range(1, len(phase)):
+        new = (seq[i] != seq[i - 1] or phase[i] != phase[i - 1] or phase[i] == DECODE or run + 1 >= ubatch)
+        run = 0 if new else run + 1
+        if new:
+            bounds.append(i)
+    return bounds + [len(phase)]
+
+
 def layer_steps(ids: np.ndarray, layers: Sequence[int], phase: np.ndarray, seq: np.ndarray, *,
                 ubatch: int) -> dict[int, list[np.ndarray]]:
     """Each MoE layer's routes in the steps the engine ran: prefill runs of a sequence cut into
@@ -62,20 +76,17 @@ def layer_steps(ids: np.ndarray, layers: Sequence[int], phase: np.ndarray, seq: 
     ids (T, L, k), phase (T,) (0 prefill, 1 decode), seq (T,): a trace's arrays (docs/traces.md).
     """
     ids = np.asarray(ids)
-    if ids.ndim != 3 or ids.shape[1] != len(layers):
-        raise EdgeMoeError(f"routing ids of shape {ids.shape}: expected (tokens, {len(layers)} layers, k)")
-    if ubatch < 1:
-        raise EdgeMoeError(f"ubatch {ubatch}: must be >= 1")
-    bounds = [0]
-    run = 0  # tokens in the current prefill ubatch
-    for i in range(1, ids.shape[0]):
-        new = (seq[i] != seq[i - 1] or phase[i] != phase[i - 1] or phase[i] == DECODE or run + 1 >= ubatch)
-        run = 0 if new else run + 1
-        if new:
-            bounds.append(i)
-    bounds.append(ids.shape[0])
+    if ids.ndim != 3 or ids.shape[1] != len(layers) or ids.shape[0] != len(phase):
+        raise EdgeMoeError(f"routing ids of shape {ids.shape}: expected ({len(phase)} tokens, {len(layers)} layers, k)")
+    bounds = _step_bounds(phase, seq, ubatch)
     return {int(il): [ids[a:b, j] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
             for j, il in enumerate(layers)}
+
+
+def decode_steps(phase: np.ndarray, seq: np.ndarray, *, ubatch: int) -> np.ndarray:
+    """(n_steps,) bool: which of layer_steps' steps are decode tokens."""
+    bounds = _step_bounds(phase, seq, ubatch)
+    return np.array([phase[a] == DECODE for a, b in zip(bounds[:-1], bounds[1:]) if b > a], bool)
 
 
 def steps_of(steps_by_layer: Mapping[int, Sequence[np.ndarray]]) -> list[list[tuple[int, np.ndarray]]]:
@@ -104,7 +115,7 @@ def keep_top1(steps: Sequence[np.ndarray], alpha: float, *, seed: int = 0) -> li
 # -- replay ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Curve:
-    """One layer's replay for every slot count t = 0..max_slots (counts over the whole trace)."""
+    """One layer's replay for every slot count t = 0..max_slots (counts over the counted steps)."""
 
     misses: np.ndarray  # (max_slots + 1,) routed expert slots not resident when their step started
     loads: np.ndarray  # (max_slots + 1,) experts copied into the layer's slots
@@ -114,8 +125,11 @@ class Curve:
 
 def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_expert: int,
                  frequency: np.ndarray | None = None, window: int = DALI_WINDOW, update: int | None = None,
-                 fast: bool = True) -> Curve:
+                 counted: Sequence[bool] | None = None, fast: bool = True) -> Curve:
     """Replay one layer's steps through policy `kind` (non-blocking) with t = 0..max_slots slots.
+
+    counted: one flag per step; only those steps' misses, loads, routed slots and tokens count
+    (e.g. decode_steps: the others still change the residency).
 
     The counters are `simulate`'s for a policy with t slots in this layer (misses at t = 0: every
     routed slot). lru, dali and static have exact vectorised replays (``fast``); without it (and
@@ -125,19 +139,22 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
     if not 0 <= max_slots <= n_expert:
         raise AllocationError(f"max_slots {max_slots}: use 0..{n_expert} (the layer's experts)")
     steps = [np.asarray(s) for s in steps]
-    routed = sum(int((s >= 0).sum()) for s in steps)
-    tokens = sum(int(s.shape[0]) for s in steps)
+    flags = np.ones(len(steps), bool) if counted is None else np.asarray(counted, bool)
+    if flags.shape != (len(steps),):
+        raise AllocationError(f"{flags.shape[0]} counted flags for {len(steps)} steps")
+    routed = sum(int((s >= 0).sum()) for s, c in zip(steps, flags) if c)
+    tokens = sum(int(s.shape[0]) for s, c in zip(steps, flags) if c)
     if k is PolicyKind.MANUAL:
         raise AllocationError("the manual policy loads nothing by itself: there is nothing to replay")
     if k is PolicyKind.STATIC and frequency is None:
         raise AllocationError("the static policy's replay needs the layer's router frequency")
     if fast and k is PolicyKind.LRU:
-        misses, loads = _lru_all_sizes(steps, max_slots, n_expert)
+        misses, loads = _lru_all_sizes(steps, flags, max_slots, n_expert)
     elif fast and k is PolicyKind.DALI:
-        misses, loads = _dali_all_sizes(steps, max_slots, n_expert, window,
+        misses, loads = _dali_all_sizes(steps, flags, max_slots, n_expert, window,
                                         dali_default_update(n_expert) if update is None else update)
     elif fast and k is PolicyKind.STATIC:
-        misses, loads = _static_all_sizes(steps, max_slots, n_expert, np.asarray(frequency))
+        misses, loads = _static_all_sizes(steps, flags, max_slots, n_expert, np.asarray(frequency))
     else:
         misses = np.zeros(max_slots + 1, np.int64)
         loads = np.zeros(max_slots + 1, np.int64)
@@ -146,7 +163,7 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
                 pol = StaticPolicy({0: np.asarray(frequency)}, {0: t})
             else:
                 pol = make_policy(kind, {0: t}, n_expert=n_expert, window=window, update=update)
-            res = simulate(pol, ([(0, s)] for s in steps))
+            res = simulate(pol, ([(0, s)] for s in steps), flags)
             misses[t], loads[t] = res.misses, res.loads
     misses[0], loads[0] = routed, 0
     return Curve(misses=misses, loads=loads, routed=routed, tokens=tokens)
@@ -160,7 +177,8 @@ def _step_counts(steps: Sequence[np.ndarray], n_expert: int) -> list[tuple[np.nd
     return out
 
 
-def _lru_all_sizes(steps: Sequence[np.ndarray], max_slots: int, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
+def _lru_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int,
+                   n_expert: int) -> tuple[np.ndarray, np.ndarray]:
     """LruPolicy for every size at once. Row t holds the t most recently touched experts, a step
     touching its hits (first-use order), then its misses (first-use order): exact while a step uses
     at most t experts (no hit is evicted then). Rows with fewer slots than the step uses experts
@@ -174,12 +192,13 @@ def _lru_all_sizes(steps: Sequence[np.ndarray], max_slots: int, n_expert: int) -
     misses = np.zeros(max_slots + 1, np.int64)
     loads = np.zeros(max_slots + 1, np.int64)
     clock = 0
-    for counts, used in _step_counts(steps, n_expert):
+    for (counts, used), count in zip(_step_counts(steps, n_expert), flags):
         if not used:
             continue
         u = np.array(used)
         m = len(used)
-        misses += int(counts.sum()) - res @ counts
+        if count:
+            misses += int(counts.sum()) - res @ counts
         small = {t: _lru_step([int(e) for e in np.flatnonzero(res[t])[np.argsort(last[t, res[t]])]], used, t)
                  for t in range(1, min(m, max_slots + 1))}
         hit = res[:, u]
@@ -195,7 +214,8 @@ def _lru_all_sizes(steps: Sequence[np.ndarray], max_slots: int, n_expert: int) -
             new[t, keep] = True
             step_loads[t] = n_loads
         clock += 2 * m
-        loads += step_loads
+        if count:
+            loads += step_loads
         res = new
     return misses, loads
 
@@ -219,7 +239,7 @@ def _lru_step(lru_first: list[int], used: list[int], n: int) -> tuple[list[int],
     return list(lru), sum(1 for e, label in lru.items() if label != e)
 
 
-def _dali_all_sizes(steps: Sequence[np.ndarray], max_slots: int, n_expert: int, window: int,
+def _dali_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int, window: int,
                     update: int) -> tuple[np.ndarray, np.ndarray]:
     """DaliPolicy for every size at once: the scores and the window are the same in every row, only
     the resident sets differ."""
@@ -231,15 +251,16 @@ def _dali_all_sizes(steps: Sequence[np.ndarray], max_slots: int, n_expert: int, 
     loads = np.zeros(max_slots + 1, np.int64)
     tokens = 0
     ids_asc = np.arange(n_expert)
-    for s, (counts, used) in zip(steps, _step_counts(steps, n_expert)):
-        misses += int(counts.sum()) - res @ counts
+    for s, (counts, used), count in zip(steps, _step_counts(steps, n_expert), flags):
+        if count:
+            misses += int(counts.sum()) - res @ counts
         scores += counts
         if used:  # warm-up fills: the step's misses by routed tokens, then first use
             cand = np.array(sorted(used, key=lambda e: (-counts[e], used.index(e))))
             absent = ~res[:, cand]
             take = absent & (np.cumsum(absent, axis=1) <= (sizes - res.sum(1))[:, None])
             res[:, cand] |= take
-            loads += take.sum(1)
+            loads += take.sum(1) * count
         tokens += int(s.shape[0])
         if tokens < window:
             continue
@@ -251,7 +272,7 @@ def _dali_all_sizes(steps: Sequence[np.ndarray], max_slots: int, n_expert: int, 
         ok = np.cumprod(ok_in & ok_out & (scores[e_in] > scores[e_out]), axis=1).astype(bool)
         res[np.broadcast_to(rows, ok.shape)[ok], e_in[ok]] = True
         res[np.broadcast_to(rows, ok.shape)[ok], e_out[ok]] = False
-        loads += ok.sum(1)
+        loads += ok.sum(1) * count
         scores[:] = 0
         tokens = 0
     res[0] = False
@@ -264,12 +285,13 @@ def _first_true(mask: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return idx, np.take_along_axis(mask, idx, axis=1)
 
 
-def _static_all_sizes(steps: Sequence[np.ndarray], max_slots: int, n_expert: int,
+def _static_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int,
                       frequency: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """StaticPolicy for every size: the top-t experts by frequency (ties: lower id), loaded once."""
     total = np.zeros(n_expert, np.int64)
-    for counts, _ in _step_counts(steps, n_expert):
-        total += counts
+    for (counts, _), count in zip(_step_counts(steps, n_expert), flags):
+        if count:
+            total += counts
     top = np.argsort(-np.asarray(frequency, np.float64), kind="stable")
     served = np.concatenate([[0], np.cumsum(total[top])])[:max_slots + 1]
     return total.sum() - served, np.arange(max_slots + 1, dtype=np.int64)
@@ -278,11 +300,13 @@ def _static_all_sizes(steps: Sequence[np.ndarray], max_slots: int, n_expert: int
 def f_curves(steps_by_layer: Mapping[int, Sequence[np.ndarray]], policy_kind: str, max_slots: int, *,
              n_expert: int, measure: str = "misses", alpha: Mapping[int, float] | None = None,
              beta: Mapping[int, float] | None = None, frequency: Mapping[int, np.ndarray] | None = None,
-             window: int = DALI_WINDOW, update: int | None = None, seed: int = 0) -> dict[int, np.ndarray]:
+             window: int = DALI_WINDOW, update: int | None = None, counted: Sequence[bool] | None = None,
+             seed: int = 0) -> dict[int, np.ndarray]:
     """AdapMoE's f_i(t) per layer for t = 0..max_slots: misses (or loads) per token of the replay.
 
     alpha: per layer, the share of tokens that keep one expert (applied to a full top-k trace);
     beta: per layer, the prefetch accuracy (f_i scaled by 1 - beta_i). See the module docstring.
+    counted: one flag per step, the steps whose tokens count (decode_steps: per decode token).
     """
     if measure not in ("misses", "loads"):
         raise AllocationError(f"unknown measure {measure!r}: use misses or loads")
@@ -291,7 +315,8 @@ def f_curves(steps_by_layer: Mapping[int, Sequence[np.ndarray]], policy_kind: st
         if alpha is not None and alpha.get(il, 0.0) > 0.0:
             steps = keep_top1(steps, alpha[il], seed=seed + il)
         c = replay_curve(steps, policy_kind, max_slots, n_expert=n_expert,
-                         frequency=None if frequency is None else frequency[il], window=window, update=update)
+                         frequency=None if frequency is None else frequency[il], window=window, update=update,
+                         counted=counted)
         f = (c.misses if measure == "misses" else c.loads) / max(c.tokens, 1)
         out[il] = f * (1.0 - (beta or {}).get(il, 0.0))
     return out

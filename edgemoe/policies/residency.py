@@ -266,37 +266,43 @@ class SimResult:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
 
-def simulate(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.ndarray]]]) -> SimResult:
+def simulate(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.ndarray]]],
+             counted: Iterable[bool] | None = None) -> SimResult:
     """Replay steps (each a list of (layer, ids) in layer order) as the engine runs them.
 
     Counts hits per routed slot against the residency the experts run with: a blocking
-    policy's loads apply before the layer, a non-blocking one's after the step.
+    policy's loads apply before the layer, a non-blocking one's after the step. `counted`
+    (one flag per step) leaves the other steps' hits, misses and loads out of the result
+    (they still change the residency), e.g. to count decode steps only.
     """
     res = SimResult()
     resident: dict[int, dict[int, int]] = {}  # layer -> expert -> slot
 
-    def apply(loads: list[Load]) -> None:
+    def apply(loads: list[Load], count: bool = True) -> None:
         for ld in loads:
             slots = resident.setdefault(ld.layer, {})
             for e in [e for e, s in slots.items() if s == ld.slot or e == ld.expert]:
                 del slots[e]
             slots[ld.expert] = ld.slot
-        res.loads += len(loads)
+        if count:
+            res.loads += len(loads)
 
     apply(policy.initial_loads())
+    flags = iter(counted) if counted is not None else None
     for step in steps:
+        count = True if flags is None else bool(next(flags))
         pending: list[Load] = []
         for layer, ids in step:
             loads = policy.on_route(layer, ids)
             if policy.blocking:
-                apply(loads)
+                apply(loads, count)
             else:
                 pending += loads
             flat = np.asarray(ids).reshape(-1)
             flat = flat[flat >= 0]
             hit = np.isin(flat, list(resident.get(layer, {})))
-            if policy.n_slots.get(layer, 0) > 0:
+            if count and policy.n_slots.get(layer, 0) > 0:
                 res.hits += int(hit.sum())
                 res.misses += int((~hit).sum())
-        apply(pending)
+        apply(pending, count)
     return res
