@@ -14,8 +14,7 @@ import pytest
 
 from edgemoe.policies.allocation import (AllocationError, decode_steps, dp_allocate, equal_allocate, f_curves,
                                          keep_top1, layer_steps, replay_curve, steps_of, total_cost)
-from edgemoe.policies.residency import (DaliPolicy, Load, LruPolicy, dali_default_update, make_policy,
-                                        simulate)
+from edgemoe.policies.residency import DaliPolicy, Load, dali_default_update, make_policy, simulate
 
 
 def _random_steps(rng: np.random.Generator, n_expert: int, k: int, n: int = 80) -> list[np.ndarray]:
@@ -36,7 +35,8 @@ def test_fast_replays_equal_simulate(kind: str) -> None:
     for _ in range(12):
         E, k = int(rng.choice([4, 8, 12])), int(rng.integers(1, 4))
         steps = _random_steps(rng, E, k)
-        kw = dict(n_expert=E, frequency=rng.random(E), window=int(rng.integers(1, 6)), update=int(rng.integers(1, 4)))
+        kw = dict(n_expert=E, frequency=rng.random(E), window=int(rng.integers(1, 6)),
+                  update=int(rng.integers(1, 4)))
         counted = rng.random(len(steps)) < 0.7 if rng.random() < 0.5 else None
         fast = replay_curve(steps, kind, E, counted=counted, **kw)
         slow = replay_curve(steps, kind, E, counted=counted, fast=False, **kw)
@@ -58,7 +58,8 @@ def test_layer_steps_cut_the_trace_as_the_engine_ran_it() -> None:
     phase = np.array([0, 0, 0, 0, 0, 1, 1, 0, 0, 1])
     seq = np.array([0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
     steps = layer_steps(ids, [3, 5], phase, seq, ubatch=3)
-    assert [len(s) for s in steps[3]] == [3, 2, 1, 1, 2, 1]  # a prefill of 5 in ubatches of 3, decode tokens alone
+    # a prefill of 5 in ubatches of 3, decode tokens alone
+    assert [len(s) for s in steps[3]] == [3, 2, 1, 1, 2, 1]
     assert np.array_equal(steps[5][1][:, 0], ids[3:5, 1, 0])
     assert [[il for il, _ in st] for st in steps_of(steps)] == [[3, 5]] * 6
     assert decode_steps(phase, seq, ubatch=3).tolist() == [False, False, True, True, False, True]
@@ -93,8 +94,8 @@ def test_dp_is_optimal_and_within_the_budget() -> None:
     rng = np.random.default_rng(7)
     for trial in range(60):
         n_layers, E = int(rng.integers(3, 5)), int(rng.integers(2, 6))
-        curves = {il: np.sort(rng.random(E + 1))[::-1] * rng.uniform(0.5, 4) if trial % 2 else rng.random(E + 1)
-                  for il in range(0, 2 * n_layers, 2)}  # decreasing, or any shape
+        curves = {il: np.sort(rng.random(E + 1))[::-1] * rng.uniform(0.5, 4) if trial % 2
+                  else rng.random(E + 1) for il in range(0, 2 * n_layers, 2)}  # decreasing, or any shape
         if trial % 3 == 0:  # bytes per expert
             w = {il: int(rng.integers(1, 5)) * 96 for il in curves}
             budget = int(rng.integers(0, sum(w.values()) * E + 1))
@@ -159,7 +160,8 @@ def test_dali_policy_on_hand_made_routes() -> None:
     assert pol.on_route(0, np.array([[1, 2]])) == [Load(0, 1, 0), Load(0, 2, 1)]  # free slots fill
     assert pol.on_route(0, np.array([[3, 1]])) == []  # window: 3 (1 token) is no better than 2 (1 token)
     assert pol.on_route(0, np.array([[3, 4]])) == []  # mid-window
-    assert pol.on_route(0, np.array([[3, 5]])) == [Load(0, 3, 0)]  # 3 (2 tokens) replaces 1 (0; ties: lower id)
+    # 3 (2 tokens) replaces 1 (0 tokens; ties with 2: the lower id)
+    assert pol.on_route(0, np.array([[3, 5]])) == [Load(0, 3, 0)]
     assert pol.resident(0) == {2, 3}
     # a prefill ubatch with more misses than slots fills by routed tokens; one window of 3 tokens
     pol = DaliPolicy({0: 2}, n_expert=6, window=8, update=2)

@@ -31,9 +31,9 @@ def test_bench_cli_runs_every_configuration(tmp_path: Path) -> None:
 
 
 def test_bench_alloc_equal_and_dali() -> None:
-    res = CliRunner().invoke(cli, ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "32",
-                                   "--gen-tokens", "4", "-t", "2", "--json", "--alloc", "equal", "--policy", "dali"],
-                             catch_exceptions=False)
+    res = CliRunner().invoke(cli, ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens",
+                                   "32", "--gen-tokens", "4", "-t", "2", "--json", "--alloc", "equal",
+                                   "--policy", "dali"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout[res.stdout.index("{"):])
     row = out["rows"][-1]

@@ -100,7 +100,8 @@ def test_explicit_calibration_of_another_model_fails(tmp_path: Path) -> None:
 # -- stages and atomic writes ---------------------------------------------------------------------------
 def test_select_stages_adds_requirements_and_rejects_unknown() -> None:
     assert [s.name for s in select_stages(["predictors"])] == ["traces", "predictors"]
-    assert [s.name for s in select_stages(None)][:4] == ["traces", "router_frequency", "routing", "predictors"]
+    names = [s.name for s in select_stages(None)]
+    assert names[:4] == ["traces", "router_frequency", "routing", "predictors"]
     assert [s.name for s in select_stages(["sensitivity"])] == ["sensitivity"]  # needs no traces
     with pytest.raises(CalibrationError, match="unknown calibration stage.*nonsense"):
         select_stages(["nonsense"])

@@ -182,7 +182,8 @@ def test_alloc_dp_is_the_default_with_a_routing_trace(tmp_path: Path) -> None:
     assert "expert cache: dp: 16 slots over 8 MoE layers" in dp.output
     eq = json.loads(run(*args, "--alloc", "equal").stdout.splitlines()[-1])["cache"]
     assert eq["alloc"] == "equal" and set(eq["slots_per_layer"].values()) == {2}
-    dali = json.loads(run(*args, "--policy", "dali", "--dali-window", "16", "--dali-update", "1").stdout.splitlines()[-1])
+    res = run(*args, "--policy", "dali", "--dali-window", "16", "--dali-update", "1")
+    dali = json.loads(res.stdout.splitlines()[-1])
     assert dali["cache"]["policy"] == "dali" and dali["cache"]["alloc"] == "dp" and dali["cache"]["hits"] > 0
     assert dali["control"]["n_host_syncs"] > 0  # dali runs in the routing hook
     assert json.loads(dp.stdout.splitlines()[-1])["tokens"] == dali["tokens"] == plain["tokens"]

@@ -71,8 +71,8 @@ def test_random_residency_equals_stock(make_tiny_gguf) -> None:  # type: ignore[
             assert st is not None and st["hits"] > 0 and st["loads"] > 0
 
 
-@pytest.mark.parametrize("policy,blocking", [("lru", False), ("lru", True), ("static", False), ("dali", False),
-                                             ("dali", True)])
+@pytest.mark.parametrize("policy,blocking", [("lru", False), ("lru", True), ("static", False),
+                                             ("dali", False), ("dali", True)])
 def test_every_policy_generates_as_stock(fixture_model: Path, policy: str, blocking: bool) -> None:
     from edgemoe.calibration.adaptive import default_calibration_dir
 

@@ -65,17 +65,18 @@ class RoutingTrace:
     def load(cls, calibration: Path, *, info: ModelInfo | None = None) -> RoutingTrace:
         path = calibration / ROUTING_TRACE
         if not path.exists():
-            raise CalibrationError(f"{calibration} has no {ROUTING_TRACE}: run `edgemoe calibrate MODEL --corpus FILE` "
-                                   f"(or add it: `edgemoe calibrate MODEL --corpus FILE --out {calibration} "
-                                   "--update --stage routing` with the card's corpora, --tokens, --ctx and --seed)")
+            raise CalibrationError(f"{calibration} has no {ROUTING_TRACE}: run `edgemoe calibrate MODEL "
+                                   f"--corpus FILE` (or add it: `edgemoe calibrate MODEL --corpus FILE --out "
+                                   f"{calibration} --update --stage routing` with the card's corpora, "
+                                   "--tokens, --ctx and --seed)")
         with np.load(path) as z:
             tr = cls(layers=tuple(int(x) for x in z["layers"]), ids=z["ids"], phase=z["phase"], seq=z["seq"],
                      ubatch=int(z["ubatch"]), n_expert=int(z["n_expert"]))
         if info is not None and (tr.n_expert != info.n_expert or tr.layers != tuple(info.moe_layers)):
             raise CalibrationError(f"{path} is of another model ({tr.n_expert} experts in MoE layers "
-                                   f"{list(tr.layers)}, the model has {info.n_expert} in {list(info.moe_layers)}): "
-                                   "run `edgemoe calibrate MODEL --corpus FILE` for this model, or pass its "
-                                   "--calibration DIR")
+                                   f"{list(tr.layers)}, the model has {info.n_expert} in "
+                                   f"{list(info.moe_layers)}): run `edgemoe calibrate MODEL --corpus FILE` "
+                                   "for this model, or pass its --calibration DIR")
         return tr
 
     def steps(self) -> dict[int, list[np.ndarray]]:
@@ -113,19 +114,21 @@ def plan_allocation(info: ModelInfo, *, alloc: str | None, policy: str, calibrat
     if alloc == "equal" or not layers:
         return equal
     if PolicyKind(policy) is PolicyKind.MANUAL:
-        return _fallback(equal, alloc, "the manual policy loads nothing by itself, so there is nothing for dp to "
-                                       "replay; equal allocation")
+        return _fallback(equal, alloc, "the manual policy loads nothing by itself, so there is nothing for "
+                                       "dp to replay; equal allocation")
     if calibration is None:
         if alloc is None:
             return equal
-        return _fallback(equal, alloc, "--alloc dp needs a calibration with a routing trace: run `edgemoe calibrate "
-                                       "MODEL --corpus FILE` (or pass --calibration DIR); equal allocation for now")
+        return _fallback(equal, alloc, "--alloc dp needs a calibration with a routing trace: run `edgemoe "
+                                       "calibrate MODEL --corpus FILE` (or pass --calibration DIR); equal "
+                                       "allocation for now")
     try:
         trace = RoutingTrace.load(calibration, info=info)
     except CalibrationError as err:
         if "another model" in str(err):
             raise
-        return _fallback(equal, alloc, f"dp allocation needs a routing trace: {err}; equal allocation for now")
+        return _fallback(equal, alloc, f"dp allocation needs a routing trace: {err}; equal allocation for "
+                                       "now")
     frequency = (load_frequency(calibration, n_expert=info.n_expert, layers=layers)
                  if PolicyKind(policy) is PolicyKind.STATIC else None)
     t0 = time.perf_counter()

@@ -28,8 +28,8 @@ from .types import THREADS, GGUFPath, OutputPath
 @click.option("--gate-inputs", is_flag=True, help="also record the router inputs (hidden states, float16)")
 @click.option("--probs", is_flag=True, help="also record the full router probabilities")
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
-def trace(model: Path, input_path: Path, heldout: bool, out_path: Path, max_tokens: int, n_ctx: int, mode: str,
-          prefill_tokens: int, gate_inputs: bool, probs: bool, threads: int) -> None:
+def trace(model: Path, input_path: Path, heldout: bool, out_path: Path, max_tokens: int, n_ctx: int,
+          mode: str, prefill_tokens: int, gate_inputs: bool, probs: bool, threads: int) -> None:
     """Record which experts every MoE layer picks for every token of a text."""
     from ..runtime.engine import Engine, LoadConfig
     from ..progress import progress_bar

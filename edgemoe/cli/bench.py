@@ -31,7 +31,8 @@ def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: 
     from ..perf.bench import plot as plot_png
 
     spec = BenchSpec(vram=vram, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, threads=threads,
-                     policies=policies, calibration=calibration or default_calibration_dir(model), alloc=alloc)
+                     policies=policies, calibration=calibration or default_calibration_dir(model),
+                     alloc=alloc)
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:
         plot_png(res, plot)

@@ -1,4 +1,5 @@
-"""CLI options of the expert cache: --vram / --expert-slots / --policy / --alloc, and opening an engine with them."""
+"""CLI options of the expert cache (--vram, --expert-slots, --policy, --alloc, ...), and opening an engine
+with them."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,13 +12,14 @@ import click
 from .types import Size
 
 POLICIES = ("lru", "dali", "static", "manual")
-POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's workload-aware "
-               "replacement: every --dali-window tokens the most-used absent experts replace the least-used resident "
-               "ones; runs in the routing hook), static (the calibration's most frequent), manual (API only); lru, "
-               "static and manual run inside llama.cpp's graph")
-ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise the "
-              "policy's misses replayed on the calibration's routing trace; --expert-slots N is then the average). "
-              "Default: dp when the calibration has a routing trace, else equal")
+POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's "
+               "workload-aware replacement: every --dali-window tokens the most-used absent experts "
+               "replace the least-used resident ones; runs in the routing hook), static (the "
+               "calibration's most frequent), manual (API only); lru, static and manual run inside "
+               "llama.cpp's graph")
+ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
+              "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
+              "average). Default: dp when the calibration has a routing trace, else equal")
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class CacheOptions:
     blocking: bool
     alloc: str | None = None  # "equal", "dp", or None: dp when the calibration has a routing trace
     dali_window: int | None = None  # dali: tokens per window (None: the paper's, residency.DALI_WINDOW)
-    dali_update: int | None = None  # dali: experts replaced per window (None: the paper's for the expert count)
+    dali_update: int | None = None  # dali: experts replaced per window (None: the paper's for this model)
 
     @property
     def enabled(self) -> bool:
@@ -42,16 +44,17 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "(split over the MoE layers as --alloc says)"),
         click.option("--expert-slots", type=click.IntRange(min=0), default=None,
                      help="expert slots per MoE layer (instead of --vram; with --alloc dp the average)"),
-        click.option("--policy", type=click.Choice(POLICIES), default="lru", show_default=True, help=POLICY_HELP),
+        click.option("--policy", type=click.Choice(POLICIES), default="lru", show_default=True,
+                     help=POLICY_HELP),
         click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP),
         click.option("--dali-window", type=click.IntRange(min=1), default=None,
                      help="dali: tokens per window (the paper's w; default 4)"),
         click.option("--dali-update", type=click.IntRange(min=1), default=None,
-                     help="dali: most experts replaced per window (the paper's u; default: experts per layer / 8, "
-                          "rounded up)"),
+                     help="dali: most experts replaced per window (the paper's u; default: experts per "
+                          "layer / 8, rounded up)"),
         click.option("--blocking-loads", is_flag=True,
-                     help="lru, dali: load a missed expert before its layer runs instead of running it on the CPU "
-                          "(needs the routing callback: a host sync per MoE layer)"),
+                     help="lru, dali: load a missed expert before its layer runs instead of running it "
+                          "on the CPU (needs the routing callback: a host sync per MoE layer)"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -103,7 +106,8 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
     calibration = calibration or default_calibration_dir(model)
     budget = None
     if opts.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
-        budget = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=VRAM_RESERVE).expert_budget_bytes
+        plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=VRAM_RESERVE)
+        budget = plan_bytes.expert_budget_bytes
     window = opts.dali_window or DALI_WINDOW
     plan = plan_allocation(engine.info, alloc=opts.alloc, policy=opts.policy, calibration=calibration,
                            slots_per_layer=slots, budget_bytes=budget, dali_window=window,
@@ -111,9 +115,9 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
     if plan.note:
         click.echo(f"note: {plan.note}", err=True)
     dev = native.gpu_device()
-    cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=opts.policy, blocking=opts.blocking,
-                      calibration=calibration, dali_window=window, dali_update=opts.dali_update,
-                      alloc=plan.alloc)
+    cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=opts.policy,
+                      blocking=opts.blocking, calibration=calibration, dali_window=window,
+                      dali_update=opts.dali_update, alloc=plan.alloc)
     engine.enable_expert_cache(cfg, device=dev)
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
     click.echo(f"expert cache: {describe(plan)} on {where}, policy {opts.policy}"

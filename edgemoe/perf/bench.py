@@ -36,7 +36,7 @@ class BenchSpec:
     n_ctx: int = 0  # 0: prompt + gen rounded up
     policies: tuple[str, ...] = ("lru", "static")
     calibration: Path | None = None
-    alloc: str | None = None  # slots per layer: "equal", "dp", None: dp when the calibration has a routing trace
+    alloc: str | None = None  # "equal", "dp"; None: dp when the calibration has a routing trace
 
 
 @dataclass
@@ -143,8 +143,8 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
 
             configs.append((f"edgemoe {pol}", "edgemoe", cached, fail, ""))
             continue
-        cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=pol, calibration=spec.calibration,
-                          alloc=plan.alloc)
+        cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=pol,
+                          calibration=spec.calibration, alloc=plan.alloc)
 
         def setup(eng: Engine, cfg: CacheConfig = cfg) -> None:
             eng.enable_expert_cache(cfg, device=dev)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from itertools import pairwise
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -77,16 +78,17 @@ def layer_steps(ids: np.ndarray, layers: Sequence[int], phase: np.ndarray, seq: 
     """
     ids = np.asarray(ids)
     if ids.ndim != 3 or ids.shape[1] != len(layers) or ids.shape[0] != len(phase):
-        raise EdgeMoeError(f"routing ids of shape {ids.shape}: expected ({len(phase)} tokens, {len(layers)} layers, k)")
+        raise EdgeMoeError(f"routing ids of shape {ids.shape}: expected ({len(phase)} tokens, "
+                           f"{len(layers)} layers, k)")
     bounds = _step_bounds(phase, seq, ubatch)
-    return {int(il): [ids[a:b, j] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return {int(il): [ids[a:b, j] for a, b in pairwise(bounds) if b > a]
             for j, il in enumerate(layers)}
 
 
 def decode_steps(phase: np.ndarray, seq: np.ndarray, *, ubatch: int) -> np.ndarray:
     """(n_steps,) bool: which of layer_steps' steps are decode tokens."""
     bounds = _step_bounds(phase, seq, ubatch)
-    return np.array([phase[a] == DECODE for a, b in zip(bounds[:-1], bounds[1:]) if b > a], bool)
+    return np.array([phase[a] == DECODE for a, b in pairwise(bounds) if b > a], bool)
 
 
 def steps_of(steps_by_layer: Mapping[int, Sequence[np.ndarray]]) -> list[list[tuple[int, np.ndarray]]]:
@@ -239,8 +241,8 @@ def _lru_step(lru_first: list[int], used: list[int], n: int) -> tuple[list[int],
     return list(lru), sum(1 for e, label in lru.items() if label != e)
 
 
-def _dali_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int, window: int,
-                    update: int) -> tuple[np.ndarray, np.ndarray]:
+def _dali_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int,
+                    window: int, update: int) -> tuple[np.ndarray, np.ndarray]:
     """DaliPolicy for every size at once: the scores and the window are the same in every row, only
     the resident sets differ."""
     rows = np.arange(max_slots + 1)[:, None]
@@ -324,7 +326,8 @@ def f_curves(steps_by_layer: Mapping[int, Sequence[np.ndarray]], policy_kind: st
 
 # -- allocation -----------------------------------------------------------------------------------
 def equal_allocate(layers: Sequence[int], budget_slots: int, *, max_slots: int) -> dict[int, int]:
-    """budget_slots split as evenly as possible (the first layers get the remainder), at most max_slots each."""
+    """budget_slots split as evenly as possible (the first layers get the remainder), at most
+    max_slots each."""
     if budget_slots < 0:
         raise AllocationError(f"a budget of {budget_slots} slots: must be >= 0")
     layers = sorted(layers)
@@ -345,8 +348,8 @@ def _units(weights: Mapping[int, int], budget: int) -> tuple[dict[int, int], int
     return {il: -(-w // unit) for il, w in weights.items()}, budget // unit
 
 
-def dp_allocate(curves: Mapping[int, np.ndarray], budget: int, *, bytes_per_expert: Mapping[int, int] | None = None,
-                min_slots: int = 0) -> dict[int, int]:
+def dp_allocate(curves: Mapping[int, np.ndarray], budget: int, *,
+                bytes_per_expert: Mapping[int, int] | None = None, min_slots: int = 0) -> dict[int, int]:
     """Slots per layer minimising sum_i curves[i][t_i] (AdapMoE eq. 16-19).
 
     budget: total slots (sum t_i <= budget), or with `bytes_per_expert` a byte budget
@@ -372,8 +375,8 @@ def dp_allocate(curves: Mapping[int, np.ndarray], budget: int, *, bytes_per_expe
         target = {il: each for il in layers}
     floor = sum(min_slots * w[il] for il in layers)
     if any(min_slots > len(f[il]) - 1 for il in layers) or floor > cap:
-        raise AllocationError(f"min_slots {min_slots} in each of {len(layers)} layers does not fit the budget "
-                              f"({budget}{' bytes' if bytes_per_expert is not None else ' slots'})")
+        raise AllocationError(f"min_slots {min_slots} in each of {len(layers)} layers does not fit the "
+                              f"budget ({budget}{' bytes' if bytes_per_expert is not None else ' slots'})")
     tol = 1e-9 * max(1.0, max(float(np.abs(c).max()) for c in f.values()))
     cost = np.zeros(cap + 1)  # F[i][j]: best cost of the layers so far within j units
     dev = np.zeros(cap + 1)  # tie-break: squared distance to the equal allocation
@@ -410,7 +413,8 @@ def _top_up(slots: dict[int, int], f: Mapping[int, np.ndarray], nbytes: Mapping[
     """Add slots, the largest cost decrease first, while they fit in the bytes left."""
     left = budget - sum(slots[il] * nbytes[il] for il in slots)
     while True:
-        gains = {il: f[il][t] - f[il][t + 1] for il, t in slots.items() if t + 1 < len(f[il]) and nbytes[il] <= left}
+        gains = {il: f[il][t] - f[il][t + 1] for il, t in slots.items()
+                 if t + 1 < len(f[il]) and nbytes[il] <= left}
         best = max(gains, key=lambda il: gains[il], default=None)
         if best is None or gains[best] <= tol:
             return

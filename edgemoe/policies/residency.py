@@ -113,7 +113,8 @@ class LruPolicy:
 
 
 DALI_WINDOW = 4  # w_size: tokens per window (the paper's choice for every model it runs)
-DALI_UPDATE_SHARE = 8  # u_size = ceil(n_expert / 8): the paper's 1 of Mixtral's 8, 8 of DeepSeek's 64 and Qwen's 60
+# u_size = ceil(n_expert / 8): the paper's 1 of Mixtral's 8 experts, 8 of DeepSeek's 64 and of Qwen's 60
+DALI_UPDATE_SHARE = 8
 
 
 def dali_default_update(n_expert: int) -> int:
@@ -146,8 +147,9 @@ class DaliPolicy:
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.update < 1:
+            paper = f"window {DALI_WINDOW}, update {dali_default_update(self.n_expert)}"
             raise EdgeMoeError(f"dali window {self.window} and update {self.update}: both must be >= 1 "
-                               f"(the paper uses window {DALI_WINDOW}, update {dali_default_update(self.n_expert)})")
+                               f"(the paper uses {paper})")
 
     def initial_loads(self) -> list[Load]:
         return []
@@ -247,8 +249,8 @@ def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False
     if k is PolicyKind.DALI:
         if n_expert is None:
             raise EdgeMoeError("the dali policy needs the model's expert count (n_expert)")
-        return DaliPolicy(dict(n_slots), n_expert, window=window,
-                          update=dali_default_update(n_expert) if update is None else update, blocking=blocking)
+        return DaliPolicy(dict(n_slots), n_expert, window=window, blocking=blocking,
+                          update=dali_default_update(n_expert) if update is None else update)
     if calibration is None:
         raise EdgeMoeError("the static policy needs a calibration with router frequencies: "
                            "run `edgemoe calibrate MODEL --corpus FILE` or pass --calibration DIR")

@@ -28,14 +28,14 @@ class ExpertCacheError(EdgeMoeError):
 
 @dataclass(frozen=True)
 class CacheConfig:
-    # expert slots of every MoE layer (equal allocation), or layer -> slots (e.g. edgemoe.policies.allocation's
-    # dp_allocate; MoE layers left out get none)
+    # expert slots of every MoE layer (equal allocation), or layer -> slots (e.g. from
+    # edgemoe.policies.allocation's dp_allocate; MoE layers left out get none)
     slots_per_layer: int | Mapping[int, int]
     policy: str = "lru"  # edgemoe.policies.residency.PolicyKind
     blocking: bool = False  # lru, dali: load a missed expert before its layer runs instead of after the step
     calibration: Path | None = None  # static: where router_frequency.npz is
     dali_window: int = DALI_WINDOW  # dali: tokens per window (w)
-    dali_update: int | None = None  # dali: experts replaced per window (u); None: the paper's for the expert count
+    dali_update: int | None = None  # dali: experts replaced per window (u); None: the paper's for the model
     alloc: str = "equal"  # how the slots per layer were chosen ("equal", "dp"): reported, not acted on
 
     def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:
@@ -153,10 +153,10 @@ class CacheController:
     host sync per layer; lru runs natively after each ubatch (the same decisions as LruPolicy, its
     loads prefetched on the copy stream and used from the next ubatch), static and manual never load
     by themselves. In the hook (a Python policy is set, lru with blocking loads, or dali, which has
-    no native twin): the policy sees each layer's final ids. Blocking: copied before the layer's experts run. Otherwise prefetched on
-    the copy stream from the next layer's hook (after this layer's ids were mapped to slots, so an
-    eviction never turns this step's hit into a miss) while the later layers compute, and used from
-    the layer's next run.
+    no native twin): the policy sees each layer's final ids. Blocking: copied before the layer's
+    experts run. Otherwise prefetched on the copy stream from the next layer's hook (after this
+    layer's ids were mapped to slots, so an eviction never turns this step's hit into a miss) while
+    the later layers compute, and used from the layer's next run.
     """
 
     wants_probs = False

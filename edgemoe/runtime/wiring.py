@@ -4,7 +4,8 @@ RoutingMixin is a part of Engine (edgemoe.runtime.engine). Adaptive top-k and th
 residency (expert-to-slot tables, the lru policy) run inside llama.cpp's graph, with no host round
 trip per MoE layer, while nothing needs the routing callback. A Python policy (or lru with blocking
 loads, or the dali residency policy) needs it: then gating runs first in the hook chain, then the
-user's policies, then the expert-cache controller when its residency policy needs the routes; one HookChain serves all.
+user's policies, then the expert-cache controller when its residency policy needs the routes; one
+HookChain serves all.
 """
 from __future__ import annotations
 
@@ -122,8 +123,9 @@ class RoutingMixin:
             self.cache = None
         if config is not None:
             slots = config.slots(list(self.info.moe_layers), self.info.n_expert)
-            policy = make_policy(config.policy, slots, blocking=config.blocking, calibration=config.calibration,
-                                 n_expert=self.info.n_expert, window=config.dali_window, update=config.dali_update)
+            policy = make_policy(config.policy, slots, blocking=config.blocking,
+                                 calibration=config.calibration, n_expert=self.info.n_expert,
+                                 window=config.dali_window, update=config.dali_update)
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, slots, device)
             try:
