@@ -8,8 +8,11 @@ the selected ids, phase and sequence of each token, no gate inputs) so that DP a
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..policies.allocation import decode_steps, dp_allocate, f_curves, layer_steps
-from ..policies.residency import DALI_WINDOW, PolicyKind, load_frequency
-from .card import CalibrationError
+from ..policies.residency import DALI_WINDOW, PolicyKind, dali_default_update, load_frequency
+from .card import CalibrationError, cache_dir
 
 if TYPE_CHECKING:
     from ..gguf.info import ModelInfo
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 ROUTING_TRACE = "routing_trace.npz"
 ROUTING_TOKENS = 16384  # tokens the routing stage keeps (whole sequences, spread over the trace)
 ALLOC_MODES = ("equal", "dp")
+CURVES_FORMAT = 1  # of the cached replay curves: bump when the replay's semantics change
 
 
 def routing_stage(ctx: StageContext) -> dict[str, Any]:
@@ -129,11 +133,8 @@ def plan_allocation(info: ModelInfo, *, alloc: str | None, policy: str, calibrat
             raise
         return _fallback(equal, alloc, f"dp allocation needs a routing trace: {err}; equal allocation for "
                                        "now")
-    frequency = (load_frequency(calibration, n_expert=info.n_expert, layers=layers)
-                 if PolicyKind(policy) is PolicyKind.STATIC else None)
     t0 = time.perf_counter()
-    curves = f_curves(trace.steps(), policy, info.n_expert, n_expert=info.n_expert, frequency=frequency,
-                      window=dali_window, update=dali_update, counted=trace.decode_mask())
+    curves = decode_curves(calibration, trace, info, policy, dali_window=dali_window, dali_update=dali_update)
     if budget_bytes is not None:
         slots = dp_allocate(curves, budget_bytes, bytes_per_expert=dict(info.bytes_per_expert_by_layer))
     else:
@@ -141,6 +142,47 @@ def plan_allocation(info: ModelInfo, *, alloc: str | None, policy: str, calibrat
     log.info("dp allocation for %s from %s (%d tokens) in %.2f s: %s", policy, calibration / ROUTING_TRACE,
              trace.ids.shape[0], time.perf_counter() - t0, slots)
     return AllocationPlan("dp", slots)
+
+
+def decode_curves(calibration: Path, trace: RoutingTrace, info: ModelInfo, policy: str, *,
+                  dali_window: int = DALI_WINDOW, dali_update: int | None = None) -> dict[int, np.ndarray]:
+    """f_i(t) of `policy` on the calibration's routing trace, misses per decode token, for t = 0..n_expert.
+
+    Replaying every t of every layer takes about a minute on a 48-layer, 128-expert model, so the
+    curves are kept in the per-user cache, keyed by the trace's (and for static the frequencies')
+    bytes and the policy's parameters.
+    """
+    frequency = None
+    files = [calibration / ROUTING_TRACE]
+    if PolicyKind(policy) is PolicyKind.STATIC:
+        frequency = load_frequency(calibration, n_expert=info.n_expert, layers=list(info.moe_layers))
+        files.append(calibration / "router_frequency.npz")
+    params: dict[str, Any] = {"format": CURVES_FORMAT, "policy": policy, "n_expert": info.n_expert,
+                              "counted": "decode"}
+    if PolicyKind(policy) is PolicyKind.DALI:
+        dali_update = dali_default_update(info.n_expert) if dali_update is None else dali_update
+        params.update(window=dali_window, update=dali_update)
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
+    for f in files:
+        digest.update(f.read_bytes())
+    path = cache_dir() / "allocation" / f"curves-{digest.hexdigest()[:20]}.npz"
+    try:
+        with np.load(path) as z:
+            return {int(il): z["curves"][i] for i, il in enumerate(z["layers"])}
+    except (OSError, ValueError, KeyError):  # not cached yet (or unreadable): replay
+        pass
+    curves = f_curves(trace.steps(), policy, info.n_expert, n_expert=info.n_expert, frequency=frequency,
+                      window=dali_window, update=dali_update, counted=trace.decode_mask())
+    layers = sorted(curves)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        with tmp.open("wb") as f:
+            np.savez(f, layers=np.array(layers, np.int32), curves=np.stack([curves[il] for il in layers]))
+        os.replace(tmp, path)
+    except OSError as err:  # no writable cache: replay again next time
+        log.info("cannot cache the dp curves in %s: %s", path, err)
+    return curves
 
 
 def _fallback(equal: AllocationPlan, alloc: str | None, why: str) -> AllocationPlan:
