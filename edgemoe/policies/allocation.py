@@ -37,15 +37,15 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from itertools import pairwise
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
 from ..errors import EdgeMoeError
-from .residency import (DALI_WINDOW, PolicyKind, StaticPolicy, dali_default_update, make_policy, simulate,
-                        used_experts)
+from .residency import (DALI_WINDOW, DaliPolicy, PolicyKind, StaticPolicy, dali_default_update,
+                        make_policy, simulate, used_experts)
 
 DECODE = 1  # edgemoe.analysis.trace.DECODE: a token fed alone, one step
 MAX_UNITS = 1 << 16  # knapsack capacity above which byte weights are coarsened (rounded up)
@@ -137,7 +137,11 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
     routed slot). lru, dali and static have exact vectorised replays (``fast``); without it (and
     for other policies) `simulate` runs once per t. static needs the layer's `frequency` (n_expert,).
     """
-    k = PolicyKind(kind)
+    try:
+        k = PolicyKind(kind)
+    except ValueError:
+        raise AllocationError(f"unknown cache policy {kind!r}: use one of "
+                              f"{', '.join(p.value for p in PolicyKind)}") from None
     if not 0 <= max_slots <= n_expert:
         raise AllocationError(f"max_slots {max_slots}: use 0..{n_expert} (the layer's experts)")
     steps = [np.asarray(s) for s in steps]
@@ -150,6 +154,8 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
         raise AllocationError("the manual policy loads nothing by itself: there is nothing to replay")
     if k is PolicyKind.STATIC and frequency is None:
         raise AllocationError("the static policy's replay needs the layer's router frequency")
+    if k is PolicyKind.DALI:
+        DaliPolicy({}, n_expert, window=window, update=1 if update is None else update)  # checks them
     if fast and k is PolicyKind.LRU:
         misses, loads = _lru_all_sizes(steps, flags, max_slots, n_expert)
     elif fast and k is PolicyKind.DALI:
