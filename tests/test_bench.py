@@ -21,7 +21,7 @@ def test_bench_cli_runs_every_configuration(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout[res.stdout.index("{"):])
     names = [r["name"] for r in out["rows"]]
-    assert names == ["stock -ot exps=CPU", "edgemoe lru", "edgemoe static"]
+    assert names == ["stock -ot exps=CPU", "edgemoe lru dp", "edgemoe static dp"]  # the fixture's calibration
     assert 0 < out["slots_per_layer"] < read_model_info(FIXTURE_MODELS[0]).n_expert  # what the budget leaves
     for r in out["rows"]:
         assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["ttft_s"] > 0, r
@@ -49,6 +49,17 @@ def test_bench_prints_the_projection_beside_the_measurement() -> None:
                                      "--gen-tokens", "8", "-t", "2", "--policy", "lru", "--profile",
                                      "rtx4060-laptop"], catch_exceptions=False).output
     assert "proj dec" in table and "PROJECTED" in table
+
+
+def test_bench_alloc_equal_and_dali() -> None:
+    res = CliRunner().invoke(cli, ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens",
+                                   "32", "--gen-tokens", "4", "-t", "2", "--json", "--alloc", "equal",
+                                   "--policy", "dali"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    row = out["rows"][-1]
+    assert row["name"] == "edgemoe dali" and row["cache"]["hits"] > 0
+    assert set(row["cache"]["slots_per_layer"].values()) == {out["slots_per_layer"]}
 
 
 def test_best_n_cpu_moe_is_the_fewest_layers_that_fit() -> None:

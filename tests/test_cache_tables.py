@@ -15,7 +15,7 @@ from conftest import StepRecorder
 
 from edgemoe.analysis.verify import FnPolicy
 from edgemoe.policies.gating import GatingPolicy, GatingRule
-from edgemoe.policies.residency import LruPolicy, simulate
+from edgemoe.policies.residency import LruPolicy, make_policy, simulate
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import CacheConfig
 from edgemoe.runtime.sampling import GREEDY
@@ -53,6 +53,38 @@ def test_native_lru_generates_as_stock_without_host_syncs(preset: str, fixture_m
         assert st["hits"] > 0 and st["loads"] > 0
         if slots == n_expert:
             assert st["loads"] <= n_expert * n_moe  # with a slot for every expert nothing is evicted
+
+
+@pytest.mark.parametrize("preset", ["fixture", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe"])
+def test_dali_in_the_hook_generates_as_stock(preset: str, fixture_model: Path, make_tiny_gguf) -> None:
+    """dali has no native twin: it runs in the routing callback (a host sync per MoE layer and ubatch)."""
+    path = fixture_model if preset == "fixture" else make_tiny_gguf(preset)
+    ref, _, _, _ = _generate(path, None)
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        n_expert = eng.info.n_expert
+    for slots in (1, n_expert // 2, n_expert):
+        got, st, control, _ = _generate(path, CacheConfig(slots, policy="dali"))
+        assert got == ref, f"{path.name}, {slots} slots"
+        assert control["n_host_syncs"] > 0 and st["hits"] > 0 and st["loads"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "dali", "static"])
+def test_uneven_slots_per_layer_generate_as_stock_and_as_replayed(policy: str, fixture_model: Path) -> None:
+    """A per-layer allocation (some layers with none): stock tokens, and the counters of the policy
+    replayed on the same routes (layers without slots count nowhere)."""
+    from edgemoe.calibration.adaptive import default_calibration_dir
+
+    recorder = StepRecorder()
+    ref, _, _, _ = _generate(fixture_model, None, policies=[recorder])
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        moe, n_expert = list(eng.info.moe_layers), eng.info.n_expert
+    slots = {il: [0, 1, n_expert // 2, n_expert][i % 4] for i, il in enumerate(moe)}
+    cal = default_calibration_dir(fixture_model)
+    got, st, control, _ = _generate(fixture_model, CacheConfig(slots, policy=policy, calibration=cal))
+    assert got == ref and st["slots_per_layer"] == slots and st["slots_total"] == sum(slots.values())
+    assert (control["n_host_syncs"] == 0) == (policy != "dali")
+    sim = simulate(make_policy(policy, slots, calibration=cal, n_expert=n_expert), recorder.steps)
+    assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads) and sim.hits > 0
 
 
 def test_native_lru_decides_as_the_python_policy(fixture_model: Path) -> None:

@@ -100,7 +100,8 @@ def test_explicit_calibration_of_another_model_fails(tmp_path: Path) -> None:
 # -- stages and atomic writes ---------------------------------------------------------------------------
 def test_select_stages_adds_requirements_and_rejects_unknown() -> None:
     assert [s.name for s in select_stages(["predictors"])] == ["traces", "predictors"]
-    assert [s.name for s in select_stages(None)][:3] == ["traces", "router_frequency", "predictors"]
+    names = [s.name for s in select_stages(None)]
+    assert names[:4] == ["traces", "router_frequency", "routing", "predictors"]
     assert [s.name for s in select_stages(["sensitivity"])] == ["sensitivity"]  # needs no traces
     with pytest.raises(CalibrationError, match="unknown calibration stage.*nonsense"):
         select_stages(["nonsense"])
@@ -197,7 +198,7 @@ def test_calibrate_and_predict_eval_cli(tmp_path: Path, _cache: Path) -> None:
     assert r.exit_code == 0, r.output
     out = _cache / "calibration" / model_sha256(QWEN)[:16]  # the default --out: the per-user cache
     card = json.loads((out / CARD).read_text())
-    assert card["stages"] == ["traces", "router_frequency", "predictors", "sensitivity"]
+    assert card["stages"] == ["traces", "router_frequency", "routing", "predictors", "sensitivity"]
     assert (out / "sensitivity.json").is_file() and (out / "gating_validation_tokens.npy").is_file()
     assert card["sensitivity"]["validation_tokens"] > 0 and len(card["sensitivity"]["empirical"]) == 8
     assert card["traces"]["tokens"] == 2048 and card["traces"]["mode"] == "decode"
@@ -207,6 +208,7 @@ def test_calibrate_and_predict_eval_cli(tmp_path: Path, _cache: Path) -> None:
     assert set(card["predictors"]["validation"]) >= {"mlp", "gate", "residual", "first-layer", "prev-token",
                                                      "token-id"}
     assert (out / "router_frequency.npz").is_file() and (out / "predictors" / "mlp-d2.npz").is_file()
+    assert card["routing"]["tokens"] == 2048 and (out / "routing_trace.npz").is_file()
     assert "validation" in r.output and "mlp" in r.output
 
     # predict-eval finds it in the cache (the bundled fixture directory is skipped only if absent or stale)

@@ -166,7 +166,38 @@ def test_generate_with_expert_cache_reports_it(flags: list[str]) -> None:
     if "--vram" in flags:
         from edgemoe.gguf.info import read_model_info
 
-        assert cache["slots_per_layer"] == read_model_info(MODEL).n_expert  # 1 GiB holds every expert
+        n_expert = read_model_info(MODEL).n_expert
+        assert set(cache["slots_per_layer"].values()) == {n_expert}  # 1 GiB holds every expert
+
+
+def test_alloc_dp_is_the_default_with_a_routing_trace(tmp_path: Path) -> None:
+    from edgemoe.gguf.info import read_model_info
+
+    info = read_model_info(MODEL)
+    args = ["generate", str(MODEL), "-p", "ROMEO:", "-n", "6", "--temp", "0", "--json", "--expert-slots", "2"]
+    plain = json.loads(run(*args[:-2]).stdout)
+    dp = run(*args)
+    cache = json.loads(dp.stdout.splitlines()[-1])["cache"]
+    assert cache["alloc"] == "dp" and cache["slots_total"] == 2 * len(info.moe_layers)
+    assert "expert cache: dp: 16 slots over 8 MoE layers" in dp.output
+    eq = json.loads(run(*args, "--alloc", "equal").stdout.splitlines()[-1])["cache"]
+    assert eq["alloc"] == "equal" and set(eq["slots_per_layer"].values()) == {2}
+    res = run(*args, "--policy", "dali", "--dali-window", "16", "--dali-update", "1")
+    dali = json.loads(res.stdout.splitlines()[-1])
+    assert dali["cache"]["policy"] == "dali" and dali["cache"]["alloc"] == "dp" and dali["cache"]["hits"] > 0
+    assert dali["control"]["n_host_syncs"] > 0  # dali runs in the routing hook
+    assert json.loads(dp.stdout.splitlines()[-1])["tokens"] == dali["tokens"] == plain["tokens"]
+
+    # a calibration without the routing trace: dp says what it needs and falls back to equal
+    own = Path(__file__).resolve().parents[1] / "predictors" / MODEL.name.removesuffix(".gguf")
+    cal = tmp_path / "cal"
+    shutil.copytree(own, cal)
+    (cal / "routing_trace.npz").unlink()
+    for extra in ([], ["--alloc", "dp"]):
+        res = run(*args, "--calibration", str(cal), *extra)
+        assert res.exit_code == 0, res.output
+        assert "routing_trace.npz" in res.output and "--stage routing" in res.output
+        assert json.loads(res.stdout.splitlines()[-1])["cache"]["alloc"] == "equal"
 
 
 def test_cache_option_errors() -> None:

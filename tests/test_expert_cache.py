@@ -15,7 +15,7 @@ from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.errors import EdgeMoeError
 from edgemoe.runtime.expert_cache import CacheConfig, ExpertCacheError
 from edgemoe.policies.route import RouteRecord
-from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, simulate, used_experts
+from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, make_policy, simulate, used_experts
 from edgemoe.runtime.sampling import GREEDY
 from edgemoe.analysis.verify import FnPolicy
 
@@ -71,7 +71,8 @@ def test_random_residency_equals_stock(make_tiny_gguf) -> None:  # type: ignore[
             assert st is not None and st["hits"] > 0 and st["loads"] > 0
 
 
-@pytest.mark.parametrize("policy,blocking", [("lru", False), ("lru", True), ("static", False)])
+@pytest.mark.parametrize("policy,blocking", [("lru", False), ("lru", True), ("static", False),
+                                             ("dali", False), ("dali", True)])
 def test_every_policy_generates_as_stock(fixture_model: Path, policy: str, blocking: bool) -> None:
     from edgemoe.calibration.adaptive import default_calibration_dir
 
@@ -87,20 +88,24 @@ def test_every_policy_generates_as_stock(fixture_model: Path, policy: str, block
     assert st["bytes_uploaded"] > 0 and st["gpu_expert_share"] == st["hit_rate"]
 
 
-@pytest.mark.parametrize("blocking", [False, True])
-def test_native_counters_equal_the_policy_replayed_on_the_trace(fixture_model: Path, blocking: bool) -> None:
+@pytest.mark.parametrize("policy,blocking", [("lru", False), ("lru", True), ("dali", False), ("dali", True)])
+def test_native_counters_equal_the_policy_replayed_on_the_trace(fixture_model: Path, policy: str,
+                                                                blocking: bool) -> None:
     """The C side computes from the slots the Python policy believes are resident."""
     recorder = StepRecorder()
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(6, policy="lru", blocking=blocking))
+        cache = eng.enable_expert_cache(CacheConfig(6, policy=policy, blocking=blocking))
         eng.set_policies([recorder])  # runs before the cache controller, sees the same ids
         eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True)
         cache.sync()  # the last step's prefetches complete (the simulation applies them after the step)
         st = cache.stats()
-        n_slots = dict(cache.n_slots)
-    sim = simulate(LruPolicy(n_slots, blocking=blocking), recorder.steps)
+        n_slots, n_expert = dict(cache.n_slots), eng.info.n_expert
+    sim = simulate(make_policy(policy, n_slots, blocking=blocking, n_expert=n_expert), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
+    assert sim.hits > 0 and sim.loads > 0
+    if policy != "lru":
+        return
     prefill = simulate(LruPolicy(n_slots, blocking=blocking), recorder.steps[:1])
     if blocking:
         # a decode step's experts (k <= slots) are all loaded before their layer runs: misses only in
@@ -173,6 +178,10 @@ def test_cache_errors(fixture_model: Path) -> None:
             eng.enable_expert_cache(CacheConfig(eng.info.n_expert + 1))
         with pytest.raises(EdgeMoeError, match="unknown cache policy"):
             eng.enable_expert_cache(CacheConfig(2, policy="fifo"))
+        with pytest.raises(ExpertCacheError, match=r"--expert-slots 99 \(layer 3\)"):
+            eng.enable_expert_cache(CacheConfig({3: 99}))
+        with pytest.raises(ExpertCacheError, match="not MoE layers"):
+            eng.enable_expert_cache(CacheConfig({eng.info.n_layer + 4: 1}))
         cache = eng.enable_expert_cache(CacheConfig(2, policy="manual"))
         with pytest.raises(ExpertCacheError, match="slot 5"):
             cache.load(Load(eng.info.moe_layers[0], 1, 5))

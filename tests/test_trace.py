@@ -91,6 +91,20 @@ def test_trace_cli(tmp_path: Path) -> None:
     assert list(np.bincount(tr.seq)) == [64, 36]  # chunks of --ctx tokens (llama.cpp rounds n_ctx up)
 
 
+def test_trace_cli_heldout_reads_only_the_last_tenth(tmp_path: Path) -> None:
+    inp = tmp_path / "in.txt"
+    inp.write_text("alpha beta gamma\n" * 90 + "ROMEO: wherefore\n" * 10)
+    out = tmp_path / "t.npz"
+    res = CliRunner().invoke(cli, ["trace", str(MODEL), "--input", str(inp), "--heldout", "--out", str(out),
+                                   "--ctx", "64"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    tr = Trace.load(out)
+    assert tr.meta["heldout"] is True
+    with Engine(MODEL, LoadConfig(n_ctx=64)) as eng:
+        want = eng.tokenize("ROMEO: wherefore\n" * 10)
+    assert tr.tokens.tolist() == want[:tr.n_tokens]
+
+
 @pytest.mark.parametrize("model", FIXTURE_MODELS, ids=lambda p: p.name.split(".")[0])
 def test_verify_cli(model: Path) -> None:
     res = CliRunner().invoke(cli, ["verify", str(model), "--json"], catch_exceptions=False)

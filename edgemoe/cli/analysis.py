@@ -16,6 +16,7 @@ from .types import THREADS, GGUFPath, OutputPath
               help="text file to run through the model")
 @click.option("--out", "out_path", type=OutputPath(), required=True,
               help="trace file to write (.npz); written only when complete")
+@click.option("--heldout", is_flag=True, help="trace only the held-out split (the last 10%) of --input")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
               help="trace at most this many tokens of the input")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=512, show_default=True,
@@ -27,14 +28,18 @@ from .types import THREADS, GGUFPath, OutputPath
 @click.option("--gate-inputs", is_flag=True, help="also record the router inputs (hidden states, float16)")
 @click.option("--probs", is_flag=True, help="also record the full router probabilities")
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
-def trace(model: Path, input_path: Path, out_path: Path, max_tokens: int, n_ctx: int, mode: str,
-          prefill_tokens: int, gate_inputs: bool, probs: bool, threads: int) -> None:
+def trace(model: Path, input_path: Path, heldout: bool, out_path: Path, max_tokens: int, n_ctx: int,
+          mode: str, prefill_tokens: int, gate_inputs: bool, probs: bool, threads: int) -> None:
     """Record which experts every MoE layer picks for every token of a text."""
     from ..runtime.engine import Engine, LoadConfig
     from ..progress import progress_bar
     from ..analysis.trace import record_trace
+    from ..calibration.corpus import split_corpus
 
-    text = input_path.read_text(encoding="utf-8", errors="replace")
+    if heldout:
+        text = split_corpus(input_path).heldout_text()
+    else:
+        text = input_path.read_text(encoding="utf-8", errors="replace")
     with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
         if not eng.info.is_moe:
             raise click.ClickException(f"{model.name} is a dense model: there are no experts to trace")
@@ -43,6 +48,7 @@ def trace(model: Path, input_path: Path, out_path: Path, max_tokens: int, n_ctx:
             tr = record_trace(eng, tokens, ctx=n_ctx, mode=mode, prefill_tokens=prefill_tokens,
                               probs=probs, gate_inputs=gate_inputs, progress=bar)
     tr.meta["input"] = str(input_path)
+    tr.meta["heldout"] = heldout
     tr.save(out_path)
     click.echo(f"wrote {out_path}: {tr.n_tokens} tokens x {len(tr.layers)} MoE layers x top-{tr.ids.shape[2]} "
                f"({mode})", err=True)

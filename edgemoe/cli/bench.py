@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from .cache_options import ALLOC_HELP
 from .types import THREADS, GGUFPath, OutputPath, Size
 
 
@@ -15,17 +16,19 @@ from .types import THREADS, GGUFPath, OutputPath, Size
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("-t", "--threads", type=THREADS, default=0, help="CPU threads (default: physical cores)")
-@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "static"]),
+@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "dali", "static"]),
               default=("lru", "static"), show_default=True, help="edgemoe policies to run (repeatable)")
+@click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP)
 @click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="calibration directory for the static policy (default: the model's)")
+              help="calibration directory for the static policy and dp allocation (default: the model's)")
 @click.option("--profile", "profile_path", default=None,
               help="machine profile for the projection printed beside each row (default: this machine's, "
                    "if `edgemoe profile` has written one; 'none' turns projections off)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: int, policies: tuple[str, ...],
-          calibration: Path | None, profile_path: str | None, as_json: bool, plot: Path | None) -> None:
+          alloc: str | None, calibration: Path | None, profile_path: str | None, as_json: bool,
+          plot: Path | None) -> None:
     """Prefill/decode tokens/s, TTFT, TPOT and VRAM: stock -ot exps=CPU, the best --n-cpu-moe, edgemoe policies."""
     from ..calibration.adaptive import default_calibration_dir
     from ..perf.bench import BenchSpec, format_table, run_bench
@@ -37,7 +40,8 @@ def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: 
     else:
         profile = None if profile_path == "none" else Path(profile_path)
     spec = BenchSpec(vram=vram, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, threads=threads,
-                     policies=policies, calibration=calibration or default_calibration_dir(model), profile=profile)
+                     policies=policies, calibration=calibration or default_calibration_dir(model),
+                     alloc=alloc, profile=profile)
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:
         plot_png(res, plot)

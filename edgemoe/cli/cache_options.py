@@ -1,4 +1,5 @@
-"""CLI options of the expert cache: --vram / --expert-slots / --policy, and opening an engine with them."""
+"""CLI options of the expert cache (--vram, --expert-slots, --policy, --alloc, ...), and opening an engine
+with them."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,6 +11,15 @@ import click
 
 from .types import Size
 
+POLICIES = ("lru", "dali", "static", "manual")
+POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's "
+               "workload-aware replacement: every --dali-window tokens the most-used absent experts "
+               "replace the least-used resident ones; runs in the routing hook), static (the "
+               "calibration's most frequent), manual (API only); lru, static and manual run inside "
+               "llama.cpp's graph")
+ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
+              "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
+              "average). Default: dp when the calibration has a routing trace, else equal")
 
 
 @dataclass(frozen=True)
@@ -18,6 +28,9 @@ class CacheOptions:
     expert_slots: int | None
     policy: str
     blocking: bool
+    alloc: str | None = None  # "equal", "dp", or None: dp when the calibration has a routing trace
+    dali_window: int | None = None  # dali: tokens per window (None: the paper's, residency.DALI_WINDOW)
+    dali_update: int | None = None  # dali: experts replaced per window (None: the paper's for this model)
 
     @property
     def enabled(self) -> bool:
@@ -28,25 +41,32 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
     opts = [
         click.option("--vram", type=Size(), default=None,
                      help="GPU budget, e.g. 6GiB: dense weights and KV cache first, the rest as expert slots "
-                          "(equal per MoE layer)"),
+                          "(split over the MoE layers as --alloc says)"),
         click.option("--expert-slots", type=click.IntRange(min=0), default=None,
-                     help="expert slots per MoE layer (instead of --vram)"),
-        click.option("--policy", type=click.Choice(["lru", "static", "manual"]), default="lru", show_default=True,
-                     help="which experts the slots hold: lru (load misses for the next token), static "
-                          "(the calibration's most frequent), manual (API only); run inside llama.cpp's graph"),
+                     help="expert slots per MoE layer (instead of --vram; with --alloc dp the average)"),
+        click.option("--policy", type=click.Choice(POLICIES), default="lru", show_default=True,
+                     help=POLICY_HELP),
+        click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP),
+        click.option("--dali-window", type=click.IntRange(min=1), default=None,
+                     help="dali: tokens per window (the paper's w; default 4)"),
+        click.option("--dali-update", type=click.IntRange(min=1), default=None,
+                     help="dali: most experts replaced per window (the paper's u; default: experts per "
+                          "layer / 8, rounded up)"),
         click.option("--blocking-loads", is_flag=True,
-                     help="lru: load a missed expert before its layer runs instead of running it on the CPU "
-                          "(needs the routing callback: a host sync per MoE layer)"),
+                     help="lru, dali: load a missed expert before its layer runs instead of running it "
+                          "on the CPU (needs the routing callback: a host sync per MoE layer)"),
     ]
     for o in reversed(opts):
         f = o(f)
     return f
 
 
-def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, blocking: bool) -> CacheOptions:
+def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, blocking: bool,
+                       alloc: str | None = None, dali_window: int | None = None,
+                       dali_update: int | None = None) -> CacheOptions:
     if vram is not None and expert_slots is not None:
         raise click.UsageError("give --vram or --expert-slots, not both")
-    return CacheOptions(vram, expert_slots, policy, blocking)
+    return CacheOptions(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update)
 
 
 def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
@@ -74,15 +94,31 @@ def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
 def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:
     from ..runtime import native
     from ..calibration.adaptive import default_calibration_dir
+    from ..calibration.allocation import describe, plan_allocation
+    from ..gguf.info import VRAM_RESERVE, vram_plan
+    from ..policies.residency import DALI_WINDOW
     from ..runtime.expert_cache import CacheConfig
 
     if not opts.enabled or not engine.info.is_moe:
         return
     slots = slots_for(engine.info, opts, engine.n_ctx)
+    CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # --expert-slots in range
+    calibration = calibration or default_calibration_dir(model)
+    budget = None
+    if opts.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
+        plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=VRAM_RESERVE)
+        budget = plan_bytes.expert_budget_bytes
+    window = opts.dali_window or DALI_WINDOW
+    plan = plan_allocation(engine.info, alloc=opts.alloc, policy=opts.policy, calibration=calibration,
+                           slots_per_layer=slots, budget_bytes=budget, dali_window=window,
+                           dali_update=opts.dali_update)
+    if plan.note:
+        click.echo(f"note: {plan.note}", err=True)
     dev = native.gpu_device()
-    cfg = CacheConfig(slots, policy=opts.policy, blocking=opts.blocking,
-                      calibration=calibration or default_calibration_dir(model))
+    cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=opts.policy,
+                      blocking=opts.blocking, calibration=calibration, dali_window=window,
+                      dali_update=opts.dali_update, alloc=plan.alloc)
     engine.enable_expert_cache(cfg, device=dev)
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
-    click.echo(f"expert cache: {slots} slots per MoE layer on {where}, policy {opts.policy}"
+    click.echo(f"expert cache: {describe(plan)} on {where}, policy {opts.policy}"
                + (" (blocking loads)" if opts.blocking else ""), err=True)

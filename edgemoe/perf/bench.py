@@ -3,7 +3,8 @@
 Stock configurations run through the same library with no hook and no cache, which builds
 llama.cpp's own graph: all routed experts in CPU memory (``-ot exps=CPU``) and the best
 ``--n-cpu-moe N`` that fits the VRAM budget (the first N layers' experts on the CPU, the rest on
-the GPU). edgemoe runs its policies with the slots the same budget leaves. Every configuration
+the GPU). edgemoe runs its policies with the slots the same budget leaves (split per layer by DP
+allocation when the calibration has a routing trace, or equally: BenchSpec.alloc). Every configuration
 gets the same prompt (fixed random token ids), the same threads and the same greedy decode.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ..calibration.allocation import plan_allocation
+from ..errors import EdgeMoeError
 from ..runtime import native
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.expert_cache import CacheConfig
@@ -34,6 +37,7 @@ class BenchSpec:
     policies: tuple[str, ...] = ("lru", "static")
     calibration: Path | None = None
     profile: Path | None = None  # this machine's profile for the projections (None: none are made)
+    alloc: str | None = None  # "equal", "dp"; None: dp when the calibration has a routing trace
 
 
 @dataclass
@@ -62,7 +66,7 @@ class BenchResult:
     threads: int
     prompt_tokens: int
     gen_tokens: int
-    slots_per_layer: int
+    slots_per_layer: int  # what the budget gives every MoE layer with equal allocation
     n_cpu_moe: int | None
     rows: list[BenchRow] = field(default_factory=list)
     projection_note: str = ""
@@ -108,7 +112,8 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
                       n_gpu_layers=999 if on_gpu else 0)
     moe = tuple(info.moe_layers)
     cpu_moe = moe if on_gpu else None  # without a GPU everything is in CPU memory (and stock keeps repacking)
-    slots = vram_plan(info, spec.vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer
+    vplan = vram_plan(info, spec.vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
+    slots = vplan.experts_per_layer
     n_cpu = best_n_cpu_moe(info, spec.vram, n_ctx)
     res = BenchResult(model=path.name, device=native.device_name(dev) if on_gpu else "CPU (no GPU in this build)",
                       vram=spec.vram, threads=spec.threads, prompt_tokens=spec.prompt_tokens,
@@ -122,13 +127,25 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
                         replace(base, cpu_expert_layers=moe[:n_cpu] or None), None, ""))
     cached = replace(base, cpu_expert_layers=cpu_moe)
     for pol in spec.policies:
-        cfg = CacheConfig(slots, policy=pol, calibration=spec.calibration)
+        try:
+            plan = plan_allocation(info, alloc=spec.alloc, policy=pol, calibration=spec.calibration,
+                                   slots_per_layer=slots, budget_bytes=vplan.expert_budget_bytes)
+        except EdgeMoeError as err:  # reported as the policy's row, skipped
+
+            def fail(eng: Engine, err: EdgeMoeError = err) -> None:
+                raise err
+
+            configs.append((f"edgemoe {pol}", "edgemoe", cached, fail, ""))
+            continue
+        cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=pol,
+                          calibration=spec.calibration, alloc=plan.alloc)
 
         def setup(eng: Engine, cfg: CacheConfig = cfg) -> None:
             eng.enable_expert_cache(cfg, device=dev)
 
-        configs.append((f"edgemoe {pol}", "edgemoe", cached, setup,
-                        "" if on_gpu else "cache on the CPU stand-in"))
+        notes = ([] if on_gpu else ["cache on the CPU stand-in"]) + ([plan.note] if plan.note else [])
+        configs.append((f"edgemoe {pol}" + (" dp" if plan.alloc == "dp" else ""), "edgemoe", cached, setup,
+                        "; ".join(notes)))
 
     generated: list[int] = []
     for name, kind, cfg, setup, note in configs:
@@ -163,7 +180,7 @@ def _sim_name(row: BenchRow, on_gpu: bool) -> str | None:
         return "stock-ot-exps-cpu" if on_gpu else "stock-cpu"
     if row.name.startswith("stock --n-cpu-moe "):
         return "stock-n-cpu-moe-" + row.name.rsplit(" ", 1)[1]
-    if row.name.startswith("edgemoe ") and on_gpu:
+    if row.name.startswith("edgemoe ") and on_gpu and not row.name.endswith(" dp"):  # dp: equal slots only, so far
         return "edgemoe-" + row.name.split(" ", 1)[1]
     return None
 

@@ -9,11 +9,16 @@ A policy answers with loads: copy expert e of layer l into slot s.
 - ``lru``: per-layer least-recently-used. On a miss the expert runs on the CPU
   for this step and is loaded for the next (Fiddler/DAOP); ``blocking`` loads it
   before the layer's experts run instead (mixtral-offloading), for comparison.
+- ``dali``: DALI's workload-aware replacement (Zhu et al., §4.3, Algorithm 2): per layer, the
+  experts' workloads (tokens routed to each) are summed over a window of w tokens; at the end of
+  each window the u highest-scoring experts outside the cache replace the u lowest-scoring inside
+  it, and the scores restart from zero.
 - ``manual``: no loads of its own (tests, external prefetchers).
 """
 from __future__ import annotations
 
 import enum
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +32,7 @@ from ..errors import EdgeMoeError
 class PolicyKind(str, enum.Enum):
     STATIC = "static"
     LRU = "lru"
+    DALI = "dali"
     MANUAL = "manual"  # no automatic loads: the caller drives ExpertCache.load / prefetch
 
 
@@ -106,6 +112,89 @@ class LruPolicy:
                           for layer, per in slots.items()}
 
 
+DALI_WINDOW = 4  # w_size: tokens per window (the paper's choice for every model it runs)
+# u_size = ceil(n_expert / 8): the paper's 1 of Mixtral's 8 experts, 8 of DeepSeek's 64 and of Qwen's 60
+DALI_UPDATE_SHARE = 8
+
+
+def dali_default_update(n_expert: int) -> int:
+    """The paper's u_size for a model with n_expert routed experts per layer (1 for 8, 8 for 60 or 64)."""
+    return max(1, math.ceil(n_expert / DALI_UPDATE_SHARE))
+
+
+@dataclass
+class DaliPolicy:
+    """DALI's workload-aware replacement, per layer.
+
+    Scores are the tokens routed to each expert since the window began (a prefill ubatch of n
+    tokens counts n). Once a window has seen ``window`` tokens (checked after each ubatch), the
+    ``update`` non-resident experts with the highest scores replace the resident ones with the
+    lowest, pair by pair while the newcomer's score is strictly higher (the paper swaps all u; a
+    swap that does not raise the score only costs a copy), and the scores restart. Ties go to the
+    lower expert id. The paper starts from random experts; this cache starts empty, so until a
+    layer's slots are full its misses also fill the free ones (most routed tokens first, then the
+    order of first use).
+    """
+
+    n_slots: Mapping[int, int]  # layer -> slots
+    n_expert: int
+    window: int = DALI_WINDOW  # w_size (tokens)
+    update: int = 1  # u_size (experts swapped per window); make_policy's default: dali_default_update
+    blocking: bool = False  # load before the layer runs (True) or for the next step (False)
+    _resident: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> expert -> slot
+    _scores: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (n_expert,) tokens this window
+    _tokens: dict[int, int] = field(default_factory=dict)  # layer -> tokens this window
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.update < 1:
+            paper = f"window {DALI_WINDOW}, update {dali_default_update(self.n_expert)}"
+            raise EdgeMoeError(f"dali window {self.window} and update {self.update}: both must be >= 1 "
+                               f"(the paper uses {paper})")
+
+    def initial_loads(self) -> list[Load]:
+        return []
+
+    def on_route(self, layer: int, ids: np.ndarray) -> list[Load]:
+        n = self.n_slots.get(layer, 0)
+        if n <= 0:
+            return []
+        flat = np.asarray(ids).reshape(-1)
+        counts = np.bincount(flat[flat >= 0], minlength=self.n_expert)
+        scores = self._scores.setdefault(layer, np.zeros(self.n_expert, np.int64))
+        scores += counts
+        res = self._resident.setdefault(layer, {})
+        loads: list[Load] = []
+        if len(res) < n:  # warm-up: misses fill the free slots
+            used = used_experts(ids)
+            misses = sorted((e for e in used if e not in res), key=lambda e: (-counts[e], used.index(e)))
+            free = sorted(set(range(n)) - set(res.values()))
+            for e, s in zip(misses, free):
+                res[e] = s
+                loads.append(Load(layer, e, s))
+        self._tokens[layer] = self._tokens.get(layer, 0) + int(np.asarray(ids).shape[0])
+        if self._tokens[layer] >= self.window:
+            loads += self._replace(layer, scores, res)
+            scores[:] = 0
+            self._tokens[layer] = 0
+        return loads
+
+    def _replace(self, layer: int, scores: np.ndarray, res: dict[int, int]) -> list[Load]:
+        order = np.argsort(-scores, kind="stable")  # highest score first, ties: lower id
+        incoming = [int(e) for e in order if int(e) not in res][:self.update]
+        outgoing = sorted(res, key=lambda e: (scores[e], e))[:self.update]  # lowest first, ties: lower id
+        loads = []
+        for e_in, e_out in zip(incoming, outgoing):
+            if scores[e_in] <= scores[e_out]:
+                break
+            slot = res.pop(e_out)
+            res[e_in] = slot
+            loads.append(Load(layer, e_in, slot))
+        return loads
+
+    def resident(self, layer: int) -> set[int]:
+        return set(self._resident.get(layer, {}))
+
+
 @dataclass
 class ManualPolicy:
     """Loads nothing by itself (the API user, or an external prefetcher, places experts)."""
@@ -120,7 +209,7 @@ class ManualPolicy:
         return []
 
 
-ResidencyPolicy = StaticPolicy | LruPolicy | ManualPolicy
+ResidencyPolicy = StaticPolicy | LruPolicy | DaliPolicy | ManualPolicy
 
 
 def load_frequency(calibration: Path, *, n_expert: int | None = None,
@@ -144,7 +233,10 @@ def load_frequency(calibration: Path, *, n_expert: int | None = None,
 
 
 def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False,
-                calibration: Path | None = None, n_expert: int | None = None) -> ResidencyPolicy:
+                calibration: Path | None = None, n_expert: int | None = None,
+                window: int = DALI_WINDOW, update: int | None = None) -> ResidencyPolicy:
+    """The policy named `kind` over `n_slots` (layer -> slots). static reads `calibration`'s router
+    frequencies; dali needs `n_expert` and takes its window / update (None: dali_default_update)."""
     try:
         k = PolicyKind(kind)
     except ValueError:
@@ -154,6 +246,11 @@ def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False
         return LruPolicy(dict(n_slots), blocking=blocking)
     if k is PolicyKind.MANUAL:
         return ManualPolicy(dict(n_slots))
+    if k is PolicyKind.DALI:
+        if n_expert is None:
+            raise EdgeMoeError("the dali policy needs the model's expert count (n_expert)")
+        return DaliPolicy(dict(n_slots), n_expert, window=window, blocking=blocking,
+                          update=dali_default_update(n_expert) if update is None else update)
     if calibration is None:
         raise EdgeMoeError("the static policy needs a calibration with router frequencies: "
                            "run `edgemoe calibrate MODEL --corpus FILE` or pass --calibration DIR")
@@ -171,37 +268,43 @@ class SimResult:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
 
-def simulate(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.ndarray]]]) -> SimResult:
+def simulate(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.ndarray]]],
+             counted: Iterable[bool] | None = None) -> SimResult:
     """Replay steps (each a list of (layer, ids) in layer order) as the engine runs them.
 
     Counts hits per routed slot against the residency the experts run with: a blocking
-    policy's loads apply before the layer, a non-blocking one's after the step.
+    policy's loads apply before the layer, a non-blocking one's after the step. `counted`
+    (one flag per step) leaves the other steps' hits, misses and loads out of the result
+    (they still change the residency), e.g. to count decode steps only.
     """
     res = SimResult()
     resident: dict[int, dict[int, int]] = {}  # layer -> expert -> slot
 
-    def apply(loads: list[Load]) -> None:
+    def apply(loads: list[Load], count: bool = True) -> None:
         for ld in loads:
             slots = resident.setdefault(ld.layer, {})
             for e in [e for e, s in slots.items() if s == ld.slot or e == ld.expert]:
                 del slots[e]
             slots[ld.expert] = ld.slot
-        res.loads += len(loads)
+        if count:
+            res.loads += len(loads)
 
     apply(policy.initial_loads())
+    flags = iter(counted) if counted is not None else None
     for step in steps:
+        count = True if flags is None else bool(next(flags))
         pending: list[Load] = []
         for layer, ids in step:
             loads = policy.on_route(layer, ids)
             if policy.blocking:
-                apply(loads)
+                apply(loads, count)
             else:
                 pending += loads
             flat = np.asarray(ids).reshape(-1)
             flat = flat[flat >= 0]
             hit = np.isin(flat, list(resident.get(layer, {})))
-            if policy.n_slots.get(layer, 0) > 0:
+            if count and policy.n_slots.get(layer, 0) > 0:
                 res.hits += int(hit.sum())
                 res.misses += int((~hit).sum())
-        apply(pending)
+        apply(pending, count)
     return res

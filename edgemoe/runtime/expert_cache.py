@@ -1,4 +1,4 @@
-"""The engine side of the expert cache (patch 0005): slots per layer, loads, counters.
+"""The engine side of the expert cache (patch 0005): slots per layer (equal or per layer), loads, counters.
 
 `ExpertCache` wraps one context's cache (llama_moe_cache_*); `CacheController` runs a
 residency policy (edgemoe.policies.residency): inside llama.cpp's graph with the expert-to-slot
@@ -7,6 +7,7 @@ after the step.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from .native import lib
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..policies.route import RouteRecord
-from ..policies.residency import Load, LruPolicy, ManualPolicy, ResidencyPolicy, StaticPolicy
+from ..policies.residency import DALI_WINDOW, Load, LruPolicy, ManualPolicy, ResidencyPolicy, StaticPolicy
 
 
 class ExpertCacheError(EdgeMoeError):
@@ -27,10 +28,33 @@ class ExpertCacheError(EdgeMoeError):
 
 @dataclass(frozen=True)
 class CacheConfig:
-    slots_per_layer: int  # expert slots in every MoE layer (equal allocation)
+    # expert slots of every MoE layer (equal allocation), or layer -> slots (e.g. from
+    # edgemoe.policies.allocation's dp_allocate; MoE layers left out get none)
+    slots_per_layer: int | Mapping[int, int]
     policy: str = "lru"  # edgemoe.policies.residency.PolicyKind
-    blocking: bool = False  # lru: load a missed expert before its layer runs instead of after the step
+    blocking: bool = False  # lru, dali: load a missed expert before its layer runs instead of after the step
     calibration: Path | None = None  # static: where router_frequency.npz is
+    dali_window: int = DALI_WINDOW  # dali: tokens per window (w)
+    dali_update: int | None = None  # dali: experts replaced per window (u); None: the paper's for the model
+    alloc: str = "equal"  # how the slots per layer were chosen ("equal", "dp"): reported, not acted on
+
+    def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:
+        """Slots of each MoE layer, checked: 0..n_expert each, and only MoE layers named."""
+        if isinstance(self.slots_per_layer, int):
+            per = {il: self.slots_per_layer for il in moe_layers}
+        else:
+            per = {il: int(self.slots_per_layer.get(il, 0)) for il in moe_layers}
+            extra = sorted(set(self.slots_per_layer) - set(moe_layers))
+            if extra:
+                raise ExpertCacheError(f"slots for layers {extra}, which are not MoE layers of this model "
+                                       f"(its MoE layers: {list(moe_layers)})")
+        bad = {il: n for il, n in per.items() if not 0 <= n <= n_expert}
+        if bad:
+            il, n = next(iter(bad.items()))
+            where = "" if isinstance(self.slots_per_layer, int) else f" (layer {il})"
+            raise ExpertCacheError(f"--expert-slots {n}{where}: use 0..{n_expert} (the model has "
+                                   f"{n_expert} experts per layer)")
+        return per
 
 
 _STATE_NAMES = {native.MOE_CACHE_ABSENT: "absent", native.MOE_CACHE_QUEUED: "queued",
@@ -52,13 +76,10 @@ class ExpertCache:
     """
 
     def __init__(self, ctx: Any, model_path: Path, moe_layers: list[int], n_layer: int, n_expert: int,
-                 slots_per_layer: int, device: Any = None) -> None:
-        if slots_per_layer < 0 or slots_per_layer > n_expert:
-            raise ExpertCacheError(f"--expert-slots {slots_per_layer}: use 0..{n_expert} (the model has "
-                                   f"{n_expert} experts per layer)")
+                 slots_per_layer: int | Mapping[int, int], device: Any = None) -> None:
         self._ctx = ctx
         self.n_expert = n_expert
-        self.n_slots = {il: slots_per_layer for il in moe_layers}
+        self.n_slots = CacheConfig(slots_per_layer).slots(moe_layers, n_expert)
         per_layer = [self.n_slots.get(il, 0) for il in range(n_layer)]
         rc = native.moe_cache_init(ctx, per_layer, device)
         if rc != 0:
@@ -116,8 +137,9 @@ class ExpertCache:
                 "prefetches": int(st.prefetches), "chunks": int(st.chunks), "preempted": int(st.preempted),
                 "blocked_s": st.us_blocked / 1e6,
                 # routed expert slots computed from the cache (the GPU) among those of cached layers
+                # (layers given no slots are left out of every counter)
                 "gpu_expert_share": share,
-                "slots_per_layer": max(self.n_slots.values(), default=0)}
+                "slots_per_layer": dict(self.n_slots), "slots_total": sum(self.n_slots.values())}
 
     def close(self) -> None:
         native.moe_cache_init(self._ctx, None)
@@ -130,19 +152,20 @@ class CacheController:
     In the graph (patch 0011): the cached layers split their ids with expert-to-slot tables, with no
     host sync per layer; lru runs natively after each ubatch (the same decisions as LruPolicy, its
     loads prefetched on the copy stream and used from the next ubatch), static and manual never load
-    by themselves. In the hook (a Python policy is set, or lru with blocking loads): the policy sees
-    each layer's final ids. Blocking: copied before the layer's experts run. Otherwise prefetched on
-    the copy stream from the next layer's hook (after this layer's ids were mapped to slots, so an
-    eviction never turns this step's hit into a miss) while the later layers compute, and used from
-    the layer's next run.
+    by themselves. In the hook (a Python policy is set, lru with blocking loads, or dali, which has
+    no native twin): the policy sees each layer's final ids. Blocking: copied before the layer's
+    experts run. Otherwise prefetched on the copy stream from the next layer's hook (after this
+    layer's ids were mapped to slots, so an eviction never turns this step's hit into a miss) while
+    the later layers compute, and used from the layer's next run.
     """
 
     wants_probs = False
     wants_gate_inp = False
 
-    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy) -> None:
+    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy, *, alloc: str = "equal") -> None:
         self.cache = cache
         self.policy = policy
+        self.alloc = alloc  # how the slots per layer were chosen
         self.pending: list[Load] = []
         self.mode = native.MOE_CACHE_POLICY_CALLBACK  # what llama_moe_cache_init starts with
         for ld in policy.initial_loads():
@@ -158,7 +181,9 @@ class CacheController:
         """The llama_moe_cache_policy that runs this policy in the graph (CALLBACK: it needs the hook)."""
         if isinstance(self.policy, LruPolicy):
             return native.MOE_CACHE_POLICY_CALLBACK if self.policy.blocking else native.MOE_CACHE_POLICY_LRU
-        return native.MOE_CACHE_POLICY_MANUAL
+        if isinstance(self.policy, (StaticPolicy, ManualPolicy)):
+            return native.MOE_CACHE_POLICY_MANUAL
+        return native.MOE_CACHE_POLICY_CALLBACK  # dali: a Python policy, run in the routing hook
 
     def set_mode(self, policy: int) -> None:
         """Hand the policy to llama.cpp (policy != CALLBACK) or take it back into the hook."""

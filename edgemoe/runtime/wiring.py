@@ -3,8 +3,9 @@
 RoutingMixin is a part of Engine (edgemoe.runtime.engine). Adaptive top-k and the expert cache's
 residency (expert-to-slot tables, the lru policy) run inside llama.cpp's graph, with no host round
 trip per MoE layer, while nothing needs the routing callback. A Python policy (or lru with blocking
-loads) needs it: then gating runs first in the hook chain, then the user's policies, then the
-expert-cache controller when its residency policy needs the routes; one HookChain serves all.
+loads, or the dali residency policy) needs it: then gating runs first in the hook chain, then the
+user's policies, then the expert-cache controller when its residency policy needs the routes; one
+HookChain serves all.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class RoutingMixin:
         return self._hooks
 
     def _needs_callback(self) -> bool:
-        """Does anything need the routing callback: a Python policy, or the expert cache's blocking loads?"""
+        """Does anything need the routing callback: a Python policy, or an expert-cache policy that runs
+        in it (blocking loads, dali)?"""
         return bool(self._policies) or (self.cache is not None
                                         and self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK)
 
@@ -112,7 +114,7 @@ class RoutingMixin:
             self._gating.n_routed = self._gating.n_dropped = 0
 
     def enable_expert_cache(self, config: CacheConfig | None, *, device: object = None) -> ExpertCache | None:
-        """Give every MoE layer config.slots_per_layer expert slots run by config.policy (None removes it).
+        """Give the MoE layers config.slots_per_layer expert slots run by config.policy (None removes it).
 
         device None uses the CPU buffer that stands in for a GPU (the split logic without one).
         """
@@ -120,13 +122,14 @@ class RoutingMixin:
             self.cache.cache.close()
             self.cache = None
         if config is not None:
-            policy = make_policy(config.policy, {il: config.slots_per_layer for il in self.info.moe_layers},
-                                 blocking=config.blocking, calibration=config.calibration,
-                                 n_expert=self.info.n_expert)
+            slots = config.slots(list(self.info.moe_layers), self.info.n_expert)
+            policy = make_policy(config.policy, slots, blocking=config.blocking,
+                                 calibration=config.calibration, n_expert=self.info.n_expert,
+                                 window=config.dali_window, update=config.dali_update)
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
-                                self.info.n_expert, config.slots_per_layer, device)
+                                self.info.n_expert, slots, device)
             try:
-                self.cache = CacheController(cache, policy)
+                self.cache = CacheController(cache, policy, alloc=config.alloc)
             except BaseException:
                 cache.close()
                 raise
