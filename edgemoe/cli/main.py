@@ -60,7 +60,7 @@ COMMANDS: tuple[click.Command, ...] = (
     model.inspect, model.generate, model.chat, serve.serve,
     analysis.trace, analysis.trace_stats, analysis.verify, analysis.perplexity,
     calibrate.calibrate, calibrate.predict_eval,
-    bench.bench, perf.profile, perf.simulate,
+    bench.bench, perf.profile, perf.simulate, perf.plan,
 )
 for _command in COMMANDS:
     cli.add_command(_command)

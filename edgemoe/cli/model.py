@@ -111,6 +111,8 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
         click.echo(f"{'weights':12} {describe_rules(rules)}  (as llama.cpp weights the selected experts)")
     if plan is not None:
         click.echo(format_plan(plan))
+        click.echo(f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
+                   f"`edgemoe plan {model.name} --vram {vram}`")
 
 
 @click.command()

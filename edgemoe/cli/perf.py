@@ -94,3 +94,42 @@ def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int,
     if plot is not None:
         plot_simulation(res, plot)
     click.echo(json.dumps(res.to_dict(), indent=1) if as_json else format_simulation(res))
+
+
+@click.command()
+@click.argument("model", type=GGUFPath())
+@click.option("--vram", type=Size(), default=None, help="GPU budget, e.g. 8GiB")
+@click.option("--expert-slots", type=click.IntRange(min=0), default=None,
+              help="expert slots per MoE layer instead of --vram (the budget that leaves them)")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,
+              help="context the KV cache is planned for")
+@click.option("--profile", "profile_name", default=None,
+              help="machine profile for projected speeds (file or bundled name; default: this machine's, if measured)")
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="routing trace for the expected figures (default: the calibration's routing trace)")
+@click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="calibration directory (default: the model's)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def plan(model: Path, vram: int | None, expert_slots: int | None, n_ctx: int, profile_name: str | None,
+         trace_path: Path | None, calibration: Path | None, as_json: bool) -> None:
+    """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
+    hit rate of each policy and, with a GPU profile, projected decode/prefill speeds."""
+    from ..analysis.trace import Trace
+    from ..calibration.adaptive import default_calibration_dir
+    from ..gguf.info import read_model_info
+    from ..perf.plan import budget_for_slots, format_plan, make_plan
+    from ..perf.profile import load_profile
+    from ..perf.profiling import default_profile_path
+
+    if (vram is None) == (expert_slots is None):
+        raise click.UsageError("give --vram SIZE or --expert-slots N")
+    if vram is None:
+        assert expert_slots is not None
+        vram = budget_for_slots(read_model_info(model), expert_slots, n_ctx)
+    if profile_name is None and default_profile_path().exists():
+        profile_name = str(default_profile_path())
+    prof = load_profile(profile_name) if profile_name else None
+    cal = calibration or default_calibration_dir(model)
+    result = make_plan(model, vram=vram, n_ctx=n_ctx, trace=Trace.load(trace_path) if trace_path else None,
+                       calibration=cal if cal is not None and cal.exists() else None, profile=prof)
+    click.echo(json.dumps(result.to_dict(), indent=1) if as_json else format_plan(result))

@@ -119,29 +119,36 @@ class LayerCosts:
         the new tokens before it): read the cache once, and the multiply-adds."""
         ly = self.shape.layers[il]
         pairs = tokens * kv_len + tokens * (tokens + 1) // 2
+        if self.dev.attention is not None:  # measured: a dot product per (head, cached token), twice
+            rows = self.shape.info.n_head * (kv_len + tokens)
+            return 2 * self.dev.attention.seconds(rows, tokens, hot=True)  # causal mask: the full products run
         roof = self.dev.roofline
         bw = (roof.cache_bw or roof.mem_bw) if self.hot else roof.mem_bw
         return (kv_len + tokens) * ly.kv_bytes_per_token / bw + pairs * ly.attn_flops_per_pair / roof.flops
 
     def expert(self, il: int, tokens: int) -> float:
-        """One routed expert's FFN over `tokens` tokens routed to it."""
+        """What one routed expert adds to its layer's expert products over `tokens` tokens routed to it (the
+        products' fixed cost is the layer's, paid once: `experts`)."""
         key = ("expert", il, tokens)
         if key not in self._memo:
-            self._memo[key] = self._expert(il, tokens)
+            ws = self.shape.layers[il].expert
+            self._memo[key] = (sum(w.nbytes * _per_byte(self.dev.expert_curve(w.qtype), tokens, self.hot) for w in ws)
+                               if ws and tokens > 0 else 0.0)
         return self._memo[key]
 
-    def _expert(self, il: int, tokens: int) -> float:
+    def expert_fixed(self, il: int, tokens: int) -> float:
+        """The fixed cost of a layer's expert products (gate, up, down: one mul_mat_id each, whatever the number
+        of experts), at the largest token count an expert gets."""
         ws = self.shape.layers[il].expert
         if not ws or tokens <= 0:
             return 0.0
-        main = max(ws, key=lambda w: w.nbytes).qtype
-        fixed = self.dev.expert_curve(main).rate(tokens).fixed_s  # once per expert: the FFN is one product chain
-        per_byte = sum(w.nbytes * _per_byte(self.dev.expert_curve(w.qtype), tokens, self.hot) for w in ws)
-        return fixed + per_byte
+        return self.dev.expert_curve(max(ws, key=lambda w: w.nbytes).qtype).rate(tokens).fixed_s
 
     def experts(self, il: int, token_counts: Mapping[int, int] | list[int]) -> float:
-        counts = token_counts.values() if isinstance(token_counts, Mapping) else token_counts
-        return sum(self.expert(il, c) for c in counts)
+        counts = list(token_counts.values() if isinstance(token_counts, Mapping) else token_counts)
+        if not counts:
+            return 0.0
+        return self.expert_fixed(il, max(counts)) + sum(self.expert(il, c) for c in counts)
 
     def head(self, tokens: int) -> float:
         return _matmul_s(self.dev, (self.shape.head,), tokens, self.hot)
@@ -155,7 +162,7 @@ class LayerCosts:
         t = self.head(1)
         for ly in self.shape.layers:
             t += self.dense(ly.il, tokens) + self.attention(ly.il, tokens, 0)
-            t += used * self.expert(ly.il, per) if ly.expert else 0.0
+            t += self.experts(ly.il, [per] * used) if ly.expert else 0.0
         return t
 
     def decode_step(self, kv_len: int, experts_per_layer: int | None = None) -> float:
@@ -164,7 +171,7 @@ class LayerCosts:
         k = self.shape.n_expert_used if experts_per_layer is None else experts_per_layer
         t = self.head(1)
         for ly in self.shape.layers:
-            t += self.dense(ly.il, 1) + self.attention(ly.il, 1, kv_len) + (k * self.expert(ly.il, 1) if ly.expert else 0.0)
+            t += self.dense(ly.il, 1) + self.attention(ly.il, 1, kv_len) + (self.experts(ly.il, [1] * k) if ly.expert else 0.0)
         return t
 
 

@@ -111,6 +111,7 @@ class DeviceProfile:
     matmul: Mapping[str, Curve] = field(default_factory=dict)  # measured dense products per ggml type
     expert: Mapping[str, Curve] = field(default_factory=dict)  # measured expert FFNs (gate+up+down) per type
     threads: int = 0  # CPU threads the figures were measured with (0 for a GPU)
+    attention: Curve | None = None  # F16 products with head-sized rows, per row (not per byte): K^T q and V p
 
     def matmul_curve(self, qtype: str) -> Curve:
         return self.matmul.get(qtype) or self.roofline.curve(qtype)
@@ -189,7 +190,8 @@ def _device(d: Mapping[str, Any]) -> DeviceProfile:
                          node_s=float(d["node_s"]), roofline=roof,
                          matmul={q: _curve(c) for q, c in d.get("matmul", {}).items()},
                          expert={q: _curve(c) for q, c in d.get("expert", {}).items()},
-                         threads=int(d.get("threads", 0)))
+                         threads=int(d.get("threads", 0)),
+                         attention=_curve(d["attention"]) if d.get("attention") else None)
 
 
 def profile_from_dict(d: Mapping[str, Any]) -> MachineProfile:

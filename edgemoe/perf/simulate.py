@@ -213,7 +213,8 @@ class _Run:
         assert gpu is not None and link is not None and self.cfg.assign is not None
         copy = self.shape.expert_bytes(il) / link.h2d_pageable
         cost = CostModel(cpu_s=lambda n: self.cpu.expert(il, n), gpu_s=lambda n: gpu.expert(il, n),
-                         transfer_s=lambda: copy, cpu_handoff_s=2 * link.latency_s, transfer_mode=TransferMode.SERIAL)
+                         transfer_s=lambda: copy, transfer_mode=TransferMode.SERIAL,
+                         cpu_handoff_s=2 * link.latency_s + self.cpu.expert_fixed(il, max(counts.values())))
         a = make_assigner(self.cfg.assign)(counts, resident, cost)
         acc.cpu += a.t_cpu
         acc.gpu += a.t_gpu - a.t_transfer
@@ -232,6 +233,7 @@ class SimSpec:
     overlap: bool = False
     calibration: Path | None = None
     assign: str | None = None  # add edgemoe variants whose prefill ubatches use this CPU/GPU assigner
+    slots: Mapping[int, int] | None = None  # edgemoe's slots per MoE layer (None: equal, what the budget leaves)
 
 
 @dataclass
@@ -263,6 +265,7 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
     if not plan.dense_fits:
         return [], 0, None
     slots = plan.experts_per_layer
+    per_layer = dict(spec.slots) if spec.slots is not None else {il: slots for il in moe}
     n_cpu = best_n_cpu_moe(shape.info, spec.vram, spec.n_ctx)
     cfgs = [Config("stock-ot-exps-cpu", "stock")]
     if n_cpu is not None and n_cpu < len(moe):
@@ -270,10 +273,10 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
     for pol in spec.policies:
         for gated in (False, True) if spec.gated else (False,):
             cfgs.append(Config(f"edgemoe-{pol}" + ("-gated" if gated else ""), "edgemoe", policy=pol,
-                               slots={il: slots for il in moe}, gated=gated, blocking=spec.blocking))
+                               slots=per_layer, gated=gated, blocking=spec.blocking))
         if spec.assign is not None:
             cfgs.append(Config(f"edgemoe-{pol}-{spec.assign}-assign", "edgemoe", policy=pol,
-                               slots={il: slots for il in moe}, blocking=spec.blocking, assign=spec.assign))
+                               slots=per_layer, blocking=spec.blocking, assign=spec.assign))
     return cfgs, slots, n_cpu
 
 

@@ -1,0 +1,156 @@
+"""`edgemoe plan`: what a VRAM budget holds for a model, how its expert slots spread over the MoE layers
+(equal, and AdapMoE's DP allocation from the calibration's routing trace), the hit rate each policy is
+expected to reach, and the speeds the performance model projects.
+
+Hit rates and speeds replay a routing trace: `--trace` (e.g. `edgemoe trace --heldout`), else the
+calibration's routing trace, which is the data the static placement and the DP allocation were
+fitted on (so their figures on it are in-sample; the plan says so). Without routing data the plan
+says what fits and stops: no figure is made up.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..analysis.trace import Trace
+from ..calibration.allocation import RoutingTrace, plan_allocation
+from ..errors import EdgeMoeError
+from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, vram_plan
+from .profile import MachineProfile
+from .simulate import SimSpec, simulate
+
+
+@dataclass
+class Plan:
+    model: str
+    budget_bytes: int
+    n_ctx: int
+    fits: dict[str, int]  # dense, kv_cache, reserve, experts (bytes)
+    slot_bytes: int  # one expert in every MoE layer
+    slots_per_layer: dict[str, list[int] | None]  # equal / dp -> one entry per MoE layer (None: not available)
+    n_cpu_moe: int | None  # stock llama.cpp's best --n-cpu-moe at this budget
+    routing: str = ""  # where the expected figures' routing comes from
+    profile: str = ""
+    expected: list[dict[str, Any]] = field(default_factory=list)  # per configuration: hit rate, projected speeds
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def budget_for_slots(info: ModelInfo, slots: int, n_ctx: int) -> int:
+    """The --vram that leaves `slots` expert slots in every MoE layer."""
+    vp = vram_plan(info, 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
+    return info.dense_bytes + vp.kv_cache_bytes + VRAM_RESERVE + slots * vp.slot_bytes
+
+
+def _calibration_trace(calibration: Path, info: ModelInfo) -> Trace:
+    rt = RoutingTrace.load(calibration, info=info)
+    ids = rt.ids.astype(np.int32)
+    return Trace(tokens=np.zeros(len(ids), np.int32), layers=np.asarray(rt.layers, np.int32), ids=ids,
+                 weights=np.zeros(ids.shape, np.float32), phase=rt.phase.astype(np.uint8),
+                 seq=rt.seq.astype(np.int32), meta={"n_expert": rt.n_expert, "model": str(info.path)})
+
+
+def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace | None = None,
+              calibration: Path | None = None, profile: MachineProfile | None = None,
+              policies: tuple[str, ...] = ("lru", "static", "dali")) -> Plan:
+    info = read_model_info(model)
+    vp = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
+    moe = list(info.moe_layers)
+    plan = Plan(model=Path(model).name, budget_bytes=vram, n_ctx=n_ctx,
+                fits={"dense": vp.dense_bytes, "kv_cache": vp.kv_cache_bytes, "reserve": vp.reserve_bytes,
+                      "experts": vp.experts_per_layer * vp.slot_bytes},
+                slot_bytes=vp.slot_bytes, slots_per_layer={"equal": [vp.experts_per_layer] * len(moe), "dp": None},
+                n_cpu_moe=best_n_cpu_moe(info, vram, n_ctx), profile=profile.name if profile else "")
+    if not vp.dense_fits:
+        plan.notes.append(f"the dense weights, the KV cache of {n_ctx} tokens and the {VRAM_RESERVE >> 20} MiB "
+                          f"reserve need {(vp.dense_bytes + vp.kv_cache_bytes + VRAM_RESERVE) / 2**30:.2f} GiB: "
+                          "raise --vram or lower --ctx")
+        return plan
+    dp: dict[str, dict[int, int]] = {}
+    for pol in policies:
+        a = plan_allocation(info, alloc="dp", policy=pol, calibration=calibration,
+                            slots_per_layer=vp.experts_per_layer, budget_bytes=vp.expert_budget_bytes)
+        if a.alloc == "dp":
+            dp[pol] = a.slots
+        elif a.note and a.note not in plan.notes:
+            plan.notes.append(a.note)
+    if dp:  # the first policy's DP slots are the table's; each policy row uses its own
+        plan.slots_per_layer["dp"] = [next(iter(dp.values()))[il] for il in moe]
+    if trace is None and calibration is not None:
+        try:
+            trace = _calibration_trace(calibration, info)
+            plan.routing = f"the calibration's routing trace ({calibration}; in-sample for static and dp)"
+        except EdgeMoeError as err:
+            plan.notes.append(str(err))
+    elif trace is not None:
+        plan.routing = f"trace of {trace.meta.get('model', '?')} ({trace.n_tokens} tokens)"
+    if trace is None:
+        plan.notes.append("no routing data: pass --trace T.npz (`edgemoe trace --heldout`) or calibrate the model "
+                          "for expected hit rates and speeds")
+        return plan
+    speeds = profile is not None and profile.has_gpu
+    if not speeds:
+        plan.notes.append("no GPU profile: hit rates only; pass --profile with a GPU machine's profile "
+                          "(`edgemoe profile` on it, or a bundled one: rtx4060-laptop, rtx4090-desktop, h100-server)")
+        plan.profile = ""
+    for alloc in ("equal", "dp"):
+        for pol in policies:
+            slots = dp.get(pol) if alloc == "dp" else None
+            if alloc == "dp" and slots is None:
+                continue
+            spec = SimSpec(vram=vram, n_ctx=n_ctx, policies=(pol,), calibration=calibration, slots=slots)
+            res = simulate(model, trace, profile if speeds and profile else _hit_rate_only(), spec)
+            for c in res.configs:
+                if c.kind == "stock" and alloc == "dp":
+                    continue
+                if c.kind == "stock" and any(r["config"] == c.name for r in plan.expected):
+                    continue
+                row: dict[str, Any] = {"config": c.name, "allocation": alloc if c.kind == "edgemoe" else None,
+                                       "hit_rate": c.hit_rate, "decode_hit_rate": c.decode_hit_rate}
+                if speeds:
+                    row.update(decode_tps=c.decode_tps, prefill_tps=c.prefill_tps, projected=True)
+                plan.expected.append(row)
+            if res.workload_note and res.workload_note not in plan.notes:
+                plan.notes.append(res.workload_note)
+    return plan
+
+
+def _hit_rate_only() -> MachineProfile:
+    """Any GPU profile replays the policies' hit rates the same; its speeds are not reported."""
+    from .profile import load_profile
+
+    return load_profile("rtx4060-laptop")
+
+
+def format_plan(plan: Plan) -> str:
+    gib = 2**30
+    f = plan.fits
+    lines = [f"{plan.model} at {plan.budget_bytes / gib:.2f} GiB ({plan.n_ctx}-token context):",
+             f"  dense {f['dense'] / gib:.2f} GiB + KV cache {f['kv_cache'] / gib:.2f} GiB + reserve "
+             f"{f['reserve'] / gib:.2f} GiB + experts {f['experts'] / gib:.2f} GiB "
+             f"({plan.slot_bytes / 2**20:.1f} MiB per slot across the MoE layers)"]
+    for name, slots in plan.slots_per_layer.items():
+        if slots:
+            text = " ".join(str(s) for s in slots) if len(set(slots)) > 1 else f"{slots[0]} in each"
+            lines.append(f"  slots per MoE layer, {name}: {text}")
+    if plan.n_cpu_moe is not None:
+        lines.append(f"  stock llama.cpp at this budget: --n-cpu-moe {plan.n_cpu_moe}")
+    if plan.expected:
+        lines.append(f"  expected on {plan.routing}" + (f", PROJECTED on profile {plan.profile}:" if plan.profile
+                                                        else ":"))
+    for row in plan.expected:
+        parts = []
+        if row.get("hit_rate") is not None:
+            dec = row.get("decode_hit_rate")
+            parts.append(f"hit rate {row['hit_rate']:.3f}" + (f" (decode {dec:.3f})" if dec is not None else ""))
+        if "decode_tps" in row:
+            parts.append(f"decode {row['decode_tps']:.1f} tok/s, prefill {row['prefill_tps']:.0f} tok/s")
+        alloc = f" [{row['allocation']}]" if row.get("allocation") else ""
+        lines.append(f"    {row['config']}{alloc}: " + ", ".join(parts))
+    lines += [f"  note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""`edgemoe plan`: the budget's split, equal and DP slots per MoE layer, expected hit rates and speeds."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+from conftest import FIXTURE_MODELS
+
+from edgemoe.calibration.adaptive import default_calibration_dir
+from edgemoe.cli import cli
+from edgemoe.gguf.info import read_model_info
+from edgemoe.perf.plan import budget_for_slots, make_plan
+from edgemoe.perf.profile import load_profile
+
+QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
+
+
+def test_plan_splits_the_budget_and_allocates_dp_slots_within_it() -> None:
+    info = read_model_info(QWEN)
+    vram = budget_for_slots(info, 8, 512)
+    plan = make_plan(QWEN, vram=vram, n_ctx=512, calibration=default_calibration_dir(QWEN),
+                     profile=load_profile("rtx4060-laptop"))
+    assert plan.slots_per_layer["equal"] == [8] * len(info.moe_layers)
+    dp = plan.slots_per_layer["dp"]
+    assert dp is not None and len(dp) == len(info.moe_layers)
+    left = vram - plan.fits["dense"] - plan.fits["kv_cache"] - plan.fits["reserve"]
+    per = info.bytes_per_expert_by_layer
+    assert sum(n * per[il] for n, il in zip(dp, info.moe_layers)) <= left  # the same budget as equal's
+    assert sum(dp) != 8 * len(dp) or dp != plan.slots_per_layer["equal"]  # dp decided something
+    assert sum(plan.fits.values()) <= vram
+    rows = {(r["config"], r["allocation"]): r for r in plan.expected}
+    assert ("edgemoe-lru", "equal") in rows and ("edgemoe-lru", "dp") in rows
+    assert all(0.0 < r["hit_rate"] <= 1.0 for r in plan.expected if r["allocation"])
+    assert all(r["decode_tps"] > 0 and r["projected"] for r in plan.expected)
+    assert "in-sample" in plan.routing
+
+
+def test_plan_without_routing_data_or_room_says_what_to_do(tmp_path: Path) -> None:
+    plan = make_plan(QWEN, vram=2**30, n_ctx=512)
+    assert plan.expected == [] and any("--trace" in n for n in plan.notes)
+    small = make_plan(QWEN, vram=64 * 2**20, n_ctx=512)
+    assert small.slots_per_layer["equal"] == [0] * len(read_model_info(QWEN).moe_layers) and any("raise --vram" in n for n in small.notes)
+
+
+def test_plan_cli(tmp_path: Path) -> None:
+    r = CliRunner().invoke(cli, ["plan", str(QWEN), "--expert-slots", "8", "--ctx", "512", "--profile",
+                                 "rtx4090-desktop", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert set(d["slots_per_layer"]) == {"equal", "dp"} and len(d["slots_per_layer"]["equal"]) == 8
+    text = CliRunner().invoke(cli, ["plan", str(QWEN), "--vram", "520MiB", "--ctx", "512", "--profile",
+                                    "rtx4060-laptop"], catch_exceptions=False).output
+    assert "slots per MoE layer, equal" in text and "PROJECTED" in text
+    bad = CliRunner().invoke(cli, ["plan", str(QWEN)])
+    assert bad.exit_code != 0 and "--vram" in bad.output
