@@ -161,6 +161,9 @@ def test_generate_with_expert_cache_reports_it(flags: list[str]) -> None:
     for key in ("hits", "misses", "hit_rate", "bytes_uploaded", "gpu_expert_share", "loads", "slots_per_layer"):
         assert key in cache
     assert cache["hits"] + cache["misses"] > 0 and cache["bytes_uploaded"] > 0
+    pre, dec = cache["prefill_hit_rate"], cache["decode_hit_rate"]  # the generation's two phases apart
+    assert pre is not None and dec is not None
+    assert min(pre, dec) - 1e-9 <= cache["hit_rate"] <= max(pre, dec) + 1e-9  # the total is their weighted mean
     plain = json.loads(run("generate", str(MODEL), "-p", "ROMEO:", "-n", "12", "--temp", "0", "--json").stdout)
     assert out["tokens"] == plain["tokens"]  # any residency: the same greedy tokens
     if "--vram" in flags:

@@ -78,6 +78,7 @@ class ExpertCache:
     def __init__(self, ctx: Any, model_path: Path, moe_layers: list[int], n_layer: int, n_expert: int,
                  slots_per_layer: int | Mapping[int, int], device: Any = None) -> None:
         self._ctx = ctx
+        self._marks: tuple[tuple[int, int], tuple[int, int]] | None = None  # (hits, misses) at prefill start, end
         self.n_expert = n_expert
         self.n_slots = CacheConfig(slots_per_layer).slots(moe_layers, n_expert)
         per_layer = [self.n_slots.get(il, 0) for il in range(n_layer)]
@@ -126,13 +127,35 @@ class ExpertCache:
 
     def reset_stats(self) -> None:
         native.moe_cache_reset_stats(self._ctx)
+        self._marks = None
+
+    def _counts(self) -> tuple[int, int]:
+        lib.llama_synchronize(self._ctx)  # the last ubatch's routes count once they are read back
+        st = native.moe_cache_stats(self._ctx)
+        return int(st.hits), int(st.misses)
+
+    def mark(self, phase: str) -> None:
+        """Called by a generation: "start" before its prefill, "decode" after it; stats() then splits the last
+        generation's hits into prefill and decode (prefill ubatches touch most experts and would dominate)."""
+        now = self._counts()
+        self._marks = (now, now) if phase == "start" or self._marks is None else (self._marks[0], now)
+
+    def _phase_rates(self) -> dict[str, float | None]:
+        if self._marks is None:
+            return {"prefill_hit_rate": None, "decode_hit_rate": None}
+        (h0, m0), (h1, m1) = self._marks
+        h2, m2 = self._counts()
+
+        def rate(h: int, m: int) -> float | None:
+            return h / (h + m) if h + m else None
+        return {"prefill_hit_rate": rate(h1 - h0, m1 - m0), "decode_hit_rate": rate(h2 - h1, m2 - m1)}
 
     def stats(self) -> dict[str, Any]:
         lib.llama_synchronize(self._ctx)  # the last ubatch's routes count once they are read back
         st = native.moe_cache_stats(self._ctx)
         routed = st.hits + st.misses
         share = st.hits / routed if routed else 0.0
-        return {"hits": int(st.hits), "misses": int(st.misses), "hit_rate": share,
+        return {"hits": int(st.hits), "misses": int(st.misses), "hit_rate": share, **self._phase_rates(),
                 "loads": int(st.loads), "bytes_uploaded": int(st.bytes_loaded),
                 "prefetches": int(st.prefetches), "chunks": int(st.chunks), "preempted": int(st.preempted),
                 "blocked_s": st.us_blocked / 1e6,

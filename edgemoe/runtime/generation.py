@@ -112,7 +112,12 @@ class GenerationMixin:
         ids = self.tokenize(prompt, parse_special=parse_special) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise EdgeMoeError("the prompt is empty after tokenization; give some text")
+        cache = getattr(getattr(self, "cache", None), "cache", None)  # the expert cache, when enabled
+        if cache is not None:
+            cache.mark("start")
         n_eval = self._prefill(ids)
+        if cache is not None:
+            cache.mark("decode")
         t_prefill = time.perf_counter()
         sampler = Sampler(sampling, self._vocab, self.n_vocab)
         out: list[int] = []
