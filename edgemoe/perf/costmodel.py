@@ -115,13 +115,15 @@ class LayerCosts:
         return self._memo[key]
 
     def attention(self, il: int, tokens: int, kv_len: int) -> float:
-        """The attention of `tokens` new tokens over `kv_len` cached ones (each query sees about half of
-        the new tokens before it): read the cache once, and the multiply-adds."""
+        """The attention of `tokens` new tokens over `kv_len` cached ones. Measured (a profile's attention
+        curve): K^T q and V p as F16 products of one head-sized row per (head, key), the causal mask
+        saving nothing. Else a roofline: read the cache once, and the multiply-adds of the (query, key)
+        pairs, each query seeing about half of the new tokens."""
+        if self.dev.attention is not None:
+            rows = self.shape.info.n_head * (kv_len + tokens)
+            return 2 * self.dev.attention.seconds(rows, tokens, hot=True)
         ly = self.shape.layers[il]
         pairs = tokens * kv_len + tokens * (tokens + 1) // 2
-        if self.dev.attention is not None:  # measured: a dot product per (head, cached token), twice
-            rows = self.shape.info.n_head * (kv_len + tokens)
-            return 2 * self.dev.attention.seconds(rows, tokens, hot=True)  # causal mask: the full products run
         roof = self.dev.roofline
         bw = (roof.cache_bw or roof.mem_bw) if self.hot else roof.mem_bw
         return (kv_len + tokens) * ly.kv_bytes_per_token / bw + pairs * ly.attn_flops_per_pair / roof.flops

@@ -83,6 +83,7 @@ class _Run:
         self.ready: dict[tuple[int, int], float] = {}  # (layer, expert) -> when its load completes
         self.resident: dict[int, dict[int, int]] = {}  # layer -> expert -> slot
         self.on_gpu = self.gpu is not None
+        self.moe_index = {il: j for j, il in enumerate(shape.moe_layers)}  # model layer -> ids' second axis
         if policy is not None:
             self._queue(policy.initial_loads(), start=0.0)
             self.clock = self.link_free  # the initial placement is loaded before the first token
@@ -122,14 +123,13 @@ class _Run:
         n = s.n_tokens
         main = self.gpu or self.cpu
         pending: list[Any] = []
-        moe_index = {il: j for j, il in enumerate(self.shape.moe_layers)}
         nodes = self._nodes(s)
         launch = nodes / max(1, len(self.shape.layers)) * self.prof.gpu.node_s if self.gpu and self.prof.gpu else 0.0
         n_cpu_splits = 0
         for ly in self.shape.layers:
             d = main.dense(ly.il, n) + main.attention(ly.il, n, s.kv_len)
             self._busy(acc, d, gpu=self.on_gpu)
-            j = moe_index.get(ly.il)
+            j = self.moe_index.get(ly.il)
             if not self.on_gpu:
                 c = self.cpu.experts(ly.il, s.counts(j)) if j is not None else 0.0
                 acc.cpu += c
@@ -325,12 +325,9 @@ def static_frequency(work: Workload) -> dict[int, Any]:
     """Routing counts per MoE layer over a workload's steps (the static policy's placement)."""
     import numpy as np
 
-    counts = {il: np.zeros(work.n_expert, np.int64) for il in work.moe_layers}
-    for s in work.steps:
-        for j, il in enumerate(work.moe_layers):
-            flat = s.ids[:, j, :].reshape(-1)
-            np.add.at(counts[il], flat[flat >= 0], 1)
-    return counts
+    ids = np.concatenate([s.ids for s in work.steps])  # (tokens, MoE layers, k)
+    return {il: np.bincount(ids[:, j][ids[:, j] >= 0], minlength=work.n_expert)
+            for j, il in enumerate(work.moe_layers)}
 
 
 def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
@@ -358,11 +355,10 @@ def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
         else:  # place by the first half of the trace's sequences, replay the second half (for every config)
             seqs = sorted({int(x) for x in trace.seq})
             first_seq = seqs[len(seqs) // 2] if len(seqs) > 1 else 0
-            frequency = static_frequency(build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch))
+            full = build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch)
+            placed = tuple(s for s in full.steps if s.seq < first_seq) if first_seq else full.steps
+            frequency = static_frequency(Workload(placed, full.moe_layers, full.n_expert))
             if first_seq:
-                head = build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch)
-                frequency = static_frequency(Workload(tuple(s for s in head.steps if s.seq < first_seq),
-                                                      head.moe_layers, head.n_expert))
                 notes.append(f"static placement from the trace's sequences before {first_seq}; "
                              "every configuration replays the rest")
             else:

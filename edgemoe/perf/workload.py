@@ -14,6 +14,7 @@ import numpy as np
 
 from ..analysis.trace import DECODE, PREFILL, Trace
 from ..errors import EdgeMoeError
+from ..policies.assignment import workload_from_ids
 from ..policies.gating import GatingRule, keep_mask, normalised
 
 
@@ -43,7 +44,7 @@ class Step:
     def counts(self, j: int) -> dict[int, int]:
         """Tokens routed to each expert of MoE layer j (the ids' second axis) in this step."""
         if j not in self._counts:
-            self._counts[j] = expert_counts(self.ids[:, j, :])
+            self._counts[j] = workload_from_ids(self.ids[:, j, :])
         return self._counts[j]
 
 
@@ -107,10 +108,3 @@ def _gate(ids: np.ndarray, weights: np.ndarray, phase: np.ndarray, g: GatingSpec
         out[rows, j, :] = sub
     return out
 
-
-def expert_counts(ids: np.ndarray) -> dict[int, int]:
-    """Tokens routed to each expert in one layer's (n_tokens, k) ids (dropped slots left out)."""
-    flat = ids.reshape(-1)
-    flat = flat[flat >= 0]
-    experts, counts = np.unique(flat, return_counts=True)
-    return dict(zip(experts.tolist(), counts.tolist()))

@@ -140,11 +140,11 @@ class ExpertCache:
         now = self._counts()
         self._marks = (now, now) if phase == "start" or self._marks is None else (self._marks[0], now)
 
-    def _phase_rates(self) -> dict[str, float | None]:
+    def _phase_rates(self, h2: int, m2: int) -> dict[str, float | None]:
+        """Hit rates of the last generation's prefill and decode, given the counters now."""
         if self._marks is None:
             return {"prefill_hit_rate": None, "decode_hit_rate": None}
         (h0, m0), (h1, m1) = self._marks
-        h2, m2 = self._counts()
 
         def rate(h: int, m: int) -> float | None:
             return h / (h + m) if h + m else None
@@ -155,7 +155,8 @@ class ExpertCache:
         st = native.moe_cache_stats(self._ctx)
         routed = st.hits + st.misses
         share = st.hits / routed if routed else 0.0
-        return {"hits": int(st.hits), "misses": int(st.misses), "hit_rate": share, **self._phase_rates(),
+        return {"hits": int(st.hits), "misses": int(st.misses), "hit_rate": share,
+                **self._phase_rates(int(st.hits), int(st.misses)),
                 "loads": int(st.loads), "bytes_uploaded": int(st.bytes_loaded),
                 "prefetches": int(st.prefetches), "chunks": int(st.chunks), "preempted": int(st.preempted),
                 "blocked_s": st.us_blocked / 1e6,
