@@ -575,6 +575,8 @@ _backend_name = _declare("ggml_backend_name", [_vp], ctypes.c_char_p, _ggml_base
 _backend_default_buft = _declare("ggml_backend_get_default_buffer_type", [_vp], _vp, _ggml_base)
 # enum ggml_status ggml_backend_graph_compute(ggml_backend_t backend, struct ggml_cgraph * cgraph);
 _graph_compute = _declare("ggml_backend_graph_compute", [_vp, _vp], ctypes.c_int, _ggml_base)
+# struct ggml_tensor * ggml_graph_node(struct ggml_cgraph * cgraph, int i);
+_graph_node = _declare("ggml_graph_node", [_vp, ctypes.c_int], _vp, _ggml_base)
 # void ggml_backend_synchronize(ggml_backend_t backend);
 _backend_synchronize = _declare("ggml_backend_synchronize", [_vp], None, _ggml_base)
 # ggml_backend_t ggml_backend_dev_init(ggml_backend_dev_t device, const char * params);
@@ -620,7 +622,7 @@ def require_ggml() -> None:
              _swiglu_split, _add, _scale, _new_graph_custom, _build_forward_expand, _graph_n_nodes,
              _alloc_ctx_tensors_from_buft, _buft_alloc_buffer, _buft_name, _buft_is_host, _buffer_free,
              _buffer_clear, _buffer_get_base, _tensor_alloc, _tensor_set, _tensor_get, _backend_free, _backend_name, _backend_default_buft,
-             _graph_compute, _backend_synchronize, _dev_init, _dev_type, _dev_backend_reg, _dev_buft,
+             _graph_compute, _graph_node, _backend_synchronize, _dev_init, _dev_type, _dev_backend_reg, _dev_buft,
              _dev_host_buft, _dev_supports_op, _cpu_init, _cpu_set_n_threads, _cpu_set_threadpool,
              _threadpool_params_init, _threadpool_new, _threadpool_free, _dev_by_type, _reg_proc, _cpu_buft)
 
@@ -850,11 +852,16 @@ def backend_default_buffer_type(backend: int) -> int:
 
 
 def graph_compute(backend: int, graph: int) -> None:
-    """Compute the graph on the backend and wait for it."""
+    """Compute the graph on the backend and wait for it. ggml_backend_graph_compute only queues the work on
+    asynchronous backends (CUDA; RPC, whose synchronize waits for the sends alone): reading 4 bytes of the last
+    node back is answered only once the graph has run."""
     status = _graph_compute(backend, graph)
     if status != GGML_STATUS_SUCCESS:
         raise NativeLibraryError(f"ggml_backend_graph_compute on {backend_name(backend)} failed "
                                  f"(status {status})")
+    _backend_synchronize(backend)
+    probe = ctypes.c_float()
+    _tensor_get(_graph_node(graph, -1), ctypes.byref(probe), 0, 4)
 
 
 def backend_synchronize(backend: int) -> None:
