@@ -70,9 +70,7 @@ FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base")
 TOKEN_ID_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
 STRING_KEYS = ("general.architecture", "general.name", "tokenizer.ggml.model", "tokenizer.ggml.pre",
                "tokenizer.chat_template")
-# "llama" (SentencePiece) is left out: on a vocabulary without <0xNN> byte tokens llama.cpp aborts while
-# tokenizing (test_gguf_validate.py::test_spm_tokenizer_without_byte_tokens pins it)
-TOKENIZERS = ("gpt2", "bert", "t5", "rwkv", "none", "no_vocab", "unknown")
+TOKENIZERS = ("gpt2", "llama", "bert", "t5", "rwkv", "none", "no_vocab", "unknown")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from .generation import Generation, GenerationMixin, Timings
 from .hooks import HookChain
 from .interrupts import deferred_interrupts
 from .native import lib
+from .vocab_guard import SpmByteGuard
 from .wiring import RoutingMixin
 
 __all__ = ["ChatMessage", "ChatSession", "Engine", "Generation", "LoadConfig", "Timings", "default_threads"]
@@ -91,6 +92,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         self._vocab_p = lib.llama_model_get_vocab(self._model_p)
         # a GGUF without a tokenizer (tokenizer.ggml.model "none") loads, but llama.cpp aborts on any text
         self._has_tokenizer = lib.llama_vocab_type(self._vocab_p) != lib.LLAMA_VOCAB_TYPE_NONE
+        self._spm_guard: SpmByteGuard | None = None  # built on the first tokenize of an SPM vocabulary
         n_ctx_train = lib.llama_model_n_ctx_train(self._model)
         n_ctx = self.config.n_ctx or min(n_ctx_train, 4096)
         self.n_threads = self.config.n_threads or default_threads()
@@ -208,9 +210,24 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
                                "it cannot turn text into tokens or back; pass token ids, or use a GGUF with "
                                "a vocabulary")
 
+    def _check_spm_bytes(self, text: str) -> None:
+        """Refuse text llama.cpp's SentencePiece tokenizer would terminate the process on."""
+        if lib.llama_vocab_type(self._vocab) != lib.LLAMA_VOCAB_TYPE_SPM:
+            return
+        if self._spm_guard is None:
+            self._spm_guard = SpmByteGuard(lib.llama_vocab_get_text(self._vocab, i) for i in range(self.n_vocab))
+        bad = self._spm_guard.unencodable(text)
+        if bad:
+            shown = ", ".join(repr(c) for c in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise EdgeMoeError(f"{self.path.name}'s SentencePiece vocabulary has no token for {shown} and no "
+                               f"byte tokens (<0x00>..<0xFF>) to spell it with ({len(self._spm_guard.missing_bytes)}"
+                               " of 256 missing), so llama.cpp cannot tokenize this text: use a GGUF converted "
+                               "with byte fallback, or pass token ids")
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Text -> ids; add_special adds BOS/EOS as the model's metadata says."""
         self._require_tokenizer()
+        self._check_spm_bytes(text)
         data = text.encode("utf-8")
         cap = len(data) + 16
         buf = (lib.llama_token * cap)()
