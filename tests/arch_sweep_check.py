@@ -12,6 +12,9 @@ Checks, each against stock llama.cpp on the same GGUF:
 - cache: the expert cache (lru, CPU stand-in device) with 1 slot and with a slot per expert ==
   stock logits bitwise, over a prefill and single-token decode steps, with its tables in the graph
   (no host sync).
+- cache-static: the static policy (half the experts per layer, at least one), calibrated on first use
+  (edgemoe.calibration.auto, a small calibration into a temporary cache directory) == stock logits
+  bitwise, with hits.
 """
 from __future__ import annotations
 
@@ -106,13 +109,14 @@ def check_gating_top1(path: Path) -> dict:
                 detail=f"top-1 of k={k} in graph and hook == stock k=1 bitwise (weights: {weights})")
 
 
-def _cache_run(path: Path, toks: list[int], n_decode: int,
-               slots: int | None) -> tuple[np.ndarray, dict | None]:
+def _cache_run(path: Path, toks: list[int], n_decode: int, slots: int | None, policy: str = "lru",
+               calibration: Path | None = None) -> tuple[np.ndarray, dict | None]:
     from edgemoe import Engine, LoadConfig
     from edgemoe.runtime.expert_cache import CacheConfig
 
     with Engine(path, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(slots, policy="lru")) if slots is not None else None
+        cache = (eng.enable_expert_cache(CacheConfig(slots, policy=policy, calibration=calibration))
+                 if slots is not None else None)
         rows = list(eng.eval_logits(toks[:-n_decode]))
         for tok in toks[-n_decode:]:
             eng.feed([tok])
@@ -148,7 +152,33 @@ def check_cache(path: Path) -> dict:
     return dict(ok=True, detail="lru cache == stock bitwise (" + "; ".join(seen) + ")")
 
 
-CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache}
+def check_cache_static(path: Path) -> dict:
+    import os
+    import tempfile
+
+    from edgemoe.calibration.auto import STAGES_FOR, ensure_calibration
+    from edgemoe.gguf.info import read_model_info
+
+    info = read_model_info(path)
+    toks = _tokens(info.n_vocab, 48)
+    ref, _ = _cache_run(path, toks, 12, None)
+    slots = max(1, info.n_expert // 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["EDGEMOE_CACHE_DIR"] = tmp  # a first use: no calibration of this model anywhere
+        cal = ensure_calibration(path, STAGES_FOR["static"], "--policy static", n_threads=THREADS, tokens=512,
+                                 ctx=128, echo=lambda msg: None)
+        got, st = _cache_run(path, toks, 12, slots, policy="static", calibration=cal)
+    assert st is not None
+    used = f"{slots} slot(s): hits {st['hits']}, misses {st['misses']}, loads {st['loads']}"
+    if not np.array_equal(got, ref):
+        return dict(ok=False, detail=f"static cache vs stock ({used}): " + _diff(got, ref))
+    if st["hits"] == 0:
+        return dict(ok=False, detail=f"static cache not used ({used})")
+    return dict(ok=True, detail=f"static cache, calibrated on first use, == stock bitwise ({used})")
+
+
+CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
+          "cache-static": check_cache_static}
 
 
 def main(argv: list[str]) -> int:

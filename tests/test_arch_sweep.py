@@ -10,6 +10,8 @@ have (arch_models.rewrite_gguf). Per architecture:
 - gating-top1: gating to the top-1 expert, in the graph and in the hook, == stock with k = 1,
   bitwise (drop-last == stock k-1 for these k = 2 models);
 - cache: the lru expert cache on the CPU stand-in device == stock logits, bitwise.
+- cache-static: the static expert cache, calibrated on first use (edgemoe.calibration.auto), == stock
+  logits, bitwise.
 test_one_expert_per_token runs them on copies with expert_used_count 1 (the router chooses one of
 the two experts); test_with_optional_expert_scales on the files with the per-expert ffn_*_exps.scale
 tensors and test_files_as_llama_cpp_wrote_them_load loads the files as written, for a few
@@ -39,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import arch_models  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
-WORKER_CHECKS = ("generate", "gating-top1", "cache")
+WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static")
 TIMEOUT_S = 180
 
 # (arch, check) pairs that fail for a known, precise reason: strict, so a fix shows up as XPASS
@@ -56,6 +58,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("refact", "verify"): _REFACT + " (verify: 'the hook was never called')",
     ("refact", "gating-top1"): _REFACT,
     ("refact", "cache"): _REFACT + " (0 hits, 0 loads)",
+    ("refact", "cache-static"): _REFACT + " (0 hits)",
     ("arctic", "verify"): ("verify's swap check swaps entries a and b of blk.N.ffn_norm_exps.weight, "
                            "arctic's norm of the MoE branch ([n_embd], not stacked experts): "
                            "_swap_experts_in_file takes every tensor named *_exps for stacked experts"),
@@ -63,6 +66,8 @@ XFAIL: dict[tuple[str, str], str] = {
                             "only the experts",
     ("grovemoe", "cache"): _GROVE + "; the cache's slots of layer il (copies of ffn_*_exps) also serve the "
                            "chunk-expert call",
+    ("grovemoe", "cache-static"): _GROVE + "; the cache's slots of layer il (copies of ffn_*_exps) also serve "
+                                  "the chunk-expert call",
 }
 # (arch, variant, check) of the variant files (VARIANT_CHECKS), beside XFAIL
 XFAIL_VARIANT: dict[tuple[str, str, str], str] = {}
@@ -318,6 +323,11 @@ def test_gating_top1_equals_stock_k1(sweep: SweepPool, entry: dict) -> None:
 @check("cache")
 def test_expert_cache_equals_stock(sweep: SweepPool, entry: dict) -> None:
     _assert(sweep, entry, "", "cache")
+
+
+@check("cache-static")
+def test_static_cache_calibrated_on_first_use_equals_stock(sweep: SweepPool, entry: dict) -> None:
+    _assert(sweep, entry, "", "cache-static")
 
 
 @check("k1", variant="k1")

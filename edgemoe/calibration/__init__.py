@@ -3,6 +3,7 @@
 - card: the directory, card.json, and where it is looked up (find_calibration);
 - stages: the stage interface and registry (register_stage to add one);
 - run: the runner (run_calibration) that builds the directory atomically;
+- auto: first-use calibration (ensure_calibration) for options that need a stage the model lacks;
 - traces, predictor_fit, sensitivity: the built-in stages;
 - corpus: the train / held-out split of a corpus file;
 - adaptive: the adaptive top-k gating policy built from a calibration directory.
@@ -18,6 +19,7 @@ from .card import (
     model_sha256,
     write_json,
 )
+from .auto import STAGES_FOR, ensure_calibration
 from .run import DEFAULT_CTX, DEFAULT_TOKENS, CalibrationConfig, run_calibration
 from .stages import Stage, StageContext, all_stages, register_stage, select_stages, unregister_stage
 
@@ -26,12 +28,14 @@ __all__ = [
     "DEFAULT_CTX",
     "DEFAULT_TOKENS",
     "FORMAT_VERSION",
+    "STAGES_FOR",
     "Calibration",
     "CalibrationConfig",
     "CalibrationError",
     "Stage",
     "StageContext",
     "all_stages",
+    "ensure_calibration",
     "find_calibration",
     "model_sha256",
     "register_stage",

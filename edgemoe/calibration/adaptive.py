@@ -52,15 +52,16 @@ def default_calibration_dir(model: Path) -> Path | None:
 
 
 def _need_calibration(opts: GatingOptions, what: str, model: Path | None) -> Path:
-    """The calibration directory, checked to be of `model` (same MoE layers and expert counts)."""
-    from .card import Calibration
+    """The calibration directory with the sensitivity stage, checked to be of `model` (same MoE layers and
+    expert counts); made on first use (edgemoe.calibration.auto) when the model has none."""
+    from .auto import STAGES_FOR, ensure_calibration
 
-    if opts.calibration is None or not opts.calibration.is_dir():
-        raise EdgeMoeError(f"{what} needs calibration data: run `edgemoe calibrate MODEL --corpus FILE` "
-                           "and pass --calibration DIR (bundled fixtures have it in predictors/)")
-    if model is not None:
-        Calibration.load(opts.calibration, "explicit").check_model(model)
-    return opts.calibration
+    if model is None:
+        if opts.calibration is None or not opts.calibration.is_dir():
+            raise EdgeMoeError(f"{what} needs calibration data: run `edgemoe calibrate MODEL --corpus FILE` "
+                               "and pass --calibration DIR")
+        return opts.calibration
+    return ensure_calibration(model, STAGES_FOR["sensitivity"], what, given=opts.calibration)
 
 
 def build_gating(engine: object, opts: GatingOptions, *, ctx: int = 256) -> GatingPolicy | None:

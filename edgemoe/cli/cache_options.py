@@ -15,7 +15,7 @@ POLICIES = ("lru", "dali", "static", "manual")
 POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's "
                "workload-aware replacement: every --dali-window tokens the most-used absent experts "
                "replace the least-used resident ones; runs in the routing hook), static (the "
-               "calibration's most frequent), manual (API only); lru, static and manual run inside "
+               "calibration's most frequent; a model without one is calibrated on first use), manual (API only); lru, static and manual run inside "
                "llama.cpp's graph")
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
               "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
@@ -104,6 +104,12 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
     slots = slots_for(engine.info, opts, engine.n_ctx)
     CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # --expert-slots in range
     calibration = calibration or default_calibration_dir(model)
+    need = "static" if opts.policy == "static" else "dp" if opts.alloc == "dp" else None
+    if need is not None:  # made on first use when the model has none
+        from ..calibration.auto import STAGES_FOR, ensure_calibration
+
+        calibration = ensure_calibration(model, STAGES_FOR[need], f"--policy {need}" if need == "static"
+                                         else "--alloc dp", given=calibration, n_threads=engine.n_threads)
     budget = None
     if opts.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
         plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=VRAM_RESERVE)

@@ -252,8 +252,9 @@ def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False
         return DaliPolicy(dict(n_slots), n_expert, window=window, blocking=blocking,
                           update=dali_default_update(n_expert) if update is None else update)
     if calibration is None:
-        raise EdgeMoeError("the static policy needs a calibration with router frequencies: "
-                           "run `edgemoe calibrate MODEL --corpus FILE` or pass --calibration DIR")
+        raise EdgeMoeError("the static policy needs a calibration with router frequencies: pass "
+                           "calibration=edgemoe.calibration.ensure_calibration(MODEL, STAGES_FOR['static'], ...) "
+                           "(made on first use), or run `edgemoe calibrate MODEL --corpus FILE`")
     return StaticPolicy(load_frequency(calibration, n_expert=n_expert, layers=list(n_slots)), dict(n_slots))
 
 

@@ -1,0 +1,151 @@
+"""First-use calibration: a command that needs calibration data makes it, once, for a model without.
+
+`--policy static`, `--alloc dp`, `--gating fisher|empirical` and `--target-reduction` read stages of
+a calibration (router_frequency, routing, sensitivity). When the model has none (no `--calibration`,
+nothing bundled, nothing in the per-user cache), `ensure_calibration` runs just the stages needed on
+a few thousand tokens of the project's corpora (their train splits; the bundled excerpts in
+edgemoe/calibration/text/ where the corpora are absent) into the per-user cache, with a progress
+bar, and says what it does and how long it takes. A per-user calibration that lacks a stage gets it
+added (`calibrate --update`, with the corpora and settings its card names). An explicit or bundled
+directory is never written to: a missing stage there is an error that says how to add it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from ..progress import progress_bar
+from .card import Calibration, CalibrationError, default_out_dir, find_calibration
+from .corpus import default_corpus_dir
+from .run import CalibrationConfig, run_calibration
+from .stages import ProgressFactory
+
+AUTO_TOKENS = 2048  # calibration trace tokens of a first-use calibration
+AUTO_CTX = 256
+BUNDLED_TEXT = Path(__file__).resolve().parent / "text"
+
+# what each need reads from a calibration
+STAGES_FOR = {
+    "static": ("router_frequency", "routing"),
+    "dp": ("routing",),
+    "sensitivity": ("sensitivity",),
+    "predictors": ("predictors",),
+}
+
+Echo = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def auto_corpora() -> tuple[Path, ...]:
+    """The project's corpora ($EDGEMOE_CORPUS_DIR or ../shared/corpus), else the bundled excerpts."""
+    d = default_corpus_dir()
+    files = sorted(d.glob("*.txt")) if d.is_dir() else []
+    return tuple(files) or tuple(sorted(BUNDLED_TEXT.glob("*.txt")))
+
+
+def _timed_progress(echo: Echo) -> ProgressFactory:
+    """progress_bar, plus (without a terminal, where no bar is drawn) one line per stage with the time it
+    will take, from its first step."""
+
+    @contextlib.contextmanager
+    def factory(total: int, desc: str, *, unit: str = "it") -> Iterator[Callable[[int], None]]:
+        with progress_bar(total, desc, unit=unit) as bar:
+            if sys.stderr.isatty():
+                yield bar
+                return
+            t0, done, told = time.perf_counter(), 0, False
+
+            def advance(n: int) -> None:
+                nonlocal done, told
+                bar(n)
+                done += n
+                if not told and done and done < total:
+                    told = True
+                    left = (time.perf_counter() - t0) / done * (total - done)
+                    echo(f"  {desc}: about {left:.0f} s more at this machine's speed")
+            yield advance
+
+    return factory
+
+
+def _missing(cal: Calibration, stages: Sequence[str]) -> list[str]:
+    return [s for s in stages if s not in cal.card]
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def ensure_calibration(model: str | os.PathLike[str], stages: Sequence[str], what: str, *,
+                       given: str | os.PathLike[str] | None = None, n_threads: int = 0,
+                       tokens: int = AUTO_TOKENS, ctx: int = AUTO_CTX, echo: Echo = _stderr) -> Path:
+    """A calibration directory of `model` holding `stages`, made or completed on first use.
+
+    given: the directory the command was told to use (or found for the model); it is completed only
+    when it is the model's per-user cache directory. `what` names the option that needs it (messages).
+    tokens, ctx: of a new calibration's traces (an existing one is completed with its own).
+    """
+    model = Path(model)
+    cache = default_out_dir(model)
+    cal: Calibration | None
+    if given is not None:
+        cal = Calibration.load(given, "cache" if _same_dir(Path(given), cache) else "explicit")
+        cal.check_model(model)
+    else:
+        try:
+            cal = find_calibration(model)
+        except CalibrationError:
+            cal = None
+    if cal is not None:
+        missing = _missing(cal, stages)
+        if not missing:
+            return cal.path
+        if cal.source != "cache":
+            stage_args = " ".join(f"--stage {s}" for s in missing)
+            raise CalibrationError(f"{what} needs the {', '.join(missing)} calibration, which {cal.path} does not "
+                                   f"have: run `edgemoe calibrate {model} --corpus FILE --out DIR` (or, with "
+                                   f"the corpora its card names, `--out {cal.path} --update {stage_args}`) and "
+                                   "pass --calibration DIR")
+        return _complete(model, cal, missing, what, n_threads, echo)
+    cfg = CalibrationConfig(model=model, corpora=auto_corpora(), tokens=tokens, ctx=ctx,
+                            n_threads=n_threads, stages=tuple(stages))
+    _announce(model, what, cfg, cache, echo, "has no calibration data yet")
+    t0 = time.perf_counter()
+    path = run_calibration(cfg, cache, progress=_timed_progress(echo)).path
+    echo(f"calibrated {model.name} in {time.perf_counter() - t0:.0f} s; later runs reuse {path}")
+    return path
+
+
+def _complete(model: Path, cal: Calibration, missing: list[str], what: str, n_threads: int, echo: Echo) -> Path:
+    card = cal.card
+    corpora = tuple(Path(c["path"]) for c in card.get("corpus", []))
+    absent = [str(p) for p in corpora if not p.is_file()]
+    if absent or not corpora:
+        raise CalibrationError(f"{what} needs the {', '.join(missing)} calibration; {cal.path} lacks it and its "
+                               f"corpora are gone ({', '.join(absent) or 'none named'}): run `edgemoe calibrate "
+                               f"{model} --corpus FILE --force`")
+    cfg = CalibrationConfig(model=model, corpora=corpora, tokens=int(card["tokens"]), ctx=int(card["ctx"]),
+                            seed=int(card["seed"]), n_threads=n_threads, stages=tuple(missing))
+    _announce(model, what, cfg, cal.path, echo, f"has a calibration without {', '.join(missing)}")
+    t0 = time.perf_counter()
+    path = run_calibration(cfg, cal.path, update=True, progress=_timed_progress(echo)).path
+    echo(f"added {', '.join(missing)} to {path} in {time.perf_counter() - t0:.0f} s")
+    return path
+
+
+def _announce(model: Path, what: str, cfg: CalibrationConfig, out: Path, echo: Echo, state: str) -> None:
+    names = ", ".join(p.name for p in cfg.corpora)
+    echo(f"{what} needs calibration data and {model.name} {state}: calibrating it now, once "
+         f"(stages {', '.join(cfg.stages or ())}; {cfg.tokens} tokens of the train splits of {names}), "
+         f"into {out}; each stage shows the time it has left. `edgemoe calibrate` does the same with "
+         "more options")
