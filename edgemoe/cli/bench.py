@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .cache_options import ALLOC_HELP
+from .cache_options import ALLOC_HELP, calibration_for
 from .types import THREADS, GGUFPath, OutputPath, Size
 
 
@@ -30,7 +30,6 @@ def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: 
           alloc: str | None, calibration: Path | None, profile_path: str | None, as_json: bool,
           plot: Path | None) -> None:
     """Prefill/decode tokens/s, TTFT, TPOT and VRAM: stock -ot exps=CPU, the best --n-cpu-moe, edgemoe policies."""
-    from ..calibration.adaptive import default_calibration_dir
     from ..perf.bench import BenchSpec, format_table, run_bench
     from ..perf.bench import plot as plot_png
     from ..perf.profiling import default_profile_path
@@ -40,7 +39,7 @@ def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: 
     else:
         profile = None if profile_path == "none" else Path(profile_path)
     spec = BenchSpec(vram=vram, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, threads=threads,
-                     policies=policies, calibration=calibration or default_calibration_dir(model),
+                     policies=policies, calibration=calibration_for(model, policies, alloc, calibration, n_threads=threads),
                      alloc=alloc, profile=profile)
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:

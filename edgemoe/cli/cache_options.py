@@ -91,9 +91,22 @@ def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
     return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(moe))
 
 
+def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, given: Path | None, *,
+                    n_threads: int = 0) -> Path | None:
+    """--calibration, else the model's; calibrated on first use when a policy (static) or --alloc dp needs it."""
+    from ..calibration.adaptive import default_calibration_dir
+    from ..calibration.auto import STAGES_FOR, ensure_calibration
+
+    given = given or default_calibration_dir(model)
+    need = "static" if "static" in policies else "dp" if alloc == "dp" else None
+    if need is None:
+        return given
+    return ensure_calibration(model, STAGES_FOR[need], "--policy static" if need == "static" else "--alloc dp",
+                              given=given, n_threads=n_threads)
+
+
 def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:
     from ..runtime import native
-    from ..calibration.adaptive import default_calibration_dir
     from ..calibration.allocation import describe, plan_allocation
     from ..gguf.info import VRAM_RESERVE, vram_plan
     from ..policies.residency import DALI_WINDOW
@@ -103,13 +116,7 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
         return
     slots = slots_for(engine.info, opts, engine.n_ctx)
     CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # --expert-slots in range
-    calibration = calibration or default_calibration_dir(model)
-    need = "static" if opts.policy == "static" else "dp" if opts.alloc == "dp" else None
-    if need is not None:  # made on first use when the model has none
-        from ..calibration.auto import STAGES_FOR, ensure_calibration
-
-        calibration = ensure_calibration(model, STAGES_FOR[need], f"--policy {need}" if need == "static"
-                                         else "--alloc dp", given=calibration, n_threads=engine.n_threads)
+    calibration = calibration_for(model, (opts.policy,), opts.alloc, calibration, n_threads=engine.n_threads)
     budget = None
     if opts.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
         plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=VRAM_RESERVE)
