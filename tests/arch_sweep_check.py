@@ -177,8 +177,25 @@ def check_cache_static(path: Path) -> dict:
     return dict(ok=True, detail=f"static cache, calibrated on first use, == stock bitwise ({used})")
 
 
+def check_scale_applies(path: Path) -> dict:
+    """A weight-scale copy (tests/test_arch_sweep.py WSCALE_DIR) computes other logits than the file it
+    copies, so the scale is read and applied."""
+    from edgemoe import Engine, LoadConfig
+    from edgemoe.gguf.info import read_model_info
+
+    base = ROOT / ".build" / "arch-models" / path.name
+    toks = _tokens(read_model_info(path).n_vocab, 16)
+    logits = []
+    for p in (path, base):
+        with Engine(p, LoadConfig(**PLAIN)) as eng:
+            logits.append(np.stack(list(eng.eval_logits(toks))))
+    if np.array_equal(logits[0], logits[1]):
+        return dict(ok=False, detail=f"the same logits as {base.name}: the weight scale/norm is not read")
+    return dict(ok=True, detail="logits differ from the unscaled file's: " + _diff(logits[0], logits[1]))
+
+
 CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
-          "cache-static": check_cache_static}
+          "cache-static": check_cache_static, "scale-applies": check_scale_applies}
 
 
 def main(argv: list[str]) -> int:

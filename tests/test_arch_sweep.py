@@ -87,14 +87,45 @@ def _moe_entries() -> list[dict]:
     return arch_models.moe_entries(m) if m else []
 
 
-# the checks run on an architecture's other files (arch_models: <arch>.scaled.gguf, <arch>.k1.gguf)
+# the checks run on an architecture's other files (arch_models: <arch>.scaled.gguf, <arch>.k1.gguf;
+# the weight-scale copies below)
 VARIANT_CHECKS = {"scaled": ("generate", "verify", "gating-top1", "cache"),
-                  "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache")}
+                  "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache"),
+                  "wscale": ("generate", "verify", "gating-top1", "cache", "scale-applies")}
+
+# Architectures whose graph reads expert_weights_scale and expert_weights_norm (test-llama-archs writes
+# 0.0, which llama.cpp takes as no scale, and false): copies with the weights normalised and scaled by
+# 2.5 (deepseek-v3 style; sigmoid gating for most of these), written by the sweep fixture into WSCALE_DIR
+WEIGHT_SCALE_ARCHS = ("deepseek", "deepseek2", "glm4moe", "dots1", "bailingmoe2", "afmoe")
+WEIGHT_SCALE = {"expert_weights_scale": 2.5, "expert_weights_norm": True}
+WSCALE_DIR = arch_models.DEFAULT_OUT.with_name("arch-models-wscale")
 
 
 def _file(entry: dict, variant: str) -> Path:
-    """An architecture's model: "" <arch>.gguf, else <arch>.<variant>.gguf (scaled, k1, raw)."""
+    """An architecture's model: "" <arch>.gguf, else <arch>.<variant>.gguf (scaled, k1, raw), or its
+    weight-scale copy (wscale)."""
+    if variant == "wscale":
+        return WSCALE_DIR / entry["file"]
     return arch_models.DEFAULT_OUT / entry[f"{variant}_file" if variant else "file"]
+
+
+def _has_variant(entry: dict, variant: str) -> bool:
+    if variant == "wscale":
+        return entry["arch"] in WEIGHT_SCALE_ARCHS
+    return not variant or bool(entry[f"{variant}_file"])
+
+
+def _write_weight_scale_copies(manifest: dict) -> None:
+    """WSCALE_DIR/<arch>.gguf for WEIGHT_SCALE_ARCHS, (re)written when older than the model it copies."""
+    WSCALE_DIR.mkdir(parents=True, exist_ok=True)
+    for e in arch_models.moe_entries(manifest):
+        if e["arch"] not in WEIGHT_SCALE_ARCHS:
+            continue
+        src, dst = arch_models.DEFAULT_OUT / e["file"], WSCALE_DIR / e["file"]
+        if not dst.exists() or dst.stat().st_mtime < src.stat().st_mtime:
+            tmp = dst.with_suffix(".tmp")
+            arch_models.rewrite_gguf(src, tmp, scales=False, values=WEIGHT_SCALE)
+            os.replace(tmp, dst)
 
 
 def _param(entry: dict, check: str, variant: str = "") -> object:
@@ -119,7 +150,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "entry" not in metafunc.fixturenames or check is None:
         return
     variant = metafunc.function.variant
-    entries = [e for e in _moe_entries() if not variant or e[f"{variant}_file"]]
+    entries = [e for e in _moe_entries() if _has_variant(e, variant)]
     if variant in VARIANT_CHECKS:
         names = ["entry", "variant_check"]
         params = [_param(e, c, variant) for e in entries for c in VARIANT_CHECKS[variant]]
@@ -180,12 +211,21 @@ def _run(cmd: list[str]) -> tuple[subprocess.CompletedProcess | None, bool]:
         return subprocess.CompletedProcess(cmd, -9, out, err), True
 
 
+def _worker_checks(path: Path) -> tuple[str, ...]:
+    """The in-process checks a model's tests ask for (a variant file: its VARIANT_CHECKS)."""
+    variant = ("wscale" if path.parent == WSCALE_DIR else "k1" if path.name.endswith(".k1.gguf")
+               else "scaled" if path.name.endswith(".scaled.gguf") else "")
+    wanted = VARIANT_CHECKS.get(variant, WORKER_CHECKS)
+    return tuple(c for c in WORKER_CHECKS if c in wanted)
+
+
 def _worker_results(path: Path) -> dict[str, dict]:
     """The in-process checks of one model: a child runs those not yet done; an abort blames the first
     check without a result and the child is started again for the others."""
     done: dict[str, dict] = {}
-    while len(done) < len(WORKER_CHECKS):
-        todo = [c for c in WORKER_CHECKS if c not in done]
+    checks = _worker_checks(path)
+    while len(done) < len(checks):
+        todo = [c for c in checks if c not in done]
         proc, timeout = _run([sys.executable, str(WORKER), str(path), *todo])
         for ln in proc.stdout.splitlines() if proc else []:
             if ln.startswith("@@ "):
@@ -228,7 +268,15 @@ def _load_cli(path: Path) -> tuple[bool, str]:
     return True, "loads and generates"
 
 
-_CLI_JOBS = {"verify": _verify, "gating-cli": _gating_cli, "load": _load_cli}
+def _scale_applies(path: Path) -> tuple[bool, str]:
+    proc, timeout = _run([sys.executable, str(WORKER), str(path), "scale-applies"])
+    out = [json.loads(ln[3:]) for ln in proc.stdout.splitlines() if ln.startswith("@@ ")] if proc else []
+    if not out:
+        return False, f"scale-applies: {_why(proc, timeout)}"
+    return out[0]["ok"], out[0]["detail"]
+
+
+_CLI_JOBS = {"verify": _verify, "gating-cli": _gating_cli, "load": _load_cli, "scale-applies": _scale_applies}
 
 
 def _job(path: Path, name: str) -> tuple[str, str]:
@@ -280,6 +328,8 @@ def _wanted(item: pytest.Item) -> tuple[Path, str] | None:
 @pytest.fixture(scope="session")
 def sweep(request: pytest.FixtureRequest, arch_manifest: dict) -> Iterator[SweepPool]:
     wanted = [w for w in map(_wanted, request.session.items) if w is not None]
+    if any(path.parent == WSCALE_DIR for path, _ in wanted):
+        _write_weight_scale_copies(arch_manifest)
     pool = SweepPool(wanted, int(os.environ.get("EDGEMOE_SWEEP_JOBS", os.cpu_count() or 2)))
     yield pool
     pool.close()
@@ -340,6 +390,13 @@ def test_one_expert_per_token(sweep: SweepPool, entry: dict, variant_check: str)
 def test_with_optional_expert_scales(sweep: SweepPool, entry: dict, variant_check: str) -> None:
     """The files with the per-expert ffn_*_exps.scale tensors test-llama-archs writes."""
     _assert(sweep, entry, "scaled", variant_check)
+
+
+@check("wscale", variant="wscale")
+def test_with_expert_weights_normalised_and_scaled(sweep: SweepPool, entry: dict, variant_check: str) -> None:
+    """Copies with expert_weights_norm on and expert_weights_scale 2.5 (scale-applies: their stock logits
+    differ from the unscaled file's, so the scale is read and the other checks see it)."""
+    _assert(sweep, entry, "wscale", variant_check)
 
 
 @check("load", variant="raw")

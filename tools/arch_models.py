@@ -275,10 +275,11 @@ def _unread_norm_eps(name: str, value: object) -> bool:
     return bool(_NORM_EPS_RE.match(name)) and value == 0.0
 
 
-def rewrite_gguf(src: Path, dst: Path, *, scales: bool,
-                 k: int | None = None) -> tuple[list[str], list[str]]:
+def rewrite_gguf(src: Path, dst: Path, *, scales: bool, k: int | None = None,
+                 values: dict[str, float | bool] | None = None) -> tuple[list[str], list[str]]:
     """Copy src to dst without the unread norm epsilons and, unless scales, the optional per-expert
-    scale tensors, with expert_used_count k if given; (the keys left out, the tensors left out).
+    scale tensors, with expert_used_count k if given and the scalar float32/bool keys in `values`
+    ("<arch>." left out of their names) set; (the keys left out, the tensors left out).
 
     Byte-level: the header and the other metadata are copied as written (gguf-py's writer refuses the
     empty arrays these files hold), the kept tensor infos get new contiguous offsets, the data is
@@ -302,6 +303,17 @@ def rewrite_gguf(src: Path, dst: Path, *, scales: bool,
     used_key = f"{reader.fields['general.architecture'].contents()}.expert_used_count"
     if k is not None and reader.fields[used_key].types != [gguf.GGUFValueType.UINT32]:
         raise BuildError(f"{src.name}: {used_key} is not one uint32, cannot set k={k}")
+    arch = reader.fields["general.architecture"].contents()
+    packed: dict[str, bytes] = {}  # full key -> the value's bytes, which end the key's span
+    for name, value in (values or {}).items():
+        rf = reader.fields.get(f"{arch}.{name}")
+        fmt = {gguf.GGUFValueType.FLOAT32: "<f", gguf.GGUFValueType.BOOL: "<?"}.get(
+            rf.types[0] if rf is not None and len(rf.types) == 1 else None)
+        if fmt is None:
+            raise BuildError(f"{src.name}: {arch}.{name} is not one float32 or bool, cannot set it to {value}")
+        packed[f"{arch}.{name}"] = struct.pack(fmt, value)
+    if k is not None:
+        packed[used_key] = struct.pack("<I", k)
     first_kv = min(f.offset for f in fields)
     header = bytearray(raw[:first_kv])  # magic, version, tensor count, kv count
     header[8:24] = struct.pack("<QQ", len(kept), len(kept_fields))
@@ -315,7 +327,8 @@ def rewrite_gguf(src: Path, dst: Path, *, scales: bool,
         f.write(header)
         for kv in kept_fields:
             data = span(kv)
-            f.write(data if k is None or kv.name != used_key else data[:-4] + struct.pack("<I", k))
+            new = packed.get(kv.name)
+            f.write(data if new is None else data[:-len(new)] + new)
         f.write(infos)
         f.write(b"\0" * (-f.tell() % align))
         for t in kept:
