@@ -56,9 +56,6 @@ XFAIL: dict[tuple[str, str], str] = {
     ("refact", "verify"): _REFACT + " (verify: 'the hook was never called')",
     ("refact", "gating-top1"): _REFACT,
     ("refact", "cache"): _REFACT + " (0 hits, 0 loads)",
-    ("arctic", "verify"): ("verify's swap check swaps entries a and b of blk.N.ffn_norm_exps.weight, "
-                           "arctic's norm of the MoE branch ([n_embd], not stacked experts): "
-                           "_swap_experts_in_file takes every tensor named *_exps for stacked experts"),
     ("grovemoe", "verify"): _GROVE + "; the hook's swap also swaps the chunk-expert route, the GGUF swap "
                             "only the experts",
     ("grovemoe", "cache"): _GROVE + "; the cache's slots of layer il (copies of ffn_*_exps) also serve the "
