@@ -101,6 +101,17 @@ def test_info_to_dict_is_json(make_tiny_gguf: MakeGguf) -> None:
     assert d["expert_tensors"]["1"][0]["shape"][-1] == 8
 
 
+def test_info_counts_only_stacked_experts(arctic_like_gguf: Path) -> None:
+    """arctic's blk.N.ffn_norm_exps.weight is the MoE branch's norm ([n_embd]), not an expert tensor."""
+    info = read_model_info(arctic_like_gguf)
+    names = [t.name for t in info.expert_tensors[0]]
+    assert names == ["blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"]
+    assert info.bytes_per_expert == 2 * 3 * 4 * 4  # up and down: 3x4 F32 each
+    assert info.expert_bytes_total == 2 * info.bytes_per_expert
+    assert info.dense_bytes == (2 * 4 + 4) * 4  # the router and the norm
+    assert info.n_ff_exp == 3
+
+
 def test_read_model_info_is_header_only(tmp_path: Path) -> None:
     # 8 GiB of (sparse) tensor data: reading any of it would take far longer than the limit
     path = tmp_path / "sparse.gguf"

@@ -10,7 +10,9 @@ from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.sampling import GREEDY
-from edgemoe.analysis.verify import FnPolicy, check_drop_last, check_identity, check_swap, _logits
+from edgemoe.analysis.verify import (
+    FnPolicy, _logits, _swap_experts_in_file, check_drop_last, check_identity, check_swap,
+)
 
 pytest_plugins = ["conftest_synth"]
 
@@ -38,6 +40,20 @@ def test_verify_checks(which: str, make_tiny_gguf) -> None:  # type: ignore[no-u
     base = _logits(path, toks)
     for res in (check_identity(path, toks, base), check_drop_last(path, toks), check_swap(path, toks)):
         assert res.ok, res
+
+
+def test_swap_in_file_moves_only_stacked_experts(arctic_like_gguf: Path, tmp_path: Path) -> None:
+    """verify's GGUF swap exchanges the experts' slices, not entries of arctic's ffn_norm_exps ([n_embd])."""
+    import gguf
+
+    out = tmp_path / "swapped.gguf"
+    _swap_experts_in_file(arctic_like_gguf, out, 0, 0, 1)
+    before = {t.name: np.array(t.data) for t in gguf.GGUFReader(arctic_like_gguf).tensors}
+    after = {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
+    for name in ("blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"):
+        np.testing.assert_array_equal(after[name], before[name][::-1])  # (n_expert, ...): 2 experts
+    for name in ("blk.0.ffn_norm_exps.weight", "blk.0.ffn_gate_inp.weight"):
+        np.testing.assert_array_equal(after[name], before[name])
 
 
 def test_hook_called_once_per_moe_layer_per_ubatch(fixture_model: Path) -> None:

@@ -124,13 +124,18 @@ def _swap_experts_in_file(src: Path, dst: Path, layer: int, a: int, b: int) -> N
     """Copy src to dst with experts a and b of `layer` swapped in every stacked expert tensor."""
     import gguf
 
+    info = read_model_info(src)
+    names = {t.name for t in info.expert_tensors[layer]}
     shutil.copyfile(src, dst)
     reader = gguf.GGUFReader(str(src))
     with dst.open("r+b") as f:
         for t in reader.tensors:
-            if not t.name.startswith(f"blk.{layer}.") or "_exps" not in t.name:
+            if t.name not in names:
                 continue
-            per = int(t.n_bytes) // int(t.shape[-1])  # shape[-1] = n_expert (ggml order)
+            if int(t.shape[-1]) != info.n_expert:  # ggml order: the experts are the last dim
+                raise EdgeMoeError(f"{t.name} has shape {list(t.shape)}: its last dim is not the "
+                                   f"{info.n_expert} experts, so its experts cannot be swapped")
+            per = int(t.n_bytes) // info.n_expert
             off = int(t.data_offset)
             ea = bytes(t.data.reshape(-1).view(np.uint8)[a * per:(a + 1) * per])
             eb = bytes(t.data.reshape(-1).view(np.uint8)[b * per:(b + 1) * per])

@@ -25,11 +25,17 @@ from .header import KNOWN_ARCHITECTURES, GgufArray, GgufHeader, TensorRecord, ch
 
 __all__ = [
     "KNOWN_ARCHITECTURES", "ExpertTensorInfo", "GgufHeader", "ModelInfo", "TensorRecord", "VramPlan",
-    "best_n_cpu_moe", "check_gguf", "estimate_kv_cache_bytes", "format_size", "info_to_dict", "model_info", "parse_size",
-    "read_model_info", "vram_plan",
+    "best_n_cpu_moe", "check_gguf", "estimate_kv_cache_bytes", "format_size", "info_to_dict",
+    "is_expert_tensor", "model_info", "parse_size", "read_model_info", "vram_plan",
 ]
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+# the stacked routed experts build_moe_ffn reads, with their biases and per-expert scales (last dim
+# n_expert); not arctic's ffn_norm_exps (the MoE branch's norm, [n_embd]) nor grovemoe's ffn_*_chexps
+_EXPERT_KINDS = (MODEL_TENSOR.FFN_GATE_UP_EXP, MODEL_TENSOR.FFN_UP_EXP, MODEL_TENSOR.FFN_GATE_EXP,
+                 MODEL_TENSOR.FFN_DOWN_EXP)
+_EXPERT_RE = re.compile(r"^blk\.\d+\.(?:{})\.".format(
+    "|".join(TENSOR_NAMES[k].removeprefix("blk.{bid}.") for k in _EXPERT_KINDS)))
 _TOKEN_EMBD = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight"
 
 
@@ -73,7 +79,7 @@ class ModelInfo:
     expert_tensors: Mapping[int, tuple[ExpertTensorInfo, ...]]  # per MoE layer
     bytes_per_expert: int  # one expert of the first MoE layer (all its _exps slices)
     bytes_per_expert_by_layer: Mapping[int, int]
-    expert_bytes_total: int  # all routed-expert tensors ("_exps")
+    expert_bytes_total: int  # all routed-expert tensors (is_expert_tensor)
     shared_expert_bytes: int  # "_shexp" tensors (also counted in dense_bytes)
     dense_bytes: int  # everything that is not a routed expert
     total_tensor_bytes: int
@@ -162,7 +168,7 @@ def model_info(header: GgufHeader) -> ModelInfo:
         by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.nbytes
         if t.name == _TOKEN_EMBD:
             embd_rows = t.shape[-1]
-        if "_exps" in t.name:
+        if is_expert_tensor(t.name):
             expert_total += t.nbytes
             expert_tensors.setdefault(_layer_of(t.name), []).append(ExpertTensorInfo(
                 name=t.name, qtype=t.qtype.name, shape=t.shape, nbytes=t.nbytes,
@@ -205,6 +211,11 @@ def model_info(header: GgufHeader) -> ModelInfo:
         bytes_by_type=MappingProxyType(dict(sorted(by_type.items()))),
         sliding_window=_int(meta, key(attn.SLIDING_WINDOW)),
     )
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether `name` is a stacked routed-expert tensor (blk.N.ffn_{gate_up,up,gate,down}_exps.*)."""
+    return _EXPERT_RE.match(name) is not None
 
 
 def _layer_of(name: str) -> int:

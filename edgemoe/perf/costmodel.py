@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..gguf.header import check_gguf
-from ..gguf.info import ModelInfo, estimate_kv_cache_bytes, model_info
+from ..gguf.info import ModelInfo, estimate_kv_cache_bytes, is_expert_tensor, model_info
 from .profile import Curve, DeviceProfile
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -74,7 +74,7 @@ class ModelShape:
             il = int(m.group(1))
             if il not in dense or len(t.shape) < 2 or t.shape[1] == 1:
                 continue  # norms, biases, per-expert scales: no matrix product
-            if "_exps" in t.name:
+            if is_expert_tensor(t.name):
                 if len(t.shape) == 3:
                     expert[il].append(Weights(t.qtype.name, t.nbytes // t.shape[-1]))
             else:

@@ -16,8 +16,8 @@ from typing import Any
 from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
-# 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11).
-REQUIRED_PATCH_LEVEL = 11
+# 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12).
+REQUIRED_PATCH_LEVEL = 12
 
 log = logging.getLogger(__name__)
 
