@@ -151,7 +151,20 @@ def source_identity(venv: Path) -> dict[str, str]:
 
 def cmake_command(build_dir: Path) -> list[str]:
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    return ["cmake", "-S", str(LLAMA_SRC), "-B", str(build_dir), *gen, *CMAKE_ARGS]
+    # real paths: a worktree's .build is a link to the main checkout's, and CMake refuses a cache made
+    # through another path to the same directory
+    return ["cmake", "-S", str(LLAMA_SRC.resolve()), "-B", str(build_dir.resolve()), *gen, *CMAKE_ARGS]
+
+
+def _cache_elsewhere(build_dir: Path) -> bool:
+    """Was build_dir's CMakeCache.txt made for another directory (through another path)?"""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return False
+    for line in cache.read_text(errors="replace").splitlines():
+        if line.startswith("CMAKE_CACHEFILE_DIR:INTERNAL="):
+            return line.split("=", 1)[1] != str(build_dir.resolve())
+    return False
 
 
 def build_exe(ident: dict[str, str], jobs: int, force: bool = False, build_dir: Path = BUILD_DIR) -> Path:
@@ -164,7 +177,8 @@ def build_exe(ident: dict[str, str], jobs: int, force: bool = False, build_dir: 
     if shutil.which("cmake") is None:
         raise BuildError("cmake is not on PATH; install it (and a C++17 compiler) to build " + TARGET)
     old = json.loads(stamp.read_text()) if stamp.exists() else None
-    if force or (old is not None and old.get("cmake_args") != CMAKE_ARGS):  # new options: a fresh configure
+    if (force or (old is not None and old.get("cmake_args") != CMAKE_ARGS)  # new options: a fresh configure
+            or _cache_elsewhere(build_dir)):
         shutil.rmtree(build_dir, ignore_errors=True)
     stamp.unlink(missing_ok=True)
     build_dir.mkdir(parents=True, exist_ok=True)
