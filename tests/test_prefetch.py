@@ -102,15 +102,31 @@ def test_early_preemption_drops_unneeded_and_promotes_needed_loads() -> None:
     pol, m = policy(extra=2), CacheModel({il: 4 for il in LAYERS})
     pol.on_route(0, ids(0, 1), scores(5, 3, 6, 7), m)  # queues 5, 3, 6, 7 for layer 2; nothing issued
     m.take_ops()
-    pol.on_route(2, ids(3, 4), None, m)  # routes 3 (queued) and 4 (absent)
+    pol.on_route(2, ids(3, 4), None, m)  # routes 3 (queued) and 4 (absent: runs on the CPU, refilled)
     assert m.state(2, 5) is m.state(2, 6) is m.state(2, 7) is LoadState.ABSENT  # dropped
     prio = {r.expert: r.priority for r in m.pending(2)}
-    assert prio == {3: Priority.PRECISE, 4: Priority.PRECISE}
+    assert prio == {3: Priority.PRECISE, 4: Priority.REFILL}
     ops = m.take_ops()
     assert ops[:3] == [CancelOp(2, 0), CancelOp(2, 2), CancelOp(2, 3)]  # 5, 6, 7's slots
     assert ops[3:5] == [CancelOp(2, 1), PrefetchOp(Load(2, 3, 1), Priority.PRECISE)]  # 3 raised: queued again
     _, _, dropped, _ = m.take_events()
     assert sum(isinstance(r.tag, Prediction) for r in dropped) == 3  # the promotion is no preemption
+
+
+def test_admission_queues_only_what_can_arrive_in_time() -> None:
+    # 3 chunks of 1 byte per expert; 2 bytes per layer time: in d = 2 layer times 4 bytes, one expert
+    timing = CopyTiming(bandwidth=2.0, layer_s=1.0)
+    pol, m = policy(extra=2, timing=timing), CacheModel({il: 4 for il in LAYERS})
+    pol.on_route(0, ids(0, 1), scores(5, 3, 6, 7), m)  # layer 0's misses: refills within one layer time
+    assert [r.expert for r in m.pending(0)] == [] and [r.expert for r in m.pending(2)] == [5]
+    m.issue()
+    pol.on_route(1, ids(0, 1), scores(5, 3, 6, 7), m)  # a refill (3 bytes) never fits one layer time (2)
+    assert m.pending(1) == [] and [r.expert for r in m.pending(3)] == [5]
+    wide = policy(extra=2, timing=CopyTiming(bandwidth=6.0, layer_s=1.0))
+    m2 = CacheModel({il: 4 for il in LAYERS})
+    wide.on_route(0, ids(0, 1), scores(5, 3, 6, 7), m2)  # 12 bytes in two layer times: four experts
+    assert [r.expert for r in m2.pending(2)] == [5, 3, 6, 7] and [r.expert for r in m2.pending(0)] == [0, 1]
+    assert policy(timing=CopyTiming()).timing is None  # an infinite bandwidth admits everything
 
 
 def test_loads_never_evict_the_routed_experts_and_follow_lru() -> None:

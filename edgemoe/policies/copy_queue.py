@@ -50,8 +50,9 @@ class LoadState(IntEnum):
 class Priority(IntEnum):
     """Queue priorities (llama_moe_cache_prefetch's `priority`; higher first)."""
 
+    REFILL = -1  # promoe: an expert a layer just ran on the CPU, for the layer's next run
     SPECULATIVE = 0  # ProMoE's low-priority tasks: predicted experts; lru/dali's loads for a later step
-    PRECISE = 1  # ProMoE's high-priority tasks: experts the router chose
+    PRECISE = 1  # ProMoE's high-priority tasks: experts the router chose, that a blocking layer waits for
 
 
 @dataclass(eq=False)  # identity: two loads of the same expert are different requests
@@ -213,6 +214,11 @@ class CacheModel:
         if n:
             self._ops.append(IssueOp(n))
         return n, budget
+
+    def queued_bytes(self, priority: int = Priority.REFILL) -> int:
+        """Bytes of the chunks still to send of loads at `priority` or above: what a load queued now at that
+        priority waits for."""
+        return sum(sum(r.chunks[r.issued:]) for r in self.queue if r.priority >= priority)
 
     def issue_until(self, requests: Iterable[Request]) -> tuple[int, int]:
         """Send chunks in issue() order until `requests` are complete: (chunks, bytes) sent."""

@@ -6,13 +6,22 @@ At MoE layer l of each ubatch, once its routing and its router input h_l are kno
    loads of layer l still queued or copying that the router did not choose are dropped; chosen
    experts whose load is incomplete are raised to the precise priority (llama.cpp's queue cannot
    raise a queued load, so it is dropped and queued again, and chunks already copied are copied
-   again); chosen experts that are absent are queued at the precise priority. Non-blocking (the
-   default), those run on the CPU this time and their loads serve the layer's next run; `blocking`
-   makes the layer wait for them (edgemoe.policies.replay.PolicyDriver does the waiting).
+   again). Chosen experts that are absent: with `blocking` they are queued at the precise priority
+   and the layer waits for them (edgemoe.policies.replay.PolicyDriver does the waiting), as ProMoE
+   does; without (the default) they run on the CPU this time and are queued for the layer's next run
+   at the lowest priority (REFILL: the LRU cache's own loads, §6.1), behind every prediction.
 2. **Stride prediction** (PushPredictedExperts, §4.4): the predictor scores the experts of layer
    l+d (d = the predictor's distance, ProMoE's 2) from h_l; the top-(k+m) (m = `extra`) are queued as
    speculative loads in score order, each copied chunk by chunk (§5.1); those already resident are
    touched (their recency renewed, Alg. 2 line 4), those already queued are left.
+
+Admission (with a `timing`, edgemoe.policies.copy_queue.CopyTiming): a speculative load is queued
+only if the bytes queued ahead of it and its own can cross the link in the d layer times before its
+layer routes, and a refill only if they can within the current layer's time; llama.cpp's prefetch
+evicts the slot's expert when the load is queued, so a load that cannot arrive in time costs a
+resident expert for nothing. On the fixtures' held-out text at a laptop's PCIe bandwidth this takes
+promoe's decode hit rate from below lru's to above it (docs/prefetch.md); without a timing (an
+unknown or infinite bandwidth) everything is queued.
 
 Replacement (§6.1: a per-layer LRU): a load takes a free slot, else the least recently used slot
 (touched when routed or predicted) whose expert is not pinned and has no load queued. Pinned are
@@ -33,7 +42,7 @@ import numpy as np
 
 from ..errors import EdgeMoeError
 from ..predictors.base import Known, Predictor, PredictorKind, topk_ids
-from .copy_queue import CacheModel, LoadState, Priority
+from .copy_queue import CacheModel, CopyTiming, LoadState, Priority
 from .residency import Load, used_experts
 
 PROMOE_DISTANCE = 2  # ProMoE's stride: predict layer l+2 at layer l
@@ -74,7 +83,7 @@ class PromoePolicy:
     wants_gate_inp = True
 
     def __init__(self, n_slots: Mapping[int, int], layers: Sequence[int], predictor: Predictor, *,
-                 extra: int = PROMOE_EXTRA, blocking: bool = False) -> None:
+                 extra: int = PROMOE_EXTRA, blocking: bool = False, timing: CopyTiming | None = None) -> None:
         if predictor.kind not in HIDDEN_KINDS:
             raise PrefetchError(f"the {predictor.kind.value} predictor does not predict from the router input; "
                                 f"use one of {', '.join(k.value for k in HIDDEN_KINDS)}")
@@ -89,6 +98,7 @@ class PromoePolicy:
         self.distance = predictor.distance
         self.extra = extra
         self.blocking = blocking
+        self.timing = None if timing is None or timing.infinite else timing  # admission control (None: none)
         self._pos = {il: j for j, il in enumerate(self.layers)}
         self._predictions: dict[int, Prediction] = {}  # target layer -> its latest prediction
         self._stamp: dict[int, dict[int, int]] = {}  # layer -> expert -> when last touched
@@ -109,11 +119,11 @@ class PromoePolicy:
     def on_route(self, layer: int, ids: np.ndarray, hidden: np.ndarray | None, cache: CacheModel) -> None:
         """Layer `layer` routed `ids` (n_tokens, k) from router input `hidden` (n_tokens, n_embd): act on `cache`."""
         if self.n_slots.get(layer, 0) > 0:
-            self._precise(layer, used_experts(ids), cache)
+            self._precise(layer, used_experts(ids), cache, int(np.asarray(ids).shape[0]))
         if hidden is not None and len(hidden):
             self._predict(layer, hidden, cache)
 
-    def _precise(self, layer: int, routed: list[int], cache: CacheModel) -> None:
+    def _precise(self, layer: int, routed: list[int], cache: CacheModel, n_tokens: int) -> None:
         used = set(routed)
         for r in cache.pending(layer):  # early preemption: what was predicted and not chosen
             if r.priority == Priority.SPECULATIVE and r.expert not in used:
@@ -131,10 +141,11 @@ class PromoePolicy:
                     cache.cancel(layer, req.slot)
                     cache.prefetch(Load(layer, e, req.slot), Priority.PRECISE)
             else:
+                prio = Priority.PRECISE if self.blocking else Priority.REFILL
                 slot = self._victim(layer, used, cache)
-                if slot is None:
+                if slot is None or (not self.blocking and not self._fits(cache, layer, n_tokens, prio)):
                     continue
-                cache.prefetch(Load(layer, e, slot), Priority.PRECISE)
+                cache.prefetch(Load(layer, e, slot), prio)
             self._touch(layer, e)
 
     def _predict(self, layer: int, hidden: np.ndarray, cache: CacheModel) -> None:
@@ -157,10 +168,18 @@ class PromoePolicy:
         for e in pred.experts:
             if cache.state(target, e) is LoadState.ABSENT:
                 slot = self._victim(target, pinned, cache)
-                if slot is None:  # every slot holds a pinned expert or is loading
-                    continue
+                if slot is None or not self._fits(cache, target, self.distance * n, Priority.SPECULATIVE):
+                    continue  # every slot holds a pinned expert or is loading; or it would arrive too late
                 cache.prefetch(Load(target, e, slot), Priority.SPECULATIVE, tag=pred)
             self._touch(target, e)
+
+    def _fits(self, cache: CacheModel, layer: int, intervals: int, priority: int) -> bool:
+        """Can a load of one of the layer's experts queued now at `priority` arrive within `intervals` layer
+        times (always, without a timing)?"""
+        if self.timing is None:
+            return True
+        room = self.timing.bandwidth * self.timing.layer_s * intervals
+        return cache.queued_bytes(priority) + sum(cache.chunk_bytes[layer]) <= room
 
     def _victim(self, layer: int, pinned: set[int], cache: CacheModel) -> int | None:
         """A free slot, else the least recently used one whose expert is neither pinned nor loading."""

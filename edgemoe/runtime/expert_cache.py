@@ -45,6 +45,8 @@ class CacheConfig:
     # promoe: how many chunks the copy queue issues after each MoE layer (None: every queued chunk, as a
     # copy stream that keeps up); a model of a slower stream for the stand-in, whose copies are instant
     copy_timing: CopyTiming | None = None
+    # promoe with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
+    prefetch_admission: bool = True
 
     def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:
         """Slots of each MoE layer, checked: 0..n_expert each, and only MoE layers named."""

@@ -61,6 +61,7 @@ class PrefetchController(CacheController):
         self.driver = PolicyDriver(policy, CacheModel(cache.n_slots, cache.chunk_bytes), config.copy_timing)
         self.config = config
         self.note = note  # why the predictor is not the one asked for (None: it is)
+        self.counting = True  # whether the next ubatches go into the counters (e.g. False while prefilling)
         self._last_layer: int | None = None
 
     @property
@@ -73,7 +74,7 @@ class PrefetchController(CacheController):
 
     def on_route(self, route: RouteRecord) -> None:
         if self._last_layer is None or route.layer <= self._last_layer:
-            self.driver.begin_step(route.n_tokens)
+            self.driver.begin_step(route.n_tokens, self.counting)
         self._last_layer = route.layer
         for op in self.driver.on_route(route.layer, route.ids, route.gate_inp):
             self._apply(op)
@@ -104,7 +105,7 @@ class PrefetchController(CacheController):
         return {"prefetch": {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
                              "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
                              "predictor": f"{self.policy.predictor.kind.value}-d{self.policy.distance}",
-                             "extra": self.policy.extra,
+                             "extra": self.policy.extra, "admission": self.policy.timing is not None,
                              "timing": timing.describe() if timing is not None else "every queued chunk at once"}}
 
 
@@ -116,5 +117,5 @@ def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: 
     if note:
         log.info("%s", note)
     policy = PromoePolicy(cache.n_slots, list(info.moe_layers), pred, extra=config.prefetch_extra,
-                          blocking=config.blocking)
+                          blocking=config.blocking, timing=config.copy_timing if config.prefetch_admission else None)
     return PrefetchController(cache, policy, config, alloc=config.alloc, note=note)
