@@ -149,3 +149,31 @@ def test_generate_json_reports_the_prefetcher() -> None:
     assert out["tokens"] == plain["tokens"]
     res = CliRunner().invoke(cli, [*args, "--expert-slots", "4", "--prefetch-distance", "1"])
     assert res.exit_code == 2 and "options of --policy promoe" in res.output
+
+
+def test_profile_timing_scales_the_link_to_the_experts_bytes() -> None:
+    from edgemoe.perf.costmodel import ModelShape
+    from edgemoe.perf.link_timing import profile_timing
+    from edgemoe.perf.profile import load_profile
+
+    prof, ref = load_profile("rtx4060-laptop"), ModelShape.read(FIXTURE_MODELS[0])
+    cpu = profile_timing(prof, ref, 1000.0, name="laptop")
+    gpu = profile_timing(prof, ref, 1000.0, name="laptop", experts_on="gpu", pinned=True)
+    for lt in (cpu, gpu):  # the other model copies an expert in as many layer times as the reference
+        assert lt.timing.bandwidth * lt.timing.layer_s / 1000.0 == pytest.approx(lt.experts_per_layer)
+        assert lt.timing.layer_s == lt.layer_s and "experts per layer time" in lt.label
+    assert gpu.layer_s < cpu.layer_s  # the GPU computes the experts faster than the CPU
+
+
+def test_route_steps_are_the_engines_ubatches() -> None:
+    from edgemoe.analysis.trace import DECODE, PREFILL, Trace, route_steps
+
+    T, L, k = 7, 2, 2
+    tr = Trace(tokens=np.arange(T, dtype=np.int32), layers=np.array([3, 5], np.int32),
+               ids=np.arange(T * L * k, dtype=np.int32).reshape(T, L, k), weights=np.ones((T, L, k), np.float32),
+               phase=np.array([PREFILL] * 3 + [DECODE] * 2 + [PREFILL, DECODE], np.uint8),
+               seq=np.array([0] * 5 + [1] * 2, np.int32), gate_inputs=np.ones((T, L, 4), np.float16))
+    steps, decode = route_steps(tr, n_ubatch=2)
+    assert [len(s[0][1]) for s in steps] == [2, 1, 1, 1, 1, 1] and decode == [False, False, True, True, False, True]
+    assert [il for il, _, _ in steps[0]] == [3, 5] and steps[2][1][1].tolist() == [tr.ids[3, 1].tolist()]
+    assert steps[0][0][2].shape == (2, 4)
