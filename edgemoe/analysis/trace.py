@@ -153,3 +153,24 @@ def record_trace(engine: Any, tokens: Sequence[int], *, ctx: int, mode: str = "p
                       "n_expert": info.n_expert, "n_expert_used": info.n_expert_used,
                       "n_embd": info.n_embd, "n_batch": engine.n_batch,
                       "graph_nodes": list(engine.graph_nodes) if engine.graph_nodes else None})
+
+
+def route_steps(trace: Trace, n_ubatch: int = 512) -> tuple[list[list[tuple[int, np.ndarray, np.ndarray | None]]],
+                                                             list[bool]]:
+    """The trace as the engine routed it, for edgemoe.policies.replay: per sequence its prefill tokens in
+    ubatches of n_ubatch, then one step per decode token; each step [(layer, ids, router input or None)] in
+    layer order. Also one flag per step: is it a decode token."""
+    steps: list[list[tuple[int, np.ndarray, np.ndarray | None]]] = []
+    decode: list[bool] = []
+    layers = [int(il) for il in trace.layers]
+    for seq in np.unique(trace.seq):
+        rows = np.flatnonzero(trace.seq == seq)
+        pre = rows[trace.phase[rows] == PREFILL]
+        groups = [pre[i:i + n_ubatch] for i in range(0, len(pre), n_ubatch)]
+        groups += [rows[i:i + 1] for i in np.flatnonzero(trace.phase[rows] == DECODE)]
+        for g in groups:
+            hidden = trace.gate_inputs[g] if trace.gate_inputs is not None else None
+            steps.append([(il, trace.ids[g, j], hidden[:, j] if hidden is not None else None)
+                          for j, il in enumerate(layers)])
+            decode.append(bool(trace.phase[g[0]] == DECODE))
+    return steps, decode

@@ -134,6 +134,10 @@ def plan_allocation(info: ModelInfo, *, alloc: str | None, policy: str, calibrat
         return _fallback(equal, alloc, f"dp allocation needs a routing trace: {err}; equal allocation for "
                                        "now")
     t0 = time.perf_counter()
+    if PolicyKind(policy) is PolicyKind.PROMOE:
+        # promoe's replacement is an LRU; its prefetches need router inputs, which the routing trace does not keep
+        log.info("dp allocation for promoe: lru's replayed misses (its prefetches are not replayed)")
+        policy = PolicyKind.LRU.value
     curves = decode_curves(calibration, trace, info, policy, dali_window=dali_window, dali_update=dali_update)
     if budget_bytes is not None:
         slots = dp_allocate(curves, budget_bytes, bytes_per_expert=dict(info.bytes_per_expert_by_layer))

@@ -12,12 +12,39 @@ from .card import CalibrationError
 from .stages import CorpusText, StageContext
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..analysis.trace import Trace
     from ..runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 
 TRACE_MODE = "decode"
 TRACE_PREFILL_FRACTION = 0.75  # of each chunk prefilled; the rest decoded one token per step
+
+
+def eval_prefill_tokens(ctx: int) -> int:
+    """Tokens prefilled at the start of each traced chunk of `ctx` tokens (the rest are decoded one by one)."""
+    return max(1, int(ctx * TRACE_PREFILL_FRACTION))
+
+
+def eval_tokens(eng: Engine, text: str, *, ctx: int, max_tokens: int) -> list[int]:
+    """The tokens `predict-eval` traces from `text`: chunks of `ctx` tokens (BOS first when the model adds one),
+    at most max_tokens in all."""
+    from ..analysis.perplexity import chunk_tokens
+
+    bos = eng.bos_token() if eng.adds_bos() else None
+    return [t for c in chunk_tokens(eng.tokenize(text, add_special=False), ctx, bos) for t in c][:max_tokens]
+
+
+def record_eval_trace(eng: Engine, text: str, *, ctx: int, max_tokens: int,
+                      progress: Callable[[int], None] | None = None) -> Trace:
+    """`predict-eval`'s trace of `text`, gate inputs on: each chunk of eval_tokens 3/4 prefilled, 1/4 decoded,
+    as the calibration traces are recorded."""
+    from ..analysis.trace import record_trace
+
+    return record_trace(eng, eval_tokens(eng, text, ctx=ctx, max_tokens=max_tokens), ctx=ctx, mode=TRACE_MODE,
+                        gate_inputs=True, progress=progress, prefill_tokens=eval_prefill_tokens(ctx))
 
 
 def _chunk(eng: Engine, data: bytes, start: int, ctx: int) -> tuple[list[int], int] | None:

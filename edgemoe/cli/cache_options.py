@@ -11,12 +11,14 @@ import click
 
 from .types import Size
 
-POLICIES = ("lru", "dali", "static", "manual")
+POLICIES = ("lru", "dali", "static", "promoe", "manual")
 POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's "
                "workload-aware replacement: every --dali-window tokens the most-used absent experts "
                "replace the least-used resident ones; runs in the routing hook), static (the "
-               "calibration's most frequent; a model without one is calibrated on first use), manual (API only); lru, static and manual run inside "
-               "llama.cpp's graph")
+               "calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer the "
+               "calibration's predictor names the experts of the layer --prefetch-distance ahead, "
+               "which are copied before it runs; an LRU otherwise; runs in the routing hook), manual "
+               "(API only); lru, static and manual run inside llama.cpp's graph")
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
               "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
               "average). Default: dp when the calibration has a routing trace, else equal")
@@ -31,6 +33,8 @@ class CacheOptions:
     alloc: str | None = None  # "equal", "dp", or None: dp when the calibration has a routing trace
     dali_window: int | None = None  # dali: tokens per window (None: the paper's, residency.DALI_WINDOW)
     dali_update: int | None = None  # dali: experts replaced per window (None: the paper's for this model)
+    prefetch_distance: int | None = None  # promoe: predict layer l+d at layer l (None: ProMoE's 2)
+    prefetch_extra: int | None = None  # promoe: prefetch the top-(k+m) (None: m = 1)
 
     @property
     def enabled(self) -> bool:
@@ -52,9 +56,14 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--dali-update", type=click.IntRange(min=1), default=None,
                      help="dali: most experts replaced per window (the paper's u; default: experts per "
                           "layer / 8, rounded up)"),
+        click.option("--prefetch-distance", type=click.IntRange(min=1), default=None,
+                     help="promoe: predict the experts of the MoE layer this many layers ahead (default 2, "
+                          "ProMoE's stride; 1: the next layer)"),
+        click.option("--prefetch-extra", type=click.IntRange(min=0), default=None,
+                     help="promoe: prefetch the top k + M predicted experts (default 1)"),
         click.option("--blocking-loads", is_flag=True,
-                     help="lru, dali: load a missed expert before its layer runs instead of running it "
-                          "on the CPU (needs the routing callback: a host sync per MoE layer)"),
+                     help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
+                          "it on the CPU (needs the routing callback: a host sync per MoE layer)"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -63,10 +72,14 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, blocking: bool,
                        alloc: str | None = None, dali_window: int | None = None,
-                       dali_update: int | None = None) -> CacheOptions:
+                       dali_update: int | None = None, prefetch_distance: int | None = None,
+                       prefetch_extra: int | None = None) -> CacheOptions:
     if vram is not None and expert_slots is not None:
         raise click.UsageError("give --vram or --expert-slots, not both")
-    return CacheOptions(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update)
+    if policy != "promoe" and (prefetch_distance is not None or prefetch_extra is not None):
+        raise click.UsageError("--prefetch-distance and --prefetch-extra are options of --policy promoe")
+    return CacheOptions(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update,
+                        prefetch_distance, prefetch_extra)
 
 
 def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
@@ -93,22 +106,27 @@ def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
 
 def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, given: Path | None, *,
                     n_threads: int = 0) -> Path | None:
-    """--calibration, else the model's; calibrated on first use when a policy (static) or --alloc dp needs it."""
+    """--calibration, else the model's; calibrated on first use when a policy (static: router frequencies;
+    promoe: predictors) or --alloc dp (a routing trace) needs it."""
     from ..calibration.adaptive import default_calibration_dir
     from ..calibration.auto import STAGES_FOR, ensure_calibration
 
     given = given or default_calibration_dir(model)
-    need = "static" if "static" in policies else "dp" if alloc == "dp" else None
-    if need is None:
+    needs = [("--policy static", STAGES_FOR["static"]) if "static" in policies else None,
+             ("--policy promoe", STAGES_FOR["predictors"]) if "promoe" in policies else None,
+             ("--alloc dp", STAGES_FOR["dp"]) if alloc == "dp" else None]
+    wanted = [n for n in needs if n is not None]
+    if not wanted:
         return given
-    return ensure_calibration(model, STAGES_FOR[need], "--policy static" if need == "static" else "--alloc dp",
-                              given=given, n_threads=n_threads)
+    stages = tuple(dict.fromkeys(s for _, ss in wanted for s in ss))
+    return ensure_calibration(model, stages, " and ".join(w for w, _ in wanted), given=given, n_threads=n_threads)
 
 
 def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:
     from ..runtime import native
     from ..calibration.allocation import describe, plan_allocation
     from ..gguf.info import VRAM_RESERVE, vram_plan
+    from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
     from ..policies.residency import DALI_WINDOW
     from ..runtime.expert_cache import CacheConfig
 
@@ -130,8 +148,15 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
     dev = native.gpu_device()
     cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=opts.policy,
                       blocking=opts.blocking, calibration=calibration, dali_window=window,
-                      dali_update=opts.dali_update, alloc=plan.alloc)
+                      dali_update=opts.dali_update, alloc=plan.alloc,
+                      prefetch_distance=opts.prefetch_distance or PROMOE_DISTANCE,
+                      prefetch_extra=PROMOE_EXTRA if opts.prefetch_extra is None else opts.prefetch_extra)
     engine.enable_expert_cache(cfg, device=dev)
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
+    prefetch = engine.cache.report().get("prefetch") if engine.cache is not None else None
+    note = getattr(engine.cache, "note", None)
+    if note:
+        click.echo(f"note: {note}", err=True)
     click.echo(f"expert cache: {describe(plan)} on {where}, policy {opts.policy}"
+               + (f" (predictor {prefetch['predictor']}, top-k+{prefetch['extra']})" if prefetch else "")
                + (" (blocking loads)" if opts.blocking else ""), err=True)

@@ -83,14 +83,12 @@ def predict_eval(model: Path, calibration_dir: Path | None, input_path: Path, he
                  n_ctx: int, window: int, kinds: tuple[str, ...], threads: int, as_json: bool) -> None:
     """Score every expert predictor on a text: recall, top-(k+m) recall, exact set, high-workload recall."""
     from ..calibration.card import find_calibration
-    from ..calibration.traces import TRACE_MODE, TRACE_PREFILL_FRACTION
+    from ..calibration.traces import eval_tokens, record_eval_trace
     from ..calibration.corpus import split_corpus
     from ..runtime.engine import Engine, LoadConfig
-    from ..analysis.perplexity import chunk_tokens
     from ..analysis.predictor_eval import evaluate, evaluation_to_json, format_evaluation
     from ..predictors import parse_kind
     from ..progress import progress_bar
-    from ..analysis.trace import record_trace
 
     for k in kinds:
         parse_kind(k)
@@ -102,11 +100,9 @@ def predict_eval(model: Path, calibration_dir: Path | None, input_path: Path, he
     text = split_corpus(input_path).heldout_text() if heldout else input_path.read_text("utf-8", errors="replace")
     preds = cal.predictors(model, kinds=kinds or None)
     with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
-        bos = eng.bos_token() if eng.adds_bos() else None
-        toks = [t for c in chunk_tokens(eng.tokenize(text, add_special=False), n_ctx, bos) for t in c][:max_tokens]
-        with progress_bar(len(toks), "trace", unit="tok") as bar:
-            tr = record_trace(eng, toks, ctx=n_ctx, mode=TRACE_MODE, gate_inputs=True, progress=bar,
-                              prefill_tokens=max(1, int(n_ctx * TRACE_PREFILL_FRACTION)))
+        n_tokens = len(eval_tokens(eng, text, ctx=n_ctx, max_tokens=max_tokens))
+        with progress_bar(n_tokens, "trace", unit="tok") as bar:
+            tr = record_eval_trace(eng, text, ctx=n_ctx, max_tokens=max_tokens, progress=bar)
     ev = evaluate(preds, tr, window=window)
     if as_json:
         click.echo(json.dumps(evaluation_to_json(ev)))

@@ -128,13 +128,15 @@ def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_
              gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
              calibration: Path | None, vram: int | None, expert_slots: int | None, policy: str,
              alloc: str | None, dali_window: int | None,
-             dali_update: int | None, blocking_loads: bool, as_json: bool) -> None:
+             dali_update: int | None, prefetch_distance: int | None,
+             prefetch_extra: int | None, blocking_loads: bool, as_json: bool) -> None:
     """Complete a prompt (plain text streamed to stdout, or --json)."""
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
-    cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update)
+    cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update,
+                               prefetch_distance, prefetch_extra)
     with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
         _install_gating(engine, gate)
         if as_json:
@@ -143,7 +145,8 @@ def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_
                    "tokens": g.tokens, "stop_reason": g.stop_reason,
                    "n_threads": engine.n_threads, "timings": g.timings.to_dict()}
             if engine.cache is not None:
-                out["cache"] = dict(engine.cache.cache.stats(), policy=cache.policy, alloc=engine.cache.alloc)
+                out["cache"] = dict(engine.cache.cache.stats(), policy=cache.policy, alloc=engine.cache.alloc,
+                                    **engine.cache.report())
             gating_report = engine.gating_report()
             if gating_report is not None:
                 out["gating"] = gating_report
@@ -181,7 +184,8 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
          n_ctx: int, gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
          calibration: Path | None, vram: int | None, expert_slots: int | None, policy: str,
          alloc: str | None, dali_window: int | None,
-             dali_update: int | None, blocking_loads: bool) -> None:
+             dali_update: int | None, prefetch_distance: int | None,
+             prefetch_extra: int | None, blocking_loads: bool) -> None:
     """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
 
     When stdin is not a terminal, each non-empty input line is one user message.
@@ -192,7 +196,8 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
         model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
     sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
-    cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update)
+    cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update,
+                               prefetch_distance, prefetch_extra)
     interactive = sys.stdin.isatty()
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 becomes U+FFFD, not the end of the chat

@@ -198,7 +198,9 @@ def project(res: BenchResult, path: Path, spec: BenchSpec, base: LoadConfig, tok
     with Engine(path, base) as eng:
         trace = record_trace(eng, tokens, ctx=base.n_ctx, mode="decode", prefill_tokens=n_prompt)
     sim = simulate(path, trace, prof, SimSpec(vram=spec.vram if on_gpu else 0, n_ctx=base.n_ctx,
-                                              n_ubatch=base.n_ubatch, policies=spec.policies,
+                                              n_ubatch=base.n_ubatch,
+                                              # the performance model has no prefetcher: promoe is not projected
+                                              policies=tuple(p for p in spec.policies if p != "promoe"),
                                               calibration=spec.calibration))
     by_name = {c.name: c for c in sim.configs}
     for row in res.rows:

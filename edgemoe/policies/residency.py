@@ -14,6 +14,7 @@ A policy answers with loads: copy expert e of layer l into slot s.
   each window the u highest-scoring experts outside the cache replace the u lowest-scoring inside
   it, and the scores restart from zero.
 - ``manual``: no loads of its own (tests, external prefetchers).
+- ``promoe``: ProMoE's prefetcher, in edgemoe.policies.prefetch (it needs a predictor and the router inputs).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class PolicyKind(str, enum.Enum):
     LRU = "lru"
     DALI = "dali"
     MANUAL = "manual"  # no automatic loads: the caller drives ExpertCache.load / prefetch
+    PROMOE = "promoe"  # ProMoE's prefetcher over an LRU: edgemoe.policies.prefetch.PromoePolicy (needs a predictor)
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,9 @@ def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False
     except ValueError:
         raise EdgeMoeError(f"unknown cache policy {kind!r}: use one of "
                            f"{', '.join(p.value for p in PolicyKind)}") from None
+    if k is PolicyKind.PROMOE:
+        raise EdgeMoeError("the promoe policy needs an expert predictor: build edgemoe.policies.prefetch.PromoePolicy "
+                           "(the engine does so from CacheConfig(policy='promoe', calibration=DIR))")
     if k is PolicyKind.LRU:
         return LruPolicy(dict(n_slots), blocking=blocking)
     if k is PolicyKind.MANUAL:

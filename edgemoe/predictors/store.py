@@ -2,6 +2,7 @@
 `predictors/` folder, listed in card.json; loading needs numpy and the model's routers only."""
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -85,3 +86,17 @@ def load_predictors(calib_dir: Path, entries: Iterable[Mapping[str, Any]], spec:
             raise PredictorError(f"{calib_dir}/card.json lists {kind.value} d={d} without a file: calibrate again")
         out.append(create_predictor(kind, spec, d, arrays))
     return out
+
+
+CARD = "card.json"  # the calibration directory's card (edgemoe.calibration.card), which lists the artifacts
+
+
+def load_calibrated(calib_dir: Path, spec: ModelSpec, kind: str, distance: int) -> Predictor | None:
+    """The predictor of `kind` at `distance` that calib_dir's card lists, or None when it lists none."""
+    try:
+        card = json.loads((calib_dir / CARD).read_text("utf-8"))
+    except (OSError, ValueError) as err:
+        raise PredictorError(f"cannot read {calib_dir / CARD}: {err}; run `edgemoe calibrate` again") from err
+    entries = card.get("predictors", {}).get("files", [])
+    found = load_predictors(calib_dir, entries, spec, kinds=[kind], distances=[distance])
+    return found[0] if found else None

@@ -19,6 +19,8 @@ from .native import lib
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..policies.route import RouteRecord
+from ..policies.copy_queue import CopyTiming
+from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
 from ..policies.residency import DALI_WINDOW, Load, LruPolicy, ManualPolicy, ResidencyPolicy, StaticPolicy
 
 
@@ -37,6 +39,14 @@ class CacheConfig:
     dali_window: int = DALI_WINDOW  # dali: tokens per window (w)
     dali_update: int | None = None  # dali: experts replaced per window (u); None: the paper's for the model
     alloc: str = "equal"  # how the slots per layer were chosen ("equal", "dp"): reported, not acted on
+    prefetch_distance: int = PROMOE_DISTANCE  # promoe: predict MoE layer l+d at layer l
+    prefetch_extra: int = PROMOE_EXTRA  # promoe: prefetch the top-(k+m) predicted experts
+    prefetch_predictor: str = "mlp"  # promoe: the calibration's predictor kind (gate when it has none)
+    # promoe: how many chunks the copy queue issues after each MoE layer (None: every queued chunk, as a
+    # copy stream that keeps up); a model of a slower stream for the stand-in, whose copies are instant
+    copy_timing: CopyTiming | None = None
+    # promoe with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
+    prefetch_admission: bool = True
 
     def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:
         """Slots of each MoE layer, checked: 0..n_expert each, and only MoE layers named."""
@@ -68,6 +78,18 @@ EXPERT_TENSORS = (
 )
 
 
+def expert_chunk_bytes(path: Path, layers: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """Bytes of each chunk of one expert per MoE layer, in the order llama.cpp copies them (EXPERT_TENSORS):
+    a stacked tensor's bytes over its experts."""
+    header = check_gguf(path)
+    by_name = {t.name: t for t in header.tensors}
+    out = {}
+    for il in layers:
+        ts = [by_name[f"blk.{il}.{name}"] for name in EXPERT_TENSORS if f"blk.{il}.{name}" in by_name]
+        out[il] = tuple(int(t.nbytes // t.shape[-1]) for t in ts)
+    return out
+
+
 class ExpertCache:
     """The slots of one context. device None: the CPU buffer that stands in for a GPU.
 
@@ -87,6 +109,7 @@ class ExpertCache:
             raise ExpertCacheError(
                 f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}")
         self._map = self._set_sources(model_path, [il for il, n in self.n_slots.items() if n > 0])
+        self.chunk_bytes = expert_chunk_bytes(model_path, [il for il, n in self.n_slots.items() if n > 0])
 
     def _set_sources(self, path: Path, layers: list[int]) -> np.memmap | None:
         if not layers:
@@ -111,6 +134,12 @@ class ExpertCache:
         """Queue ld; it is copied as issue() sends its chunks and used once its layer runs after that."""
         if not native.moe_cache_prefetch(self._ctx, ld.layer, ld.expert, ld.slot, priority):
             raise ExpertCacheError(f"prefetching expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed")
+
+    def cancel(self, layer: int, slot: int) -> None:
+        """Drop the loads queued into the slot and empty it (llama_moe_cache_load with expert -1: the native
+        API's only way to drop a queued load; it waits for the copies in flight on a device)."""
+        if not native.moe_cache_load(self._ctx, layer, -1, slot):
+            raise ExpertCacheError(f"emptying slot {slot} of layer {layer} failed")
 
     def issue(self, max_chunks: int = 2**31 - 1) -> int:
         return native.moe_cache_issue(self._ctx, max_chunks)
@@ -186,7 +215,7 @@ class CacheController:
     wants_probs = False
     wants_gate_inp = False
 
-    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy, *, alloc: str = "equal") -> None:
+    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy | PromoePolicy, *, alloc: str = "equal") -> None:
         self.cache = cache
         self.policy = policy
         self.alloc = alloc  # how the slots per layer were chosen
@@ -229,6 +258,10 @@ class CacheController:
                 self.cache.load(ld)
         else:
             self.pending = loads
+
+    def report(self) -> dict[str, Any]:
+        """What the controller adds to the cache's stats (the prefetcher's counters)."""
+        return {}
 
     def flush(self) -> None:
         """Prefetch and issue the loads decided at an earlier layer (the engine calls it after each decode)."""

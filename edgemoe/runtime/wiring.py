@@ -16,11 +16,12 @@ from typing import Any
 from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
 from ..policies.gating import GatingPolicy, GatingRule
-from ..policies.residency import make_policy
+from ..policies.residency import PolicyKind, make_policy
 from ..policies.route import RoutePolicy
 from . import native
 from .expert_cache import CacheConfig, CacheController, ExpertCache
 from .hooks import HookChain
+from .prefetcher import make_prefetcher
 
 _NATIVE_RULE = {GatingRule.SCORE: native.MOE_GATING_SCORE, GatingRule.SER: native.MOE_GATING_SER,
                 GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY}
@@ -116,20 +117,23 @@ class RoutingMixin:
     def enable_expert_cache(self, config: CacheConfig | None, *, device: object = None) -> ExpertCache | None:
         """Give the MoE layers config.slots_per_layer expert slots run by config.policy (None removes it).
 
-        device None uses the CPU buffer that stands in for a GPU (the split logic without one).
+        device None uses the CPU buffer that stands in for a GPU (the split logic without one). The promoe
+        policy (ProMoE's prefetcher) runs in the routing hook with the calibration's predictor.
         """
         if self.cache is not None:
             self.cache.cache.close()
             self.cache = None
         if config is not None:
             slots = config.slots(list(self.info.moe_layers), self.info.n_expert)
-            policy = make_policy(config.policy, slots, blocking=config.blocking,
-                                 calibration=config.calibration, n_expert=self.info.n_expert,
-                                 window=config.dali_window, update=config.dali_update)
+            prefetch = config.policy == PolicyKind.PROMOE.value
+            policy = None if prefetch else make_policy(
+                config.policy, slots, blocking=config.blocking, calibration=config.calibration,
+                n_expert=self.info.n_expert, window=config.dali_window, update=config.dali_update)
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, slots, device)
             try:
-                self.cache = CacheController(cache, policy, alloc=config.alloc)
+                self.cache = (make_prefetcher(cache, config, self.path, self.info) if policy is None
+                              else CacheController(cache, policy, alloc=config.alloc))
             except BaseException:
                 cache.close()
                 raise

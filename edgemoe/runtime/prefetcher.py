@@ -1,0 +1,121 @@
+"""The engine side of the promoe policy: ProMoE's prefetcher (edgemoe.policies.prefetch) in the routing hook.
+
+At each MoE layer's routing callback the controller hands the routed ids and the router input to a
+`PolicyDriver` (edgemoe.policies.replay), which runs `PromoePolicy` over a `CacheModel` of this
+cache and returns the native operations to make: prefetches with priorities, cancels (an empty
+load into the slot: the native API has no other way to drop a queued load), issues and syncs. They
+are made on llama.cpp's cache in the same order, so the model and the native cache hold the same
+experts; an `issue` that sends another number of chunks than the model means they diverged and
+raises. The counters (`report`) are the driver's: on the same routes and copy timing, `replay`
+gives the same numbers.
+
+The predictor runs in numpy on the host, once per MoE layer (a host sync per layer, as dali's
+hook); the in-graph predictor is a later step.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..errors import EdgeMoeError
+from ..gguf.info import ModelInfo
+from ..policies.copy_queue import CacheModel, CancelOp, IssueOp, NativeOp, PrefetchOp, SyncOp
+from ..policies.prefetch import PromoePolicy
+from ..policies.replay import PolicyDriver
+from ..policies.residency import Load
+from ..policies.route import RouteRecord
+from ..predictors.base import Predictor
+from ..predictors.gate import GatePredictor
+from ..predictors.store import load_calibrated, spec_for_model
+from . import native
+from .expert_cache import CacheConfig, CacheController, ExpertCache, ExpertCacheError
+
+log = logging.getLogger(__name__)
+
+
+def prefetch_predictor(model: Path, calibration: Path | None, kind: str, distance: int) -> tuple[Predictor, str | None]:
+    """The calibration's predictor of `kind` at `distance`, else gate reuse (it needs only the GGUF's routers);
+    the second value says why it fell back (None when it did not)."""
+    spec = spec_for_model(model)
+    if calibration is not None:
+        pred = load_calibrated(calibration, spec, kind, distance)
+        if pred is not None:
+            return pred, None
+        why = f"{calibration} has no {kind} predictor at distance {distance}"
+    else:
+        why = f"{model.name} has no calibration"
+    return GatePredictor(spec, distance), (
+        f"{why}: promoe predicts with the gate predictor (layer l+{distance}'s router on layer l's router input, "
+        f"less accurate: docs/predictors.md); `edgemoe calibrate {model.name} --corpus FILE` trains the mlp predictor")
+
+
+class PrefetchController(CacheController):
+    """Runs PromoePolicy in the routing hook (a Python policy: llama.cpp calls back at every MoE layer)."""
+
+    wants_gate_inp = True
+
+    def __init__(self, cache: ExpertCache, policy: PromoePolicy, config: CacheConfig, *, alloc: str = "equal",
+                 note: str | None = None) -> None:
+        super().__init__(cache, policy, alloc=alloc)
+        self.driver = PolicyDriver(policy, CacheModel(cache.n_slots, cache.chunk_bytes), config.copy_timing)
+        self.config = config
+        self.note = note  # why the predictor is not the one asked for (None: it is)
+        self.counting = True  # whether the next ubatches go into the counters (e.g. False while prefilling)
+        self._last_layer: int | None = None
+
+    @property
+    def needs_routes(self) -> bool:
+        return True
+
+    @property
+    def native_policy(self) -> int:
+        return native.MOE_CACHE_POLICY_CALLBACK
+
+    def on_route(self, route: RouteRecord) -> None:
+        if self._last_layer is None or route.layer <= self._last_layer:
+            self.driver.begin_step(route.n_tokens, self.counting)
+        self._last_layer = route.layer
+        for op in self.driver.on_route(route.layer, route.ids, route.gate_inp):
+            self._apply(op)
+
+    def _apply(self, op: NativeOp) -> None:
+        c = self.cache
+        if isinstance(op, PrefetchOp):
+            c.prefetch(op.load, op.priority)
+        elif isinstance(op, CancelOp):
+            c.cancel(op.layer, op.slot)
+        elif isinstance(op, IssueOp):
+            sent = c.issue(op.chunks)
+            if sent != op.chunks:
+                raise ExpertCacheError(f"llama.cpp issued {sent} chunks where the prefetcher's model of its queue "
+                                       f"expected {op.chunks}: they no longer agree (a bug; please report it)")
+        elif isinstance(op, SyncOp):
+            c.sync()
+        elif isinstance(op, Load):
+            c.load(op)
+
+    def flush(self) -> None:
+        """Nothing is left for after the ubatch: every load was queued and issued in its layer's hook."""
+
+    def report(self) -> dict[str, Any]:
+        pc = self.driver.result.prefetch
+        assert pc is not None and isinstance(self.policy, PromoePolicy)
+        timing = self.config.copy_timing
+        return {"prefetch": {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
+                             "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
+                             "predictor": f"{self.policy.predictor.kind.value}-d{self.policy.distance}",
+                             "extra": self.policy.extra, "admission": self.policy.timing is not None,
+                             "timing": timing.describe() if timing is not None else "every queued chunk at once"}}
+
+
+def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: ModelInfo) -> PrefetchController:
+    """The promoe controller over `cache`: the calibration's predictor (gate reuse without one)."""
+    if config.prefetch_distance < 1:
+        raise EdgeMoeError(f"--prefetch-distance {config.prefetch_distance}: use >= 1 (ProMoE's stride is 2)")
+    pred, note = prefetch_predictor(model, config.calibration, config.prefetch_predictor, config.prefetch_distance)
+    if note:
+        log.info("%s", note)
+    policy = PromoePolicy(cache.n_slots, list(info.moe_layers), pred, extra=config.prefetch_extra,
+                          blocking=config.blocking, timing=config.copy_timing if config.prefetch_admission else None)
+    return PrefetchController(cache, policy, config, alloc=config.alloc, note=note)
