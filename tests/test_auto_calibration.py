@@ -117,3 +117,22 @@ def test_gating_that_needs_sensitivity_asks_the_same_way(model: Path, tmp_path: 
     opts = GatingOptions(mode="fisher", threshold=0.3, calibration=explicit)
     with pytest.raises(CalibrationError, match=r"--gating fisher needs the sensitivity calibration"):
         _need_calibration(opts, "--gating fisher", model)
+
+
+def test_cli_asks_for_the_stages_its_options_need(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edgemoe.cli import cache_options
+
+    asked: list[tuple[tuple[str, ...], str]] = []
+
+    def fake(model: Path, stages: tuple[str, ...], what: str, **kw: object) -> Path:
+        asked.append((tuple(stages), what))
+        return Path("/cal")
+
+    monkeypatch.setattr(auto, "ensure_calibration", fake)
+    assert cache_options.calibration_for(model, ("lru",), None, None) is None  # nothing needed, none found
+    assert cache_options.calibration_for(model, ("lru", "static"), None, None) == Path("/cal")
+    cache_options.calibration_for(model, ("promoe",), "dp", None)
+    cache_options.calibration_for(model, ("static", "promoe"), None, None)
+    assert asked == [(("router_frequency", "routing"), "--policy static"),
+                     (("predictors", "routing"), "--policy promoe and --alloc dp"),
+                     (("router_frequency", "routing", "predictors"), "--policy static and --policy promoe")]
