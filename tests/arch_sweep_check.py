@@ -15,6 +15,8 @@ Checks, each against stock llama.cpp on the same GGUF:
 - cache-static: the static policy (half the experts per layer, at least one), calibrated on first use
   (edgemoe.calibration.auto, a small calibration into a temporary cache directory) == stock logits
   bitwise, with hits.
+- cache-promoe: ProMoE's prefetcher (gate reuse one layer ahead: no calibration), one slot per layer,
+  == stock logits bitwise (on the .k1 copies, see the check).
 """
 from __future__ import annotations
 
@@ -110,13 +112,19 @@ def check_gating_top1(path: Path) -> dict:
 
 
 def _cache_run(path: Path, toks: list[int], n_decode: int, slots: int | None, policy: str = "lru",
-               calibration: Path | None = None) -> tuple[np.ndarray, dict | None]:
+               calibration: Path | None = None, top1: bool = False, **config: object) -> tuple[np.ndarray, dict | None]:
+    """Logits of a prefill and n_decode single-token steps with the cache (slots None: none); top1: adaptive
+    top-k keeping the top-1 expert (or, with no cache, stock with expert_used_count 1)."""
     from edgemoe import Engine, LoadConfig
+    from edgemoe.policies.gating import GatingPolicy, GatingRule
     from edgemoe.runtime.expert_cache import CacheConfig
 
-    with Engine(path, LoadConfig(**PLAIN)) as eng:
-        cache = (eng.enable_expert_cache(CacheConfig(slots, policy=policy, calibration=calibration))
+    k1 = dict(expert_used_count=1) if top1 and slots is None else {}
+    with Engine(path, LoadConfig(**PLAIN, **k1)) as eng:
+        cache = (eng.enable_expert_cache(CacheConfig(slots, policy=policy, calibration=calibration, **config))
                  if slots is not None else None)
+        if top1 and slots is not None:
+            eng.set_gating(GatingPolicy(GatingRule.SCORE, 0.0, decode_only=False))
         rows = list(eng.eval_logits(toks[:-n_decode]))
         for tok in toks[-n_decode:]:
             eng.feed([tok])
@@ -124,6 +132,7 @@ def _cache_run(path: Path, toks: list[int], n_decode: int, slots: int | None, po
         stats = cache.stats() if cache is not None else None
         if cache is not None:
             stats["n_host_syncs"] = eng.control_stats()["n_host_syncs"]
+            stats["prefetch"] = eng.cache.report().get("prefetch")
     return np.stack(rows), stats
 
 
@@ -194,8 +203,32 @@ def check_scale_applies(path: Path) -> dict:
     return dict(ok=True, detail="logits differ from the unscaled file's: " + _diff(logits[0], logits[1]))
 
 
+def check_cache_promoe(path: Path) -> dict:
+    """promoe (no calibration: gate reuse one layer ahead), one slot per layer, == stock logits bitwise, with
+    prefetches issued where there is a layer ahead. Run on the .k1 copies: promoe runs in the routing hook,
+    whose cache split keeps the slot ids beside the routed ids in the top-k's row, so it needs 2k <= n_expert
+    (with more, the layer runs without its cache: equal to stock, but nothing to check)."""
+    from edgemoe.gguf.info import read_model_info
+
+    info = read_model_info(path)
+    toks = _tokens(info.n_vocab, 48)
+    ref, _ = _cache_run(path, toks, 12, None)
+    got, st = _cache_run(path, toks, 12, 1, policy="promoe", prefetch_distance=1)
+    assert st is not None
+    pf = st.get("prefetch") or {}
+    seen = f"hits {st['hits']}, misses {st['misses']}, prefetches issued {pf.get('issued')}, useful {pf.get('useful')}"
+    if not np.array_equal(got, ref):
+        return dict(ok=False, detail=f"promoe cache vs stock ({seen}): " + _diff(got, ref))
+    if st["hits"] + st["misses"] == 0:
+        return dict(ok=False, detail=f"promoe: the cache was not used ({seen})")
+    if len(info.moe_layers) > 1 and not pf.get("issued"):
+        return dict(ok=False, detail=f"promoe: no prefetch issued ({seen})")
+    return dict(ok=True, detail=f"promoe cache == stock bitwise ({seen})")
+
+
 CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
-          "cache-static": check_cache_static, "scale-applies": check_scale_applies}
+          "cache-static": check_cache_static, "scale-applies": check_scale_applies,
+          "cache-promoe": check_cache_promoe}
 
 
 def main(argv: list[str]) -> int:

@@ -12,6 +12,8 @@ have (arch_models.rewrite_gguf). Per architecture:
 - cache: the lru expert cache on the CPU stand-in device == stock logits, bitwise.
 - cache-static: the static expert cache, calibrated on first use (edgemoe.calibration.auto), == stock
   logits, bitwise.
+- cache-promoe (on the .k1 copies): ProMoE's prefetcher with one slot == stock logits, bitwise, with
+  prefetches issued.
 test_one_expert_per_token runs them on copies with expert_used_count 1 (the router chooses one of
 the two experts); test_with_optional_expert_scales on the files with the per-expert ffn_*_exps.scale
 tensors and test_files_as_llama_cpp_wrote_them_load loads the files as written, for a few
@@ -41,7 +43,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import arch_models  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
-WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static")
+WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-promoe")
 TIMEOUT_S = 180
 
 # (arch, check) pairs that fail for a known, precise reason: strict, so a fix shows up as XPASS
@@ -57,6 +59,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("refact", "gating-top1"): _REFACT,
     ("refact", "cache"): _REFACT + " (0 hits, 0 loads)",
     ("refact", "cache-static"): _REFACT + " (0 hits)",
+    ("refact", "cache-promoe"): _REFACT + " (the cache was not used)",
 }
 # (arch, check) that compare dropping experts with stock at a smaller top-k, where that cannot be equal;
 # only where k >= 2 (the .k1 copies have nothing to drop: verify skips drop-last, gating-top1 is skipped)
@@ -90,7 +93,7 @@ def _moe_entries() -> list[dict]:
 # the checks run on an architecture's other files (arch_models: <arch>.scaled.gguf, <arch>.k1.gguf;
 # the weight-scale copies below)
 VARIANT_CHECKS = {"scaled": ("generate", "verify", "gating-top1", "cache"),
-                  "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache"),
+                  "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache", "cache-promoe"),
                   "wscale": ("generate", "verify", "gating-top1", "cache", "scale-applies")}
 
 # Architectures whose graph reads expert_weights_scale and expert_weights_norm (test-llama-archs writes
@@ -216,7 +219,7 @@ def _worker_checks(path: Path) -> tuple[str, ...]:
     """The in-process checks a model's tests ask for (a variant file: its VARIANT_CHECKS)."""
     variant = ("wscale" if path.parent == WSCALE_DIR else "k1" if path.name.endswith(".k1.gguf")
                else "scaled" if path.name.endswith(".scaled.gguf") else "")
-    wanted = VARIANT_CHECKS.get(variant, WORKER_CHECKS)
+    wanted = VARIANT_CHECKS.get(variant, [c for c in WORKER_CHECKS if c != "cache-promoe"])
     return tuple(c for c in WORKER_CHECKS if c in wanted)
 
 
