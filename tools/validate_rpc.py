@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.calibration.adaptive import default_calibration_dir  # noqa: E402
+from edgemoe.cli.cache_options import calibration_for  # noqa: E402
 from edgemoe.cli.types import Size  # noqa: E402
 from edgemoe.perf.bench import BenchSpec, format_table, run_bench  # noqa: E402
 from edgemoe.perf.profiling import measure_profile  # noqa: E402
@@ -59,7 +59,8 @@ def main() -> int:
         prof.save(args.profile_out)
         print(f"\nprofile written to {args.profile_out} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     spec = BenchSpec(vram=vram, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen, threads=1,
-                     policies=("lru", "static"), calibration=default_calibration_dir(args.model),
+                     policies=("lru", "static"),
+                     calibration=calibration_for(args.model, ("lru", "static"), "equal", None, n_threads=1),
                      alloc="equal", profile=args.profile_out)
     res = run_bench(args.model, spec, progress=lambda name: print(f"running {name} ...", file=sys.stderr))
     print(format_table(res))
