@@ -244,3 +244,18 @@ def test_degradation_in_a_generation_changes_only_non_resident_picks(fixture_mod
         changed += int(diff.sum())
         assert all(int(e) not in res for e in x[diff]) and all(int(e) in res for e in y[diff])
     assert changed == deg.n_replaced > 0 and deg.n_cpu > deg.n_replaced
+
+
+def test_cli_policy_daop(fixture_model: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from edgemoe.cli.main import cli
+
+    args = ["generate", str(fixture_model), "-p", "ROMEO: But soft, what light", "-n", "8", "--temp", "0", "--json"]
+    plain = json.loads(CliRunner().invoke(cli, args, catch_exceptions=False).stdout)
+    res = CliRunner().invoke(cli, [*args, "--expert-slots", "2", "--policy", "daop"], catch_exceptions=False)
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert out["cache"]["policy"] == "daop" and out["cache"]["hits"] > 0 and out["tokens"] == plain["tokens"]
+    assert out["control"]["n_host_syncs"] > 0  # daop runs in the routing hook

@@ -11,10 +11,12 @@ import click
 
 from .types import Size
 
-POLICIES = ("lru", "dali", "static", "manual")
+POLICIES = ("lru", "dali", "daop", "static", "manual")
 POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's "
                "workload-aware replacement: every --dali-window tokens the most-used absent experts "
-               "replace the least-used resident ones; runs in the routing hook), static (the "
+               "replace the least-used resident ones; runs in the routing hook), daop (DAOP: the calibration's most "
+               "used decode experts, swapped once per prompt by the prompt's routing; runs in the routing "
+               "hook), static (the "
                "calibration's most frequent; a model without one is calibrated on first use), manual (API only); lru, static and manual run inside "
                "llama.cpp's graph")
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
@@ -98,10 +100,11 @@ def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, g
     from ..calibration.auto import STAGES_FOR, ensure_calibration
 
     given = given or default_calibration_dir(model)
-    need = "static" if "static" in policies else "dp" if alloc == "dp" else None
+    need = "static" if {"static", "daop"} & set(policies) else "dp" if alloc == "dp" else None
     if need is None:
         return given
-    return ensure_calibration(model, STAGES_FOR[need], "--policy static" if need == "static" else "--alloc dp",
+    what = f"--policy {next(p for p in policies if p in ('static', 'daop'))}" if need == "static" else "--alloc dp"
+    return ensure_calibration(model, STAGES_FOR[need], what,
                               given=given, n_threads=n_threads)
 
 

@@ -184,3 +184,35 @@ class PromptSwapResidency:
 
     def resident(self, layer: int) -> set[int]:
         return set(self._resident.get(layer, self._initial.get(layer, ())))
+
+
+def replay_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int,
+                     frequency: np.ndarray, *, threshold: float = DAOP_SWAP_THRESHOLD) -> tuple[np.ndarray, np.ndarray]:
+    """(misses, loads) of one layer's DaopPolicy (non-blocking) with t = 0..max_slots slots, for
+    edgemoe.policies.allocation.replay_curve: every step is one route of this layer, `flags` the
+    steps counted. The residency changes only at a swap, so each step costs one product for all t.
+    Loads count the initial placement (as `simulate` does) and the swaps of counted steps."""
+    res = np.zeros((max_slots + 1, n_expert), bool)
+    for t in range(1, max_slots + 1):
+        res[t, initial_placement(frequency, t)] = True
+    misses = np.zeros(max_slots + 1, np.int64)
+    loads = np.arange(max_slots + 1, dtype=np.int64)
+    prompt: np.ndarray | None = None
+    for ids, count in zip(steps, flags):
+        flat = np.asarray(ids).reshape(-1)
+        counts = np.bincount(flat[flat >= 0], minlength=n_expert)
+        if count:
+            misses += int(counts.sum()) - res.astype(np.int64) @ counts
+        if np.asarray(ids).shape[0] > 1:
+            prompt = counts if prompt is None else prompt + counts
+            continue
+        if prompt is None:
+            continue
+        for t in range(1, max_slots + 1):  # after the step: a non-blocking swap is used from the next one
+            pairs = swap_pairs(prompt, set(np.flatnonzero(res[t]).tolist()), threshold=threshold)
+            for e_in, e_out in pairs:
+                res[t, e_out], res[t, e_in] = False, True
+            if count:
+                loads[t] += len(pairs)
+        prompt = None
+    return misses, loads
