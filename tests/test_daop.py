@@ -259,3 +259,43 @@ def test_cli_policy_daop(fixture_model: Path) -> None:
     out = json.loads(res.stdout.splitlines()[-1])
     assert out["cache"]["policy"] == "daop" and out["cache"]["hits"] > 0 and out["tokens"] == plain["tokens"]
     assert out["control"]["n_host_syncs"] > 0  # daop runs in the routing hook
+
+
+def test_rule_weights_reproduce_the_layers_own_weights(fixture_model: Path) -> None:
+    """The weights degradation gives a changed token are what llama.cpp gives a selection: checked on
+    every route's unchanged selection."""
+    checked = []
+
+    class Check:
+        wants_probs = True
+        wants_gate_inp = False
+
+        def on_route(self, r: RouteRecord) -> None:
+            sel = np.take_along_axis(r.probs, r.ids, axis=1)
+            w = rule_weights(sel, r.ids >= 0, r.weight_rule, r.weight_scale)
+            checked.append(np.allclose(w, r.weights, rtol=1e-5, atol=1e-7))
+
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        eng.set_policies([Check()])
+        eng.generate(TEXT[:80], max_tokens=4, sampling=GREEDY, ignore_eog=True)
+    assert checked and all(checked)
+
+
+def test_cli_perplexity_degrade(fixture_model: Path, tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from edgemoe.cli.main import cli
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 4)
+    args = ["perplexity", str(fixture_model), "--input", str(text), "--ctx", "96", "--json", "--prompt-tokens", "32"]
+    base = json.loads(CliRunner().invoke(cli, args, catch_exceptions=False).stdout)
+    res = CliRunner().invoke(cli, [*args, "--degrade", "0.3", "--expert-slots", "2"], catch_exceptions=False)
+    deg = json.loads(res.stdout)
+    assert deg["tokens"] == base["tokens"] and deg["prompt_tokens"] == 32
+    assert deg["degrade"]["replaced"] > 0 and 0 < deg["degrade"]["cpu_avoided"] < 1
+    assert deg["nll"] != base["nll"]
+    bad = CliRunner().invoke(cli, [*args, "--degrade", "0.3"])
+    assert bad.exit_code != 0 and "--expert-slots" in bad.output
