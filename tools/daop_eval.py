@@ -4,6 +4,7 @@
   PYTHONPATH=. .venv/bin/python tools/daop_eval.py placement TRACE.npz ... [--profile rtx4060-laptop] [--json F]
   PYTHONPATH=. .venv/bin/python tools/daop_eval.py precalc TRACE.npz ... [--json F]
   PYTHONPATH=. .venv/bin/python tools/daop_eval.py quality [--eval-tokens 4096] [--ratios ...] [--json F]
+  PYTHONPATH=. .venv/bin/python tools/daop_eval.py similarity TRACE.npz ... [--json F]
 
 TRACE: `edgemoe trace MODEL --input CORPUS --heldout --mode decode --gate-inputs ...` (docs/daop.md has the
 commands). Every policy is replayed from the model's bundled calibration (train splits), never from the
@@ -144,6 +145,28 @@ def projected(model: Path, tr: Trace, profile: str, freq_all: dict[int, np.ndarr
     return rows
 
 
+def similarity(model: Path, traces: list[Trace]) -> dict[str, Any]:
+    """DAOP's eq. 1 per sequence: the mean over layers of the cosine between the expert activation
+    counts of the sequence's prompt and of its decoded tokens (Table II), averaged over sequences."""
+    out: dict[str, Any] = {"model": model.name, "traces": {}}
+    E = read_model_info(model).n_expert
+    for tr in traces:
+        sims = []
+        for s in np.unique(tr.seq):
+            rows = tr.seq == s
+            pre, dec = tr.ids[rows & (tr.phase == 0)], tr.ids[rows & (tr.phase == 1)]
+            if not len(pre) or not len(dec):
+                continue
+            per_layer = []
+            for j in range(tr.ids.shape[1]):
+                p = np.bincount(pre[:, j][pre[:, j] >= 0], minlength=E).astype(float)
+                d = np.bincount(dec[:, j][dec[:, j] >= 0], minlength=E).astype(float)
+                per_layer.append(p @ d / (np.linalg.norm(p) * np.linalg.norm(d)))
+            sims.append(np.mean(per_layer))
+        out["traces"][_name(tr)] = float(np.mean(sims))
+    return out
+
+
 # -- pre-calculation --------------------------------------------------------------------------------
 def precalc(model: Path, traces: list[Trace]) -> dict[str, Any]:
     from edgemoe.analysis.daop_precalc import decode_residency, precalc_accuracy, precalc_quality
@@ -220,7 +243,7 @@ def quality(model: Path, eval_tokens: int, ratios: list[float], threads: int) ->
                                  "nll_rel": res.nll / base.nll - 1, "agreement": agree,
                                  "cpu_per_token": deg.n_cpu / res.tokens, "cpu_avoided": deg.cpu_avoided})
                 resident = _prompt_residency(freq_dec, layers, per_layer, E)
-                chunks = chunk_tokens(toks, CTX, bos)
+                chunks = [c for c in chunk_tokens(toks, CTX, bos) if len(c) > PROMPT + 1]  # perplexity's
                 ref_nll = None
                 for first, renorm in ((1, False), (1, True), (5, False), (5, True), (None, False)):
                     counts, nll, n = PrecalcCounts(), 0.0, 0
@@ -247,7 +270,7 @@ def quality(model: Path, eval_tokens: int, ratios: list[float], threads: int) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["placement", "precalc", "quality"])
+    ap.add_argument("what", choices=["placement", "precalc", "quality", "similarity"])
     ap.add_argument("traces", nargs="*", type=Path)
     ap.add_argument("--profile", default="rtx4060-laptop", help="placement: machine profile of the projection")
     ap.add_argument("--models", nargs="+", type=Path, default=sorted((ROOT / "models").glob("*.gguf")))
@@ -261,9 +284,8 @@ def main() -> int:
     if args.what == "quality":
         res: Any = [row for m in args.models for row in quality(m, args.eval_tokens, args.ratios, args.threads)]
     else:
-        fn = placement if args.what == "placement" else precalc
-        res = [fn(m, trs, args.profile) if fn is placement else fn(m, trs)  # type: ignore[call-arg]
-               for m, trs in _load(args.traces).items()]
+        fns = {"placement": lambda m, t: placement(m, t, args.profile), "precalc": precalc, "similarity": similarity}
+        res = [fns[args.what](m, trs) for m, trs in _load(args.traces).items()]
     text = json.dumps(res, indent=1)
     if args.json is not None:
         args.json.write_text(text)

@@ -27,7 +27,7 @@ Residency = Callable[[int, torch.Tensor], torch.Tensor]
 
 @dataclass
 class PrecalcCounts:
-    cpu: int = 0  # selected experts not resident, rows >= start, layers >= first_target
+    cpu: int = 0  # selected experts not resident, rows >= start, every layer
     precalc: int = 0  # of these, the predicted ones (computed on the earlier hidden state)
 
 
@@ -50,15 +50,15 @@ def forward_precalc(model: MoEModel, tokens: torch.Tensor, residency: Residency,
         w = w / w.sum(-1, keepdim=True)
         src = xin
         pre = torch.zeros_like(ids, dtype=torch.bool)
+        cpu = ~residency(j, ids[:start])[ids]
+        cpu[:start] = False
         if enabled and j >= first_target and prev_in is not None and prev_h is not None:
             pred = b.moe.router(prev_in).topk(cfg.n_expert_used, dim=-1).indices
-            cpu = ~residency(j, ids[:start])[ids]
-            cpu[:start] = False
             pre = cpu & (ids[:, :, None] == pred[:, None, :]).any(-1)
             src = b.ffn_norm(prev_h) if renorm else prev_in
-            if counts is not None:
-                counts.cpu += int(cpu.sum())
-                counts.precalc += int(pre.sum())
+        if counts is not None:
+            counts.cpu += int(cpu.sum())
+            counts.precalc += int(pre.sum())
         out = torch.zeros_like(xin)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
