@@ -14,6 +14,7 @@ import pytest
 
 from edgemoe.policies.allocation import (AllocationError, decode_steps, dp_allocate, equal_allocate, f_curves,
                                          keep_top1, layer_steps, replay_curve, steps_of, total_cost)
+from edgemoe.policies.daop import DaopPolicy
 from edgemoe.policies.residency import DaliPolicy, Load, dali_default_update, make_policy, simulate
 
 
@@ -29,7 +30,7 @@ def _random_steps(rng: np.random.Generator, n_expert: int, k: int, n: int = 80) 
     return steps
 
 
-@pytest.mark.parametrize("kind", ["lru", "dali", "static"])
+@pytest.mark.parametrize("kind", ["lru", "dali", "static", "daop"])
 def test_fast_replays_equal_simulate(kind: str) -> None:
     rng = np.random.default_rng(3)
     for _ in range(12):
@@ -43,7 +44,8 @@ def test_fast_replays_equal_simulate(kind: str) -> None:
         assert np.array_equal(fast.misses, slow.misses) and np.array_equal(fast.loads, slow.loads)
         for t in (1, E // 2, E):  # one column, as the whole policy replays it
             pol = make_policy(kind, {0: t}, n_expert=E, window=kw["window"], update=kw["update"]) \
-                if kind != "static" else None
+                if kind not in ("static", "daop") else DaopPolicy({0: kw["frequency"]}, {0: t}, E) \
+                if kind == "daop" else None
             if pol is not None:
                 res = simulate(pol, ([(0, s)] for s in steps), counted)
                 assert (res.misses, res.loads) == (fast.misses[t], fast.loads[t])

@@ -2,7 +2,8 @@
 
 The text's tokens are cut into chunks of `ctx` tokens, each evaluated as a fresh
 sequence with every position's logits; every position after the first of a
-chunk is scored. With no gating policy this is stock llama.cpp's computation.
+chunk is scored (after the first `score_from`, with DAOP's prompt). With no
+gating policy this is stock llama.cpp's computation.
 """
 from __future__ import annotations
 
@@ -69,7 +70,10 @@ def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> float:
 
 
 def perplexity(engine: Engine, tokens: Sequence[int], *, ctx: int, policies: Sequence[RoutePolicy] = (),
-               max_chunks: int | None = None, progress: Callable[[int], None] | None = None) -> PerplexityResult:
+               max_chunks: int | None = None, progress: Callable[[int], None] | None = None,
+               score_from: int = 0) -> PerplexityResult:
+    """Mean NLL of the chunks' tokens. score_from: the logits of each chunk's first rows are not scored
+    (the token at position score_from + 1 is the first scored)."""
     bos = engine.bos_token() if engine.adds_bos() else None
     chunks = chunk_tokens(tokens, ctx, bos)[:max_chunks]
     counter = ActivationCounter()
@@ -78,8 +82,10 @@ def perplexity(engine: Engine, tokens: Sequence[int], *, ctx: int, policies: Seq
     try:
         for c in chunks:
             logits = np.stack(engine.eval_logits(c))
-            nll += log_softmax_nll(logits[:-1], np.array(c[1:]))
-            n += len(c) - 1
+            if len(c) - 1 <= score_from:
+                continue
+            nll += log_softmax_nll(logits[score_from:-1], np.array(c[score_from + 1:]))
+            n += len(c) - 1 - score_from
             if progress:
                 progress(len(c))
     finally:

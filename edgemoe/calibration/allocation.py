@@ -158,8 +158,9 @@ def decode_curves(calibration: Path, trace: RoutingTrace, info: ModelInfo, polic
     """
     frequency = None
     files = [calibration / ROUTING_TRACE]
-    if PolicyKind(policy) is PolicyKind.STATIC:
-        frequency = load_frequency(calibration, n_expert=info.n_expert, layers=list(info.moe_layers))
+    if PolicyKind(policy) in (PolicyKind.STATIC, PolicyKind.DAOP):  # daop: its decode-phase counts
+        frequency = load_frequency(calibration, n_expert=info.n_expert, layers=list(info.moe_layers),
+                                   phase="decode" if PolicyKind(policy) is PolicyKind.DAOP else "all")
         files.append(calibration / "router_frequency.npz")
     params: dict[str, Any] = {"format": CURVES_FORMAT, "policy": policy, "n_expert": info.n_expert,
                               "counted": "decode"}

@@ -1,6 +1,6 @@
 """First-use calibration: a command that needs calibration data makes it, once, for a model without.
 
-`--policy static`, `--policy promoe`, `--alloc dp`, `--gating fisher|empirical` and `--target-reduction`
+`--policy static|daop|promoe`, `--alloc dp`, `--gating fisher|empirical` and `--target-reduction`
 read stages of a calibration (router_frequency, predictors, routing, sensitivity). When the model has none (no `--calibration`,
 nothing bundled, nothing in the per-user cache), `ensure_calibration` runs just the stages needed on
 a few thousand tokens of the project's corpora (their train splits; the bundled excerpts in

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -118,32 +119,66 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
               help="tokens per chunk; each chunk is a fresh sequence")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="score at most this many tokens")
 @gating_options
+@click.option("--degrade", "degrade_ratio", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+              help="DAOP's graceful degradation with ratio r: a token's non-resident expert (not its top-1) is "
+                   "replaced by a resident one it did not select whose router score is >= r times its own; the "
+                   "residency is DAOP's with --expert-slots per MoE layer, swapped by each chunk's prompt")
+@click.option("--expert-slots", type=click.IntRange(min=0), default=None,
+              help="with --degrade: DAOP's slots per MoE layer (the experts degradation may route to)")
+@click.option("--prompt-tokens", type=click.IntRange(min=0), default=None,
+              help="score each chunk only after its first P tokens (with --degrade: the prompt DAOP swaps by, "
+                   "never degraded; default 32 with --degrade, else 0); compare runs with the same P")
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, gating: str,
-               threshold: float | None, target_reduction: float | None, calibration: Path | None, threads: int,
+               threshold: float | None, target_reduction: float | None, calibration: Path | None,
+               degrade_ratio: float | None, expert_slots: int | None, prompt_tokens: int | None, threads: int,
                as_json: bool) -> None:
     """Held-out NLL and perplexity through edgemoe, and the expert activations computed.
 
-    Gating applies to every token here (the text stands in for decode).
+    Gating and degradation apply to every scored token here (the text stands in for decode).
     """
     from ..calibration.adaptive import build_gating
     from ..runtime.engine import Engine, LoadConfig
     from ..analysis.perplexity import perplexity as run_ppl
     from ..progress import progress_bar
 
+    if (degrade_ratio is None) != (expert_slots is None):
+        raise click.UsageError("--degrade and --expert-slots go together (degradation routes to the experts "
+                               "DAOP's slots hold)")
+    skip = prompt_tokens if prompt_tokens is not None else 32 if degrade_ratio is not None else 0
+    if skip >= n_ctx - 1:
+        raise click.UsageError(f"--prompt-tokens {skip} leaves nothing of a --ctx {n_ctx} chunk to score")
+    if degrade_ratio is not None and skip < 1:
+        raise click.UsageError("--degrade needs --prompt-tokens >= 1 (the prompt DAOP swaps by)")
     gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=False)
     text = input_path.read_text(encoding="utf-8", errors="replace")
     with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
         policy = build_gating(eng, gate)
-        policies = [policy] if policy is not None else []
+        policies: list[Any] = [policy] if policy is not None else []
+        deg = None
+        if degrade_ratio is not None and expert_slots is not None:
+            from ..analysis.daop import daop_degradation
+            from .cache_options import calibration_for
+
+            cal = calibration_for(model, ("daop",), None, calibration, n_threads=eng.n_threads)
+            assert cal is not None  # calibrated on first use when missing
+            residency, deg = daop_degradation(eng, cal, slots=min(expert_slots, eng.info.n_expert),
+                                              ratio=degrade_ratio, prompt_tokens=skip)
+            policies += [residency, deg]
         with progress_bar(len(tokens), "perplexity", unit="tok") as bar:
-            res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar)
+            res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar, score_from=skip)
     d = {"model": str(model), "input": str(input_path), "gating": gating,
-         "threshold": policy.threshold if policy is not None else None, **res.to_dict()}
+         "threshold": policy.threshold if policy is not None else None, "prompt_tokens": skip, **res.to_dict()}
+    if deg is not None:
+        d["degrade"] = {"ratio": degrade_ratio, "expert_slots": expert_slots, "routed": deg.n_routed,
+                        "cpu": deg.n_cpu, "replaced": deg.n_replaced, "cpu_avoided": deg.cpu_avoided}
     if as_json:
         click.echo(json.dumps(d))
-    else:
-        click.echo(f"nll {res.nll:.4f}  ppl {res.ppl:.3f}  tokens {res.tokens}  expert activations "
-                   f"{res.expert_activations} of {res.full_activations} (reduction {res.activation_reduction:.1%})")
+        return
+    click.echo(f"nll {res.nll:.4f}  ppl {res.ppl:.3f}  tokens {res.tokens}  expert activations "
+               f"{res.expert_activations} of {res.full_activations} (reduction {res.activation_reduction:.1%})")
+    if deg is not None:
+        click.echo(f"degradation r={degrade_ratio}: {deg.n_replaced} of {deg.n_cpu} CPU expert executions moved "
+                   f"to resident experts ({(deg.cpu_avoided or 0.0):.1%}), {expert_slots} slots per MoE layer")

@@ -11,14 +11,16 @@ import click
 
 from .types import Size
 
-POLICIES = ("lru", "dali", "static", "promoe", "manual")
+POLICIES = ("lru", "dali", "daop", "static", "promoe", "manual")
 POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's "
                "workload-aware replacement: every --dali-window tokens the most-used absent experts "
-               "replace the least-used resident ones; runs in the routing hook), static (the "
-               "calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer the "
-               "calibration's predictor names the experts of the layer --prefetch-distance ahead, "
-               "which are copied before it runs; an LRU otherwise; runs in the routing hook), manual "
-               "(API only); lru, static and manual run inside llama.cpp's graph")
+               "replace the least-used resident ones; runs in the routing hook), daop (DAOP: the calibration's "
+               "most used decode experts, swapped once per prompt by the prompt's routing; runs in the routing "
+               "hook), static (the calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer "
+               "the calibration's predictor names the experts of the layer --prefetch-distance ahead, which are "
+               "copied before it runs; an LRU otherwise; runs in the routing hook), manual (API only); lru, "
+               "static and manual run inside llama.cpp's graph. static, daop and promoe calibrate a model "
+               "without calibration data on first use")
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
               "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
               "average). Default: dp when the calibration has a routing trace, else equal")
@@ -106,20 +108,19 @@ def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
 
 def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, given: Path | None, *,
                     n_threads: int = 0) -> Path | None:
-    """--calibration, else the model's; calibrated on first use when a policy (static: router frequencies;
+    """--calibration, else the model's; calibrated on first use when a policy (static, daop: router frequencies;
     promoe: predictors) or --alloc dp (a routing trace) needs it."""
     from ..calibration.adaptive import default_calibration_dir
     from ..calibration.auto import STAGES_FOR, ensure_calibration
 
     given = given or default_calibration_dir(model)
-    needs = [("--policy static", STAGES_FOR["static"]) if "static" in policies else None,
-             ("--policy promoe", STAGES_FOR["predictors"]) if "promoe" in policies else None,
-             ("--alloc dp", STAGES_FOR["dp"]) if alloc == "dp" else None]
-    wanted = [n for n in needs if n is not None]
-    if not wanted:
+    needs = [(f"--policy {p}", STAGES_FOR["static"]) for p in ("static", "daop") if p in policies]
+    needs += [("--policy promoe", STAGES_FOR["predictors"])] if "promoe" in policies else []
+    needs += [("--alloc dp", STAGES_FOR["dp"])] if alloc == "dp" else []
+    if not needs:
         return given
-    stages = tuple(dict.fromkeys(s for _, ss in wanted for s in ss))
-    return ensure_calibration(model, stages, " and ".join(w for w, _ in wanted), given=given, n_threads=n_threads)
+    stages = tuple(dict.fromkeys(s for _, ss in needs for s in ss))
+    return ensure_calibration(model, stages, " and ".join(w for w, _ in needs), given=given, n_threads=n_threads)
 
 
 def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:

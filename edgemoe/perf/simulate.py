@@ -282,10 +282,10 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
 
 def run_config(cfg: Config, work: Workload, shape: ModelShape, prof: MachineProfile, nodes: tuple[int, int], *,
                on_gpu: bool, overlap: bool = False, calibration: Path | None = None,
-               frequency: Mapping[int, Any] | None = None) -> ConfigResult:
-    """Replay the workload's steps in order through one configuration."""
-    policy: ResidencyPolicy | None = None
-    if cfg.policy is not None:
+               frequency: Mapping[int, Any] | None = None, policy: ResidencyPolicy | None = None) -> ConfigResult:
+    """Replay the workload's steps in order through one configuration. `policy`: a fresh residency policy
+    object to replay for cfg.policy instead of one built by name (e.g. with frequencies of another trace)."""
+    if policy is None and cfg.policy is not None:
         if cfg.policy == "static" and frequency is not None:
             policy = StaticPolicy(frequency, dict(cfg.slots))
         else:

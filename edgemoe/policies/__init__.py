@@ -2,7 +2,9 @@
 
 - route: RouteRecord (one MoE layer's routing as numpy arrays) and the RoutePolicy protocol;
 - gating: adaptive top-k rules that drop experts a token does not need;
-- residency: which experts stay in the expert cache's slots (LRU, DALI, static, manual);
+- residency: which experts stay in the expert cache's slots (LRU, DALI, DAOP, static, manual);
+  daop: DAOP's placement and per-prompt swap; degrade: DAOP's graceful degradation (a route policy);
+  loads: the Load record every residency policy answers with;
 - allocation: how many slots each MoE layer gets (AdapMoE's DP over replayed costs);
 - assignment: which active experts of a ubatch run on the CPU and which on the GPU (DALI's greedy).
 Prefetch policies go here too. The runtime wires them to llama.cpp.

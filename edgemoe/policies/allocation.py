@@ -44,6 +44,7 @@ from itertools import pairwise
 import numpy as np
 
 from ..errors import EdgeMoeError
+from .daop import DaopPolicy, replay_all_sizes as _daop_all_sizes
 from .residency import (DALI_WINDOW, DaliPolicy, PolicyKind, StaticPolicy, dali_default_update,
                         make_policy, simulate, used_experts)
 
@@ -134,8 +135,9 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
     (e.g. decode_steps: the others still change the residency).
 
     The counters are `simulate`'s for a policy with t slots in this layer (misses at t = 0: every
-    routed slot). lru, dali and static have exact vectorised replays (``fast``); without it (and
-    for other policies) `simulate` runs once per t. static needs the layer's `frequency` (n_expert,).
+    routed slot). lru, dali, static and daop have exact vectorised replays (``fast``); without it (and
+    for other policies) `simulate` runs once per t. static and daop need the layer's `frequency`
+    (n_expert,): static places by it, daop starts from it (the calibration's decode-phase counts).
     """
     try:
         k = PolicyKind(kind)
@@ -152,8 +154,8 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
     tokens = sum(int(s.shape[0]) for s, c in zip(steps, flags) if c)
     if k is PolicyKind.MANUAL:
         raise AllocationError("the manual policy loads nothing by itself: there is nothing to replay")
-    if k is PolicyKind.STATIC and frequency is None:
-        raise AllocationError("the static policy's replay needs the layer's router frequency")
+    if k in (PolicyKind.STATIC, PolicyKind.DAOP) and frequency is None:
+        raise AllocationError(f"the {k.value} policy's replay needs the layer's router frequency")
     if k is PolicyKind.DALI:
         DaliPolicy({}, n_expert, window=window, update=1 if update is None else update)  # checks them
     if fast and k is PolicyKind.LRU:
@@ -163,12 +165,16 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
                                         dali_default_update(n_expert) if update is None else update)
     elif fast and k is PolicyKind.STATIC:
         misses, loads = _static_all_sizes(steps, flags, max_slots, n_expert, np.asarray(frequency))
+    elif fast and k is PolicyKind.DAOP:
+        misses, loads = _daop_all_sizes(steps, flags, max_slots, n_expert, np.asarray(frequency))
     else:
         misses = np.zeros(max_slots + 1, np.int64)
         loads = np.zeros(max_slots + 1, np.int64)
         for t in range(1, max_slots + 1):
             if k is PolicyKind.STATIC:
                 pol = StaticPolicy({0: np.asarray(frequency)}, {0: t})
+            elif k is PolicyKind.DAOP:
+                pol = DaopPolicy({0: np.asarray(frequency)}, {0: t}, n_expert)
             else:
                 pol = make_policy(kind, {0: t}, n_expert=n_expert, window=window, update=update)
             res = simulate(pol, ([(0, s)] for s in steps), flags)

@@ -13,6 +13,9 @@ A policy answers with loads: copy expert e of layer l into slot s.
   experts' workloads (tokens routed to each) are summed over a window of w tokens; at the end of
   each window the u highest-scoring experts outside the cache replace the u lowest-scoring inside
   it, and the scores restart from zero.
+- ``daop``: DAOP's data-aware placement (Zhang et al., §IV-A/B, Algorithm 1): the calibration's most used
+  decode-phase experts, then once per prompt the prompt's most used CPU experts swap with the least used
+  GPU ones (edgemoe.policies.daop).
 - ``manual``: no loads of its own (tests, external prefetchers).
 - ``promoe``: ProMoE's prefetcher, in edgemoe.policies.prefetch (it needs a predictor and the router inputs).
 """
@@ -28,28 +31,17 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgeMoeError
+from .daop import DAOP_SWAP_THRESHOLD, DaopPolicy
+from .loads import Load as Load, used_experts as used_experts  # re-exported: they lived here before loads.py
 
 
 class PolicyKind(str, enum.Enum):
     STATIC = "static"
     LRU = "lru"
     DALI = "dali"
+    DAOP = "daop"
     MANUAL = "manual"  # no automatic loads: the caller drives ExpertCache.load / prefetch
     PROMOE = "promoe"  # ProMoE's prefetcher over an LRU: edgemoe.policies.prefetch.PromoePolicy (needs a predictor)
-
-
-@dataclass(frozen=True)
-class Load:
-    layer: int
-    expert: int
-    slot: int
-
-
-def used_experts(ids: np.ndarray) -> list[int]:
-    """Experts a ubatch's (n_tokens, k) ids use, in first-use order (dropped slots, -1, left out)."""
-    flat = np.asarray(ids).reshape(-1)
-    _, first = np.unique(flat, return_index=True)
-    return [int(flat[i]) for i in sorted(first) if flat[i] >= 0]
 
 
 @dataclass
@@ -211,19 +203,21 @@ class ManualPolicy:
         return []
 
 
-ResidencyPolicy = StaticPolicy | LruPolicy | DaliPolicy | ManualPolicy
+ResidencyPolicy = StaticPolicy | LruPolicy | DaliPolicy | DaopPolicy | ManualPolicy
 
 
 def load_frequency(calibration: Path, *, n_expert: int | None = None,
-                   layers: Sequence[int] | None = None) -> dict[int, np.ndarray]:
+                   layers: Sequence[int] | None = None, phase: str = "all") -> dict[int, np.ndarray]:
     """Per-layer routing counts from a calibration's router_frequency.npz; with n_expert / layers,
-    refuses counts of another model (another expert count, or MoE layers it lacks)."""
+    refuses counts of another model (another expert count, or MoE layers it lacks). phase "decode":
+    the calibration's decode-phase counts (DAOP's placement), or all counts where it has none."""
     path = calibration / "router_frequency.npz"
     if not path.exists():
         raise EdgeMoeError(f"{path} is missing: run `edgemoe calibrate MODEL --stage router_frequency` "
-                           "(the static policy places the most frequent experts)")
+                           "(the static and daop policies place the most frequent experts)")
     d = np.load(path)
-    freq = {int(layer): d["counts"][i] for i, layer in enumerate(d["layers"])}
+    key = "decode_counts" if phase == "decode" and "decode_counts" in d.files else "counts"
+    freq = {int(layer): d[key][i] for i, layer in enumerate(d["layers"])}
     width = {int(c.shape[-1]) for c in freq.values()}
     missing = sorted(set(layers or ()) - set(freq))
     if (n_expert is not None and width != {n_expert}) or missing:
@@ -236,9 +230,11 @@ def load_frequency(calibration: Path, *, n_expert: int | None = None,
 
 def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False,
                 calibration: Path | None = None, n_expert: int | None = None,
-                window: int = DALI_WINDOW, update: int | None = None) -> ResidencyPolicy:
-    """The policy named `kind` over `n_slots` (layer -> slots). static reads `calibration`'s router
-    frequencies; dali needs `n_expert` and takes its window / update (None: dali_default_update)."""
+                window: int = DALI_WINDOW, update: int | None = None,
+                swap_threshold: float = DAOP_SWAP_THRESHOLD) -> ResidencyPolicy:
+    """The policy named `kind` over `n_slots` (layer -> slots). static and daop read `calibration`'s
+    router frequencies (daop: of the decode phase, and it needs `n_expert`; `swap_threshold` is its
+    SwapInOut); dali needs `n_expert` and takes its window / update (None: dali_default_update)."""
     try:
         k = PolicyKind(kind)
     except ValueError:
@@ -257,9 +253,14 @@ def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False
         return DaliPolicy(dict(n_slots), n_expert, window=window, blocking=blocking,
                           update=dali_default_update(n_expert) if update is None else update)
     if calibration is None:
-        raise EdgeMoeError("the static policy needs a calibration with router frequencies: pass "
+        raise EdgeMoeError(f"the {k.value} policy needs a calibration with router frequencies: pass "
                            "calibration=edgemoe.calibration.ensure_calibration(MODEL, STAGES_FOR['static'], ...) "
                            "(made on first use), or run `edgemoe calibrate MODEL --corpus FILE`")
+    if k is PolicyKind.DAOP:
+        if n_expert is None:
+            raise EdgeMoeError("the daop policy needs the model's expert count (n_expert)")
+        freq = load_frequency(calibration, n_expert=n_expert, layers=list(n_slots), phase="decode")
+        return DaopPolicy(freq, dict(n_slots), n_expert, threshold=swap_threshold, blocking=blocking)
     return StaticPolicy(load_frequency(calibration, n_expert=n_expert, layers=list(n_slots)), dict(n_slots))
 
 
