@@ -150,7 +150,7 @@ def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_
             gating_report = engine.gating_report()
             if gating_report is not None:
                 out["gating"] = gating_report
-            out["control"] = engine.control_stats()
+            out["control"] = dict(engine.control_stats(), predictor_bytes=engine.predictor_bytes())
             click.echo(json.dumps(out))
             return
         for _, piece in engine.stream(prompt, max_tokens=max_tokens, sampling=sampling):

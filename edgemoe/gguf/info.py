@@ -105,10 +105,12 @@ class VramPlan:
     experts_per_layer: int  # expert slots per MoE layer (equal per layer)
     n_moe_layers: int
     n_expert: int
+    predictor_bytes: int = 0  # expert predictors' weights in the graph (runtime.prediction.device_bytes)
 
     @property
     def dense_fits(self) -> bool:
-        return self.dense_bytes + self.kv_cache_bytes + self.reserve_bytes <= self.budget_bytes
+        fixed = self.dense_bytes + self.kv_cache_bytes + self.reserve_bytes + self.predictor_bytes
+        return fixed <= self.budget_bytes
 
     @property
     def expert_fraction(self) -> float:
@@ -300,22 +302,26 @@ def estimate_kv_cache_bytes(info: ModelInfo, n_ctx: int) -> int:
 VRAM_RESERVE = 512 * 2**20
 
 
-def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_bytes: int = 0) -> VramPlan:
-    """Split a VRAM budget: dense weights + KV cache first, then equal expert slots per MoE layer.
+def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_bytes: int = 0,
+              predictor_bytes: int = 0) -> VramPlan:
+    """Split a VRAM budget: dense weights + KV cache (+ expert predictors) first, then equal expert slots per
+    MoE layer.
 
     `reserve_bytes` is left free for compute buffers and the like (llama.cpp needs a
     few hundred MiB; the caller knows its batch size, this module does not).
     """
-    if budget_bytes < 0 or n_ctx <= 0 or reserve_bytes < 0:
-        raise ValueError(f"budget ({budget_bytes}), n_ctx ({n_ctx}) and reserve ({reserve_bytes}) must be positive")
+    if budget_bytes < 0 or n_ctx <= 0 or reserve_bytes < 0 or predictor_bytes < 0:
+        raise ValueError(f"budget ({budget_bytes}), n_ctx ({n_ctx}), reserve ({reserve_bytes}) and "
+                         f"predictors ({predictor_bytes}) must be positive")
     kv = estimate_kv_cache_bytes(info, n_ctx)
-    left = max(0, budget_bytes - info.dense_bytes - kv - reserve_bytes)
+    left = max(0, budget_bytes - info.dense_bytes - kv - reserve_bytes - predictor_bytes)
     slot = sum(info.bytes_per_expert_by_layer.values())  # one expert in each MoE layer
     slots = min(info.n_expert, left // slot) if slot else 0
     return VramPlan(
         budget_bytes=budget_bytes, n_ctx=n_ctx, dense_bytes=info.dense_bytes, kv_cache_bytes=kv,
         reserve_bytes=reserve_bytes, expert_budget_bytes=left, slot_bytes=slot,
-        experts_per_layer=int(slots), n_moe_layers=len(info.moe_layers), n_expert=info.n_expert if info.is_moe else 0)
+        experts_per_layer=int(slots), n_moe_layers=len(info.moe_layers),
+        n_expert=info.n_expert if info.is_moe else 0, predictor_bytes=predictor_bytes)
 
 
 def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:

@@ -6,7 +6,7 @@ calls, so a chat turn only evaluates the new tokens.
 
 The Engine is assembled from one concern per module: loading and evaluation here, the
 generation loop (generation.py), chat templates (chat.py) and the routing hook / expert-cache
-wiring (wiring.py); LoadConfig is in config.py.
+wiring (wiring.py), expert predictors in the graph (prediction.py); LoadConfig is in config.py.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from .generation import Generation, GenerationMixin, Timings
 from .hooks import HookChain
 from .interrupts import deferred_interrupts
 from .native import lib
+from .prediction import PredictionMixin
 from .vocab_guard import SpmByteGuard
 from .wiring import RoutingMixin
 
@@ -58,7 +59,7 @@ def graph_nodes_logged(lines: list[str]) -> tuple[int, int] | None:
     return None
 
 
-class Engine(RoutingMixin, GenerationMixin, ChatMixin):
+class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin):
     """A loaded model with one context. Use as a context manager or call close()."""
 
     def __init__(self, model_path: str | os.PathLike[str], config: LoadConfig | None = None) -> None:
@@ -121,6 +122,7 @@ class Engine(RoutingMixin, GenerationMixin, ChatMixin):
         self._policies: list[RoutePolicy] = []  # the user's, before the cache controller
         self.cache: CacheController | None = None
         self._gating: GatingPolicy | None = None  # adaptive top-k (set_gating), in the graph or the hook
+        self._pred_n_out: dict[int, int] = {}  # target layer -> ids per token of its predictor in the graph
 
     def _make_kv_overrides(self) -> ctypes.Array[lib.llama_model_kv_override] | None:
         if self.config.expert_used_count is None:

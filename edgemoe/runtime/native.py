@@ -13,11 +13,14 @@ import os
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
-# 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12).
-REQUIRED_PATCH_LEVEL = 12
+# 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
+# 0015 sets 13).
+REQUIRED_PATCH_LEVEL = 13
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +178,70 @@ def moe_stats(ctx: Any) -> dict[str, int]:
 
 def moe_reset_stats(ctx: Any) -> None:
     _moe_reset_stats(ctx)
+
+
+# int32_t llama_moe_set_predictor(struct llama_context * ctx, int32_t il_src, int32_t il_target,
+#                                 int32_t n_out, int32_t n_hidden, enum ggml_type type, const float * w1,
+#                                 const float * b1, const float * w2, const float * b2, const float * skip);
+_moe_set_predictor = _declare("llama_moe_set_predictor", [ctypes.c_void_p] + [ctypes.c_int32] * 4
+                              + [ctypes.c_int] + [ctypes.c_void_p] * 5, ctypes.c_int32)
+# void llama_moe_clear_predictors(struct llama_context * ctx);
+_moe_clear_predictors = _declare("llama_moe_clear_predictors", [ctypes.c_void_p], None)
+# int32_t llama_moe_get_predictions(struct llama_context * ctx, int32_t il_target, int32_t * ids,
+#                                   int32_t n_max);
+_moe_get_predictions = _declare("llama_moe_get_predictions",
+                                [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32],
+                                ctypes.c_int32)
+# size_t llama_moe_predictor_bytes(const struct llama_context * ctx);
+_moe_predictor_bytes = _declare("llama_moe_predictor_bytes", [ctypes.c_void_p], ctypes.c_size_t)
+
+
+def _f32_ptr(a: np.ndarray | None) -> int | None:
+    """The address of a C-contiguous float32 numpy array (None for None)."""
+    if a is None:
+        return None
+    if a.dtype != np.float32 or not a.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"llama_moe_set_predictor takes C-contiguous float32 arrays, got {a.dtype} "
+                         f"{'contiguous' if a.flags['C_CONTIGUOUS'] else 'strided'}")
+    return int(a.ctypes.data)
+
+
+def moe_set_predictor(ctx: Any, il_src: int, il_target: int, n_out: int, type_id: int, w1: np.ndarray | None,
+                      b1: np.ndarray | None, w2: np.ndarray | None, b2: np.ndarray | None,
+                      skip: np.ndarray | None) -> int:
+    """Predict layer il_target's top-n_out experts from il_src's router input in the graph (0 on success).
+
+    Row-major float32 arrays in the C layout (None: absent): w1 (n_hidden, n_embd), b1 (n_hidden,),
+    w2 (n_expert, n_hidden), b2 (n_expert,), skip (n_expert, n_embd) or None for il_target's own router;
+    w1 None is a linear predictor (skip h + b2). The matrices are stored as ggml type type_id."""
+    if _moe_set_predictor is None:
+        require_patched()
+    n_hidden = int(w1.shape[0]) if w1 is not None else 0
+    return int(_moe_set_predictor(ctx, il_src, il_target, n_out, n_hidden, type_id, _f32_ptr(w1),
+                                  _f32_ptr(b1), _f32_ptr(w2), _f32_ptr(b2), _f32_ptr(skip)))
+
+
+def moe_clear_predictors(ctx: Any) -> None:
+    if _moe_clear_predictors is None:
+        require_patched()
+    _moe_clear_predictors(ctx)
+
+
+def moe_get_predictions(ctx: Any, il_target: int, n_out: int) -> np.ndarray | None:
+    """The last ubatch's predicted ids of il_target as (n_tokens, n_out) int32; None without a predictor."""
+    if _moe_get_predictions is None:
+        require_patched()
+    n = int(_moe_get_predictions(ctx, il_target, None, 0))
+    if n < 0:
+        return None
+    out = np.empty((n // n_out, n_out), np.int32)
+    if n:
+        _moe_get_predictions(ctx, il_target, out.ctypes.data, n)
+    return out
+
+
+def moe_predictor_bytes(ctx: Any) -> int:
+    return int(_moe_predictor_bytes(ctx)) if _moe_predictor_bytes is not None else 0
 
 
 # enum llama_moe_cache_policy
