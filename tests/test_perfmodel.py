@@ -266,3 +266,19 @@ def test_prefill_assignment_variant_is_close_to_offloading_every_miss_or_better(
     base, assigned = res["edgemoe-static"], res["edgemoe-static-ratio-assign"]
     assert assigned.prefill_tps >= 0.95 * base.prefill_tps
     assert assigned.decode_tps == pytest.approx(base.decode_tps)  # decode steps are not assigned
+
+
+def test_a_device_without_op_offload_keeps_prefill_experts_on_the_cpu() -> None:
+    """llama.cpp offloads a large batch's ops on host weights to a CUDA device (copying the experts) but
+    not to the RPC backend (no offload_op): a profile says which, and prefill's PCIe bytes and CPU share
+    follow it while decode is unchanged."""
+    tr = skewed_trace(QWEN, prefill=128, decode=10)
+    prof = load_profile("rtx4060-laptop")
+    assert prof.gpu is not None and prof.gpu.op_offload
+    spec = SimSpec(vram=518 * 2**20, n_ctx=512, policies=())
+    cuda = _by_name(simulate(QWEN, tr, prof, spec))["stock-ot-exps-cpu"]
+    rpc_like = dataclasses.replace(prof, gpu=dataclasses.replace(prof.gpu, op_offload=False))
+    rpc = _by_name(simulate(QWEN, tr, rpc_like, spec))["stock-ot-exps-cpu"]
+    assert cuda.prefill_tps != pytest.approx(rpc.prefill_tps)
+    assert rpc.decode_tps == pytest.approx(cuda.decode_tps)
+    assert profile_from_dict(rpc_like.to_dict()).gpu.op_offload is False  # saved and read back

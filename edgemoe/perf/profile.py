@@ -112,6 +112,9 @@ class DeviceProfile:
     expert: Mapping[str, Curve] = field(default_factory=dict)  # measured expert FFNs (gate+up+down) per type
     threads: int = 0  # CPU threads the figures were measured with (0 for a GPU)
     attention: Curve | None = None  # F16 products with head-sized rows, per row (not per byte): K^T q and V p
+    # a GPU that takes ops on host weights for large batches (llama.cpp's op offload: CUDA does, the RPC
+    # backend has no offload_op)
+    op_offload: bool = True
 
     def matmul_curve(self, qtype: str) -> Curve:
         return self.matmul.get(qtype) or self.roofline.curve(qtype)
@@ -191,7 +194,8 @@ def _device(d: Mapping[str, Any]) -> DeviceProfile:
                          matmul={q: _curve(c) for q, c in d.get("matmul", {}).items()},
                          expert={q: _curve(c) for q, c in d.get("expert", {}).items()},
                          threads=int(d.get("threads", 0)),
-                         attention=_curve(d["attention"]) if d.get("attention") else None)
+                         attention=_curve(d["attention"]) if d.get("attention") else None,
+                         op_offload=bool(d.get("op_offload", True)))
 
 
 def profile_from_dict(d: Mapping[str, Any]) -> MachineProfile:

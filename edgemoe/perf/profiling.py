@@ -259,7 +259,8 @@ def _measure_gpu(dev: int, expert_types: tuple[str, ...], dense_types: tuple[str
     q4 = expert.get("Q4_K") or next(iter(expert.values()))
     mem_bw = 1.0 / q4.rate(1).s_per_byte
     gpu = DeviceProfile(name=native.device_name(dev), mem_bytes=total, cache_bytes=0, node_s=node_s,
-                        roofline=_roofline(mem_bw, matmul, 0.0), matmul=matmul, expert=expert)
+                        roofline=_roofline(mem_bw, matmul, 0.0), matmul=matmul, expert=expert,
+                        op_offload=not native.device_name(dev).startswith("RPC"))  # ggml-rpc: no offload_op
     small = measure.h2d_bandwidth(dev, pinned=False, nbytes=4096)
     latency = 4096 / small if small else 1e-5
     return gpu, LinkProfile(h2d_pageable=pageable or 1e9, h2d_pinned=pinned or 1e9, latency_s=latency)

@@ -193,7 +193,7 @@ class _Run:
             return g, c, wait
         g = self.gpu.experts(il, gpu_e)
         c = 0.0
-        if cpu_e and s.n_tokens >= OFFLOAD_MIN_TOKENS:
+        if cpu_e and s.n_tokens >= OFFLOAD_MIN_TOKENS and self.prof.gpu is not None and self.prof.gpu.op_offload:
             nbytes = self.shape.expert_bytes(il) * len(cpu_e)  # op offload copies the used experts
             acc.pcie += nbytes
             g += nbytes / link.h2d_pageable + self.gpu.experts(il, cpu_e)
