@@ -69,8 +69,10 @@ def test_build_gating_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         assert build_gating(eng, GatingOptions()) is None
         with pytest.raises(EdgeMoeError, match="exactly one of"):
             build_gating(eng, GatingOptions(mode="score"))
-        with pytest.raises(EdgeMoeError, match="needs calibration data"):
-            build_gating(eng, GatingOptions(mode="fisher", threshold=0.1))
+        # no --calibration: the model's own (the fixture's bundled one; a model without one is calibrated on
+        # first use, tests/test_auto_calibration.py)
+        fisher = build_gating(eng, GatingOptions(mode="fisher", threshold=0.1))
+        assert fisher is not None and fisher.rule is GatingRule.SENSITIVITY
         pol = build_gating(eng, GatingOptions(mode="ser", threshold=0.3))
         assert pol is not None and pol.rule is GatingRule.SER and pol.decode_only
         # a target reduction: searched on the calibration's validation tokens, then cached

@@ -75,8 +75,15 @@ def _timed_progress(echo: Echo) -> ProgressFactory:
     return factory
 
 
+# what each stage leaves in the directory: a directory made by hand (or by an older edgemoe) whose card
+# does not list a stage still counts as having it when the file is there
+STAGE_FILES = {"router_frequency": "router_frequency.npz", "routing": "routing_trace.npz",
+               "sensitivity": "sensitivity.json", "predictors": "predictors"}
+
+
 def _missing(cal: Calibration, stages: Sequence[str]) -> list[str]:
-    return [s for s in stages if s not in cal.card]
+    return [s for s in stages
+            if s not in cal.card and not (s in STAGE_FILES and (cal.path / STAGE_FILES[s]).exists())]
 
 
 def _same_dir(a: Path, b: Path) -> bool:
