@@ -147,6 +147,8 @@ def _swap_experts_in_file(src: Path, dst: Path, layer: int, a: int, b: int) -> N
 
 def check_swap(path: Path, tokens: list[int], threads: int = 0) -> CheckResult:
     info = read_model_info(path)
+    if info.n_expert < 2:
+        return CheckResult("swap", True, "skipped: the model has one expert per layer, nothing to swap")
     layer = info.moe_layers[len(info.moe_layers) // 2]
     counts = np.zeros(info.n_expert, np.int64)
 
