@@ -112,19 +112,15 @@ def check_gating_top1(path: Path) -> dict:
 
 
 def _cache_run(path: Path, toks: list[int], n_decode: int, slots: int | None, policy: str = "lru",
-               calibration: Path | None = None, top1: bool = False, **config: object) -> tuple[np.ndarray, dict | None]:
-    """Logits of a prefill and n_decode single-token steps with the cache (slots None: none); top1: adaptive
-    top-k keeping the top-1 expert (or, with no cache, stock with expert_used_count 1)."""
+               calibration: Path | None = None, **config: object) -> tuple[np.ndarray, dict | None]:
+    """Logits of a prefill and n_decode single-token steps with the cache (slots None: none); `config`: more
+    CacheConfig fields."""
     from edgemoe import Engine, LoadConfig
-    from edgemoe.policies.gating import GatingPolicy, GatingRule
     from edgemoe.runtime.expert_cache import CacheConfig
 
-    k1 = dict(expert_used_count=1) if top1 and slots is None else {}
-    with Engine(path, LoadConfig(**PLAIN, **k1)) as eng:
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
         cache = (eng.enable_expert_cache(CacheConfig(slots, policy=policy, calibration=calibration, **config))
                  if slots is not None else None)
-        if top1 and slots is not None:
-            eng.set_gating(GatingPolicy(GatingRule.SCORE, 0.0, decode_only=False))
         rows = list(eng.eval_logits(toks[:-n_decode]))
         for tok in toks[-n_decode:]:
             eng.feed([tok])
@@ -189,18 +185,17 @@ def check_cache_static(path: Path) -> dict:
 def check_scale_applies(path: Path) -> dict:
     """A weight-scale copy (tests/test_arch_sweep.py WSCALE_DIR) computes other logits than the file it
     copies, so the scale is read and applied."""
-    from edgemoe import Engine, LoadConfig
+    sys.path.insert(0, str(ROOT / "tools"))
+    from arch_models import DEFAULT_OUT
+
     from edgemoe.gguf.info import read_model_info
 
-    base = ROOT / ".build" / "arch-models" / path.name
+    base = DEFAULT_OUT / path.name
     toks = _tokens(read_model_info(path).n_vocab, 16)
-    logits = []
-    for p in (path, base):
-        with Engine(p, LoadConfig(**PLAIN)) as eng:
-            logits.append(np.stack(list(eng.eval_logits(toks))))
-    if np.array_equal(logits[0], logits[1]):
+    got, ref = (_cache_run(p, toks, 4, None)[0] for p in (path, base))
+    if np.array_equal(got, ref):
         return dict(ok=False, detail=f"the same logits as {base.name}: the weight scale/norm is not read")
-    return dict(ok=True, detail="logits differ from the unscaled file's: " + _diff(logits[0], logits[1]))
+    return dict(ok=True, detail="logits differ from the unscaled file's: " + _diff(got, ref))
 
 
 def check_cache_promoe(path: Path) -> dict:

@@ -43,7 +43,10 @@ sys.path.insert(0, str(ROOT / "tools"))
 import arch_models  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
-WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-promoe")
+# the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
+# variant file those of its VARIANT_CHECKS
+BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static")
+WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "scale-applies")
 TIMEOUT_S = 180
 
 # (arch, check) pairs that fail for a known, precise reason: strict, so a fix shows up as XPASS
@@ -219,7 +222,7 @@ def _worker_checks(path: Path) -> tuple[str, ...]:
     """The in-process checks a model's tests ask for (a variant file: its VARIANT_CHECKS)."""
     variant = ("wscale" if path.parent == WSCALE_DIR else "k1" if path.name.endswith(".k1.gguf")
                else "scaled" if path.name.endswith(".scaled.gguf") else "")
-    wanted = VARIANT_CHECKS.get(variant, [c for c in WORKER_CHECKS if c != "cache-promoe"])
+    wanted = VARIANT_CHECKS.get(variant, BASE_WORKER_CHECKS)
     return tuple(c for c in WORKER_CHECKS if c in wanted)
 
 
@@ -272,15 +275,7 @@ def _load_cli(path: Path) -> tuple[bool, str]:
     return True, "loads and generates"
 
 
-def _scale_applies(path: Path) -> tuple[bool, str]:
-    proc, timeout = _run([sys.executable, str(WORKER), str(path), "scale-applies"])
-    out = [json.loads(ln[3:]) for ln in proc.stdout.splitlines() if ln.startswith("@@ ")] if proc else []
-    if not out:
-        return False, f"scale-applies: {_why(proc, timeout)}"
-    return out[0]["ok"], out[0]["detail"]
-
-
-_CLI_JOBS = {"verify": _verify, "gating-cli": _gating_cli, "load": _load_cli, "scale-applies": _scale_applies}
+_CLI_JOBS = {"verify": _verify, "gating-cli": _gating_cli, "load": _load_cli}
 
 
 def _job(path: Path, name: str) -> tuple[str, str]:
