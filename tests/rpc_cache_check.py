@@ -51,7 +51,7 @@ def main(path: Path) -> dict[str, object]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dev = native.rpc_loopback_device(port)
-    out: dict[str, object] = {"device": native.device_name(dev)}
+    out: dict[str, object] = {"device": native.device_name(dev), "n_moe_layers": len(layers)}
     rng = np.random.default_rng(0)
 
     with Engine(path, CFG) as eng:
@@ -95,6 +95,15 @@ def main(path: Path) -> dict[str, object]:
         out["gpu_layout_stats"] = cache.stats()
     out["gpu_layout_equal"] = same(got, stock_layout)
     out["gpu_layout_nmse_vs_cpu"] = float(((got[0] - ref[0]) ** 2).mean() / (ref[0] ** 2).mean())
+
+    # overlap: the cached experts run on the device while the CPU computes the others, in both layouts
+    for name, cfg, want in (("standin", CFG, ref), ("gpu_layout", gpu_layout, stock_layout)):
+        for overlap in (True, False):
+            with Engine(path, cfg) as eng:
+                eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru", overlap=overlap), device=dev)
+                eng.reset_control_stats()
+                got = run(eng, toks)
+                out[f"overlap_{name}_{overlap}"] = {"equal": same(got, want), **eng.control_stats()}
 
     # edgemoe bench's device configurations (numbers over loopback TCP mean nothing: the code paths run)
     from edgemoe.perf.bench import BenchSpec, run_bench

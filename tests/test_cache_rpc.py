@@ -31,6 +31,16 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         for key in ("sync_stats", "async_stats", "lru_stats", "gpu_layout_stats"):
             assert out[key]["hits"] > 0 and out[key]["misses"] > 0, (key, out[key])
         assert out["async_stats"]["chunks"] > out["async_stats"]["loads"] > 0  # some copies were left unfinished
+        # the native LRU's loads on the device: queued by the host, waited for by the compute stream
+        assert out["lru_stats"]["issue_s"] > 0 and 0 < out["lru_stats"]["load_waits"] <= out["lru_stats"]["loads"]
+        # overlap: one device split per cached layer and ubatch runs on while the CPU computes, none without
+        # it; no host sync, the same logits either way
+        for layout in ("standin", "gpu_layout"):
+            on, off = out[f"overlap_{layout}_True"], out[f"overlap_{layout}_False"]
+            assert on["equal"] and off["equal"], (path.name, layout, on, off)
+            assert on["n_overlap"] == on["n_ubatch"] * out["n_moe_layers"], (path.name, layout, on)
+            assert off["n_overlap"] == 0, (path.name, layout, off)
+            assert on["n_host_syncs"] == 0 == off["n_host_syncs"], (path.name, layout, on, off)
         # bench on a device: the best --n-cpu-moe for about 3 layers of experts leaves 5 of 8 on the CPU
         assert out["bench_n_cpu_moe"] == 5
         assert [r[0] for r in out["bench_rows"]] == ["stock -ot exps=CPU", "stock --n-cpu-moe 5", "edgemoe lru"]

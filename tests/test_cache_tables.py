@@ -51,6 +51,8 @@ def test_native_lru_generates_as_stock_without_host_syncs(preset: str, fixture_m
         assert got == ref, f"{path.name}, {slots} slots"
         assert control["n_host_syncs"] == 0 and control["n_ubatch"] > 0
         assert st["hits"] > 0 and st["loads"] > 0
+        # the stand-in copies at once while the LRU issues (host time); no stream waits without a device
+        assert st["issue_s"] > 0 and st["load_waits"] == 0
         if slots == n_expert:
             assert st["loads"] <= n_expert * n_moe  # with a slot for every expert nothing is evicted
 

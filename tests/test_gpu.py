@@ -86,6 +86,32 @@ def test_cache_on_gpu_close_to_experts_on_cpu(fixture_model: Path, slots: int, p
         assert st["hits"] > 0
 
 
+def test_overlap_on_gpu_equals_serial(fixture_model: Path) -> None:
+    """Patch 0016 on CUDA: the cached experts run while the CPU computes the others; the logits are the
+    serial order's up to where the two halves are added (the device or the CPU), one overlapped split per
+    MoE layer and ubatch."""
+    from edgemoe.runtime.expert_cache import CacheConfig
+
+    with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_gpu_layers=999)) as eng:
+        moe = tuple(eng.info.moe_layers)
+        n_expert = eng.info.n_expert
+    cfg = LoadConfig(**CACHE_PLAIN, cpu_expert_layers=moe)
+    runs = {}
+    for overlap in (True, False):
+        with Engine(fixture_model, cfg) as eng:
+            eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru", overlap=overlap),
+                                    device=native.gpu_device())
+            eng.reset_control_stats()
+            toks = eng.tokenize(PROMPT * 4)[:60]
+            got = [np.array(eng.eval_logits(toks[:-8])), *_steps(eng, toks[-8:])]
+            runs[overlap] = (got, eng.control_stats())
+    (on, st_on), (off, st_off) = runs[True], runs[False]
+    for a, b in zip(on, off):
+        assert _nmse(a, b) < 1e-9
+    assert st_on["n_overlap"] == st_on["n_ubatch"] * len(moe) and st_off["n_overlap"] == 0, (st_on, st_off)
+    assert st_on["n_host_syncs"] == 0
+
+
 def test_gpu_skipped_ids_op_test_passes() -> None:
     """tests/native/test_mmid_skip.cpp covers CUDA when the library has it: its run must include CUDA cases."""
     import subprocess

@@ -47,7 +47,7 @@ step_bench() {
     local t0=$SECONDS
     [ -f "$model" ] || "$PY" tools/synth_gguf.py qwen3-30b-a3b --out "$model" --quiet || return 1
     echo "synthetic model: $((SECONDS - t0)) s"
-    "$PY" -m edgemoe.cli bench "$model" --vram "${BENCH_VRAM:-8GiB}" --policy lru --json \
+    "$PY" -m edgemoe.cli bench "$model" --vram "${BENCH_VRAM:-8GiB}" --policy lru --compare-overlap --json \
         > "$OUTDIR/bench.json" 2> "$OUTDIR/bench.err"
     local rc=$?
     tail -n 5 "$OUTDIR/bench.err"

@@ -38,6 +38,7 @@ class BenchSpec:
     calibration: Path | None = None
     profile: Path | None = None  # this machine's profile for the projections (None: none are made)
     alloc: str | None = None  # "equal", "dp"; None: dp when the calibration has a routing trace
+    compare_overlap: bool = False  # also run each policy with CPU/GPU overlap off ("... no-overlap" rows)
 
 
 @dataclass
@@ -139,13 +140,14 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
             continue
         cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=pol,
                           calibration=spec.calibration, alloc=plan.alloc)
-
-        def setup(eng: Engine, cfg: CacheConfig = cfg) -> None:
-            eng.enable_expert_cache(cfg, device=dev)
-
         notes = ([] if on_gpu else ["cache on the CPU stand-in"]) + ([plan.note] if plan.note else [])
-        configs.append((f"edgemoe {pol}" + (" dp" if plan.alloc == "dp" else ""), "edgemoe", cached, setup,
-                        "; ".join(notes)))
+        name = f"edgemoe {pol}" + (" dp" if plan.alloc == "dp" else "")
+        for overlap in (True, False) if spec.compare_overlap else (True,):
+
+            def setup(eng: Engine, cfg: CacheConfig = replace(cfg, overlap=overlap)) -> None:
+                eng.enable_expert_cache(cfg, device=dev)
+
+            configs.append((name + ("" if overlap else " no-overlap"), "edgemoe", cached, setup, "; ".join(notes)))
 
     generated: list[int] = []
     for name, kind, cfg, setup, note in configs:
@@ -180,6 +182,8 @@ def _sim_name(row: BenchRow, on_gpu: bool) -> str | None:
         return "stock-ot-exps-cpu" if on_gpu else "stock-cpu"
     if row.name.startswith("stock --n-cpu-moe "):
         return "stock-n-cpu-moe-" + row.name.rsplit(" ", 1)[1]
+    if row.name.endswith(" no-overlap"):
+        return None  # the performance model assumes the overlap
     if row.name.startswith("edgemoe ") and on_gpu and not row.name.endswith(" dp"):  # dp: equal slots only, so far
         return "edgemoe-" + row.name.split(" ", 1)[1]
     return None
@@ -201,7 +205,8 @@ def project(res: BenchResult, path: Path, spec: BenchSpec, base: LoadConfig, tok
                                               n_ubatch=base.n_ubatch,
                                               # the performance model has no prefetcher: promoe is not projected
                                               policies=tuple(p for p in spec.policies if p != "promoe"),
-                                              calibration=spec.calibration))
+                                              calibration=spec.calibration,
+                                              overlap=True))  # the edgemoe rows run overlapped
     by_name = {c.name: c for c in sim.configs}
     for row in res.rows:
         key = _sim_name(row, on_gpu)

@@ -5,9 +5,9 @@ Per step, layer by layer: the layer's matrices and attention run on the GPU (on 
 one); each routed expert runs where it is (a GPU-resident expert on the GPU, the others on the CPU
 with a hand-off each way, or, for a prefill ubatch of 32 tokens or more, copied to the GPU for the
 op as llama.cpp's op offload does); the expert cache's loads go on a copy stream of their own and a
-layer that needs a slot still loading waits for it. `overlap=False` is what the current build does
-(the CPU branch and the GPU branch of a layer run one after the other); `overlap=True` projects the
-DESIGN's CPU/GPU overlap. Host work per call (Python, sampling) and per graph node comes from the
+layer that needs a slot still loading waits for it. `overlap=False` runs the CPU branch and the GPU
+branch of a layer one after the other (llama.cpp's order, and the build's with `CacheConfig(overlap=False)`);
+`overlap=True` projects the CPU/GPU overlap the build runs by default with the cache on a device (patch 0016). Host work per call (Python, sampling) and per graph node comes from the
 profile. Everything is a projection: docs/performance-model.md says how it was validated.
 """
 from __future__ import annotations

@@ -47,6 +47,9 @@ class CacheConfig:
     copy_timing: CopyTiming | None = None
     # promoe with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
     prefetch_admission: bool = True
+    # on a device: compute the cached experts there while the CPU computes the others (llama_moe_cache_set_overlap);
+    # False runs the two one after the other, as llama.cpp's scheduler does
+    overlap: bool = True
 
     def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:
         """Slots of each MoE layer, checked: 0..n_expert each, and only MoE layers named."""
@@ -189,6 +192,9 @@ class ExpertCache:
                 "loads": int(st.loads), "bytes_uploaded": int(st.bytes_loaded),
                 "prefetches": int(st.prefetches), "chunks": int(st.chunks), "preempted": int(st.preempted),
                 "blocked_s": st.us_blocked / 1e6,
+                # host time queueing copies (on the CPU stand-in the copies, which the compute waits for), and
+                # the loads the compute stream was ordered to wait for at the start of a ubatch
+                "issue_s": st.us_issue / 1e6, "load_waits": int(st.load_waits),
                 # routed expert slots computed from the cache (the GPU) among those of cached layers
                 # (layers given no slots are left out of every counter)
                 "gpu_expert_share": share,

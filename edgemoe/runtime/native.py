@@ -20,7 +20,7 @@ from ..errors import NativeLibraryError
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
 # 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
 # 0015 sets 13).
-REQUIRED_PATCH_LEVEL = 13
+REQUIRED_PATCH_LEVEL = 15
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,8 @@ class MoeCacheStats(ctypes.Structure):
         ("chunks", ctypes.c_uint64),  # chunks issued (gate/up/down byte ranges)
         ("us_blocked", ctypes.c_uint64),  # host time spent waiting for copies
         ("preempted", ctypes.c_uint64),  # queued or copying loads dropped before completing (patch 0011)
+        ("us_issue", ctypes.c_uint64),  # host time queueing copies (the CPU stand-in: the copies themselves)
+        ("load_waits", ctypes.c_uint64),  # loads the compute stream waited for at a ubatch start (patch 0017)
     ]
 
 
@@ -149,6 +151,7 @@ class MoeStats(ctypes.Structure):
         ("n_host_syncs", ctypes.c_uint64),  # graph cuts at MoE layers for the routing callback
         ("n_routed", ctypes.c_uint64),  # slots in the layers gated in the graph
         ("n_dropped", ctypes.c_uint64),  # of these, slots the gating rule dropped
+        ("n_overlap", ctypes.c_uint64),  # device splits that ran on while the CPU computed (cache overlap)
     ]
 
 
@@ -255,6 +258,15 @@ _moe_cache_set_policy = _declare("llama_moe_cache_set_policy", [ctypes.c_void_p,
 
 def moe_cache_set_policy(ctx: Any, policy: int) -> int:
     return int(_moe_cache_set_policy(ctx, policy))
+
+
+# void llama_moe_cache_set_overlap(struct llama_context * ctx, bool overlap);
+_moe_cache_set_overlap = _declare("llama_moe_cache_set_overlap", [ctypes.c_void_p, ctypes.c_bool], None)
+
+
+def moe_cache_set_overlap(ctx: Any, overlap: bool) -> None:
+    """Let the cache's device compute its experts while the CPU computes the others (the default)."""
+    _moe_cache_set_overlap(ctx, overlap)
 
 
 def moe_cache_init(ctx: Any, n_slots: list[int] | None, device: Any = None) -> int:

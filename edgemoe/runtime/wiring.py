@@ -105,7 +105,8 @@ class RoutingMixin:
                 "activation_reduction": reduction}
 
     def control_stats(self) -> dict[str, int]:
-        """What the MoE control path did: ubatches, host syncs of the routing callback, slots gated in the graph."""
+        """What the MoE control path did: ubatches, host syncs of the routing callback, slots gated in the graph,
+        device splits overlapped with the CPU."""
         return native.moe_stats(self._ctx)
 
     def reset_control_stats(self) -> None:
@@ -131,6 +132,7 @@ class RoutingMixin:
                 n_expert=self.info.n_expert, window=config.dali_window, update=config.dali_update)
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, slots, device)
+            native.moe_cache_set_overlap(self._ctx, config.overlap)
             try:
                 self.cache = (make_prefetcher(cache, config, self.path, self.info) if policy is None
                               else CacheController(cache, policy, alloc=config.alloc))
