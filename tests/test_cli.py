@@ -189,6 +189,10 @@ def test_alloc_dp_is_the_default_with_a_routing_trace(tmp_path: Path) -> None:
     dali = json.loads(res.stdout.splitlines()[-1])
     assert dali["cache"]["policy"] == "dali" and dali["cache"]["alloc"] == "dp" and dali["cache"]["hits"] > 0
     assert dali["control"]["n_host_syncs"] > 0  # dali runs in the routing hook
+    n_moe = len(info.moe_layers)  # one stop per MoE layer and ubatch (the last layer skips none here)
+    assert dali["control"]["host_syncs_per_ubatch"] == dali["control"]["n_host_syncs"] / dali["control"]["n_ubatch"]
+    assert 0 < dali["control"]["host_syncs_per_ubatch"] <= n_moe
+    assert json.loads(dp.stdout.splitlines()[-1])["control"]["host_syncs_per_ubatch"] == 0  # lru: in the graph
     assert json.loads(dp.stdout.splitlines()[-1])["tokens"] == dali["tokens"] == plain["tokens"]
 
     # a calibration without the routing trace: dp says what it needs and falls back to equal

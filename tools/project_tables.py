@@ -72,7 +72,7 @@ def main() -> None:
                 res = simulate(model, trace, prof, SimSpec(vram=gib * 2**30, n_ctx=4096, gated=gated),
                                gating=GATE if gated else None)
                 for ov in (False, True):
-                    if ov:  # not built yet: CPU/GPU overlap (DESIGN) and DALI-style prefill assignment (issue 12)
+                    if ov:  # CPU/GPU overlap (patch 0016) and DALI-style prefill assignment (issue 12, not built)
                         extra = simulate(model, trace, prof, SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True,
                                                                      policies=("static",), assign="ratio"))
                         rows = [c for c in extra.configs if c.kind == "edgemoe"]

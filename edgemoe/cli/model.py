@@ -150,7 +150,11 @@ def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_
             gating_report = engine.gating_report()
             if gating_report is not None:
                 out["gating"] = gating_report
-            out["control"] = dict(engine.control_stats(), predictor_bytes=engine.predictor_bytes())
+            control = engine.control_stats()
+            # a decode ubatch is one token: the routing callback's host syncs per token in decode
+            control["host_syncs_per_ubatch"] = (control["n_host_syncs"] / control["n_ubatch"]
+                                                if control["n_ubatch"] else None)
+            out["control"] = dict(control, predictor_bytes=engine.predictor_bytes())
             click.echo(json.dumps(out))
             return
         for _, piece in engine.stream(prompt, max_tokens=max_tokens, sampling=sampling):
