@@ -105,6 +105,20 @@ def main(path: Path) -> dict[str, object]:
                 got = run(eng, toks)
                 out[f"overlap_{name}_{overlap}"] = {"equal": same(got, want), **eng.control_stats()}
 
+    # adaptive top-k in the graph with the overlapped cache: the gated logits of the same layout without a cache
+    from edgemoe.policies.gating import GatingPolicy, GatingRule
+
+    gated = []
+    for cache_on in (False, True):
+        with Engine(path, gpu_layout) as eng:
+            if cache_on:
+                eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru"), device=dev)
+            eng.set_gating(GatingPolicy(GatingRule.SER, 0.4))
+            eng.reset_control_stats()
+            gated.append((run(eng, toks), eng.control_stats()))
+    out["gated_overlap_equal"] = same(gated[0][0], gated[1][0])
+    out["gated_overlap_stats"] = gated[1][1]
+
     # edgemoe bench's device configurations (numbers over loopback TCP mean nothing: the code paths run)
     from edgemoe.perf.bench import BenchSpec, run_bench
     from edgemoe.gguf.info import VRAM_RESERVE, estimate_kv_cache_bytes, read_model_info

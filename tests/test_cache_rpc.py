@@ -10,9 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import FIXTURE_MODELS
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tools"))
+import arch_models  # noqa: E402
+
+# architectures whose graph never routes through build_moe_ffn: nothing is cached, nothing overlaps
+NO_MOE_GRAPH = {"refact": "llama.cpp's refact graph (src/models/refact.cpp) runs a dense FFN, never build_moe_ffn"}
 
 
 def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
@@ -41,7 +48,34 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
             assert on["n_overlap"] == on["n_ubatch"] * out["n_moe_layers"], (path.name, layout, on)
             assert off["n_overlap"] == 0, (path.name, layout, off)
             assert on["n_host_syncs"] == 0 == off["n_host_syncs"], (path.name, layout, on, off)
+        # gating in the graph on both branches of the overlapped layers: the gated logits without a cache
+        g = out["gated_overlap_stats"]
+        assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)
         # bench on a device: the best --n-cpu-moe for about 3 layers of experts leaves 5 of 8 on the CPU
         assert out["bench_n_cpu_moe"] == 5
         assert [r[0] for r in out["bench_rows"]] == ["stock -ot exps=CPU", "stock --n-cpu-moe 5", "edgemoe lru"]
         assert all(ok for _, ok, _ in out["bench_rows"]), out["bench_rows"]
+
+
+def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
+    """Patch 0016 on each architecture's random-weight model (test-llama-archs' writer), cache on the RPC
+    device: logits bitwise = stock with overlap on and off, an overlapped device split at least for every
+    cached layer and ubatch when on (deepseek4 has more device-to-CPU hand-overs), none when off."""
+    try:
+        manifest = arch_models.ensure()
+    except Exception as err:  # noqa: BLE001 - the sweep's own test reports a failed build
+        pytest.skip(f"no random-weight models: {type(err).__name__}: {err}")
+    paths = [str(arch_models.DEFAULT_OUT / e["file"]) for e in arch_models.moe_entries(manifest)]
+    result = tmp_path / "overlap.json"
+    proc = subprocess.run([sys.executable, str(HERE / "rpc_overlap_archs.py"), str(result), *paths],
+                          capture_output=True, text=True, timeout=900, cwd=HERE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(result.read_text())
+    assert len(out) == len(paths) > 40
+    for name, r in out.items():
+        assert "error" not in r, (name, r)
+        assert r["equal_on"] and r["equal_off"] and r["n_overlap_off"] == 0, (name, r)
+        if name.removesuffix(".gguf") in NO_MOE_GRAPH:
+            assert r["n_overlap_on"] == 0, (name, r)
+        else:
+            assert r["n_overlap_on"] >= r["n_ubatch"] * r["n_moe_layers"], (name, r)

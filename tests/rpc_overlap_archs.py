@@ -1,0 +1,70 @@
+"""Run by tests/test_cache_rpc.py in a process of its own: the overlap of the cache's device experts with the
+CPU's (patch 0016) on every MoE architecture's random-weight model, on llama.cpp's RPC backend.
+
+For each model (argv[2:]): stock logits, then the lru expert cache (half the experts, at least one slot) on the
+RPC device with overlap on and off: a prompt ubatch and four decode steps must equal stock bitwise, with one
+overlapped device split per cached MoE layer and ubatch when on and none when off. Writes one JSON object
+{file: result} to the file named by argv[1]; a result is {"equal_on", "equal_off", "n_overlap_on",
+"n_overlap_off", "n_ubatch", "n_moe_layers"} or {"error": "..."}.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from edgemoe.runtime import native
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.expert_cache import CacheConfig
+
+CFG = LoadConfig(n_ctx=128, n_batch=32, n_ubatch=32, n_threads=2, use_extra_bufts=False, op_offload=False)
+
+
+def run(eng: Engine, toks: list[int]) -> list[np.ndarray]:
+    out = [np.array(eng.eval_logits(toks[:-4]))]
+    for tok in toks[-4:]:
+        eng.feed([tok])
+        out.append(np.array(eng.logits(-1)))
+    return out
+
+
+def check(path: Path, dev: object) -> dict[str, object]:
+    with Engine(path, CFG) as eng:
+        n_vocab = eng.n_vocab
+        toks = [int(t) for t in np.random.default_rng(0).integers(1, min(n_vocab, 200), 20)]
+        ref = run(eng, toks)
+        slots = max(1, eng.info.n_expert // 2)
+        n_moe = len(eng.info.moe_layers)
+    res: dict[str, object] = {"n_moe_layers": n_moe}
+    for overlap in (True, False):
+        with Engine(path, CFG) as eng:
+            eng.enable_expert_cache(CacheConfig(slots, policy="lru", overlap=overlap), device=dev)
+            eng.reset_control_stats()
+            got = run(eng, toks)
+            st = eng.control_stats()
+        tag = "on" if overlap else "off"
+        res[f"equal_{tag}"] = all(np.array_equal(a, b) for a, b in zip(got, ref))
+        res[f"n_overlap_{tag}"] = st["n_overlap"]
+        res["n_ubatch"] = st["n_ubatch"]
+    return res
+
+
+def main(out_file: Path, paths: list[Path]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dev = native.rpc_loopback_device(port)
+    results: dict[str, object] = {}
+    for path in paths:
+        try:
+            results[path.name] = check(path, dev)
+        except Exception as err:  # noqa: BLE001 - one architecture's failure is its result
+            results[path.name] = {"error": f"{type(err).__name__}: {err}"}
+        out_file.write_text(json.dumps(results))  # as it goes: a native abort leaves the others' results
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
