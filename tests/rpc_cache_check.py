@@ -126,7 +126,8 @@ def main(path: Path) -> dict[str, object]:
     info = read_model_info(path)
     budget = (info.dense_bytes + estimate_kv_cache_bytes(info, 256) + VRAM_RESERVE
               + 3 * info.bytes_per_expert_by_layer[layers[0]] * n_expert)  # about 3 layers of experts
-    res = run_bench(path, BenchSpec(vram=budget, prompt_tokens=32, gen_tokens=4, threads=2, policies=("lru",)))
+    res = run_bench(path, BenchSpec(vram=budget, prompt_tokens=32, gen_tokens=4, threads=2, policies=("lru",),
+                                    compare_overlap=True))
     out["bench_rows"] = [(r.name, r.decode_tps > 0, r.note) for r in res.rows]
     out["bench_n_cpu_moe"] = res.n_cpu_moe
     return out

@@ -53,7 +53,8 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)
         # bench on a device: the best --n-cpu-moe for about 3 layers of experts leaves 5 of 8 on the CPU
         assert out["bench_n_cpu_moe"] == 5
-        assert [r[0] for r in out["bench_rows"]] == ["stock -ot exps=CPU", "stock --n-cpu-moe 5", "edgemoe lru"]
+        assert [r[0] for r in out["bench_rows"]] == ["stock -ot exps=CPU", "stock --n-cpu-moe 5", "edgemoe lru",
+                                                     "edgemoe lru no-overlap"]  # --compare-overlap
         assert all(ok for _, ok, _ in out["bench_rows"]), out["bench_rows"]
 
 
