@@ -8,7 +8,6 @@ CPU's: results must equal stock bitwise. Writes one JSON object to the file name
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -47,10 +46,7 @@ def main(path: Path) -> dict[str, object]:
         ref_gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         n_expert, layers = eng.info.n_expert, list(eng.info.moe_layers)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dev = native.rpc_loopback_device(port)
+    dev = native.rpc_loopback_device()
     out: dict[str, object] = {"device": native.device_name(dev), "n_moe_layers": len(layers)}
     rng = np.random.default_rng(0)
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 from dataclasses import replace
@@ -85,11 +84,11 @@ def main() -> int:
     args = ap.parse_args()
 
     info = read_model_info(args.model)
+    if info.n_expert_used < 2:
+        ap.error(f"{args.model.name} routes {info.n_expert_used} expert per token: the expert time estimate "
+                 "compares k with 1 expert per token, so it needs k >= 2")
     slots = args.slots or info.n_expert // 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dev = native.rpc_loopback_device(port, n_threads=args.server_threads)
+    dev = native.rpc_loopback_device(n_threads=args.server_threads)
     base = LoadConfig(n_ctx=512, n_threads=args.threads, use_extra_bufts=False, op_offload=False)
     layouts = {"standin": base,
                "gpu": replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -46,10 +45,7 @@ def main() -> int:
     args = ap.parse_args()
     vram = Size().convert(args.vram, None, None)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dev = native.rpc_loopback_device(port, n_threads=1)
+    dev = native.rpc_loopback_device(n_threads=1)
     print(f"device: {native.device_name(dev)} (RPC loopback, 1 server thread); llama.cpp CPU threads: 1",
           file=sys.stderr)
     t0 = time.perf_counter()

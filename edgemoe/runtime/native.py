@@ -19,7 +19,7 @@ from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
 # 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
-# 0015 sets 13).
+# 0015 sets 13, 0016 sets 14, 0017 sets 15).
 REQUIRED_PATCH_LEVEL = 15
 
 log = logging.getLogger(__name__)
@@ -387,14 +387,20 @@ _RpcStartServer = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctype
 _RpcAddServer = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
 
 
-def rpc_loopback_device(port: int, n_threads: int = 1) -> int:
-    """Start llama.cpp's RPC server on 127.0.0.1:port in this process (serving the CPU backend from a
-    daemon thread), register it, and return its device: a GPU-type device with its own buffers, async
-    copies and events, reached over loopback. For tests of the cache's device paths without a GPU.
-    Every model loaded afterwards in this process sees the device (run it in a process of its own).
+def rpc_loopback_device(port: int | None = None, n_threads: int = 1) -> int:
+    """Start llama.cpp's RPC server on 127.0.0.1:port (None: a free port) in this process (serving the CPU
+    backend from a daemon thread), register it, and return its device: a GPU-type device with its own
+    buffers, async copies and events, reached over loopback. For tests of the cache's device paths without
+    a GPU. Every model loaded afterwards in this process sees the device (run it in a process of its own).
     """
+    import socket
     import threading
     import time
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
 
     reg = _reg_by_name(b"RPC") if _reg_by_name is not None else None
     if not reg:
