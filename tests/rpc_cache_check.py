@@ -101,6 +101,44 @@ def main(path: Path) -> dict[str, object]:
                 got = run(eng, toks)
                 out[f"overlap_{name}_{overlap}"] = {"equal": same(got, want), **eng.control_stats()}
 
+    # the load worker (patch 0018): the native LRU only decides, llama.cpp's worker thread issues the chunks
+    for async_loads in (True, False):
+        with Engine(path, gpu_layout) as eng:
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru", async_loads=async_loads),
+                                            device=dev)
+            eng.reset_control_stats()
+            got = run(eng, toks)
+            out[f"worker_{async_loads}"] = {"equal": same(got, stock_layout), **cache.stats(),
+                                            "n_host_syncs": eng.control_stats()["n_host_syncs"]}
+
+    # the caller's cache calls racing the worker: random loads, prefetches (some into slots being copied),
+    # partial issues and state queries between tokens; afterwards every load is resident or gone
+    with Engine(path, gpu_layout) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="manual", async_loads=True), device=dev)
+
+        def churn() -> None:
+            for il in layers:
+                # a second load into the same slot preempts the first, which the worker may be copying
+                e1, e2 = rng.choice(n_expert, 2, replace=False)
+                cache.prefetch(Load(il, int(e1), 0))
+                cache.prefetch(Load(il, int(e2), 0))
+                for _ in range(3):
+                    e, slot = int(rng.integers(n_expert)), int(rng.integers(n_expert // 2))
+                    op = int(rng.integers(4))
+                    if op == 0:
+                        cache.load(Load(il, e, slot))
+                    elif op == 1:
+                        cache.prefetch(Load(il, e, slot), int(rng.integers(0, 3)))
+                    elif op == 2:
+                        cache.issue(int(rng.integers(0, 3)))
+                    else:
+                        cache.state(il, e)
+
+        got = run(eng, toks, churn)
+        cache.sync()
+        states = {cache.state(il, e) for il in layers for e in range(n_expert)}
+        out["worker_churn"] = {"equal": same(got, stock_layout), "states": sorted(states), **cache.stats()}
+
     # adaptive top-k in the graph with the overlapped cache: the gated logits of the same layout without a cache
     from edgemoe.policies.gating import GatingPolicy, GatingRule
 

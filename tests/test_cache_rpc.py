@@ -48,6 +48,17 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
             assert on["n_overlap"] == on["n_ubatch"] * out["n_moe_layers"], (path.name, layout, on)
             assert off["n_overlap"] == 0, (path.name, layout, off)
             assert on["n_host_syncs"] == 0 == off["n_host_syncs"], (path.name, layout, on, off)
+        # the load worker (0018): with it every chunk of the native LRU is issued by llama.cpp's worker thread,
+        # without it none; the same logits, no host sync either way
+        on, off = out["worker_True"], out["worker_False"]
+        assert on["equal"] and off["equal"], (path.name, on, off)
+        assert on["chunks"] == on["worker_chunks"] > 0 and off["worker_chunks"] == 0 < off["chunks"], (on, off)
+        assert on["n_host_syncs"] == 0 == off["n_host_syncs"], (on, off)
+        # by default not on the RPC device, whose one connection carries copies and graph runs in one FIFO
+        assert out["lru_stats"]["worker_chunks"] == 0 < out["lru_stats"]["chunks"], out["lru_stats"]
+        churn = out["worker_churn"]
+        assert churn["equal"] and churn["states"] == ["absent", "resident"], churn
+        assert churn["worker_chunks"] > 0 and churn["preempted"] > 0, churn
         # gating in the graph on both branches of the overlapped layers: the gated logits without a cache
         g = out["gated_overlap_stats"]
         assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)

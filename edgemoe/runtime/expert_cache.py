@@ -21,7 +21,8 @@ from ..gguf.header import check_gguf
 from ..policies.route import RouteRecord
 from ..policies.copy_queue import CopyTiming
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
-from ..policies.residency import DALI_WINDOW, Load, LruPolicy, ManualPolicy, ResidencyPolicy, StaticPolicy
+from ..policies.residency import (DALI_WINDOW, Load, LruPolicy, ManualPolicy, PolicyKind, ResidencyPolicy,
+                                  StaticPolicy)
 
 
 class ExpertCacheError(EdgeMoeError):
@@ -50,6 +51,20 @@ class CacheConfig:
     # on a device: compute the cached experts there while the CPU computes the others (llama_moe_cache_set_overlap);
     # False runs the two one after the other, as llama.cpp's scheduler does
     overlap: bool = True
+    # on a device: llama.cpp's load worker thread issues the queued loads while the caller computes
+    # (llama_moe_cache_set_async); False issues them on the caller's thread. None: the worker, except on
+    # llama.cpp's RPC device, whose one connection carries the copies and the graph runs in one FIFO, so a
+    # worker overlaps nothing there and only competes for the CPU (tools/bench_worker.py). promoe always issues
+    # its own loads (its model of the copy queue counts the chunks)
+    async_loads: bool | None = None
+
+    def loads_async(self, device: Any) -> bool:
+        """Whether the load worker issues this cache's loads on device (None: the CPU stand-in, which has none)."""
+        if self.policy == PolicyKind.PROMOE.value or device is None:
+            return False
+        if self.async_loads is not None:
+            return self.async_loads
+        return not native.device_name(device).startswith("RPC")
 
     def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:
         """Slots of each MoE layer, checked: 0..n_expert each, and only MoE layers named."""
@@ -195,6 +210,8 @@ class ExpertCache:
                 # host time queueing copies (on the CPU stand-in the copies, which the compute waits for), and
                 # the loads the compute stream was ordered to wait for at the start of a ubatch
                 "issue_s": st.us_issue / 1e6, "load_waits": int(st.load_waits),
+                # the chunks llama.cpp's load worker issued, and the time the caller waited for its chunk in flight
+                "worker_chunks": int(st.chunks_async), "worker_wait_s": st.us_worker / 1e6,
                 # routed expert slots computed from the cache (the GPU) among those of cached layers
                 # (layers given no slots are left out of every counter)
                 "gpu_expert_share": share,

@@ -19,8 +19,8 @@ from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
 # 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
-# 0015 sets 13, 0016 sets 14, 0017 sets 15).
-REQUIRED_PATCH_LEVEL = 15
+# 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16).
+REQUIRED_PATCH_LEVEL = 16
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ class MoeCacheStats(ctypes.Structure):
         ("preempted", ctypes.c_uint64),  # queued or copying loads dropped before completing (patch 0011)
         ("us_issue", ctypes.c_uint64),  # host time queueing copies (the CPU stand-in: the copies themselves)
         ("load_waits", ctypes.c_uint64),  # loads the compute stream waited for at a ubatch start (patch 0017)
+        ("chunks_async", ctypes.c_uint64),  # of the chunks, those the load worker issued (patch 0018)
+        ("us_worker", ctypes.c_uint64),  # host time the caller waited for the worker to finish a chunk (0018)
     ]
 
 
@@ -267,6 +269,16 @@ _moe_cache_set_overlap = _declare("llama_moe_cache_set_overlap", [ctypes.c_void_
 def moe_cache_set_overlap(ctx: Any, overlap: bool) -> None:
     """Let the cache's device compute its experts while the CPU computes the others (the default)."""
     _moe_cache_set_overlap(ctx, overlap)
+
+
+# void llama_moe_cache_set_async(struct llama_context * ctx, bool async);
+_moe_cache_set_async = _declare("llama_moe_cache_set_async", [ctypes.c_void_p, ctypes.c_bool], None)
+
+
+def moe_cache_set_async(ctx: Any, on: bool) -> None:
+    """Issue the cache's queued loads from llama.cpp's load worker thread (on a device with events) or,
+    off, from the caller's thread when it issues them or synchronises."""
+    _moe_cache_set_async(ctx, on)
 
 
 def moe_cache_init(ctx: Any, n_slots: list[int] | None, device: Any = None) -> int:

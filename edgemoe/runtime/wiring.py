@@ -133,6 +133,7 @@ class RoutingMixin:
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, slots, device)
             native.moe_cache_set_overlap(self._ctx, config.overlap)
+            native.moe_cache_set_async(self._ctx, config.loads_async(device))
             try:
                 self.cache = (make_prefetcher(cache, config, self.path, self.info) if policy is None
                               else CacheController(cache, policy, alloc=config.alloc))
