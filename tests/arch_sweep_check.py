@@ -15,6 +15,8 @@ Checks, each against stock llama.cpp on the same GGUF:
 - cache-static: the static policy (half the experts per layer, at least one), calibrated on first use
   (edgemoe.calibration.auto, a small calibration into a temporary cache directory) == stock logits
   bitwise, with hits.
+- cache-dali: DALI's workload-aware replacement run natively (patch 0019; half the experts per layer, at
+  least one, a window of 2 tokens) == stock logits bitwise, with hits and loads and no host sync.
 - cache-promoe: ProMoE's prefetcher (gate reuse one layer ahead: no calibration), one slot per layer,
   == stock logits bitwise (on the .k1 copies, see the check).
 """
@@ -182,6 +184,25 @@ def check_cache_static(path: Path) -> dict:
     return dict(ok=True, detail=f"static cache, calibrated on first use, == stock bitwise ({used})")
 
 
+def check_cache_dali(path: Path) -> dict:
+    from edgemoe.gguf.info import read_model_info
+
+    info = read_model_info(path)
+    toks = _tokens(info.n_vocab, 48)
+    ref, _ = _cache_run(path, toks, 12, None)
+    slots = max(1, info.n_expert // 2)
+    got, st = _cache_run(path, toks, 12, slots, policy="dali", dali_window=2)
+    assert st is not None
+    used = f"{slots} slot(s): hits {st['hits']}, misses {st['misses']}, loads {st['loads']}"
+    if not np.array_equal(got, ref):
+        return dict(ok=False, detail=f"dali cache vs stock ({used}): " + _diff(got, ref))
+    if st["hits"] == 0 or st["loads"] == 0:
+        return dict(ok=False, detail=f"dali cache not used ({used})")
+    if st["n_host_syncs"]:
+        return dict(ok=False, detail=f"dali: {st['n_host_syncs']} host syncs (not run natively; {used})")
+    return dict(ok=True, detail=f"native dali cache == stock bitwise ({used})")
+
+
 def check_scale_applies(path: Path) -> dict:
     """A weight-scale copy (tests/test_arch_sweep.py WSCALE_DIR) computes other logits than the file it
     copies, so the scale is read and applied."""
@@ -222,7 +243,7 @@ def check_cache_promoe(path: Path) -> dict:
 
 
 CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
-          "cache-static": check_cache_static, "scale-applies": check_scale_applies,
+          "cache-static": check_cache_static, "cache-dali": check_cache_dali, "scale-applies": check_scale_applies,
           "cache-promoe": check_cache_promoe}
 
 

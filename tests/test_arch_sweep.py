@@ -12,6 +12,7 @@ have (arch_models.rewrite_gguf). Per architecture:
 - cache: the lru expert cache on the CPU stand-in device == stock logits, bitwise.
 - cache-static: the static expert cache, calibrated on first use (edgemoe.calibration.auto), == stock
   logits, bitwise.
+- cache-dali: DALI's replacement run natively (patch 0019) == stock logits, bitwise, no host sync.
 - cache-promoe (on the .k1 copies): ProMoE's prefetcher with one slot == stock logits, bitwise, with
   prefetches issued.
 test_one_expert_per_token runs them on copies with expert_used_count 1 (the router chooses one of
@@ -45,7 +46,7 @@ import arch_models  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
 # the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
 # variant file those of its VARIANT_CHECKS
-BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static")
+BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-dali")
 WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "scale-applies")
 TIMEOUT_S = 180
 
@@ -62,6 +63,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("refact", "gating-top1"): _REFACT,
     ("refact", "cache"): _REFACT + " (0 hits, 0 loads)",
     ("refact", "cache-static"): _REFACT + " (0 hits)",
+    ("refact", "cache-dali"): _REFACT + " (0 hits, 0 loads)",
     ("refact", "cache-promoe"): _REFACT + " (the cache was not used)",
 }
 # (arch, check) that compare dropping experts with stock at a smaller top-k, where that cannot be equal;
@@ -377,6 +379,11 @@ def test_expert_cache_equals_stock(sweep: SweepPool, entry: dict) -> None:
 @check("cache-static")
 def test_static_cache_calibrated_on_first_use_equals_stock(sweep: SweepPool, entry: dict) -> None:
     _assert(sweep, entry, "", "cache-static")
+
+
+@check("cache-dali")
+def test_native_dali_cache_equals_stock(sweep: SweepPool, entry: dict) -> None:
+    _assert(sweep, entry, "", "cache-dali")
 
 
 @check("k1", variant="k1")

@@ -58,8 +58,9 @@ def test_native_lru_generates_as_stock_without_host_syncs(preset: str, fixture_m
 
 
 @pytest.mark.parametrize("preset", ["fixture", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe"])
-def test_dali_in_the_hook_generates_as_stock(preset: str, fixture_model: Path, make_tiny_gguf) -> None:
-    """dali has no native twin: it runs in the routing callback (a host sync per MoE layer and ubatch)."""
+def test_native_dali_generates_as_stock_without_host_syncs(preset: str, fixture_model: Path, make_tiny_gguf) -> None:
+    """dali's native twin (patch 0019) runs after each ubatch, like the native LRU; with blocking loads it
+    runs in the routing callback (a host sync per MoE layer and ubatch)."""
     path = fixture_model if preset == "fixture" else make_tiny_gguf(preset)
     ref, _, _, _ = _generate(path, None)
     with Engine(path, LoadConfig(**PLAIN)) as eng:
@@ -67,7 +68,41 @@ def test_dali_in_the_hook_generates_as_stock(preset: str, fixture_model: Path, m
     for slots in (1, n_expert // 2, n_expert):
         got, st, control, _ = _generate(path, CacheConfig(slots, policy="dali"))
         assert got == ref, f"{path.name}, {slots} slots"
-        assert control["n_host_syncs"] > 0 and st["hits"] > 0 and st["loads"] > 0
+        assert control["n_host_syncs"] == 0 and st["hits"] > 0 and st["loads"] > 0
+    got, st, control, _ = _generate(path, CacheConfig(n_expert // 2, policy="dali", blocking=True))
+    assert got == ref and control["n_host_syncs"] > 0 and st["hits"] > 0
+
+
+@pytest.mark.parametrize("window,update", [(4, 1), (1, 3), (16, 2)])
+def test_native_dali_decides_as_the_python_policy(window: int, update: int, fixture_model: Path) -> None:
+    """Counters of the native DALI = DaliPolicy (non-blocking) replayed on the same run's routes, in
+    ubatches of 16 prompt tokens (a window counts tokens) then single decode tokens."""
+    config = dict(PLAIN, n_ubatch=16)
+    recorder = StepRecorder()
+    with Engine(fixture_model, LoadConfig(**config)) as eng:
+        eng.set_policies([recorder])
+        ref = eng.generate(TEXT[:120], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
+        n_slots = {il: 5 for il in eng.info.moe_layers}
+        n_expert = eng.info.n_expert
+    with Engine(fixture_model, LoadConfig(**config)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(5, policy="dali", dali_window=window, dali_update=update))
+        got = eng.generate(TEXT[:120], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
+        cache.sync()
+        st = cache.stats()
+        assert eng.control_stats()["n_host_syncs"] == 0
+    assert got == ref and max(len(r[1]) for r in recorder.steps[0]) == 16
+    sim = simulate(make_policy("dali", n_slots, n_expert=n_expert, window=window, update=update), recorder.steps)
+    assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
+    assert sim.hits > 0 and sim.misses > 0
+
+
+def test_native_dali_refuses_an_empty_window(fixture_model: Path) -> None:
+    from edgemoe.runtime import native
+
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        eng.enable_expert_cache(CacheConfig(4, policy="manual"))
+        assert native.moe_cache_set_dali(eng._ctx, 0, 1) == -1 and native.moe_cache_set_dali(eng._ctx, 4, 0) == -1
+        assert native.moe_cache_set_dali(eng._ctx, 4, 2) == 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "dali", "static"])
@@ -84,7 +119,7 @@ def test_uneven_slots_per_layer_generate_as_stock_and_as_replayed(policy: str, f
     cal = default_calibration_dir(fixture_model)
     got, st, control, _ = _generate(fixture_model, CacheConfig(slots, policy=policy, calibration=cal))
     assert got == ref and st["slots_per_layer"] == slots and st["slots_total"] == sum(slots.values())
-    assert (control["n_host_syncs"] == 0) == (policy != "dali")
+    assert control["n_host_syncs"] == 0
     sim = simulate(make_policy(policy, slots, calibration=cal, n_expert=n_expert), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads) and sim.hits > 0
 

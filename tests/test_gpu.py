@@ -112,6 +112,31 @@ def test_overlap_on_gpu_equals_serial(fixture_model: Path) -> None:
     assert st_on["n_host_syncs"] == 0
 
 
+def test_load_worker_on_gpu(fixture_model: Path) -> None:
+    """Patch 0018 on CUDA: the load worker issues every chunk of the native LRU (on by default on a GPU),
+    the logits stay within the cache's tolerance of the caller-issued run, and no host sync per layer."""
+    from edgemoe.runtime.expert_cache import CacheConfig
+
+    with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_gpu_layers=999)) as eng:
+        moe = tuple(eng.info.moe_layers)
+        n_expert = eng.info.n_expert
+    cfg = LoadConfig(**CACHE_PLAIN, cpu_expert_layers=moe)
+    runs = {}
+    for async_loads in (None, False):
+        with Engine(fixture_model, cfg) as eng:
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="lru", async_loads=async_loads),
+                                            device=native.gpu_device())
+            eng.reset_control_stats()
+            toks = eng.tokenize(PROMPT * 4)[:60]
+            got = [np.array(eng.eval_logits(toks[:-8])), *_steps(eng, toks[-8:])]
+            runs[async_loads] = (got, cache.stats(), eng.control_stats())
+    (on, cs_on, st_on), (off, cs_off, _) = runs[None], runs[False]
+    for a, b in zip(on, off):
+        assert _nmse(a, b) < 1e-4
+    assert cs_on["worker_chunks"] == cs_on["chunks"] > 0 and cs_off["worker_chunks"] == 0, (cs_on, cs_off)
+    assert st_on["n_host_syncs"] == 0
+
+
 def test_gpu_skipped_ids_op_test_passes() -> None:
     """tests/native/test_mmid_skip.cpp covers CUDA when the library has it: its run must include CUDA cases."""
     import subprocess

@@ -188,6 +188,12 @@ class DaliPolicy:
     def resident(self, layer: int) -> set[int]:
         return set(self._resident.get(layer, {}))
 
+    def reseed(self, slots: Mapping[int, Sequence[int]]) -> None:
+        """Start over from what is resident (layer -> slot of each expert, -1: absent), the window empty."""
+        self._resident = {layer: {e: s for e, s in enumerate(per) if s >= 0} for layer, per in slots.items()}
+        self._scores.clear()
+        self._tokens.clear()
+
 
 @dataclass
 class ManualPolicy:

@@ -21,8 +21,8 @@ from ..gguf.header import check_gguf
 from ..policies.route import RouteRecord
 from ..policies.copy_queue import CopyTiming
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
-from ..policies.residency import (DALI_WINDOW, Load, LruPolicy, ManualPolicy, PolicyKind, ResidencyPolicy,
-                                  StaticPolicy)
+from ..policies.residency import (DALI_WINDOW, DaliPolicy, Load, LruPolicy, ManualPolicy, PolicyKind,
+                                  ResidencyPolicy, StaticPolicy)
 
 
 class ExpertCacheError(EdgeMoeError):
@@ -226,10 +226,10 @@ class CacheController:
     """Runs a residency policy: inside llama.cpp when it can, else as a route policy in the hook.
 
     In the graph (patch 0011): the cached layers split their ids with expert-to-slot tables, with no
-    host sync per layer; lru runs natively after each ubatch (the same decisions as LruPolicy, its
-    loads prefetched on the copy stream and used from the next ubatch), static and manual never load
-    by themselves. In the hook (a Python policy is set, lru with blocking loads, or dali, which has
-    no native twin): the policy sees each layer's final ids. Blocking: copied before the layer's
+    host sync per layer; lru and dali run natively after each ubatch (the same decisions as LruPolicy
+    and DaliPolicy (0019), their loads prefetched on the copy stream and used from the next ubatch),
+    static and manual never load by themselves. In the hook (a Python policy is set, lru or dali with
+    blocking loads, daop): the policy sees each layer's final ids. Blocking: copied before the layer's
     experts run. Otherwise prefetched on the copy stream from the next layer's hook (after this
     layer's ids were mapped to slots, so an eviction never turns this step's hit into a miss) while
     the later layers compute, and used from the layer's next run.
@@ -259,16 +259,23 @@ class CacheController:
             return native.MOE_CACHE_POLICY_CALLBACK if self.policy.blocking else native.MOE_CACHE_POLICY_LRU
         if isinstance(self.policy, (StaticPolicy, ManualPolicy)):
             return native.MOE_CACHE_POLICY_MANUAL
-        return native.MOE_CACHE_POLICY_CALLBACK  # dali: a Python policy, run in the routing hook
+        if isinstance(self.policy, DaliPolicy) and not self.policy.blocking:
+            return native.MOE_CACHE_POLICY_DALI
+        return native.MOE_CACHE_POLICY_CALLBACK  # a Python policy (daop, blocking dali), run in the routing hook
 
     def set_mode(self, policy: int) -> None:
         """Hand the policy to llama.cpp (policy != CALLBACK) or take it back into the hook."""
         if policy == self.mode:
             return
+        if policy == native.MOE_CACHE_POLICY_DALI:
+            assert isinstance(self.policy, DaliPolicy)
+            if native.moe_cache_set_dali(self.cache._ctx, self.policy.window, self.policy.update) != 0:
+                raise ExpertCacheError(f"llama.cpp refused dali window {self.policy.window} / update "
+                                       f"{self.policy.update}: {native.recent_log()[-200:].strip()}")
         if native.moe_cache_set_policy(self.cache._ctx, policy) != 0:
             raise ExpertCacheError(f"llama.cpp refused cache policy {policy}: {native.recent_log()[-200:].strip()}")
-        if policy == native.MOE_CACHE_POLICY_CALLBACK and isinstance(self.policy, LruPolicy):
-            # the Python LRU goes on from what is resident (the native one did the same the other way)
+        if policy == native.MOE_CACHE_POLICY_CALLBACK and isinstance(self.policy, (LruPolicy, DaliPolicy)):
+            # the Python LRU (DALI) goes on from what is resident (the native one did the same the other way)
             self.cache.sync()
             self.policy.reseed({il: self.cache.slots(il) or [] for il in self.cache.n_slots})
         self.mode = policy
