@@ -1,9 +1,9 @@
 """The MoE routing hook, adaptive top-k and the expert cache of an Engine: who decides each routing.
 
 RoutingMixin is a part of Engine (edgemoe.runtime.engine). Adaptive top-k and the expert cache's
-residency (expert-to-slot tables, the lru policy) run inside llama.cpp's graph, with no host round
-trip per MoE layer, while nothing needs the routing callback. A Python policy (or lru with blocking
-loads, or the dali residency policy) needs it: then gating runs first in the hook chain, then the
+residency (expert-to-slot tables, the lru and dali policies) run inside llama.cpp's graph, with no host
+round trip per MoE layer, while nothing needs the routing callback. A Python policy (or lru or dali with
+blocking loads, daop, promoe) needs it: then gating runs first in the hook chain, then the
 user's policies, then the expert-cache controller when its residency policy needs the routes; one
 HookChain serves all.
 """
