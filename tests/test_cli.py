@@ -188,12 +188,19 @@ def test_alloc_dp_is_the_default_with_a_routing_trace(tmp_path: Path) -> None:
     res = run(*args, "--policy", "dali", "--dali-window", "16", "--dali-update", "1")
     dali = json.loads(res.stdout.splitlines()[-1])
     assert dali["cache"]["policy"] == "dali" and dali["cache"]["alloc"] == "dp" and dali["cache"]["hits"] > 0
-    assert dali["control"]["n_host_syncs"] > 0  # dali runs in the routing hook
+    assert dali["control"]["n_host_syncs"] == 0  # dali runs inside llama.cpp (patch 0019)
+    res = run(*args, "--policy", "dali", "--dali-prefetch", "1")
+    pre = json.loads(res.stdout.splitlines()[-1])
+    assert pre["cache"]["prefetch"]["predictor"] == "residual-d1" and pre["cache"]["prefetch"]["issued"] > 0
+    assert pre["control"]["n_host_syncs"] > 0  # with its prefetcher, in the routing hook
+    bad = run(*args, "--policy", "lru", "--dali-prefetch", "1")
+    assert bad.exit_code != 0 and "--dali-prefetch is an option of --policy dali" in bad.output
     n_moe = len(info.moe_layers)  # one stop per MoE layer and ubatch (the last layer skips none here)
-    assert dali["control"]["host_syncs_per_ubatch"] == dali["control"]["n_host_syncs"] / dali["control"]["n_ubatch"]
-    assert 0 < dali["control"]["host_syncs_per_ubatch"] <= n_moe
+    c = pre["control"]
+    assert c["host_syncs_per_ubatch"] == c["n_host_syncs"] / c["n_ubatch"]
+    assert 0 < c["host_syncs_per_ubatch"] <= n_moe and dali["control"]["host_syncs_per_ubatch"] == 0
     assert json.loads(dp.stdout.splitlines()[-1])["control"]["host_syncs_per_ubatch"] == 0  # lru: in the graph
-    assert json.loads(dp.stdout.splitlines()[-1])["tokens"] == dali["tokens"] == plain["tokens"]
+    assert json.loads(dp.stdout.splitlines()[-1])["tokens"] == dali["tokens"] == pre["tokens"] == plain["tokens"]
 
     # a calibration without the routing trace: dp says what it needs and falls back to equal
     own = Path(__file__).resolve().parents[1] / "predictors" / MODEL.name.removesuffix(".gguf")

@@ -121,6 +121,36 @@ def test_live_counters_equal_the_replay(fixture_model: Path, slow: bool, blockin
         assert sim.stall_s > 0.0
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["full-top-k", "gated"])
+def test_dali_with_its_prefetcher_generates_as_stock_and_as_replayed(fixture_model: Path, gated: bool) -> None:
+    """dali with --dali-prefetch (edgemoe.policies.dali_prefetch) in the routing hook: stock tokens, the
+    calibration's residual predictor one layer ahead, and the live counters of the replay on the same routes."""
+    from edgemoe.policies.dali_prefetch import DaliPrefetchPolicy
+    from edgemoe.policies.residency import dali_default_update
+
+    def gate() -> GatingPolicy | None:
+        return GatingPolicy(GatingRule.SER, 0.5) if gated else None
+
+    ref, _ = _generate(fixture_model, None, gating=gate())
+    cal = default_calibration_dir(fixture_model)
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        n_expert = eng.info.n_expert
+    rec = RouteRecorder()
+    got, out = _generate(fixture_model, CacheConfig(n_expert // 4, policy="dali", calibration=cal, dali_prefetch=2),
+                         gating=gate(), recorder=rec)
+    assert got == ref
+    st, rep, n_slots, chunks, layers = out  # type: ignore[misc]
+    live = rep["prefetch"]
+    assert live["predictor"] == "residual-d1" and live["per_layer_cap"] == 2 and live["issued"] > 0
+    pred, note = prefetch_predictor(fixture_model, cal, "residual", 1)
+    assert note is None
+    policy = DaliPrefetchPolicy(n_slots, layers, pred, n_expert, size=2, update=dali_default_update(n_expert))
+    sim = replay(policy, rec.steps, chunk_bytes=chunks)
+    pc = sim.prefetch
+    assert pc is not None and (st["hits"], st["misses"]) == (sim.hits, sim.misses) and sim.hits > 0
+    assert (live["issued"], live["useful"], live["preempted"]) == (pc.issued, pc.useful, pc.preempted)
+
+
 def test_gate_predictor_when_the_calibration_has_no_mlp(tmp_path: Path) -> None:
     model = FIXTURE_MODELS[0]
     own = default_calibration_dir(model)

@@ -2,6 +2,7 @@
 """promoe (ProMoE's prefetcher) against lru and static on held-out text: the timed replay, and promoe live.
 
   PYTHONPATH=. .venv/bin/python tools/prefetch_table.py [--json docs/figures/prefetch-table.json] [-t 1]
+                                                        [--policies lru static promoe promoe-paper dali dali-prefetch]
 
 For each fixture and corpus: the held-out split (last 10%) traced as `edgemoe predict-eval --heldout`
 traces it (calibration.traces.record_eval_trace: chunks of 512 tokens, 3/4 prefilled, 1/4 decoded,
@@ -13,6 +14,8 @@ Then promoe live on the CPU stand-in at the first profile's timing: the engine t
 same tokens, its copy queue paced by the timing; its decode counters, and whether the replay of its own
 routes (float32 router inputs) gives the same ones. The calibration (static's frequencies, the mlp
 predictor) is the bundled one: train splits only. Traces are kept in --out-dir. Prints markdown.
+--policies also takes dali (DALI's replacement, window 4, the paper's update) and dali-prefetch (with its
+residual-based prefetcher one layer ahead, the paper's prefetch size, the same admission as promoe).
 """
 from __future__ import annotations
 
@@ -37,9 +40,10 @@ from edgemoe.perf.costmodel import ModelShape  # noqa: E402
 from edgemoe.perf.link_timing import LinkTiming, profile_timing  # noqa: E402
 from edgemoe.perf.profile import load_profile  # noqa: E402
 from edgemoe.policies.copy_queue import CopyTiming  # noqa: E402
+from edgemoe.policies.dali_prefetch import DALI_PREFETCH_DISTANCE, DaliPrefetchPolicy, dali_default_prefetch  # noqa: E402
 from edgemoe.policies.prefetch import PromoePolicy  # noqa: E402
 from edgemoe.policies.replay import ReplayResult, replay  # noqa: E402
-from edgemoe.policies.residency import make_policy  # noqa: E402
+from edgemoe.policies.residency import dali_default_update, make_policy  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.runtime.expert_cache import CacheConfig, expert_chunk_bytes  # noqa: E402
 from edgemoe.runtime.prefetcher import prefetch_predictor  # noqa: E402
@@ -49,6 +53,7 @@ CORPORA = [ROOT.parent / "shared" / "corpus" / "tinyshakespeare.txt", ROOT.paren
 REFERENCE = ROOT / ".build" / "synth" / "qwen3-30b-a3b.Q4_K.gguf"  # tools/synth_gguf.py qwen3-30b-a3b
 PROFILES = (("rtx4060-laptop", False), ("rtx4090-desktop", True))  # (profile, pinned)
 POLICIES = ("lru", "static", "promoe", "promoe-paper")
+ALL_POLICIES = (*POLICIES, "dali", "dali-prefetch")
 CTX = 512
 
 
@@ -76,10 +81,13 @@ def timings(reference: Path, model_bytes: float) -> list[tuple[str, LinkTiming |
     return out
 
 
-def make(kind: str, slots: dict[int, int], layers: list[int], cal: Path, pred: Any, n_expert: int,
+def make(kind: str, slots: dict[int, int], layers: list[int], cal: Path, preds: dict[str, Any], n_expert: int,
          timing: CopyTiming | None) -> Any:
     if kind.startswith("promoe"):
-        return PromoePolicy(slots, layers, pred, timing=timing if kind == "promoe" else None)
+        return PromoePolicy(slots, layers, preds["promoe"], timing=timing if kind == "promoe" else None)
+    if kind == "dali-prefetch":
+        return DaliPrefetchPolicy(slots, layers, preds["dali"], n_expert, size=dali_default_prefetch(n_expert),
+                                  update=dali_default_update(n_expert), timing=timing)
     return make_policy(kind, slots, calibration=cal, n_expert=n_expert)
 
 
@@ -151,8 +159,10 @@ def model_tables(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     cal = find_calibration(model).path
     layers, E = list(info.moe_layers), info.n_expert
     chunks = expert_chunk_bytes(model, layers)
-    pred, note = prefetch_predictor(model, cal, "mlp", 2)
-    assert note is None, note
+    preds = {}
+    for policy, kind, distance in (("promoe", "mlp", 2), ("dali", "residual", DALI_PREFETCH_DISTANCE)):
+        preds[policy], note = prefetch_predictor(model, cal, kind, distance)
+        assert note is None, note
     settings = timings(args.reference, expert_bytes(chunks))
     out: dict[str, Any] = {"model": model.name, "n_expert": E, "k": info.n_expert_used,
                            "expert_bytes": expert_bytes(chunks), "timings": {}, "replay": [], "live": []}
@@ -166,13 +176,13 @@ def model_tables(model: Path, args: argparse.Namespace) -> dict[str, Any]:
             n_slots = {il: slots for il in layers}
             for key, lt in settings:
                 timing = lt.timing if lt is not None else None
-                for kind in POLICIES:
-                    r = replay(make(kind, n_slots, layers, cal, pred, E, timing), steps, timing=timing,
+                for kind in args.policies:
+                    r = replay(make(kind, n_slots, layers, cal, preds, E, timing), steps, timing=timing,
                                chunk_bytes=chunks, counted=decode)
                     out["replay"].append({"corpus": corpus.stem, "slots": slots, "timing": key, "policy": kind,
                                           **row(r)})
                     print(f"{model.name} {corpus.stem} {slots} {key} {kind}: hit {r.hit_rate:.3f}", file=sys.stderr)
-            if args.live:
+            if args.live and "promoe" in args.policies:
                 lt = settings[1][1]
                 assert lt is not None
                 text = split_corpus(corpus).heldout_text()
@@ -228,6 +238,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--out-dir", type=Path, default=ROOT / "out" / "prefetch", help="where the traces are kept")
     ap.add_argument("--no-live", dest="live", action="store_false", help="replay only")
+    ap.add_argument("--policies", nargs="+", choices=ALL_POLICIES, default=list(POLICIES))
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()

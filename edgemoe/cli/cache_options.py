@@ -14,13 +14,14 @@ from .types import Size
 POLICIES = ("lru", "dali", "daop", "static", "promoe", "manual")
 POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's "
                "workload-aware replacement: every --dali-window tokens the most-used absent experts "
-               "replace the least-used resident ones; runs in the routing hook), daop (DAOP: the calibration's "
+               "replace the least-used resident ones; with --dali-prefetch also DALI's prefetcher, in the "
+               "routing hook), daop (DAOP: the calibration's "
                "most used decode experts, swapped once per prompt by the prompt's routing; runs in the routing "
                "hook), static (the calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer "
                "the calibration's predictor names the experts of the layer --prefetch-distance ahead, which are "
                "copied before it runs; an LRU otherwise; runs in the routing hook), manual (API only); lru, "
-               "static and manual run inside llama.cpp's graph. static, daop and promoe calibrate a model "
-               "without calibration data on first use")
+               "dali, static and manual run inside llama.cpp's graph. static, daop, promoe and dali with "
+               "--dali-prefetch calibrate a model without calibration data on first use")
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
               "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
               "average). Default: dp when the calibration has a routing trace, else equal")
@@ -37,6 +38,7 @@ class CacheOptions:
     dali_update: int | None = None  # dali: experts replaced per window (None: the paper's for this model)
     prefetch_distance: int | None = None  # promoe: predict layer l+d at layer l (None: ProMoE's 2)
     prefetch_extra: int | None = None  # promoe: prefetch the top-(k+m) (None: m = 1)
+    dali_prefetch: int | None = None  # dali: next-layer experts prefetched per MoE layer (None, 0: none, native)
 
     @property
     def enabled(self) -> bool:
@@ -58,6 +60,11 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--dali-update", type=click.IntRange(min=1), default=None,
                      help="dali: most experts replaced per window (the paper's u; default: experts per "
                           "layer / 8, rounded up)"),
+        click.option("--dali-prefetch", type=click.IntRange(min=0), default=None,
+                     help="dali: also prefetch, at each MoE layer, the N experts of the next one that DALI's "
+                          "residual predictor expects most tokens to use (the paper's prefetch size: 1 for 8 "
+                          "experts, 4 for more; calibrates on first use; runs in the routing hook: a host sync "
+                          "per MoE layer). Default 0: replacement only, inside llama.cpp"),
         click.option("--prefetch-distance", type=click.IntRange(min=1), default=None,
                      help="promoe: predict the experts of the MoE layer this many layers ahead (default 2, "
                           "ProMoE's stride; 1: the next layer)"),
@@ -75,13 +82,16 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
 def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, blocking: bool,
                        alloc: str | None = None, dali_window: int | None = None,
                        dali_update: int | None = None, prefetch_distance: int | None = None,
-                       prefetch_extra: int | None = None) -> CacheOptions:
+                       prefetch_extra: int | None = None, dali_prefetch: int | None = None) -> CacheOptions:
     if vram is not None and expert_slots is not None:
         raise click.UsageError("give --vram or --expert-slots, not both")
     if policy != "promoe" and (prefetch_distance is not None or prefetch_extra is not None):
         raise click.UsageError("--prefetch-distance and --prefetch-extra are options of --policy promoe")
+    if dali_prefetch and (policy != "dali" or blocking):
+        raise click.UsageError("--dali-prefetch is an option of --policy dali without --blocking-loads "
+                               "(a missed expert runs on the CPU while the prefetcher loads the next layer's)")
     return CacheOptions(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update,
-                        prefetch_distance, prefetch_extra)
+                        prefetch_distance, prefetch_extra, dali_prefetch)
 
 
 def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
@@ -107,15 +117,16 @@ def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
 
 
 def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, given: Path | None, *,
-                    n_threads: int = 0) -> Path | None:
+                    n_threads: int = 0, dali_prefetch: int | None = None) -> Path | None:
     """--calibration, else the model's; calibrated on first use when a policy (static, daop: router frequencies;
-    promoe: predictors) or --alloc dp (a routing trace) needs it."""
+    promoe, dali with --dali-prefetch: predictors) or --alloc dp (a routing trace) needs it."""
     from ..calibration.adaptive import default_calibration_dir
     from ..calibration.auto import STAGES_FOR, ensure_calibration
 
     given = given or default_calibration_dir(model)
     needs = [(f"--policy {p}", STAGES_FOR["static"]) for p in ("static", "daop") if p in policies]
     needs += [("--policy promoe", STAGES_FOR["predictors"])] if "promoe" in policies else []
+    needs += [("--dali-prefetch", STAGES_FOR["predictors"])] if dali_prefetch else []
     needs += [("--alloc dp", STAGES_FOR["dp"])] if alloc == "dp" else []
     if not needs:
         return given
@@ -135,7 +146,8 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
         return
     slots = slots_for(engine.info, opts, engine.n_ctx)
     CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # --expert-slots in range
-    calibration = calibration_for(model, (opts.policy,), opts.alloc, calibration, n_threads=engine.n_threads)
+    calibration = calibration_for(model, (opts.policy,), opts.alloc, calibration, n_threads=engine.n_threads,
+                                  dali_prefetch=opts.dali_prefetch)
     budget = None
     if opts.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
         plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=VRAM_RESERVE)
@@ -151,7 +163,8 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
                       blocking=opts.blocking, calibration=calibration, dali_window=window,
                       dali_update=opts.dali_update, alloc=plan.alloc,
                       prefetch_distance=opts.prefetch_distance or PROMOE_DISTANCE,
-                      prefetch_extra=PROMOE_EXTRA if opts.prefetch_extra is None else opts.prefetch_extra)
+                      prefetch_extra=PROMOE_EXTRA if opts.prefetch_extra is None else opts.prefetch_extra,
+                      dali_prefetch=opts.dali_prefetch or 0)
     engine.enable_expert_cache(cfg, device=dev)
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
     prefetch = engine.cache.report().get("prefetch") if engine.cache is not None else None

@@ -112,6 +112,11 @@ class PromoePolicy:
     def initial_loads(self) -> list[Load]:
         return []
 
+    def prefetch_cap(self, n_tokens: int, n_slots: int) -> int:
+        """At most how many predicted experts of a layer with n_slots slots a ubatch of n_tokens prefetches:
+        one token its top-(k+m), a ubatch as many as the layer holds."""
+        return min(self.per_token, n_slots) if n_tokens == 1 else n_slots
+
     def take_prediction(self, layer: int) -> Prediction | None:
         """The prediction for `layer` made at an earlier layer, if any (forgotten once taken)."""
         return self._predictions.pop(layer, None)
@@ -161,7 +166,7 @@ class PromoePolicy:
         n = h.shape[0]
         known = Known(target=t, distance=self.distance, hidden=h, tokens=np.zeros(n, np.int32),
                       prev_ids=np.full((n, self.predictor.spec.k), -1, np.int32))
-        cap = min(self.per_token, n_slots) if n == 1 else n_slots
+        cap = self.prefetch_cap(n, n_slots)
         pred = Prediction(target, layer, tuple(predicted_experts(self.predictor.scores(known), self.per_token, cap)))
         self._predictions[target] = pred
         pinned = set(pred.experts)

@@ -48,6 +48,9 @@ class CacheConfig:
     copy_timing: CopyTiming | None = None
     # promoe with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
     prefetch_admission: bool = True
+    # dali: experts of the next MoE layer its residual predictor prefetches per layer (DALI's prefetch size,
+    # edgemoe.policies.dali_prefetch); 0: replacement only, which runs natively
+    dali_prefetch: int = 0
     # on a device: compute the cached experts there while the CPU computes the others (llama_moe_cache_set_overlap);
     # False runs the two one after the other, as llama.cpp's scheduler does
     overlap: bool = True
@@ -58,9 +61,14 @@ class CacheConfig:
     # its own loads (its model of the copy queue counts the chunks)
     async_loads: bool | None = None
 
+    @property
+    def prefetcher(self) -> bool:
+        """Does a prefetcher run this cache from the routing hook (promoe, dali with dali_prefetch)?"""
+        return self.policy == PolicyKind.PROMOE.value or (self.policy == PolicyKind.DALI.value and self.dali_prefetch > 0)
+
     def loads_async(self, device: Any) -> bool:
         """Whether the load worker issues this cache's loads on device (None: the CPU stand-in, which has none)."""
-        if self.policy == PolicyKind.PROMOE.value or device is None:
+        if self.prefetcher or device is None:
             return False
         if self.async_loads is not None:
             return self.async_loads

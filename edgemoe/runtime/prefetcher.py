@@ -1,4 +1,5 @@
-"""The engine side of the promoe policy: ProMoE's prefetcher (edgemoe.policies.prefetch) in the routing hook.
+"""The engine side of the prefetching policies in the routing hook: promoe (ProMoE's prefetcher,
+edgemoe.policies.prefetch) and dali with its prefetcher (edgemoe.policies.dali_prefetch).
 
 At each MoE layer's routing callback the controller hands the routed ids and the router input to a
 `PolicyDriver` (edgemoe.policies.replay), which runs `PromoePolicy` over a `CacheModel` of this
@@ -21,9 +22,10 @@ from typing import Any
 from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
 from ..policies.copy_queue import CacheModel, CancelOp, IssueOp, NativeOp, PrefetchOp, SyncOp
+from ..policies.dali_prefetch import DALI_PREFETCH_DISTANCE, DaliPrefetchPolicy
 from ..policies.prefetch import PromoePolicy
 from ..policies.replay import PolicyDriver
-from ..policies.residency import Load
+from ..policies.residency import Load, dali_default_update
 from ..policies.route import RouteRecord
 from ..predictors.base import Predictor
 from ..predictors.gate import GatePredictor
@@ -34,7 +36,8 @@ from .expert_cache import CacheConfig, CacheController, ExpertCache, ExpertCache
 log = logging.getLogger(__name__)
 
 
-def prefetch_predictor(model: Path, calibration: Path | None, kind: str, distance: int) -> tuple[Predictor, str | None]:
+def prefetch_predictor(model: Path, calibration: Path | None, kind: str, distance: int,
+                       policy: str = "promoe") -> tuple[Predictor, str | None]:
     """The calibration's predictor of `kind` at `distance`, else gate reuse (it needs only the GGUF's routers);
     the second value says why it fell back (None when it did not)."""
     spec = spec_for_model(model)
@@ -46,8 +49,9 @@ def prefetch_predictor(model: Path, calibration: Path | None, kind: str, distanc
     else:
         why = f"{model.name} has no calibration"
     return GatePredictor(spec, distance), (
-        f"{why}: promoe predicts with the gate predictor (layer l+{distance}'s router on layer l's router input, "
-        f"less accurate: docs/predictors.md); `edgemoe calibrate {model.name} --corpus FILE` trains the mlp predictor")
+        f"{why}: {policy} predicts with the gate predictor (layer l+{distance}'s router on layer l's router input, "
+        f"less accurate: docs/predictors.md); `edgemoe calibrate {model.name} --corpus FILE` trains the {kind} "
+        "predictor")
 
 
 class PrefetchController(CacheController):
@@ -105,17 +109,30 @@ class PrefetchController(CacheController):
         return {"prefetch": {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
                              "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
                              "predictor": f"{self.policy.predictor.kind.value}-d{self.policy.distance}",
-                             "extra": self.policy.extra, "admission": self.policy.timing is not None,
+                             "extra": self.policy.extra, "per_layer_cap": self.policy.prefetch_cap(1, 1 << 30),
+                             "admission": self.policy.timing is not None,
                              "timing": timing.describe() if timing is not None else "every queued chunk at once"}}
 
 
 def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: ModelInfo) -> PrefetchController:
-    """The promoe controller over `cache`: the calibration's predictor (gate reuse without one)."""
+    """The promoe (or dali with its prefetcher) controller over `cache`: the calibration's predictor (gate reuse
+    without one)."""
+    timing = config.copy_timing if config.prefetch_admission else None
+    if config.policy == "dali":
+        if config.blocking:
+            raise EdgeMoeError("dali's prefetcher runs a missed expert on the CPU: drop --blocking-loads")
+        pred, note = prefetch_predictor(model, config.calibration, "residual", DALI_PREFETCH_DISTANCE, "dali")
+        if note:
+            log.info("%s", note)
+        update = dali_default_update(info.n_expert) if config.dali_update is None else config.dali_update
+        dali = DaliPrefetchPolicy(cache.n_slots, list(info.moe_layers), pred, info.n_expert, size=config.dali_prefetch,
+                                  window=config.dali_window, update=update, timing=timing)
+        return PrefetchController(cache, dali, config, alloc=config.alloc, note=note)
     if config.prefetch_distance < 1:
         raise EdgeMoeError(f"--prefetch-distance {config.prefetch_distance}: use >= 1 (ProMoE's stride is 2)")
     pred, note = prefetch_predictor(model, config.calibration, config.prefetch_predictor, config.prefetch_distance)
     if note:
         log.info("%s", note)
     policy = PromoePolicy(cache.n_slots, list(info.moe_layers), pred, extra=config.prefetch_extra,
-                          blocking=config.blocking, timing=config.copy_timing if config.prefetch_admission else None)
+                          blocking=config.blocking, timing=timing)
     return PrefetchController(cache, policy, config, alloc=config.alloc, note=note)

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
 from ..policies.gating import GatingPolicy, GatingRule
-from ..policies.residency import PolicyKind, make_policy
+from ..policies.residency import make_policy
 from ..policies.route import RoutePolicy
 from . import native
 from .expert_cache import CacheConfig, CacheController, ExpertCache
@@ -126,7 +126,7 @@ class RoutingMixin:
             self.cache = None
         if config is not None:
             slots = config.slots(list(self.info.moe_layers), self.info.n_expert)
-            prefetch = config.policy == PolicyKind.PROMOE.value
+            prefetch = config.prefetcher
             policy = None if prefetch else make_policy(
                 config.policy, slots, blocking=config.blocking, calibration=config.calibration,
                 n_expert=self.info.n_expert, window=config.dali_window, update=config.dali_update)
