@@ -86,29 +86,33 @@ def test_cache_on_gpu_close_to_experts_on_cpu(fixture_model: Path, slots: int, p
         assert st["hits"] > 0
 
 
+def _gpu_cache_run(path: Path, config: object) -> tuple[list[np.ndarray], dict, dict]:
+    """The GPU layout (every layer offloaded, routed experts in CPU memory) with the cache `config` on the GPU:
+    (prefill logits and 8 single-token steps', the cache's stats, the control counters)."""
+    with Engine(path, LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_gpu_layers=999)) as eng:
+        moe = tuple(eng.info.moe_layers)
+    with Engine(path, LoadConfig(**CACHE_PLAIN, cpu_expert_layers=moe)) as eng:
+        cache = eng.enable_expert_cache(config, device=native.gpu_device())  # type: ignore[arg-type]
+        assert cache is not None
+        eng.reset_control_stats()
+        toks = eng.tokenize(PROMPT * 4)[:60]
+        got = [np.array(eng.eval_logits(toks[:-8])), *_steps(eng, toks[-8:])]
+        return got, cache.stats(), eng.control_stats()
+
+
 def test_overlap_on_gpu_equals_serial(fixture_model: Path) -> None:
     """Patch 0016 on CUDA: the cached experts run while the CPU computes the others; the logits are the
     serial order's up to where the two halves are added (the device or the CPU), one overlapped split per
     MoE layer and ubatch."""
     from edgemoe.runtime.expert_cache import CacheConfig
 
-    with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_gpu_layers=999)) as eng:
-        moe = tuple(eng.info.moe_layers)
-        n_expert = eng.info.n_expert
-    cfg = LoadConfig(**CACHE_PLAIN, cpu_expert_layers=moe)
-    runs = {}
-    for overlap in (True, False):
-        with Engine(fixture_model, cfg) as eng:
-            eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru", overlap=overlap),
-                                    device=native.gpu_device())
-            eng.reset_control_stats()
-            toks = eng.tokenize(PROMPT * 4)[:60]
-            got = [np.array(eng.eval_logits(toks[:-8])), *_steps(eng, toks[-8:])]
-            runs[overlap] = (got, eng.control_stats())
-    (on, st_on), (off, st_off) = runs[True], runs[False]
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        n_moe, n_expert = len(eng.info.moe_layers), eng.info.n_expert
+    runs = {o: _gpu_cache_run(fixture_model, CacheConfig(n_expert // 2, policy="lru", overlap=o)) for o in (True, False)}
+    (on, _, st_on), (off, _, st_off) = runs[True], runs[False]
     for a, b in zip(on, off):
         assert _nmse(a, b) < 1e-9
-    assert st_on["n_overlap"] == st_on["n_ubatch"] * len(moe) and st_off["n_overlap"] == 0, (st_on, st_off)
+    assert st_on["n_overlap"] == st_on["n_ubatch"] * n_moe and st_off["n_overlap"] == 0, (st_on, st_off)
     assert st_on["n_host_syncs"] == 0
 
 
@@ -117,19 +121,10 @@ def test_load_worker_on_gpu(fixture_model: Path) -> None:
     the logits stay within the cache's tolerance of the caller-issued run, and no host sync per layer."""
     from edgemoe.runtime.expert_cache import CacheConfig
 
-    with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_gpu_layers=999)) as eng:
-        moe = tuple(eng.info.moe_layers)
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
         n_expert = eng.info.n_expert
-    cfg = LoadConfig(**CACHE_PLAIN, cpu_expert_layers=moe)
-    runs = {}
-    for async_loads in (None, False):
-        with Engine(fixture_model, cfg) as eng:
-            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="lru", async_loads=async_loads),
-                                            device=native.gpu_device())
-            eng.reset_control_stats()
-            toks = eng.tokenize(PROMPT * 4)[:60]
-            got = [np.array(eng.eval_logits(toks[:-8])), *_steps(eng, toks[-8:])]
-            runs[async_loads] = (got, cache.stats(), eng.control_stats())
+    runs = {a: _gpu_cache_run(fixture_model, CacheConfig(n_expert // 4, policy="lru", async_loads=a))
+            for a in (None, False)}
     (on, cs_on, st_on), (off, cs_off, _) = runs[None], runs[False]
     for a, b in zip(on, off):
         assert _nmse(a, b) < 1e-4

@@ -2,6 +2,7 @@
 """CPU cost of the expert cache's split execution, against the same library without it, one run.
 
   .venv/bin/python tools/bench_cache_cpu.py MODEL... [--gen 64] [--reps 3] [--threads 2] [--slots 8]
+                                             [--variants VARIANT...] [--json OUT]
 
 Decode tokens/s (median of --reps, runs interleaved) for:
   stock            llama.cpp's graph, CPU weight repacking on (its default)
@@ -12,6 +13,9 @@ Decode tokens/s (median of --reps, runs interleaved) for:
   lru-hook         --slots slots, lru run by the Python policy in the routing hook (a stop and a Python
                    call per MoE layer; the stand-in cache computes on the CPU)
   lru              --slots slots, lru in the graph (tables; native LRU after each step)
+  dali-hook        --slots slots, DALI's replacement run by the Python DaliPolicy in the routing hook
+  dali             --slots slots, DALI's replacement in the graph (tables; native DALI after each step, 0019)
+(--variants picks some; stock always runs.)
 Ratios are against `stock`. On a CPU-only build the cache device is a CPU buffer: no speedup is possible,
 this measures what the split costs.
 """
@@ -33,17 +37,19 @@ from edgemoe.runtime.expert_cache import CacheConfig  # noqa: E402
 from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+VARIANTS = ("stock", "stock-plain", "empty-callback", "empty-cache", "lru-hook", "lru", "dali-hook", "dali")
 
 
 def decode_tps(path: Path, variant: str, gen: int, threads: int, slots: int) -> float:
     plain = variant == "stock-plain"
     with Engine(path, LoadConfig(n_ctx=512, n_threads=threads, use_extra_bufts=not plain)) as eng:
         if variant != "stock" and variant != "stock-plain":
-            eng.enable_expert_cache(CacheConfig(slots, policy="manual" if variant.startswith("empty") else "lru"))
+            policy = "manual" if variant.startswith("empty") else variant.removesuffix("-hook")
+            eng.enable_expert_cache(CacheConfig(slots, policy=policy))
         if variant == "empty-callback":
             assert eng.cache is not None
             eng.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK)
-        if variant == "lru-hook":
+        if variant.endswith("-hook"):
             eng.set_policies([FnPolicy(lambda r: None)])  # a Python policy takes the cache into the hook
         g = eng.generate(PROMPT, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
     return g.timings.decode_tps
@@ -56,8 +62,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS[1:],
+                    default=["stock-plain", "empty-callback", "empty-cache", "lru-hook", "lru"])
+    ap.add_argument("--json", type=Path, help="also write the rows (with every run) here")
     args = ap.parse_args()
-    variants = ["stock", "stock-plain", "empty-callback", "empty-cache", "lru-hook", "lru"]
+    variants = ["stock", *args.variants]
     rows = []
     for path in args.models:
         runs: dict[str, list[float]] = {v: [] for v in variants}
@@ -68,8 +77,10 @@ def main() -> int:
         row = {"model": path.name, "threads": args.threads, "slots": args.slots,
                **{f"{v}_decode_tps": round(med[v], 2) for v in variants},
                **{f"{v}_ratio": round(med[v] / med["stock"], 3) for v in variants[1:]}}
-        rows.append(row)
+        rows.append({**row, "reps": args.reps, "gen": args.gen, "runs": runs})
         print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 
