@@ -17,6 +17,8 @@ Checks, each against stock llama.cpp on the same GGUF:
   bitwise, with hits.
 - cache-dali: DALI's workload-aware replacement run natively (patch 0019; half the experts per layer, at
   least one, a window of 2 tokens) == stock logits bitwise, with hits and loads and no host sync.
+- cache-dali-prefetch: dali with its residual-based prefetcher (gate reuse without a calibration), one slot
+  per layer, == stock logits bitwise (on the .k1 copies, as cache-promoe).
 - cache-promoe: ProMoE's prefetcher (gate reuse one layer ahead: no calibration), one slot per layer,
   == stock logits bitwise (on the .k1 copies, see the check).
 """
@@ -242,9 +244,31 @@ def check_cache_promoe(path: Path) -> dict:
     return dict(ok=True, detail=f"promoe cache == stock bitwise ({seen})")
 
 
+def check_cache_dali_prefetch(path: Path) -> dict:
+    """dali with its prefetcher (no calibration: gate reuse one layer ahead), one slot per layer, prefetch size
+    1, == stock logits bitwise, with prefetches issued where there is a next layer. On the .k1 copies, as
+    promoe: it runs in the routing hook."""
+    from edgemoe.gguf.info import read_model_info
+
+    info = read_model_info(path)
+    toks = _tokens(info.n_vocab, 48)
+    ref, _ = _cache_run(path, toks, 12, None)
+    got, st = _cache_run(path, toks, 12, 1, policy="dali", dali_prefetch=1, dali_window=2)
+    assert st is not None
+    pf = st.get("prefetch") or {}
+    seen = f"hits {st['hits']}, misses {st['misses']}, prefetches issued {pf.get('issued')}, useful {pf.get('useful')}"
+    if not np.array_equal(got, ref):
+        return dict(ok=False, detail=f"dali-prefetch cache vs stock ({seen}): " + _diff(got, ref))
+    if st["hits"] + st["misses"] == 0:
+        return dict(ok=False, detail=f"dali-prefetch: the cache was not used ({seen})")
+    if len(info.moe_layers) > 1 and not pf.get("issued"):
+        return dict(ok=False, detail=f"dali-prefetch: no prefetch issued ({seen})")
+    return dict(ok=True, detail=f"dali-prefetch cache == stock bitwise ({seen})")
+
+
 CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
           "cache-static": check_cache_static, "cache-dali": check_cache_dali, "scale-applies": check_scale_applies,
-          "cache-promoe": check_cache_promoe}
+          "cache-promoe": check_cache_promoe, "cache-dali-prefetch": check_cache_dali_prefetch}
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ have (arch_models.rewrite_gguf). Per architecture:
   logits, bitwise.
 - cache-dali: DALI's replacement run natively (patch 0019) == stock logits, bitwise, no host sync.
 - cache-promoe (on the .k1 copies): ProMoE's prefetcher with one slot == stock logits, bitwise, with
-  prefetches issued.
+  prefetches issued; cache-dali-prefetch the same for dali with its prefetcher.
 test_one_expert_per_token runs them on copies with expert_used_count 1 (the router chooses one of
 the two experts); test_with_optional_expert_scales on the files with the per-expert ffn_*_exps.scale
 tensors and test_files_as_llama_cpp_wrote_them_load loads the files as written, for a few
@@ -47,7 +47,7 @@ WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
 # the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
 # variant file those of its VARIANT_CHECKS
 BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-dali")
-WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "scale-applies")
+WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "cache-dali-prefetch", "scale-applies")
 TIMEOUT_S = 180
 
 # (arch, check) pairs that fail for a known, precise reason: strict, so a fix shows up as XPASS
@@ -65,6 +65,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("refact", "cache-static"): _REFACT + " (0 hits)",
     ("refact", "cache-dali"): _REFACT + " (0 hits, 0 loads)",
     ("refact", "cache-promoe"): _REFACT + " (the cache was not used)",
+    ("refact", "cache-dali-prefetch"): _REFACT + " (the cache was not used)",
 }
 # (arch, check) that compare dropping experts with stock at a smaller top-k, where that cannot be equal;
 # only where k >= 2 (the .k1 copies have nothing to drop: verify skips drop-last, gating-top1 is skipped)
@@ -98,7 +99,8 @@ def _moe_entries() -> list[dict]:
 # the checks run on an architecture's other files (arch_models: <arch>.scaled.gguf, <arch>.k1.gguf;
 # the weight-scale copies below)
 VARIANT_CHECKS = {"scaled": ("generate", "verify", "gating-top1", "cache"),
-                  "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache", "cache-promoe"),
+                  "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache", "cache-promoe",
+                         "cache-dali-prefetch"),
                   "wscale": ("generate", "verify", "gating-top1", "cache", "scale-applies")}
 
 # Architectures whose graph reads expert_weights_scale and expert_weights_norm (test-llama-archs writes
