@@ -62,6 +62,17 @@ def test_bench_alloc_equal_and_dali() -> None:
     assert set(row["cache"]["slots_per_layer"].values()) == {out["slots_per_layer"]}
 
 
+def test_bench_daop() -> None:
+    """daop in bench: its row runs (the calibration's decode counts place it; the prompt swaps it)."""
+    res = CliRunner().invoke(cli, ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens",
+                                   "32", "--gen-tokens", "4", "-t", "2", "--json", "--alloc", "equal",
+                                   "--policy", "daop", "--profile", "none"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    row = out["rows"][-1]
+    assert row["name"] == "edgemoe daop" and row["cache"]["hits"] > 0 and row["decode_tps"] > 0
+
+
 def test_best_n_cpu_moe_is_the_fewest_layers_that_fit() -> None:
     info = read_model_info(FIXTURE_MODELS[0])
     per_layer = info.bytes_per_expert_by_layer[0] * info.n_expert

@@ -170,6 +170,29 @@ def test_simulated_lru_hit_rate_equals_the_residency_replay() -> None:
     assert _by_name(res)["edgemoe-lru"].hit_rate == pytest.approx(want.hit_rate)
 
 
+def test_simulated_daop_hit_rate_equals_the_residency_replay(tmp_path: Path) -> None:
+    """daop in the performance model: placed by the decode counts of the trace's first half (or of the
+    calibration), replayed over the rest with its prompt swaps, as DaopPolicy replays on the same steps."""
+    from edgemoe.perf.simulate import static_frequency
+    from edgemoe.perf.workload import Workload
+    from edgemoe.policies.daop import DaopPolicy
+
+    tr = skewed_trace(QWEN)
+    info = read_model_info(QWEN)
+    prof = load_profile("rtx4060-laptop")
+    res = simulate(QWEN, tr, prof, SimSpec(vram=518 * 2**20, n_ctx=512, policies=("static", "daop")))
+    slots = res.slots_per_layer
+    full = build_workload(tr, info.moe_layers, info.n_expert, info.n_expert_used)
+    placed = tuple(s for s in full.steps if s.seq < 2 and s.phase == DECODE)
+    freq = static_frequency(Workload(placed, full.moe_layers, full.n_expert))
+    rest = [s for s in full.steps if s.seq >= 2]
+    steps = [[(il, s.ids[:, j, :]) for j, il in enumerate(info.moe_layers)] for s in rest]
+    want = replay_residency(DaopPolicy(freq, {il: slots for il in info.moe_layers}, info.n_expert), steps)
+    got = _by_name(res)["edgemoe-daop"]
+    assert got.hit_rate == pytest.approx(want.hit_rate) and 0 < want.hit_rate < 1
+    assert "daop" in res.workload_note
+
+
 def test_simulation_configurations_follow_the_budget() -> None:
     tr = skewed_trace(QWEN)
     prof = load_profile("rtx4060-laptop")

@@ -16,7 +16,7 @@ from .types import THREADS, GGUFPath, OutputPath, Size
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("-t", "--threads", type=THREADS, default=0, help="CPU threads (default: physical cores)")
-@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "dali", "static", "promoe"]),
+@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "dali", "static", "daop", "promoe"]),
               default=("lru", "static"), show_default=True, help="edgemoe policies to run (repeatable)")
 @click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP)
 @click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,

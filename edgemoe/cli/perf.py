@@ -48,7 +48,7 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,
               help="context the KV cache is planned for")
 @click.option("--ubatch", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "static", "dali"]),
+@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "static", "dali", "daop"]),
               default=("lru", "static"),
               show_default=True, help="edgemoe cache policies to project (repeatable)")
 @click.option("--gating", type=click.Choice(["score", "ser"]), default=None,

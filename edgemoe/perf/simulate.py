@@ -19,6 +19,7 @@ from typing import Any
 
 from ..analysis.trace import DECODE, PREFILL
 from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, vram_plan
+from ..policies.daop import DaopPolicy
 from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
 from .costmodel import LayerCosts, ModelShape
 from .profile import MachineProfile
@@ -288,6 +289,8 @@ def run_config(cfg: Config, work: Workload, shape: ModelShape, prof: MachineProf
     if policy is None and cfg.policy is not None:
         if cfg.policy == "static" and frequency is not None:
             policy = StaticPolicy(frequency, dict(cfg.slots))
+        elif cfg.policy == "daop" and frequency is not None:
+            policy = DaopPolicy(frequency, dict(cfg.slots), shape.n_expert, blocking=cfg.blocking)
         else:
             policy = make_policy(cfg.policy, dict(cfg.slots), blocking=cfg.blocking, calibration=calibration,
                                  n_expert=shape.n_expert)
@@ -348,21 +351,25 @@ def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
         nodes = estimate_graph_nodes(shape)
         notes.append(f"graph nodes estimated ({nodes[1]} per decode step)")
     moe, n_exp, k = shape.moe_layers, shape.n_expert, shape.n_expert_used
-    first_seq, frequency = 0, None
-    if any(c.policy == "static" for c in cfgs):
+    first_seq, frequency, decode_frequency = 0, None, None
+    if any(c.policy in ("static", "daop") for c in cfgs):
         if spec.calibration is not None:
             frequency = load_frequency(spec.calibration, n_expert=n_exp, layers=list(moe))
+            decode_frequency = load_frequency(spec.calibration, n_expert=n_exp, layers=list(moe), phase="decode")
         else:  # place by the first half of the trace's sequences, replay the second half (for every config)
             seqs = sorted({int(x) for x in trace.seq})
             first_seq = seqs[len(seqs) // 2] if len(seqs) > 1 else 0
             full = build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch)
             placed = tuple(s for s in full.steps if s.seq < first_seq) if first_seq else full.steps
             frequency = static_frequency(Workload(placed, full.moe_layers, full.n_expert))
+            # DAOP's initial placement: the decode phase's counts (all of them where the trace has no decode)
+            decoded = tuple(s for s in placed if s.phase == DECODE) or placed
+            decode_frequency = static_frequency(Workload(decoded, full.moe_layers, full.n_expert))
             if first_seq:
-                notes.append(f"static placement from the trace's sequences before {first_seq}; "
+                notes.append(f"static (daop) placement from the trace's sequences before {first_seq}; "
                              "every configuration replays the rest")
             else:
-                notes.append("static placement from the whole trace (one sequence only): optimistic")
+                notes.append("static (daop) placement from the whole trace (one sequence only): optimistic")
     plain = build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, first_seq=first_seq)
     gated = (build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, gating=gating, first_seq=first_seq)
              if gating is not None else None)
@@ -370,7 +377,8 @@ def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
         notes.append(plain.note)
     on_gpu = prof.has_gpu and spec.vram > 0
     results = [run_config(c, gated if c.gated and gated is not None else plain, shape, prof, nodes, on_gpu=on_gpu,
-                          overlap=spec.overlap, calibration=spec.calibration, frequency=frequency)
+                          overlap=spec.overlap, calibration=spec.calibration,
+                          frequency=decode_frequency if c.policy == "daop" else frequency)
                for c in cfgs]
     return SimResult(model=shape.name, profile=prof.name, vram=spec.vram, slots_per_layer=slots, n_cpu_moe=n_cpu,
                      workload_note="; ".join(notes), configs=results)
