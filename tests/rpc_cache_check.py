@@ -111,10 +111,21 @@ def main(path: Path) -> dict[str, object]:
             out[f"worker_{async_loads}"] = {"equal": same(got, stock_layout), **cache.stats(),
                                             "n_host_syncs": eng.control_stats()["n_host_syncs"]}
 
+    # staging buffers (patch 0020): none by default on RPC (no host buffer type); forced into plain host memory,
+    # every chunk goes through one, with one buffer (each send waited for before the next copy) and with four
+    for n_staging in (0, 1, 4):
+        with Engine(path, gpu_layout) as eng:
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru", async_loads=True), device=dev)
+            if n_staging:
+                assert native.moe_cache_set_staging(eng._ctx, n_staging, True) == 0
+            got = run(eng, toks)
+            out[f"staging_{n_staging}"] = {"equal": same(got, stock_layout), **cache.stats()}
+
     # the caller's cache calls racing the worker: random loads, prefetches (some into slots being copied),
     # partial issues and state queries between tokens; afterwards every load is resident or gone
     with Engine(path, gpu_layout) as eng:
         cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="manual", async_loads=True), device=dev)
+        assert native.moe_cache_set_staging(eng._ctx, 2, True) == 0  # two staging buffers, reused all the time
 
         def churn() -> None:
             for il in layers:

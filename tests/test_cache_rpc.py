@@ -56,9 +56,14 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         assert on["n_host_syncs"] == 0 == off["n_host_syncs"], (on, off)
         # by default not on the RPC device, whose one connection carries copies and graph runs in one FIFO
         assert out["lru_stats"]["worker_chunks"] == 0 < out["lru_stats"]["chunks"], out["lru_stats"]
+        # staging (0020): none where the device has no host buffer type, every chunk through one when forced
+        assert out["staging_0"]["equal"] and out["staging_0"]["staged_chunks"] == 0, out["staging_0"]
+        for n in (1, 4):
+            st = out[f"staging_{n}"]
+            assert st["equal"] and st["staged_chunks"] == st["chunks"] > 0, (n, st)
         churn = out["worker_churn"]
         assert churn["equal"] and churn["states"] == ["absent", "resident"], churn
-        assert churn["worker_chunks"] > 0 and churn["preempted"] > 0, churn
+        assert churn["worker_chunks"] > 0 and churn["preempted"] > 0 and churn["staged_chunks"] > 0, churn
         # gating in the graph on both branches of the overlapped layers: the gated logits without a cache
         g = out["gated_overlap_stats"]
         assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)

@@ -117,8 +117,9 @@ def test_overlap_on_gpu_equals_serial(fixture_model: Path) -> None:
 
 
 def test_load_worker_on_gpu(fixture_model: Path) -> None:
-    """Patch 0018 on CUDA: the load worker issues every chunk of the native LRU (on by default on a GPU),
-    the logits stay within the cache's tolerance of the caller-issued run, and no host sync per layer."""
+    """Patches 0018 and 0020 on CUDA: the load worker issues every chunk of the native LRU (on by default on a
+    GPU) through pinned staging buffers, the logits stay within the cache's tolerance of the caller-issued run,
+    and no host sync per layer."""
     from edgemoe.runtime.expert_cache import CacheConfig
 
     with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
@@ -129,6 +130,8 @@ def test_load_worker_on_gpu(fixture_model: Path) -> None:
     for a, b in zip(on, off):
         assert _nmse(a, b) < 1e-4
     assert cs_on["worker_chunks"] == cs_on["chunks"] > 0 and cs_off["worker_chunks"] == 0, (cs_on, cs_off)
+    # patch 0020: every chunk goes through a pinned staging buffer (CUDA has a host buffer type)
+    assert cs_on["staged_chunks"] == cs_on["chunks"] and cs_off["staged_chunks"] == cs_off["chunks"], (cs_on, cs_off)
     assert st_on["n_host_syncs"] == 0
 
 

@@ -220,6 +220,8 @@ class ExpertCache:
                 "issue_s": st.us_issue / 1e6, "load_waits": int(st.load_waits),
                 # the chunks llama.cpp's load worker issued, and the time the caller waited for its chunk in flight
                 "worker_chunks": int(st.chunks_async), "worker_wait_s": st.us_worker / 1e6,
+                # the chunks sent from a staging buffer in the device's host memory (pinned on CUDA)
+                "staged_chunks": int(st.chunks_staged),
                 # routed expert slots computed from the cache (the GPU) among those of cached layers
                 # (layers given no slots are left out of every counter)
                 "gpu_expert_share": share,

@@ -19,8 +19,8 @@ from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
 # 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
-# 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17).
-REQUIRED_PATCH_LEVEL = 17
+# 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17, 0020 sets 18).
+REQUIRED_PATCH_LEVEL = 18
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class MoeCacheStats(ctypes.Structure):
         ("load_waits", ctypes.c_uint64),  # loads the compute stream waited for at a ubatch start (patch 0017)
         ("chunks_async", ctypes.c_uint64),  # of the chunks, those the load worker issued (patch 0018)
         ("us_worker", ctypes.c_uint64),  # host time the caller waited for the worker to finish a chunk (0018)
+        ("chunks_staged", ctypes.c_uint64),  # of the chunks, those sent from a staging buffer (0020)
     ]
 
 
@@ -280,6 +281,18 @@ _moe_cache_set_dali = _declare("llama_moe_cache_set_dali", [ctypes.c_void_p, cty
 def moe_cache_set_dali(ctx: Any, window: int, update: int) -> int:
     """The native DALI policy's window (tokens) and update (experts swapped per window); 0, or -1 if refused."""
     return int(_moe_cache_set_dali(ctx, window, update))
+
+
+# int32_t llama_moe_cache_set_staging(struct llama_context * ctx, int32_t n_buffers, bool any_host);
+_moe_cache_set_staging = _declare("llama_moe_cache_set_staging", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool],
+                                  ctypes.c_int32)
+
+
+def moe_cache_set_staging(ctx: Any, n_buffers: int, any_host: bool = False) -> int:
+    """Send the cache's loads from n_buffers staging buffers in the device's host memory (pinned on CUDA; the
+    library's default is 4; 0: from the mapped file); any_host: plain host memory where the device has no host
+    buffer type (RPC: for tests). 0, or -1 if refused."""
+    return int(_moe_cache_set_staging(ctx, n_buffers, any_host))
 
 
 # void llama_moe_cache_set_async(struct llama_context * ctx, bool async);
