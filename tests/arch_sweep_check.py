@@ -15,6 +15,8 @@ Checks, each against stock llama.cpp on the same GGUF:
 - cache-static: the static policy (half the experts per layer, at least one), calibrated on first use
   (edgemoe.calibration.auto, a small calibration into a temporary cache directory) == stock logits
   bitwise, with hits.
+- cache-daop: the daop policy the same way (DAOP's placement, a swap after the prompt, run natively: patch
+  0021), with no host sync.
 - cache-dali: DALI's workload-aware replacement run natively (patch 0019; half the experts per layer, at
   least one, a window of 2 tokens) == stock logits bitwise, with hits and loads and no host sync.
 - cache-dali-prefetch: dali with its residual-based prefetcher (gate reuse without a calibration), one slot
@@ -161,7 +163,8 @@ def check_cache(path: Path) -> dict:
     return dict(ok=True, detail="lru cache == stock bitwise (" + "; ".join(seen) + ")")
 
 
-def check_cache_static(path: Path) -> dict:
+def _calibrated_cache_check(path: Path, policy: str) -> dict:
+    """`policy` (static, daop: router frequencies), calibrated on first use, half the experts per layer."""
     import os
     import tempfile
 
@@ -174,16 +177,26 @@ def check_cache_static(path: Path) -> dict:
     slots = max(1, info.n_expert // 2)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["EDGEMOE_CACHE_DIR"] = tmp  # a first use: no calibration of this model anywhere
-        cal = ensure_calibration(path, STAGES_FOR["static"], "--policy static", n_threads=THREADS, tokens=512,
+        cal = ensure_calibration(path, STAGES_FOR["static"], f"--policy {policy}", n_threads=THREADS, tokens=512,
                                  ctx=128, echo=lambda msg: None)
-        got, st = _cache_run(path, toks, 12, slots, policy="static", calibration=cal)
+        got, st = _cache_run(path, toks, 12, slots, policy=policy, calibration=cal)
     assert st is not None
     used = f"{slots} slot(s): hits {st['hits']}, misses {st['misses']}, loads {st['loads']}"
     if not np.array_equal(got, ref):
-        return dict(ok=False, detail=f"static cache vs stock ({used}): " + _diff(got, ref))
+        return dict(ok=False, detail=f"{policy} cache vs stock ({used}): " + _diff(got, ref))
     if st["hits"] == 0:
-        return dict(ok=False, detail=f"static cache not used ({used})")
-    return dict(ok=True, detail=f"static cache, calibrated on first use, == stock bitwise ({used})")
+        return dict(ok=False, detail=f"{policy} cache not used ({used})")
+    if st["n_host_syncs"]:
+        return dict(ok=False, detail=f"{policy}: {st['n_host_syncs']} host syncs (not run natively; {used})")
+    return dict(ok=True, detail=f"{policy} cache, calibrated on first use, == stock bitwise ({used})")
+
+
+def check_cache_static(path: Path) -> dict:
+    return _calibrated_cache_check(path, "static")
+
+
+def check_cache_daop(path: Path) -> dict:
+    return _calibrated_cache_check(path, "daop")
 
 
 def check_cache_dali(path: Path) -> dict:
@@ -267,7 +280,7 @@ def check_cache_dali_prefetch(path: Path) -> dict:
 
 
 CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
-          "cache-static": check_cache_static, "cache-dali": check_cache_dali, "scale-applies": check_scale_applies,
+          "cache-static": check_cache_static, "cache-daop": check_cache_daop, "cache-dali": check_cache_dali, "scale-applies": check_scale_applies,
           "cache-promoe": check_cache_promoe, "cache-dali-prefetch": check_cache_dali_prefetch}
 
 

@@ -12,6 +12,7 @@ have (arch_models.rewrite_gguf). Per architecture:
 - cache: the lru expert cache on the CPU stand-in device == stock logits, bitwise.
 - cache-static: the static expert cache, calibrated on first use (edgemoe.calibration.auto), == stock
   logits, bitwise.
+- cache-daop: the daop policy, calibrated on first use, run natively (patch 0021) == stock logits, bitwise.
 - cache-dali: DALI's replacement run natively (patch 0019) == stock logits, bitwise, no host sync.
 - cache-promoe (on the .k1 copies): ProMoE's prefetcher with one slot == stock logits, bitwise, with
   prefetches issued; cache-dali-prefetch the same for dali with its prefetcher.
@@ -46,7 +47,7 @@ import arch_models  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
 # the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
 # variant file those of its VARIANT_CHECKS
-BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-dali")
+BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali")
 WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "cache-dali-prefetch", "scale-applies")
 TIMEOUT_S = 180
 
@@ -64,6 +65,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("refact", "cache"): _REFACT + " (0 hits, 0 loads)",
     ("refact", "cache-static"): _REFACT + " (0 hits)",
     ("refact", "cache-dali"): _REFACT + " (0 hits, 0 loads)",
+    ("refact", "cache-daop"): _REFACT + " (0 hits)",
     ("refact", "cache-promoe"): _REFACT + " (the cache was not used)",
     ("refact", "cache-dali-prefetch"): _REFACT + " (the cache was not used)",
 }
@@ -381,6 +383,11 @@ def test_expert_cache_equals_stock(sweep: SweepPool, entry: dict) -> None:
 @check("cache-static")
 def test_static_cache_calibrated_on_first_use_equals_stock(sweep: SweepPool, entry: dict) -> None:
     _assert(sweep, entry, "", "cache-static")
+
+
+@check("cache-daop")
+def test_native_daop_cache_calibrated_on_first_use_equals_stock(sweep: SweepPool, entry: dict) -> None:
+    _assert(sweep, entry, "", "cache-daop")
 
 
 @check("cache-dali")

@@ -215,6 +215,45 @@ def test_daop_generates_as_stock_and_its_counters_equal_the_replay(fixture_model
     assert sim.loads == sum(n_slots.values()) + live.n_swaps  # the placement, then one swap per prompt
 
 
+@pytest.mark.parametrize("n_ubatch,threshold", [(64, 1.05), (16, 1.05), (16, 2.0)])
+def test_native_daop_decides_as_the_python_policy(fixture_model: Path, n_ubatch: int, threshold: float) -> None:
+    """Patch 0021: DAOP's swap inside llama.cpp (no routing callback) = DaopPolicy replayed on the routes of
+    the same two generations (a prompt of one ubatch or several, then decode; the second prompt swaps again)."""
+    from edgemoe.policies.daop import DaopPolicy as Daop
+    from edgemoe.policies.residency import load_frequency
+
+    cal = default_calibration_dir(fixture_model)
+    config = dict(PLAIN, n_ubatch=n_ubatch)
+    recorder = StepRecorder()
+    prompts = (TEXT[:120], TEXT[40:170])
+    with Engine(fixture_model, LoadConfig(**config)) as eng:
+        eng.set_policies([recorder])
+        ref = [eng.generate(p, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens for p in prompts]
+        n_expert, layers = eng.info.n_expert, list(eng.info.moe_layers)
+    with Engine(fixture_model, LoadConfig(**config)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="daop", calibration=cal,
+                                                    daop_threshold=threshold))
+        assert cache is not None
+        got = [eng.generate(p, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens for p in prompts]
+        cache.sync()
+        st = cache.stats()
+        n_slots = dict(cache.n_slots)
+        assert eng.control_stats()["n_host_syncs"] == 0
+    assert got == ref
+    freq = load_frequency(cal, n_expert=n_expert, layers=layers, phase="decode")
+    sim = simulate(Daop(freq, n_slots, n_expert, threshold=threshold), recorder.steps)
+    assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
+    assert sim.loads > sum(n_slots.values())  # the placement, then swaps
+
+
+def test_native_daop_refuses_a_threshold_below_one(fixture_model: Path) -> None:
+    from edgemoe.runtime import native
+
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        eng.enable_expert_cache(CacheConfig(2, policy="manual"))
+        assert native.moe_cache_set_daop(eng._ctx, 0.99) == -1 and native.moe_cache_set_daop(eng._ctx, 1.0) == 0
+
+
 def test_degradation_in_a_generation_changes_only_non_resident_picks(fixture_model: Path) -> None:
     cal = default_calibration_dir(fixture_model)
     before, after = StepRecorder(), StepRecorder()
@@ -258,7 +297,11 @@ def test_cli_policy_daop(fixture_model: Path) -> None:
     res = CliRunner().invoke(cli, [*args, "--expert-slots", "2", "--policy", "daop"], catch_exceptions=False)
     out = json.loads(res.stdout.splitlines()[-1])
     assert out["cache"]["policy"] == "daop" and out["cache"]["hits"] > 0 and out["tokens"] == plain["tokens"]
-    assert out["control"]["n_host_syncs"] > 0  # daop runs in the routing hook
+    assert out["control"]["n_host_syncs"] == 0  # daop runs inside llama.cpp (patch 0021)
+    res = CliRunner().invoke(cli, [*args, "--expert-slots", "2", "--policy", "daop", "--blocking-loads"],
+                             catch_exceptions=False)
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert out["control"]["n_host_syncs"] > 0 and out["tokens"] == plain["tokens"]  # blocking: in the hook
 
 
 def test_rule_weights_reproduce_the_layers_own_weights(fixture_model: Path) -> None:

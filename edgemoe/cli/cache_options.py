@@ -16,11 +16,10 @@ POLICY_HELP = ("which experts the slots hold: lru (load misses for the next toke
                "workload-aware replacement: every --dali-window tokens the most-used absent experts "
                "replace the least-used resident ones; with --dali-prefetch also DALI's prefetcher, in the "
                "routing hook), daop (DAOP: the calibration's "
-               "most used decode experts, swapped once per prompt by the prompt's routing; runs in the routing "
-               "hook), static (the calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer "
+               "most used decode experts, swapped once per prompt by the prompt's routing), static (the calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer "
                "the calibration's predictor names the experts of the layer --prefetch-distance ahead, which are "
                "copied before it runs; an LRU otherwise; runs in the routing hook), manual (API only); lru, "
-               "dali, static and manual run inside llama.cpp's graph. static, daop, promoe and dali with "
+               "dali, daop, static and manual run inside llama.cpp's graph. static, daop, promoe and dali with "
                "--dali-prefetch calibrate a model without calibration data on first use")
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
               "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "

@@ -142,6 +142,14 @@ class DaopPolicy:
     def resident(self, layer: int) -> set[int]:
         return set(self._resident.get(layer, {}))
 
+    def reseed(self, slots: Mapping[int, Sequence[int]]) -> None:
+        """Go on from what is resident (layer -> slot of each expert, -1: absent); a prompt under way is forgotten."""
+        self._resident = {layer: {e: s for e, s in enumerate(per) if s >= 0} for layer, per in slots.items()
+                          if self.n_slots.get(layer, 0) > 0}
+        self._prompt.clear()
+        self._last_layer = None
+        self._prompt_step = False
+
 
 @dataclass
 class PromptSwapResidency:

@@ -21,6 +21,7 @@ from ..gguf.header import check_gguf
 from ..policies.route import RouteRecord
 from ..policies.copy_queue import CopyTiming
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
+from ..policies.daop import DAOP_SWAP_THRESHOLD, DaopPolicy
 from ..policies.residency import (DALI_WINDOW, DaliPolicy, Load, LruPolicy, ManualPolicy, PolicyKind,
                                   ResidencyPolicy, StaticPolicy)
 
@@ -51,6 +52,7 @@ class CacheConfig:
     # dali: experts of the next MoE layer its residual predictor prefetches per layer (DALI's prefetch size,
     # edgemoe.policies.dali_prefetch); 0: replacement only, which runs natively
     dali_prefetch: int = 0
+    daop_threshold: float = DAOP_SWAP_THRESHOLD  # daop: SwapInOut, a prompt's expert swaps in above this ratio
     # on a device: compute the cached experts there while the CPU computes the others (llama_moe_cache_set_overlap);
     # False runs the two one after the other, as llama.cpp's scheduler does
     overlap: bool = True
@@ -236,10 +238,10 @@ class CacheController:
     """Runs a residency policy: inside llama.cpp when it can, else as a route policy in the hook.
 
     In the graph (patch 0011): the cached layers split their ids with expert-to-slot tables, with no
-    host sync per layer; lru and dali run natively after each ubatch (the same decisions as LruPolicy
-    and DaliPolicy (0019), their loads prefetched on the copy stream and used from the next ubatch),
-    static and manual never load by themselves. In the hook (a Python policy is set, lru or dali with
-    blocking loads, daop): the policy sees each layer's final ids. Blocking: copied before the layer's
+    host sync per layer; lru, dali and daop run natively after each ubatch (the same decisions as
+    LruPolicy, DaliPolicy (0019) and DaopPolicy (0021), their loads prefetched on the copy stream and used
+    from the next ubatch), static and manual never load by themselves. In the hook (a Python policy is set,
+    or blocking loads): the policy sees each layer's final ids. Blocking: copied before the layer's
     experts run. Otherwise prefetched on the copy stream from the next layer's hook (after this
     layer's ids were mapped to slots, so an eviction never turns this step's hit into a miss) while
     the later layers compute, and used from the layer's next run.
@@ -271,7 +273,9 @@ class CacheController:
             return native.MOE_CACHE_POLICY_MANUAL
         if isinstance(self.policy, DaliPolicy) and not self.policy.blocking:
             return native.MOE_CACHE_POLICY_DALI
-        return native.MOE_CACHE_POLICY_CALLBACK  # a Python policy (daop, blocking dali), run in the routing hook
+        if isinstance(self.policy, DaopPolicy) and not self.policy.blocking:
+            return native.MOE_CACHE_POLICY_DAOP
+        return native.MOE_CACHE_POLICY_CALLBACK  # a Python policy with blocking loads, run in the routing hook
 
     def set_mode(self, policy: int) -> None:
         """Hand the policy to llama.cpp (policy != CALLBACK) or take it back into the hook."""
@@ -282,10 +286,15 @@ class CacheController:
             if native.moe_cache_set_dali(self.cache._ctx, self.policy.window, self.policy.update) != 0:
                 raise ExpertCacheError(f"llama.cpp refused dali window {self.policy.window} / update "
                                        f"{self.policy.update}: {native.recent_log()[-200:].strip()}")
+        if policy == native.MOE_CACHE_POLICY_DAOP:
+            assert isinstance(self.policy, DaopPolicy)
+            if native.moe_cache_set_daop(self.cache._ctx, self.policy.threshold) != 0:
+                raise ExpertCacheError(f"llama.cpp refused the daop threshold {self.policy.threshold}: "
+                                       f"{native.recent_log()[-200:].strip()}")
         if native.moe_cache_set_policy(self.cache._ctx, policy) != 0:
             raise ExpertCacheError(f"llama.cpp refused cache policy {policy}: {native.recent_log()[-200:].strip()}")
-        if policy == native.MOE_CACHE_POLICY_CALLBACK and isinstance(self.policy, (LruPolicy, DaliPolicy)):
-            # the Python LRU (DALI) goes on from what is resident (the native one did the same the other way)
+        if policy == native.MOE_CACHE_POLICY_CALLBACK and isinstance(self.policy, (LruPolicy, DaliPolicy, DaopPolicy)):
+            # the Python LRU (DALI, DAOP) goes on from what is resident (the native one did the same the other way)
             self.cache.sync()
             self.policy.reseed({il: self.cache.slots(il) or [] for il in self.cache.n_slots})
         self.mode = policy

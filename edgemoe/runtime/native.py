@@ -19,8 +19,8 @@ from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
 # 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
-# 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17, 0020 sets 18).
-REQUIRED_PATCH_LEVEL = 18
+# 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17, 0020 sets 18, 0021 sets 19).
+REQUIRED_PATCH_LEVEL = 19
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +255,7 @@ MOE_CACHE_POLICY_CALLBACK = 0  # the routing callback maps each cached layer's i
 MOE_CACHE_POLICY_MANUAL = 1  # expert-to-slot tables in the graph; only load/prefetch change them
 MOE_CACHE_POLICY_LRU = 2  # tables in the graph; a native per-layer LRU after each ubatch
 MOE_CACHE_POLICY_DALI = 3  # tables in the graph; DALI's workload-aware replacement after each ubatch (0019)
+MOE_CACHE_POLICY_DAOP = 4  # tables in the graph; DAOP's swap after each prompt (0021)
 
 # int32_t llama_moe_cache_set_policy(struct llama_context * ctx, enum llama_moe_cache_policy policy);
 _moe_cache_set_policy = _declare("llama_moe_cache_set_policy", [ctypes.c_void_p, ctypes.c_int], ctypes.c_int32)
@@ -281,6 +282,15 @@ _moe_cache_set_dali = _declare("llama_moe_cache_set_dali", [ctypes.c_void_p, cty
 def moe_cache_set_dali(ctx: Any, window: int, update: int) -> int:
     """The native DALI policy's window (tokens) and update (experts swapped per window); 0, or -1 if refused."""
     return int(_moe_cache_set_dali(ctx, window, update))
+
+
+# int32_t llama_moe_cache_set_daop(struct llama_context * ctx, double threshold);
+_moe_cache_set_daop = _declare("llama_moe_cache_set_daop", [ctypes.c_void_p, ctypes.c_double], ctypes.c_int32)
+
+
+def moe_cache_set_daop(ctx: Any, threshold: float) -> int:
+    """The native DAOP policy's swap threshold (SwapInOut); 0, or -1 if refused (below 1)."""
+    return int(_moe_cache_set_daop(ctx, threshold))
 
 
 # int32_t llama_moe_cache_set_staging(struct llama_context * ctx, int32_t n_buffers, bool any_host);

@@ -1,9 +1,9 @@
 """The MoE routing hook, adaptive top-k and the expert cache of an Engine: who decides each routing.
 
 RoutingMixin is a part of Engine (edgemoe.runtime.engine). Adaptive top-k and the expert cache's
-residency (expert-to-slot tables, the lru and dali policies) run inside llama.cpp's graph, with no host
+residency (expert-to-slot tables, the lru, dali and daop policies) run inside llama.cpp's graph, with no host
 round trip per MoE layer, while nothing needs the routing callback. A Python policy (or lru or dali with
-blocking loads, daop, promoe) needs it: then gating runs first in the hook chain, then the
+blocking loads, promoe, dali's prefetcher) needs it: then gating runs first in the hook chain, then the
 user's policies, then the expert-cache controller when its residency policy needs the routes; one
 HookChain serves all.
 """
@@ -129,7 +129,8 @@ class RoutingMixin:
             prefetch = config.prefetcher
             policy = None if prefetch else make_policy(
                 config.policy, slots, blocking=config.blocking, calibration=config.calibration,
-                n_expert=self.info.n_expert, window=config.dali_window, update=config.dali_update)
+                n_expert=self.info.n_expert, window=config.dali_window, update=config.dali_update,
+                swap_threshold=config.daop_threshold)
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, slots, device)
             native.moe_cache_set_overlap(self._ctx, config.overlap)
