@@ -234,54 +234,42 @@ def check_scale_applies(path: Path) -> dict:
     return dict(ok=True, detail="logits differ from the unscaled file's: " + _diff(got, ref))
 
 
-def check_cache_promoe(path: Path) -> dict:
-    """promoe (no calibration: gate reuse one layer ahead), one slot per layer, == stock logits bitwise, with
-    prefetches issued where there is a layer ahead. Run on the .k1 copies: promoe runs in the routing hook,
-    whose cache split keeps the slot ids beside the routed ids in the top-k's row, so it needs 2k <= n_expert
-    (with more, the layer runs without its cache: equal to stock, but nothing to check)."""
+def _prefetcher_check(path: Path, name: str, **config: object) -> dict:
+    """A prefetcher in the routing hook (no calibration: gate reuse one layer ahead), one slot per layer, ==
+    stock logits bitwise, with prefetches issued where there is a layer ahead. Run on the .k1 copies: the hook's
+    cache split keeps the slot ids beside the routed ids in the top-k's row, so it needs 2k <= n_expert (with
+    more, the layer runs without its cache: equal to stock, but nothing to check)."""
     from edgemoe.gguf.info import read_model_info
 
     info = read_model_info(path)
     toks = _tokens(info.n_vocab, 48)
     ref, _ = _cache_run(path, toks, 12, None)
-    got, st = _cache_run(path, toks, 12, 1, policy="promoe", prefetch_distance=1)
+    got, st = _cache_run(path, toks, 12, 1, **config)
     assert st is not None
     pf = st.get("prefetch") or {}
     seen = f"hits {st['hits']}, misses {st['misses']}, prefetches issued {pf.get('issued')}, useful {pf.get('useful')}"
     if not np.array_equal(got, ref):
-        return dict(ok=False, detail=f"promoe cache vs stock ({seen}): " + _diff(got, ref))
+        return dict(ok=False, detail=f"{name} cache vs stock ({seen}): " + _diff(got, ref))
     if st["hits"] + st["misses"] == 0:
-        return dict(ok=False, detail=f"promoe: the cache was not used ({seen})")
+        return dict(ok=False, detail=f"{name}: the cache was not used ({seen})")
     if len(info.moe_layers) > 1 and not pf.get("issued"):
-        return dict(ok=False, detail=f"promoe: no prefetch issued ({seen})")
-    return dict(ok=True, detail=f"promoe cache == stock bitwise ({seen})")
+        return dict(ok=False, detail=f"{name}: no prefetch issued ({seen})")
+    return dict(ok=True, detail=f"{name} cache == stock bitwise ({seen})")
+
+
+def check_cache_promoe(path: Path) -> dict:
+    return _prefetcher_check(path, "promoe", policy="promoe", prefetch_distance=1)
 
 
 def check_cache_dali_prefetch(path: Path) -> dict:
-    """dali with its prefetcher (no calibration: gate reuse one layer ahead), one slot per layer, prefetch size
-    1, == stock logits bitwise, with prefetches issued where there is a next layer. On the .k1 copies, as
-    promoe: it runs in the routing hook."""
-    from edgemoe.gguf.info import read_model_info
-
-    info = read_model_info(path)
-    toks = _tokens(info.n_vocab, 48)
-    ref, _ = _cache_run(path, toks, 12, None)
-    got, st = _cache_run(path, toks, 12, 1, policy="dali", dali_prefetch=1, dali_window=2)
-    assert st is not None
-    pf = st.get("prefetch") or {}
-    seen = f"hits {st['hits']}, misses {st['misses']}, prefetches issued {pf.get('issued')}, useful {pf.get('useful')}"
-    if not np.array_equal(got, ref):
-        return dict(ok=False, detail=f"dali-prefetch cache vs stock ({seen}): " + _diff(got, ref))
-    if st["hits"] + st["misses"] == 0:
-        return dict(ok=False, detail=f"dali-prefetch: the cache was not used ({seen})")
-    if len(info.moe_layers) > 1 and not pf.get("issued"):
-        return dict(ok=False, detail=f"dali-prefetch: no prefetch issued ({seen})")
-    return dict(ok=True, detail=f"dali-prefetch cache == stock bitwise ({seen})")
+    """dali with its residual-based prefetcher, prefetch size 1, a window of 2 tokens."""
+    return _prefetcher_check(path, "dali-prefetch", policy="dali", dali_prefetch=1, dali_window=2)
 
 
 CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
-          "cache-static": check_cache_static, "cache-daop": check_cache_daop, "cache-dali": check_cache_dali, "scale-applies": check_scale_applies,
-          "cache-promoe": check_cache_promoe, "cache-dali-prefetch": check_cache_dali_prefetch}
+          "cache-static": check_cache_static, "cache-daop": check_cache_daop, "cache-dali": check_cache_dali,
+          "scale-applies": check_scale_applies, "cache-promoe": check_cache_promoe,
+          "cache-dali-prefetch": check_cache_dali_prefetch}
 
 
 def main(argv: list[str]) -> int:
