@@ -31,6 +31,7 @@ import numpy as np
 from ..predictors.base import Predictor
 from .copy_queue import CacheModel, CopyTiming, LoadState, Priority
 from .prefetch import PrefetchError, PromoePolicy
+from .daop import swap_pairs
 from .residency import DALI_WINDOW, Load, used_experts
 
 DALI_PREFETCH_DISTANCE = 1  # DALI predicts the next MoE layer
@@ -92,12 +93,8 @@ class DaliPrefetchPolicy(PromoePolicy):
             e, req = cache.occupant(layer, s)
             if e >= 0 and (req is None or req.priority == Priority.REFILL):
                 placed[e] = s
-        incoming = [int(e) for e in np.argsort(-scores, kind="stable")
-                    if cache.state(layer, int(e)) is LoadState.ABSENT][:self.update]
-        outgoing = sorted(placed, key=lambda e: (scores[e], e))[:self.update]
-        for e_in, e_out in zip(incoming, outgoing):
-            if scores[e_in] <= scores[e_out]:
-                break
+        absent = [e for e in range(self.n_expert) if cache.state(layer, e) is LoadState.ABSENT]
+        for e_in, e_out in swap_pairs(scores, placed, threshold=1.0, max_pairs=self.update, outside=absent):
             self._swaps.append(Load(layer, e_in, placed[e_out]))
         scores[:] = 0
         self._tokens[layer] = 0

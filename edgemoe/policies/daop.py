@@ -27,7 +27,7 @@ DAOP's residency for text evaluated in one ubatch (`edgemoe perplexity`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,19 +58,23 @@ def initial_placement(frequency: np.ndarray, n_slots: int) -> list[int]:
 
 
 def swap_pairs(counts: np.ndarray, resident: Sequence[int] | set[int], *,
-               threshold: float = DAOP_SWAP_THRESHOLD, max_pairs: int | None = None) -> list[tuple[int, int]]:
+               threshold: float = DAOP_SWAP_THRESHOLD, max_pairs: int | None = None,
+               outside: Iterable[int] | None = None) -> list[tuple[int, int]]:
     """Algorithm 1's swaps for one layer: (CPU expert in, GPU expert out) pairs.
 
     counts (n_expert,): tokens the prompt routed to each expert. The most active CPU experts (ties: the
     lower id) meet the least active GPU experts (ties: the lower id) pair by pair, at most `max_pairs`
     (default SwapNum = n_expert // 2); a pair swaps when counts[in] > threshold * counts[out]. The CPU
     side's counts fall and the GPU side's rise along the pairs, so the first pair that fails ends it.
+    `outside`: the experts that may come in (default: every one not resident). DALI's window swap is the
+    same rule with threshold 1 and its update as max_pairs (edgemoe.policies.residency.DaliPolicy).
     """
     check_threshold(threshold)
     c = np.asarray(counts)
     res = set(int(e) for e in resident)
     n = int(DAOP_SWAP_SHARE * len(c)) if max_pairs is None else max_pairs
-    hot = sorted((e for e in range(len(c)) if e not in res), key=lambda e: (-c[e], e))
+    candidates = (e for e in range(len(c)) if e not in res) if outside is None else outside
+    hot = sorted(candidates, key=lambda e: (-c[e], e))
     cold = sorted(res, key=lambda e: (c[e], e))
     pairs = []
     for e_in, e_out in zip(hot[:n], cold[:n]):

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgeMoeError
-from .daop import DAOP_SWAP_THRESHOLD, DaopPolicy
+from .daop import DAOP_SWAP_THRESHOLD, DaopPolicy, swap_pairs
 from .loads import Load as Load, used_experts as used_experts  # re-exported: they lived here before loads.py
 
 
@@ -173,13 +173,9 @@ class DaliPolicy:
         return loads
 
     def _replace(self, layer: int, scores: np.ndarray, res: dict[int, int]) -> list[Load]:
-        order = np.argsort(-scores, kind="stable")  # highest score first, ties: lower id
-        incoming = [int(e) for e in order if int(e) not in res][:self.update]
-        outgoing = sorted(res, key=lambda e: (scores[e], e))[:self.update]  # lowest first, ties: lower id
+        # the u best outside meet the u worst inside (ties: lower id), pair by pair while the newcomer scores higher
         loads = []
-        for e_in, e_out in zip(incoming, outgoing):
-            if scores[e_in] <= scores[e_out]:
-                break
+        for e_in, e_out in swap_pairs(scores, res, threshold=1.0, max_pairs=self.update):
             slot = res.pop(e_out)
             res[e_in] = slot
             loads.append(Load(layer, e_in, slot))
