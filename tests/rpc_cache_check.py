@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -101,14 +102,22 @@ def main(path: Path) -> dict[str, object]:
                 got = run(eng, toks)
                 out[f"overlap_{name}_{overlap}"] = {"equal": same(got, want), **eng.control_stats()}
 
-    # the load worker (patch 0018): the native LRU only decides, llama.cpp's worker thread issues the chunks
+    # the load worker (patches 0018, 0022): llama.cpp's worker thread issues the chunks, runs the native LRU on
+    # the routes that arrived while the caller is away (here: a pause between tokens) and times the compute's
+    # waits for loads
     for async_loads in (True, False):
         with Engine(path, gpu_layout) as eng:
             cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru", async_loads=async_loads),
                                             device=dev)
             eng.reset_control_stats()
-            got = run(eng, toks)
-            out[f"worker_{async_loads}"] = {"equal": same(got, stock_layout), **cache.stats(),
+            got = run(eng, toks, lambda: time.sleep(0.02))
+            stats = cache.stats()
+            for _ in range(500):  # the worker times the last ubatch's waits after the caller has read its logits
+                if stats["load_waits_timed"] == stats["load_waits"]:
+                    break
+                time.sleep(0.01)
+                stats = cache.stats()
+            out[f"worker_{async_loads}"] = {"equal": same(got, stock_layout), **stats,
                                             "n_host_syncs": eng.control_stats()["n_host_syncs"]}
 
     # staging buffers (patch 0020): none by default on RPC (no host buffer type); forced into plain host memory,

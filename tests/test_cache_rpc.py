@@ -53,6 +53,12 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         on, off = out["worker_True"], out["worker_False"]
         assert on["equal"] and off["equal"], (path.name, on, off)
         assert on["chunks"] == on["worker_chunks"] > 0 and off["worker_chunks"] == 0 < off["chunks"], (on, off)
+        # 0022: the worker ran the LRU on routes while the caller paused (the caller runs the rest: every ubatch's
+        # routes are processed once, as the same hit and miss total shows) and timed every wait of the compute
+        assert on["worker_policy_steps"] > 0 == off["worker_policy_steps"], (on, off)
+        assert on["hits"] + on["misses"] == off["hits"] + off["misses"], (on, off)
+        assert on["load_waits_timed"] == on["load_waits"] > 0 and on["load_wait_s"] is not None, on
+        assert off["load_waits_timed"] == 0 and off["load_wait_s"] is None, off
         assert on["n_host_syncs"] == 0 == off["n_host_syncs"], (on, off)
         # by default not on the RPC device, whose one connection carries copies and graph runs in one FIFO
         assert out["lru_stats"]["worker_chunks"] == 0 < out["lru_stats"]["chunks"], out["lru_stats"]

@@ -117,9 +117,9 @@ def test_overlap_on_gpu_equals_serial(fixture_model: Path) -> None:
 
 
 def test_load_worker_on_gpu(fixture_model: Path) -> None:
-    """Patches 0018 and 0020 on CUDA: the load worker issues every chunk of the native LRU (on by default on a
-    GPU) through pinned staging buffers, the logits stay within the cache's tolerance of the caller-issued run,
-    and no host sync per layer."""
+    """Patches 0018, 0020 and 0022 on CUDA: the load worker issues every chunk of the native LRU (on by default on
+    a GPU) through pinned staging buffers and times the compute's waits for them, the logits stay within the
+    cache's tolerance of the caller-issued run, and no host sync per layer."""
     from edgemoe.runtime.expert_cache import CacheConfig
 
     with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
@@ -133,6 +133,9 @@ def test_load_worker_on_gpu(fixture_model: Path) -> None:
     # patch 0020: every chunk goes through a pinned staging buffer (CUDA has a host buffer type)
     assert cs_on["staged_chunks"] == cs_on["chunks"] and cs_off["staged_chunks"] == cs_off["chunks"], (cs_on, cs_off)
     assert st_on["n_host_syncs"] == 0
+    # patch 0022: the worker times the compute stream's waits for the loads (CUDA events), none without it
+    assert 0 < cs_on["load_waits_timed"] <= cs_on["load_waits"] and cs_off["load_waits_timed"] == 0, (cs_on, cs_off)
+    assert cs_on["hits"] + cs_on["misses"] == cs_off["hits"] + cs_off["misses"], (cs_on, cs_off)
 
 
 def test_gpu_skipped_ids_op_test_passes() -> None:

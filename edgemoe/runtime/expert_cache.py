@@ -220,8 +220,14 @@ class ExpertCache:
                 # host time queueing copies (on the CPU stand-in the copies, which the compute waits for), and
                 # the loads the compute stream was ordered to wait for at the start of a ubatch
                 "issue_s": st.us_issue / 1e6, "load_waits": int(st.load_waits),
-                # the chunks llama.cpp's load worker issued, and the time the caller waited for its chunk in flight
-                "worker_chunks": int(st.chunks_async), "worker_wait_s": st.us_worker / 1e6,
+                # the chunks llama.cpp's load worker issued, the ubatches whose routes its policy step processed
+                # (the native lru/dali/daop), and the time the caller waited for its chunk or step in flight
+                "worker_chunks": int(st.chunks_async), "worker_policy_steps": int(st.routes_async),
+                "worker_wait_s": st.us_worker / 1e6,
+                # of the load waits, those the worker timed, and their summed time from the ubatch's start to
+                # the copies' end: an upper bound on how long the compute stalled on loads (None: not timed)
+                "load_waits_timed": int(st.waits_timed),
+                "load_wait_s": st.us_load_wait / 1e6 if st.waits_timed else None,
                 # the chunks sent from a staging buffer in the device's host memory (pinned on CUDA)
                 "staged_chunks": int(st.chunks_staged),
                 # routed expert slots computed from the cache (the GPU) among those of cached layers

@@ -20,7 +20,7 @@ from ..errors import NativeLibraryError
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
 # 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
 # 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17, 0020 sets 18, 0021 sets 19).
-REQUIRED_PATCH_LEVEL = 19
+REQUIRED_PATCH_LEVEL = 20
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,9 @@ class MoeCacheStats(ctypes.Structure):
         ("chunks_async", ctypes.c_uint64),  # of the chunks, those the load worker issued (patch 0018)
         ("us_worker", ctypes.c_uint64),  # host time the caller waited for the worker to finish a chunk (0018)
         ("chunks_staged", ctypes.c_uint64),  # of the chunks, those sent from a staging buffer (0020)
+        ("routes_async", ctypes.c_uint64),  # ubatches whose routes the worker's policy step processed (0022)
+        ("waits_timed", ctypes.c_uint64),  # of the load waits, those the worker timed (0022)
+        ("us_load_wait", ctypes.c_uint64),  # their time from the compute's wait to the copies' end: an upper bound
     ]
 
 
