@@ -158,6 +158,7 @@ RPC_SCRIPT = textwrap.dedent("""
         "node": measure.time_graph_node(device=dev, threads=1, n_nodes=16, runs=3),
         "h2d": measure.h2d_bandwidth(dev, pinned=False, nbytes=4 << 20),
         "h2d_pinned": measure.h2d_bandwidth(dev, pinned=True, nbytes=4 << 20),
+        "h2d_loads": measure.h2d_load_bandwidth(dev, nbytes=8 << 20),
     }
     json.dump(out, open(sys.argv[1], "w"))
 """)
@@ -177,3 +178,12 @@ def test_rpc_loopback_device(tmp_path: Path) -> None:
     assert out["ffn"]["64"] > out["ffn"]["1"], out
     assert out["h2d"] is not None and out["h2d"] > 0, out
     assert out["h2d_pinned"] is None or out["h2d_pinned"] > 0, out
+    assert out["h2d_loads"] > 0, out  # the loader's path: async chunks over the RPC connection
+
+
+def test_load_bandwidth_on_the_cpu_device() -> None:
+    """The loader path's measure (chunked async copies on a backend of the device, one synchronisation)."""
+    bw = measure.h2d_load_bandwidth(native.cpu_device(), chunk=1 << 20, nbytes=8 << 20)
+    assert math.isfinite(bw) and bw > 1e8, bw
+    with pytest.raises(EdgeMoeError, match="at least one chunk"):
+        measure.h2d_load_bandwidth(native.cpu_device(), chunk=4 << 20, nbytes=1 << 20)

@@ -305,3 +305,65 @@ def test_a_device_without_op_offload_keeps_prefill_experts_on_the_cpu() -> None:
     assert cuda.prefill_tps != pytest.approx(rpc.prefill_tps)
     assert rpc.decode_tps == pytest.approx(cuda.decode_tps)
     assert profile_from_dict(rpc_like.to_dict()).gpu.op_offload is False  # saved and read back
+
+
+def test_cache_loads_cross_the_link_at_the_loaders_bandwidth() -> None:
+    """The cache's loads go at `LinkProfile.loads_bw` (measured, else pinned: the loader's staging buffers), so a
+    faster loader path projects lru faster with the same PCIe bytes; profiles without `h2d_loads` still load."""
+    tr = skewed_trace(QWEN, prefill=64, decode=24)
+    prof = load_profile("rtx4060-laptop")
+    assert prof.link is not None and prof.link.h2d_loads is None and prof.link.loads_bw == prof.link.h2d_pinned
+    slow_link = dataclasses.replace(prof.link, h2d_loads=prof.link.h2d_pinned / 50)
+    spec = SimSpec(vram=518 * 2**20, n_ctx=512, policies=("lru",))
+    fast = _by_name(simulate(QWEN, tr, prof, spec))["edgemoe-lru"]
+    slow = _by_name(simulate(QWEN, tr, dataclasses.replace(prof, link=slow_link), spec))["edgemoe-lru"]
+    assert fast.decode_tps > slow.decode_tps and fast.pcie_bytes_per_token == slow.pcie_bytes_per_token > 0
+    back = profile_from_dict(dataclasses.replace(prof, link=slow_link).to_dict())
+    assert back.link is not None and back.link.loads_bw == pytest.approx(prof.link.h2d_pinned / 50)
+
+
+def test_caller_issued_loads_end_the_step_that_queued_them() -> None:
+    """On the RPC device the engine leaves the load worker off and the caller sends a step's loads when it
+    synchronises after it: the copy time lands in that step (the prompt's loads in prefill), and no layer of
+    the next step waits for them. With a worker (a CUDA device) they run on the link while the next step
+    computes. The total time of the replay is the same or longer with the caller issuing."""
+    tr = skewed_trace(QWEN, prefill=64, decode=24)
+    prof = load_profile("rtx4060-laptop")
+    assert prof.gpu is not None
+    slow = dataclasses.replace(prof.link, h2d_loads=prof.link.h2d_pinned / 50)  # loads that take a while
+    cuda = dataclasses.replace(prof, link=slow)
+    rpc = dataclasses.replace(cuda, gpu=dataclasses.replace(prof.gpu, name="RPC0[127.0.0.1:50052]"))
+    spec = SimSpec(vram=518 * 2**20, n_ctx=512, policies=("lru",))
+    worker = _by_name(simulate(QWEN, tr, cuda, spec))["edgemoe-lru"]
+    caller = _by_name(simulate(QWEN, tr, rpc, spec))["edgemoe-lru"]
+    assert caller.prefill_tps < worker.prefill_tps  # the prompt's loads are sent before the first token
+    assert caller.hit_rate == worker.hit_rate and caller.pcie_bytes_per_token == worker.pcie_bytes_per_token
+    stock_cuda = _by_name(simulate(QWEN, tr, cuda, spec))["stock-ot-exps-cpu"]
+    stock_rpc = _by_name(simulate(QWEN, tr, rpc, spec))["stock-ot-exps-cpu"]
+    assert stock_rpc.decode_tps == pytest.approx(stock_cuda.decode_tps)  # no cache, no loads: the same
+
+
+def test_a_warmup_sequence_is_replayed_but_not_counted() -> None:
+    """`edgemoe bench` warms each configuration up before it measures; its projection replays the warm-up
+    first (SimSpec.warmup_seqs): the cache starts warm, the counted tokens are the measured sequence's."""
+    from edgemoe.analysis.trace import join_traces
+
+    run = skewed_trace(QWEN, n_seq=1, prefill=40, decode=30, seed=1)
+    warm = skewed_trace(QWEN, n_seq=1, prefill=16, decode=1, seed=2)
+    joined = join_traces([warm, run])
+    assert joined.n_tokens == warm.n_tokens + run.n_tokens and set(joined.seq.tolist()) == {0, 1}
+    prof = load_profile("rtx4060-laptop")
+    spec = SimSpec(vram=518 * 2**20, n_ctx=512, policies=("lru",))
+    cold = _by_name(simulate(QWEN, run, prof, spec))["edgemoe-lru"]
+    warmed = _by_name(simulate(QWEN, joined, prof, dataclasses.replace(spec, warmup_seqs=1)))["edgemoe-lru"]
+    counted = _by_name(simulate(QWEN, joined, prof, spec))["edgemoe-lru"]
+    assert warmed.hit_rate > cold.hit_rate  # the warm-up's experts are resident when the run starts
+    # the same replay, counted from the start: the warm-up's cold misses lower the hit rate
+    assert counted.hit_rate < warmed.hit_rate
+    # a warm-up that loads nothing (stock) changes nothing: the counted tokens are the run's own
+    stock = _by_name(simulate(QWEN, run, prof, spec))["stock-ot-exps-cpu"]
+    stock_warmed = _by_name(simulate(QWEN, joined, prof, dataclasses.replace(spec, warmup_seqs=1)))["stock-ot-exps-cpu"]
+    assert stock_warmed.decode_tps == pytest.approx(stock.decode_tps)
+    assert stock_warmed.prefill_tps == pytest.approx(stock.prefill_tps)
+    with pytest.raises(EdgeMoeError, match="different MoE layers"):
+        join_traces([run, skewed_trace(QWEN, n_seq=1, layers=2)])

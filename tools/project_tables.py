@@ -12,7 +12,8 @@ own trace where no trained model of that routing shape exists (labelled: no expe
     for m in qwen3moe mixtral; do .venv/bin/edgemoe trace models/edgemoe-tiny-$m.Q4_K_M.gguf \
         --input .build/traces/heldout-python-docs.txt --out .build/traces/$m-python-docs.npz \
         --max-tokens 4096 --ctx 512 --mode decode --prefill-tokens 256; done   # the held-out 10% of python-docs.txt
-    .venv/bin/python tools/project_tables.py --markdown
+    .venv/bin/python tools/project_tables.py --markdown --json docs/figures/projected-tables.json
+    .venv/bin/python tools/project_tables.py --summary docs/figures/projected-tables.json   # the docs' table
 """
 from __future__ import annotations
 
@@ -48,11 +49,39 @@ BUDGETS_GIB = (6, 8, 12)
 GATE = GatingSpec(GatingRule.SER, 0.4)
 
 
+def print_summary(rows: list[dict]) -> None:
+    """One row per shape, profile and budget: best stock, static, + overlap, prefill assignment, lru."""
+    print("| shape | profile | VRAM | slots/layer | best stock decode | edgemoe static decode | static hit rate | "
+          "+ overlap decode | best stock prefill | edgemoe static prefill | + ratio assignment prefill | "
+          "edgemoe lru decode |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault((r["shape"], r["profile"], r["vram_gib"]), {})[r["name"]] = r
+    for (shape, prof, gib), by in groups.items():
+        stock = [r for r in by.values() if r["kind"] == "stock"]
+        dec = max(stock, key=lambda r: r["decode_tps"])
+        pre = max(r["prefill_tps"] for r in stock)
+        st, ov = by["edgemoe-static"], by["edgemoe-static +overlap"]
+        asg, lru = by["edgemoe-static-ratio-assign +overlap"], by["edgemoe-lru"]
+        slots = next(iter(by.values()))["slots_per_layer"]
+        print(f"| {shape} | {prof} | {gib} GiB | {slots} | {dec['decode_tps']:.1f} ({dec['name']}) | "
+              f"{st['decode_tps']:.1f} ({st['decode_tps'] / dec['decode_tps']:.2f}x) | {st['hit_rate']:.2f} | "
+              f"{ov['decode_tps']:.1f} ({ov['decode_tps'] / dec['decode_tps']:.2f}x) | {pre:.0f} | "
+              f"{st['prefill_tps']:.0f} | {asg['prefill_tps']:.0f} ({asg['prefill_tps'] / pre:.2f}x) | "
+              f"{lru['decode_tps']:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--summary", type=Path, default=None, metavar="JSON",
+                    help="print docs/performance-model.md's one-row-per-budget table from a --json file, and stop")
     args = ap.parse_args()
+    if args.summary is not None:
+        print_summary(json.loads(args.summary.read_text())["rows"])
+        return
     out = []
     for shape, (model, trace_path, what) in SHAPES.items():
         if trace_path is None:

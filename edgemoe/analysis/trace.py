@@ -120,6 +120,26 @@ class TraceRecorder:
                      probs=stack(2), gate_inputs=stack(3), meta=meta)
 
 
+def join_traces(traces: Sequence[Trace]) -> Trace:
+    """One trace of the given traces' sequences in order (sequence ids renumbered after each other), e.g. a
+    warm-up before a measured run; they must route the same MoE layers. Meta: the last trace's."""
+    if not traces:
+        raise EdgeMoeError("no traces to join")
+    if any(not np.array_equal(t.layers, traces[0].layers) for t in traces):
+        raise EdgeMoeError("the traces route different MoE layers: record them on the same model")
+    seqs, offset = [], 0
+    for t in traces:
+        seqs.append(t.seq + offset)
+        offset += int(t.seq.max()) + 1 if t.n_tokens else 0
+
+    def cat(name: str) -> np.ndarray | None:
+        parts = [getattr(t, name) for t in traces]
+        return None if any(p is None for p in parts) else np.concatenate(parts)
+    return Trace(tokens=cat("tokens"), layers=traces[0].layers, ids=cat("ids"), weights=cat("weights"),
+                 phase=cat("phase"), seq=np.concatenate(seqs).astype(np.int32), probs=cat("probs"),
+                 gate_inputs=cat("gate_inputs"), meta=dict(traces[-1].meta))
+
+
 def record_trace(engine: Any, tokens: Sequence[int], *, ctx: int, mode: str = "prefill",
                  prefill_tokens: int = 32, probs: bool = False, gate_inputs: bool = False,
                  progress: Callable[[int], None] | None = None) -> Trace:

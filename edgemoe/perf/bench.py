@@ -25,6 +25,7 @@ from ..runtime.expert_cache import CacheConfig
 from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, vram_plan
 from ..runtime.sampling import GREEDY
 
+WARMUP_PROMPT = 16  # tokens of the prompt each configuration's warm-up generation (2 tokens) starts from
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
     with Engine(path, config) as eng:
         if setup is not None:
             setup(eng)
-        eng.generate(prompt[:16], max_tokens=2, sampling=GREEDY, ignore_eog=True)  # warm-up
+        eng.generate(prompt[:WARMUP_PROMPT], max_tokens=2, sampling=GREEDY, ignore_eog=True)  # warm-up
         eng.reset()
         if eng.cache is not None:
             eng.cache.cache.reset_stats()
@@ -193,16 +194,21 @@ def project(res: BenchResult, path: Path, spec: BenchSpec, base: LoadConfig, tok
             on_gpu: bool) -> None:
     """Each row's projection from this machine's profile: the routing of the generated tokens recorded as a
     trace and replayed by edgemoe.perf.simulate with the same budget."""
-    from ..analysis.trace import record_trace
+    from ..analysis.trace import join_traces, record_trace
     from .profile import load_profile
     from .simulate import SimSpec, simulate
 
     assert spec.profile is not None
     prof = load_profile(spec.profile)
     with Engine(path, base) as eng:
-        trace = record_trace(eng, tokens, ctx=base.n_ctx, mode="decode", prefill_tokens=n_prompt)
+        # the measured runs start after a warm-up, whose loads the cache keeps: replayed first, not counted
+        warm = eng.generate(tokens[:WARMUP_PROMPT], max_tokens=2, sampling=GREEDY, ignore_eog=True).tokens
+        trace = join_traces([
+            record_trace(eng, tokens[:WARMUP_PROMPT] + warm[:1], ctx=base.n_ctx, mode="decode",
+                         prefill_tokens=WARMUP_PROMPT),
+            record_trace(eng, tokens, ctx=base.n_ctx, mode="decode", prefill_tokens=n_prompt)])
     sim = simulate(path, trace, prof, SimSpec(vram=spec.vram if on_gpu else 0, n_ctx=base.n_ctx,
-                                              n_ubatch=base.n_ubatch,
+                                              n_ubatch=base.n_ubatch, warmup_seqs=1,
                                               # the performance model has no prefetcher: promoe is not projected
                                               policies=tuple(p for p in spec.policies if p != "promoe"),
                                               calibration=spec.calibration,

@@ -518,3 +518,42 @@ def h2d_bandwidth(device: int, *, pinned: bool, nbytes: int = 64 << 20,
 
         seconds = _median_call(copy, lambda i: None, min_seconds)
     return nbytes / seconds
+
+
+def h2d_load_bandwidth(device: int, *, chunk: int = 1 << 20, nbytes: int = 64 << 20,
+                       min_seconds: float = 0.05) -> float:
+    """Bytes/s of the expert cache's loader path: nbytes sent as chunk-sized asynchronous copies on a backend
+    of the device's own (a copy stream), synchronised once, as llama.cpp's loader sends an expert's chunks.
+    The source is one of the device's host buffers when it has them (pinned on CUDA: the loader's staging
+    buffers since patch 0020), else ordinary memory. A 4-byte read after the synchronisation makes sure the
+    device has the bytes (RPC's synchronize waits for the sends alone)."""
+    if chunk < 1 or nbytes < chunk:
+        raise EdgeMoeError(f"chunk={chunk}, nbytes={nbytes}: send at least one chunk of at least one byte")
+    native.require_ggml()
+    n_chunks = nbytes // chunk
+    with ExitStack() as stack:
+        host_buft = native.device_host_buffer_type(device)
+        if host_buft is not None:
+            host = native.buft_alloc_buffer(host_buft, chunk)
+            stack.callback(native.buffer_free, host)
+            native.buffer_clear(host, 1)
+            src = native.buffer_base(host)
+        else:
+            arr = np.ones(chunk, np.uint8)  # a local: alive until the copies are done
+            src = arr.ctypes.data
+        backend = native.device_backend(device)
+        stack.callback(native.backend_free, backend)
+        ctx = native.ggml_context(1)
+        stack.callback(native.ggml_context_free, ctx)
+        t = native.ggml_new_tensor(ctx, native.GGML_TYPE_I8, (n_chunks * chunk,))
+        stack.callback(native.buffer_free, native.alloc_ctx_tensors(ctx, native.device_buffer_type(device)))
+        probe = np.zeros(4, np.uint8)
+
+        def send() -> None:
+            for i in range(n_chunks):
+                native.tensor_set_async(backend, t, src, i * chunk, chunk)
+            native.backend_synchronize(backend)
+            native.tensor_get(t, probe.ctypes.data, 0, 4)
+
+        seconds = _median_call(send, lambda i: None, min_seconds)
+    return n_chunks * chunk / seconds

@@ -131,6 +131,15 @@ class LinkProfile:
     h2d_pageable: float  # bytes/s from ordinary (mmap'd) host memory
     h2d_pinned: float  # bytes/s from pinned staging buffers
     latency_s: float  # per copy or CPU<->GPU hand-off (a synchronisation)
+    # bytes/s of the expert cache's loader: chunk-sized async copies on a copy stream from the device's host
+    # buffers (measured by `edgemoe profile`); None (specification profiles): h2d_pinned, since the loader
+    # sends through pinned staging buffers (patch 0020)
+    h2d_loads: float | None = None
+
+    @property
+    def loads_bw(self) -> float:
+        """Bytes/s at which the expert cache's loads cross the link."""
+        return self.h2d_loads if self.h2d_loads is not None else self.h2d_pinned
 
 
 @dataclass(frozen=True)
@@ -204,7 +213,8 @@ def profile_from_dict(d: Mapping[str, Any]) -> MachineProfile:
                            "with `edgemoe profile`")
     try:
         gpu = _device(d["gpu"]) if d.get("gpu") else None
-        link = LinkProfile(**{k: float(v) for k, v in d["link"].items()}) if d.get("link") else None
+        link = (LinkProfile(**{k: float(v) if v is not None else None for k, v in d["link"].items()})
+                if d.get("link") else None)
         return MachineProfile(name=str(d["name"]), kind=str(d["kind"]), cpu=_device(d["cpu"]),
                               host=HostProfile(**{k: float(v) for k, v in d["host"].items()}),
                               gpu=gpu, link=link, sources=tuple(d.get("sources", ())), notes=str(d.get("notes", "")))

@@ -263,7 +263,9 @@ def _measure_gpu(dev: int, expert_types: tuple[str, ...], dense_types: tuple[str
                         op_offload=not native.device_name(dev).startswith("RPC"))  # ggml-rpc: no offload_op
     small = measure.h2d_bandwidth(dev, pinned=False, nbytes=4096)
     latency = 4096 / small if small else 1e-5
-    return gpu, LinkProfile(h2d_pageable=pageable or 1e9, h2d_pinned=pinned or 1e9, latency_s=latency)
+    loads = measure.h2d_load_bandwidth(dev)  # the cache loader's path: chunks in a stream, one synchronisation
+    return gpu, LinkProfile(h2d_pageable=pageable or 1e9, h2d_pinned=pinned or 1e9, latency_s=latency,
+                            h2d_loads=loads)
 
 
 def _cpu_busy_seconds() -> float:
@@ -300,5 +302,6 @@ def summary(prof: MachineProfile) -> str:
         lines.append(f"  expert {q:<5} {EXPERT_SHAPES[1][0]}x{EXPERT_SHAPES[1][1]} ms by tokens (cold) {ms}")
     if prof.gpu is not None and prof.link is not None:
         lines.append(f"GPU {prof.gpu.name}: graph node {prof.gpu.node_s * 1e6:.2f} us; host-to-device "
-                     f"{prof.link.h2d_pageable / 1e9:.1f} GB/s pageable, {prof.link.h2d_pinned / 1e9:.1f} GB/s pinned")
+                     f"{prof.link.h2d_pageable / 1e9:.1f} GB/s pageable, {prof.link.h2d_pinned / 1e9:.1f} GB/s pinned, "
+                     f"{prof.link.loads_bw / 1e9:.1f} GB/s expert loads")
     return "\n".join(lines)

@@ -4,8 +4,10 @@ on a machine profile, with an event-level timing model of each decode step and p
 Per step, layer by layer: the layer's matrices and attention run on the GPU (on the CPU without
 one); each routed expert runs where it is (a GPU-resident expert on the GPU, the others on the CPU
 with a hand-off each way, or, for a prefill ubatch of 32 tokens or more, copied to the GPU for the
-op as llama.cpp's op offload does); the expert cache's loads go on a copy stream of their own and a
-layer that needs a slot still loading waits for it. `overlap=False` runs the CPU branch and the GPU
+op as llama.cpp's op offload does); the expert cache's loads go on a copy stream of their own at the
+loader's bandwidth (`LinkProfile.loads_bw`) and a layer that needs a slot still loading waits for it.
+Where the engine leaves the load worker off (the RPC device: `load_worker_default`), the caller issues
+the loads a step queued when it synchronises after it, so their copy time ends that step on the host. `overlap=False` runs the CPU branch and the GPU
 branch of a layer one after the other (llama.cpp's order, and the build's with `CacheConfig(overlap=False)`);
 `overlap=True` projects the CPU/GPU overlap the build runs by default with the cache on a device (patch 0016). Host work per call (Python, sampling) and per graph node comes from the
 profile. Everything is a projection: docs/performance-model.md says how it was validated.
@@ -19,6 +21,7 @@ from typing import Any
 
 from ..analysis.trace import DECODE, PREFILL
 from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, vram_plan
+from ..policies.copy_queue import load_worker_default
 from ..policies.daop import DaopPolicy
 from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
 from .costmodel import LayerCosts, ModelShape
@@ -84,6 +87,8 @@ class _Run:
         self.ready: dict[tuple[int, int], float] = {}  # (layer, expert) -> when its load completes
         self.resident: dict[int, dict[int, int]] = {}  # layer -> expert -> slot
         self.on_gpu = self.gpu is not None
+        # the caller sends the loads itself (no load worker on this device): they end the step that queued them
+        self.caller_issues = self.on_gpu and prof.gpu is not None and not load_worker_default(prof.gpu.name)
         self.moe_index = {il: j for j, il in enumerate(shape.moe_layers)}  # model layer -> ids' second axis
         if policy is not None:
             self._queue(policy.initial_loads(), start=0.0)
@@ -101,7 +106,7 @@ class _Run:
             b = self.shape.expert_bytes(ld.layer)
             nbytes += b
             if self.prof.link is not None and self.on_gpu:
-                t += b / self.prof.link.h2d_pageable
+                t += b / self.prof.link.loads_bw  # the cache's loader: chunks from its staging buffers
             self.ready[(ld.layer, ld.expert)] = t
         self.link_free = t
         return nbytes
@@ -155,6 +160,9 @@ class _Run:
         acc.host += host
         if pending:
             acc.pcie += self._queue(pending, start=t)
+            if self.caller_issues:
+                acc.host += self.link_free - t
+                t = self.link_free
         acc.time += t - start
         self.clock = t
         return t - start
@@ -212,7 +220,7 @@ class _Run:
 
         gpu, link = self.gpu, self.prof.link
         assert gpu is not None and link is not None and self.cfg.assign is not None
-        copy = self.shape.expert_bytes(il) / link.h2d_pageable
+        copy = self.shape.expert_bytes(il) / link.loads_bw  # loaded by the cache's loader
         cost = CostModel(cpu_s=lambda n: self.cpu.expert(il, n), gpu_s=lambda n: gpu.expert(il, n),
                          transfer_s=lambda: copy, transfer_mode=TransferMode.SERIAL,
                          cpu_handoff_s=2 * link.latency_s + self.cpu.expert_fixed(il, max(counts.values())))
@@ -235,6 +243,8 @@ class SimSpec:
     calibration: Path | None = None
     assign: str | None = None  # add edgemoe variants whose prefill ubatches use this CPU/GPU assigner
     slots: Mapping[int, int] | None = None  # edgemoe's slots per MoE layer (None: equal, what the budget leaves)
+    # the trace's first sequences only warm the cache (replayed, not counted), as `edgemoe bench` warms up
+    warmup_seqs: int = 0
 
 
 @dataclass
@@ -283,9 +293,11 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
 
 def run_config(cfg: Config, work: Workload, shape: ModelShape, prof: MachineProfile, nodes: tuple[int, int], *,
                on_gpu: bool, overlap: bool = False, calibration: Path | None = None,
-               frequency: Mapping[int, Any] | None = None, policy: ResidencyPolicy | None = None) -> ConfigResult:
+               frequency: Mapping[int, Any] | None = None, policy: ResidencyPolicy | None = None,
+               warmup_seqs: int = 0) -> ConfigResult:
     """Replay the workload's steps in order through one configuration. `policy`: a fresh residency policy
-    object to replay for cfg.policy instead of one built by name (e.g. with frequencies of another trace)."""
+    object to replay for cfg.policy instead of one built by name (e.g. with frequencies of another trace).
+    Sequences below `warmup_seqs` run (their loads, the policy's state) but are not counted."""
     if policy is None and cfg.policy is not None:
         if cfg.policy == "static" and frequency is not None:
             policy = StaticPolicy(frequency, dict(cfg.slots))
@@ -298,13 +310,18 @@ def run_config(cfg: Config, work: Workload, shape: ModelShape, prof: MachineProf
     pre, dec = _Acc(), _Acc()
     seq_pre: dict[int, float] = {}
     for s in work.steps:
+        if s.seq < warmup_seqs:
+            run.step(s, _Acc())
+            continue
         dt = run.step(s, pre if s.phase == PREFILL else dec)
         if s.phase == PREFILL:
             seq_pre[s.seq] = seq_pre.get(s.seq, 0.0) + dt
-    n_dec, n_pre = work.tokens(DECODE), work.tokens(PREFILL)
+    counted = [s for s in work.steps if s.seq >= warmup_seqs]
+    n_dec = sum(s.n_tokens for s in counted if s.phase == DECODE)
+    n_pre = sum(s.n_tokens for s in counted if s.phase == PREFILL)
     hits, slots = pre.hits + dec.hits, pre.hits + dec.hits + pre.misses + dec.misses
     busy = {k: (getattr(dec, k) / dec.time if dec.time else 0.0) for k in ("gpu", "cpu", "host")}
-    busy["pcie"] = (dec.pcie / prof.link.h2d_pageable / dec.time) if prof.link is not None and dec.time else 0.0
+    busy["pcie"] = (dec.pcie / prof.link.loads_bw / dec.time) if prof.link is not None and dec.time else 0.0
     return ConfigResult(
         name=cfg.name, kind=cfg.kind,
         decode_tps=n_dec / dec.time if dec.time else 0.0,
@@ -357,7 +374,7 @@ def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
             frequency = load_frequency(spec.calibration, n_expert=n_exp, layers=list(moe))
             decode_frequency = load_frequency(spec.calibration, n_expert=n_exp, layers=list(moe), phase="decode")
         else:  # place by the first half of the trace's sequences, replay the second half (for every config)
-            seqs = sorted({int(x) for x in trace.seq})
+            seqs = sorted({int(x) for x in trace.seq if x >= spec.warmup_seqs})
             first_seq = seqs[len(seqs) // 2] if len(seqs) > 1 else 0
             full = build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch)
             placed = tuple(s for s in full.steps if s.seq < first_seq) if first_seq else full.steps
@@ -378,7 +395,8 @@ def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
     on_gpu = prof.has_gpu and spec.vram > 0
     results = [run_config(c, gated if c.gated and gated is not None else plain, shape, prof, nodes, on_gpu=on_gpu,
                           overlap=spec.overlap, calibration=spec.calibration,
-                          frequency=decode_frequency if c.policy == "daop" else frequency)
+                          frequency=decode_frequency if c.policy == "daop" else frequency,
+                          warmup_seqs=spec.warmup_seqs)
                for c in cfgs]
     return SimResult(model=shape.name, profile=prof.name, vram=spec.vram, slots_per_layer=slots, n_cpu_moe=n_cpu,
                      workload_note="; ".join(notes), configs=results)

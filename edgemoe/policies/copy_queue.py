@@ -31,6 +31,14 @@ from enum import IntEnum
 from ..errors import EdgeMoeError
 from .residency import Load
 
+
+def load_worker_default(device_name: str) -> bool:
+    """Whether llama.cpp's load worker issues the expert cache's loads on this device by default (patches 0018,
+    0022): yes, except on llama.cpp's RPC device, whose one FIFO connection carries the copies and the graph
+    runs, so a worker overlaps nothing there; then the caller issues them when it synchronises."""
+    return not device_name.startswith("RPC")
+
+
 DEFAULT_CHUNKS = (1, 1, 1)  # three chunks (gate, up, down) of one unit each, when only counts matter
 
 

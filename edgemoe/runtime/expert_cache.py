@@ -19,7 +19,7 @@ from .native import lib
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..policies.route import RouteRecord
-from ..policies.copy_queue import CopyTiming
+from ..policies.copy_queue import CopyTiming, load_worker_default
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
 from ..policies.daop import DAOP_SWAP_THRESHOLD, DaopPolicy
 from ..policies.residency import (DALI_WINDOW, DaliPolicy, Load, LruPolicy, ManualPolicy, PolicyKind,
@@ -74,7 +74,7 @@ class CacheConfig:
             return False
         if self.async_loads is not None:
             return self.async_loads
-        return not native.device_name(device).startswith("RPC")
+        return load_worker_default(native.device_name(device))
 
     def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:
         """Slots of each MoE layer, checked: 0..n_expert each, and only MoE layers named."""

@@ -700,6 +700,9 @@ _tensor_alloc = _declare("ggml_backend_tensor_alloc", [_vp, _vp, _vp], ctypes.c_
 _tensor_set = _declare("ggml_backend_tensor_set", [_vp, _vp, _sz, _sz], None, _ggml_base)
 # void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
 _tensor_get = _declare("ggml_backend_tensor_get", [_vp, _vp, _sz, _sz], None, _ggml_base)
+# void ggml_backend_tensor_set_async(ggml_backend_t backend, struct ggml_tensor * tensor, const void * data,
+#                                    size_t offset, size_t size);
+_tensor_set_async = _declare("ggml_backend_tensor_set_async", [_vp, _vp, _vp, _sz, _sz], None, _ggml_base)
 
 # void ggml_backend_free(ggml_backend_t backend);
 _backend_free = _declare("ggml_backend_free", [_vp], None, _ggml_base)
@@ -755,7 +758,7 @@ def require_ggml() -> None:
              _blck_size, _row_size, _quantize_requires_imatrix, _quantize_chunk, _mul_mat, _mul_mat_id,
              _swiglu_split, _add, _scale, _new_graph_custom, _build_forward_expand, _graph_n_nodes,
              _alloc_ctx_tensors_from_buft, _buft_alloc_buffer, _buft_name, _buft_is_host, _buffer_free,
-             _buffer_clear, _buffer_get_base, _tensor_alloc, _tensor_set, _tensor_get, _backend_free, _backend_name, _backend_default_buft,
+             _buffer_clear, _buffer_get_base, _tensor_alloc, _tensor_set, _tensor_get, _tensor_set_async, _backend_free, _backend_name, _backend_default_buft,
              _graph_compute, _graph_node, _backend_synchronize, _dev_init, _dev_type, _dev_backend_reg, _dev_buft,
              _dev_host_buft, _dev_supports_op, _cpu_init, _cpu_set_n_threads, _cpu_set_threadpool,
              _threadpool_params_init, _threadpool_new, _threadpool_free, _dev_by_type, _reg_proc, _cpu_buft)
@@ -891,6 +894,12 @@ def tensor_set(tensor: int, src: int, offset: int, size: int) -> None:
 
 def tensor_get(tensor: int, dst: int, offset: int, size: int) -> None:
     _tensor_get(tensor, dst, offset, size)
+
+
+def tensor_set_async(backend: int, tensor: int, src: int, offset: int, size: int) -> None:
+    """Queue a copy of size bytes from host address src into the tensor on backend's stream (src must stay
+    valid until backend_synchronize; backends without async copies copy at once)."""
+    _tensor_set_async(backend, tensor, src, offset, size)
 
 
 def cpu_device() -> int:
