@@ -268,3 +268,20 @@ def test_partial_copies_are_never_computed(make_tiny_gguf) -> None:  # type: ign
         ref, got, st, _ = partial_copy_run(path, rng, 4)
         assert np.array_equal(got, ref), path.name
         assert st["hits"] > 0 and st["misses"] > 0 and st["chunks"] > st["loads"]
+
+
+def test_overlap_is_off_with_llama_cpps_concurrent_streams(fixture_model: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """GGML_CUDA_GRAPH_OPT=1 (llama.cpp's opt-in concurrent CUDA streams) could fork inside an overlapped split:
+    the cache then runs its two branches one after the other, says so, and the tokens stay stock's."""
+    cfg = CacheConfig(4, policy="lru")
+    assert cfg.overlap_on({}) and cfg.overlap_on({"GGML_CUDA_GRAPH_OPT": "0"})
+    assert not cfg.overlap_on({"GGML_CUDA_GRAPH_OPT": "1"})
+    assert not CacheConfig(4, policy="lru", overlap=False).overlap_on({})
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        want = eng.generate("ROMEO:", max_tokens=8, sampling=GREEDY).tokens
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING"):
+        mp.setenv("GGML_CUDA_GRAPH_OPT", "1")
+        with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+            eng.enable_expert_cache(cfg)
+            assert eng.generate("ROMEO:", max_tokens=8, sampling=GREEDY).tokens == want
+    assert "GGML_CUDA_GRAPH_OPT=1" in caplog.text

@@ -487,6 +487,22 @@ def host_copy_bandwidth(nbytes: int = 256 << 20, *, repeats: int = 5) -> float:
     return nbytes / statistics.median(times)
 
 
+def _host_source(stack: ExitStack, device: int, nbytes: int, *, pinned: bool) -> int | None:
+    """The address of nbytes of host memory to copy from, freed when `stack` closes: one of the device's host
+    buffers (pinned on CUDA; None where it has none) or ordinary numpy memory."""
+    if pinned:
+        host_buft = native.device_host_buffer_type(device)
+        if host_buft is None:
+            return None
+        host = native.buft_alloc_buffer(host_buft, nbytes)
+        stack.callback(native.buffer_free, host)
+        native.buffer_clear(host, 1)
+        return native.buffer_base(host)
+    arr = np.ones(nbytes, np.uint8)
+    stack.callback(lambda: arr)  # holds the array until the copies are done
+    return int(arr.ctypes.data)
+
+
 def h2d_bandwidth(device: int, *, pinned: bool, nbytes: int = 64 << 20,
                   min_seconds: float = 0.05) -> float | None:
     """Bytes/s of ggml_backend_tensor_set of nbytes from host memory into a buffer on `device` (median of
@@ -497,17 +513,9 @@ def h2d_bandwidth(device: int, *, pinned: bool, nbytes: int = 64 << 20,
         raise EdgeMoeError(f"nbytes={nbytes}: copy at least one byte")
     native.require_ggml()
     with ExitStack() as stack:
-        if pinned:
-            host_buft = native.device_host_buffer_type(device)
-            if host_buft is None:
-                return None
-            host = native.buft_alloc_buffer(host_buft, nbytes)
-            stack.callback(native.buffer_free, host)
-            native.buffer_clear(host, 1)
-            src = native.buffer_base(host)
-        else:
-            arr = np.ones(nbytes, np.uint8)  # a local: alive until the copies are done
-            src = arr.ctypes.data
+        src = _host_source(stack, device, nbytes, pinned=pinned)
+        if src is None:
+            return None
         ctx = native.ggml_context(1)
         stack.callback(native.ggml_context_free, ctx)
         t = native.ggml_new_tensor(ctx, native.GGML_TYPE_I8, (nbytes,))
@@ -532,15 +540,9 @@ def h2d_load_bandwidth(device: int, *, chunk: int = 1 << 20, nbytes: int = 64 <<
     native.require_ggml()
     n_chunks = nbytes // chunk
     with ExitStack() as stack:
-        host_buft = native.device_host_buffer_type(device)
-        if host_buft is not None:
-            host = native.buft_alloc_buffer(host_buft, chunk)
-            stack.callback(native.buffer_free, host)
-            native.buffer_clear(host, 1)
-            src = native.buffer_base(host)
-        else:
-            arr = np.ones(chunk, np.uint8)  # a local: alive until the copies are done
-            src = arr.ctypes.data
+        pinned = native.device_host_buffer_type(device) is not None
+        src = _host_source(stack, device, chunk, pinned=pinned)
+        assert src is not None
         backend = native.device_backend(device)
         stack.callback(native.backend_free, backend)
         ctx = native.ggml_context(1)

@@ -68,6 +68,12 @@ class CacheConfig:
         """Does a prefetcher run this cache from the routing hook (promoe, dali with dali_prefetch)?"""
         return self.policy == PolicyKind.PROMOE.value or (self.policy == PolicyKind.DALI.value and self.dali_prefetch > 0)
 
+    def overlap_on(self, environ: Mapping[str, str]) -> bool:
+        """Whether to overlap the device's experts with the CPU's: not with GGML_CUDA_GRAPH_OPT=1, llama.cpp's
+        opt-in concurrent streams, which could fork in the first part of an overlapped split and join in its
+        second (unverified either way: off is the safe order)."""
+        return self.overlap and environ.get("GGML_CUDA_GRAPH_OPT", "0") != "1"
+
     def loads_async(self, device: Any) -> bool:
         """Whether the load worker issues this cache's loads on device (None: the CPU stand-in, which has none)."""
         if self.prefetcher or device is None:

@@ -9,6 +9,8 @@ HookChain serves all.
 """
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,8 @@ from . import native
 from .expert_cache import CacheConfig, CacheController, ExpertCache
 from .hooks import HookChain
 from .prefetcher import make_prefetcher
+
+log = logging.getLogger(__name__)
 
 _NATIVE_RULE = {GatingRule.SCORE: native.MOE_GATING_SCORE, GatingRule.SER: native.MOE_GATING_SER,
                 GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY}
@@ -133,7 +137,11 @@ class RoutingMixin:
                 swap_threshold=config.daop_threshold)
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, slots, device)
-            native.moe_cache_set_overlap(self._ctx, config.overlap)
+            overlap = config.overlap_on(os.environ)
+            if config.overlap and not overlap:
+                log.warning("GGML_CUDA_GRAPH_OPT=1: the expert cache's CPU/GPU overlap is off (llama.cpp's concurrent "
+                            "streams are not verified with it); unset the variable to overlap")
+            native.moe_cache_set_overlap(self._ctx, overlap)
             native.moe_cache_set_async(self._ctx, config.loads_async(device))
             try:
                 self.cache = (make_prefetcher(cache, config, self.path, self.info) if policy is None
