@@ -38,6 +38,8 @@ class CacheOptions:
     prefetch_distance: int | None = None  # promoe: predict layer l+d at layer l (None: ProMoE's 2)
     prefetch_extra: int | None = None  # promoe: prefetch the top-(k+m) (None: m = 1)
     dali_prefetch: int | None = None  # dali: next-layer experts prefetched per MoE layer (None, 0: none, native)
+    assign: str | None = None  # lru, dali: the CPU/GPU assigner of each route's loads (None: none)
+    profile: str | None = None  # --assign's machine profile (a bundled name or a file; None: this machine's)
 
     @property
     def enabled(self) -> bool:
@@ -69,6 +71,15 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "ProMoE's stride; 1: the next layer)"),
         click.option("--prefetch-extra", type=click.IntRange(min=0), default=None,
                      help="promoe: prefetch the top k + M predicted experts (default 1)"),
+        click.option("--assign", type=click.Choice(["ratio", "greedy"]), default=None,
+                     help="lru, dali: at every MoE layer and step, load the misses a CPU/GPU assigner puts on "
+                          "the GPU before the layer runs (the others run on the CPU and load for the next "
+                          "step), minimising max(CPU time, GPU time + copies) by --profile's costs: ratio (the "
+                          "best cut, within 5% of the optimum) or greedy (DALI's). Runs in the routing hook: a "
+                          "host sync per MoE layer"),
+        click.option("--profile", default=None,
+                     help="--assign's machine profile: a bundled name (rtx4060-laptop, rtx4090-desktop, "
+                          "h100-server) or a file; default: this machine's (`edgemoe profile`)"),
         click.option("--blocking-loads", is_flag=True,
                      help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
                           "it on the CPU (needs the routing callback: a host sync per MoE layer)"),
@@ -81,7 +92,8 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
 def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, blocking: bool,
                        alloc: str | None = None, dali_window: int | None = None,
                        dali_update: int | None = None, prefetch_distance: int | None = None,
-                       prefetch_extra: int | None = None, dali_prefetch: int | None = None) -> CacheOptions:
+                       prefetch_extra: int | None = None, dali_prefetch: int | None = None,
+                       assign: str | None = None, profile: str | None = None) -> CacheOptions:
     if vram is not None and expert_slots is not None:
         raise click.UsageError("give --vram or --expert-slots, not both")
     if policy != "promoe" and (prefetch_distance is not None or prefetch_extra is not None):
@@ -89,8 +101,13 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
     if dali_prefetch and (policy != "dali" or blocking):
         raise click.UsageError("--dali-prefetch is an option of --policy dali without --blocking-loads "
                                "(a missed expert runs on the CPU while the prefetcher loads the next layer's)")
+    if assign is not None and (policy not in ("lru", "dali") or blocking or dali_prefetch):
+        raise click.UsageError("--assign is an option of --policy lru or dali without --blocking-loads or "
+                               "--dali-prefetch (it decides which of their misses to load before the layer runs)")
+    if profile is not None and assign is None:
+        raise click.UsageError("--profile gives --assign its costs: add --assign ratio (or greedy)")
     return CacheOptions(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update,
-                        prefetch_distance, prefetch_extra, dali_prefetch)
+                        prefetch_distance, prefetch_extra, dali_prefetch, assign, profile)
 
 
 def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
@@ -133,6 +150,20 @@ def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, g
     return ensure_calibration(model, stages, " and ".join(w for w, _ in needs), given=given, n_threads=n_threads)
 
 
+def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
+    """--assign's cost model per MoE layer, from --profile or this machine's measured profile."""
+    from ..perf.costmodel import ModelShape, expert_costs
+    from ..perf.profile import load_profile
+    from ..perf.profiling import default_profile_path
+
+    if profile is None:
+        if not default_profile_path().exists():
+            raise click.UsageError("--assign needs a machine profile: measure this machine's with `edgemoe "
+                                   "profile`, or give --profile rtx4060-laptop (or another bundled one, or a file)")
+        profile = str(default_profile_path())
+    return expert_costs(ModelShape.read(model), load_profile(profile))
+
+
 def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:
     from ..runtime import native
     from ..calibration.allocation import describe, plan_allocation
@@ -163,7 +194,8 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
                       dali_update=opts.dali_update, alloc=plan.alloc,
                       prefetch_distance=opts.prefetch_distance or PROMOE_DISTANCE,
                       prefetch_extra=PROMOE_EXTRA if opts.prefetch_extra is None else opts.prefetch_extra,
-                      dali_prefetch=opts.dali_prefetch or 0)
+                      dali_prefetch=opts.dali_prefetch or 0, assign=opts.assign,
+                      assign_costs=assign_costs(model, opts.profile) if opts.assign else None)
     engine.enable_expert_cache(cfg, device=dev)
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
     prefetch = engine.cache.report().get("prefetch") if engine.cache is not None else None
@@ -172,4 +204,5 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
         click.echo(f"note: {note}", err=True)
     click.echo(f"expert cache: {describe(plan)} on {where}, policy {opts.policy}"
                + (f" (predictor {prefetch['predictor']}, top-k+{prefetch['extra']})" if prefetch else "")
-               + (" (blocking loads)" if opts.blocking else ""), err=True)
+               + (" (blocking loads)" if opts.blocking else "")
+               + (f" (misses placed by the {opts.assign} assigner)" if opts.assign else ""), err=True)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from ..gguf.header import check_gguf
 from ..gguf.info import ModelInfo, estimate_kv_cache_bytes, is_expert_tensor, model_info
-from .profile import Curve, DeviceProfile
+from ..policies.assignment import CostModel, TransferMode
+from .profile import Curve, DeviceProfile, MachineProfile, ProfileError
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
@@ -175,6 +176,24 @@ class LayerCosts:
         for ly in self.shape.layers:
             t += self.dense(ly.il, 1) + self.attention(ly.il, 1, kv_len) + (self.experts(ly.il, [1] * k) if ly.expert else 0.0)
         return t
+
+
+def expert_costs(shape: ModelShape, prof: MachineProfile) -> dict[int, CostModel]:
+    """Each MoE layer's cost model for the CPU/GPU assigner (edgemoe.policies.assignment), priced by `prof`:
+    one expert's CPU and GPU time over n tokens, its copy at the cache loader's rate (the copy, then the
+    compute: llama.cpp runs a layer's cached experts after their loads), and a hand-off of the activations
+    each way plus the CPU products' fixed cost when any expert of the layer runs on the CPU."""
+    if prof.gpu is None or prof.link is None:
+        raise ProfileError(f"profile {prof.name!r} has no GPU: --assign weighs CPU against GPU time; give a "
+                           "GPU machine's profile (a bundled one, or `edgemoe profile` on a CUDA build)")
+    cpu, gpu, link = LayerCosts.of(prof.cpu, shape), LayerCosts.of(prof.gpu, shape), prof.link
+    out = {}
+    for il in shape.moe_layers:
+        copy = shape.expert_bytes(il) / link.loads_bw
+        out[il] = CostModel(cpu_s=lambda n, il=il: cpu.expert(il, n), gpu_s=lambda n, il=il: gpu.expert(il, n),
+                            transfer_s=lambda copy=copy: copy, transfer_mode=TransferMode.SERIAL,
+                            cpu_handoff_s=2 * link.latency_s + cpu.expert_fixed(il, 1))
+    return out
 
 
 def _per_byte(curve: Curve, tokens: int, hot: bool) -> float:

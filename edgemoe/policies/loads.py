@@ -4,6 +4,7 @@ ubatch uses. A module of its own so that every residency policy module can impor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,3 +21,14 @@ def used_experts(ids: np.ndarray) -> list[int]:
     flat = np.asarray(ids).reshape(-1)
     _, first = np.unique(flat, return_index=True)
     return [int(flat[i]) for i in sorted(first) if flat[i] >= 0]
+
+
+def split_loads(policy: Any, loads: list[Load]) -> tuple[list[Load], list[Load]]:
+    """(loads made before the routed layer runs, loads used from its next run) of a policy's answer to a route:
+    all of them for a blocking policy, else those of the experts in its `load_now` (AssignedPolicy), if any."""
+    if policy.blocking:
+        return loads, []
+    now = getattr(policy, "load_now", None)
+    if not now:
+        return [], loads
+    return [ld for ld in loads if ld.expert in now], [ld for ld in loads if ld.expert not in now]

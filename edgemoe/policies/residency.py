@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import EdgeMoeError
 from .daop import DAOP_SWAP_THRESHOLD, DaopPolicy, swap_pairs
-from .loads import Load as Load, used_experts as used_experts  # re-exported: they lived here before loads.py
+from .loads import Load as Load, split_loads, used_experts as used_experts  # re-exported: they lived here before loads.py
 
 
 class PolicyKind(str, enum.Enum):
@@ -282,7 +282,8 @@ def simulate(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.nda
     """Replay steps (each a list of (layer, ids) in layer order) as the engine runs them.
 
     Counts hits per routed slot against the residency the experts run with: a blocking
-    policy's loads apply before the layer, a non-blocking one's after the step. `counted`
+    policy's loads apply before the layer, a non-blocking one's after the step (an
+    AssignedPolicy's: those it loads now before the layer, the others after the step). `counted`
     (one flag per step) leaves the other steps' hits, misses and loads out of the result
     (they still change the residency), e.g. to count decode steps only.
     """
@@ -304,11 +305,9 @@ def simulate(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.nda
         count = True if flags is None else bool(next(flags))
         pending: list[Load] = []
         for layer, ids in step:
-            loads = policy.on_route(layer, ids)
-            if policy.blocking:
-                apply(loads, count)
-            else:
-                pending += loads
+            now, later = split_loads(policy, policy.on_route(layer, ids))
+            apply(now, count)
+            pending += later
             flat = np.asarray(ids).reshape(-1)
             flat = flat[flat >= 0]
             hit = np.isin(flat, list(resident.get(layer, {})))

@@ -21,7 +21,9 @@ from ..gguf.header import check_gguf
 from ..policies.route import RouteRecord
 from ..policies.copy_queue import CopyTiming, load_worker_default
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
+from ..policies.assigned import AssignedPolicy
 from ..policies.daop import DAOP_SWAP_THRESHOLD, DaopPolicy
+from ..policies.loads import split_loads
 from ..policies.residency import (DALI_WINDOW, DaliPolicy, Load, LruPolicy, ManualPolicy, PolicyKind,
                                   ResidencyPolicy, StaticPolicy)
 
@@ -62,6 +64,12 @@ class CacheConfig:
     # worker overlaps nothing there and only competes for the CPU (tools/bench_worker.py). promoe always issues
     # its own loads (its model of the copy queue counts the chunks)
     async_loads: bool | None = None
+    # lru, dali: per route, a CPU/GPU assigner (edgemoe.policies.assignment: "ratio", "greedy") decides which of
+    # the policy's loads to make before the layer runs (computed on the GPU this step) rather than for its next
+    # run (the miss on the CPU); needs assign_costs (edgemoe.perf.costmodel.expert_costs from a profile).
+    # Runs in the routing hook: a host sync per MoE layer
+    assign: str | None = None
+    assign_costs: Mapping[int, Any] | None = None  # MoE layer -> edgemoe.policies.assignment.ExpertCosts
 
     @property
     def prefetcher(self) -> bool:
@@ -313,16 +321,13 @@ class CacheController:
 
     def on_route(self, route: RouteRecord) -> None:
         self.flush()
-        loads = self.policy.on_route(route.layer, route.ids)
-        if self.policy.blocking:
-            for ld in loads:  # before this layer's experts run: the C side maps the ids after the hook
-                self.cache.load(ld)
-        else:
-            self.pending = loads
+        now, self.pending = split_loads(self.policy, self.policy.on_route(route.layer, route.ids))
+        for ld in now:  # before this layer's experts run: the C side maps the ids after the hook
+            self.cache.load(ld)
 
     def report(self) -> dict[str, Any]:
-        """What the controller adds to the cache's stats (the prefetcher's counters)."""
-        return {}
+        """What the controller adds to the cache's stats (the assigner's, the prefetcher's counters)."""
+        return {"assign": self.policy.report()} if isinstance(self.policy, AssignedPolicy) else {}
 
     def flush(self) -> None:
         """Prefetch and issue the loads decided at an earlier layer (the engine calls it after each decode)."""

@@ -17,6 +17,8 @@ from typing import Any
 
 from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
+from ..policies.assigned import AssignedPolicy
+from ..policies.assignment import make_assigner
 from ..policies.gating import GatingPolicy, GatingRule
 from ..policies.residency import make_policy
 from ..policies.route import RoutePolicy
@@ -26,6 +28,20 @@ from .hooks import HookChain
 from .prefetcher import make_prefetcher
 
 log = logging.getLogger(__name__)
+
+
+def check_assign(config: CacheConfig) -> None:
+    """Refuse an assignment the policy cannot act on, before anything is built."""
+    if config.assign is None:
+        return
+    if config.policy not in ("lru", "dali") or config.blocking or config.prefetcher:
+        raise EdgeMoeError(f"--assign works with --policy lru or dali without --blocking-loads (not "
+                           f"{config.policy}{' with blocking loads' if config.blocking else ''}): it decides "
+                           "which of their misses to load before the layer runs")
+    if not config.assign_costs:
+        raise EdgeMoeError("--assign needs a cost model: a machine profile with a GPU (--profile NAME or FILE; "
+                           "`edgemoe profile` measures this machine's)")
+    make_assigner(config.assign)  # a known assigner
 
 _NATIVE_RULE = {GatingRule.SCORE: native.MOE_GATING_SCORE, GatingRule.SER: native.MOE_GATING_SER,
                 GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY}
@@ -129,12 +145,16 @@ class RoutingMixin:
             self.cache.cache.close()
             self.cache = None
         if config is not None:
+            check_assign(config)
             slots = config.slots(list(self.info.moe_layers), self.info.n_expert)
             prefetch = config.prefetcher
             policy = None if prefetch else make_policy(
                 config.policy, slots, blocking=config.blocking, calibration=config.calibration,
                 n_expert=self.info.n_expert, window=config.dali_window, update=config.dali_update,
                 swap_threshold=config.daop_threshold)
+            if config.assign is not None and config.assign_costs:
+                policy = AssignedPolicy(policy, dict(config.assign_costs), make_assigner(config.assign),
+                                        name=config.assign)
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, slots, device)
             overlap = config.overlap_on(os.environ)
