@@ -40,6 +40,7 @@ class CacheOptions:
     dali_prefetch: int | None = None  # dali: next-layer experts prefetched per MoE layer (None, 0: none, native)
     assign: str | None = None  # lru, dali: the CPU/GPU assigner of each route's loads (None: none)
     profile: str | None = None  # --assign's machine profile (a bundled name or a file; None: this machine's)
+    degrade: float | None = None  # DAOP's graceful degradation ratio (None: off)
 
     @property
     def enabled(self) -> bool:
@@ -80,6 +81,11 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--profile", default=None,
                      help="--assign's machine profile: a bundled name (rtx4060-laptop, rtx4090-desktop, "
                           "h100-server) or a file; default: this machine's (`edgemoe profile`)"),
+        click.option("--degrade", type=click.FloatRange(0.0, 1.0, min_open=True), default=None, metavar="R",
+                     help="DAOP's graceful degradation: in decode, a token's expert that is not resident (not its "
+                          "best) is replaced by the best resident one it did not select whose router score is at "
+                          "least R times its own (e.g. 0.8). Fewer CPU experts for a small quality cost "
+                          "(docs/daop.md); changes the output; runs in the routing hook"),
         click.option("--blocking-loads", is_flag=True,
                      help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
                           "it on the CPU (needs the routing callback: a host sync per MoE layer)"),
@@ -93,7 +99,8 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
                        alloc: str | None = None, dali_window: int | None = None,
                        dali_update: int | None = None, prefetch_distance: int | None = None,
                        prefetch_extra: int | None = None, dali_prefetch: int | None = None,
-                       assign: str | None = None, profile: str | None = None) -> CacheOptions:
+                       assign: str | None = None, profile: str | None = None,
+                       degrade: float | None = None) -> CacheOptions:
     if vram is not None and expert_slots is not None:
         raise click.UsageError("give --vram or --expert-slots, not both")
     if policy != "promoe" and (prefetch_distance is not None or prefetch_extra is not None):
@@ -106,8 +113,10 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
                                "--dali-prefetch (it decides which of their misses to load before the layer runs)")
     if profile is not None and assign is None:
         raise click.UsageError("--profile gives --assign its costs: add --assign ratio (or greedy)")
+    if (assign is not None or degrade is not None) and vram is None and expert_slots is None:
+        raise click.UsageError("--assign and --degrade act on the expert cache: give --vram or --expert-slots")
     return CacheOptions(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update,
-                        prefetch_distance, prefetch_extra, dali_prefetch, assign, profile)
+                        prefetch_distance, prefetch_extra, dali_prefetch, assign, profile, degrade)
 
 
 def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
@@ -195,7 +204,8 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
                       prefetch_distance=opts.prefetch_distance or PROMOE_DISTANCE,
                       prefetch_extra=PROMOE_EXTRA if opts.prefetch_extra is None else opts.prefetch_extra,
                       dali_prefetch=opts.dali_prefetch or 0, assign=opts.assign,
-                      assign_costs=assign_costs(model, opts.profile) if opts.assign else None)
+                      assign_costs=assign_costs(model, opts.profile) if opts.assign else None,
+                      degrade=opts.degrade)
     engine.enable_expert_cache(cfg, device=dev)
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
     prefetch = engine.cache.report().get("prefetch") if engine.cache is not None else None
@@ -205,4 +215,5 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
     click.echo(f"expert cache: {describe(plan)} on {where}, policy {opts.policy}"
                + (f" (predictor {prefetch['predictor']}, top-k+{prefetch['extra']})" if prefetch else "")
                + (" (blocking loads)" if opts.blocking else "")
-               + (f" (misses placed by the {opts.assign} assigner)" if opts.assign else ""), err=True)
+               + (f" (misses placed by the {opts.assign} assigner)" if opts.assign else "")
+               + (f" (graceful degradation r={opts.degrade})" if opts.degrade is not None else ""), err=True)

@@ -23,6 +23,7 @@ from ..policies.copy_queue import CopyTiming, load_worker_default
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
 from ..policies.assigned import AssignedPolicy
 from ..policies.daop import DAOP_SWAP_THRESHOLD, DaopPolicy
+from ..policies.degrade import GracefulDegradation
 from ..policies.loads import split_loads
 from ..policies.residency import (DALI_WINDOW, DaliPolicy, Load, LruPolicy, ManualPolicy, PolicyKind,
                                   ResidencyPolicy, StaticPolicy)
@@ -70,6 +71,10 @@ class CacheConfig:
     # Runs in the routing hook: a host sync per MoE layer
     assign: str | None = None
     assign_costs: Mapping[int, Any] | None = None  # MoE layer -> edgemoe.policies.assignment.ExpertCosts
+    # DAOP's graceful degradation (edgemoe.policies.degrade): in decode, a token's non-resident expert (not
+    # its best) is replaced by the best resident one it did not select whose router score is at least this
+    # ratio of the replaced one's (0 < r <= 1; None: off). Changes the routing; runs in the routing hook
+    degrade: float | None = None
 
     @property
     def prefetcher(self) -> bool:
@@ -254,6 +259,16 @@ class ExpertCache:
         self._map = None  # after the cache is gone: nothing reads the mapping any more
 
 
+class CacheResidency:
+    """The experts resident in a cache's slots now, per layer (edgemoe.policies.degrade.Residency)."""
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.cache = cache
+
+    def resident(self, layer: int) -> set[int]:
+        return {e for e, slot in enumerate(self.cache.slots(layer) or []) if slot >= 0}
+
+
 class CacheController:
     """Runs a residency policy: inside llama.cpp when it can, else as a route policy in the hook.
 
@@ -274,6 +289,7 @@ class CacheController:
         self.cache = cache
         self.policy = policy
         self.alloc = alloc  # how the slots per layer were chosen
+        self.degradation: GracefulDegradation | None = None  # run in the hook just before this controller
         self.pending: list[Load] = []
         self.mode = native.MOE_CACHE_POLICY_CALLBACK  # what llama_moe_cache_init starts with
         for ld in policy.initial_loads():
@@ -327,7 +343,12 @@ class CacheController:
 
     def report(self) -> dict[str, Any]:
         """What the controller adds to the cache's stats (the assigner's, the prefetcher's counters)."""
-        return {"assign": self.policy.report()} if isinstance(self.policy, AssignedPolicy) else {}
+        out: dict[str, Any] = {"assign": self.policy.report()} if isinstance(self.policy, AssignedPolicy) else {}
+        if self.degradation is not None:
+            d = self.degradation
+            out["degrade"] = {"ratio": d.ratio, "routed": d.n_routed, "cpu": d.n_cpu, "replaced": d.n_replaced,
+                              "cpu_avoided": d.cpu_avoided}
+        return out
 
     def flush(self) -> None:
         """Prefetch and issue the loads decided at an earlier layer (the engine calls it after each decode)."""

@@ -106,7 +106,7 @@ class PrefetchController(CacheController):
         pc = self.driver.result.prefetch
         assert pc is not None and isinstance(self.policy, PromoePolicy)
         timing = self.config.copy_timing
-        return {"prefetch": {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
+        return {**super().report(), "prefetch": {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
                              "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
                              "predictor": f"{self.policy.predictor.kind.value}-d{self.policy.distance}",
                              "extra": self.policy.extra, "per_layer_cap": self.policy.prefetch_cap(1, 1 << 30),

@@ -19,11 +19,12 @@ from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
 from ..policies.assigned import AssignedPolicy
 from ..policies.assignment import make_assigner
+from ..policies.degrade import GracefulDegradation
 from ..policies.gating import GatingPolicy, GatingRule
 from ..policies.residency import make_policy
 from ..policies.route import RoutePolicy
 from . import native
-from .expert_cache import CacheConfig, CacheController, ExpertCache
+from .expert_cache import CacheConfig, CacheController, CacheResidency, ExpertCache
 from .hooks import HookChain
 from .prefetcher import make_prefetcher
 
@@ -65,7 +66,8 @@ class RoutingMixin:
         if self.cache is not None:
             self.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK if callback else self.cache.native_policy)
         hook_gating = self._gating is not None and callback
-        chain = (([self._gating] if hook_gating else []) + self._policies
+        degrade = self.cache.degradation if self.cache is not None else None
+        chain = (([self._gating] if hook_gating else []) + self._policies + ([degrade] if degrade else [])
                  + ([self.cache] if callback and self.cache is not None and self.cache.needs_routes else []))
         self._set_native_gating(None if hook_gating else self._gating)
         if chain:
@@ -79,8 +81,8 @@ class RoutingMixin:
     def _needs_callback(self) -> bool:
         """Does anything need the routing callback: a Python policy, or an expert-cache policy that runs
         in it (blocking loads, dali)?"""
-        return bool(self._policies) or (self.cache is not None
-                                        and self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK)
+        return bool(self._policies) or (self.cache is not None and (
+            self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK or self.cache.degradation is not None))
 
     def _set_native_gating(self, policy: GatingPolicy | None) -> None:
         """The gating llama.cpp applies in the graph (None: none; an unchanged setting keeps the graph)."""
@@ -166,6 +168,8 @@ class RoutingMixin:
             try:
                 self.cache = (make_prefetcher(cache, config, self.path, self.info) if policy is None
                               else CacheController(cache, policy, alloc=config.alloc))
+                if config.degrade is not None:
+                    self.cache.degradation = GracefulDegradation(CacheResidency(cache), ratio=config.degrade)
             except BaseException:
                 cache.close()
                 raise
