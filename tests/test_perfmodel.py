@@ -215,6 +215,10 @@ def test_overlap_and_cpu_only_projections() -> None:
     serial = _by_name(simulate(QWEN, tr, prof, spec))["edgemoe-lru"]
     overlap = _by_name(simulate(QWEN, tr, prof, dataclasses.replace(spec, overlap=True)))["edgemoe-lru"]
     assert overlap.decode_tps >= serial.decode_tps
+    # the overlap is edgemoe's: stock llama.cpp's rows run a layer's two branches in turn either way
+    stock = {o: _by_name(simulate(QWEN, tr, prof, dataclasses.replace(spec, overlap=o)))["stock-ot-exps-cpu"]
+             for o in (False, True)}
+    assert stock[True].decode_tps == stock[False].decode_tps and stock[True].prefill_tps == stock[False].prefill_tps
     # without host and node costs a gate that drops experts can only make a CPU step faster
     free = dataclasses.replace(prof, host=HostProfile(0.0, 0.0),
                                cpu=dataclasses.replace(prof.cpu, node_s=0.0))

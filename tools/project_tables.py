@@ -14,6 +14,7 @@ own trace where no trained model of that routing shape exists (labelled: no expe
         --max-tokens 4096 --ctx 512 --mode decode --prefill-tokens 256; done   # the held-out 10% of python-docs.txt
     .venv/bin/python tools/project_tables.py --markdown --json docs/figures/projected-tables.json
     .venv/bin/python tools/project_tables.py --summary docs/figures/projected-tables.json   # the docs' table
+    .venv/bin/python tools/project_tables.py --policies docs/figures/projected-policies.json   # every policy, 8 GiB
 """
 from __future__ import annotations
 
@@ -47,6 +48,41 @@ SHAPES = {  # shape -> (GGUF with its header, routing trace, what the trace is)
 PROFILES = ("rtx4060-laptop", "rtx4090-desktop", "h100-server")
 BUDGETS_GIB = (6, 8, 12)
 GATE = GatingSpec(GatingRule.SER, 0.4)
+POLICIES = ("lru", "static", "dali", "daop")
+
+
+def _trace(trace_path: Path | None) -> Trace:
+    if trace_path is None:
+        stats = routing_stats(Trace.load(B / "traces/qwen3moe-python-docs.npz"))
+        return synthesize_trace(stats, n_expert=128, k=8, n_layer=48, n_seq=4, prefill=256, decode=256)
+    return Trace.load(trace_path)
+
+
+def project_policies(out: Path, gib: int) -> None:
+    """Each residency policy against the best stock configuration at one budget, overlap on (the build's
+    default): issue 12's per-policy comparison, projected. static and daop are placed by the trace's first
+    half of sequences and every configuration replays the second half (simulate's rule without a calibration)."""
+    rows = []
+    print(f"| shape | profile | best stock decode | lru | static | dali | daop | best stock prefill | lru | static | "
+          f"dali | daop |  (PROJECTED, {gib} GiB, decode then prefill tok/s, x best stock)")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for shape, (model, trace_path, _) in SHAPES.items():
+        trace = _trace(trace_path)
+        for prof_name in PROFILES:
+            res = simulate(model, trace, load_profile(prof_name),
+                           SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=POLICIES))
+            by = {c.name: c for c in res.configs}
+            stock = [c for c in res.configs if c.kind == "stock"]
+            dec, pre = max(stock, key=lambda c: c.decode_tps), max(c.prefill_tps for c in stock)
+            cells_d = [f"{by['edgemoe-' + p].decode_tps:.1f} ({by['edgemoe-' + p].decode_tps / dec.decode_tps:.2f}x)"
+                       for p in POLICIES]
+            cells_p = [f"{by['edgemoe-' + p].prefill_tps:.0f} ({by['edgemoe-' + p].prefill_tps / pre:.2f}x)"
+                       for p in POLICIES]
+            print(f"| {shape} | {prof_name} | {dec.decode_tps:.1f} ({dec.name}) | {' | '.join(cells_d)} | {pre:.0f} | "
+                  f"{' | '.join(cells_p)} |")
+            rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "workload_note": res.workload_note,
+                      **c.__dict__} for c in res.configs]
+    out.write_text(json.dumps({"projected": True, "overlap": True, "rows": rows}, indent=1) + "\n")
 
 
 def print_summary(rows: list[dict]) -> None:
@@ -76,11 +112,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--policies", type=Path, default=None, metavar="JSON",
+                    help="write every residency policy (lru, static, dali, daop) at --policies-gib on each bundled "
+                         "profile, CPU/GPU overlap on, to this file and print its table, and stop")
+    ap.add_argument("--policies-gib", type=int, default=8)
     ap.add_argument("--summary", type=Path, default=None, metavar="JSON",
                     help="print docs/performance-model.md's one-row-per-budget table from a --json file, and stop")
     args = ap.parse_args()
     if args.summary is not None:
         print_summary(json.loads(args.summary.read_text())["rows"])
+        return
+    if args.policies is not None:
+        project_policies(args.policies, args.policies_gib)
         return
     out = []
     for shape, (model, trace_path, what) in SHAPES.items():

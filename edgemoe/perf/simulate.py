@@ -9,7 +9,8 @@ loader's bandwidth (`LinkProfile.loads_bw`) and a layer that needs a slot still 
 Where the engine leaves the load worker off (the RPC device: `load_worker_default`), the caller issues
 the loads a step queued when it synchronises after it, so their copy time ends that step on the host. `overlap=False` runs the CPU branch and the GPU
 branch of a layer one after the other (llama.cpp's order, and the build's with `CacheConfig(overlap=False)`);
-`overlap=True` projects the CPU/GPU overlap the build runs by default with the cache on a device (patch 0016). Host work per call (Python, sampling) and per graph node comes from the
+`overlap=True` projects the CPU/GPU overlap the build runs by default with the cache on a device (patch 0016)
+for edgemoe's configurations; stock llama.cpp's always run the two one after the other. Host work per call (Python, sampling) and per graph node comes from the
 profile. Everything is a projection: docs/performance-model.md says how it was validated.
 """
 from __future__ import annotations
@@ -77,7 +78,8 @@ class _Run:
 
     def __init__(self, cfg: Config, shape: ModelShape, prof: MachineProfile, nodes: tuple[int, int],
                  policy: ResidencyPolicy | None, *, overlap: bool, on_gpu: bool) -> None:
-        self.cfg, self.shape, self.prof, self.overlap = cfg, shape, prof, overlap
+        # the overlap is edgemoe's (patch 0016, with a cache): stock llama.cpp runs a layer's branches in turn
+        self.cfg, self.shape, self.prof, self.overlap = cfg, shape, prof, overlap and cfg.policy is not None
         self.nodes_pp, self.nodes_tg = nodes
         self.policy = policy
         self.cpu = LayerCosts.of(prof.cpu, shape)
