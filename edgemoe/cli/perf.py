@@ -56,8 +56,9 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
 @click.option("--threshold", type=Finite(0.0), default=None, help="the gating rule's threshold")
 @click.option("--blocking-loads", is_flag=True, help="cache misses wait for their copy instead of running on the CPU")
 @click.option("--overlap", is_flag=True,
-              help="project CPU/GPU overlap within a layer, as the build runs a cache on a GPU by default "
-                   "(without it: the two branches one after the other, as with CacheConfig(overlap=False))")
+              help="project edgemoe's CPU/GPU overlap within a layer, as the build runs a cache on a GPU by "
+                   "default (without it: the two branches one after the other, as with CacheConfig(overlap=False); "
+                   "stock llama.cpp's configurations always run them in turn)")
 @click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="calibration directory for the static policy (default: placement from the trace's first half)")
 @click.option("--assign", type=click.Choice(["greedy", "ratio", "exact"]), default=None,
