@@ -371,3 +371,19 @@ def test_a_warmup_sequence_is_replayed_but_not_counted() -> None:
     assert stock_warmed.prefill_tps == pytest.approx(stock.prefill_tps)
     with pytest.raises(EdgeMoeError, match="different MoE layers"):
         join_traces([run, skewed_trace(QWEN, n_seq=1, layers=2)])
+
+
+def test_overlapped_cpu_experts_wait_for_the_layers_dense_part() -> None:
+    """With the overlap, a layer's CPU experts start only after its attention and router: a CPU-bound layer
+    (every expert on the CPU, none cached) takes dense + CPU experts, as without the overlap, so a cache with
+    no slots gains nothing from it."""
+    tr = skewed_trace(QWEN, prefill=32, decode=16)
+    prof = load_profile("rtx4060-laptop")
+    assert prof.gpu is not None  # no launch bound: the GPU side is the layer's own work
+    prof = dataclasses.replace(prof, host=HostProfile(0.0, 0.0), gpu=dataclasses.replace(prof.gpu, node_s=0.0))
+    spec = SimSpec(vram=518 * 2**20, n_ctx=512, policies=("static",), slots={il: 0 for il in
+                                                                             read_model_info(QWEN).moe_layers})
+    serial = _by_name(simulate(QWEN, tr, prof, spec))["edgemoe-static"]
+    overlap = _by_name(simulate(QWEN, tr, prof, dataclasses.replace(spec, overlap=True)))["edgemoe-static"]
+    assert overlap.decode_tps == pytest.approx(serial.decode_tps)
+    assert overlap.prefill_tps == pytest.approx(serial.prefill_tps)

@@ -10,7 +10,8 @@ Where the engine leaves the load worker off (the RPC device: `load_worker_defaul
 the loads a step queued when it synchronises after it, so their copy time ends that step on the host. `overlap=False` runs the CPU branch and the GPU
 branch of a layer one after the other (llama.cpp's order, and the build's with `CacheConfig(overlap=False)`);
 `overlap=True` projects the CPU/GPU overlap the build runs by default with the cache on a device (patch 0016)
-for edgemoe's configurations; stock llama.cpp's always run the two one after the other. Host work per call (Python, sampling) and per graph node comes from the
+for edgemoe's configurations: the CPU's experts start once the layer's dense part (attention, router) is
+done and run while the GPU computes its experts; stock llama.cpp's always run the two one after the other. Host work per call (Python, sampling) and per graph node comes from the
 profile. Everything is a projection: docs/performance-model.md says how it was validated.
 """
 from __future__ import annotations
@@ -148,7 +149,8 @@ class _Run:
             n_cpu_splits += bool(c)
             gpu_side = max(d + g, launch)
             acc.host += gpu_side - (d + g)  # the GPU idles while the host launches the layer's kernels
-            t += max(wait + gpu_side, c) if self.overlap or self.cfg.assign and n > 1 else wait + gpu_side + c
+            # overlapped, the CPU's experts start once the layer's dense part (attention, the router) is done
+            t += max(wait + gpu_side, d + c) if self.overlap or self.cfg.assign and n > 1 else wait + gpu_side + c
         h = main.head(1)  # llama.cpp computes logits for the last token of a ubatch (and each decode token)
         t += h
         self._busy(acc, h, gpu=self.on_gpu)
