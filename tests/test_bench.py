@@ -84,3 +84,19 @@ def test_best_n_cpu_moe_is_the_fewest_layers_that_fit() -> None:
     base = info.dense_bytes + estimate_kv_cache_bytes(info, 256) + VRAM_RESERVE
     assert best_n_cpu_moe(info, base + 3 * per_layer, 256) == n_layers - 3
     assert best_n_cpu_moe(info, base - 1, 256) is None
+
+
+def test_bench_assign_rows() -> None:
+    """--assign adds an lru row with the CPU/GPU assigner, priced by a GPU profile (not projected: the model
+    has no per-token assignment); without a GPU profile it is refused."""
+    args = ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "48", "--gen-tokens", "8",
+            "-t", "2", "--json", "--policy", "lru", "--alloc", "equal", "--assign", "ratio"]
+    res = CliRunner().invoke(cli, [*args, "--profile", "rtx4060-laptop"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    rows = {r["name"]: r for r in out["rows"]}
+    assert set(rows) == {"stock -ot exps=CPU", "edgemoe lru", "edgemoe lru +assign ratio"}
+    a = rows["edgemoe lru +assign ratio"]
+    assert a["decode_tps"] > 0 and a["cache"]["hits"] > 0 and a["projected_decode_tps"] is None
+    res = CliRunner().invoke(cli, [*args, "--profile", "none"])
+    assert res.exit_code != 0 and "--profile" in res.output

@@ -40,6 +40,8 @@ class BenchSpec:
     profile: Path | None = None  # this machine's profile for the projections (None: none are made)
     alloc: str | None = None  # "equal", "dp"; None: dp when the calibration has a routing trace
     compare_overlap: bool = False  # also run each policy with CPU/GPU overlap off ("... no-overlap" rows)
+    # also run lru and dali with this CPU/GPU assigner ("... +assign ratio" rows), priced by `profile`
+    assign: str | None = None
 
 
 @dataclass
@@ -128,6 +130,7 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         configs.append((f"stock --n-cpu-moe {n_cpu}", "stock",
                         replace(base, cpu_expert_layers=moe[:n_cpu] or None), None, ""))
     cached = replace(base, cpu_expert_layers=cpu_moe)
+    costs = _assign_costs(path, spec) if spec.assign else None
     for pol in spec.policies:
         try:
             plan = plan_allocation(info, alloc=spec.alloc, policy=pol, calibration=spec.calibration,
@@ -149,6 +152,13 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
                 eng.enable_expert_cache(cfg, device=dev)
 
             configs.append((name + ("" if overlap else " no-overlap"), "edgemoe", cached, setup, "; ".join(notes)))
+        if costs is not None and pol in ("lru", "dali"):
+
+            def setup_assign(eng: Engine, cfg: CacheConfig = replace(cfg, assign=spec.assign, assign_costs=costs)) -> None:
+                eng.enable_expert_cache(cfg, device=dev)
+
+            configs.append((f"{name} +assign {spec.assign}", "edgemoe", cached, setup_assign,
+                            "; ".join(notes + ["in the routing hook"])))
 
     generated: list[int] = []
     for name, kind, cfg, setup, note in configs:
@@ -177,14 +187,25 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
     return res
 
 
+def _assign_costs(path: Path, spec: BenchSpec) -> dict[int, Any]:
+    """The assigner's per-layer costs from the bench's profile (it must have a GPU)."""
+    from .costmodel import ModelShape, expert_costs
+    from .profile import load_profile
+
+    if spec.profile is None:
+        raise EdgeMoeError("bench --assign prices the assignment with --profile: give a GPU machine's profile "
+                           "(this machine's from `edgemoe profile` on a CUDA build, or a bundled one)")
+    return expert_costs(ModelShape.read(path), load_profile(spec.profile))
+
+
 def _sim_name(row: BenchRow, on_gpu: bool) -> str | None:
     """The simulator's configuration of a bench row (None: not modelled, e.g. the CPU stand-in cache)."""
     if row.name == "stock -ot exps=CPU":
         return "stock-ot-exps-cpu" if on_gpu else "stock-cpu"
     if row.name.startswith("stock --n-cpu-moe "):
         return "stock-n-cpu-moe-" + row.name.rsplit(" ", 1)[1]
-    if row.name.endswith(" no-overlap"):
-        return None  # the performance model assumes the overlap
+    if row.name.endswith(" no-overlap") or " +assign " in row.name:
+        return None  # the performance model assumes the overlap, and has no per-token assignment
     if row.name.startswith("edgemoe ") and on_gpu and not row.name.endswith(" dp"):  # dp: equal slots only, so far
         return "edgemoe-" + row.name.split(" ", 1)[1]
     return None
