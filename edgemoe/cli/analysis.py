@@ -172,8 +172,7 @@ def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None
     d = {"model": str(model), "input": str(input_path), "gating": gating,
          "threshold": policy.threshold if policy is not None else None, "prompt_tokens": skip, **res.to_dict()}
     if deg is not None:
-        d["degrade"] = {"ratio": degrade_ratio, "expert_slots": expert_slots, "routed": deg.n_routed,
-                        "cpu": deg.n_cpu, "replaced": deg.n_replaced, "cpu_avoided": deg.cpu_avoided}
+        d["degrade"] = {**deg.report(), "expert_slots": expert_slots}
     if as_json:
         click.echo(json.dumps(d))
         return

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..gguf.header import check_gguf
 from ..gguf.info import ModelInfo, estimate_kv_cache_bytes, is_expert_tensor, model_info
 from ..policies.assignment import CostModel, TransferMode
-from .profile import Curve, DeviceProfile, MachineProfile, ProfileError
+from .profile import Curve, DeviceProfile, LinkProfile, MachineProfile, ProfileError
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
@@ -186,14 +186,19 @@ def expert_costs(shape: ModelShape, prof: MachineProfile) -> dict[int, CostModel
     if prof.gpu is None or prof.link is None:
         raise ProfileError(f"profile {prof.name!r} has no GPU: --assign weighs CPU against GPU time; give a "
                            "GPU machine's profile (a bundled one, or `edgemoe profile` on a CUDA build)")
-    cpu, gpu, link = LayerCosts.of(prof.cpu, shape), LayerCosts.of(prof.gpu, shape), prof.link
-    out = {}
-    for il in shape.moe_layers:
-        copy = shape.expert_bytes(il) / link.loads_bw
-        out[il] = CostModel(cpu_s=lambda n, il=il: cpu.expert(il, n), gpu_s=lambda n, il=il: gpu.expert(il, n),
-                            transfer_s=lambda copy=copy: copy, transfer_mode=TransferMode.SERIAL,
-                            cpu_handoff_s=2 * link.latency_s + cpu.expert_fixed(il, 1))
-    return out
+    cpu, gpu = LayerCosts.of(prof.cpu, shape), LayerCosts.of(prof.gpu, shape)
+    return {il: layer_cost_model(cpu, gpu, prof.link, il) for il in shape.moe_layers}
+
+
+def layer_cost_model(cpu: LayerCosts, gpu: LayerCosts, link: LinkProfile, il: int, *,
+                     handoff_tokens: int = 1) -> CostModel:
+    """Layer il's assigner costs: an expert's CPU and GPU time over n tokens, its copy at the cache loader's
+    rate then its compute (SERIAL), and a hand-off of two link latencies plus the CPU products' fixed cost at
+    `handoff_tokens` (the most tokens an expert of the ubatch gets)."""
+    copy = cpu.shape.expert_bytes(il) / link.loads_bw
+    return CostModel(cpu_s=lambda n: cpu.expert(il, n), gpu_s=lambda n: gpu.expert(il, n),
+                     transfer_s=lambda: copy, transfer_mode=TransferMode.SERIAL,
+                     cpu_handoff_s=2 * link.latency_s + cpu.expert_fixed(il, handoff_tokens))
 
 
 def _per_byte(curve: Curve, tokens: int, hot: bool) -> float:

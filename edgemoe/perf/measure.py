@@ -540,9 +540,7 @@ def h2d_load_bandwidth(device: int, *, chunk: int = 1 << 20, nbytes: int = 64 <<
     native.require_ggml()
     n_chunks = nbytes // chunk
     with ExitStack() as stack:
-        pinned = native.device_host_buffer_type(device) is not None
-        src = _host_source(stack, device, chunk, pinned=pinned)
-        assert src is not None
+        src = _host_source(stack, device, chunk, pinned=True) or _host_source(stack, device, chunk, pinned=False)
         backend = native.device_backend(device)
         stack.callback(native.backend_free, backend)
         ctx = native.ggml_context(1)

@@ -26,7 +26,7 @@ from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, vram_plan
 from ..policies.copy_queue import load_worker_default
 from ..policies.daop import DaopPolicy
 from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
-from .costmodel import LayerCosts, ModelShape
+from .costmodel import LayerCosts, ModelShape, layer_cost_model
 from .profile import MachineProfile
 from .workload import Step, Workload
 
@@ -220,14 +220,10 @@ class _Run:
     def _assigned(self, il: int, counts: dict[int, int], resident: set[int], acc: _Acc) -> tuple[float, float]:
         """A prefill ubatch's experts split between the CPU and the GPU (copying some) by an assigner: (GPU time
         with the copies, CPU time with the hand-off); the two sides run at once."""
-        from ..policies.assignment import CostModel, TransferMode, make_assigner
+        from ..policies.assignment import make_assigner
 
-        gpu, link = self.gpu, self.prof.link
-        assert gpu is not None and link is not None and self.cfg.assign is not None
-        copy = self.shape.expert_bytes(il) / link.loads_bw  # loaded by the cache's loader
-        cost = CostModel(cpu_s=lambda n: self.cpu.expert(il, n), gpu_s=lambda n: gpu.expert(il, n),
-                         transfer_s=lambda: copy, transfer_mode=TransferMode.SERIAL,
-                         cpu_handoff_s=2 * link.latency_s + self.cpu.expert_fixed(il, max(counts.values())))
+        assert self.gpu is not None and self.prof.link is not None and self.cfg.assign is not None
+        cost = layer_cost_model(self.cpu, self.gpu, self.prof.link, il, handoff_tokens=max(counts.values()))
         a = make_assigner(self.cfg.assign)(counts, resident, cost)
         acc.cpu += a.t_cpu
         acc.gpu += a.t_gpu - a.t_transfer

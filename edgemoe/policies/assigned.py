@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .assignment import Assigner, ExpertCosts, workload_from_ids
-from .loads import Load, split_loads as split_loads  # re-exported
+from .loads import Load
 
 
 @dataclass

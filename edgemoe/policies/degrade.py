@@ -146,6 +146,11 @@ class GracefulDegradation:
         ids[changed] = new_c
         route.weights[rows][changed] = rule_weights(sel, keep, route.weight_rule, route.weight_scale)
 
+    def report(self) -> dict[str, float | int | None]:
+        """Its ratio and counters, as `generate --json` and `perplexity --json` print them."""
+        return {"ratio": self.ratio, "routed": self.n_routed, "cpu": self.n_cpu, "replaced": self.n_replaced,
+                "cpu_avoided": self.cpu_avoided}
+
     @property
     def cpu_avoided(self) -> float | None:
         """Share of the CPU expert executions it avoided (None before any)."""

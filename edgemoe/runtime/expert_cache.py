@@ -345,9 +345,7 @@ class CacheController:
         """What the controller adds to the cache's stats (the assigner's, the prefetcher's counters)."""
         out: dict[str, Any] = {"assign": self.policy.report()} if isinstance(self.policy, AssignedPolicy) else {}
         if self.degradation is not None:
-            d = self.degradation
-            out["degrade"] = {"ratio": d.ratio, "routed": d.n_routed, "cpu": d.n_cpu, "replaced": d.n_replaced,
-                              "cpu_avoided": d.cpu_avoided}
+            out["degrade"] = self.degradation.report()
         return out
 
     def flush(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
 from ..policies.assigned import AssignedPolicy
-from ..policies.assignment import make_assigner
+from ..policies.assignment import Assigner, make_assigner
 from ..policies.degrade import GracefulDegradation
 from ..policies.gating import GatingPolicy, GatingRule
 from ..policies.residency import make_policy
@@ -31,10 +31,11 @@ from .prefetcher import make_prefetcher
 log = logging.getLogger(__name__)
 
 
-def check_assign(config: CacheConfig) -> None:
-    """Refuse an assignment the policy cannot act on, before anything is built."""
+def check_assign(config: CacheConfig) -> Assigner | None:
+    """config.assign's assigner (None: none); an assignment the policy cannot act on is refused before anything
+    is built."""
     if config.assign is None:
-        return
+        return None
     if config.policy not in ("lru", "dali") or config.blocking or config.prefetcher:
         raise EdgeMoeError(f"--assign works with --policy lru or dali without --blocking-loads (not "
                            f"{config.policy}{' with blocking loads' if config.blocking else ''}): it decides "
@@ -42,7 +43,7 @@ def check_assign(config: CacheConfig) -> None:
     if not config.assign_costs:
         raise EdgeMoeError("--assign needs a cost model: a machine profile with a GPU (--profile NAME or FILE; "
                            "`edgemoe profile` measures this machine's)")
-    make_assigner(config.assign)  # a known assigner
+    return make_assigner(config.assign)
 
 _NATIVE_RULE = {GatingRule.SCORE: native.MOE_GATING_SCORE, GatingRule.SER: native.MOE_GATING_SER,
                 GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY}
@@ -147,16 +148,15 @@ class RoutingMixin:
             self.cache.cache.close()
             self.cache = None
         if config is not None:
-            check_assign(config)
+            assigner = check_assign(config)
             slots = config.slots(list(self.info.moe_layers), self.info.n_expert)
             prefetch = config.prefetcher
             policy = None if prefetch else make_policy(
                 config.policy, slots, blocking=config.blocking, calibration=config.calibration,
                 n_expert=self.info.n_expert, window=config.dali_window, update=config.dali_update,
                 swap_threshold=config.daop_threshold)
-            if config.assign is not None and config.assign_costs:
-                policy = AssignedPolicy(policy, dict(config.assign_costs), make_assigner(config.assign),
-                                        name=config.assign)
+            if assigner is not None and config.assign_costs:
+                policy = AssignedPolicy(policy, dict(config.assign_costs), assigner, name=str(config.assign))
             cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
                                 self.info.n_expert, slots, device)
             overlap = config.overlap_on(os.environ)
