@@ -240,7 +240,7 @@ class ExpertCache:
                 # the loads the compute stream was ordered to wait for at the start of a ubatch
                 "issue_s": st.us_issue / 1e6, "load_waits": int(st.load_waits),
                 # the chunks llama.cpp's load worker issued, the ubatches whose routes its policy step processed
-                # (the native lru/dali/daop), and the time the caller waited for its chunk or step in flight
+                # (hits counted, the native lru/dali/daop run), and the time the caller waited for its chunk or step
                 "worker_chunks": int(st.chunks_async), "worker_policy_steps": int(st.routes_async),
                 "worker_wait_s": st.us_worker / 1e6,
                 # of the load waits, those the worker timed, and their summed time from the ubatch's start to
