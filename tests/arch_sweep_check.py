@@ -23,13 +23,19 @@ Checks, each against stock llama.cpp on the same GGUF:
   per layer, == stock logits bitwise (on the .k1 copies, as cache-promoe).
 - cache-promoe: ProMoE's prefetcher (gate reuse one layer ahead: no calibration), one slot per layer,
   == stock logits bitwise (on the .k1 copies, see the check).
+- cache-assign: lru with the ratio CPU/GPU assigner (`--assign`, a bundled profile's costs for the file's
+  shapes), one slot per layer, == stock logits bitwise, with routes weighed (on the .k1 copies).
+- cache-degrade: DAOP's graceful degradation at r = 1 (exact ties only), one slot per layer, == stock
+  logits bitwise, with every decode route's router probabilities read (on the .k1 copies).
 """
 from __future__ import annotations
 
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -134,7 +140,7 @@ def _cache_run(path: Path, toks: list[int], n_decode: int, slots: int | None, po
         stats = cache.stats() if cache is not None else None
         if cache is not None:
             stats["n_host_syncs"] = eng.control_stats()["n_host_syncs"]
-            stats["prefetch"] = eng.cache.report().get("prefetch")
+            stats.update(eng.cache.report())  # the prefetcher's, the assigner's, the degradation's counters
     return np.stack(rows), stats
 
 
@@ -234,11 +240,11 @@ def check_scale_applies(path: Path) -> dict:
     return dict(ok=True, detail="logits differ from the unscaled file's: " + _diff(got, ref))
 
 
-def _prefetcher_check(path: Path, name: str, **config: object) -> dict:
-    """A prefetcher in the routing hook (no calibration: gate reuse one layer ahead), one slot per layer, ==
-    stock logits bitwise, with prefetches issued where there is a layer ahead. Run on the .k1 copies: the hook's
-    cache split keeps the slot ids beside the routed ids in the top-k's row, so it needs 2k <= n_expert (with
-    more, the layer runs without its cache: equal to stock, but nothing to check)."""
+def _hook_check(path: Path, name: str, acted: Callable[[dict, Any], str | None], **config: object) -> dict:
+    """A cache policy in the routing hook, one slot per layer, == stock logits bitwise, and `acted(stats, info)`
+    (None, or why the policy did not act). Run on the .k1 copies: the hook's cache split keeps the slot ids
+    beside the routed ids in the top-k's row, so it needs 2k <= n_expert (with more, the layer runs without its
+    cache: equal to stock, but nothing to check)."""
     from edgemoe.gguf.info import read_model_info
 
     info = read_model_info(path)
@@ -246,30 +252,56 @@ def _prefetcher_check(path: Path, name: str, **config: object) -> dict:
     ref, _ = _cache_run(path, toks, 12, None)
     got, st = _cache_run(path, toks, 12, 1, **config)
     assert st is not None
-    pf = st.get("prefetch") or {}
-    seen = f"hits {st['hits']}, misses {st['misses']}, prefetches issued {pf.get('issued')}, useful {pf.get('useful')}"
+    seen = f"hits {st['hits']}, misses {st['misses']}, " + ", ".join(
+        f"{k} {st[k]}" for k in ("prefetch", "assign", "degrade") if k in st)
     if not np.array_equal(got, ref):
         return dict(ok=False, detail=f"{name} cache vs stock ({seen}): " + _diff(got, ref))
     if st["hits"] + st["misses"] == 0:
         return dict(ok=False, detail=f"{name}: the cache was not used ({seen})")
-    if len(info.moe_layers) > 1 and not pf.get("issued"):
-        return dict(ok=False, detail=f"{name}: no prefetch issued ({seen})")
+    why = acted(st, info)
+    if why:
+        return dict(ok=False, detail=f"{name}: {why} ({seen})")
     return dict(ok=True, detail=f"{name} cache == stock bitwise ({seen})")
 
 
+def _prefetched(st: dict, info: Any) -> str | None:
+    """Prefetches issued where there is a layer ahead."""
+    return "no prefetch issued" if len(info.moe_layers) > 1 and not st["prefetch"]["issued"] else None
+
+
 def check_cache_promoe(path: Path) -> dict:
-    return _prefetcher_check(path, "promoe", policy="promoe", prefetch_distance=1)
+    """ProMoE's prefetcher (no calibration: gate reuse one layer ahead)."""
+    return _hook_check(path, "promoe", _prefetched, policy="promoe", prefetch_distance=1)
 
 
 def check_cache_dali_prefetch(path: Path) -> dict:
     """dali with its residual-based prefetcher, prefetch size 1, a window of 2 tokens."""
-    return _prefetcher_check(path, "dali-prefetch", policy="dali", dali_prefetch=1, dali_window=2)
+    return _hook_check(path, "dali-prefetch", _prefetched, policy="dali", dali_prefetch=1, dali_window=2)
+
+
+def check_cache_assign(path: Path) -> dict:
+    """lru with the ratio assigner (--assign) priced by a bundled GPU profile for this model's shapes: some
+    routes' loads are weighed (and made before their layer, or not), the logits stock's."""
+    from edgemoe.perf.costmodel import ModelShape, expert_costs
+    from edgemoe.perf.profile import load_profile
+
+    costs = expert_costs(ModelShape.read(path), load_profile("rtx4060-laptop"))
+    return _hook_check(path, "assign", lambda st, info: None if st["assign"]["routes"] else "no route weighed",
+                       policy="lru", assign="ratio", assign_costs=costs)
+
+
+def check_cache_degrade(path: Path) -> dict:
+    """DAOP's graceful degradation at r = 1 (a resident expert replaces a CPU one only on an exact tie of their
+    router scores): it reads every decode route's router probabilities and changes nothing."""
+    return _hook_check(path, "degrade", lambda st, info: None if st["degrade"]["routed"] else "no route read",
+                       policy="lru", degrade=1.0)
 
 
 CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
           "cache-static": check_cache_static, "cache-daop": check_cache_daop, "cache-dali": check_cache_dali,
           "scale-applies": check_scale_applies, "cache-promoe": check_cache_promoe,
-          "cache-dali-prefetch": check_cache_dali_prefetch}
+          "cache-dali-prefetch": check_cache_dali_prefetch, "cache-assign": check_cache_assign,
+          "cache-degrade": check_cache_degrade}
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,8 @@ have (arch_models.rewrite_gguf). Per architecture:
 - cache-daop: the daop policy, calibrated on first use, run natively (patch 0021) == stock logits, bitwise.
 - cache-dali: DALI's replacement run natively (patch 0019) == stock logits, bitwise, no host sync.
 - cache-promoe (on the .k1 copies): ProMoE's prefetcher with one slot == stock logits, bitwise, with
-  prefetches issued; cache-dali-prefetch the same for dali with its prefetcher.
+  prefetches issued; cache-dali-prefetch the same for dali with its prefetcher; cache-assign for lru with
+  the CPU/GPU assigner (routes weighed), cache-degrade for graceful degradation at r = 1 (routes read).
 test_one_expert_per_token runs them on copies with expert_used_count 1 (the router chooses one of
 the two experts); test_with_optional_expert_scales on the files with the per-expert ffn_*_exps.scale
 tensors and test_files_as_llama_cpp_wrote_them_load loads the files as written, for a few
@@ -48,7 +49,8 @@ WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
 # the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
 # variant file those of its VARIANT_CHECKS
 BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali")
-WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "cache-dali-prefetch", "scale-applies")
+WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "cache-dali-prefetch", "cache-assign", "cache-degrade",
+                 "scale-applies")
 TIMEOUT_S = 180
 
 # (arch, check) pairs that fail for a known, precise reason: strict, so a fix shows up as XPASS
@@ -68,6 +70,8 @@ XFAIL: dict[tuple[str, str], str] = {
     ("refact", "cache-daop"): _REFACT + " (0 hits)",
     ("refact", "cache-promoe"): _REFACT + " (the cache was not used)",
     ("refact", "cache-dali-prefetch"): _REFACT + " (the cache was not used)",
+    ("refact", "cache-assign"): _REFACT + " (the cache was not used)",
+    ("refact", "cache-degrade"): _REFACT + " (the cache was not used)",
 }
 # (arch, check) that compare dropping experts with stock at a smaller top-k, where that cannot be equal;
 # only where k >= 2 (the .k1 copies have nothing to drop: verify skips drop-last, gating-top1 is skipped)
@@ -102,7 +106,7 @@ def _moe_entries() -> list[dict]:
 # the weight-scale copies below)
 VARIANT_CHECKS = {"scaled": ("generate", "verify", "gating-top1", "cache"),
                   "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache", "cache-promoe",
-                         "cache-dali-prefetch"),
+                         "cache-dali-prefetch", "cache-assign", "cache-degrade"),
                   "wscale": ("generate", "verify", "gating-top1", "cache", "scale-applies")}
 
 # Architectures whose graph reads expert_weights_scale and expert_weights_norm (test-llama-archs writes
