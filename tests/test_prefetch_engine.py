@@ -91,18 +91,24 @@ def test_promoe_generates_as_stock(fixture_model: Path, gated: bool) -> None:
         assert st["hits"] > 0 and rep["prefetch"]["issued"] > 0 and rep["prefetch"]["predictor"] == "mlp-d2"
 
 
-@pytest.mark.parametrize("slow,blocking,admission", [(False, False, True), (True, False, True), (True, False, False),
-                                                    (True, True, True)],
-                         ids=["instant", "slow", "slow-no-admission", "slow-blocking"])
-def test_live_counters_equal_the_replay(fixture_model: Path, slow: bool, blocking: bool, admission: bool) -> None:
+@pytest.mark.parametrize("slow,blocking,admission,native", [
+    (False, False, True, True), (False, False, True, False), (False, True, True, True), (True, False, True, None),
+    (True, False, False, None), (True, True, True, None)],
+    ids=["instant-native", "instant-hook", "instant-blocking-native", "slow", "slow-no-admission", "slow-blocking"])
+def test_live_counters_equal_the_replay(fixture_model: Path, slow: bool, blocking: bool, admission: bool,
+                                        native: bool | None) -> None:
+    """Native promoe (patch 0023: the in-graph predictor's ids, llama.cpp's decisions) and the hook's promoe both
+    count what PromoePolicy replayed on the same routes and router inputs counts (the numpy predictor)."""
     cal = default_calibration_dir(fixture_model)
     timing = _slow(fixture_model) if slow else None
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         slots = eng.info.n_expert // 4
     rec = RouteRecorder()
     _, out = _generate(fixture_model, CacheConfig(slots, policy="promoe", calibration=cal, copy_timing=timing,
-                                                  blocking=blocking, prefetch_admission=admission), recorder=rec)
+                                                  blocking=blocking, prefetch_admission=admission,
+                                                  prefetch_native=native), recorder=rec)
     st, rep, n_slots, chunks, layers = out  # type: ignore[misc]
+    assert (rep["prefetch"].get("path") == "native") == (not slow and native is not False)
     pred, note = prefetch_predictor(fixture_model, cal, "mlp", 2)
     assert note is None
     policy = PromoePolicy(n_slots, layers, pred, blocking=blocking, timing=timing if admission else None)
@@ -117,7 +123,7 @@ def test_live_counters_equal_the_replay(fixture_model: Path, slow: bool, blockin
         assert pc.preempted > 0 and pc.fetch_rate < 1.0  # ProMoE's rule on a slow link: early preemption had work
     if not slow:
         assert pc.preempted == 0 and pc.fetch_rate == 1.0
-    if blocking:
+    if blocking and slow:
         assert sim.stall_s > 0.0
 
 

@@ -52,6 +52,10 @@ class CacheConfig:
     copy_timing: CopyTiming | None = None
     # promoe with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
     prefetch_admission: bool = True
+    # promoe inside llama.cpp (patch 0023: the in-graph predictor's ids drive the loads, no Python per layer) or in
+    # the routing hook (False); None: inside where it can run (no copy_timing pacing the stand-in, every predicting
+    # layer with slots), else the hook; True: inside or an error
+    prefetch_native: bool | None = None
     # dali: experts of the next MoE layer its residual predictor prefetches per layer (DALI's prefetch size,
     # edgemoe.policies.dali_prefetch); 0: replacement only, which runs natively
     dali_prefetch: int = 0
@@ -88,8 +92,10 @@ class CacheConfig:
         return self.overlap and environ.get("GGML_CUDA_GRAPH_OPT", "0") != "1"
 
     def loads_async(self, device: Any) -> bool:
-        """Whether the load worker issues this cache's loads on device (None: the CPU stand-in, which has none)."""
-        if self.prefetcher or device is None:
+        """Whether the load worker issues this cache's loads on device (None: the CPU stand-in, which has none);
+        the hook's prefetchers issue their own (promoe inside llama.cpp may use the worker)."""
+        hook_prefetcher = self.prefetcher and (self.policy != PolicyKind.PROMOE.value or self.prefetch_native is False)
+        if hook_prefetcher or device is None:
             return False
         if self.async_loads is not None:
             return self.async_loads

@@ -19,8 +19,9 @@ from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
 # 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
-# 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17, 0020 sets 18, 0021 sets 19).
-REQUIRED_PATCH_LEVEL = 20
+# 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17, 0020 sets 18, 0021 sets 19, 0022 sets 20,
+# 0023 sets 21).
+REQUIRED_PATCH_LEVEL = 21
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +260,7 @@ MOE_CACHE_POLICY_MANUAL = 1  # expert-to-slot tables in the graph; only load/pre
 MOE_CACHE_POLICY_LRU = 2  # tables in the graph; a native per-layer LRU after each ubatch
 MOE_CACHE_POLICY_DALI = 3  # tables in the graph; DALI's workload-aware replacement after each ubatch (0019)
 MOE_CACHE_POLICY_DAOP = 4  # tables in the graph; DAOP's swap after each prompt (0021)
+MOE_CACHE_POLICY_PROMOE = 5  # the routing callback; ProMoE's prefetcher fed by the in-graph predictors (0023)
 
 # int32_t llama_moe_cache_set_policy(struct llama_context * ctx, enum llama_moe_cache_policy policy);
 _moe_cache_set_policy = _declare("llama_moe_cache_set_policy", [ctypes.c_void_p, ctypes.c_int], ctypes.c_int32)
@@ -294,6 +296,40 @@ _moe_cache_set_daop = _declare("llama_moe_cache_set_daop", [ctypes.c_void_p, cty
 def moe_cache_set_daop(ctx: Any, threshold: float) -> int:
     """The native DAOP policy's swap threshold (SwapInOut); 0, or -1 if refused (below 1)."""
     return int(_moe_cache_set_daop(ctx, threshold))
+
+
+# int32_t llama_moe_cache_set_promoe(struct llama_context * ctx, bool blocking, double admit_bytes);
+_moe_cache_set_promoe = _declare("llama_moe_cache_set_promoe", [ctypes.c_void_p, ctypes.c_bool, ctypes.c_double],
+                                 ctypes.c_int32)
+
+
+def moe_cache_set_promoe(ctx: Any, blocking: bool, admit_bytes: float) -> int:
+    """The native promoe policy's settings: blocking misses; admit_bytes, the bytes the copy stream moves per
+    MoE layer time (0: admit every load); 0 on success."""
+    return int(_moe_cache_set_promoe(ctx, blocking, admit_bytes))
+
+
+class MoePrefetchStats(ctypes.Structure):
+    """struct llama_moe_prefetch_stats: the native promoe policy's counters (patch 0023)."""
+
+    _fields_ = [
+        ("issued", ctypes.c_uint64),  # speculative loads queued for a prediction
+        ("useful", ctypes.c_uint64),  # ... resident when their layer routed, which used the expert
+        ("preempted", ctypes.c_uint64),  # ... dropped before their last chunk was issued
+        ("predicted", ctypes.c_uint64),  # experts predicted for layers that then routed (sum |P|)
+        ("in_time", ctypes.c_uint64),  # of those, resident when the layer routed
+        ("routed", ctypes.c_uint64),  # experts the predicted layers used (sum |A|)
+        ("correct", ctypes.c_uint64),  # of those, predicted (sum |P & A|)
+    ]
+
+
+# struct llama_moe_prefetch_stats llama_moe_cache_get_prefetch_stats(const struct llama_context * ctx);
+_moe_cache_get_prefetch_stats = _declare("llama_moe_cache_get_prefetch_stats", [ctypes.c_void_p], MoePrefetchStats)
+
+
+def moe_cache_prefetch_stats(ctx: Any) -> dict[str, int]:
+    s = _moe_cache_get_prefetch_stats(ctx)
+    return {name: int(getattr(s, name)) for name, _ in MoePrefetchStats._fields_}
 
 
 # int32_t llama_moe_cache_set_staging(struct llama_context * ctx, int32_t n_buffers, bool any_host);

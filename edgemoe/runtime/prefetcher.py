@@ -10,8 +10,11 @@ experts; an `issue` that sends another number of chunks than the model means the
 raises. The counters (`report`) are the driver's: on the same routes and copy timing, `replay`
 gives the same numbers.
 
-The predictor runs in numpy on the host, once per MoE layer (a host sync per layer, as dali's
-hook); the in-graph predictor is a later step.
+In the hook the predictor runs in numpy on the host, once per MoE layer (a host sync per layer and a
+Python call, as dali's hook). `NativePromoeController` runs promoe inside llama.cpp instead (patch
+0023): the predictor runs in the graph (patch 0015) and, at each cached layer's routing callback,
+llama.cpp hands its ids to the loader and makes PromoePolicy's decisions itself, with no Python call;
+`CacheConfig.prefetch_native` chooses (default: native where it can run).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from ..gguf.info import ModelInfo
 from ..policies.copy_queue import CacheModel, CancelOp, IssueOp, NativeOp, PrefetchOp, SyncOp
 from ..policies.dali_prefetch import DALI_PREFETCH_DISTANCE, DaliPrefetchPolicy
 from ..policies.prefetch import PromoePolicy
-from ..policies.replay import PolicyDriver
+from ..policies.replay import PolicyDriver, PrefetchCounts
 from ..policies.residency import Load, dali_default_update
 from ..policies.route import RouteRecord
 from ..predictors.base import Predictor
@@ -114,6 +117,68 @@ class PrefetchController(CacheController):
                              "timing": timing.describe() if timing is not None else "every queued chunk at once"}}
 
 
+class NativePromoeController(PrefetchController):
+    """Runs PromoePolicy inside llama.cpp (LLAMA_MOE_CACHE_POLICY_PROMOE, patch 0023) with the predictor in the
+    graph: the same decisions at the same routing callbacks, no Python per layer. The engine sets the predictor
+    (set_predictors) and takes it out with the cache."""
+
+    wants_gate_inp = False
+
+    def __init__(self, cache: ExpertCache, policy: PromoePolicy, config: CacheConfig, *, alloc: str = "equal",
+                 note: str | None = None) -> None:
+        super().__init__(cache, policy, config, alloc=alloc, note=note)
+        timing = config.copy_timing
+        # what the copy stream moves in one MoE layer's time: the admission budget (0: admit every load)
+        self.admit_bytes = (timing.bandwidth * timing.layer_s if policy.timing is not None and timing is not None
+                            else 0.0)
+
+    @property
+    def needs_routes(self) -> bool:
+        return False
+
+    @property
+    def native_policy(self) -> int:
+        return native.MOE_CACHE_POLICY_PROMOE
+
+    def set_mode(self, policy: int) -> None:
+        """Always native: a routing hook (gating, the user's policies) runs before it in the same callback."""
+        if self.mode == native.MOE_CACHE_POLICY_PROMOE:
+            return
+        native.moe_cache_set_promoe(self.cache._ctx, self.policy.blocking, self.admit_bytes)
+        super().set_mode(native.MOE_CACHE_POLICY_PROMOE)
+
+    def report(self) -> dict[str, Any]:
+        assert isinstance(self.policy, PromoePolicy)
+        st = native.moe_cache_prefetch_stats(self.cache._ctx)
+        pc = PrefetchCounts(**st)
+        timing = self.config.copy_timing
+        return {**CacheController.report(self),
+                "prefetch": {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
+                             "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
+                             "predictor": f"{self.policy.predictor.kind.value}-d{self.policy.distance}",
+                             "extra": self.policy.extra, "per_layer_cap": self.policy.prefetch_cap(1, 1 << 30),
+                             "admission": self.admit_bytes > 0,
+                             "timing": timing.describe() if timing is not None else "every queued chunk at once",
+                             "path": "native"}}
+
+
+def native_promoe_refusal(config: CacheConfig, policy: PromoePolicy, info: ModelInfo) -> str | None:
+    """Why promoe cannot run inside llama.cpp with this configuration (None: it can)."""
+    if config.prefetch_native is False:
+        return "asked for the routing hook (prefetch_native=False)"
+    timing = config.copy_timing
+    if timing is not None and not timing.infinite:
+        return "a copy timing paces the stand-in's copies, which only the hook's model of the queue does"
+    spec = policy.predictor.spec
+    sources = {spec.layers[t - policy.distance] for t in range(spec.n_layers) if policy.predictor.covers(t)}
+    empty = sorted(il for il in sources if policy.n_slots.get(il, 0) <= 0)
+    if empty:
+        return f"layers {empty} predict later layers but have no slots, so llama.cpp never stops at them"
+    if 2 * spec.k > info.n_expert:
+        return f"{spec.k} of {info.n_expert} experts per token: the routing callback's cache needs 2k <= n_expert"
+    return None
+
+
 def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: ModelInfo) -> PrefetchController:
     """The promoe (or dali with its prefetcher) controller over `cache`: the calibration's predictor (gate reuse
     without one)."""
@@ -135,4 +200,11 @@ def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: 
         log.info("%s", note)
     policy = PromoePolicy(cache.n_slots, list(info.moe_layers), pred, extra=config.prefetch_extra,
                           blocking=config.blocking, timing=timing)
+    why = native_promoe_refusal(config, policy, info)
+    if why is None:
+        return NativePromoeController(cache, policy, config, alloc=config.alloc, note=note)
+    if config.prefetch_native:
+        raise EdgeMoeError(f"promoe cannot run inside llama.cpp here: {why}")
+    log.info("promoe runs in the routing hook: %s", why)
+    native.moe_cache_set_async(cache._ctx, False)  # the hook's model of the copy queue counts the chunks it issues
     return PrefetchController(cache, policy, config, alloc=config.alloc, note=note)

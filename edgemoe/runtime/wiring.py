@@ -21,12 +21,13 @@ from ..policies.assigned import AssignedPolicy
 from ..policies.assignment import Assigner, make_assigner
 from ..policies.degrade import GracefulDegradation
 from ..policies.gating import GatingPolicy, GatingRule
+from ..policies.prefetch import PromoePolicy
 from ..policies.residency import make_policy
 from ..policies.route import RoutePolicy
 from . import native
 from .expert_cache import CacheConfig, CacheController, CacheResidency, ExpertCache
 from .hooks import HookChain
-from .prefetcher import make_prefetcher
+from .prefetcher import NativePromoeController, make_prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class RoutingMixin:
     _policies: list[RoutePolicy]
     cache: CacheController | None
     _gating: GatingPolicy | None
+    set_predictors: Any  # PredictionMixin's
 
     def set_policies(self, policies: Sequence[RoutePolicy] | None) -> HookChain | None:
         """Route every MoE layer of every ubatch through these policies (None or [] removes the hook)."""
@@ -82,8 +84,11 @@ class RoutingMixin:
     def _needs_callback(self) -> bool:
         """Does anything need the routing callback: a Python policy, or an expert-cache policy that runs
         in it (blocking loads, dali)?"""
+        # native promoe maps the cached layers' ids in the callback, where gating must run too (the graph's
+        # gating leaves layers the callback maps alone)
         return bool(self._policies) or (self.cache is not None and (
-            self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK or self.cache.degradation is not None))
+            self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK or self.cache.degradation is not None
+            or (self._gating is not None and self.cache.native_policy == native.MOE_CACHE_POLICY_PROMOE)))
 
     def _set_native_gating(self, policy: GatingPolicy | None) -> None:
         """The gating llama.cpp applies in the graph (None: none; an unchanged setting keeps the graph)."""
@@ -142,9 +147,12 @@ class RoutingMixin:
         """Give the MoE layers config.slots_per_layer expert slots run by config.policy (None removes it).
 
         device None uses the CPU buffer that stands in for a GPU (the split logic without one). The promoe
-        policy (ProMoE's prefetcher) runs in the routing hook with the calibration's predictor.
+        policy (ProMoE's prefetcher) runs inside llama.cpp with the calibration's predictor in the graph (it
+        replaces the predictors set with set_predictors), or in the routing hook where it cannot.
         """
         if self.cache is not None:
+            if isinstance(self.cache, NativePromoeController):
+                self.set_predictors(None)
             self.cache.cache.close()
             self.cache = None
         if config is not None:
@@ -170,6 +178,10 @@ class RoutingMixin:
                               else CacheController(cache, policy, alloc=config.alloc))
                 if config.degrade is not None:
                     self.cache.degradation = GracefulDegradation(CacheResidency(cache), ratio=config.degrade)
+                if isinstance(self.cache, NativePromoeController):
+                    pol = self.cache.policy
+                    assert isinstance(pol, PromoePolicy)
+                    self.set_predictors([pol.predictor], n_out=pol.per_token, weights="f32")
             except BaseException:
                 cache.close()
                 raise
