@@ -21,7 +21,7 @@ Checks, each against stock llama.cpp on the same GGUF:
   least one, a window of 2 tokens) == stock logits bitwise, with hits and loads and no host sync.
 - cache-dali-prefetch: dali with its residual-based prefetcher (gate reuse without a calibration), one slot
   per layer, == stock logits bitwise (on the .k1 copies, as cache-promoe).
-- cache-promoe: ProMoE's prefetcher (gate reuse one layer ahead: no calibration), one slot per layer,
+- cache-promoe: ProMoE's prefetcher inside llama.cpp (gate reuse one layer ahead: no calibration), one slot per layer,
   == stock logits bitwise (on the .k1 copies, see the check).
 - cache-assign: lru with the ratio CPU/GPU assigner (`--assign`, a bundled profile's costs for the file's
   shapes), one slot per layer, == stock logits bitwise, with routes weighed (on the .k1 copies).
@@ -270,8 +270,12 @@ def _prefetched(st: dict, info: Any) -> str | None:
 
 
 def check_cache_promoe(path: Path) -> dict:
-    """ProMoE's prefetcher (no calibration: gate reuse one layer ahead)."""
-    return _hook_check(path, "promoe", _prefetched, policy="promoe", prefetch_distance=1)
+    """ProMoE's prefetcher (no calibration: gate reuse one layer ahead) inside llama.cpp (patch 0023): the
+    in-graph predictor's ids drive the loads."""
+    def acted(st: dict, info: Any) -> str | None:
+        return _prefetched(st, info) or (None if st["prefetch"].get("path") == "native" else "ran in the hook")
+
+    return _hook_check(path, "promoe", acted, policy="promoe", prefetch_distance=1)
 
 
 def check_cache_dali_prefetch(path: Path) -> dict:

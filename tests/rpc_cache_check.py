@@ -159,6 +159,23 @@ def main(path: Path) -> dict[str, object]:
         states = {cache.state(il, e) for il in layers for e in range(n_expert)}
         out["worker_churn"] = {"equal": same(got, stock_layout), "states": sorted(states), **cache.stats()}
 
+    # promoe inside llama.cpp (patch 0023) on the device: the in-graph predictor's ids queue loads at each cached
+    # layer's routing callback, issued by the caller or by the load worker while the later layers compute
+    from edgemoe.calibration.adaptive import default_calibration_dir
+
+    cal = default_calibration_dir(path)
+    for async_loads in (True, False):
+        with Engine(path, gpu_layout) as eng:
+            eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="promoe", calibration=cal,
+                                                async_loads=async_loads), device=dev)
+            eng.reset_control_stats()
+            got = run(eng, toks)
+            native.moe_cache_sync(eng._ctx)
+            out[f"promoe_worker_{async_loads}"] = {"equal": same(got, stock_layout), **eng.cache.cache.stats(),
+                                                   "prefetch": eng.cache.report()["prefetch"],
+                                                   "hook": eng._hooks is not None,
+                                                   "n_host_syncs": eng.control_stats()["n_host_syncs"]}
+
     # adaptive top-k in the graph with the overlapped cache: the gated logits of the same layout without a cache
     from edgemoe.policies.gating import GatingPolicy, GatingRule
 

@@ -70,6 +70,13 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         churn = out["worker_churn"]
         assert churn["equal"] and churn["states"] == ["absent", "resident"], churn
         assert churn["worker_chunks"] > 0 and churn["preempted"] > 0 and churn["staged_chunks"] > 0, churn
+        # native promoe on the device (0023): stock logits, predictions queued and used, no Python hook (the
+        # context's own callback stops at each cached layer), the worker issuing the chunks when on
+        for async_loads in (True, False):
+            pm = out[f"promoe_worker_{async_loads}"]
+            assert pm["equal"] and not pm["hook"] and pm["n_host_syncs"] > 0, (path.name, async_loads, pm)
+            assert pm["prefetch"]["path"] == "native" and pm["prefetch"]["issued"] > 0 < pm["hits"], pm
+            assert (pm["worker_chunks"] > 0) == async_loads, pm
         # gating in the graph on both branches of the overlapped layers: the gated logits without a cache
         g = out["gated_overlap_stats"]
         assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)

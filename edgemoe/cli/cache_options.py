@@ -18,8 +18,9 @@ POLICY_HELP = ("which experts the slots hold: lru (load misses for the next toke
                "routing hook), daop (DAOP: the calibration's "
                "most used decode experts, swapped once per prompt by the prompt's routing), static (the calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer "
                "the calibration's predictor names the experts of the layer --prefetch-distance ahead, which are "
-               "copied before it runs; an LRU otherwise; runs in the routing hook), manual (API only); lru, "
-               "dali, daop, static and manual run inside llama.cpp's graph. static, daop, promoe and dali with "
+               "copied before it runs; an LRU otherwise; inside llama.cpp, the predictor in the graph, stopping at each "
+               "cached layer), manual (API only); lru, dali, daop, static and manual run inside llama.cpp's graph "
+               "without stopping. static, daop, promoe and dali with "
                "--dali-prefetch calibrate a model without calibration data on first use")
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
               "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "

@@ -1,0 +1,91 @@
+"""promoe inside llama.cpp (patch 0023) on the CPU stand-in: no Python per MoE layer, the in-graph predictor's
+ids drive the loads, admission by bytes, and when the engine falls back to the routing hook.
+
+The counters against PromoePolicy replayed are in test_prefetch_engine.py (test_live_counters_equal_the_replay,
+native and hook); the RPC device, with and without the load worker, in test_cache_rpc.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgemoe.calibration.adaptive import default_calibration_dir
+from edgemoe.errors import EdgeMoeError
+from edgemoe.policies.copy_queue import CopyTiming
+from edgemoe.runtime import native
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.sampling import GREEDY
+
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type"
+PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)
+
+
+def _stock(path: Path) -> list[int]:
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        return eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+
+
+def test_native_promoe_runs_without_a_python_hook(fixture_model: Path) -> None:
+    ref = _stock(fixture_model)
+    cal = default_calibration_dir(fixture_model)
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy="promoe", calibration=cal))
+        assert cache is not None and eng._hooks is None  # nothing calls back into Python
+        # the calibration's mlp predictor of layer l+2 runs in the graph on layer l's router input
+        layers = list(eng.info.moe_layers)
+        assert eng.predictor_targets == layers[2:]
+        eng.reset_control_stats()
+        toks = eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+        ctl, st, pf = eng.control_stats(), cache.stats(), eng.cache.report()["prefetch"]
+    assert toks == ref
+    # llama.cpp's own callback stops at every cached layer of every ubatch (the last one only where it has tokens)
+    assert ctl["n_host_syncs"] >= (ctl["n_ubatch"] - 1) * (len(layers) - 1) > 0
+    assert pf["path"] == "native" and pf["predictor"] == "mlp-d2" and pf["issued"] > 0 and pf["useful"] > 0
+    assert 0.0 < pf["goodpred"] <= 1.0 and st["hits"] > 0 and st["prefetches"] >= pf["issued"]
+
+
+def test_admission_by_bytes_queues_nothing_that_cannot_arrive(fixture_model: Path) -> None:
+    """admit_bytes below one expert's bytes: no prediction nor refill is queued, the layers run from the model's
+    tensors (stock output, no hit); a budget of many experts queues as without admission."""
+    ref = _stock(fixture_model)
+    cal = default_calibration_dir(fixture_model)
+    issued = {}
+    for admit in (1.0, 1e12, 0.0):
+        with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+            cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy="promoe", calibration=cal))
+            assert cache is not None
+            assert native.moe_cache_set_promoe(eng._ctx, False, admit) == 0
+            toks = eng.generate(PROMPT, max_tokens=12, sampling=GREEDY, ignore_eog=True).tokens
+            st, pf = cache.stats(), eng.cache.report()["prefetch"]
+        assert toks == ref[:12]
+        issued[admit] = (pf["issued"], st["loads"], st["hits"])
+    assert issued[1.0] == (0, 0, 0)
+    assert issued[1e12] == issued[0.0] and issued[0.0][0] > 0
+
+
+def test_promoe_falls_back_to_the_hook_where_it_cannot_run_natively(fixture_model: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    cal = default_calibration_dir(fixture_model)
+    slow = CopyTiming(bandwidth=1e6, layer_s=1e-3)
+    with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+        n, layers = eng.info.n_expert // 4, list(eng.info.moe_layers)
+        # a copy timing paces the stand-in's copies: only the hook's model of the queue does that
+        with caplog.at_level("INFO", logger="edgemoe.runtime.prefetcher"):
+            eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal, copy_timing=slow))
+        assert eng._hooks is not None and "copy timing" in caplog.text and eng.predictor_targets == []
+        with pytest.raises(EdgeMoeError, match="cannot run inside llama.cpp here: a copy timing"):
+            eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal, copy_timing=slow,
+                                                prefetch_native=True))
+        # a predicting layer without slots: llama.cpp never stops there
+        no_slots = {il: (0 if il == layers[0] else n) for il in layers}
+        with pytest.raises(EdgeMoeError, match=rf"layers \[{layers[0]}\] predict later layers but have no slots"):
+            eng.enable_expert_cache(CacheConfig(no_slots, policy="promoe", calibration=cal, prefetch_native=True))
+        eng.enable_expert_cache(CacheConfig(no_slots, policy="promoe", calibration=cal))
+        assert eng._hooks is not None
+        # native again, then no cache: the predictors leave the graph with it
+        eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal))
+        assert eng._hooks is None and eng.predictor_targets
+        eng.enable_expert_cache(None)
+        assert eng.predictor_targets == [] and eng.cache is None
