@@ -15,6 +15,10 @@ Decode tokens/s (median of --reps, runs interleaved) for:
   lru              --slots slots, lru in the graph (tables; native LRU after each step)
   dali-hook        --slots slots, DALI's replacement run by the Python DaliPolicy in the routing hook
   dali             --slots slots, DALI's replacement in the graph (tables; native DALI after each step, 0019)
+  promoe-hook      --slots slots, ProMoE's prefetcher run by the Python PromoePolicy in the routing hook (the
+                   calibration's predictor in numpy; gate reuse without one)
+  promoe           --slots slots, ProMoE's prefetcher inside llama.cpp (0023: the predictor in the graph, a
+                   stop per cached layer, no Python)
 (--variants picks some; stock always runs.)
 Ratios are against `stock`. On a CPU-only build the cache device is a CPU buffer: no speedup is possible,
 this measures what the split costs.
@@ -37,7 +41,8 @@ from edgemoe.runtime.expert_cache import CacheConfig  # noqa: E402
 from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
-VARIANTS = ("stock", "stock-plain", "empty-callback", "empty-cache", "lru-hook", "lru", "dali-hook", "dali")
+VARIANTS = ("stock", "stock-plain", "empty-callback", "empty-cache", "lru-hook", "lru", "dali-hook", "dali",
+            "promoe-hook", "promoe")
 
 
 def decode_tps(path: Path, variant: str, gen: int, threads: int, slots: int) -> float:
@@ -45,11 +50,12 @@ def decode_tps(path: Path, variant: str, gen: int, threads: int, slots: int) -> 
     with Engine(path, LoadConfig(n_ctx=512, n_threads=threads, use_extra_bufts=not plain)) as eng:
         if variant != "stock" and variant != "stock-plain":
             policy = "manual" if variant.startswith("empty") else variant.removesuffix("-hook")
-            eng.enable_expert_cache(CacheConfig(slots, policy=policy))
+            native_promoe = None if policy != "promoe" else variant == "promoe"
+            eng.enable_expert_cache(CacheConfig(slots, policy=policy, prefetch_native=native_promoe))
         if variant == "empty-callback":
             assert eng.cache is not None
             eng.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK)
-        if variant.endswith("-hook"):
+        if variant.endswith("-hook") and policy != "promoe":
             eng.set_policies([FnPolicy(lambda r: None)])  # a Python policy takes the cache into the hook
         g = eng.generate(PROMPT, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
     return g.timings.decode_tps
