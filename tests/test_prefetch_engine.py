@@ -106,7 +106,7 @@ def test_live_counters_equal_the_replay(fixture_model: Path, slow: bool, blockin
     rec = RouteRecorder()
     _, out = _generate(fixture_model, CacheConfig(slots, policy="promoe", calibration=cal, copy_timing=timing,
                                                   blocking=blocking, prefetch_admission=admission,
-                                                  prefetch_native=native), recorder=rec)
+                                                  prefetch_native=native, predictor_weights="f32"), recorder=rec)
     st, rep, n_slots, chunks, layers = out  # type: ignore[misc]
     assert (rep["prefetch"].get("path") == "native") == (not slow and native is not False)
     pred, note = prefetch_predictor(fixture_model, cal, "mlp", 2)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURE_MODELS
+
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.errors import EdgeMoeError
 from edgemoe.policies.copy_queue import CopyTiming
@@ -44,6 +46,19 @@ def test_native_promoe_runs_without_a_python_hook(fixture_model: Path) -> None:
     assert ctl["n_host_syncs"] >= (ctl["n_ubatch"] - 1) * (len(layers) - 1) > 0
     assert pf["path"] == "native" and pf["predictor"] == "mlp-d2" and pf["issued"] > 0 and pf["useful"] > 0
     assert 0.0 < pf["goodpred"] <= 1.0 and st["hits"] > 0 and st["prefetches"] >= pf["issued"]
+    assert pf["weights"] == "f16" and pf["predictor_bytes"] > 0  # the calibration's float16 weights as they are
+
+
+@pytest.mark.parametrize("weights", ["f32", "q8_0"])
+def test_native_promoe_with_other_predictor_weights(weights: str) -> None:
+    path = FIXTURE_MODELS[0]
+    ref = _stock(path)
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy="promoe",
+                                            calibration=default_calibration_dir(path), predictor_weights=weights))
+        toks = eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+        pf = eng.cache.report()["prefetch"]
+    assert toks == ref and pf["weights"] == weights and pf["issued"] > 0 and pf["goodpred"] > 0.3
 
 
 def test_admission_by_bytes_queues_nothing_that_cannot_arrive(fixture_model: Path) -> None:
@@ -75,17 +90,48 @@ def test_promoe_falls_back_to_the_hook_where_it_cannot_run_natively(fixture_mode
         with caplog.at_level("INFO", logger="edgemoe.runtime.prefetcher"):
             eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal, copy_timing=slow))
         assert eng._hooks is not None and "copy timing" in caplog.text and eng.predictor_targets == []
+        assert "copy timing" in str(eng.cache.hook_reason) and eng.cache.report()["prefetch"]["path"] == "hook"
         with pytest.raises(EdgeMoeError, match="cannot run inside llama.cpp here: a copy timing"):
             eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal, copy_timing=slow,
                                                 prefetch_native=True))
-        # a predicting layer without slots: llama.cpp never stops there
-        no_slots = {il: (0 if il == layers[0] else n) for il in layers}
-        with pytest.raises(EdgeMoeError, match=rf"layers \[{layers[0]}\] predict later layers but have no slots"):
-            eng.enable_expert_cache(CacheConfig(no_slots, policy="promoe", calibration=cal, prefetch_native=True))
-        eng.enable_expert_cache(CacheConfig(no_slots, policy="promoe", calibration=cal))
-        assert eng._hooks is not None
+        eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal, prefetch_native=False))
+        assert eng._hooks is not None and eng.cache.hook_reason is not None and eng.predictor_targets == []
         # native again, then no cache: the predictors leave the graph with it
         eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal))
         assert eng._hooks is None and eng.predictor_targets
         eng.enable_expert_cache(None)
         assert eng.predictor_targets == [] and eng.cache is None
+
+
+def test_layers_without_slots_still_predict(fixture_model: Path) -> None:
+    """Slots per layer as --alloc dp may give them: layers with none route as stock, but llama.cpp still stops at
+    those that predict a later layer (patch 0023 hands their routing to its callback) and queues the predictions;
+    the counters equal PromoePolicy replayed, which predicts from every layer."""
+    from test_prefetch_engine import RouteRecorder
+
+    from edgemoe.policies.prefetch import PromoePolicy
+    from edgemoe.policies.replay import replay
+    from edgemoe.runtime.prefetcher import prefetch_predictor
+
+    ref = _stock(fixture_model)
+    cal = default_calibration_dir(fixture_model)
+    runs = []
+    for record in (False, True):
+        rec = RouteRecorder()
+        with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
+            layers, n = list(eng.info.moe_layers), eng.info.n_expert // 4
+            slots = {il: (0 if j < 2 or j == 5 else n) for j, il in enumerate(layers)}  # sources 0, 1, 5 empty
+            cache = eng.enable_expert_cache(CacheConfig(slots, policy="promoe", calibration=cal,
+                                                        predictor_weights="f32"))
+            assert cache is not None and eng._hooks is None
+            if record:
+                eng.set_policies([rec])  # a routing hook at every layer, before llama.cpp's promoe step
+            toks = eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
+            st, pf, chunks = cache.stats(), eng.cache.report()["prefetch"], cache.chunk_bytes
+        assert toks == ref and pf["path"] == "native"
+        runs.append((st["hits"], st["misses"], pf["issued"], pf["useful"], pf["preempted"]))
+    pred, _ = prefetch_predictor(fixture_model, cal, "mlp", 2)
+    sim = replay(PromoePolicy(slots, layers, pred), rec.steps, chunk_bytes=chunks)
+    assert sim.prefetch is not None and sim.prefetch.useful > 0
+    want = (sim.hits, sim.misses, sim.prefetch.issued, sim.prefetch.useful, sim.prefetch.preempted)
+    assert runs[0] == runs[1] == want  # without a hook too: the empty layers 0 and 1 predicted layers 2 and 3

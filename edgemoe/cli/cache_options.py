@@ -213,6 +213,9 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
     note = getattr(engine.cache, "note", None)
     if note:
         click.echo(f"note: {note}", err=True)
+    hook_reason = getattr(engine.cache, "hook_reason", None)
+    if hook_reason:
+        click.echo(f"note: promoe runs in the routing hook (a Python call per MoE layer): {hook_reason}", err=True)
     click.echo(f"expert cache: {describe(plan)} on {where}, policy {opts.policy}"
                + (f" (predictor {prefetch['predictor']}, top-k+{prefetch['extra']})" if prefetch else "")
                + (" (blocking loads)" if opts.blocking else "")

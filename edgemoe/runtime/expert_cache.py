@@ -56,6 +56,10 @@ class CacheConfig:
     # the routing hook (False); None: inside where it can run (no copy_timing pacing the stand-in, every predicting
     # layer with slots), else the hook; True: inside or an error
     prefetch_native: bool | None = None
+    # promoe inside llama.cpp: how the predictor's matrices are stored in the graph (edgemoe.runtime.prediction's
+    # WEIGHT_TYPES: "f32" computes as the numpy predictor does; "f16" holds a calibration's float16 weights
+    # exactly, with the router input rounded to f16; "q8_0" takes about half of f16's bytes)
+    predictor_weights: str = "f16"
     # dali: experts of the next MoE layer its residual predictor prefetches per layer (DALI's prefetch size,
     # edgemoe.policies.dali_prefetch); 0: replacement only, which runs natively
     dali_prefetch: int = 0

@@ -69,6 +69,7 @@ class PrefetchController(CacheController):
         self.config = config
         self.note = note  # why the predictor is not the one asked for (None: it is)
         self.counting = True  # whether the next ubatches go into the counters (e.g. False while prefilling)
+        self.hook_reason: str | None = None  # why promoe runs here and not inside llama.cpp (None: not asked)
         self._last_layer: int | None = None
 
     @property
@@ -114,7 +115,8 @@ class PrefetchController(CacheController):
                              "predictor": f"{self.policy.predictor.kind.value}-d{self.policy.distance}",
                              "extra": self.policy.extra, "per_layer_cap": self.policy.prefetch_cap(1, 1 << 30),
                              "admission": self.policy.timing is not None,
-                             "timing": timing.describe() if timing is not None else "every queued chunk at once"}}
+                             "timing": timing.describe() if timing is not None else "every queued chunk at once",
+                             "path": "hook"}}
 
 
 class NativePromoeController(PrefetchController):
@@ -159,7 +161,8 @@ class NativePromoeController(PrefetchController):
                              "extra": self.policy.extra, "per_layer_cap": self.policy.prefetch_cap(1, 1 << 30),
                              "admission": self.admit_bytes > 0,
                              "timing": timing.describe() if timing is not None else "every queued chunk at once",
-                             "path": "native"}}
+                             "path": "native", "weights": self.config.predictor_weights,
+                             "predictor_bytes": native.moe_predictor_bytes(self.cache._ctx)}}
 
 
 def native_promoe_refusal(config: CacheConfig, policy: PromoePolicy, info: ModelInfo) -> str | None:
@@ -170,10 +173,6 @@ def native_promoe_refusal(config: CacheConfig, policy: PromoePolicy, info: Model
     if timing is not None and not timing.infinite:
         return "a copy timing paces the stand-in's copies, which only the hook's model of the queue does"
     spec = policy.predictor.spec
-    sources = {spec.layers[t - policy.distance] for t in range(spec.n_layers) if policy.predictor.covers(t)}
-    empty = sorted(il for il in sources if policy.n_slots.get(il, 0) <= 0)
-    if empty:
-        return f"layers {empty} predict later layers but have no slots, so llama.cpp never stops at them"
     if 2 * spec.k > info.n_expert:
         return f"{spec.k} of {info.n_expert} experts per token: the routing callback's cache needs 2k <= n_expert"
     return None
@@ -207,4 +206,6 @@ def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: 
         raise EdgeMoeError(f"promoe cannot run inside llama.cpp here: {why}")
     log.info("promoe runs in the routing hook: %s", why)
     native.moe_cache_set_async(cache._ctx, False)  # the hook's model of the copy queue counts the chunks it issues
-    return PrefetchController(cache, policy, config, alloc=config.alloc, note=note)
+    ctl = PrefetchController(cache, policy, config, alloc=config.alloc, note=note)
+    ctl.hook_reason = why
+    return ctl

@@ -181,7 +181,7 @@ class RoutingMixin:
                 if isinstance(self.cache, NativePromoeController):
                     pol = self.cache.policy
                     assert isinstance(pol, PromoePolicy)
-                    self.set_predictors([pol.predictor], n_out=pol.per_token, weights="f32")
+                    self.set_predictors([pol.predictor], n_out=pol.per_token, weights=config.predictor_weights)
             except BaseException:
                 cache.close()
                 raise
