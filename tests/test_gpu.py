@@ -148,3 +148,20 @@ def test_gpu_skipped_ids_op_test_passes() -> None:
     out = subprocess.run([str(exe), "4"], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "OK   CUDA0" in out.stdout
+
+
+def test_native_promoe_on_gpu(fixture_model: Path) -> None:
+    """Patch 0023 on CUDA: promoe inside llama.cpp, the predictor in the graph on the GPU, the load worker issuing
+    the predictions' chunks while the later layers compute; the logits within the cache's tolerance of the
+    experts-on-CPU layout's, predictions issued and some in time, no Python hook."""
+    from edgemoe.calibration.adaptive import default_calibration_dir
+    from edgemoe.runtime.expert_cache import CacheConfig
+
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        n_expert = eng.info.n_expert
+    ref, _, _ = _gpu_cache_run(fixture_model, CacheConfig(0, policy="manual"))
+    cfg = CacheConfig(n_expert // 4, policy="promoe", calibration=default_calibration_dir(fixture_model))
+    got, cs, st = _gpu_cache_run(fixture_model, cfg)
+    for a, b in zip(got, ref):
+        assert _nmse(a, b) < 1e-4
+    assert cs["worker_chunks"] > 0 and cs["hits"] > 0 and st["n_host_syncs"] > 0, (cs, st)

@@ -164,7 +164,8 @@ def test_json_and_table_shapes() -> None:
 
 
 def test_mlp_size_rule() -> None:
-    assert mlp_hidden(256) == 128 and mlp_hidden(2048) == 1024 and mlp_hidden(7168) == 1024 and mlp_hidden(64) == 64
+    assert mlp_hidden(256) == 128 and mlp_hidden(2048) == 128 and mlp_hidden(7168) == 128 and mlp_hidden(64) == 64
+    assert mlp_hidden(160) == 80
 
 
 # -- on the fixtures ---------------------------------------------------------------------------------------

@@ -17,13 +17,15 @@ import numpy as np
 from .base import Known, ModelSpec, Predictor, PredictorError, PredictorKind
 from .registry import register
 
-MAX_HIDDEN = 1024
+# at most 128 wide: wider ones cost more than 3% of a decode step on the CPU (the full-depth synthetic
+# Qwen3-30B-A3B, docs/predictors.md: hidden 256 ~4%, 1024 6.6-8%; 128 ~2%)
+MAX_HIDDEN = 128
 MIN_HIDDEN = 64
 
 
 def mlp_hidden(n_embd: int) -> int:
-    """Hidden width n_embd / 2 in [64, 1024]: 128 for the 256-wide fixtures; 1024 for n_embd 2048
-    (Qwen3-30B-A3B, 128 experts: ~2.2M parameters per layer, ProMoE's "approximately 2 million")."""
+    """Hidden width n_embd / 2 in [64, 128]: 128 for the 256-wide fixtures and above (Qwen3-30B-A3B: 2048 x 128
+    + 128 x 128 trained parameters per layer beside the frozen router, where ProMoE's MLP has ~2M)."""
     return int(min(MAX_HIDDEN, max(MIN_HIDDEN, n_embd // 2)))
 
 
