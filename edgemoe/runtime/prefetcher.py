@@ -106,9 +106,19 @@ class PrefetchController(CacheController):
     def flush(self) -> None:
         """Nothing is left for after the ubatch: every load was queued and issued in its layer's hook."""
 
-    def report(self) -> dict[str, Any]:
+    def prefetch_counts(self) -> PrefetchCounts:
+        """The prefetcher's counters: the driver's (the same as replaying this run's routes)."""
         pc = self.driver.result.prefetch
-        assert pc is not None and isinstance(self.policy, PromoePolicy)
+        assert pc is not None
+        return pc
+
+    def path(self) -> dict[str, Any]:
+        """Where the policy runs, for the report."""
+        return {"path": "hook"}
+
+    def report(self) -> dict[str, Any]:
+        pc = self.prefetch_counts()
+        assert isinstance(self.policy, PromoePolicy)
         timing = self.config.copy_timing
         return {**super().report(), "prefetch": {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
                              "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
@@ -116,7 +126,7 @@ class PrefetchController(CacheController):
                              "extra": self.policy.extra, "per_layer_cap": self.policy.prefetch_cap(1, 1 << 30),
                              "admission": self.policy.timing is not None,
                              "timing": timing.describe() if timing is not None else "every queued chunk at once",
-                             "path": "hook"}}
+                             **self.path()}}
 
 
 class NativePromoeController(PrefetchController):
@@ -125,14 +135,6 @@ class NativePromoeController(PrefetchController):
     (set_predictors) and takes it out with the cache."""
 
     wants_gate_inp = False
-
-    def __init__(self, cache: ExpertCache, policy: PromoePolicy, config: CacheConfig, *, alloc: str = "equal",
-                 note: str | None = None) -> None:
-        super().__init__(cache, policy, config, alloc=alloc, note=note)
-        timing = config.copy_timing
-        # what the copy stream moves in one MoE layer's time: the admission budget (0: admit every load)
-        self.admit_bytes = (timing.bandwidth * timing.layer_s if policy.timing is not None and timing is not None
-                            else 0.0)
 
     @property
     def needs_routes(self) -> bool:
@@ -143,26 +145,22 @@ class NativePromoeController(PrefetchController):
         return native.MOE_CACHE_POLICY_PROMOE
 
     def set_mode(self, policy: int) -> None:
-        """Always native: a routing hook (gating, the user's policies) runs before it in the same callback."""
+        """Always native: a routing hook (gating, the user's policies) runs before it in the same callback. Every
+        load is admitted (admit_bytes 0): llama.cpp can refuse the loads that cannot arrive in time, but that needs
+        a copy stream's measured bandwidth and layer time, which only a GPU gives (and copy_timing, the stand-in's
+        model of one, runs in the hook)."""
         if self.mode == native.MOE_CACHE_POLICY_PROMOE:
             return
-        native.moe_cache_set_promoe(self.cache._ctx, self.policy.blocking, self.admit_bytes)
+        native.moe_cache_set_promoe(self.cache._ctx, self.policy.blocking, 0.0)
         super().set_mode(native.MOE_CACHE_POLICY_PROMOE)
 
-    def report(self) -> dict[str, Any]:
-        assert isinstance(self.policy, PromoePolicy)
-        st = native.moe_cache_prefetch_stats(self.cache._ctx)
-        pc = PrefetchCounts(**st)
-        timing = self.config.copy_timing
-        return {**CacheController.report(self),
-                "prefetch": {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
-                             "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
-                             "predictor": f"{self.policy.predictor.kind.value}-d{self.policy.distance}",
-                             "extra": self.policy.extra, "per_layer_cap": self.policy.prefetch_cap(1, 1 << 30),
-                             "admission": self.admit_bytes > 0,
-                             "timing": timing.describe() if timing is not None else "every queued chunk at once",
-                             "path": "native", "weights": self.config.predictor_weights,
-                             "predictor_bytes": native.moe_predictor_bytes(self.cache._ctx)}}
+    def prefetch_counts(self) -> PrefetchCounts:
+        """llama.cpp's counters (llama_moe_cache_get_prefetch_stats)."""
+        return PrefetchCounts(**native.moe_cache_prefetch_stats(self.cache._ctx))
+
+    def path(self) -> dict[str, Any]:
+        return {"path": "native", "weights": self.config.predictor_weights,
+                "predictor_bytes": native.moe_predictor_bytes(self.cache._ctx)}
 
 
 def native_promoe_refusal(config: CacheConfig, policy: PromoePolicy, info: ModelInfo) -> str | None:
