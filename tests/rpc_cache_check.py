@@ -171,10 +171,18 @@ def main(path: Path) -> dict[str, object]:
             eng.reset_control_stats()
             got = run(eng, toks)
             native.moe_cache_sync(eng._ctx)
+            ctl = eng.control_stats()
             out[f"promoe_worker_{async_loads}"] = {"equal": same(got, stock_layout), **eng.cache.cache.stats(),
                                                    "prefetch": eng.cache.report()["prefetch"],
                                                    "hook": eng._hooks is not None,
-                                                   "n_host_syncs": eng.control_stats()["n_host_syncs"]}
+                                                   "n_host_syncs": ctl["n_host_syncs"], "n_overlap": ctl["n_overlap"],
+                                                   "n_ubatch": ctl["n_ubatch"]}
+    # 0024: with the callback's stops, the device's experts still overlap the CPU's; off: none
+    with Engine(path, gpu_layout) as eng:
+        eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="promoe", calibration=cal, overlap=False), device=dev)
+        eng.reset_control_stats()
+        got = run(eng, toks)
+        out["promoe_no_overlap"] = {"equal": same(got, stock_layout), **eng.control_stats()}
 
     # adaptive top-k in the graph with the overlapped cache: the gated logits of the same layout without a cache
     from edgemoe.policies.gating import GatingPolicy, GatingRule

@@ -77,6 +77,11 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
             assert pm["equal"] and not pm["hook"] and pm["n_host_syncs"] > 0, (path.name, async_loads, pm)
             assert pm["prefetch"]["path"] == "native" and pm["prefetch"]["issued"] > 0 < pm["hits"], pm
             assert (pm["worker_chunks"] > 0) == async_loads, pm
+            # 0024: the scheduler hands the CPU its inputs after the callback's stop and runs the device's experts
+            # beside the CPU's, at every cached layer of every ubatch (the last layer's too: it routes its outputs)
+            assert pm["n_overlap"] == pm["n_ubatch"] * out["n_moe_layers"], pm
+        off = out["promoe_no_overlap"]
+        assert off["equal"] and off["n_overlap"] == 0, off
         # gating in the graph on both branches of the overlapped layers: the gated logits without a cache
         g = out["gated_overlap_stats"]
         assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)
