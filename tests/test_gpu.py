@@ -151,7 +151,7 @@ def test_gpu_skipped_ids_op_test_passes() -> None:
 
 
 def test_native_promoe_on_gpu(fixture_model: Path) -> None:
-    """Patch 0023 on CUDA: promoe inside llama.cpp, the predictor in the graph on the GPU, the load worker issuing
+    """Patches 0023, 0024 on CUDA: promoe inside llama.cpp, the predictor in the graph on the GPU, the load worker issuing
     the predictions' chunks while the later layers compute; the logits within the cache's tolerance of the
     experts-on-CPU layout's, predictions issued and some in time, no Python hook."""
     from edgemoe.calibration.adaptive import default_calibration_dir
@@ -165,3 +165,4 @@ def test_native_promoe_on_gpu(fixture_model: Path) -> None:
     for a, b in zip(got, ref):
         assert _nmse(a, b) < 1e-4
     assert cs["worker_chunks"] > 0 and cs["hits"] > 0 and st["n_host_syncs"] > 0, (cs, st)
+    assert st["n_overlap"] > 0, st  # patch 0024: the device's experts run beside the CPU's after each stop
