@@ -53,8 +53,8 @@ class CacheConfig:
     # promoe with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
     prefetch_admission: bool = True
     # promoe inside llama.cpp (patch 0023: the in-graph predictor's ids drive the loads, no Python per layer) or in
-    # the routing hook (False); None: inside where it can run (no copy_timing pacing the stand-in, every predicting
-    # layer with slots), else the hook; True: inside or an error
+    # the routing hook (False); None: inside where it can run (no copy_timing pacing the stand-in, at most
+    # n_expert/2 experts per token), else the hook; True: inside or an error
     prefetch_native: bool | None = None
     # promoe inside llama.cpp: how the predictor's matrices are stored in the graph (edgemoe.runtime.prediction's
     # WEIGHT_TYPES: "f32" computes as the numpy predictor does; "f16" holds a calibration's float16 weights
@@ -96,10 +96,9 @@ class CacheConfig:
         return self.overlap and environ.get("GGML_CUDA_GRAPH_OPT", "0") != "1"
 
     def loads_async(self, device: Any) -> bool:
-        """Whether the load worker issues this cache's loads on device (None: the CPU stand-in, which has none);
-        the hook's prefetchers issue their own (promoe inside llama.cpp may use the worker)."""
-        hook_prefetcher = self.prefetcher and (self.policy != PolicyKind.PROMOE.value or self.prefetch_native is False)
-        if hook_prefetcher or device is None:
+        """Whether the load worker may issue this cache's loads on device (None: the CPU stand-in, which has none);
+        a controller that issues its own (the hook's prefetchers: CacheController.issues_own_loads) turns it off."""
+        if device is None:
             return False
         if self.async_loads is not None:
             return self.async_loads
@@ -294,6 +293,7 @@ class CacheController:
 
     wants_probs = False
     wants_gate_inp = False
+    issues_own_loads = False  # the hook's prefetchers issue the chunks themselves (no load worker)
 
     def __init__(self, cache: ExpertCache, policy: ResidencyPolicy | PromoePolicy, *, alloc: str = "equal") -> None:
         self.cache = cache

@@ -57,10 +57,22 @@ def prefetch_predictor(model: Path, calibration: Path | None, kind: str, distanc
         "predictor")
 
 
+def prefetch_report(policy: PromoePolicy, config: CacheConfig, pc: PrefetchCounts, **where: Any) -> dict[str, Any]:
+    """The `prefetch` object of the cache's report: the counters, the policy's settings, where it runs."""
+    timing = config.copy_timing
+    return {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
+            "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
+            "predictor": f"{policy.predictor.kind.value}-d{policy.distance}",
+            "extra": policy.extra, "per_layer_cap": policy.prefetch_cap(1, 1 << 30),
+            "admission": policy.timing is not None,
+            "timing": timing.describe() if timing is not None else "every queued chunk at once", **where}
+
+
 class PrefetchController(CacheController):
     """Runs PromoePolicy in the routing hook (a Python policy: llama.cpp calls back at every MoE layer)."""
 
     wants_gate_inp = True
+    issues_own_loads = True  # its model of the copy queue counts the chunks it issues
 
     def __init__(self, cache: ExpertCache, policy: PromoePolicy, config: CacheConfig, *, alloc: str = "equal",
                  note: str | None = None) -> None:
@@ -106,35 +118,22 @@ class PrefetchController(CacheController):
     def flush(self) -> None:
         """Nothing is left for after the ubatch: every load was queued and issued in its layer's hook."""
 
-    def prefetch_counts(self) -> PrefetchCounts:
-        """The prefetcher's counters: the driver's (the same as replaying this run's routes)."""
-        pc = self.driver.result.prefetch
-        assert pc is not None
-        return pc
-
-    def path(self) -> dict[str, Any]:
-        """Where the policy runs, for the report."""
-        return {"path": "hook"}
-
     def report(self) -> dict[str, Any]:
-        pc = self.prefetch_counts()
-        assert isinstance(self.policy, PromoePolicy)
-        timing = self.config.copy_timing
-        return {**super().report(), "prefetch": {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
-                             "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
-                             "predictor": f"{self.policy.predictor.kind.value}-d{self.policy.distance}",
-                             "extra": self.policy.extra, "per_layer_cap": self.policy.prefetch_cap(1, 1 << 30),
-                             "admission": self.policy.timing is not None,
-                             "timing": timing.describe() if timing is not None else "every queued chunk at once",
-                             **self.path()}}
+        pc = self.driver.result.prefetch  # the same as replaying this run's routes
+        assert pc is not None and isinstance(self.policy, PromoePolicy)
+        return {**super().report(), "prefetch": prefetch_report(self.policy, self.config, pc, path="hook")}
 
 
-class NativePromoeController(PrefetchController):
+class NativePromoeController(CacheController):
     """Runs PromoePolicy inside llama.cpp (LLAMA_MOE_CACHE_POLICY_PROMOE, patch 0023) with the predictor in the
     graph: the same decisions at the same routing callbacks, no Python per layer. The engine sets the predictor
     (set_predictors) and takes it out with the cache."""
 
-    wants_gate_inp = False
+    def __init__(self, cache: ExpertCache, policy: PromoePolicy, config: CacheConfig, *, alloc: str = "equal",
+                 note: str | None = None) -> None:
+        super().__init__(cache, policy, alloc=alloc)
+        self.config = config
+        self.note = note  # why the predictor is not the one asked for (None: it is)
 
     @property
     def needs_routes(self) -> bool:
@@ -154,13 +153,12 @@ class NativePromoeController(PrefetchController):
         native.moe_cache_set_promoe(self.cache._ctx, self.policy.blocking, 0.0)
         super().set_mode(native.MOE_CACHE_POLICY_PROMOE)
 
-    def prefetch_counts(self) -> PrefetchCounts:
-        """llama.cpp's counters (llama_moe_cache_get_prefetch_stats)."""
-        return PrefetchCounts(**native.moe_cache_prefetch_stats(self.cache._ctx))
-
-    def path(self) -> dict[str, Any]:
-        return {"path": "native", "weights": self.config.predictor_weights,
-                "predictor_bytes": native.moe_predictor_bytes(self.cache._ctx)}
+    def report(self) -> dict[str, Any]:
+        assert isinstance(self.policy, PromoePolicy)
+        pc = PrefetchCounts(**native.moe_cache_prefetch_stats(self.cache._ctx))
+        return {**super().report(), "prefetch": prefetch_report(
+            self.policy, self.config, pc, path="native", weights=self.config.predictor_weights,
+            predictor_bytes=native.moe_predictor_bytes(self.cache._ctx))}
 
 
 def native_promoe_refusal(config: CacheConfig, policy: PromoePolicy, info: ModelInfo) -> str | None:
@@ -176,7 +174,7 @@ def native_promoe_refusal(config: CacheConfig, policy: PromoePolicy, info: Model
     return None
 
 
-def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: ModelInfo) -> PrefetchController:
+def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: ModelInfo) -> CacheController:
     """The promoe (or dali with its prefetcher) controller over `cache`: the calibration's predictor (gate reuse
     without one)."""
     timing = config.copy_timing if config.prefetch_admission else None
@@ -203,7 +201,6 @@ def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: 
     if config.prefetch_native:
         raise EdgeMoeError(f"promoe cannot run inside llama.cpp here: {why}")
     log.info("promoe runs in the routing hook: %s", why)
-    native.moe_cache_set_async(cache._ctx, False)  # the hook's model of the copy queue counts the chunks it issues
     ctl = PrefetchController(cache, policy, config, alloc=config.alloc, note=note)
     ctl.hook_reason = why
     return ctl

@@ -172,10 +172,10 @@ class RoutingMixin:
                 log.warning("GGML_CUDA_GRAPH_OPT=1: the expert cache's CPU/GPU overlap is off (llama.cpp's concurrent "
                             "streams are not verified with it); unset the variable to overlap")
             native.moe_cache_set_overlap(self._ctx, overlap)
-            native.moe_cache_set_async(self._ctx, config.loads_async(device))
             try:
                 self.cache = (make_prefetcher(cache, config, self.path, self.info) if policy is None
                               else CacheController(cache, policy, alloc=config.alloc))
+                native.moe_cache_set_async(self._ctx, config.loads_async(device) and not self.cache.issues_own_loads)
                 if config.degrade is not None:
                     self.cache.degradation = GracefulDegradation(CacheResidency(cache), ratio=config.degrade)
                 if isinstance(self.cache, NativePromoeController):
