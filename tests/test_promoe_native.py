@@ -135,3 +135,15 @@ def test_layers_without_slots_still_predict(fixture_model: Path) -> None:
     assert sim.prefetch is not None and sim.prefetch.useful > 0
     want = (sim.hits, sim.misses, sim.prefetch.issued, sim.prefetch.useful, sim.prefetch.preempted)
     assert runs[0] == runs[1] == want  # without a hook too: the empty layers 0 and 1 predicted layers 2 and 3
+
+
+def test_a_refused_predictor_leaves_no_cache_behind() -> None:
+    """Bad predictor weights: a one-line error, and the engine goes on as without a cache (stock tokens)."""
+    path = FIXTURE_MODELS[0]
+    ref = _stock(path)
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        with pytest.raises(EdgeMoeError, match="predictor weights 'f8'"):
+            eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy="promoe",
+                                                calibration=default_calibration_dir(path), predictor_weights="f8"))
+        assert eng.cache is None and eng._hooks is None and eng.predictor_targets == []
+        assert eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens == ref

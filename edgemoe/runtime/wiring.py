@@ -184,6 +184,8 @@ class RoutingMixin:
                     self.set_predictors([pol.predictor], n_out=pol.per_token, weights=config.predictor_weights)
             except BaseException:
                 cache.close()
+                self.cache = None  # no controller over a closed cache: the engine runs as without one
+                self.set_policies(self._policies)
                 raise
         self.set_policies(self._policies)
         return self.cache.cache if self.cache is not None else None
