@@ -184,6 +184,23 @@ def main(path: Path) -> dict[str, object]:
         got = run(eng, toks)
         out["promoe_no_overlap"] = {"equal": same(got, stock_layout), **eng.control_stats()}
 
+    # prefill on the device (patch 0025): the prompt's ubatch runs each cached layer's other experts on the device
+    # from the two prefill buffers, copied one cached layer ahead (all, or nothing ahead), by the worker or the caller
+    for ahead, async_loads in (("all", True), ("all", False), ("routed", True)):
+        with Engine(path, gpu_layout) as eng:
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="lru", async_loads=async_loads,
+                                                        prefill_min_tokens=8, prefill_ahead=ahead), device=dev)
+            eng.reset_control_stats()
+            got = run(eng, toks)
+            out[f"prefill_{ahead}_{async_loads}"] = {"equal": same(got, stock_layout), **eng.control_stats(),
+                                                     **cache.stats(), "prefill": cache.prefill_stats()}
+    with Engine(path, gpu_layout) as eng:  # promoe's predictor names what copies ahead
+        eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="promoe", calibration=cal, prefill_min_tokens=8,
+                                            prefill_ahead="predicted"), device=dev)
+        got = run(eng, toks)
+        out["prefill_promoe_predicted"] = {"equal": same(got, stock_layout),
+                                           "prefill": eng.cache.cache.prefill_stats()}
+
     # adaptive top-k in the graph with the overlapped cache: the gated logits of the same layout without a cache
     from edgemoe.policies.gating import GatingPolicy, GatingRule
 

@@ -82,6 +82,23 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
             assert pm["n_overlap"] == pm["n_ubatch"] * out["n_moe_layers"], pm
         off = out["promoe_no_overlap"]
         assert off["equal"] and off["n_overlap"] == 0, off
+        # prefill on the device (0025): stock logits; the prompt's ubatch (48 tokens) stops at each cached layer and
+        # runs its other experts on the device (no CPU split to overlap), the 8 decode tokens as before
+        n_moe = out["n_moe_layers"]
+        for key in ("prefill_all_True", "prefill_all_False", "prefill_routed_True"):
+            pf = out[key]
+            st = pf["prefill"]
+            assert pf["equal"], (path.name, key, pf)
+            assert pf["n_host_syncs"] == n_moe and pf["n_overlap"] == 8 * n_moe, (key, pf)
+            assert st["ubatches"] == 1 and st["layers"] == n_moe and st["needed"] > 0 and st["bytes"] > 0, (key, st)
+            assert st["needed"] == st["ahead_used"] + st["late"], (key, st)
+            if key.startswith("prefill_all"):  # everything outside the slots was copied ahead: the prompt's first
+                assert st["late"] == 0 and st["ahead"] >= st["needed"], (key, st)  # ubatch finds no expert resident
+            else:
+                assert st["ahead"] == 0 and st["late"] == st["needed"], (key, st)
+        st = out["prefill_promoe_predicted"]["prefill"]
+        assert out["prefill_promoe_predicted"]["equal"] and st["needed"] == st["ahead_used"] + st["late"] > 0, st
+        assert 0 < st["ahead"] < out["prefill_all_True"]["prefill"]["ahead"], st  # fewer than all: the predicted
         # gating in the graph on both branches of the overlapped layers: the gated logits without a cache
         g = out["gated_overlap_stats"]
         assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)

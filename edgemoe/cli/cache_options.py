@@ -42,6 +42,8 @@ class CacheOptions:
     assign: str | None = None  # lru, dali: the CPU/GPU assigner of each route's loads (None: none)
     profile: str | None = None  # --assign's machine profile (a bundled name or a file; None: this machine's)
     degrade: float | None = None  # DAOP's graceful degradation ratio (None: off)
+    device_prefill: int = 0  # prefill ubatches of this many tokens or more run on the cache's device (0: off)
+    device_prefill_ahead: str = "all"  # what they copy one cached layer ahead
 
     @property
     def enabled(self) -> bool:
@@ -87,6 +89,16 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "best) is replaced by the best resident one it did not select whose router score is at "
                           "least R times its own (e.g. 0.8). Fewer CPU experts for a small quality cost "
                           "(docs/daop.md); changes the output; runs in the routing hook"),
+        click.option("--device-prefill", type=click.IntRange(min=0), default=0, metavar="N",
+                     help="prefill ubatches of N or more tokens (e.g. 32) also run each cached layer's other "
+                          "experts on the GPU, from two buffers of a whole layer's experts (taken from --vram) "
+                          "that the next cached layer's experts copy into while this one computes. Stops at "
+                          "each cached layer of a prefill ubatch. Default 0: off (they run on the CPU, or "
+                          "llama.cpp's op offload copies them)"),
+        click.option("--device-prefill-ahead", type=click.Choice(["all", "predicted", "routed"]), default="all",
+                     help="with --device-prefill, what copies one cached layer ahead: all (the next layer's "
+                          "experts outside its slots), predicted (those promoe's in-graph predictor names), routed "
+                          "(nothing: each layer copies what it routes, the GPU waiting)"),
         click.option("--blocking-loads", is_flag=True,
                      help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
                           "it on the CPU (needs the routing callback: a host sync per MoE layer)"),
@@ -101,7 +113,8 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
                        dali_update: int | None = None, prefetch_distance: int | None = None,
                        prefetch_extra: int | None = None, dali_prefetch: int | None = None,
                        assign: str | None = None, profile: str | None = None,
-                       degrade: float | None = None) -> CacheOptions:
+                       degrade: float | None = None, device_prefill: int = 0,
+                       device_prefill_ahead: str = "all") -> CacheOptions:
     if vram is not None and expert_slots is not None:
         raise click.UsageError("give --vram or --expert-slots, not both")
     if policy != "promoe" and (prefetch_distance is not None or prefetch_extra is not None):
@@ -116,17 +129,28 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
         raise click.UsageError("--profile gives --assign its costs: add --assign ratio (or greedy)")
     if (assign is not None or degrade is not None) and vram is None and expert_slots is None:
         raise click.UsageError("--assign and --degrade act on the expert cache: give --vram or --expert-slots")
+    if device_prefill and vram is None and expert_slots is None:
+        raise click.UsageError("--device-prefill runs prefill from the expert cache's device: give --vram or "
+                               "--expert-slots")
     return CacheOptions(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update,
-                        prefetch_distance, prefetch_extra, dali_prefetch, assign, profile, degrade)
+                        prefetch_distance, prefetch_extra, dali_prefetch, assign, profile, degrade,
+                        device_prefill, device_prefill_ahead)
+
+
+def reserve_for(info: Any, opts: CacheOptions) -> int:
+    """VRAM kept out of the expert slots: llama.cpp's compute buffers, and --device-prefill's two buffers."""
+    from ..gguf.info import VRAM_RESERVE, prefill_buffer_bytes
+
+    return VRAM_RESERVE + (prefill_buffer_bytes(info) if opts.device_prefill else 0)
 
 
 def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
     """Expert slots per MoE layer: --expert-slots, or what --vram leaves after dense weights and KV cache."""
     if opts.expert_slots is not None:
         return opts.expert_slots
-    from ..gguf.info import VRAM_RESERVE, vram_plan
+    from ..gguf.info import vram_plan
 
-    return vram_plan(info, opts.vram or 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer
+    return vram_plan(info, opts.vram or 0, n_ctx=n_ctx, reserve_bytes=reserve_for(info, opts)).experts_per_layer
 
 
 def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
@@ -177,7 +201,7 @@ def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
 def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:
     from ..runtime import native
     from ..calibration.allocation import describe, plan_allocation
-    from ..gguf.info import VRAM_RESERVE, vram_plan
+    from ..gguf.info import vram_plan
     from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
     from ..policies.residency import DALI_WINDOW
     from ..runtime.expert_cache import CacheConfig
@@ -190,7 +214,7 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
                                   dali_prefetch=opts.dali_prefetch)
     budget = None
     if opts.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
-        plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=VRAM_RESERVE)
+        plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=reserve_for(engine.info, opts))
         budget = plan_bytes.expert_budget_bytes
     window = opts.dali_window or DALI_WINDOW
     plan = plan_allocation(engine.info, alloc=opts.alloc, policy=opts.policy, calibration=calibration,
@@ -206,7 +230,8 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
                       prefetch_extra=PROMOE_EXTRA if opts.prefetch_extra is None else opts.prefetch_extra,
                       dali_prefetch=opts.dali_prefetch or 0, assign=opts.assign,
                       assign_costs=assign_costs(model, opts.profile) if opts.assign else None,
-                      degrade=opts.degrade)
+                      degrade=opts.degrade, prefill_min_tokens=opts.device_prefill,
+                      prefill_ahead=opts.device_prefill_ahead)
     engine.enable_expert_cache(cfg, device=dev)
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
     prefetch = engine.cache.report().get("prefetch") if engine.cache is not None else None
@@ -220,4 +245,6 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
                + (f" (predictor {prefetch['predictor']}, top-k+{prefetch['extra']})" if prefetch else "")
                + (" (blocking loads)" if opts.blocking else "")
                + (f" (misses placed by the {opts.assign} assigner)" if opts.assign else "")
-               + (f" (graceful degradation r={opts.degrade})" if opts.degrade is not None else ""), err=True)
+               + (f" (graceful degradation r={opts.degrade})" if opts.degrade is not None else "")
+               + (f" (prefill ubatches of {opts.device_prefill}+ tokens on the device, "
+                  f"{opts.device_prefill_ahead} ahead)" if opts.device_prefill else ""), err=True)

@@ -64,11 +64,15 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
 @click.option("--assign", type=click.Choice(["greedy", "ratio", "exact"]), default=None,
               help="add edgemoe variants whose prefill ubatches split experts between CPU and GPU with this "
                    "assigner (DALI's greedy, the ratio cut, the exact optimum; CPU and GPU run at once)")
+@click.option("--device-prefill", is_flag=True,
+              help="add edgemoe variants whose prefill ubatches run every routed expert on the GPU, those outside "
+                   "the slots copied into a prefill buffer one cached layer ahead (generate's --device-prefill)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int, n_ctx: int, n_ubatch: int,
              policies: tuple[str, ...], gating: str | None, threshold: float | None, blocking_loads: bool,
-             overlap: bool, calibration: Path | None, assign: str | None, as_json: bool, plot: Path | None) -> None:
+             overlap: bool, calibration: Path | None, assign: str | None, device_prefill: bool, as_json: bool,
+             plot: Path | None) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
     from ..analysis.trace import Trace
@@ -91,7 +95,8 @@ def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int,
     prof = load_profile(profile_name)
     gate = GatingSpec(GatingRule(gating), float(threshold)) if gating is not None and threshold is not None else None
     spec = SimSpec(vram=vram, n_ctx=n_ctx, n_ubatch=n_ubatch, policies=policies, gated=gate is not None,
-                   blocking=blocking_loads, overlap=overlap, calibration=calibration, assign=assign)
+                   blocking=blocking_loads, overlap=overlap, calibration=calibration, assign=assign,
+                   device_prefill=device_prefill)
     res = run(model, Trace.load(trace_path), prof, spec, gating=gate)
     if plot is not None:
         plot_simulation(res, plot)

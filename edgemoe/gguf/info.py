@@ -324,6 +324,12 @@ def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_
         n_expert=info.n_expert if info.is_moe else 0, predictor_bytes=predictor_bytes)
 
 
+def prefill_buffer_bytes(info: ModelInfo) -> int:
+    """The two prefill buffers of `--device-prefill` (patch 0025): each holds the largest MoE layer's experts."""
+    per_layer = [info.bytes_per_expert_by_layer[il] * info.n_expert for il in info.moe_layers]
+    return 2 * max(per_layer, default=0)
+
+
 def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:
     """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit; None: never fits."""
     fixed = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE

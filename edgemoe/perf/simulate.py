@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..analysis.trace import DECODE, PREFILL
-from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, vram_plan
+from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, prefill_buffer_bytes, vram_plan
 from ..policies.copy_queue import load_worker_default
 from ..policies.daop import DaopPolicy
 from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
@@ -46,6 +46,9 @@ class Config:
     gated: bool = False
     blocking: bool = False
     assign: str | None = None  # prefill ubatches: DALI's CPU/GPU assignment (edgemoe.policies.assignment) by name
+    # prefill ubatches run every routed expert on the GPU, the experts outside the slots copied into a prefill
+    # buffer one cached layer ahead on the copy stream (patch 0025, --device-prefill, all ahead)
+    device_prefill: bool = False
 
 
 @dataclass
@@ -93,6 +96,7 @@ class _Run:
         # the caller sends the loads itself (no load worker on this device): they end the step that queued them
         self.caller_issues = self.on_gpu and prof.gpu is not None and not load_worker_default(prof.gpu.name)
         self.moe_index = {il: j for j, il in enumerate(shape.moe_layers)}  # model layer -> ids' second axis
+        self._prefill_issue: float | None = None  # --device-prefill: when the next layer's buffer copy was issued
         if policy is not None:
             self._queue(policy.initial_loads(), start=0.0)
             self.clock = self.link_free  # the initial placement is loaded before the first token
@@ -130,6 +134,7 @@ class _Run:
         start = self.clock
         t = start
         n = s.n_tokens
+        self._prefill_issue = None  # the first cached layer's copy is queued when the step starts
         main = self.gpu or self.cpu
         pending: list[Any] = []
         nodes = self._nodes(s)
@@ -145,7 +150,7 @@ class _Run:
                 t += d + c
                 continue
             g, c, wait = (0.0, 0.0, 0.0) if j is None else self._moe_layer(ly.il, s.ids[:, j, :], s.counts(j), s, t,
-                                                                            acc, pending)
+                                                                            acc, pending, dense_s=d)
             n_cpu_splits += bool(c)
             gpu_side = max(d + g, launch)
             acc.host += gpu_side - (d + g)  # the GPU idles while the host launches the layer's kernels
@@ -178,7 +183,7 @@ class _Run:
             acc.cpu += dt
 
     def _moe_layer(self, il: int, ids: Any, counts: dict[int, int], s: Step, t: float, acc: _Acc,
-                   pending: list[Any]) -> tuple[float, float, float]:
+                   pending: list[Any], dense_s: float = 0.0) -> tuple[float, float, float]:
         """(GPU time, CPU time with its hand-offs, wait for slots still loading) of one MoE layer's experts."""
         assert self.gpu is not None and self.prof.link is not None
         link = self.prof.link
@@ -204,6 +209,8 @@ class _Run:
         if self.cfg.assign is not None and s.n_tokens > 1 and counts:
             g, c = self._assigned(il, counts, set(gpu_e), acc)
             return g, c, wait
+        if self.cfg.device_prefill and s.n_tokens >= OFFLOAD_MIN_TOKENS and counts:
+            return self._device_prefill(il, counts, t, dense_s, acc) + (wait,)
         g = self.gpu.experts(il, gpu_e)
         c = 0.0
         if cpu_e and s.n_tokens >= OFFLOAD_MIN_TOKENS and self.prof.gpu is not None and self.prof.gpu.op_offload:
@@ -216,6 +223,25 @@ class _Run:
             c = 2 * link.latency_s + cpu
         acc.gpu += g
         return g, c, wait
+
+    def _device_prefill(self, il: int, counts: dict[int, int], t: float, dense_s: float,
+                        acc: _Acc) -> tuple[float, float]:
+        """A prefill ubatch's layer with --device-prefill: every routed expert on the GPU; the experts outside the
+        slots were copied into the layer's prefill buffer on the copy stream from the previous cached layer's
+        routing (the first layer's from the step's start), so the layer's experts wait for the end of that copy.
+        Returns (GPU time including that wait, CPU time 0)."""
+        assert self.gpu is not None and self.prof.link is not None
+        outside = self.shape.info.n_expert - len(self.resident.get(il, {}))
+        nbytes = self.shape.expert_bytes(il) * outside
+        # issued at the previous cached layer's routing callback (after its dense part), or when the step began
+        issued = self._prefill_issue if self._prefill_issue is not None else t
+        done = max(self.link_free, issued) + nbytes / self.prof.link.loads_bw
+        self.link_free = done
+        acc.pcie += nbytes
+        self._prefill_issue = t + dense_s  # this layer's routing: the next layer's copy starts then
+        g = self.gpu.experts(il, counts)
+        acc.gpu += g
+        return max(0.0, done - (t + dense_s)) + g, 0.0
 
     def _assigned(self, il: int, counts: dict[int, int], resident: set[int], acc: _Acc) -> tuple[float, float]:
         """A prefill ubatch's experts split between the CPU and the GPU (copying some) by an assigner: (GPU time
@@ -242,6 +268,7 @@ class SimSpec:
     overlap: bool = False
     calibration: Path | None = None
     assign: str | None = None  # add edgemoe variants whose prefill ubatches use this CPU/GPU assigner
+    device_prefill: bool = False  # add edgemoe variants whose prefill ubatches run on the GPU (patch 0025)
     slots: Mapping[int, int] | None = None  # edgemoe's slots per MoE layer (None: equal, what the budget leaves)
     # the trace's first sequences only warm the cache (replayed, not counted), as `edgemoe bench` warms up
     warmup_seqs: int = 0
@@ -277,6 +304,9 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
         return [], 0, None
     slots = plan.experts_per_layer
     per_layer = dict(spec.slots) if spec.slots is not None else {il: slots for il in moe}
+    # --device-prefill's two buffers come out of the slots' budget
+    pf = vram_plan(shape.info, spec.vram, n_ctx=spec.n_ctx, reserve_bytes=VRAM_RESERVE + prefill_buffer_bytes(shape.info))
+    prefill_slots = {il: min(n, pf.experts_per_layer) for il, n in per_layer.items()}
     n_cpu = best_n_cpu_moe(shape.info, spec.vram, spec.n_ctx)
     cfgs = [Config("stock-ot-exps-cpu", "stock")]
     if n_cpu is not None and n_cpu < len(moe):
@@ -288,6 +318,9 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
         if spec.assign is not None:
             cfgs.append(Config(f"edgemoe-{pol}-{spec.assign}-assign", "edgemoe", policy=pol,
                                slots=per_layer, blocking=spec.blocking, assign=spec.assign))
+        if spec.device_prefill:
+            cfgs.append(Config(f"edgemoe-{pol}-device-prefill", "edgemoe", policy=pol, slots=prefill_slots,
+                               blocking=spec.blocking, device_prefill=True))
     return cfgs, slots, n_cpu
 
 

@@ -79,6 +79,15 @@ class CacheConfig:
     # Runs in the routing hook: a host sync per MoE layer
     assign: str | None = None
     assign_costs: Mapping[int, Any] | None = None  # MoE layer -> edgemoe.policies.assignment.ExpertCosts
+    # prefill on the device (patch 0025): a ubatch of at least this many tokens runs each cached layer's other
+    # experts (routed, outside the slots) on the cache's device too, from two buffers of a whole layer's experts
+    # (their bytes come out of the budget: prefill_buffer_bytes), copied one cached layer ahead on the copy stream
+    # while the layer before computes; 0: off (they run on the CPU, or llama.cpp's op offload copies them)
+    prefill_min_tokens: int = 0
+    # what a prefill layer copies ahead for the next cached layer: "all" (its experts outside the slots),
+    # "predicted" (those the in-graph predictor from this layer names: promoe's), "routed" (nothing ahead: each
+    # layer copies what it routes at its routing callback, the compute waiting)
+    prefill_ahead: str = "all"
     # DAOP's graceful degradation (edgemoe.policies.degrade): in decode, a token's non-resident expert (not
     # its best) is replaced by the best resident one it did not select whose router score is at least this
     # ratio of the replaced one's (0 < r <= 1; None: off). Changes the routing; runs in the routing hook
@@ -157,6 +166,7 @@ class ExpertCache:
                  slots_per_layer: int | Mapping[int, int], device: Any = None) -> None:
         self._ctx = ctx
         self._marks: tuple[tuple[int, int], tuple[int, int]] | None = None  # (hits, misses) at prefill start, end
+        self.prefill_min_tokens = 0  # set_prefill
         self.n_expert = n_expert
         self.n_slots = CacheConfig(slots_per_layer).slots(moe_layers, n_expert)
         per_layer = [self.n_slots.get(il, 0) for il in range(n_layer)]
@@ -263,6 +273,33 @@ class ExpertCache:
                 "gpu_expert_share": share,
                 "slots_per_layer": dict(self.n_slots), "slots_total": sum(self.n_slots.values())}
 
+    def set_prefill(self, min_tokens: int, ahead: str = "all") -> None:
+        """Run prefill ubatches of min_tokens+ tokens on the cache's device from two prefill buffers, copied one
+        cached layer ahead (0: off)."""
+        if ahead not in native.MOE_PREFILL_AHEAD:
+            raise ExpertCacheError(f"prefill ahead {ahead!r}: use one of {', '.join(native.MOE_PREFILL_AHEAD)}")
+        if min_tokens < 0:
+            raise ExpertCacheError(f"prefill from {min_tokens} tokens: use 0 (off) or a positive token count")
+        rc = native.moe_cache_set_prefill(self._ctx, min_tokens, native.MOE_PREFILL_AHEAD[ahead])
+        if rc != 0:
+            raise ExpertCacheError(f"llama.cpp could not allocate the two prefill buffers ({rc}): "
+                                   f"{native.recent_log()[-200:].strip()}; lower --vram/--expert-slots or leave "
+                                   "--device-prefill off")
+        self.prefill_min_tokens = min_tokens
+
+    def prefill_stats(self) -> dict[str, Any] | None:
+        """The prefill buffers' counters since the last reset (None: off): ubatches and layers run from them, the
+        experts they needed, copied ahead (and of those used) or late (the compute waited), bytes copied, and
+        the buffers' size."""
+        if not self.prefill_min_tokens:
+            return None
+        lib.llama_synchronize(self._ctx)
+        st = native.moe_cache_prefill_stats(self._ctx)
+        ahead = st["ahead"]
+        return {**st, "min_tokens": self.prefill_min_tokens,
+                "ahead_precision": st["ahead_used"] / ahead if ahead else None,
+                "late_share": st["late"] / st["needed"] if st["needed"] else None}
+
     def close(self) -> None:
         native.moe_cache_init(self._ctx, None)
         self._map = None  # after the cache is gone: nothing reads the mapping any more
@@ -356,6 +393,9 @@ class CacheController:
         out: dict[str, Any] = {"assign": self.policy.report()} if isinstance(self.policy, AssignedPolicy) else {}
         if self.degradation is not None:
             out["degrade"] = self.degradation.report()
+        prefill = self.cache.prefill_stats()
+        if prefill is not None:
+            out["prefill"] = prefill
         return out
 
     def flush(self) -> None:

@@ -21,7 +21,7 @@ from ..errors import NativeLibraryError
 # 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
 # 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17, 0020 sets 18, 0021 sets 19, 0022 sets 20,
 # 0023 sets 21, 0024 sets 22).
-REQUIRED_PATCH_LEVEL = 22
+REQUIRED_PATCH_LEVEL = 23
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +342,47 @@ def moe_cache_set_staging(ctx: Any, n_buffers: int, any_host: bool = False) -> i
     library's default is 4; 0: from the mapped file); any_host: plain host memory where the device has no host
     buffer type (RPC: for tests). 0, or -1 if refused."""
     return int(_moe_cache_set_staging(ctx, n_buffers, any_host))
+
+
+# enum llama_moe_prefill_ahead: what a prefill ubatch copies one cached layer ahead (patch 0025)
+MOE_PREFILL_ROUTED = 0  # nothing ahead: each layer copies the experts it routes at its routing callback
+MOE_PREFILL_ALL = 1  # the next cached layer's experts outside its slots
+MOE_PREFILL_PREDICTED = 2  # those the in-graph predictor from this layer names (ALL where there is none)
+MOE_PREFILL_AHEAD = {"routed": MOE_PREFILL_ROUTED, "all": MOE_PREFILL_ALL, "predicted": MOE_PREFILL_PREDICTED}
+
+
+class MoePrefillStats(ctypes.Structure):
+    """struct llama_moe_prefill_stats: the prefill buffers' counters (patch 0025)."""
+
+    _fields_ = [
+        ("ubatches", ctypes.c_uint64),  # ubatches that ran their cached layers' other experts from the buffers
+        ("layers", ctypes.c_uint64),  # cached layers that ran so
+        ("needed", ctypes.c_uint64),  # experts those layers ran from the buffers (routed, outside the slots)
+        ("ahead", ctypes.c_uint64),  # experts copied one cached layer ahead
+        ("ahead_used", ctypes.c_uint64),  # of those, the ones their layer needed
+        ("late", ctypes.c_uint64),  # experts copied at their layer's routing callback (the compute waited)
+        ("bytes", ctypes.c_uint64),  # bytes copied into the buffers
+        ("buf_bytes", ctypes.c_uint64),  # the size of the two buffers
+    ]
+
+
+# int32_t llama_moe_cache_set_prefill(struct llama_context * ctx, int32_t n_min_tokens, enum llama_moe_prefill_ahead ahead);
+_moe_cache_set_prefill = _declare("llama_moe_cache_set_prefill", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int],
+                                  ctypes.c_int32)
+# struct llama_moe_prefill_stats llama_moe_cache_get_prefill_stats(const struct llama_context * ctx);
+_moe_cache_get_prefill_stats = _declare("llama_moe_cache_get_prefill_stats", [ctypes.c_void_p], MoePrefillStats)
+
+
+def moe_cache_set_prefill(ctx: Any, n_min_tokens: int, ahead: int = MOE_PREFILL_ALL) -> int:
+    """Ubatches of n_min_tokens+ tokens run each cached layer's other experts on the cache's device from two
+    prefill buffers, copied one cached layer ahead (0: off). 0; -1 without a cache or for n < 0; -2 when the
+    buffers cannot be allocated."""
+    return int(_moe_cache_set_prefill(ctx, n_min_tokens, ahead))
+
+
+def moe_cache_prefill_stats(ctx: Any) -> dict[str, int]:
+    s = _moe_cache_get_prefill_stats(ctx)
+    return {name: int(getattr(s, name)) for name, _ in MoePrefillStats._fields_}
 
 
 # void llama_moe_cache_set_async(struct llama_context * ctx, bool async);

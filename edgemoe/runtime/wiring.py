@@ -173,6 +173,8 @@ class RoutingMixin:
                             "streams are not verified with it); unset the variable to overlap")
             native.moe_cache_set_overlap(self._ctx, overlap)
             try:
+                if config.prefill_min_tokens:
+                    cache.set_prefill(config.prefill_min_tokens, config.prefill_ahead)
                 self.cache = (make_prefetcher(cache, config, self.path, self.info) if policy is None
                               else CacheController(cache, policy, alloc=config.alloc))
                 native.moe_cache_set_async(self._ctx, config.loads_async(device) and not self.cache.issues_own_loads)
