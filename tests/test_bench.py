@@ -100,3 +100,19 @@ def test_bench_assign_rows() -> None:
     assert a["decode_tps"] > 0 and a["cache"]["hits"] > 0 and a["projected_decode_tps"] is None
     res = CliRunner().invoke(cli, [*args, "--profile", "none"])
     assert res.exit_code != 0 and "--profile" in res.output
+
+
+def test_bench_device_prefill_rows() -> None:
+    """--device-prefill adds a policy row whose prompt ran from the prefill buffers, with fewer or as many slots
+    (the buffers come out of the budget)."""
+    args = ["bench", str(FIXTURE_MODELS[0]), "--vram", "560MiB", "--prompt-tokens", "48", "--gen-tokens", "8",
+            "-t", "2", "--json", "--policy", "lru", "--alloc", "equal", "--device-prefill", "16", "--profile", "none"]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    rows = {r["name"]: r for r in out["rows"]}
+    assert set(rows) == {"stock -ot exps=CPU", "edgemoe lru", "edgemoe lru +device prefill"}
+    pf = rows["edgemoe lru +device prefill"]
+    assert pf["decode_tps"] > 0 and pf["cache"]["slots_total"] <= rows["edgemoe lru"]["cache"]["slots_total"], pf
+    assert "beside the prefill buffers" in pf["note"] and pf["cache"]["prefill"]["ubatches"] >= 1, pf
+    assert rows["edgemoe lru"]["cache"]["prefill"] is None

@@ -98,7 +98,8 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
                 assert st["ahead"] == 0 and st["late"] == st["needed"], (key, st)
         st = out["prefill_promoe_predicted"]["prefill"]
         assert out["prefill_promoe_predicted"]["equal"] and st["needed"] == st["ahead_used"] + st["late"] > 0, st
-        assert 0 < st["ahead"] < out["prefill_all_True"]["prefill"]["ahead"], st  # fewer than all: the predicted
+        # at most all (a 48-token ubatch's predictions name nearly every expert of these small layers)
+        assert 0 < st["ahead"] <= out["prefill_all_True"]["prefill"]["ahead"], st
         # gating in the graph on both branches of the overlapped layers: the gated logits without a cache
         g = out["gated_overlap_stats"]
         assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)
@@ -127,7 +128,9 @@ def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
     for name, r in out.items():
         assert "error" not in r, (name, r)
         assert r["equal_on"] and r["equal_off"] and r["n_overlap_off"] == 0, (name, r)
+        assert r["equal_prefill"], (name, r)  # patch 0025: the prompt's other experts from the prefill buffers
         if name.removesuffix(".gguf") in NO_MOE_GRAPH:
-            assert r["n_overlap_on"] == 0, (name, r)
+            assert r["n_overlap_on"] == 0 == r["prefill_layers"], (name, r)
         else:
             assert r["n_overlap_on"] >= r["n_ubatch"] * r["n_moe_layers"], (name, r)
+            assert r["prefill_layers"] > 0, (name, r)

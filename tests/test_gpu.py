@@ -166,3 +166,20 @@ def test_native_promoe_on_gpu(fixture_model: Path) -> None:
         assert _nmse(a, b) < 1e-4
     assert cs["worker_chunks"] > 0 and cs["hits"] > 0 and st["n_host_syncs"] > 0, (cs, st)
     assert st["n_overlap"] > 0, st  # patch 0024: the device's experts run beside the CPU's after each stop
+
+
+@pytest.mark.parametrize("ahead", ["all", "routed"])
+def test_device_prefill_on_gpu(fixture_model: Path, ahead: str) -> None:
+    """Patch 0025 on CUDA: the prompt's ubatch runs the experts outside the slots on the GPU from the prefill buffers,
+    copied one cached layer ahead by the load worker (or at each layer, routed); logits within the cache's tolerance
+    of the experts-on-CPU layout's, every layer's experts copied, nothing late with all ahead."""
+    from edgemoe.runtime.expert_cache import CacheConfig
+
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        n_expert = eng.info.n_expert
+    ref, _, _ = _gpu_cache_run(fixture_model, CacheConfig(0, policy="manual"))
+    cfg = CacheConfig(n_expert // 4, policy="lru", prefill_min_tokens=8, prefill_ahead=ahead)
+    got, cs, st = _gpu_cache_run(fixture_model, cfg)
+    for a, b in zip(got, ref):
+        assert _nmse(a, b) < 1e-4
+    assert st["n_host_syncs"] > 0, st

@@ -387,3 +387,28 @@ def test_overlapped_cpu_experts_wait_for_the_layers_dense_part() -> None:
     overlap = _by_name(simulate(QWEN, tr, prof, dataclasses.replace(spec, overlap=True)))["edgemoe-static"]
     assert overlap.decode_tps == pytest.approx(serial.decode_tps)
     assert overlap.prefill_tps == pytest.approx(serial.prefill_tps)
+
+
+def test_device_prefill_copies_one_layer_ahead_of_its_experts() -> None:
+    """--device-prefill (patch 0025) projected: a prefill ubatch runs every routed expert on the GPU after a copy of
+    the layer's experts outside the slots, issued at the previous cached layer's routing. With a free link the layer
+    is its GPU experts only (faster than the CPU's misses); with a link 1000x slower the copies dominate; decode
+    steps (one token) run as without it; the variant's slots leave room for the two buffers."""
+    tr = skewed_trace(QWEN, prefill=128, decode=10)
+    prof = load_profile("rtx4060-laptop")
+    assert prof.gpu is not None and prof.link is not None
+    prof = dataclasses.replace(prof, gpu=dataclasses.replace(prof.gpu, op_offload=False))  # misses on the CPU
+    spec = SimSpec(vram=518 * 2**20, n_ctx=512, policies=("static",), overlap=True, device_prefill=True)
+    res = simulate(QWEN, tr, prof, spec)
+    by = _by_name(res)
+    base, dp = by["edgemoe-static"], by["edgemoe-static-device-prefill"]
+    assert dp.prefill_tps > base.prefill_tps
+    assert dp.decode_tps == pytest.approx(base.decode_tps, rel=0.05)  # same steps, maybe fewer slots
+    slow = dataclasses.replace(prof, link=dataclasses.replace(prof.link, h2d_loads=prof.link.loads_bw / 1000))
+    dp_slow = _by_name(simulate(QWEN, tr, slow, spec))["edgemoe-static-device-prefill"]
+    assert dp_slow.prefill_tps < dp.prefill_tps / 5
+    info = read_model_info(QWEN)
+    from edgemoe.gguf.info import VRAM_RESERVE, prefill_buffer_bytes, vram_plan
+
+    with_buf = vram_plan(info, spec.vram, n_ctx=512, reserve_bytes=VRAM_RESERVE + prefill_buffer_bytes(info))
+    assert with_buf.experts_per_layer <= res.slots_per_layer

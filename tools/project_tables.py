@@ -15,6 +15,7 @@ own trace where no trained model of that routing shape exists (labelled: no expe
     .venv/bin/python tools/project_tables.py --markdown --json docs/figures/projected-tables.json
     .venv/bin/python tools/project_tables.py --summary docs/figures/projected-tables.json   # the docs' table
     .venv/bin/python tools/project_tables.py --policies docs/figures/projected-policies.json   # every policy, 8 GiB
+    .venv/bin/python tools/project_tables.py --device-prefill docs/figures/projected-device-prefill.json   # 0025
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgemoe.analysis.routing_model import routing_stats, synthesize_trace  # noqa: E402
 from edgemoe.analysis.trace import Trace  # noqa: E402
+from edgemoe.gguf.info import VRAM_RESERVE, prefill_buffer_bytes, vram_plan  # noqa: E402
+from edgemoe.perf.costmodel import ModelShape  # noqa: E402
 from edgemoe.perf.profile import load_profile  # noqa: E402
 from edgemoe.perf.simulate import SimSpec, simulate  # noqa: E402
 from edgemoe.perf.workload import GatingSpec  # noqa: E402
@@ -85,6 +88,35 @@ def project_policies(out: Path, gib: int) -> None:
     out.write_text(json.dumps({"projected": True, "overlap": True, "rows": rows}, indent=1) + "\n")
 
 
+def project_device_prefill(out: Path, gib: int) -> None:
+    """Prefill with --device-prefill (patch 0025) against the best stock configuration and edgemoe without it,
+    overlap on: every routed expert on the GPU, the experts outside the slots copied one cached layer ahead."""
+    rows = []
+    print(f"| shape | profile | slots/layer (with the buffers) | best stock prefill | lru | lru +device prefill | "
+          f"static | static +device prefill | decode: static | static +device prefill |  (PROJECTED, {gib} GiB, "
+          f"tok/s, x best stock)")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for shape, (model, trace_path, _) in SHAPES.items():
+        trace = _trace(trace_path)
+        for prof_name in PROFILES:
+            res = simulate(model, trace, load_profile(prof_name),
+                           SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=("lru", "static"),
+                                   device_prefill=True))
+            by = {c.name: c for c in res.configs}
+            stock = [c for c in res.configs if c.kind == "stock"]
+            pre, dec = max(c.prefill_tps for c in stock), max(c.decode_tps for c in stock)
+            names = ("edgemoe-lru", "edgemoe-lru-device-prefill", "edgemoe-static", "edgemoe-static-device-prefill")
+            cells = [f"{by[n].prefill_tps:.0f} ({by[n].prefill_tps / pre:.2f}x)" for n in names]
+            cells += [f"{by[n].decode_tps:.1f} ({by[n].decode_tps / dec:.2f}x)" for n in names[2:]]
+            info = ModelShape.read(model).info
+            with_buf = vram_plan(info, gib * 2**30, n_ctx=4096,
+                                 reserve_bytes=VRAM_RESERVE + prefill_buffer_bytes(info)).experts_per_layer
+            print(f"| {shape} | {prof_name} | {res.slots_per_layer} ({with_buf}) | {pre:.0f} | {' | '.join(cells)} |")
+            rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "workload_note": res.workload_note,
+                      "slots_with_buffers": with_buf, **c.__dict__} for c in res.configs]
+    out.write_text(json.dumps({"projected": True, "overlap": True, "rows": rows}, indent=1) + "\n")
+
+
 def print_summary(rows: list[dict]) -> None:
     """One row per shape, profile and budget: best stock, static, + overlap, prefill assignment, lru."""
     print("| shape | profile | VRAM | slots/layer | best stock decode | edgemoe static decode | static hit rate | "
@@ -116,6 +148,9 @@ def main() -> None:
                     help="write every residency policy (lru, static, dali, daop) at --policies-gib on each bundled "
                          "profile, CPU/GPU overlap on, to this file and print its table, and stop")
     ap.add_argument("--policies-gib", type=int, default=8)
+    ap.add_argument("--device-prefill", type=Path, default=None, metavar="JSON",
+                    help="write prefill with and without --device-prefill (patch 0025) at --policies-gib on each "
+                         "bundled profile to this file and print its table, and stop")
     ap.add_argument("--summary", type=Path, default=None, metavar="JSON",
                     help="print docs/performance-model.md's one-row-per-budget table from a --json file, and stop")
     args = ap.parse_args()
@@ -124,6 +159,9 @@ def main() -> None:
         return
     if args.policies is not None:
         project_policies(args.policies, args.policies_gib)
+        return
+    if args.device_prefill is not None:
+        project_device_prefill(args.device_prefill, args.policies_gib)
         return
     out = []
     for shape, (model, trace_path, what) in SHAPES.items():

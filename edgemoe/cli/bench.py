@@ -29,11 +29,14 @@ from .types import THREADS, GGUFPath, OutputPath, Size
 @click.option("--assign", type=click.Choice(["ratio", "greedy"]), default=None,
               help="also run lru and dali with this CPU/GPU assigner ('... +assign' rows; generate --assign), "
                    "priced by --profile, which must have a GPU")
+@click.option("--device-prefill", type=click.IntRange(min=0), default=0, metavar="N",
+              help="also run each policy with prefill ubatches of N+ tokens on the GPU ('... +device prefill' rows; "
+                   "generate --device-prefill), its slots leaving room for the two prefill buffers")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: int, policies: tuple[str, ...],
           alloc: str | None, calibration: Path | None, profile_path: str | None, compare_overlap: bool,
-          assign: str | None, as_json: bool, plot: Path | None) -> None:
+          assign: str | None, device_prefill: int, as_json: bool, plot: Path | None) -> None:
     """Prefill/decode tokens/s, TTFT, TPOT and VRAM: stock -ot exps=CPU, the best --n-cpu-moe, edgemoe policies."""
     from ..perf.bench import BenchSpec, format_table, run_bench
     from ..perf.bench import plot as plot_png
@@ -45,7 +48,8 @@ def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: 
         profile = None if profile_path == "none" else Path(profile_path)
     spec = BenchSpec(vram=vram, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, threads=threads,
                      policies=policies, calibration=calibration_for(model, policies, alloc, calibration, n_threads=threads),
-                     alloc=alloc, profile=profile, compare_overlap=compare_overlap, assign=assign)
+                     alloc=alloc, profile=profile, compare_overlap=compare_overlap, assign=assign,
+                     device_prefill=device_prefill)
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:
         plot_png(res, plot)

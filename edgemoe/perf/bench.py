@@ -22,7 +22,7 @@ from ..errors import EdgeMoeError
 from ..runtime import native
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.expert_cache import CacheConfig
-from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, vram_plan
+from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, prefill_buffer_bytes, read_model_info, vram_plan
 from ..runtime.sampling import GREEDY
 
 WARMUP_PROMPT = 16  # tokens of the prompt each configuration's warm-up generation (2 tokens) starts from
@@ -42,6 +42,9 @@ class BenchSpec:
     compare_overlap: bool = False  # also run each policy with CPU/GPU overlap off ("... no-overlap" rows)
     # also run lru and dali with this CPU/GPU assigner ("... +assign ratio" rows), priced by `profile`
     assign: str | None = None
+    # also run each policy with prefill ubatches of this many tokens on the device ("... +device prefill" rows,
+    # patch 0025: the two prefill buffers come out of the slots' budget); 0: not
+    device_prefill: int = 0
 
 
 @dataclass
@@ -101,7 +104,8 @@ def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
         g = eng.generate(prompt, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
         wall = time.perf_counter() - t0
         used = free0 - native.device_memory(dev)[0] if dev is not None and free0 is not None else None
-        cache = eng.cache.cache.stats() if eng.cache is not None else None
+        cache = ({**eng.cache.cache.stats(), "prefill": eng.cache.cache.prefill_stats()}
+                 if eng.cache is not None else None)
     t = g.timings
     tpot = 1.0 / t.decode_tps if t.decode_tps > 0 else wall
     return t.prompt_tps, t.decode_tps, t.ttft_s, tpot, used, cache, g.tokens
@@ -159,6 +163,18 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
 
             configs.append((f"{name} +assign {spec.assign}", "edgemoe", cached, setup_assign,
                             "; ".join(notes + ["in the routing hook"])))
+        if spec.device_prefill:
+            pf_slots = vram_plan(info, spec.vram, n_ctx=n_ctx,
+                                 reserve_bytes=VRAM_RESERVE + prefill_buffer_bytes(info)).experts_per_layer
+            pf_cfg = replace(cfg, slots_per_layer=pf_slots if plan.alloc == "equal" else
+                             {il: n * pf_slots // max(1, slots) for il, n in plan.slots.items()},
+                             prefill_min_tokens=spec.device_prefill)
+
+            def setup_prefill(eng: Engine, cfg: CacheConfig = pf_cfg) -> None:
+                eng.enable_expert_cache(cfg, device=dev)
+
+            configs.append((f"{name} +device prefill", "edgemoe", cached, setup_prefill,
+                            "; ".join(notes + [f"{pf_slots} slots/layer beside the prefill buffers"])))
 
     generated: list[int] = []
     for name, kind, cfg, setup, note in configs:
