@@ -22,16 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgemoe.analysis.routing_model import routing_stats, synthesize_trace  # noqa: E402
 from edgemoe.analysis.trace import Trace  # noqa: E402
-from edgemoe.gguf.info import VRAM_RESERVE, prefill_buffer_bytes, vram_plan  # noqa: E402
+from edgemoe.gguf.info import vram_plan, vram_reserve  # noqa: E402
 from edgemoe.perf.costmodel import ModelShape  # noqa: E402
 from edgemoe.perf.profile import load_profile  # noqa: E402
-from edgemoe.perf.simulate import SimSpec, simulate  # noqa: E402
+from edgemoe.perf.simulate import ConfigResult, SimResult, SimSpec, simulate  # noqa: E402
 from edgemoe.perf.workload import GatingSpec  # noqa: E402
 from edgemoe.policies.gating import GatingRule  # noqa: E402
 
@@ -61,6 +62,19 @@ def _trace(trace_path: Path | None) -> Trace:
     return Trace.load(trace_path)
 
 
+def _projections(spec: SimSpec) -> Iterator[tuple[str, Path, str, SimResult, dict[str, ConfigResult], ConfigResult,
+                                                  float]]:
+    """Each shape on each bundled profile under spec: (shape, model, profile, result, configurations by name, the
+    best stock configuration's decode, the best stock prefill tok/s)."""
+    for shape, (model, trace_path, _) in SHAPES.items():
+        trace = _trace(trace_path)
+        for prof_name in PROFILES:
+            res = simulate(model, trace, load_profile(prof_name), spec)
+            stock = [c for c in res.configs if c.kind == "stock"]
+            yield (shape, model, prof_name, res, {c.name: c for c in res.configs},
+                   max(stock, key=lambda c: c.decode_tps), max(c.prefill_tps for c in stock))
+
+
 def project_policies(out: Path, gib: int) -> None:
     """Each residency policy against the best stock configuration at one budget, overlap on (the build's
     default): issue 12's per-policy comparison, projected. static and daop are placed by the trace's first
@@ -69,22 +83,16 @@ def project_policies(out: Path, gib: int) -> None:
     print(f"| shape | profile | best stock decode | lru | static | dali | daop | best stock prefill | lru | static | "
           f"dali | daop |  (PROJECTED, {gib} GiB, decode then prefill tok/s, x best stock)")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for shape, (model, trace_path, _) in SHAPES.items():
-        trace = _trace(trace_path)
-        for prof_name in PROFILES:
-            res = simulate(model, trace, load_profile(prof_name),
-                           SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=POLICIES))
-            by = {c.name: c for c in res.configs}
-            stock = [c for c in res.configs if c.kind == "stock"]
-            dec, pre = max(stock, key=lambda c: c.decode_tps), max(c.prefill_tps for c in stock)
-            cells_d = [f"{by['edgemoe-' + p].decode_tps:.1f} ({by['edgemoe-' + p].decode_tps / dec.decode_tps:.2f}x)"
-                       for p in POLICIES]
-            cells_p = [f"{by['edgemoe-' + p].prefill_tps:.0f} ({by['edgemoe-' + p].prefill_tps / pre:.2f}x)"
-                       for p in POLICIES]
-            print(f"| {shape} | {prof_name} | {dec.decode_tps:.1f} ({dec.name}) | {' | '.join(cells_d)} | {pre:.0f} | "
-                  f"{' | '.join(cells_p)} |")
-            rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "workload_note": res.workload_note,
-                      **c.__dict__} for c in res.configs]
+    for shape, _, prof_name, res, by, dec, pre in _projections(
+            SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=POLICIES)):
+        cells_d = [f"{by['edgemoe-' + p].decode_tps:.1f} ({by['edgemoe-' + p].decode_tps / dec.decode_tps:.2f}x)"
+                   for p in POLICIES]
+        cells_p = [f"{by['edgemoe-' + p].prefill_tps:.0f} ({by['edgemoe-' + p].prefill_tps / pre:.2f}x)"
+                   for p in POLICIES]
+        print(f"| {shape} | {prof_name} | {dec.decode_tps:.1f} ({dec.name}) | {' | '.join(cells_d)} | {pre:.0f} | "
+              f"{' | '.join(cells_p)} |")
+        rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "workload_note": res.workload_note,
+                  **c.__dict__} for c in res.configs]
     out.write_text(json.dumps({"projected": True, "overlap": True, "rows": rows}, indent=1) + "\n")
 
 
@@ -96,24 +104,18 @@ def project_device_prefill(out: Path, gib: int) -> None:
           f"static | static +device prefill | decode: static | static +device prefill |  (PROJECTED, {gib} GiB, "
           f"tok/s, x best stock)")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for shape, (model, trace_path, _) in SHAPES.items():
-        trace = _trace(trace_path)
-        for prof_name in PROFILES:
-            res = simulate(model, trace, load_profile(prof_name),
-                           SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=("lru", "static"),
-                                   device_prefill=True))
-            by = {c.name: c for c in res.configs}
-            stock = [c for c in res.configs if c.kind == "stock"]
-            pre, dec = max(c.prefill_tps for c in stock), max(c.decode_tps for c in stock)
-            names = ("edgemoe-lru", "edgemoe-lru-device-prefill", "edgemoe-static", "edgemoe-static-device-prefill")
-            cells = [f"{by[n].prefill_tps:.0f} ({by[n].prefill_tps / pre:.2f}x)" for n in names]
-            cells += [f"{by[n].decode_tps:.1f} ({by[n].decode_tps / dec:.2f}x)" for n in names[2:]]
-            info = ModelShape.read(model).info
-            with_buf = vram_plan(info, gib * 2**30, n_ctx=4096,
-                                 reserve_bytes=VRAM_RESERVE + prefill_buffer_bytes(info)).experts_per_layer
-            print(f"| {shape} | {prof_name} | {res.slots_per_layer} ({with_buf}) | {pre:.0f} | {' | '.join(cells)} |")
-            rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "workload_note": res.workload_note,
-                      "slots_with_buffers": with_buf, **c.__dict__} for c in res.configs]
+    for shape, model, prof_name, res, by, dec_stock, pre in _projections(
+            SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=("lru", "static"), device_prefill=True)):
+        dec = dec_stock.decode_tps
+        names = ("edgemoe-lru", "edgemoe-lru-device-prefill", "edgemoe-static", "edgemoe-static-device-prefill")
+        cells = [f"{by[n].prefill_tps:.0f} ({by[n].prefill_tps / pre:.2f}x)" for n in names]
+        cells += [f"{by[n].decode_tps:.1f} ({by[n].decode_tps / dec:.2f}x)" for n in names[2:]]
+        info = ModelShape.read(model).info
+        with_buf = vram_plan(info, gib * 2**30, n_ctx=4096,
+                             reserve_bytes=vram_reserve(info, True)).experts_per_layer
+        print(f"| {shape} | {prof_name} | {res.slots_per_layer} ({with_buf}) | {pre:.0f} | {' | '.join(cells)} |")
+        rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "workload_note": res.workload_note,
+                  "slots_with_buffers": with_buf, **c.__dict__} for c in res.configs]
     out.write_text(json.dumps({"projected": True, "overlap": True, "rows": rows}, indent=1) + "\n")
 
 

@@ -137,20 +137,15 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
                         device_prefill, device_prefill_ahead)
 
 
-def reserve_for(info: Any, opts: CacheOptions) -> int:
-    """VRAM kept out of the expert slots: llama.cpp's compute buffers, and --device-prefill's two buffers."""
-    from ..gguf.info import VRAM_RESERVE, prefill_buffer_bytes
-
-    return VRAM_RESERVE + (prefill_buffer_bytes(info) if opts.device_prefill else 0)
-
 
 def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
     """Expert slots per MoE layer: --expert-slots, or what --vram leaves after dense weights and KV cache."""
     if opts.expert_slots is not None:
         return opts.expert_slots
-    from ..gguf.info import vram_plan
+    from ..gguf.info import vram_plan, vram_reserve
 
-    return vram_plan(info, opts.vram or 0, n_ctx=n_ctx, reserve_bytes=reserve_for(info, opts)).experts_per_layer
+    return vram_plan(info, opts.vram or 0, n_ctx=n_ctx,
+                     reserve_bytes=vram_reserve(info, bool(opts.device_prefill))).experts_per_layer
 
 
 def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
@@ -201,7 +196,7 @@ def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
 def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:
     from ..runtime import native
     from ..calibration.allocation import describe, plan_allocation
-    from ..gguf.info import vram_plan
+    from ..gguf.info import vram_plan, vram_reserve
     from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
     from ..policies.residency import DALI_WINDOW
     from ..runtime.expert_cache import CacheConfig
@@ -214,7 +209,7 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
                                   dali_prefetch=opts.dali_prefetch)
     budget = None
     if opts.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
-        plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=reserve_for(engine.info, opts))
+        plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=vram_reserve(engine.info, bool(opts.device_prefill)))
         budget = plan_bytes.expert_budget_bytes
     window = opts.dali_window or DALI_WINDOW
     plan = plan_allocation(engine.info, alloc=opts.alloc, policy=opts.policy, calibration=calibration,

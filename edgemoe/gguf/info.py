@@ -330,6 +330,21 @@ def prefill_buffer_bytes(info: ModelInfo) -> int:
     return 2 * max(per_layer, default=0)
 
 
+def vram_reserve(info: ModelInfo, device_prefill: bool = False) -> int:
+    """VRAM kept out of the expert slots: VRAM_RESERVE for llama.cpp's compute buffers, and with `--device-prefill`
+    its two prefill buffers."""
+    return VRAM_RESERVE + (prefill_buffer_bytes(info) if device_prefill else 0)
+
+
+def slots_beside_prefill_buffers(info: ModelInfo, slots_per_layer: Mapping[int, int], budget_bytes: int,
+                                  n_ctx: int) -> dict[int, int]:
+    """Slots per MoE layer once `--device-prefill`'s two buffers come out of the budget: the equal count the
+    smaller budget leaves, an unequal (dp) allocation scaled by the same ratio."""
+    equal = vram_plan(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer
+    fewer = vram_plan(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, True)).experts_per_layer
+    return {il: n * fewer // max(1, equal) for il, n in slots_per_layer.items()}
+
+
 def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:
     """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit; None: never fits."""
     fixed = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE

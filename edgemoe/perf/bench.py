@@ -22,7 +22,8 @@ from ..errors import EdgeMoeError
 from ..runtime import native
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.expert_cache import CacheConfig
-from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, prefill_buffer_bytes, read_model_info, vram_plan
+from ..gguf.info import (VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, slots_beside_prefill_buffers,
+                         vram_plan)
 from ..runtime.sampling import GREEDY
 
 WARMUP_PROMPT = 16  # tokens of the prompt each configuration's warm-up generation (2 tokens) starts from
@@ -164,17 +165,16 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
             configs.append((f"{name} +assign {spec.assign}", "edgemoe", cached, setup_assign,
                             "; ".join(notes + ["in the routing hook"])))
         if spec.device_prefill:
-            pf_slots = vram_plan(info, spec.vram, n_ctx=n_ctx,
-                                 reserve_bytes=VRAM_RESERVE + prefill_buffer_bytes(info)).experts_per_layer
-            pf_cfg = replace(cfg, slots_per_layer=pf_slots if plan.alloc == "equal" else
-                             {il: n * pf_slots // max(1, slots) for il, n in plan.slots.items()},
-                             prefill_min_tokens=spec.device_prefill)
+            pf_slots = slots_beside_prefill_buffers(
+                info, {il: slots for il in moe} if plan.alloc == "equal" else plan.slots, spec.vram, n_ctx)
+            pf_cfg = replace(cfg, slots_per_layer=pf_slots, prefill_min_tokens=spec.device_prefill)
 
             def setup_prefill(eng: Engine, cfg: CacheConfig = pf_cfg) -> None:
                 eng.enable_expert_cache(cfg, device=dev)
 
             configs.append((f"{name} +device prefill", "edgemoe", cached, setup_prefill,
-                            "; ".join(notes + [f"{pf_slots} slots/layer beside the prefill buffers"])))
+                            "; ".join(notes + [f"{sum(pf_slots.values()) // max(1, len(pf_slots))} slots/layer beside the "
+                                              "prefill buffers"])))
 
     generated: list[int] = []
     for name, kind, cfg, setup, note in configs:

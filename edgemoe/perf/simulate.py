@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..analysis.trace import DECODE, PREFILL
-from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, prefill_buffer_bytes, vram_plan
+from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, slots_beside_prefill_buffers, vram_plan
 from ..policies.copy_queue import load_worker_default
 from ..policies.daop import DaopPolicy
 from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
@@ -305,8 +305,7 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
     slots = plan.experts_per_layer
     per_layer = dict(spec.slots) if spec.slots is not None else {il: slots for il in moe}
     # --device-prefill's two buffers come out of the slots' budget
-    pf = vram_plan(shape.info, spec.vram, n_ctx=spec.n_ctx, reserve_bytes=VRAM_RESERVE + prefill_buffer_bytes(shape.info))
-    prefill_slots = {il: min(n, pf.experts_per_layer) for il, n in per_layer.items()}
+    prefill_slots = slots_beside_prefill_buffers(shape.info, per_layer, spec.vram, spec.n_ctx)
     n_cpu = best_n_cpu_moe(shape.info, spec.vram, spec.n_ctx)
     cfgs = [Config("stock-ot-exps-cpu", "stock")]
     if n_cpu is not None and n_cpu < len(moe):
