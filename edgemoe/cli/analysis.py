@@ -123,8 +123,14 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
               help="DAOP's graceful degradation with ratio r: a token's non-resident expert (not its top-1) is "
                    "replaced by a resident one it did not select whose router score is >= r times its own; the "
                    "residency is DAOP's with --expert-slots per MoE layer, swapped by each chunk's prompt")
+@click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
+              help="DAOP's pre-calculation from MoE layer L on, as llama.cpp runs it: each chunk runs twice, its "
+                   "prompt in one ubatch and the rest one token at a time, without and with it, over an expert "
+                   "cache of --expert-slots per layer holding the calibration's most used decode experts (DAOP's "
+                   "placement, not swapped); reports both NLLs, their top-1 agreement and the share of the CPU's "
+                   "expert executions that ran a layer early")
 @click.option("--expert-slots", type=click.IntRange(min=0), default=None,
-              help="with --degrade: DAOP's slots per MoE layer (the experts degradation may route to)")
+              help="with --degrade or --precalc-from: DAOP's slots per MoE layer (the resident experts)")
 @click.option("--prompt-tokens", type=click.IntRange(min=0), default=None,
               help="score each chunk only after its first P tokens (with --degrade: the prompt DAOP swaps by, "
                    "never degraded; default 32 with --degrade, else 0); compare runs with the same P")
@@ -132,8 +138,8 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, gating: str,
                threshold: float | None, target_reduction: float | None, calibration: Path | None,
-               degrade_ratio: float | None, expert_slots: int | None, prompt_tokens: int | None, threads: int,
-               as_json: bool) -> None:
+               degrade_ratio: float | None, precalc_from: int | None, expert_slots: int | None,
+               prompt_tokens: int | None, threads: int, as_json: bool) -> None:
     """Held-out NLL and perplexity through edgemoe, and the expert activations computed.
 
     Gating and degradation apply to every scored token here (the text stands in for decode).
@@ -143,6 +149,13 @@ def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None
     from ..analysis.perplexity import perplexity as run_ppl
     from ..progress import progress_bar
 
+    if precalc_from is not None:
+        if degrade_ratio is not None or expert_slots is None:
+            raise click.UsageError("--precalc-from takes --expert-slots (the experts outside the slots are "
+                                   "pre-calculated), not --degrade")
+        _precalc_perplexity(model, input_path, n_ctx, max_tokens, calibration, precalc_from, expert_slots,
+                            32 if prompt_tokens is None else prompt_tokens, threads, as_json)
+        return
     if (degrade_ratio is None) != (expert_slots is None):
         raise click.UsageError("--degrade and --expert-slots go together (degradation routes to the experts "
                                "DAOP's slots hold)")
@@ -181,3 +194,39 @@ def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None
     if deg is not None:
         click.echo(f"degradation r={degrade_ratio}: {deg.n_replaced} of {deg.n_cpu} CPU expert executions moved "
                    f"to resident experts ({(deg.cpu_avoided or 0.0):.1%}), {expert_slots} slots per MoE layer")
+
+
+def _precalc_perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, calibration: Path | None,
+                        first_layer: int, expert_slots: int, prompt_tokens: int, threads: int, as_json: bool) -> None:
+    """perplexity --precalc-from: edgemoe.analysis.precalc_run over DAOP's placement (static, not swapped)."""
+    from ..analysis.precalc_run import precalc_run
+    from ..progress import progress_bar
+    from ..runtime.engine import Engine, LoadConfig
+    from ..runtime.expert_cache import CacheConfig
+    from .cache_options import calibration_for
+
+    if prompt_tokens < 1 or prompt_tokens >= n_ctx - 1:
+        raise click.UsageError(f"--prompt-tokens {prompt_tokens}: use 1..{n_ctx - 2} with --precalc-from (the prompt "
+                               "runs in one ubatch, the rest token by token)")
+    text = input_path.read_text(encoding="utf-8", errors="replace")
+    with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
+        if first_layer >= eng.info.n_layer:
+            raise click.UsageError(f"--precalc-from {first_layer}: the model has layers 0..{eng.info.n_layer - 1}")
+        cal = calibration_for(model, ("static",), None, calibration, n_threads=eng.n_threads)
+        eng.enable_expert_cache(CacheConfig(min(expert_slots, eng.info.n_expert), policy="static", calibration=cal,
+                                            alloc="equal"))
+        tokens = eng.tokenize(text, add_special=False)[:max_tokens]
+        with progress_bar(2 * len(tokens), "perplexity (without, with pre-calculation)", unit="tok") as bar:
+            run = precalc_run(eng, tokens, ctx=n_ctx, prompt_tokens=prompt_tokens, first_layer=first_layer,
+                              progress=lambda k: bar(2 * k))
+    d = {"model": str(model), "input": str(input_path), "prompt_tokens": prompt_tokens, "expert_slots": expert_slots,
+         "precalc": run.to_dict()}
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    st = run.stats
+    share = st["early_share"]
+    click.echo(f"nll {run.nll:.4f} with pre-calculation from layer {first_layer}, {run.nll_off:.4f} without "
+               f"({run.nll_change:+.2%}), top-1 agreement {run.top1_agreement:.3f}, {run.tokens} tokens")
+    click.echo(f"pre-calculated {st['used']} of {st['used'] + st['late']} CPU expert executions "
+               f"({(share or 0.0):.1%}); {st['computed'] - st['used']} computed for nothing")

@@ -44,6 +44,7 @@ class CacheOptions:
     degrade: float | None = None  # DAOP's graceful degradation ratio (None: off)
     device_prefill: int = 0  # prefill ubatches of this many tokens or more run on the cache's device (0: off)
     device_prefill_ahead: str = "all"  # what they copy one cached layer ahead
+    precalc_from: int | None = None  # DAOP's pre-calculation of the cached layers from this one on (None: off)
 
     @property
     def enabled(self) -> bool:
@@ -99,6 +100,13 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="with --device-prefill, what copies one cached layer ahead: all (the next layer's "
                           "experts outside its slots), predicted (those promoe's in-graph predictor names), routed "
                           "(nothing: each layer copies what it routes, the GPU waiting)"),
+        click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
+                     help="DAOP's pre-calculation: in decode, each cached MoE layer from layer L on has its experts "
+                          "predicted at the layer before by its own router on that layer's input; the predicted "
+                          "ones outside its slots run there on the CPU, on that input, and it takes their results "
+                          "(a layer earlier, approximate: changes the output; the paper starts at a quarter of the "
+                          "depth; docs/daop.md). Needs the cache's tables: not with --degrade, --assign, "
+                          "--blocking-loads or --dali-prefetch. Default: off"),
         click.option("--blocking-loads", is_flag=True,
                      help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
                           "it on the CPU (needs the routing callback: a host sync per MoE layer)"),
@@ -114,7 +122,7 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
                        prefetch_extra: int | None = None, dali_prefetch: int | None = None,
                        assign: str | None = None, profile: str | None = None,
                        degrade: float | None = None, device_prefill: int = 0,
-                       device_prefill_ahead: str = "all") -> CacheOptions:
+                       device_prefill_ahead: str = "all", precalc_from: int | None = None) -> CacheOptions:
     if vram is not None and expert_slots is not None:
         raise click.UsageError("give --vram or --expert-slots, not both")
     if policy != "promoe" and (prefetch_distance is not None or prefetch_extra is not None):
@@ -132,9 +140,20 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
     if device_prefill and vram is None and expert_slots is None:
         raise click.UsageError("--device-prefill runs prefill from the expert cache's device: give --vram or "
                                "--expert-slots")
+    if device_prefill_ahead != "all" and not device_prefill:
+        raise click.UsageError("--device-prefill-ahead says what --device-prefill copies ahead: add --device-prefill N")
+    if precalc_from is not None:
+        if vram is None and expert_slots is None:
+            raise click.UsageError("--precalc-from pre-calculates the experts outside the expert cache's slots: give "
+                                   "--vram or --expert-slots")
+        hook = [o for o, on in (("--degrade", degrade is not None), ("--assign", assign is not None),
+                                ("--blocking-loads", blocking), ("--dali-prefetch", bool(dali_prefetch))) if on]
+        if hook:
+            raise click.UsageError(f"--precalc-from needs the cache's tables in the graph; {hook[0]} runs the cache "
+                                   "from the routing hook: leave one of the two out")
     return CacheOptions(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update,
                         prefetch_distance, prefetch_extra, dali_prefetch, assign, profile, degrade,
-                        device_prefill, device_prefill_ahead)
+                        device_prefill, device_prefill_ahead, precalc_from)
 
 
 
@@ -226,7 +245,7 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
                       dali_prefetch=opts.dali_prefetch or 0, assign=opts.assign,
                       assign_costs=assign_costs(model, opts.profile) if opts.assign else None,
                       degrade=opts.degrade, prefill_min_tokens=opts.device_prefill,
-                      prefill_ahead=opts.device_prefill_ahead)
+                      prefill_ahead=opts.device_prefill_ahead, precalc_from=opts.precalc_from)
     engine.enable_expert_cache(cfg, device=dev)
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
     prefetch = engine.cache.report().get("prefetch") if engine.cache is not None else None
@@ -242,4 +261,6 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
                + (f" (misses placed by the {opts.assign} assigner)" if opts.assign else "")
                + (f" (graceful degradation r={opts.degrade})" if opts.degrade is not None else "")
                + (f" (prefill ubatches of {opts.device_prefill}+ tokens on the device, "
-                  f"{opts.device_prefill_ahead} ahead)" if opts.device_prefill else ""), err=True)
+                  f"{opts.device_prefill_ahead} ahead)" if opts.device_prefill else "")
+               + (f" (DAOP pre-calculation from layer {opts.precalc_from})" if opts.precalc_from is not None else ""),
+               err=True)

@@ -131,7 +131,7 @@ def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_
              dali_update: int | None, prefetch_distance: int | None,
              prefetch_extra: int | None, dali_prefetch: int | None, blocking_loads: bool,
              assign: str | None, profile: str | None, degrade: float | None, device_prefill: int,
-             device_prefill_ahead: str, as_json: bool) -> None:
+             device_prefill_ahead: str, precalc_from: int | None, as_json: bool) -> None:
     """Complete a prompt (plain text streamed to stdout, or --json)."""
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -139,7 +139,7 @@ def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_
     gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
     cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update,
                                prefetch_distance, prefetch_extra, dali_prefetch, assign, profile,
-                               degrade, device_prefill, device_prefill_ahead)
+                               degrade, device_prefill, device_prefill_ahead, precalc_from)
     with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
         _install_gating(engine, gate)
         if as_json:
@@ -194,7 +194,7 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
              dali_update: int | None, prefetch_distance: int | None,
              prefetch_extra: int | None, dali_prefetch: int | None, blocking_loads: bool,
              assign: str | None, profile: str | None, degrade: float | None, device_prefill: int,
-             device_prefill_ahead: str) -> None:
+             device_prefill_ahead: str, precalc_from: int | None) -> None:
     """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
 
     When stdin is not a terminal, each non-empty input line is one user message.
@@ -207,7 +207,7 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
     gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
     cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update,
                                prefetch_distance, prefetch_extra, dali_prefetch, assign, profile,
-                               degrade, device_prefill, device_prefill_ahead)
+                               degrade, device_prefill, device_prefill_ahead, precalc_from)
     interactive = sys.stdin.isatty()
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 becomes U+FFFD, not the end of the chat

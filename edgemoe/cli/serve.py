@@ -54,7 +54,7 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None, model_i
              dali_update: int | None, prefetch_distance: int | None,
              prefetch_extra: int | None, dali_prefetch: int | None, blocking_loads: bool,
              assign: str | None, profile: str | None, degrade: float | None, device_prefill: int,
-             device_prefill_ahead: str) -> None:
+             device_prefill_ahead: str, precalc_from: int | None) -> None:
     """Serve a model over the OpenAI API (default: the bundled fixture), on localhost by default.
 
     Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream or not),
@@ -75,7 +75,7 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None, model_i
     gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
     cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update,
                                prefetch_distance, prefetch_extra, dali_prefetch, assign, profile,
-                               degrade, device_prefill, device_prefill_ahead)
+                               degrade, device_prefill, device_prefill_ahead, precalc_from)
     with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
         _install_gating(engine, gate)
         config = ServerConfig(model_id=model_id or model.name.removesuffix(".gguf"), sampling=sampling,

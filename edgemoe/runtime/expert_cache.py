@@ -88,6 +88,14 @@ class CacheConfig:
     # "predicted" (those the in-graph predictor from this layer names: promoe's), "routed" (nothing ahead: each
     # layer copies what it routes at its routing callback, the compute waiting)
     prefill_ahead: str = "all"
+    # DAOP's pre-calculation (patch 0026): in ubatches of at most precalc_max_tokens tokens (decode), each cached
+    # MoE layer from this index on has its experts predicted at the MoE layer before by its own router on that
+    # layer's input (gate reuse); the predicted ones outside its slots run there, on that input, on the CPU, and
+    # it takes their results instead of running them (an approximation: the output changes; docs/daop.md).
+    # Needs the cache's tables in the graph (no routing hook: --degrade, --assign, --blocking-loads, Python
+    # policies turn it off). None: off
+    precalc_from: int | None = None
+    precalc_max_tokens: int = 1
     # DAOP's graceful degradation (edgemoe.policies.degrade): in decode, a token's non-resident expert (not
     # its best) is replaced by the best resident one it did not select whose router score is at least this
     # ratio of the replaced one's (0 < r <= 1; None: off). Changes the routing; runs in the routing hook
@@ -167,6 +175,7 @@ class ExpertCache:
         self._ctx = ctx
         self._marks: tuple[tuple[int, int], tuple[int, int]] | None = None  # (hits, misses) at prefill start, end
         self.prefill_min_tokens = 0  # set_prefill
+        self.precalc: tuple[int, int] | None = None  # set_precalc: (first layer, most tokens)
         self.n_expert = n_expert
         self.n_slots = CacheConfig(slots_per_layer).slots(moe_layers, n_expert)
         per_layer = [self.n_slots.get(il, 0) for il in range(n_layer)]
@@ -300,6 +309,33 @@ class ExpertCache:
                 "ahead_precision": st["ahead_used"] / ahead if ahead else None,
                 "late_share": st["late"] / st["needed"] if st["needed"] else None}
 
+    def set_precalc(self, first_layer: int | None, max_tokens: int = 1) -> None:
+        """DAOP's pre-calculation for the cached layers from first_layer on, in ubatches of at most max_tokens
+        tokens (None: off)."""
+        if first_layer is not None and first_layer < 1:
+            raise ExpertCacheError(f"pre-calculation from layer {first_layer}: use a layer >= 1 (the first target "
+                                   "layer; its experts are computed at the MoE layer before it)")
+        if max_tokens < 1:
+            raise ExpertCacheError(f"pre-calculation in ubatches of at most {max_tokens} tokens: use 1 or more")
+        on = first_layer is not None
+        if native.moe_cache_set_precalc(self._ctx, first_layer if on else -1, max_tokens if on else 0) != 0:
+            raise ExpertCacheError(f"llama.cpp refused the pre-calculation: {native.recent_log()[-200:].strip()}")
+        self.precalc = (first_layer, max_tokens) if first_layer is not None else None
+
+    def precalc_stats(self) -> dict[str, Any] | None:
+        """The pre-calculation's counters since the last reset (None: off): layer runs that took it, experts
+        computed one layer early, of those used (routed), and the routed experts outside the slots run late;
+        precision (used / computed) and early_share (used / (used + late): the CPU's expert executions moved a
+        layer earlier)."""
+        if self.precalc is None:
+            return None
+        lib.llama_synchronize(self._ctx)
+        st = native.moe_cache_precalc_stats(self._ctx)
+        cpu = st["used"] + st["late"]
+        return {**st, "first_layer": self.precalc[0], "max_tokens": self.precalc[1],
+                "precision": st["used"] / st["computed"] if st["computed"] else None,
+                "early_share": st["used"] / cpu if cpu else None}
+
     def close(self) -> None:
         native.moe_cache_init(self._ctx, None)
         self._map = None  # after the cache is gone: nothing reads the mapping any more
@@ -396,6 +432,9 @@ class CacheController:
         prefill = self.cache.prefill_stats()
         if prefill is not None:
             out["prefill"] = prefill
+        precalc = self.cache.precalc_stats()
+        if precalc is not None:
+            out["precalc"] = precalc
         return out
 
     def flush(self) -> None:

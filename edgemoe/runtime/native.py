@@ -21,7 +21,7 @@ from ..errors import NativeLibraryError
 # 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
 # 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17, 0020 sets 18, 0021 sets 19, 0022 sets 20,
 # 0023 sets 21, 0024 sets 22).
-REQUIRED_PATCH_LEVEL = 23
+REQUIRED_PATCH_LEVEL = 24
 
 log = logging.getLogger(__name__)
 
@@ -383,6 +383,36 @@ def moe_cache_set_prefill(ctx: Any, n_min_tokens: int, ahead: int = MOE_PREFILL_
 def moe_cache_prefill_stats(ctx: Any) -> dict[str, int]:
     s = _moe_cache_get_prefill_stats(ctx)
     return {name: int(getattr(s, name)) for name, _ in MoePrefillStats._fields_}
+
+
+class MoePrecalcStats(ctypes.Structure):
+    """struct llama_moe_precalc_stats: DAOP's pre-calculation counters (patch 0026)."""
+
+    _fields_ = [
+        ("layers", ctypes.c_uint64),  # layer runs that took pre-calculated experts
+        ("computed", ctypes.c_uint64),  # experts computed one layer early (predicted, outside the slots)
+        ("used", ctypes.c_uint64),  # of those, the ones their layer routed
+        ("late", ctypes.c_uint64),  # routed experts outside the slots not pre-calculated: run at their layer
+    ]
+
+
+# int32_t llama_moe_cache_set_precalc(struct llama_context * ctx, int32_t il_first, int32_t n_max_tokens);
+_moe_cache_set_precalc = _declare("llama_moe_cache_set_precalc", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+                                  ctypes.c_int32)
+# struct llama_moe_precalc_stats llama_moe_cache_get_precalc_stats(const struct llama_context * ctx);
+_moe_cache_get_precalc_stats = _declare("llama_moe_cache_get_precalc_stats", [ctypes.c_void_p], MoePrecalcStats)
+
+
+def moe_cache_set_precalc(ctx: Any, il_first: int, n_max_tokens: int) -> int:
+    """DAOP's pre-calculation in ubatches of at most n_max_tokens tokens: each cached layer il >= il_first takes
+    its predicted experts outside the slots from the MoE layer before, computed there on that layer's input
+    (il_first < 0 or n_max_tokens 0: off). 0; -1 without a cache or for n_max_tokens < 0."""
+    return int(_moe_cache_set_precalc(ctx, il_first, n_max_tokens))
+
+
+def moe_cache_precalc_stats(ctx: Any) -> dict[str, int]:
+    s = _moe_cache_get_precalc_stats(ctx)
+    return {name: int(getattr(s, name)) for name, _ in MoePrecalcStats._fields_}
 
 
 # void llama_moe_cache_set_async(struct llama_context * ctx, bool async);

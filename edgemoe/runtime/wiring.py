@@ -175,6 +175,8 @@ class RoutingMixin:
             try:
                 if config.prefill_min_tokens:
                     cache.set_prefill(config.prefill_min_tokens, config.prefill_ahead)
+                if config.precalc_from is not None:
+                    cache.set_precalc(config.precalc_from, config.precalc_max_tokens)
                 self.cache = (make_prefetcher(cache, config, self.path, self.info) if policy is None
                               else CacheController(cache, policy, alloc=config.alloc))
                 native.moe_cache_set_async(self._ctx, config.loads_async(device) and not self.cache.issues_own_loads)
@@ -190,4 +192,7 @@ class RoutingMixin:
                 self.set_policies(self._policies)
                 raise
         self.set_policies(self._policies)
+        if config is not None and config.precalc_from is not None and self._needs_callback():
+            log.warning("DAOP's pre-calculation runs only where the cache splits the ids in the graph: with the "
+                        "routing callback (a Python policy, --degrade, --blocking-loads) it does nothing")
         return self.cache.cache if self.cache is not None else None

@@ -1,0 +1,88 @@
+"""DAOP's pre-calculation as llama.cpp runs it (patch 0026, `CacheConfig.precalc_from`): its quality cost and its
+gain on text, next to the same run without it (`edgemoe perplexity --precalc-from`, tools/daop_eval.py).
+
+Each chunk is a fresh sequence: its first `prompt_tokens` tokens go in one ubatch (the prompt: never
+pre-calculated), the rest one token per ubatch (decode steps, where the pre-calculation runs), every row's
+logits kept. The residency is whatever the engine's expert cache holds (a static placement keeps it the same
+for both runs). The gain is the share of the CPU's expert executions (routed, outside the slots) that ran a
+layer early; the cost the NLL of the rows after the prompt and the top-1 agreement with the run without it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..runtime.engine import Engine
+from .perplexity import chunk_tokens, log_softmax_nll
+
+
+def stepped_logits(engine: Engine, tokens: Sequence[int], prompt_tokens: int) -> np.ndarray:
+    """Fresh sequence: the prompt in one ubatch, then one token per ubatch; (len(tokens), n_vocab) logits."""
+    engine.reset()
+    rows: list[np.ndarray] = []
+    for part in [list(tokens[:prompt_tokens])] + [[t] for t in tokens[prompt_tokens:]]:
+        if not part:
+            continue
+        engine.feed(part, all_logits=True)
+        for i in range(len(part)):
+            engine.check_logits(i)
+            rows.append(np.ctypeslib.as_array(engine.logits(i)).copy())
+    return np.stack(rows)
+
+
+@dataclass
+class PrecalcRun:
+    tokens: int  # scored rows (after each chunk's prompt)
+    nll: float  # mean NLL with the pre-calculation
+    nll_off: float  # the same rows without it
+    top1_agreement: float  # rows whose argmax is the same with and without it
+    stats: dict[str, Any]  # the cache's precalc counters over the runs with it (ExpertCache.precalc_stats)
+
+    @property
+    def nll_change(self) -> float:
+        return self.nll / self.nll_off - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "nll_change": self.nll_change}
+
+
+def precalc_run(engine: Engine, tokens: Sequence[int], *, ctx: int, prompt_tokens: int, first_layer: int,
+                max_chunks: int | None = None, progress: Callable[[int], None] | None = None) -> PrecalcRun:
+    """Every chunk twice through the engine's expert cache: without the pre-calculation, then with it from
+    first_layer on (decode steps only). Leaves it off."""
+    if engine.cache is None:
+        raise ValueError("the pre-calculation acts on the expert cache: enable one first")
+    cache = engine.cache.cache
+    bos = engine.bos_token() if engine.adds_bos() else None
+    chunks = [c for c in chunk_tokens(tokens, ctx, bos)[:max_chunks] if len(c) - 1 > prompt_tokens]
+    nll = nll_off = 0.0
+    n = agree = 0
+    stats: dict[str, Any] = {}
+    try:
+        for c in chunks:
+            targets = np.asarray(c[prompt_tokens + 1:])
+            cache.set_precalc(None)
+            off = stepped_logits(engine, c, prompt_tokens)[prompt_tokens:-1]
+            cache.set_precalc(first_layer)
+            engine.reset_control_stats()
+            cache.reset_stats()
+            on = stepped_logits(engine, c, prompt_tokens)[prompt_tokens:-1]
+            st = cache.precalc_stats() or {}
+            for k in ("layers", "computed", "used", "late"):
+                stats[k] = stats.get(k, 0) + st.get(k, 0)
+            nll += log_softmax_nll(on, targets)
+            nll_off += log_softmax_nll(off, targets)
+            agree += int((on.argmax(-1) == off.argmax(-1)).sum())
+            n += len(targets)
+            if progress:
+                progress(len(c))
+    finally:
+        cache.set_precalc(None)
+    cpu = stats.get("used", 0) + stats.get("late", 0)
+    stats |= {"first_layer": first_layer, "precision": stats["used"] / stats["computed"] if stats.get("computed") else None,
+              "early_share": stats["used"] / cpu if cpu else None}
+    return PrecalcRun(tokens=n, nll=nll / max(n, 1), nll_off=nll_off / max(n, 1),
+                      top1_agreement=agree / max(n, 1), stats=stats)
