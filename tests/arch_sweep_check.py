@@ -27,6 +27,10 @@ Checks, each against stock llama.cpp on the same GGUF:
   shapes), one slot per layer, == stock logits bitwise, with routes weighed (on the .k1 copies).
 - cache-degrade: DAOP's graceful degradation at r = 1 (exact ties only), one slot per layer, == stock
   logits bitwise, with every decode route's router probabilities read (on the .k1 copies).
+- cache-precalc: DAOP's pre-calculation (patch 0026) from layer 1 on, no expert resident: the prompt's rows
+  == stock bitwise, the decode rows finite, every MoE layer after a MoE layer taking experts early in every
+  decode step (with k = 2 of 2 experts the prediction names every routed expert: none late); with every
+  expert resident nothing is computed early and the logits are stock's bitwise.
 """
 from __future__ import annotations
 
@@ -301,11 +305,66 @@ def check_cache_degrade(path: Path) -> dict:
                        policy="lru", degrade=1.0)
 
 
+def _precalc_run(path: Path, toks: list[int], n_decode: int, resident: int) -> tuple[np.ndarray, dict]:
+    """Logits of a prefill and n_decode single-token steps with a manual cache whose first `resident` experts of
+    every MoE layer are loaded, pre-calculating from layer 1 on, and the pre-calculation's counters."""
+    from edgemoe import Engine, LoadConfig
+    from edgemoe.policies.loads import Load
+    from edgemoe.runtime.expert_cache import CacheConfig
+
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        cache = eng.enable_expert_cache(CacheConfig(max(resident, 1), policy="manual", precalc_from=1))
+        assert cache is not None
+        for il in eng.info.moe_layers:
+            for e in range(resident):
+                cache.load(Load(il, e, e))
+        rows = list(eng.eval_logits(toks[:-n_decode]))
+        for tok in toks[-n_decode:]:
+            eng.feed([tok])
+            rows.append(np.array(eng.logits(-1)))
+        st = cache.precalc_stats()
+    assert st is not None
+    return np.stack(rows), st
+
+
+def check_cache_precalc(path: Path) -> dict:
+    from edgemoe.gguf.info import read_model_info
+
+    info = read_model_info(path)
+    toks = _tokens(info.n_vocab, 48)
+    n_decode = 12
+    ref, _ = _cache_run(path, toks, n_decode, None)
+    got, st = _precalc_run(path, toks, n_decode, 0)
+    moe = set(info.moe_layers)
+    targets = [il for il in sorted(moe) if il >= 1 and il - 1 in moe]
+    counts = f"layers {st['layers']}, computed {st['computed']}, used {st['used']}, late {st['late']}"
+    problems = []
+    n_prompt = len(toks) - n_decode
+    if not np.array_equal(got[:n_prompt], ref[:n_prompt]):
+        problems.append("prompt rows differ from stock: " + _diff(got[:n_prompt], ref[:n_prompt]))
+    if not np.isfinite(got).all():
+        problems.append("non-finite logits")
+    if st["layers"] != n_decode * len(targets):
+        problems.append(f"{st['layers']} layer runs took experts early, expected {n_decode} x {len(targets)} "
+                        f"(MoE layers after a MoE layer: {targets})")
+    if targets and not (0 < st["used"] <= st["computed"]):
+        problems.append("no expert taken early")
+    if info.n_expert_used == info.n_expert and st["late"]:
+        problems.append("an expert ran late though the prediction names every expert")
+    every, st_every = _precalc_run(path, toks, n_decode, info.n_expert)
+    if not np.array_equal(every, ref) or st_every["computed"]:
+        problems.append(f"every expert resident: computed {st_every['computed']}, " + _diff(every, ref))
+    if problems:
+        return dict(ok=False, detail=f"pre-calculation ({counts}): " + "; ".join(problems))
+    return dict(ok=True, detail=f"pre-calculation from layer 1: prompt == stock, {counts}; every expert resident "
+                                "== stock bitwise")
+
+
 CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
           "cache-static": check_cache_static, "cache-daop": check_cache_daop, "cache-dali": check_cache_dali,
           "scale-applies": check_scale_applies, "cache-promoe": check_cache_promoe,
           "cache-dali-prefetch": check_cache_dali_prefetch, "cache-assign": check_cache_assign,
-          "cache-degrade": check_cache_degrade}
+          "cache-degrade": check_cache_degrade, "cache-precalc": check_cache_precalc}
 
 
 def main(argv: list[str]) -> int:

@@ -40,6 +40,10 @@ def same(a: tuple[np.ndarray, list[np.ndarray]], b: tuple[np.ndarray, list[np.nd
     return bool(np.array_equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1])))
 
 
+def nmse(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(((got - ref) ** 2).mean() / (ref ** 2).mean())
+
+
 def main(path: Path) -> dict[str, object]:
     with Engine(path, CFG) as eng:  # stock, before the RPC device exists
         toks = eng.tokenize(TEXT)[:56]
@@ -91,7 +95,7 @@ def main(path: Path) -> dict[str, object]:
         got = run(eng, toks)
         out["gpu_layout_stats"] = cache.stats()
     out["gpu_layout_equal"] = same(got, stock_layout)
-    out["gpu_layout_nmse_vs_cpu"] = float(((got[0] - ref[0]) ** 2).mean() / (ref[0] ** 2).mean())
+    out["gpu_layout_nmse_vs_cpu"] = nmse(got[0], ref[0])
 
     # overlap: the cached experts run on the device while the CPU computes the others, in both layouts
     for name, cfg, want in (("standin", CFG, ref), ("gpu_layout", gpu_layout, stock_layout)):
@@ -200,6 +204,20 @@ def main(path: Path) -> dict[str, object]:
         got = run(eng, toks)
         out["prefill_promoe_predicted"] = {"equal": same(got, stock_layout),
                                            "prefill": eng.cache.cache.prefill_stats()}
+
+    # DAOP's pre-calculation (patch 0026) with the cache on the device: its tables and the predicted ids come from
+    # the device, the early experts and the two ops run on the CPU; the CPU stand-in's logits and counters
+    def precalc(layout: LoadConfig, device: object) -> tuple[tuple[np.ndarray, list[np.ndarray]], dict]:
+        with Engine(path, layout) as eng:
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="manual", precalc_from=2), device=device)
+            for il in layers:
+                for e in range(n_expert // 4):
+                    cache.load(Load(il, e, e))
+            return run(eng, toks), cache.precalc_stats() or {}
+
+    (a, st_a), (b, st_b) = precalc(CFG, None), precalc(gpu_layout, dev)
+    out["precalc"] = {"equal": same(a, b), "nmse": max(nmse(x, y) for x, y in zip([a[0], *a[1]], [b[0], *b[1]])),
+                      "stats_standin": st_a, "stats_device": st_b}
 
     # adaptive top-k in the graph with the overlapped cache: the gated logits of the same layout without a cache
     from edgemoe.policies.gating import GatingPolicy, GatingRule

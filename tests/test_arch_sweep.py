@@ -17,6 +17,11 @@ have (arch_models.rewrite_gguf). Per architecture:
 - cache-promoe (on the .k1 copies): ProMoE's prefetcher with one slot == stock logits, bitwise, with
   prefetches issued; cache-dali-prefetch the same for dali with its prefetcher; cache-assign for lru with
   the CPU/GPU assigner (routes weighed), cache-degrade for graceful degradation at r = 1 (routes read).
+- cache-precalc (also on the .k1 and .scaled copies): DAOP's pre-calculation (patch 0026) from layer 1 with
+  no expert resident: the prompt's rows == stock bitwise, finite decode rows, every MoE layer that follows a
+  MoE layer taking experts early at every decode step; every expert resident == stock bitwise. The output
+  changes by design, so its arithmetic is checked against the torch reference on the fixtures
+  (tests/test_precalc.py); models whose first layer is dense have no such layer here (nothing runs early).
 test_one_expert_per_token runs them on copies with expert_used_count 1 (the router chooses one of
 the two experts); test_with_optional_expert_scales on the files with the per-expert ffn_*_exps.scale
 tensors and test_files_as_llama_cpp_wrote_them_load loads the files as written, for a few
@@ -48,7 +53,7 @@ import arch_models  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
 # the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
 # variant file those of its VARIANT_CHECKS
-BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali")
+BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali", "cache-precalc")
 WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "cache-dali-prefetch", "cache-assign", "cache-degrade",
                  "scale-applies")
 TIMEOUT_S = 180
@@ -72,6 +77,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("refact", "cache-dali-prefetch"): _REFACT + " (the cache was not used)",
     ("refact", "cache-assign"): _REFACT + " (the cache was not used)",
     ("refact", "cache-degrade"): _REFACT + " (the cache was not used)",
+    ("refact", "cache-precalc"): _REFACT + " (no layer took experts early)",
 }
 # (arch, check) that compare dropping experts with stock at a smaller top-k, where that cannot be equal;
 # only where k >= 2 (the .k1 copies have nothing to drop: verify skips drop-last, gating-top1 is skipped)
@@ -104,9 +110,9 @@ def _moe_entries() -> list[dict]:
 
 # the checks run on an architecture's other files (arch_models: <arch>.scaled.gguf, <arch>.k1.gguf;
 # the weight-scale copies below)
-VARIANT_CHECKS = {"scaled": ("generate", "verify", "gating-top1", "cache"),
+VARIANT_CHECKS = {"scaled": ("generate", "verify", "gating-top1", "cache", "cache-precalc"),
                   "k1": ("generate", "verify", "gating-cli", "gating-top1", "cache", "cache-promoe",
-                         "cache-dali-prefetch", "cache-assign", "cache-degrade"),
+                         "cache-dali-prefetch", "cache-assign", "cache-degrade", "cache-precalc"),
                   "wscale": ("generate", "verify", "gating-top1", "cache", "scale-applies")}
 
 # Architectures whose graph reads expert_weights_scale and expert_weights_norm (test-llama-archs writes
@@ -397,6 +403,11 @@ def test_native_daop_cache_calibrated_on_first_use_equals_stock(sweep: SweepPool
 @check("cache-dali")
 def test_native_dali_cache_equals_stock(sweep: SweepPool, entry: dict) -> None:
     _assert(sweep, entry, "", "cache-dali")
+
+
+@check("cache-precalc")
+def test_precalc_runs_and_leaves_the_prompt_alone(sweep: SweepPool, entry: dict) -> None:
+    _assert(sweep, entry, "", "cache-precalc")
 
 
 @check("k1", variant="k1")

@@ -100,6 +100,11 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         assert out["prefill_promoe_predicted"]["equal"] and st["needed"] == st["ahead_used"] + st["late"] > 0, st
         # at most all (a 48-token ubatch's predictions name nearly every expert of these small layers)
         assert 0 < st["ahead"] <= out["prefill_all_True"]["prefill"]["ahead"], st
+        # pre-calculation (0026) with the cache on the device: the CPU stand-in's logits (layers on the device here, on
+        # the CPU there) and the same experts taken early in the 8 decode steps
+        pc = out["precalc"]
+        assert pc["nmse"] < 1e-9 and pc["stats_device"] == pc["stats_standin"], (path.name, pc)
+        assert pc["stats_device"]["layers"] == 8 * (n_moe - 2) and pc["stats_device"]["used"] > 0, (path.name, pc)
         # gating in the graph on both branches of the overlapped layers: the gated logits without a cache
         g = out["gated_overlap_stats"]
         assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)

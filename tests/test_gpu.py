@@ -183,3 +183,34 @@ def test_device_prefill_on_gpu(fixture_model: Path, ahead: str) -> None:
     for a, b in zip(got, ref):
         assert _nmse(a, b) < 1e-4
     assert st["n_host_syncs"] > 0, st
+
+
+def test_precalc_on_gpu(fixture_model: Path) -> None:
+    """Patch 0026 with the cache on CUDA: DAOP's pre-calculation from layer 2 (a quarter of the experts resident, the
+    rest on the CPU) gives the CPU stand-in's logits within the cache's tolerance and takes about as many experts
+    early; the two CPU ops run beside a graph whose router and tables are on the GPU."""
+    from edgemoe.analysis.precalc_run import stepped_logits
+    from edgemoe.policies.loads import Load
+    from edgemoe.runtime.expert_cache import CacheConfig
+
+    def run(device: object, layout: dict) -> tuple[np.ndarray, dict]:
+        with Engine(fixture_model, LoadConfig(**layout)) as eng:
+            n_resident = eng.info.n_expert // 4
+            cache = eng.enable_expert_cache(CacheConfig(n_resident, policy="manual", precalc_from=2),
+                                            device=device)
+            assert cache is not None
+            for il in eng.info.moe_layers:
+                for e in range(n_resident):
+                    cache.load(Load(il, e, e))
+            logits = stepped_logits(eng, eng.tokenize(PROMPT * 4)[:48], 16)
+            st = cache.precalc_stats()
+            assert st is not None
+            return logits, st
+
+    with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
+        moe = tuple(eng.info.moe_layers)
+    ref, st_ref = run(None, dict(n_ctx=256, n_batch=64, n_ubatch=64))
+    got, st = run(native.gpu_device(), dict(CACHE_PLAIN, cpu_expert_layers=moe))
+    for a, b in zip(got, ref):
+        assert _nmse(a, b) < 1e-3
+    assert st["layers"] == st_ref["layers"] > 0 and abs(st["used"] - st_ref["used"]) <= 0.05 * st_ref["used"], (st, st_ref)

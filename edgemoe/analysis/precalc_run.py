@@ -19,11 +19,15 @@ from ..runtime.engine import Engine
 from .perplexity import chunk_tokens, log_softmax_nll
 
 
-def stepped_logits(engine: Engine, tokens: Sequence[int], prompt_tokens: int) -> np.ndarray:
-    """Fresh sequence: the prompt in one ubatch, then one token per ubatch; (len(tokens), n_vocab) logits."""
+def stepped_logits(engine: Engine, tokens: Sequence[int], prompt_tokens: int,
+                   after_prompt: Callable[[], None] | None = None) -> np.ndarray:
+    """Fresh sequence: the prompt in one ubatch, then one token per ubatch; (len(tokens), n_vocab) logits.
+    after_prompt runs between the two."""
     engine.reset()
     rows: list[np.ndarray] = []
-    for part in [list(tokens[:prompt_tokens])] + [[t] for t in tokens[prompt_tokens:]]:
+    for n, part in enumerate([list(tokens[:prompt_tokens])] + [[t] for t in tokens[prompt_tokens:]]):
+        if n == 1 and after_prompt is not None:
+            after_prompt()
         if not part:
             continue
         engine.feed(part, all_logits=True)
@@ -40,6 +44,9 @@ class PrecalcRun:
     nll_off: float  # the same rows without it
     top1_agreement: float  # rows whose argmax is the same with and without it
     stats: dict[str, Any]  # the cache's precalc counters over the runs with it (ExpertCache.precalc_stats)
+    # the decode steps' CPU expert executions (routed, outside the slots) in every MoE layer, with it: the
+    # cache's misses; stats["used"] / cpu_decode is the share of all of them that ran a layer early
+    cpu_decode: int = 0
 
     @property
     def nll_change(self) -> float:
@@ -59,7 +66,7 @@ def precalc_run(engine: Engine, tokens: Sequence[int], *, ctx: int, prompt_token
     bos = engine.bos_token() if engine.adds_bos() else None
     chunks = [c for c in chunk_tokens(tokens, ctx, bos)[:max_chunks] if len(c) - 1 > prompt_tokens]
     nll = nll_off = 0.0
-    n = agree = 0
+    n = agree = cpu_decode = 0
     stats: dict[str, Any] = {}
     try:
         for c in chunks:
@@ -69,7 +76,8 @@ def precalc_run(engine: Engine, tokens: Sequence[int], *, ctx: int, prompt_token
             cache.set_precalc(first_layer)
             engine.reset_control_stats()
             cache.reset_stats()
-            on = stepped_logits(engine, c, prompt_tokens)[prompt_tokens:-1]
+            on = stepped_logits(engine, c, prompt_tokens, after_prompt=cache.reset_stats)[prompt_tokens:-1]
+            cpu_decode += cache.stats()["misses"]
             st = cache.precalc_stats() or {}
             for k in ("layers", "computed", "used", "late"):
                 stats[k] = stats.get(k, 0) + st.get(k, 0)
@@ -83,6 +91,7 @@ def precalc_run(engine: Engine, tokens: Sequence[int], *, ctx: int, prompt_token
         cache.set_precalc(None)
     cpu = stats.get("used", 0) + stats.get("late", 0)
     stats |= {"first_layer": first_layer, "precision": stats["used"] / stats["computed"] if stats.get("computed") else None,
-              "early_share": stats["used"] / cpu if cpu else None}
+              "early_share": stats["used"] / cpu if cpu else None,
+              "early_share_all": stats["used"] / cpu_decode if cpu_decode else None}
     return PrecalcRun(tokens=n, nll=nll / max(n, 1), nll_off=nll_off / max(n, 1),
-                      top1_agreement=agree / max(n, 1), stats=stats)
+                      top1_agreement=agree / max(n, 1), stats=stats, cpu_decode=cpu_decode)
