@@ -207,17 +207,21 @@ def main(path: Path) -> dict[str, object]:
 
     # DAOP's pre-calculation (patch 0026) with the cache on the device: its tables and the predicted ids come from
     # the device, the early experts and the two ops run on the CPU; the CPU stand-in's logits and counters
-    def precalc(layout: LoadConfig, device: object) -> tuple[tuple[np.ndarray, list[np.ndarray]], dict]:
+    def precalc(layout: LoadConfig, device: object, first: int | None) -> tuple[tuple[np.ndarray, list[np.ndarray]], dict]:
         with Engine(path, layout) as eng:
-            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="manual", precalc_from=2), device=device)
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="manual", precalc_from=first),
+                                            device=device)
             for il in layers:
                 for e in range(n_expert // 4):
                     cache.load(Load(il, e, e))
-            return run(eng, toks), cache.precalc_stats() or {}
+            eng.reset_control_stats()
+            got = run(eng, toks)
+            return got, {**(cache.precalc_stats() or {}), "n_overlap": eng.control_stats()["n_overlap"]}
 
-    (a, st_a), (b, st_b) = precalc(CFG, None), precalc(gpu_layout, dev)
+    (a, st_a), (b, st_b) = precalc(CFG, None, 2), precalc(gpu_layout, dev, 2)
+    _, st_off = precalc(gpu_layout, dev, None)
     out["precalc"] = {"equal": same(a, b), "nmse": max(nmse(x, y) for x, y in zip([a[0], *a[1]], [b[0], *b[1]])),
-                      "stats_standin": st_a, "stats_device": st_b}
+                      "stats_standin": st_a, "stats_device": st_b, "n_overlap_without": st_off["n_overlap"]}
 
     # adaptive top-k in the graph with the overlapped cache: the gated logits of the same layout without a cache
     from edgemoe.policies.gating import GatingPolicy, GatingRule

@@ -103,8 +103,12 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         # pre-calculation (0026) with the cache on the device: the CPU stand-in's logits (layers on the device here, on
         # the CPU there) and the same experts taken early in the 8 decode steps
         pc = out["precalc"]
-        assert pc["nmse"] < 1e-9 and pc["stats_device"] == pc["stats_standin"], (path.name, pc)
-        assert pc["stats_device"]["layers"] == 8 * (n_moe - 2) and pc["stats_device"]["used"] > 0, (path.name, pc)
+        dev_st = {k: v for k, v in pc["stats_device"].items() if k != "n_overlap"}
+        assert pc["nmse"] < 1e-9 and dev_st == {k: v for k, v in pc["stats_standin"].items() if k != "n_overlap"}, pc
+        assert dev_st["layers"] == 8 * (n_moe - 2) and dev_st["used"] > 0, (path.name, pc)
+        # the early experts' CPU split runs while the device computes the target layer's attention and routing: one
+        # more overlapped split per target layer and decode step
+        assert pc["stats_device"]["n_overlap"] == pc["n_overlap_without"] + 8 * (n_moe - 2), (path.name, pc)
         # gating in the graph on both branches of the overlapped layers: the gated logits without a cache
         g = out["gated_overlap_stats"]
         assert out["gated_overlap_equal"] and g["n_dropped"] > 0 and g["n_overlap"] > 0, (path.name, g)

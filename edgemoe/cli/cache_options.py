@@ -103,8 +103,9 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
                      help="DAOP's pre-calculation: in decode, each cached MoE layer from layer L on has its experts "
                           "predicted at the layer before by its own router on that layer's input; the predicted "
-                          "ones outside its slots run there on the CPU, on that input, and it takes their results "
-                          "(a layer earlier, approximate: changes the output; the paper starts at a quarter of the "
+                          "ones outside its slots run on the CPU on that input while the GPU computes the layer's "
+                          "attention, and it takes their results (approximate: changes the output; the paper "
+                          "starts at a quarter of the "
                           "depth; docs/daop.md). Needs the cache's tables: not with --degrade, --assign, "
                           "--blocking-loads or --dali-prefetch. Default: off"),
         click.option("--blocking-loads", is_flag=True,
