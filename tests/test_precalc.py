@@ -150,7 +150,8 @@ def test_cli(fixture_model: Path, tmp_path: Path) -> None:
     for args, msg in ((["--precalc-from", "2"], "--expert-slots"),
                       (["--expert-slots", "2", "--precalc-from", "2", "--degrade", "0.8"], "--degrade"),
                       (["--expert-slots", "2", "--precalc-from", "2", "--blocking-loads"], "--blocking-loads"),
-                      (["--expert-slots", "2", "--device-prefill-ahead", "routed"], "--device-prefill N")):
+                      (["--expert-slots", "2", "--device-prefill-ahead", "routed"], "--device-prefill N"),
+                      (["--expert-slots", "2", "--precalc-from", "8"], "no MoE layer from there on")):
         r = CliRunner().invoke(cli, ["generate", str(fixture_model), "-p", "x", "-n", "1", *args])
         assert r.exit_code == 2 and msg in r.output, (args, r.output)
     text = tmp_path / "t.txt"

@@ -223,8 +223,12 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
 
     if not opts.enabled or not engine.info.is_moe:
         return
+    moe = list(engine.info.moe_layers)
+    if opts.precalc_from is not None and not any(il >= opts.precalc_from and il - 1 in moe for il in moe):
+        raise click.UsageError(f"--precalc-from {opts.precalc_from}: no MoE layer from there on follows a MoE layer "
+                               f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer")
     slots = slots_for(engine.info, opts, engine.n_ctx)
-    CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # --expert-slots in range
+    CacheConfig(slots).slots(moe, engine.info.n_expert)  # --expert-slots in range
     calibration = calibration_for(model, (opts.policy,), opts.alloc, calibration, n_threads=engine.n_threads,
                                   dali_prefetch=opts.dali_prefetch)
     budget = None
