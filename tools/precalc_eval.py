@@ -29,11 +29,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import edgemoe.analysis.precalc_run as pr  # noqa: E402
+from edgemoe.analysis.precalc_run import precalc_run  # noqa: E402
 from edgemoe.calibration.corpus import default_corpus_dir, split_corpus  # noqa: E402
-from edgemoe.cli.cache_options import calibration_for  # noqa: E402
+from edgemoe.cli.cache_options import enable_daop_placement  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.runtime.expert_cache import CacheConfig  # noqa: E402
 
 MODELS = (("edgemoe-tiny-mixtral.Q4_K_M.gguf", (2, 4)), ("edgemoe-tiny-qwen3moe.Q4_K_M.gguf", (8, 16)))
 CORPORA = ("tinyshakespeare", "python-docs")
@@ -52,15 +51,13 @@ def heldout(corpus: str) -> Path:
 def run_model(model: Path, slots: int, max_tokens: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with Engine(model, LoadConfig(n_ctx=CTX, n_batch=CTX, n_ubatch=CTX, n_threads=THREADS)) as eng:
-        cal = calibration_for(model, ("static",), None, None, n_threads=eng.n_threads)
-        eng.enable_expert_cache(CacheConfig(min(slots, eng.info.n_expert), policy="static", calibration=cal,
-                                            alloc="equal"))
+        enable_daop_placement(eng, model, slots, None)
         for corpus in CORPORA:
             text = heldout(corpus).read_text(encoding="utf-8", errors="replace")
             tokens = eng.tokenize(text, add_special=False)[:max_tokens]
             for first in FIRST_LAYERS:
                 t0 = time.monotonic()
-                run = pr.precalc_run(eng, tokens, ctx=CTX, prompt_tokens=PROMPT, first_layer=first)
+                run = precalc_run(eng, tokens, ctx=CTX, prompt_tokens=PROMPT, first_layer=first)
                 st = run.stats
                 row = {"model": model.stem.split(".")[0], "corpus": corpus, "slots": slots, "first_layer": first,
                        "targets": f"{first}-{eng.info.n_layer - 1}", **run.to_dict(),

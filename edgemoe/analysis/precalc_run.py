@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..runtime.engine import Engine
+from ..runtime.expert_cache import precalc_rates
 from .perplexity import chunk_tokens, log_softmax_nll
 
 
@@ -74,8 +75,6 @@ def precalc_run(engine: Engine, tokens: Sequence[int], *, ctx: int, prompt_token
             cache.set_precalc(None)
             off = stepped_logits(engine, c, prompt_tokens)[prompt_tokens:-1]
             cache.set_precalc(first_layer)
-            engine.reset_control_stats()
-            cache.reset_stats()
             on = stepped_logits(engine, c, prompt_tokens, after_prompt=cache.reset_stats)[prompt_tokens:-1]
             cpu_decode += cache.stats()["misses"]
             st = cache.precalc_stats() or {}
@@ -89,9 +88,8 @@ def precalc_run(engine: Engine, tokens: Sequence[int], *, ctx: int, prompt_token
                 progress(len(c))
     finally:
         cache.set_precalc(None)
-    cpu = stats.get("used", 0) + stats.get("late", 0)
-    stats |= {"first_layer": first_layer, "precision": stats["used"] / stats["computed"] if stats.get("computed") else None,
-              "early_share": stats["used"] / cpu if cpu else None,
+    stats = {k: stats.get(k, 0) for k in ("layers", "computed", "used", "late")}
+    stats |= {"first_layer": first_layer, **precalc_rates(stats),
               "early_share_all": stats["used"] / cpu_decode if cpu_decode else None}
     return PrecalcRun(tokens=n, nll=nll / max(n, 1), nll_off=nll_off / max(n, 1),
                       top1_agreement=agree / max(n, 1), stats=stats, cpu_decode=cpu_decode)

@@ -202,19 +202,15 @@ def _precalc_perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: i
     from ..analysis.precalc_run import precalc_run
     from ..progress import progress_bar
     from ..runtime.engine import Engine, LoadConfig
-    from ..runtime.expert_cache import CacheConfig
-    from .cache_options import calibration_for
+    from .cache_options import check_precalc_from, enable_daop_placement
 
     if prompt_tokens < 1 or prompt_tokens >= n_ctx - 1:
         raise click.UsageError(f"--prompt-tokens {prompt_tokens}: use 1..{n_ctx - 2} with --precalc-from (the prompt "
                                "runs in one ubatch, the rest token by token)")
     text = input_path.read_text(encoding="utf-8", errors="replace")
     with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
-        if first_layer >= eng.info.n_layer:
-            raise click.UsageError(f"--precalc-from {first_layer}: the model has layers 0..{eng.info.n_layer - 1}")
-        cal = calibration_for(model, ("static",), None, calibration, n_threads=eng.n_threads)
-        eng.enable_expert_cache(CacheConfig(min(expert_slots, eng.info.n_expert), policy="static", calibration=cal,
-                                            alloc="equal"))
+        check_precalc_from(eng.info, first_layer)
+        enable_daop_placement(eng, model, expert_slots, calibration)
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
         with progress_bar(2 * len(tokens), "perplexity (without, with pre-calculation)", unit="tok") as bar:
             run = precalc_run(eng, tokens, ctx=n_ctx, prompt_tokens=prompt_tokens, first_layer=first_layer,

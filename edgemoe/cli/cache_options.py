@@ -105,8 +105,7 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "predicted at the layer before by its own router on that layer's input; the predicted "
                           "ones outside its slots run on the CPU on that input while the GPU computes the layer's "
                           "attention, and it takes their results (approximate: changes the output; the paper "
-                          "starts at a quarter of the "
-                          "depth; docs/daop.md). Needs the cache's tables: not with --degrade, --assign, "
+                          "starts at a quarter of the depth; docs/daop.md). Needs the cache's tables: not with --degrade, --assign, "
                           "--blocking-loads or --dali-prefetch. Default: off"),
         click.option("--blocking-loads", is_flag=True,
                      help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
@@ -157,6 +156,15 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
                         device_prefill, device_prefill_ahead, precalc_from)
 
 
+def check_precalc_from(info: Any, first_layer: int) -> None:
+    """--precalc-from must leave a MoE layer that follows a MoE layer (else it would do nothing)."""
+    from ..runtime.expert_cache import precalc_targets
+
+    moe = list(info.moe_layers)
+    if not precalc_targets(moe, first_layer):
+        raise click.UsageError(f"--precalc-from {first_layer}: no MoE layer from there on follows a MoE layer "
+                               f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer")
+
 
 def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
     """Expert slots per MoE layer: --expert-slots, or what --vram leaves after dense weights and KV cache."""
@@ -199,6 +207,16 @@ def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, g
     return ensure_calibration(model, stages, " and ".join(w for w, _ in needs), given=given, n_threads=n_threads)
 
 
+def enable_daop_placement(engine: Any, model: Path, slots: int, calibration: Path | None) -> None:
+    """An expert cache of `slots` per MoE layer holding the calibration's most used decode experts (DAOP's initial
+    placement, never swapped: the static policy), calibrated on first use; for measuring against a fixed residency."""
+    from ..runtime.expert_cache import CacheConfig
+
+    cal = calibration_for(model, ("static",), None, calibration, n_threads=engine.n_threads)
+    engine.enable_expert_cache(CacheConfig(min(slots, engine.info.n_expert), policy="static", calibration=cal,
+                                           alloc="equal"))
+
+
 def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
     """--assign's cost model per MoE layer, from --profile or this machine's measured profile."""
     from ..perf.costmodel import ModelShape, expert_costs
@@ -223,12 +241,10 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
 
     if not opts.enabled or not engine.info.is_moe:
         return
-    moe = list(engine.info.moe_layers)
-    if opts.precalc_from is not None and not any(il >= opts.precalc_from and il - 1 in moe for il in moe):
-        raise click.UsageError(f"--precalc-from {opts.precalc_from}: no MoE layer from there on follows a MoE layer "
-                               f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer")
+    if opts.precalc_from is not None:
+        check_precalc_from(engine.info, opts.precalc_from)
     slots = slots_for(engine.info, opts, engine.n_ctx)
-    CacheConfig(slots).slots(moe, engine.info.n_expert)  # --expert-slots in range
+    CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # --expert-slots in range
     calibration = calibration_for(model, (opts.policy,), opts.alloc, calibration, n_threads=engine.n_threads,
                                   dali_prefetch=opts.dali_prefetch)
     budget = None

@@ -164,6 +164,19 @@ def expert_chunk_bytes(path: Path, layers: Sequence[int]) -> dict[int, tuple[int
     return out
 
 
+def precalc_targets(moe_layers: Sequence[int], first_layer: int) -> list[int]:
+    """The MoE layers DAOP's pre-calculation from first_layer acts on: those from there on that follow a MoE layer."""
+    moe = set(moe_layers)
+    return [il for il in sorted(moe) if il >= first_layer and il - 1 in moe]
+
+
+def precalc_rates(st: Mapping[str, int]) -> dict[str, float | None]:
+    """precision (used / computed) and early_share (used / (used + late)) of pre-calculation counters."""
+    cpu = st["used"] + st["late"]
+    return {"precision": st["used"] / st["computed"] if st["computed"] else None,
+            "early_share": st["used"] / cpu if cpu else None}
+
+
 class ExpertCache:
     """The slots of one context. device None: the CPU buffer that stands in for a GPU.
 
@@ -332,10 +345,7 @@ class ExpertCache:
             return None
         lib.llama_synchronize(self._ctx)
         st = native.moe_cache_precalc_stats(self._ctx)
-        cpu = st["used"] + st["late"]
-        return {**st, "first_layer": self.precalc[0], "max_tokens": self.precalc[1],
-                "precision": st["used"] / st["computed"] if st["computed"] else None,
-                "early_share": st["used"] / cpu if cpu else None}
+        return {**st, "first_layer": self.precalc[0], "max_tokens": self.precalc[1], **precalc_rates(st)}
 
     def close(self) -> None:
         native.moe_cache_init(self._ctx, None)
