@@ -16,7 +16,7 @@ from edgemoe.gguf.info import read_model_info
 from edgemoe.perf.costmodel import LayerCosts, ModelShape
 from edgemoe.perf.profile import (TOKEN_GRID, Curve, HostProfile, ProfileError, RatePoint, Roofline,
                                   bundled_profiles, load_profile, profile_from_dict)
-from edgemoe.perf.simulate import SimSpec, simulate
+from edgemoe.perf.simulate import ConfigResult, SimSpec, simulate
 from edgemoe.perf.workload import GatingSpec, build_workload
 from edgemoe.policies.gating import GatingRule
 from edgemoe.policies.residency import LruPolicy
@@ -413,3 +413,61 @@ def test_device_prefill_copies_one_layer_ahead_of_its_experts() -> None:
     assert vram_reserve(info, True) == VRAM_RESERVE + prefill_buffer_bytes(info) > vram_reserve(info) == VRAM_RESERVE
     with_buf = vram_plan(info, spec.vram, n_ctx=512, reserve_bytes=vram_reserve(info, True))
     assert with_buf.experts_per_layer <= res.slots_per_layer
+
+
+def test_precalc_hides_cpu_experts_under_the_target_layers_attention_only_with_the_overlap(tmp_path: Path) -> None:
+    """DAOP's pre-calculation (patch 0026) projected: with the GPU's attention slow (2 ms a layer), the CPU's experts
+    shorter than it, and no host or launch costs, a perfect prediction moves a decode step's CPU experts of every target layer under that
+    attention, so decode is faster with the overlap; without it the early split runs in turn and adds its
+    hand-off and fixed cost; wasted predictions (precision < 1) or none used (recall 0) cost CPU time. Prefill
+    steps and the cache's residency are untouched."""
+    from edgemoe.perf.profile import Curve, RatePoint
+    from edgemoe.perf.simulate import PrecalcSpec
+
+    tr = skewed_trace(QWEN, prefill=32, decode=32)
+    prof = load_profile("rtx4060-laptop")
+    assert prof.gpu is not None
+    slow_attention = Curve((RatePoint(1, 1e-3, 0.0, 0.0),))
+    roof = prof.cpu.roofline  # the fixture's experts as slow as big ones (0.45 ms), still shorter than the attention
+    slow_cpu = dataclasses.replace(roof, mem_bw=roof.mem_bw / 1000, cache_bw=roof.cache_bw / 1000)
+    prof = dataclasses.replace(prof, host=HostProfile(0.0, 0.0),
+                               cpu=dataclasses.replace(prof.cpu, node_s=0.0, roofline=slow_cpu),
+                               gpu=dataclasses.replace(prof.gpu, node_s=0.0, attention=slow_attention))
+    spec = SimSpec(vram=518 * 2**20, n_ctx=512, policies=("static",))
+
+    def run(pc: PrecalcSpec, overlap: bool = True) -> tuple[ConfigResult, ConfigResult]:
+        by = _by_name(simulate(QWEN, tr, prof, dataclasses.replace(spec, overlap=overlap, precalc=pc)))
+        return by["edgemoe-static"], by["edgemoe-static-precalc"]
+
+    base, perfect = run(PrecalcSpec(1, 1.0, 1.0))
+    assert perfect.decode_tps > 1.05 * base.decode_tps
+    assert perfect.prefill_tps == pytest.approx(base.prefill_tps)
+    assert perfect.hit_rate == base.hit_rate and perfect.pcie_bytes_per_token == base.pcie_bytes_per_token
+    wasteful = run(PrecalcSpec(1, 1.0, 0.3))[1]
+    assert wasteful.decode_tps < perfect.decode_tps
+    assert run(PrecalcSpec(1, 0.0, 1.0))[1].decode_tps <= base.decode_tps
+    serial_base, serial = run(PrecalcSpec(1, 1.0, 1.0), overlap=False)
+    assert serial.decode_tps < serial_base.decode_tps
+    # only the later layers: less of the gain
+    late = run(PrecalcSpec(6, 1.0, 1.0))[1]
+    assert base.decode_tps < late.decode_tps < perfect.decode_tps
+    # a layer without slots has no cache and no tables: nothing is pre-calculated there
+    moe = read_model_info(QWEN).moe_layers
+    none = _by_name(simulate(QWEN, tr, prof, dataclasses.replace(
+        spec, overlap=True, slots={il: 0 for il in moe}, precalc=PrecalcSpec(1, 1.0, 1.0))))
+    assert none["edgemoe-static-precalc"].decode_tps == pytest.approx(none["edgemoe-static"].decode_tps)
+    with pytest.raises(ValueError, match="layer before"):
+        PrecalcSpec(0, 0.5, 0.5)
+    with pytest.raises(ValueError, match="precision"):
+        PrecalcSpec(1, 0.5, 0.0)
+    with pytest.raises(EdgeMoeError, match="nothing to pre-calculate"):
+        simulate(QWEN, tr, prof, dataclasses.replace(spec, precalc=PrecalcSpec(len(moe), 1.0, 1.0)))
+    # the command line: a variant per policy, and the refusal with the routing hook's blocking loads
+    path = tr.save(tmp_path / "t.npz")
+    args = ["simulate", str(QWEN), "--trace", str(path), "--profile", "rtx4060-laptop", "--vram", "518MiB",
+            "--ctx", "512", "--policy", "daop", "--precalc-from", "5", "--json"]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert {"edgemoe-daop", "edgemoe-daop-precalc"} <= {c["name"] for c in json.loads(r.output)["configs"]}
+    bad = CliRunner().invoke(cli, args + ["--blocking-loads"])
+    assert bad.exit_code != 0 and "--blocking-loads" in bad.output

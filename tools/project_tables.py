@@ -16,6 +16,8 @@ own trace where no trained model of that routing shape exists (labelled: no expe
     .venv/bin/python tools/project_tables.py --summary docs/figures/projected-tables.json   # the docs' table
     .venv/bin/python tools/project_tables.py --policies docs/figures/projected-policies.json   # every policy, 8 GiB
     .venv/bin/python tools/project_tables.py --device-prefill docs/figures/projected-device-prefill.json   # 0025
+    .venv/bin/python tools/project_tables.py --precalc docs/figures/projected-precalc.json   # 0026, rates from
+        # docs/figures/daop-precalc-run.json (tools/precalc_eval.py)
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from edgemoe.analysis.trace import Trace  # noqa: E402
 from edgemoe.gguf.info import vram_plan, vram_reserve  # noqa: E402
 from edgemoe.perf.costmodel import ModelShape  # noqa: E402
 from edgemoe.perf.profile import load_profile  # noqa: E402
-from edgemoe.perf.simulate import ConfigResult, SimResult, SimSpec, simulate  # noqa: E402
+from edgemoe.perf.simulate import ConfigResult, PrecalcSpec, SimResult, SimSpec, simulate  # noqa: E402
 from edgemoe.perf.workload import GatingSpec  # noqa: E402
 from edgemoe.policies.gating import GatingRule  # noqa: E402
 
@@ -52,6 +54,10 @@ SHAPES = {  # shape -> (GGUF with its header, routing trace, what the trace is)
 PROFILES = ("rtx4060-laptop", "rtx4090-desktop", "h100-server")
 BUDGETS_GIB = (6, 8, 12)
 GATE = GatingSpec(GatingRule.SER, 0.4)
+# the fixture whose routing each shape replays: its pre-calculation rates measured through llama.cpp
+PRECALC_FIXTURE = {"Qwen3-30B-A3B": "edgemoe-tiny-qwen3moe", "gpt-oss-20b": "edgemoe-tiny-qwen3moe",
+                   "Mixtral-8x7B": "edgemoe-tiny-mixtral"}
+PRECALC_RUN = Path("docs/figures/daop-precalc-run.json")
 POLICIES = ("lru", "static", "dali", "daop")
 
 
@@ -119,6 +125,66 @@ def project_device_prefill(out: Path, gib: int) -> None:
     out.write_text(json.dumps({"projected": True, "overlap": True, "rows": rows}, indent=1) + "\n")
 
 
+def precalc_rules(fixture: str, n_layer: int, run: dict) -> dict[str, tuple[PrecalcSpec, dict]]:
+    """The two rules tools/precalc_eval.py measured on a fixture's 8 MoE layers, scaled to a model of n_layer
+    layers: "late" (targets 5-7 there: the last 3/8 of the layers) and "all" (from layer 1), each with the rates
+    summed over that fixture's rows (both corpora, both slot counts) and its NLL change range; and "perfect", every
+    layer from 1 with every CPU expert predicted and nothing wasted (the mechanism's ceiling, not a measurement)."""
+    out = {}
+    for rule, first_fixture, first in (("late", 5, n_layer - round(3 * n_layer / 8)), ("all", 1, 1)):
+        rows = [r for r in run["rows"] if r["model"] == fixture and r["first_layer"] == first_fixture]
+        if not rows:
+            raise SystemExit(f"{PRECALC_RUN} has no {fixture} rows from layer {first_fixture}: run "
+                             "tools/precalc_eval.py first")
+        used, late, computed = (sum(r["stats"][k] for r in rows) for k in ("used", "late", "computed"))
+        nll = [r["nll_change"] for r in rows]
+        out[rule] = (PrecalcSpec(first, used / (used + late), used / computed),
+                     {"first_layer": first, "recall": used / (used + late), "precision": used / computed,
+                      "nll_change_min": min(nll), "nll_change_max": max(nll), "fixture_rows": len(rows)})
+    out["perfect"] = (PrecalcSpec(1, 1.0, 1.0), {"first_layer": 1, "recall": 1.0, "precision": 1.0})
+    return out
+
+
+def project_precalc(out: Path, gib: int) -> None:
+    """DAOP's pre-calculation (patch 0026) at one budget, overlap on: daop's decode without it, with it on the last
+    3/8 of the layers and from layer 1, at the rates and with the NLL cost measured through llama.cpp on the fixture
+    whose routing the shape replays (docs/figures/daop-precalc-run.json)."""
+    run = json.loads(PRECALC_RUN.read_text())
+    rows = []
+    print(f"| shape | profile | best stock decode | daop | daop +precalc late | daop +precalc all | daop +precalc "
+          f"perfect | rates late, all (recall / precision from layer) | NLL change late, all (measured) |  (PROJECTED, "
+          f"{gib} GiB, decode tok/s, x daop without it)")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    for shape, (model, trace_path, _) in SHAPES.items():
+        trace = _trace(trace_path)
+        rules = precalc_rules(PRECALC_FIXTURE[shape], ModelShape.read(model).info.n_layer, run)
+        for prof_name in PROFILES:
+            prof = load_profile(prof_name)
+            by: dict[str, ConfigResult] = {}
+            for rule, (pc, meta) in rules.items():
+                res = simulate(model, trace, prof, SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True,
+                                                           policies=("daop",), precalc=pc))
+                for c in res.configs:
+                    c.name += f" {rule}" if c.name.endswith("-precalc") else ""
+                    if c.name not in by:
+                        by[c.name] = c
+                        rows.append({"shape": shape, "profile": prof_name, "vram_gib": gib,
+                                     "workload_note": res.workload_note, "slots_per_layer": res.slots_per_layer,
+                                     "precalc": meta if c.name.endswith(rule) else None, **c.__dict__})
+            dec = max((c for c in by.values() if c.kind == "stock"), key=lambda c: c.decode_tps)
+            daop = by["edgemoe-daop"].decode_tps
+            cells = [f"{daop:.1f} ({daop / dec.decode_tps:.2f}x stock)"]
+            cells += [f"{by[n].decode_tps:.1f} ({by[n].decode_tps / daop:.2f}x)"
+                      for n in ("edgemoe-daop-precalc late", "edgemoe-daop-precalc all", "edgemoe-daop-precalc perfect")]
+            measured = [m for rule, (_, m) in rules.items() if rule != "perfect"]
+            rates = ", ".join(f"{m['recall']:.2f} / {m['precision']:.2f} from {m['first_layer']}" for m in measured)
+            nll = ", ".join(f"{100 * m['nll_change_min']:+.2f}% to {100 * m['nll_change_max']:+.2f}%" for m in measured)
+            print(f"| {shape} | {prof_name} | {dec.decode_tps:.1f} ({dec.name}) | {' | '.join(cells)} | {rates} | "
+                  f"{nll} |")
+    out.write_text(json.dumps({"projected": True, "overlap": True, "rates_from": str(PRECALC_RUN), "rows": rows},
+                              indent=1) + "\n")
+
+
 def print_summary(rows: list[dict]) -> None:
     """One row per shape, profile and budget: best stock, static, + overlap, prefill assignment, lru."""
     print("| shape | profile | VRAM | slots/layer | best stock decode | edgemoe static decode | static hit rate | "
@@ -153,6 +219,9 @@ def main() -> None:
     ap.add_argument("--device-prefill", type=Path, default=None, metavar="JSON",
                     help="write prefill with and without --device-prefill (patch 0025) at --policies-gib on each "
                          "bundled profile to this file and print its table, and stop")
+    ap.add_argument("--precalc", type=Path, default=None, metavar="JSON",
+                    help="write daop's decode with and without DAOP's pre-calculation (patch 0026) at --policies-gib "
+                         "on each bundled profile to this file and print its table, and stop")
     ap.add_argument("--summary", type=Path, default=None, metavar="JSON",
                     help="print docs/performance-model.md's one-row-per-budget table from a --json file, and stop")
     args = ap.parse_args()
@@ -164,6 +233,9 @@ def main() -> None:
         return
     if args.device_prefill is not None:
         project_device_prefill(args.device_prefill, args.policies_gib)
+        return
+    if args.precalc is not None:
+        project_precalc(args.precalc, args.policies_gib)
         return
     out = []
     for shape, (model, trace_path, what) in SHAPES.items():

@@ -158,7 +158,7 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
 
 def check_precalc_from(info: Any, first_layer: int) -> None:
     """--precalc-from must leave a MoE layer that follows a MoE layer (else it would do nothing)."""
-    from ..runtime.expert_cache import precalc_targets
+    from ..policies.daop import precalc_targets
 
     moe = list(info.moe_layers)
     if not precalc_targets(moe, first_layer):

@@ -67,11 +67,22 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
 @click.option("--device-prefill", is_flag=True,
               help="add edgemoe variants whose prefill ubatches run every routed expert on the GPU, those outside "
                    "the slots copied into a prefill buffer one cached layer ahead (generate's --device-prefill)")
+@click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
+              help="add edgemoe variants whose decode steps pre-calculate each cached MoE layer's CPU experts from "
+                   "layer L on one layer early (generate's --precalc-from), at the rates below")
+@click.option("--precalc-recall", type=click.FloatRange(0.0, 1.0), default=0.78, show_default=True,
+              help="share of a target layer's CPU expert work computed early (generate --json's "
+                   "cache.precalc.early_share; the default is the fixtures' from layer 5, docs/daop.md)")
+@click.option("--precalc-precision", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.79,
+              show_default=True,
+              help="share of the early computations that are used (cache.precalc.precision; the fixtures' from "
+                   "layer 5)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int, n_ctx: int, n_ubatch: int,
              policies: tuple[str, ...], gating: str | None, threshold: float | None, blocking_loads: bool,
-             overlap: bool, calibration: Path | None, assign: str | None, device_prefill: bool, as_json: bool,
+             overlap: bool, calibration: Path | None, assign: str | None, device_prefill: bool,
+             precalc_from: int | None, precalc_recall: float, precalc_precision: float, as_json: bool,
              plot: Path | None) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
@@ -79,13 +90,16 @@ def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int,
     from ..perf.profile import load_profile
     from ..perf.profiling import default_profile_path
     from ..perf.report import format_simulation, plot_simulation
-    from ..perf.simulate import SimSpec
+    from ..perf.simulate import PrecalcSpec, SimSpec
     from ..perf.simulate import simulate as run
     from ..perf.workload import GatingSpec
     from ..policies.gating import GatingRule
 
     if (gating is None) != (threshold is None):
         raise click.UsageError("--gating and --threshold go together")
+    if precalc_from is not None and blocking_loads:
+        raise click.UsageError("--precalc-from needs the cache's tables in the graph, which --blocking-loads "
+                               "replaces with the routing hook: drop one")
     if profile_name is None:
         mine = default_profile_path()
         if not mine.exists():
@@ -96,7 +110,8 @@ def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int,
     gate = GatingSpec(GatingRule(gating), float(threshold)) if gating is not None and threshold is not None else None
     spec = SimSpec(vram=vram, n_ctx=n_ctx, n_ubatch=n_ubatch, policies=policies, gated=gate is not None,
                    blocking=blocking_loads, overlap=overlap, calibration=calibration, assign=assign,
-                   device_prefill=device_prefill)
+                   device_prefill=device_prefill,
+                   precalc=PrecalcSpec(precalc_from, precalc_recall, precalc_precision) if precalc_from else None)
     res = run(model, Trace.load(trace_path), prof, spec, gating=gate)
     if plot is not None:
         plot_simulation(res, plot)

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ..analysis.trace import DECODE, PREFILL
+from ..errors import EdgeMoeError
 from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, slots_beside_prefill_buffers, vram_plan
 from ..policies.copy_queue import load_worker_default
-from ..policies.daop import DaopPolicy
+from ..policies.daop import DaopPolicy, precalc_targets
 from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
 from .costmodel import LayerCosts, ModelShape, layer_cost_model
 from .profile import MachineProfile
@@ -34,6 +35,34 @@ OFFLOAD_MIN_TOKENS = 32  # llama.cpp's CUDA backend offloads an op on host weigh
 CPU_NODES_PER_SPLIT = 8  # graph nodes a layer's CPU expert branch adds (mul_mat_id x3, glu, weights, sums)
 GATE_NODES_PER_LAYER = 2  # ggml_moe_gate ids + weights (patch 0009)
 CACHE_NODES_PER_LAYER = 12  # the expert cache's second expert FFN and its table lookups (patch 0011)
+# DAOP's pre-calculation per target layer (patch 0026): router product, top-k, table lookup, the early FFN (three
+# mul_mat_id, glu), the two CPU operations and the add
+PRECALC_NODES_PER_LAYER = 12
+
+
+@dataclass(frozen=True)
+class PrecalcSpec:
+    """DAOP's pre-calculation (patch 0026, generate's --precalc-from) as the simulator projects it, from rates
+    measured through llama.cpp (tools/precalc_eval.py, docs/daop.md): in a decode step, at each cached MoE layer
+    from `first_layer` on that follows a MoE layer, a share `recall` of the layer's CPU expert work was computed a
+    layer early (`early_share`), and `recall * (1 - precision) / precision` as much again was computed early for
+    nothing (predicted, not routed). The early work starts with the layer, on the CPU, while the GPU computes the
+    layer's attention and router (the scheduler's overlap; without it, in turn); the rest runs as before."""
+
+    first_layer: int
+    recall: float
+    precision: float
+
+    def __post_init__(self) -> None:
+        if self.first_layer < 1:
+            raise ValueError(f"pre-calculation needs a layer before its first target: first_layer {self.first_layer}")
+        if not (0.0 <= self.recall <= 1.0 and 0.0 < self.precision <= 1.0):
+            raise ValueError(f"recall must be in [0, 1] and precision in (0, 1], not {self.recall}, {self.precision}")
+
+    @property
+    def wasted(self) -> float:
+        """Work computed early for nothing, per unit of a target layer's CPU expert work."""
+        return self.recall * (1.0 - self.precision) / self.precision
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,7 @@ class Config:
     # prefill ubatches run every routed expert on the GPU, the experts outside the slots copied into a prefill
     # buffer one cached layer ahead on the copy stream (patch 0025, --device-prefill, all ahead)
     device_prefill: bool = False
+    precalc: PrecalcSpec | None = None  # decode steps pre-calculate (patch 0026, --precalc-from)
 
 
 @dataclass
@@ -97,6 +127,11 @@ class _Run:
         self.caller_issues = self.on_gpu and prof.gpu is not None and not load_worker_default(prof.gpu.name)
         self.moe_index = {il: j for j, il in enumerate(shape.moe_layers)}  # model layer -> ids' second axis
         self._prefill_issue: float | None = None  # --device-prefill: when the next layer's buffer copy was issued
+        # the cached layers whose CPU experts a decode step pre-calculates a layer early (a layer without slots has no
+        # cache, and no tables to take the early results with)
+        self.precalc_layers = frozenset(
+            il for il in precalc_targets(shape.moe_layers, cfg.precalc.first_layer) if cfg.slots.get(il, 0) > 0
+        ) if cfg.precalc is not None and policy is not None else frozenset()
         if policy is not None:
             self._queue(policy.initial_loads(), start=0.0)
             self.clock = self.link_free  # the initial placement is loaded before the first token
@@ -126,6 +161,8 @@ class _Run:
             nodes += GATE_NODES_PER_LAYER * moe
         if self.cfg.policy is not None:
             nodes += CACHE_NODES_PER_LAYER * moe
+        if s.phase == DECODE and s.n_tokens == 1:
+            nodes += PRECALC_NODES_PER_LAYER * len(self.precalc_layers)
         return nodes
 
     def step(self, s: Step, acc: _Acc) -> float:
@@ -149,13 +186,17 @@ class _Run:
                 acc.cpu += c
                 t += d + c
                 continue
-            g, c, wait = (0.0, 0.0, 0.0) if j is None else self._moe_layer(ly.il, s.ids[:, j, :], s.counts(j), s, t,
-                                                                            acc, pending, dense_s=d)
-            n_cpu_splits += bool(c)
+            g, c, wait, early = (0.0, 0.0, 0.0, 0.0) if j is None else self._moe_layer(
+                ly.il, s.ids[:, j, :], s.counts(j), s, t, acc, pending, dense_s=d)
+            n_cpu_splits += bool(c) + bool(early)
             gpu_side = max(d + g, launch)
             acc.host += gpu_side - (d + g)  # the GPU idles while the host launches the layer's kernels
-            # overlapped, the CPU's experts start once the layer's dense part (attention, the router) is done
-            t += max(wait + gpu_side, d + c) if self.overlap or self.cfg.assign and n > 1 else wait + gpu_side + c
+            # overlapped, the CPU's experts start once the layer's dense part (attention, the router) is done; the
+            # pre-calculated ones start with the layer, and the rest once both are done
+            if self.overlap or self.cfg.assign and n > 1:
+                t += max(wait + gpu_side, max(d, early) + c)
+            else:
+                t += wait + gpu_side + early + c
         h = main.head(1)  # llama.cpp computes logits for the last token of a ubatch (and each decode token)
         t += h
         self._busy(acc, h, gpu=self.on_gpu)
@@ -183,14 +224,15 @@ class _Run:
             acc.cpu += dt
 
     def _moe_layer(self, il: int, ids: Any, counts: dict[int, int], s: Step, t: float, acc: _Acc,
-                   pending: list[Any], dense_s: float = 0.0) -> tuple[float, float, float]:
-        """(GPU time, CPU time with its hand-offs, wait for slots still loading) of one MoE layer's experts."""
+                   pending: list[Any], dense_s: float = 0.0) -> tuple[float, float, float, float]:
+        """(GPU time, CPU time with its hand-offs, wait for slots still loading, CPU time of the experts
+        pre-calculated for this layer with its hand-off) of one MoE layer's experts."""
         assert self.gpu is not None and self.prof.link is not None
         link = self.prof.link
         if il in self.cfg.gpu_expert_layers:
             g = self.gpu.experts(il, counts)
             acc.gpu += g
-            return g, 0.0, 0.0
+            return g, 0.0, 0.0, 0.0
         if self.policy is not None:
             loads = self.policy.on_route(il, ids)
             if self.policy.blocking and loads:
@@ -208,21 +250,36 @@ class _Run:
         wait = max([self.ready.get((il, e), 0.0) for e in gpu_e] + [t]) - t  # slots still loading
         if self.cfg.assign is not None and s.n_tokens > 1 and counts:
             g, c = self._assigned(il, counts, set(gpu_e), acc)
-            return g, c, wait
+            return g, c, wait, 0.0
         if self.cfg.device_prefill and s.n_tokens >= OFFLOAD_MIN_TOKENS and counts:
-            return self._device_prefill(il, counts, t, dense_s, acc) + (wait,)
+            return self._device_prefill(il, counts, t, dense_s, acc) + (wait, 0.0)
         g = self.gpu.experts(il, gpu_e)
-        c = 0.0
+        c = early = 0.0
         if cpu_e and s.n_tokens >= OFFLOAD_MIN_TOKENS and self.prof.gpu is not None and self.prof.gpu.op_offload:
             nbytes = self.shape.expert_bytes(il) * len(cpu_e)  # op offload copies the used experts
             acc.pcie += nbytes
             g += nbytes / link.h2d_pageable + self.gpu.experts(il, cpu_e)
+        elif cpu_e and s.n_tokens == 1 and il in self.precalc_layers:
+            early, c = self._precalc(il, cpu_e, acc)
         elif cpu_e:
             cpu = self.cpu.experts(il, cpu_e)
             acc.cpu += cpu
             c = 2 * link.latency_s + cpu
         acc.gpu += g
-        return g, c, wait
+        return g, c, wait, early
+
+    def _precalc(self, il: int, cpu_e: dict[int, int], acc: _Acc) -> tuple[float, float]:
+        """A decode step's CPU experts of a pre-calculated layer (PrecalcSpec): (the early split's time with the
+        hand-off of its input, the late split's with the hand-offs of the layer's CPU branch). Each split pays the
+        expert products' fixed cost."""
+        assert self.prof.link is not None and self.cfg.precalc is not None
+        pc, lat = self.cfg.precalc, self.prof.link.latency_s
+        work = sum(self.cpu.expert(il, c) for c in cpu_e.values())
+        fixed = self.cpu.expert_fixed(il, max(cpu_e.values()))
+        early = fixed + work * (pc.recall + pc.wasted)
+        late = fixed + work * (1.0 - pc.recall)
+        acc.cpu += early + late
+        return lat + early, 2 * lat + late
 
     def _device_prefill(self, il: int, counts: dict[int, int], t: float, dense_s: float,
                         acc: _Acc) -> tuple[float, float]:
@@ -269,6 +326,7 @@ class SimSpec:
     calibration: Path | None = None
     assign: str | None = None  # add edgemoe variants whose prefill ubatches use this CPU/GPU assigner
     device_prefill: bool = False  # add edgemoe variants whose prefill ubatches run on the GPU (patch 0025)
+    precalc: PrecalcSpec | None = None  # add edgemoe variants whose decode steps pre-calculate (patch 0026)
     slots: Mapping[int, int] | None = None  # edgemoe's slots per MoE layer (None: equal, what the budget leaves)
     # the trace's first sequences only warm the cache (replayed, not counted), as `edgemoe bench` warms up
     warmup_seqs: int = 0
@@ -320,6 +378,9 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
         if spec.device_prefill:
             cfgs.append(Config(f"edgemoe-{pol}-device-prefill", "edgemoe", policy=pol, slots=prefill_slots,
                                blocking=spec.blocking, device_prefill=True))
+        if spec.precalc is not None:
+            cfgs.append(Config(f"edgemoe-{pol}-precalc", "edgemoe", policy=pol, slots=per_layer,
+                               blocking=spec.blocking, precalc=spec.precalc))
     return cfgs, slots, n_cpu
 
 
@@ -389,6 +450,9 @@ def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
     from .workload import build_workload
 
     shape = ModelShape.read(model)
+    if spec.precalc is not None and not precalc_targets(shape.moe_layers, spec.precalc.first_layer):
+        raise EdgeMoeError(f"no MoE layer from layer {spec.precalc.first_layer} on follows a MoE layer in "
+                           f"{shape.name} (MoE layers {list(shape.moe_layers)}): nothing to pre-calculate")
     cfgs, slots, n_cpu = plan_configs(shape, prof, spec)
     notes = []
     if not cfgs:

@@ -164,12 +164,6 @@ def expert_chunk_bytes(path: Path, layers: Sequence[int]) -> dict[int, tuple[int
     return out
 
 
-def precalc_targets(moe_layers: Sequence[int], first_layer: int) -> list[int]:
-    """The MoE layers DAOP's pre-calculation from first_layer acts on: those from there on that follow a MoE layer."""
-    moe = set(moe_layers)
-    return [il for il in sorted(moe) if il >= first_layer and il - 1 in moe]
-
-
 def precalc_rates(st: Mapping[str, int]) -> dict[str, float | None]:
     """precision (used / computed) and early_share (used / (used + late)) of pre-calculation counters."""
     cpu = st["used"] + st["late"]
