@@ -471,3 +471,34 @@ def test_precalc_hides_cpu_experts_under_the_target_layers_attention_only_with_t
     assert {"edgemoe-daop", "edgemoe-daop-precalc"} <= {c["name"] for c in json.loads(r.output)["configs"]}
     bad = CliRunner().invoke(cli, args + ["--blocking-loads"])
     assert bad.exit_code != 0 and "--blocking-loads" in bad.output
+
+
+def test_decode_split_projection_shares_a_miss_between_cpu_and_gpu_when_the_link_is_fast() -> None:
+    """The FreeToken-style decode split (projected only; no row-split path exists in the runtime): a step's CPU
+    experts are cut by rows so that the CPU's share and the GPU's copy-then-compute of the rest end together
+    (split_share), or, where one side alone is faster, the CPU or the GPU after a whole copy. With a fast link a
+    CPU-bound decode gets faster and the link carries the GPU's share; with a link 10^4 times slower the split hands
+    the GPU almost nothing; prefill ubatches (op offload) are untouched."""
+    from edgemoe.policies.assignment import split_share
+
+    f = split_share(3.0, 5.0, 1.0)
+    assert 1.0 + f * 3.0 == pytest.approx((1.0 - f) * 5.0)
+    assert split_share(1.0, 0.5, 1.0) < 0  # the hand-off alone outlasts the GPU: no split
+    tr = skewed_trace(QWEN, prefill=40, decode=32)
+    prof = load_profile("rtx4060-laptop")
+    assert prof.gpu is not None and prof.link is not None
+    roof = prof.cpu.roofline  # a slow CPU: decode is bound by the CPU's misses
+    prof = dataclasses.replace(prof, host=HostProfile(0.0, 0.0),
+                               cpu=dataclasses.replace(prof.cpu, node_s=0.0, roofline=dataclasses.replace(
+                                   roof, mem_bw=roof.mem_bw / 1000, cache_bw=roof.cache_bw / 1000)),
+                               gpu=dataclasses.replace(prof.gpu, node_s=0.0),
+                               link=dataclasses.replace(prof.link, latency_s=0.0))
+    spec = SimSpec(vram=518 * 2**20, n_ctx=512, policies=("static",), overlap=True, decode_split=True)
+    by = _by_name(simulate(QWEN, tr, prof, spec))
+    base, split = by["edgemoe-static"], by["edgemoe-static-decode-split"]
+    assert split.decode_tps > 1.3 * base.decode_tps
+    assert split.pcie_bytes_per_token > base.pcie_bytes_per_token
+    assert split.prefill_tps == pytest.approx(base.prefill_tps) and split.hit_rate == base.hit_rate
+    slow = dataclasses.replace(prof, link=dataclasses.replace(prof.link, h2d_loads=prof.link.loads_bw / 1e4))
+    by = _by_name(simulate(QWEN, tr, slow, spec))
+    assert by["edgemoe-static-decode-split"].decode_tps == pytest.approx(by["edgemoe-static"].decode_tps, rel=0.02)

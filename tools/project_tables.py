@@ -18,6 +18,7 @@ own trace where no trained model of that routing shape exists (labelled: no expe
     .venv/bin/python tools/project_tables.py --device-prefill docs/figures/projected-device-prefill.json   # 0025
     .venv/bin/python tools/project_tables.py --precalc docs/figures/projected-precalc.json   # 0026, rates from
         # docs/figures/daop-precalc-run.json (tools/precalc_eval.py)
+    .venv/bin/python tools/project_tables.py --decode-split docs/figures/projected-decode-split.json   # not built
 """
 from __future__ import annotations
 
@@ -185,6 +186,25 @@ def project_precalc(out: Path, gib: int) -> None:
                               indent=1) + "\n")
 
 
+def project_decode_split(out: Path, gib: int) -> None:
+    """static's decode with the FreeToken-style split of each layer's CPU experts (simulate's decode_split: cpu,
+    whole copy or a row split by the decode-miss cost model), overlap on. The runtime has no row-split path: this
+    projects what building one could win."""
+    rows = []
+    print(f"| shape | profile | best stock decode | static | static +decode split | PCIe MB/token with the split |  "
+          f"(PROJECTED, {gib} GiB, decode tok/s; the split is not built)")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for shape, _, prof_name, res, by, dec, _ in _projections(
+            SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=("static",), decode_split=True)):
+        st, sp = by["edgemoe-static"], by["edgemoe-static-decode-split"]
+        print(f"| {shape} | {prof_name} | {dec.decode_tps:.1f} ({dec.name}) | {st.decode_tps:.1f} "
+              f"({st.decode_tps / dec.decode_tps:.2f}x) | {sp.decode_tps:.1f} ({sp.decode_tps / st.decode_tps:.2f}x "
+              f"static) | {sp.pcie_bytes_per_token / 1e6:.0f} |")
+        rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "workload_note": res.workload_note,
+                  **c.__dict__} for c in res.configs]
+    out.write_text(json.dumps({"projected": True, "overlap": True, "built": False, "rows": rows}, indent=1) + "\n")
+
+
 def print_summary(rows: list[dict]) -> None:
     """One row per shape, profile and budget: best stock, static, + overlap, prefill assignment, lru."""
     print("| shape | profile | VRAM | slots/layer | best stock decode | edgemoe static decode | static hit rate | "
@@ -222,6 +242,9 @@ def main() -> None:
     ap.add_argument("--precalc", type=Path, default=None, metavar="JSON",
                     help="write daop's decode with and without DAOP's pre-calculation (patch 0026) at --policies-gib "
                          "on each bundled profile to this file and print its table, and stop")
+    ap.add_argument("--decode-split", type=Path, default=None, metavar="JSON",
+                    help="write static's decode with and without the FreeToken-style decode split (not built) at "
+                         "--policies-gib on each bundled profile to this file and print its table, and stop")
     ap.add_argument("--summary", type=Path, default=None, metavar="JSON",
                     help="print docs/performance-model.md's one-row-per-budget table from a --json file, and stop")
     args = ap.parse_args()
@@ -236,6 +259,9 @@ def main() -> None:
         return
     if args.precalc is not None:
         project_precalc(args.precalc, args.policies_gib)
+        return
+    if args.decode_split is not None:
+        project_decode_split(args.decode_split, args.policies_gib)
         return
     out = []
     for shape, (model, trace_path, what) in SHAPES.items():

@@ -25,6 +25,7 @@ from ..analysis.trace import DECODE, PREFILL
 from ..errors import EdgeMoeError
 from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, slots_beside_prefill_buffers, vram_plan
 from ..policies.copy_queue import load_worker_default
+from ..policies.assignment import split_share
 from ..policies.daop import DaopPolicy, precalc_targets
 from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
 from .costmodel import LayerCosts, ModelShape, layer_cost_model
@@ -38,6 +39,8 @@ CACHE_NODES_PER_LAYER = 12  # the expert cache's second expert FFN and its table
 # DAOP's pre-calculation per target layer (patch 0026): router product, top-k, table lookup, the early FFN (three
 # mul_mat_id, glu), the two CPU operations and the add
 PRECALC_NODES_PER_LAYER = 12
+# a decode split per MoE layer: the CPU's partial FFN and the GPU's (three mul_mat_id and the glu each) and the add
+SPLIT_NODES_PER_LAYER = 9
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class Config:
     # buffer one cached layer ahead on the copy stream (patch 0025, --device-prefill, all ahead)
     device_prefill: bool = False
     precalc: PrecalcSpec | None = None  # decode steps pre-calculate (patch 0026, --precalc-from)
+    # decode steps split the CPU's experts by rows with the GPU where that is faster (FreeToken-style; not built)
+    decode_split: bool = False
 
 
 @dataclass
@@ -163,6 +168,8 @@ class _Run:
             nodes += CACHE_NODES_PER_LAYER * moe
         if s.phase == DECODE and s.n_tokens == 1:
             nodes += PRECALC_NODES_PER_LAYER * len(self.precalc_layers)
+        if self.cfg.decode_split and s.n_tokens < OFFLOAD_MIN_TOKENS:
+            nodes += SPLIT_NODES_PER_LAYER * moe
         return nodes
 
     def step(self, s: Step, acc: _Acc) -> float:
@@ -261,12 +268,35 @@ class _Run:
             g += nbytes / link.h2d_pageable + self.gpu.experts(il, cpu_e)
         elif cpu_e and s.n_tokens == 1 and il in self.precalc_layers:
             early, c = self._precalc(il, cpu_e, acc)
+        elif cpu_e and self.cfg.decode_split:
+            gs, c = self._split(il, cpu_e, acc, gpu_busy=g)
+            g += gs
         elif cpu_e:
             cpu = self.cpu.experts(il, cpu_e)
             acc.cpu += cpu
             c = 2 * link.latency_s + cpu
         acc.gpu += g
         return g, c, wait, early
+
+    def _split(self, il: int, cpu_e: dict[int, int], acc: _Acc, gpu_busy: float) -> tuple[float, float]:
+        """A step's experts outside the slots (below op offload's batch size) by the decode-miss cost model
+        (policies.assignment.decode_miss_costs, for the layer's misses together): on the CPU; copied whole to the
+        GPU and computed there (into scratch memory: the slots do not change); or split by rows (split_share), the
+        CPU computing a share f of each one's rows from host memory while the link copies the other rows to the
+        GPU, which computes them after the layer's resident experts (gpu_busy); whichever ends first. The copies go through the loader's staging buffers but
+        not on the cache's copy stream. Returns (the GPU side's time, the CPU side's with its hand-offs)."""
+        assert self.gpu is not None and self.prof.link is not None
+        hand = 2 * self.prof.link.latency_s
+        nbytes = self.shape.expert_bytes(il) * len(cpu_e)
+        cpu, gpu = self.cpu.experts(il, cpu_e), self.gpu.experts(il, cpu_e)
+        wait = nbytes / self.prof.link.loads_bw + gpu
+        f = split_share(cpu, wait, hand, gpu_busy)
+        if not 0.0 < f < 1.0:
+            f = 1.0 if hand + cpu <= gpu_busy + wait else 0.0  # one side alone: the CPU, or the GPU after the copy
+        acc.cpu += f * cpu
+        acc.gpu += (1.0 - f) * gpu
+        acc.pcie += (1.0 - f) * nbytes
+        return (1.0 - f) * wait, (hand + f * cpu if f > 0.0 else 0.0)
 
     def _precalc(self, il: int, cpu_e: dict[int, int], acc: _Acc) -> tuple[float, float]:
         """A decode step's CPU experts of a pre-calculated layer (PrecalcSpec): (the early split's time with the
@@ -327,6 +357,7 @@ class SimSpec:
     assign: str | None = None  # add edgemoe variants whose prefill ubatches use this CPU/GPU assigner
     device_prefill: bool = False  # add edgemoe variants whose prefill ubatches run on the GPU (patch 0025)
     precalc: PrecalcSpec | None = None  # add edgemoe variants whose decode steps pre-calculate (patch 0026)
+    decode_split: bool = False  # add edgemoe variants whose small steps split CPU experts with the GPU (not built)
     slots: Mapping[int, int] | None = None  # edgemoe's slots per MoE layer (None: equal, what the budget leaves)
     # the trace's first sequences only warm the cache (replayed, not counted), as `edgemoe bench` warms up
     warmup_seqs: int = 0
@@ -381,6 +412,9 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
         if spec.precalc is not None:
             cfgs.append(Config(f"edgemoe-{pol}-precalc", "edgemoe", policy=pol, slots=per_layer,
                                blocking=spec.blocking, precalc=spec.precalc))
+        if spec.decode_split:
+            cfgs.append(Config(f"edgemoe-{pol}-decode-split", "edgemoe", policy=pol, slots=per_layer,
+                               blocking=spec.blocking, decode_split=True))
     return cfgs, slots, n_cpu
 
 

@@ -343,6 +343,14 @@ class MissAction(str, enum.Enum):
     SPLIT = "split"  # both: the CPU computes part of its rows while the GPU copies and computes the rest
 
 
+def split_share(cpu_s: float, wait_s: float, handoff_s: float, gpu_busy_s: float = 0.0) -> float:
+    """The CPU's share f of rows in a split of expert work that takes cpu_s on the CPU (plus the hand-off
+    handoff_s) and wait_s copied to and computed on the GPU, both scaling with their share of the rows, the
+    GPU having gpu_busy_s of other work of the layer first: handoff_s + f*cpu_s = gpu_busy_s + (1-f)*wait_s.
+    Outside (0, 1) the split degenerates to one side."""
+    return (wait_s + gpu_busy_s - handoff_s) / (cpu_s + wait_s) if cpu_s + wait_s > 0 else 0.0
+
+
 def decode_miss_costs(tokens: int, cost: ExpertCosts) -> dict[MissAction, float]:
     """The time of each MissAction for one non-resident expert routed `tokens` tokens (seconds).
 
@@ -360,7 +368,7 @@ def decode_miss_costs(tokens: int, cost: ExpertCosts) -> dict[MissAction, float]
     cpu, gpu, x, hand = (float(cost.cpu_s(tokens)), float(cost.gpu_s(tokens)), float(cost.transfer_s()),
                          float(cost.cpu_handoff_s))
     t_cpu, t_wait = hand + cpu, x + gpu
-    f = (t_wait - hand) / (cpu + t_wait) if cpu + t_wait > 0 else 0.0
+    f = split_share(cpu, t_wait, hand)
     t_split = hand + f * cpu + float(cost.split_overhead_s) if 0.0 < f < 1.0 else math.inf
     return {MissAction.CPU: t_cpu, MissAction.WAIT: t_wait, MissAction.SPLIT: t_split}
 
