@@ -251,18 +251,12 @@ def main() -> None:
     if args.summary is not None:
         print_summary(json.loads(args.summary.read_text())["rows"])
         return
-    if args.policies is not None:
-        project_policies(args.policies, args.policies_gib)
-        return
-    if args.device_prefill is not None:
-        project_device_prefill(args.device_prefill, args.policies_gib)
-        return
-    if args.precalc is not None:
-        project_precalc(args.precalc, args.policies_gib)
-        return
-    if args.decode_split is not None:
-        project_decode_split(args.decode_split, args.policies_gib)
-        return
+    one_budget = {args.policies: project_policies, args.device_prefill: project_device_prefill,
+                  args.precalc: project_precalc, args.decode_split: project_decode_split}
+    for out_json, project in one_budget.items():
+        if out_json is not None:
+            project(out_json, args.policies_gib)
+            return
     out = []
     for shape, (model, trace_path, what) in SHAPES.items():
         if trace_path is None:
