@@ -116,3 +116,40 @@ def test_bench_device_prefill_rows() -> None:
     assert pf["decode_tps"] > 0 and pf["cache"]["slots_total"] <= rows["edgemoe lru"]["cache"]["slots_total"], pf
     assert "beside the prefill buffers" in pf["note"] and pf["cache"]["prefill"]["ubatches"] >= 1, pf
     assert rows["edgemoe lru"]["cache"]["prefill"] is None
+
+
+def test_bench_precalc_rows() -> None:
+    """--precalc-from adds a policy row with DAOP's pre-calculation (its counters in cache.precalc); a layer that
+    leaves nothing to pre-calculate is a usage error. On a GPU the row is projected at the rates it measured
+    (_project_precalc, checked here on a made-up trace)."""
+    args = ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "32", "--gen-tokens", "8",
+            "-t", "2", "--json", "--policy", "static", "--alloc", "equal", "--profile", "none"]
+    res = CliRunner().invoke(cli, [*args, "--precalc-from", "5"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    rows = {r["name"]: r for r in out["rows"]}
+    assert set(rows) == {"stock -ot exps=CPU", "edgemoe static", "edgemoe static +precalc 5"}
+    pc = rows["edgemoe static +precalc 5"]
+    assert pc["decode_tps"] > 0 and pc["cache"]["precalc"]["computed"] > 0, pc
+    assert pc["cache"]["precalc"]["first_layer"] == 5 and rows["edgemoe static"]["cache"].get("precalc") is None
+    n_layer = read_model_info(FIXTURE_MODELS[0]).n_layer
+    bad = CliRunner().invoke(cli, [*args, "--precalc-from", str(n_layer)])
+    assert bad.exit_code != 0 and "--precalc-from" in bad.output
+
+    from test_perfmodel import skewed_trace
+
+    from edgemoe.perf.bench import BenchRow, BenchSpec, _project_precalc
+    from edgemoe.perf.profile import load_profile
+    from edgemoe.runtime.engine import LoadConfig
+
+    trace = skewed_trace(FIXTURE_MODELS[0], n_seq=2, prefill=16, decode=16)
+    spec = BenchSpec(vram=520 * 2**20, precalc_from=5)
+    base = LoadConfig(n_ctx=256, n_ubatch=512)
+    by_name: dict = {}
+    row = BenchRow("edgemoe static +precalc 5", "edgemoe", 1.0, 1.0, 1.0, 1.0, None,
+                   cache={"precalc": {"early_share": 0.8, "precision": 0.75}})
+    key = _project_precalc(row, FIXTURE_MODELS[0], trace, load_profile("rtx4060-laptop"), spec, base, by_name)
+    assert key == "edgemoe-static-precalc" and by_name[key].decode_tps > 0
+    unmeasured = BenchRow("edgemoe static +precalc 5", "edgemoe", 1.0, 1.0, 1.0, 1.0, None, cache={"precalc": {}})
+    assert _project_precalc(unmeasured, FIXTURE_MODELS[0], trace, load_profile("rtx4060-laptop"), spec, base,
+                            {}) is None

@@ -50,7 +50,7 @@ step_bench() {
     # this machine's profile (commit it as the measured H100 profile): bench's projections and --assign's costs
     "$PY" -m edgemoe.cli profile --out "$OUTDIR/profile.json" > "$OUTDIR/profile.txt" 2>&1 || return 1
     "$PY" -m edgemoe.cli bench "$model" --vram "${BENCH_VRAM:-8GiB}" --policy lru --compare-overlap \
-        --profile "$OUTDIR/profile.json" --assign ratio --device-prefill 32 --json > "$OUTDIR/bench.json" 2> "$OUTDIR/bench.err"
+        --profile "$OUTDIR/profile.json" --assign ratio --device-prefill 32 --precalc-from 30 --json > "$OUTDIR/bench.json" 2> "$OUTDIR/bench.err"
     local rc=$?
     tail -n 5 "$OUTDIR/bench.err"
     "$PY" - "$OUTDIR/bench.json" <<'EOF'

@@ -32,16 +32,25 @@ from .types import THREADS, GGUFPath, OutputPath, Size
 @click.option("--device-prefill", type=click.IntRange(min=0), default=0, metavar="N",
               help="also run each policy with prefill ubatches of N+ tokens on the GPU ('... +device prefill' rows; "
                    "generate --device-prefill), its slots leaving room for the two prefill buffers")
+@click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
+              help="also run each policy with DAOP's pre-calculation from layer L ('... +precalc L' rows; generate "
+                   "--precalc-from), projected at the rates each row measures")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: int, policies: tuple[str, ...],
           alloc: str | None, calibration: Path | None, profile_path: str | None, compare_overlap: bool,
-          assign: str | None, device_prefill: int, as_json: bool, plot: Path | None) -> None:
+          assign: str | None, device_prefill: int, precalc_from: int | None, as_json: bool,
+          plot: Path | None) -> None:
     """Prefill/decode tokens/s, TTFT, TPOT and VRAM: stock -ot exps=CPU, the best --n-cpu-moe, edgemoe policies."""
     from ..perf.bench import BenchSpec, format_table, run_bench
     from ..perf.bench import plot as plot_png
     from ..perf.profiling import default_profile_path
 
+    if precalc_from is not None:
+        from ..gguf.info import read_model_info
+        from .cache_options import check_precalc_from
+
+        check_precalc_from(read_model_info(model), precalc_from)
     if profile_path is None:
         profile = default_profile_path() if default_profile_path().exists() else None
     else:
@@ -49,7 +58,7 @@ def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: 
     spec = BenchSpec(vram=vram, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, threads=threads,
                      policies=policies, calibration=calibration_for(model, policies, alloc, calibration, n_threads=threads),
                      alloc=alloc, profile=profile, compare_overlap=compare_overlap, assign=assign,
-                     device_prefill=device_prefill)
+                     device_prefill=device_prefill, precalc_from=precalc_from)
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:
         plot_png(res, plot)

@@ -46,6 +46,8 @@ class BenchSpec:
     # also run each policy with prefill ubatches of this many tokens on the device ("... +device prefill" rows,
     # patch 0025: the two prefill buffers come out of the slots' budget); 0: not
     device_prefill: int = 0
+    # also run each policy with DAOP's pre-calculation from this layer ("... +precalc L" rows, patch 0026); None: not
+    precalc_from: int | None = None
 
 
 @dataclass
@@ -105,7 +107,8 @@ def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
         g = eng.generate(prompt, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
         wall = time.perf_counter() - t0
         used = free0 - native.device_memory(dev)[0] if dev is not None and free0 is not None else None
-        cache = ({**eng.cache.cache.stats(), "prefill": eng.cache.cache.prefill_stats()}
+        cache = ({**eng.cache.cache.stats(), "prefill": eng.cache.cache.prefill_stats(),
+                  "precalc": eng.cache.cache.precalc_stats()}
                  if eng.cache is not None else None)
     t = g.timings
     tpot = 1.0 / t.decode_tps if t.decode_tps > 0 else wall
@@ -175,6 +178,13 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
             configs.append((f"{name} +device prefill", "edgemoe", cached, setup_prefill,
                             "; ".join(notes + [f"{sum(pf_slots.values()) // max(1, len(pf_slots))} slots/layer beside the "
                                               "prefill buffers"])))
+        if spec.precalc_from is not None:
+
+            def setup_precalc(eng: Engine, cfg: CacheConfig = replace(cfg, precalc_from=spec.precalc_from)) -> None:
+                eng.enable_expert_cache(cfg, device=dev)
+
+            configs.append((f"{name} +precalc {spec.precalc_from}", "edgemoe", cached, setup_precalc,
+                            "; ".join(notes)))
 
     generated: list[int] = []
     for name, kind, cfg, setup, note in configs:
@@ -220,8 +230,8 @@ def _sim_name(row: BenchRow, on_gpu: bool) -> str | None:
         return "stock-ot-exps-cpu" if on_gpu else "stock-cpu"
     if row.name.startswith("stock --n-cpu-moe "):
         return "stock-n-cpu-moe-" + row.name.rsplit(" ", 1)[1]
-    if row.name.endswith(" no-overlap") or " +assign " in row.name:
-        return None  # the performance model assumes the overlap, and has no per-token assignment
+    if row.name.endswith(" no-overlap") or " +assign " in row.name or " +precalc " in row.name:
+        return None  # the overlap is assumed; no per-token assignment; pre-calculation: at its measured rates below
     if row.name.startswith("edgemoe ") and on_gpu and not row.name.endswith(" dp"):  # dp: equal slots only, so far
         return "edgemoe-" + row.name.split(" ", 1)[1]
     return None
@@ -253,12 +263,34 @@ def project(res: BenchResult, path: Path, spec: BenchSpec, base: LoadConfig, tok
     by_name = {c.name: c for c in sim.configs}
     for row in res.rows:
         key = _sim_name(row, on_gpu)
+        if key is None and on_gpu and spec.precalc_from is not None and row.name.endswith(f" +precalc {spec.precalc_from}"):
+            key = _project_precalc(row, path, trace, prof, spec, base, by_name)
         if key is None or key not in by_name or row.decode_tps <= 0:
             continue
         c = by_name[key]
         row.projected_decode_tps, row.projected_prefill_tps = c.decode_tps, c.prefill_tps
         row.projection_error = c.decode_tps / row.decode_tps - 1
     res.projection_note = f"projected with profile {spec.profile}" + (f"; {sim.workload_note}" if sim.workload_note else "")
+
+
+def _project_precalc(row: BenchRow, path: Path, trace: Any, prof: Any, spec: BenchSpec, base: LoadConfig,
+                     by_name: dict[str, Any]) -> str | None:
+    """A "+precalc L" row's projection at the rates it measured (cache.precalc's early_share and precision): adds
+    the simulator's configuration to by_name and returns its name (None: no rates, or a dp row)."""
+    from .simulate import PrecalcSpec, SimSpec, simulate
+
+    pc = (row.cache or {}).get("precalc") or {}
+    pol = row.name.split(" ")[1]
+    if row.name.split(" ")[2] == "dp" or not pc.get("early_share") or not pc.get("precision"):
+        return None
+    assert spec.precalc_from is not None
+    sim = simulate(path, trace, prof, SimSpec(
+        vram=spec.vram, n_ctx=base.n_ctx, n_ubatch=base.n_ubatch, warmup_seqs=1, policies=(pol,),
+        calibration=spec.calibration, overlap=True,
+        precalc=PrecalcSpec(spec.precalc_from, float(pc["early_share"]), float(pc["precision"]))))
+    key = f"edgemoe-{pol}-precalc"
+    by_name.update({key: c for c in sim.configs if c.name == key})
+    return key
 
 
 def format_table(res: BenchResult) -> str:
