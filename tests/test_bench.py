@@ -12,6 +12,13 @@ from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
 
 
+def _rows(args: list[str]) -> dict[str, dict]:
+    """bench's rows by name from a --json run that must succeed."""
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return {r["name"]: r for r in json.loads(res.stdout[res.stdout.index("{"):])["rows"]}
+
+
 def test_bench_cli_runs_every_configuration(tmp_path: Path) -> None:
     png = tmp_path / "bench.png"
     res = CliRunner().invoke(cli, ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "48",
@@ -91,10 +98,7 @@ def test_bench_assign_rows() -> None:
     has no per-token assignment); without a GPU profile it is refused."""
     args = ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "48", "--gen-tokens", "8",
             "-t", "2", "--json", "--policy", "lru", "--alloc", "equal", "--assign", "ratio"]
-    res = CliRunner().invoke(cli, [*args, "--profile", "rtx4060-laptop"], catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    out = json.loads(res.stdout[res.stdout.index("{"):])
-    rows = {r["name"]: r for r in out["rows"]}
+    rows = _rows([*args, "--profile", "rtx4060-laptop"])
     assert set(rows) == {"stock -ot exps=CPU", "edgemoe lru", "edgemoe lru +assign ratio"}
     a = rows["edgemoe lru +assign ratio"]
     assert a["decode_tps"] > 0 and a["cache"]["hits"] > 0 and a["projected_decode_tps"] is None
@@ -107,10 +111,7 @@ def test_bench_device_prefill_rows() -> None:
     (the buffers come out of the budget)."""
     args = ["bench", str(FIXTURE_MODELS[0]), "--vram", "560MiB", "--prompt-tokens", "48", "--gen-tokens", "8",
             "-t", "2", "--json", "--policy", "lru", "--alloc", "equal", "--device-prefill", "16", "--profile", "none"]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    out = json.loads(res.stdout[res.stdout.index("{"):])
-    rows = {r["name"]: r for r in out["rows"]}
+    rows = _rows(args)
     assert set(rows) == {"stock -ot exps=CPU", "edgemoe lru", "edgemoe lru +device prefill"}
     pf = rows["edgemoe lru +device prefill"]
     assert pf["decode_tps"] > 0 and pf["cache"]["slots_total"] <= rows["edgemoe lru"]["cache"]["slots_total"], pf
@@ -124,10 +125,7 @@ def test_bench_precalc_rows() -> None:
     (_project_precalc, checked here on a made-up trace)."""
     args = ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "32", "--gen-tokens", "8",
             "-t", "2", "--json", "--policy", "static", "--alloc", "equal", "--profile", "none"]
-    res = CliRunner().invoke(cli, [*args, "--precalc-from", "5"], catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    out = json.loads(res.stdout[res.stdout.index("{"):])
-    rows = {r["name"]: r for r in out["rows"]}
+    rows = _rows([*args, "--precalc-from", "5"])
     assert set(rows) == {"stock -ot exps=CPU", "edgemoe static", "edgemoe static +precalc 5"}
     pc = rows["edgemoe static +precalc 5"]
     assert pc["decode_tps"] > 0 and pc["cache"]["precalc"]["computed"] > 0, pc
