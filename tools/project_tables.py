@@ -87,8 +87,9 @@ def project_policies(out: Path, gib: int) -> None:
     default): issue 12's per-policy comparison, projected. static and daop are placed by the trace's first
     half of sequences and every configuration replays the second half (simulate's rule without a calibration)."""
     rows = []
-    print(f"| shape | profile | best stock decode | lru | static | dali | daop | best stock prefill | lru | static | "
-          f"dali | daop |  (PROJECTED, {gib} GiB, decode then prefill tok/s, x best stock)")
+    print(f"PROJECTED, {gib} GiB, decode then prefill tok/s, x best stock\n")
+    print("| shape | profile | best stock decode | lru | static | dali | daop | best stock prefill | lru | static | "
+          "dali | daop |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for shape, _, prof_name, res, by, dec, pre in _projections(
             SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=POLICIES)):
@@ -107,9 +108,9 @@ def project_device_prefill(out: Path, gib: int) -> None:
     """Prefill with --device-prefill (patch 0025) against the best stock configuration and edgemoe without it,
     overlap on: every routed expert on the GPU, the experts outside the slots copied one cached layer ahead."""
     rows = []
-    print(f"| shape | profile | slots/layer (with the buffers) | best stock prefill | lru | lru +device prefill | "
-          f"static | static +device prefill | decode: static | static +device prefill |  (PROJECTED, {gib} GiB, "
-          f"tok/s, x best stock)")
+    print(f"PROJECTED, {gib} GiB, tok/s, x best stock\n")
+    print("| shape | profile | slots/layer (with the buffers) | best stock prefill | lru | lru +device prefill | "
+          "static | static +device prefill | decode: static | static +device prefill |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for shape, model, prof_name, res, by, dec_stock, pre in _projections(
             SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=("lru", "static"), device_prefill=True)):
@@ -152,9 +153,9 @@ def project_precalc(out: Path, gib: int) -> None:
     whose routing the shape replays (docs/figures/daop-precalc-run.json)."""
     run = json.loads(PRECALC_RUN.read_text())
     rows = []
-    print(f"| shape | profile | best stock decode | daop | daop +precalc late | daop +precalc all | daop +precalc "
-          f"perfect | rates late, all (recall / precision from layer) | NLL change late, all (measured) |  (PROJECTED, "
-          f"{gib} GiB, decode tok/s, x daop without it)")
+    print(f"PROJECTED, {gib} GiB, decode tok/s, x daop without it\n")
+    print("| shape | profile | best stock decode | daop | daop +precalc late | daop +precalc all | daop +precalc "
+          "perfect | rates late, all (recall / precision from layer) | NLL change late, all (measured) |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for shape, (model, trace_path, _) in SHAPES.items():
         trace = _trace(trace_path)
@@ -191,8 +192,8 @@ def project_decode_split(out: Path, gib: int) -> None:
     whole copy or a row split by the decode-miss cost model), overlap on. The runtime has no row-split path: this
     projects what building one could win."""
     rows = []
-    print(f"| shape | profile | best stock decode | static | static +decode split | PCIe MB/token with the split |  "
-          f"(PROJECTED, {gib} GiB, decode tok/s; the split is not built)")
+    print(f"PROJECTED, {gib} GiB, decode tok/s; the split is not built\n")
+    print("| shape | profile | best stock decode | static | static +decode split | PCIe MB/token with the split |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for shape, _, prof_name, res, by, dec, _ in _projections(
             SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=("static",), decode_split=True)):
