@@ -51,6 +51,24 @@ def test_inspect_text(fixture_model: Path) -> None:
     assert "does not fit" in run("inspect", str(fixture_model), "--vram", "8MiB").output
 
 
+def test_inspect_points_to_a_plan_command_that_runs(tmp_path: Path) -> None:
+    """inspect --vram ends with an `edgemoe plan` line to paste: the path as given (quoted), the budget and the
+    context inspect used, and that command plans the same budget."""
+    import shlex
+
+    model = tmp_path / "my model.gguf"  # a space: the command must quote it
+    shutil.copy(MODEL, model)
+    res = run("inspect", str(model), "--vram", "1536MiB", "--ctx", "256")
+    assert res.exit_code == 0, res.output
+    cmd = res.output.strip().splitlines()[-1].split("`")[1]
+    argv = shlex.split(cmd)
+    assert argv[:3] == ["edgemoe", "plan", str(model)]
+    assert argv[3:] == ["--vram", "1536MiB", "--ctx", "256"]
+    plan = run(*argv[1:], "--json")
+    assert plan.exit_code == 0, plan.output
+    assert json.loads(plan.output)["budget_bytes"] == 1536 * 2**20
+
+
 def test_generate_json_greedy_equals_stock(fixture_model: Path) -> None:
     prompt = "def main():\n"
     res = run("generate", str(fixture_model), "-p", prompt, "-n", "20", "--temp", "0", "--json",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,16 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     if plan is not None:
         click.echo(format_plan(plan))
         click.echo(f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
-                   f"`edgemoe plan {model.name} --vram {vram}`")
+                   f"`{plan_command(model, vram, n_ctx)}`")
+
+
+def plan_command(model: Path, vram: int, n_ctx: int) -> str:
+    """The `edgemoe plan` command line for what inspect showed, ready to paste: the model's path as given
+    (quoted for the shell), the budget in the largest binary unit that divides it, the context inspect used."""
+    size = next((f"{vram // scale}{unit}" for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20))
+                 if vram and vram % scale == 0), str(vram))
+    return f"edgemoe plan {shlex.quote(str(model))} --vram {size} --ctx {n_ctx}"
+
 
 
 @click.command()
