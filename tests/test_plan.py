@@ -54,3 +54,5 @@ def test_plan_cli(tmp_path: Path) -> None:
     assert "slots per MoE layer, equal" in text and "PROJECTED" in text
     bad = CliRunner().invoke(cli, ["plan", str(QWEN)])
     assert bad.exit_code != 0 and "--vram" in bad.output
+    both = CliRunner().invoke(cli, ["plan", str(QWEN), "--vram", "1GiB", "--expert-slots", "4"])
+    assert both.exit_code == 2 and "not both" in both.output

@@ -143,7 +143,10 @@ def plan(model: Path, vram: int | None, expert_slots: int | None, n_ctx: int, pr
     from ..perf.profile import load_profile
     from ..perf.profiling import default_profile_path
 
-    if (vram is None) == (expert_slots is None):
+    if vram is not None and expert_slots is not None:
+        raise click.UsageError("give --vram SIZE or --expert-slots N, not both (--expert-slots plans the budget "
+                               "that holds N slots per MoE layer)")
+    if vram is None and expert_slots is None:
         raise click.UsageError("give --vram SIZE or --expert-slots N")
     if vram is None:
         assert expert_slots is not None
