@@ -10,7 +10,8 @@ from conftest import FIXTURE_MODELS
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
-from edgemoe.perf.plan import budget_for_slots, make_plan
+from edgemoe.perf.plan import budget_for_slots, make_plan, suggest
+from edgemoe.perf.simulate import SimSpec, simulate
 from edgemoe.perf.profile import load_profile
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
@@ -34,6 +35,44 @@ def test_plan_splits_the_budget_and_allocates_dp_slots_within_it() -> None:
     assert all(0.0 < r["hit_rate"] <= 1.0 for r in plan.expected if r["allocation"])
     assert all(r["decode_tps"] > 0 and r["projected"] for r in plan.expected)
     assert "in-sample" in plan.routing
+    # the edgemoe rows are projected as the build runs them with a cache on a GPU: branches overlapped (0016)
+    ref = simulate(QWEN, _calibration_trace_of(QWEN), load_profile("rtx4060-laptop"),
+                   SimSpec(vram=vram, n_ctx=512, policies=("lru",), calibration=default_calibration_dir(QWEN),
+                           overlap=True))
+    lru = next(c for c in ref.configs if c.name == "edgemoe-lru")
+    assert rows[("edgemoe-lru", "equal")]["decode_tps"] == lru.decode_tps
+    sg = plan.suggestion
+    assert sg is not None and sg["projected"]
+    ours = [r for r in plan.expected if r["allocation"]]
+    assert sg["decode_tps"] == max(r["decode_tps"] for r in ours)
+    assert sg["stock_decode_tps"] == max(r["decode_tps"] for r in plan.expected if not r["allocation"])
+    assert sg["vs_stock"] == sg["decode_tps"] / sg["stock_decode_tps"]
+    assert sg["stock_faster"] == (sg["vs_stock"] <= 1.0)
+
+
+def _calibration_trace_of(model: Path):  # type: ignore[no-untyped-def]
+    from edgemoe.perf.plan import _calibration_trace
+
+    return _calibration_trace(default_calibration_dir(model), read_model_info(model))
+
+
+def test_suggest_names_the_fastest_edgemoe_row_and_its_command() -> None:
+    rows = [{"config": "stock-ot-exps-cpu", "allocation": None, "decode_tps": 9.5},
+            {"config": "stock-n-cpu-moe-24", "allocation": None, "decode_tps": 11.4},
+            {"config": "edgemoe-lru", "allocation": "equal", "decode_tps": 3.2},
+            {"config": "edgemoe-static", "allocation": "dp", "decode_tps": 15.0},
+            {"config": "edgemoe-dali", "allocation": "equal", "decode_tps": 10.3}]
+    sg = suggest(rows, model="my models/m.gguf", vram=8 * 2**30, n_ctx=4096)
+    assert sg is not None and not sg["stock_faster"]
+    assert (sg["config"], sg["allocation"], sg["stock"]) == ("edgemoe-static", "dp", "stock-n-cpu-moe-24")
+    assert abs(sg["vs_stock"] - 15.0 / 11.4) < 1e-12
+    assert sg["command"] == ("edgemoe chat 'my models/m.gguf' --vram 8GiB --ctx 4096 --policy static --alloc dp")
+    slow = suggest(rows[:3], model="m.gguf", vram=3 * 2**29, n_ctx=512)
+    assert slow is not None and slow["stock_faster"] and slow["config"] == "edgemoe-lru"
+    assert "--vram 1536MiB" in slow["command"]
+    assert suggest(rows[2:], model="m.gguf", vram=2**30, n_ctx=512) is None  # no stock row: nothing to compare
+    assert suggest([{"config": "edgemoe-lru", "allocation": "equal", "hit_rate": 0.5}], model="m.gguf",
+                   vram=2**30, n_ctx=512) is None  # hit rates only
 
 
 def test_plan_without_routing_data_or_room_says_what_to_do(tmp_path: Path) -> None:
@@ -52,6 +91,8 @@ def test_plan_cli(tmp_path: Path) -> None:
     text = CliRunner().invoke(cli, ["plan", str(QWEN), "--vram", "520MiB", "--ctx", "512", "--profile",
                                     "rtx4060-laptop"], catch_exceptions=False).output
     assert "slots per MoE layer, equal" in text and "PROJECTED" in text
+    assert "PROJECTED fastest decode: " in text  # the suggestion, with the profile's speeds
+    assert d["suggestion"]["command"].startswith(f"edgemoe chat {QWEN} --vram ")
     bad = CliRunner().invoke(cli, ["plan", str(QWEN)])
     assert bad.exit_code != 0 and "--vram" in bad.output
     both = CliRunner().invoke(cli, ["plan", str(QWEN), "--vram", "1GiB", "--expert-slots", "4"])

@@ -119,9 +119,9 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
 def plan_command(model: Path, vram: int, n_ctx: int) -> str:
     """The `edgemoe plan` command line for what inspect showed, ready to paste: the model's path as given
     (quoted for the shell), the budget in the largest binary unit that divides it, the context inspect used."""
-    size = next((f"{vram // scale}{unit}" for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20))
-                 if vram and vram % scale == 0), str(vram))
-    return f"edgemoe plan {shlex.quote(str(model))} --vram {size} --ctx {n_ctx}"
+    from ..gguf.info import size_arg
+
+    return f"edgemoe plan {shlex.quote(str(model))} --vram {size_arg(vram)} --ctx {n_ctx}"
 
 
 

@@ -135,7 +135,8 @@ def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int,
 def plan(model: Path, vram: int | None, expert_slots: int | None, n_ctx: int, profile_name: str | None,
          trace_path: Path | None, calibration: Path | None, as_json: bool) -> None:
     """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
-    hit rate of each policy and, with a GPU profile, projected decode/prefill speeds."""
+    hit rate of each policy and, with a GPU profile, projected decode/prefill speeds and the fastest
+    configuration (edgemoe's, with the command that runs it, or stock's where stock is faster)."""
     from ..analysis.trace import Trace
     from ..calibration.adaptive import default_calibration_dir
     from ..gguf.info import read_model_info

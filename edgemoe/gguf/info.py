@@ -391,6 +391,15 @@ def parse_size(text: str | int, *, option: str = "size") -> int:
     return int(value)
 
 
+def size_arg(n: int) -> str:
+    """A byte count as a size option to type back (--vram): the largest binary unit that divides it, else bytes.
+    parse_size(size_arg(n)) == n."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
 def format_size(n: int) -> str:
     """Binary units with one decimal: 17.3 GiB."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -9,6 +9,7 @@ says what fits and stops: no figure is made up.
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 from ..analysis.trace import Trace
 from ..calibration.allocation import RoutingTrace, plan_allocation
 from ..errors import EdgeMoeError
-from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, vram_plan
+from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, size_arg, vram_plan
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 
@@ -35,6 +36,9 @@ class Plan:
     routing: str = ""  # where the expected figures' routing comes from
     profile: str = ""
     expected: list[dict[str, Any]] = field(default_factory=list)  # per configuration: hit rate, projected speeds
+    # the fastest projected decode among edgemoe's rows against the best stock row, and the command that runs it
+    # (None without projected speeds)
+    suggestion: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,7 +107,9 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
             slots = dp.get(pol) if alloc == "dp" else None
             if alloc == "dp" and slots is None:
                 continue
-            spec = SimSpec(vram=vram, n_ctx=n_ctx, policies=(pol,), calibration=calibration, slots=slots)
+            # overlap: what the build runs with the cache on a GPU (patch 0016; stock runs in turn either way)
+            spec = SimSpec(vram=vram, n_ctx=n_ctx, policies=(pol,), calibration=calibration, slots=slots,
+                           overlap=True)
             res = simulate(model, trace, profile if speeds and profile else _hit_rate_only(), spec)
             for c in res.configs:
                 if c.kind == "stock" and alloc == "dp":
@@ -117,7 +123,28 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
                 plan.expected.append(row)
             if res.workload_note and res.workload_note not in plan.notes:
                 plan.notes.append(res.workload_note)
+    plan.suggestion = suggest(plan.expected, model=str(model), vram=vram, n_ctx=n_ctx)
     return plan
+
+
+def suggest(expected: list[dict[str, Any]], *, model: str, vram: int, n_ctx: int) -> dict[str, Any] | None:
+    """The edgemoe row of `expected` with the fastest projected decode, its ratio to the fastest stock row and the
+    `edgemoe chat` command that runs it; `stock_faster` when no edgemoe row beats stock (then the budget is better
+    spent on stock llama.cpp's layout). None without projected speeds on both sides."""
+    rows = [r for r in expected if r.get("decode_tps")]
+    ours = [r for r in rows if r.get("allocation")]
+    stock = [r for r in rows if not r.get("allocation")]
+    if not ours or not stock:
+        return None
+    best = max(ours, key=lambda r: r["decode_tps"])
+    base = max(stock, key=lambda r: r["decode_tps"])
+    policy = best["config"].removeprefix("edgemoe-")
+    command = (f"edgemoe chat {shlex.quote(model)} --vram {size_arg(vram)} --ctx {n_ctx} --policy {policy} "
+               f"--alloc {best['allocation']}")
+    return {"config": best["config"], "allocation": best["allocation"], "decode_tps": best["decode_tps"],
+            "stock": base["config"], "stock_decode_tps": base["decode_tps"],
+            "vs_stock": best["decode_tps"] / base["decode_tps"],
+            "stock_faster": base["decode_tps"] >= best["decode_tps"], "command": command, "projected": True}
 
 
 def _hit_rate_only() -> MachineProfile:
@@ -152,5 +179,12 @@ def format_plan(plan: Plan) -> str:
             parts.append(f"decode {row['decode_tps']:.1f} tok/s, prefill {row['prefill_tps']:.0f} tok/s")
         alloc = f" [{row['allocation']}]" if row.get("allocation") else ""
         lines.append(f"    {row['config']}{alloc}: " + ", ".join(parts))
+    sg = plan.suggestion
+    if sg is not None and sg["stock_faster"]:
+        lines.append(f"  PROJECTED fastest decode: stock llama.cpp ({sg['stock']}, {sg['stock_decode_tps']:.1f} tok/s); "
+                     f"edgemoe's best here, {sg['config']} [{sg['allocation']}], is {sg['vs_stock']:.2f}x of it")
+    elif sg is not None:
+        lines.append(f"  PROJECTED fastest decode: {sg['config']} [{sg['allocation']}], {sg['vs_stock']:.2f}x "
+                     f"{sg['stock']}: `{sg['command']}`")
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
