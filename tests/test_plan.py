@@ -32,6 +32,8 @@ def test_plan_splits_the_budget_and_allocates_dp_slots_within_it() -> None:
     assert sum(plan.fits.values()) <= vram
     rows = {(r["config"], r["allocation"]): r for r in plan.expected}
     assert ("edgemoe-lru", "equal") in rows and ("edgemoe-lru", "dp") in rows
+    assert ("edgemoe-daop", "equal") in rows and ("edgemoe-daop", "dp") in rows  # every policy the model replays
+    assert any("promoe" in n for n in plan.notes)  # and the one it does not, said
     assert all(0.0 < r["hit_rate"] <= 1.0 for r in plan.expected if r["allocation"])
     assert all(r["decode_tps"] > 0 and r["projected"] for r in plan.expected)
     assert "in-sample" in plan.routing

@@ -61,7 +61,7 @@ def _calibration_trace(calibration: Path, info: ModelInfo) -> Trace:
 
 def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace | None = None,
               calibration: Path | None = None, profile: MachineProfile | None = None,
-              policies: tuple[str, ...] = ("lru", "static", "dali")) -> Plan:
+              policies: tuple[str, ...] = ("lru", "static", "dali", "daop")) -> Plan:
     info = read_model_info(model)
     vp = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
     moe = list(info.moe_layers)
@@ -124,6 +124,7 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
             if res.workload_note and res.workload_note not in plan.notes:
                 plan.notes.append(res.workload_note)
     plan.suggestion = suggest(plan.expected, model=str(model), vram=vram, n_ctx=n_ctx)
+    plan.notes.append("promoe is not in the plan: the performance model replays no prefetcher (docs/prefetch.md)")
     return plan
 
 
