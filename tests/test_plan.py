@@ -11,8 +11,8 @@ from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
 from edgemoe.perf.plan import budget_for_slots, make_plan, suggest
-from edgemoe.perf.simulate import SimSpec, simulate
 from edgemoe.perf.profile import load_profile
+from edgemoe.perf.simulate import SimSpec, simulate
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 
