@@ -168,9 +168,19 @@ def test_unexpected_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "--debug" in res.output
 
 
-@pytest.mark.parametrize("flags", [["--expert-slots", "4"], ["--vram", "1GiB", "--policy", "static"],
+def _half_the_experts() -> str:
+    """A --vram (bytes) whose expert slots hold half of each MoE layer's experts at generate's context."""
+    from edgemoe.gguf.info import read_model_info
+    from edgemoe.perf.plan import budget_for_slots
+
+    info = read_model_info(MODEL)
+    return str(budget_for_slots(info, info.n_expert // 2, min(info.n_ctx_train, 4096)))
+
+
+@pytest.mark.parametrize("flags", [["--expert-slots", "4"], ["--vram", "HALF", "--policy", "lru", "--alloc", "equal"],
                                    ["--expert-slots", "2", "--blocking-loads"]])
 def test_generate_with_expert_cache_reports_it(flags: list[str]) -> None:
+    flags = [_half_the_experts() if f == "HALF" else f for f in flags]
     res = CliRunner().invoke(cli, ["generate", str(MODEL), "-p", "ROMEO:", "-n", "12", "--temp", "0", "--json",
                                    *flags], catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -188,7 +198,38 @@ def test_generate_with_expert_cache_reports_it(flags: list[str]) -> None:
         from edgemoe.gguf.info import read_model_info
 
         n_expert = read_model_info(MODEL).n_expert
-        assert set(cache["slots_per_layer"].values()) == {n_expert}  # 1 GiB holds every expert
+        assert set(cache["slots_per_layer"].values()) == {n_expert // 2}  # the budget's slots, equal
+        assert cache["policy"] == "lru"
+
+
+def test_a_budget_that_holds_the_whole_model_runs_it_without_a_cache() -> None:
+    """--vram that holds every expert: the model runs as stock does (on a GPU build: every layer on the GPU), no
+    expert cache; --expert-slots still makes one."""
+    from edgemoe.gguf.info import read_model_info
+
+    args = ["generate", str(MODEL), "-p", "ROMEO:", "-n", "8", "--temp", "0", "--json"]
+    res = run(*args, "--vram", "1GiB", "--policy", "lru")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert "cache" not in out and "holds the whole model" in res.output
+    assert out["tokens"] == json.loads(run(*args).stdout)["tokens"]
+    n_expert = read_model_info(MODEL).n_expert
+    slots = json.loads(run(*args, "--expert-slots", str(n_expert)).stdout.splitlines()[-1])["cache"]["slots_per_layer"]
+    assert set(slots.values()) == {n_expert}
+    tight = run(*args, "--vram", _half_the_experts())
+    assert "cache" in json.loads(tight.stdout.splitlines()[-1]) and "holds the whole model" not in tight.output
+
+
+@pytest.mark.parametrize(("options", "policy"), [
+    ({}, "static"), ({"assign": "ratio"}, "lru"), ({"blocking": True}, "lru"), ({"dali_window": 8}, "dali"),
+    ({"dali_prefetch": 1}, "dali"), ({"prefetch_extra": 0}, "promoe"), ({"policy": "lru"}, "lru"),
+    ({"policy": "daop"}, "daop")])
+def test_default_policy_is_static_or_the_one_the_options_belong_to(options: dict, policy: str) -> None:
+    from edgemoe.cli.cache_options import cache_from_options
+
+    given = dict(options)
+    opts = cache_from_options(None, 2, given.pop("policy", None), given.pop("blocking", False), **given)
+    assert opts.policy == policy
 
 
 def test_alloc_dp_is_the_default_with_a_routing_trace(tmp_path: Path) -> None:

@@ -183,8 +183,11 @@ def test_generate_json_reports_the_prefetcher() -> None:
     assert "policy promoe (predictor mlp-d1, top-k+2)" in res.output
     plain = json.loads(CliRunner().invoke(cli, args, catch_exceptions=False).stdout)
     assert out["tokens"] == plain["tokens"]
-    res = CliRunner().invoke(cli, [*args, "--expert-slots", "4", "--prefetch-distance", "1"])
+    res = CliRunner().invoke(cli, [*args, "--expert-slots", "4", "--policy", "lru", "--prefetch-distance", "1"])
     assert res.exit_code == 2 and "options of --policy promoe" in res.output
+    # without --policy, promoe's options choose it
+    res = CliRunner().invoke(cli, [*args, "--expert-slots", "4", "--prefetch-distance", "1"], catch_exceptions=False)
+    assert res.exit_code == 0 and json.loads(res.stdout.splitlines()[-1])["cache"]["policy"] == "promoe"
 
 
 def test_profile_timing_scales_the_link_to_the_experts_bytes() -> None:

@@ -21,7 +21,14 @@ POLICY_HELP = ("which experts the slots hold: lru (load misses for the next toke
                "copied before it runs; an LRU otherwise; inside llama.cpp, the predictor in the graph, stopping at each "
                "cached layer), manual (API only); lru, dali, daop, static and manual run inside llama.cpp's graph "
                "without stopping. static, daop, promoe and dali with "
-               "--dali-prefetch calibrate a model without calibration data on first use")
+               "--dali-prefetch calibrate a model without calibration data on first use. Default: static (projected "
+               "fastest on a GPU), or the policy the other options belong to: dali with --dali-window, "
+               "--dali-update or --dali-prefetch, promoe with --prefetch-distance or --prefetch-extra, lru with "
+               "--assign or --blocking-loads")
+# the default --policy: the policy the performance model projects fastest on a GPU (1.37-1.85x stock's decode on
+# every bundled shape and profile at 8 GiB, docs/performance-model.md), where lru, which copies every miss for the
+# next token, is link-bound (0.28-0.70x on the laptop profile)
+DEFAULT_POLICY = "static"
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
               "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
               "average). Default: dp when the calibration has a routing trace, else equal")
@@ -55,11 +62,11 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
     opts = [
         click.option("--vram", type=Size(), default=None,
                      help="GPU budget, e.g. 6GiB: dense weights and KV cache first, the rest as expert slots "
-                          "(split over the MoE layers as --alloc says)"),
+                          "(split over the MoE layers as --alloc says); a budget that holds the whole model runs "
+                          "it on the GPU as stock llama.cpp does, without an expert cache"),
         click.option("--expert-slots", type=click.IntRange(min=0), default=None,
                      help="expert slots per MoE layer (instead of --vram; with --alloc dp the average)"),
-        click.option("--policy", type=click.Choice(POLICIES), default="lru", show_default=True,
-                     help=POLICY_HELP),
+        click.option("--policy", type=click.Choice(POLICIES), default=None, help=POLICY_HELP),
         click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP),
         click.option("--dali-window", type=click.IntRange(min=1), default=None,
                      help="dali: tokens per window (the paper's w; default 4)"),
@@ -116,7 +123,20 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, blocking: bool,
+def default_policy(*, blocking: bool = False, assign: str | None = None, dali_window: int | None = None,
+                   dali_update: int | None = None, dali_prefetch: int | None = None,
+                   prefetch_distance: int | None = None, prefetch_extra: int | None = None) -> str:
+    """The policy when --policy is not given: the one the other options belong to, else DEFAULT_POLICY."""
+    if dali_window is not None or dali_update is not None or dali_prefetch:
+        return "dali"
+    if prefetch_distance is not None or prefetch_extra is not None:
+        return "promoe"
+    if assign is not None or blocking:
+        return "lru"  # static never loads a miss: nothing to block on or to assign
+    return DEFAULT_POLICY
+
+
+def cache_from_options(vram: int | None, expert_slots: int | None, policy: str | None, blocking: bool,
                        alloc: str | None = None, dali_window: int | None = None,
                        dali_update: int | None = None, prefetch_distance: int | None = None,
                        prefetch_extra: int | None = None, dali_prefetch: int | None = None,
@@ -125,6 +145,10 @@ def cache_from_options(vram: int | None, expert_slots: int | None, policy: str, 
                        device_prefill_ahead: str = "all", precalc_from: int | None = None) -> CacheOptions:
     if vram is not None and expert_slots is not None:
         raise click.UsageError("give --vram or --expert-slots, not both")
+    if policy is None:
+        policy = default_policy(blocking=blocking, assign=assign, dali_window=dali_window, dali_update=dali_update,
+                                dali_prefetch=dali_prefetch, prefetch_distance=prefetch_distance,
+                                prefetch_extra=prefetch_extra)
     if policy != "promoe" and (prefetch_distance is not None or prefetch_extra is not None):
         raise click.UsageError("--prefetch-distance and --prefetch-extra are options of --policy promoe")
     if dali_prefetch and (policy != "dali" or blocking):
@@ -176,8 +200,21 @@ def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
                      reserve_bytes=vram_reserve(info, bool(opts.device_prefill))).experts_per_layer
 
 
+def whole_model_fits(info: Any, opts: CacheOptions, n_ctx: int) -> bool:
+    """--vram holds the whole model: its dense part, the KV cache of n_ctx tokens (0: the engine's default) and
+    every expert of every MoE layer. It then runs on the GPU as stock llama.cpp's -ngl 999 does, without an expert
+    cache, whose slots would hold every expert and only add graph nodes (docs/performance-model.md: 0.85-1.0x)."""
+    from ..gguf.info import VRAM_RESERVE, vram_plan
+
+    if opts.vram is None or not info.is_moe:
+        return False
+    n_ctx = n_ctx or min(info.n_ctx_train or 4096, 4096)  # as the engine sizes it
+    return vram_plan(info, opts.vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).all_experts_fit
+
+
 def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
-    """The engine's LoadConfig with the cache's needs: on a GPU build, experts in CPU memory and the rest on the GPU."""
+    """The engine's LoadConfig with the cache's needs: on a GPU build, experts in CPU memory and the rest on the GPU;
+    every layer on the GPU where --vram holds the whole model."""
     from dataclasses import replace
 
     from ..runtime import native
@@ -185,8 +222,10 @@ def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
 
     if not opts.enabled or native.gpu_device() is None:
         return base
-    moe = read_model_info(model).moe_layers
-    return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(moe))
+    info = read_model_info(model)
+    if whole_model_fits(info, opts, base.n_ctx):
+        return replace(base, n_gpu_layers=999)
+    return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))
 
 
 def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, given: Path | None, *,
@@ -240,6 +279,14 @@ def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Pat
     from ..runtime.expert_cache import CacheConfig
 
     if not opts.enabled or not engine.info.is_moe:
+        return
+    if whole_model_fits(engine.info, opts, engine.config.n_ctx):
+        from ..gguf.info import format_size
+
+        where = "on the GPU" if native.gpu_device() is not None else "as stock llama.cpp does (no GPU in this build)"
+        click.echo(f"note: --vram {format_size(opts.vram or 0)} holds the whole model (every expert of every MoE "
+                   f"layer): it runs {where}, without an expert cache (--policy and the cache's options have "
+                   "nothing to do); give --expert-slots N for a cache all the same", err=True)
         return
     if opts.precalc_from is not None:
         check_precalc_from(engine.info, opts.precalc_from)
