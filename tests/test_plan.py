@@ -99,3 +99,10 @@ def test_plan_cli(tmp_path: Path) -> None:
     assert bad.exit_code != 0 and "--vram" in bad.output
     both = CliRunner().invoke(cli, ["plan", str(QWEN), "--vram", "1GiB", "--expert-slots", "4"])
     assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_plan_says_when_the_budget_holds_the_whole_model() -> None:
+    plan = make_plan(QWEN, vram=2**30, n_ctx=512, calibration=default_calibration_dir(QWEN),
+                     profile=load_profile("rtx4060-laptop"))
+    assert plan.slots_per_layer["equal"] == [read_model_info(QWEN).n_expert] * len(read_model_info(QWEN).moe_layers)
+    assert plan.suggestion is None and any("holds the whole model" in n for n in plan.notes)

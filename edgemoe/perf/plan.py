@@ -123,7 +123,11 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
                 plan.expected.append(row)
             if res.workload_note and res.workload_note not in plan.notes:
                 plan.notes.append(res.workload_note)
-    plan.suggestion = suggest(plan.expected, model=str(model), vram=vram, n_ctx=n_ctx)
+    if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (cli.cache_options.whole_model_fits)
+        plan.notes.append("this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
+                          "llama.cpp's -ngl 999 does, without an expert cache (the rows above are what one would do)")
+    else:
+        plan.suggestion = suggest(plan.expected, model=str(model), vram=vram, n_ctx=n_ctx)
     plan.notes.append("promoe is not in the plan: the performance model replays no prefetcher (docs/prefetch.md)")
     return plan
 
