@@ -106,3 +106,20 @@ def test_plan_says_when_the_budget_holds_the_whole_model() -> None:
                      profile=load_profile("rtx4060-laptop"))
     assert plan.slots_per_layer["equal"] == [read_model_info(QWEN).n_expert] * len(read_model_info(QWEN).moe_layers)
     assert plan.suggestion is None and any("holds the whole model" in n for n in plan.notes)
+
+
+def test_vram_auto_is_the_gpus_free_memory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """--vram auto: the free memory of this build's GPU (faked here: this machine has none), said on stderr; a build
+    without a GPU refuses it with what to do."""
+    from edgemoe.runtime import native
+
+    args = ["plan", str(QWEN), "--vram", "auto", "--ctx", "512", "--json"]
+    none = CliRunner().invoke(cli, args)
+    assert none.exit_code == 2 and "this build has no GPU" in none.output and "8GiB" in none.output
+    monkeypatch.setattr(native, "gpu_device", lambda: 1234)
+    monkeypatch.setattr(native, "device_memory", lambda dev: (515 * 2**20, 8 * 2**30))
+    monkeypatch.setattr(native, "device_name", lambda dev: "Fake RTX")
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "--vram auto: 515.0 MiB free on Fake RTX" in res.stderr
+    assert json.loads(res.stdout)["budget_bytes"] == 515 * 2**20

@@ -12,7 +12,8 @@ from .types import THREADS, GGUFPath, OutputPath, Size
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget shared by every configuration")
+@click.option("--vram", type=Size(auto=True), default="8GiB", show_default=True,
+              help="GPU budget shared by every configuration (auto: this GPU's free memory)")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("-t", "--threads", type=THREADS, default=0, help="CPU threads (default: physical cores)")

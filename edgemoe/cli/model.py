@@ -85,7 +85,8 @@ def _open_engine(model: Path, threads: int, n_ctx: int, gpu_layers: int, cache: 
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--vram", type=Size(), default=None, help="show what a GPU budget like 8GiB can hold")
+@click.option("--vram", type=Size(auto=True), default=None,
+              help="show what a GPU budget like 8GiB can hold (auto: this GPU's free memory)")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
               help="context length for the KV-cache estimate (default: the model's, at most 4096)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")

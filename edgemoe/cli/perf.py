@@ -120,7 +120,7 @@ def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int,
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--vram", type=Size(), default=None, help="GPU budget, e.g. 8GiB")
+@click.option("--vram", type=Size(auto=True), default=None, help="GPU budget, e.g. 8GiB (auto: this GPU's free memory)")
 @click.option("--expert-slots", type=click.IntRange(min=0), default=None,
               help="expert slots per MoE layer instead of --vram (the budget that leaves them)")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,

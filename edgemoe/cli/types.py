@@ -32,19 +32,38 @@ class GGUFPath(click.ParamType):
 
 
 class Size(click.ParamType):
-    """A byte size such as 6GiB, 8GB or 512MiB."""
+    """A byte size such as 6GiB, 8GB or 512MiB; with auto=True also `auto`: the free memory of this build's GPU
+    now (said on stderr), refused on a build without one."""
 
     name = "SIZE"
+
+    def __init__(self, *, auto: bool = False) -> None:
+        self.auto = auto
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         from ..gguf.info import parse_size
 
         if isinstance(value, int):
             return value
+        if self.auto and str(value).strip().lower() == "auto":
+            return self._gpu_free(param, ctx)
         try:
             return parse_size(value, option=f"--{param.name}" if param else "size")
         except InvalidSizeError as err:
             self.fail(str(err), param, ctx)
+
+    def _gpu_free(self, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from ..gguf.info import format_size
+        from ..runtime import native
+
+        option = f"--{param.name}" if param else "size"
+        dev = native.gpu_device()
+        if dev is None:
+            self.fail(f"{option} auto takes the GPU's free memory, and this build has no GPU (a CUDA build: make "
+                      "install EDGEMOE_CUDA=1); give a size such as 8GiB", param, ctx)
+        free, _total = native.device_memory(dev)
+        click.echo(f"{option} auto: {format_size(free)} free on {native.device_name(dev)}", err=True)
+        return free
 
 
 class Finite(click.ParamType):
