@@ -61,9 +61,10 @@ class CacheOptions:
 def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
     opts = [
         click.option("--vram", type=Size(auto=True), default=None,
-                     help="GPU budget, e.g. 6GiB (auto: the GPU's free memory now): dense weights and KV cache first, the rest as expert slots "
-                          "(split over the MoE layers as --alloc says); a budget that holds the whole model runs "
-                          "it on the GPU as stock llama.cpp does, without an expert cache"),
+                     help="GPU budget, e.g. 6GiB (auto: the GPU's free memory now): dense weights and KV cache "
+                          "first, the rest as expert slots (split over the MoE layers as --alloc says); a budget "
+                          "that holds the whole model runs it on the GPU as stock llama.cpp does, without an expert "
+                          "cache"),
         click.option("--expert-slots", type=click.IntRange(min=0), default=None,
                      help="expert slots per MoE layer (instead of --vram; with --alloc dp the average)"),
         click.option("--policy", type=click.Choice(POLICIES), default=None, help=POLICY_HELP),

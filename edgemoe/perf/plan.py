@@ -186,8 +186,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"    {row['config']}{alloc}: " + ", ".join(parts))
     sg = plan.suggestion
     if sg is not None and sg["stock_faster"]:
-        lines.append(f"  PROJECTED fastest decode: stock llama.cpp ({sg['stock']}, {sg['stock_decode_tps']:.1f} tok/s); "
-                     f"edgemoe's best here, {sg['config']} [{sg['allocation']}], is {sg['vs_stock']:.2f}x of it")
+        lines.append(f"  PROJECTED fastest decode: stock llama.cpp ({sg['stock']}, {sg['stock_decode_tps']:.1f} "
+                     f"tok/s); edgemoe's best here, {sg['config']} [{sg['allocation']}], is {sg['vs_stock']:.2f}x of it")
     elif sg is not None:
         lines.append(f"  PROJECTED fastest decode: {sg['config']} [{sg['allocation']}], {sg['vs_stock']:.2f}x "
                      f"{sg['stock']}: `{sg['command']}`")
