@@ -172,9 +172,10 @@ def _half_the_experts() -> str:
     """A --vram (bytes) whose expert slots hold half of each MoE layer's experts at generate's context."""
     from edgemoe.gguf.info import read_model_info
     from edgemoe.perf.plan import budget_for_slots
+    from edgemoe.runtime.config import planned_ctx
 
     info = read_model_info(MODEL)
-    return str(budget_for_slots(info, info.n_expert // 2, min(info.n_ctx_train, 4096)))
+    return str(budget_for_slots(info, info.n_expert // 2, planned_ctx(0, info.n_ctx_train)))
 
 
 @pytest.mark.parametrize("flags", [["--expert-slots", "4"], ["--vram", "HALF", "--policy", "lru", "--alloc", "equal"],

@@ -206,11 +206,12 @@ def whole_model_fits(info: Any, opts: CacheOptions, n_ctx: int) -> bool:
     every expert of every MoE layer. It then runs on the GPU as stock llama.cpp's -ngl 999 does, without an expert
     cache, whose slots would hold every expert and only add graph nodes (docs/performance-model.md: 0.85-1.0x)."""
     from ..gguf.info import VRAM_RESERVE, vram_plan
+    from ..runtime.config import planned_ctx
 
     if opts.vram is None or not info.is_moe:
         return False
-    n_ctx = n_ctx or min(info.n_ctx_train or 4096, 4096)  # as the engine sizes it
-    return vram_plan(info, opts.vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).all_experts_fit
+    return vram_plan(info, opts.vram, n_ctx=planned_ctx(n_ctx, info.n_ctx_train),
+                     reserve_bytes=VRAM_RESERVE).all_experts_fit
 
 
 def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:

@@ -95,9 +95,10 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     from ..gguf.info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
     from ..analysis.report import format_info, format_plan, plan_to_dict
     from ..analysis.rules import describe_rules, routing_rules
+    from ..runtime.config import planned_ctx
 
     info = read_model_info(model)
-    n_ctx = n_ctx or min(info.n_ctx_train or 4096, 4096)
+    n_ctx = planned_ctx(n_ctx, info.n_ctx_train)
     plan = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE) if vram is not None else None
     rules = routing_rules(model) if info.is_moe else {}  # loads the model and decodes one token
     if as_json:

@@ -45,18 +45,18 @@ class Size(click.ParamType):
 
         if isinstance(value, int):
             return value
+        option = f"--{param.name}" if param else "size"
         if self.auto and str(value).strip().lower() == "auto":
-            return self._gpu_free(param, ctx)
+            return self._gpu_free(option, param, ctx)
         try:
-            return parse_size(value, option=f"--{param.name}" if param else "size")
+            return parse_size(value, option=option)
         except InvalidSizeError as err:
             self.fail(str(err), param, ctx)
 
-    def _gpu_free(self, param: click.Parameter | None, ctx: click.Context | None) -> int:
+    def _gpu_free(self, option: str, param: click.Parameter | None, ctx: click.Context | None) -> int:
         from ..gguf.info import format_size
         from ..runtime import native
 
-        option = f"--{param.name}" if param else "size"
         dev = native.gpu_device()
         if dev is None:
             self.fail(f"{option} auto takes the GPU's free memory, and this build has no GPU (a CUDA build: make "

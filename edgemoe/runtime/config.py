@@ -17,6 +17,15 @@ def default_threads() -> int:
     return n if n <= 4 else n // 2  # llama.cpp runs best on physical cores
 
 
+DEFAULT_MAX_CTX = 4096  # the context of LoadConfig(n_ctx=0) is the model's training context, capped here
+
+
+def planned_ctx(n_ctx: int, n_ctx_train: int) -> int:
+    """The context a LoadConfig(n_ctx) gives a model trained at n_ctx_train (0: unknown), for sizing its KV cache
+    before loading (the engine's rule; llama.cpp may round it up to a multiple of 256)."""
+    return n_ctx or min(n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     n_ctx: int = 0  # context length; 0 = the model's training context, capped at 4096
