@@ -1,6 +1,7 @@
 """edgemoe: run GGUF Mixture-of-Experts LLMs on a CPU + consumer GPU, faster than stock llama.cpp.
 
-Public API: Engine, LoadConfig, ChatSession, ChatMessage, SamplingParams, GREEDY.
+Public API: open_engine (a model with an expert cache for a VRAM budget), CacheRequest, Engine, LoadConfig,
+ChatSession, ChatMessage, SamplingParams, GREEDY.
 Importing edgemoe does not load llama.cpp; the names below load it on first use.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ _LAZY = {
     "Engine": "runtime.engine", "LoadConfig": "runtime.engine", "ChatSession": "runtime.engine",
     "ChatMessage": "runtime.engine", "Generation": "runtime.engine",
     "SamplingParams": "runtime.sampling", "GREEDY": "runtime.sampling",
+    "open_engine": "placement", "CacheRequest": "placement",
 }
 
 

@@ -120,7 +120,7 @@ def test_gating_that_needs_sensitivity_asks_the_same_way(model: Path, tmp_path: 
 
 
 def test_cli_asks_for_the_stages_its_options_need(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from edgemoe.cli import cache_options
+    from edgemoe import placement
 
     asked: list[tuple[tuple[str, ...], str]] = []
 
@@ -129,10 +129,10 @@ def test_cli_asks_for_the_stages_its_options_need(model: Path, monkeypatch: pyte
         return Path("/cal")
 
     monkeypatch.setattr(auto, "ensure_calibration", fake)
-    assert cache_options.calibration_for(model, ("lru",), None, None) is None  # nothing needed, none found
-    assert cache_options.calibration_for(model, ("lru", "static"), None, None) == Path("/cal")
-    cache_options.calibration_for(model, ("promoe",), "dp", None)
-    cache_options.calibration_for(model, ("static", "promoe"), None, None)
+    assert placement.calibration_for(model, ("lru",), None, None) is None  # nothing needed, none found
+    assert placement.calibration_for(model, ("lru", "static"), None, None) == Path("/cal")
+    placement.calibration_for(model, ("promoe",), "dp", None)
+    placement.calibration_for(model, ("static", "promoe"), None, None)
     assert asked == [(("router_frequency", "routing"), "--policy static"),
                      (("predictors", "routing"), "--policy promoe and --alloc dp"),
                      (("router_frequency", "routing", "predictors"), "--policy static and --policy promoe")]

@@ -226,11 +226,9 @@ def test_a_budget_that_holds_the_whole_model_runs_it_without_a_cache() -> None:
     ({"dali_prefetch": 1}, "dali"), ({"prefetch_extra": 0}, "promoe"), ({"policy": "lru"}, "lru"),
     ({"policy": "daop"}, "daop")])
 def test_default_policy_is_static_or_the_one_the_options_belong_to(options: dict, policy: str) -> None:
-    from edgemoe.cli.cache_options import cache_from_options
+    from edgemoe.placement import cache_request
 
-    given = dict(options)
-    opts = cache_from_options(None, 2, given.pop("policy", None), given.pop("blocking", False), **given)
-    assert opts.policy == policy
+    assert cache_request(expert_slots=2, **options).policy == policy
 
 
 def test_alloc_dp_is_the_default_with_a_routing_trace(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("edgemoe.runtime",),  # the one native binding and the Engine over it
     ("edgemoe.analysis",),  # traces, statistics, perplexity, verify, reports
     ("edgemoe.calibration", "edgemoe.perf"),  # calibration stages and artifacts; benchmarks
+    ("edgemoe.placement",),  # model + budget + policy -> a running engine with its expert cache
     ("edgemoe.cli", "edgemoe.serve", "edgemoe.__main__"),  # command line; HTTP server (cli imports serve)
 )
 
@@ -155,6 +156,17 @@ def test_an_upward_import_is_caught(tmp_path: Path, src: str, bad: str) -> None:
         dst.write_text(path.read_text())
     (copy / src).write_text((copy / src).read_text() + bad)
     assert layer_violations(import_graph(copy))
+
+
+def test_only_the_cli_imports_the_cli() -> None:
+    """serve, perf and the tools call the library (edgemoe.placement), never the command line's modules."""
+    mods = all_modules()
+    users = {n: deps for n, deps in GRAPH.items() if not n.startswith("edgemoe.cli")}
+    for tool in sorted((PKG_DIR.parent / "tools").rglob("*.py")):
+        users[f"tools/{tool.name}"] = imports_of(f"tools.{tool.stem}", tool, mods)
+    bad = sorted(f"{n} imports {d}" for n, deps in users.items() for d in deps if d.startswith("edgemoe.cli")
+                 and n != "edgemoe.__main__")
+    assert bad == []
 
 
 def test_a_circle_is_caught() -> None:

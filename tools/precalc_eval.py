@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from edgemoe.analysis.precalc_run import precalc_run  # noqa: E402
 from edgemoe.calibration.corpus import default_corpus_dir, split_corpus  # noqa: E402
-from edgemoe.cli.cache_options import enable_daop_placement  # noqa: E402
+from edgemoe.placement import enable_static_placement  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
 
 MODELS = (("edgemoe-tiny-mixtral.Q4_K_M.gguf", (2, 4)), ("edgemoe-tiny-qwen3moe.Q4_K_M.gguf", (8, 16)))
@@ -51,7 +51,7 @@ def heldout(corpus: str) -> Path:
 def run_model(model: Path, slots: int, max_tokens: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with Engine(model, LoadConfig(n_ctx=CTX, n_batch=CTX, n_ubatch=CTX, n_threads=THREADS)) as eng:
-        enable_daop_placement(eng, model, slots, None)
+        enable_static_placement(eng, model, slots, None)
         for corpus in CORPORA:
             text = heldout(corpus).read_text(encoding="utf-8", errors="replace")
             tokens = eng.tokenize(text, add_special=False)[:max_tokens]

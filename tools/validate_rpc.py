@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.cli.cache_options import calibration_for  # noqa: E402
-from edgemoe.cli.types import Size  # noqa: E402
+from edgemoe.placement import calibration_for  # noqa: E402
+from edgemoe.gguf.info import parse_size  # noqa: E402
 from edgemoe.perf.bench import BenchSpec, format_table, run_bench  # noqa: E402
 from edgemoe.perf.profiling import measure_profile  # noqa: E402
 from edgemoe.runtime import native  # noqa: E402
@@ -43,7 +43,7 @@ def main() -> int:
     ap.add_argument("--reuse-profile", action="store_true", help="use --profile-out as it is (no measuring)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    vram = Size().convert(args.vram, None, None)
+    vram = parse_size(args.vram, option="--vram")
 
     dev = native.rpc_loopback_device(n_threads=1)
     print(f"device: {native.device_name(dev)} (RPC loopback, 1 server thread); llama.cpp CPU threads: 1",

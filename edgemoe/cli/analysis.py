@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .options import gating_from_options, gating_options
+from .options import gating_options
 from .types import THREADS, GGUFPath, OutputPath
 
 
@@ -136,19 +136,21 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
                    "never degraded; default 32 with --degrade, else 0); compare runs with the same P")
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, gating: str,
-               threshold: float | None, target_reduction: float | None, calibration: Path | None,
+def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, gating: Any,
                degrade_ratio: float | None, precalc_from: int | None, expert_slots: int | None,
                prompt_tokens: int | None, threads: int, as_json: bool) -> None:
     """Held-out NLL and perplexity through edgemoe, and the expert activations computed.
 
     Gating and degradation apply to every scored token here (the text stands in for decode).
     """
-    from ..calibration.adaptive import build_gating
+    from dataclasses import replace
+
+    from ..calibration.adaptive import build_gating, default_calibration_dir
     from ..runtime.engine import Engine, LoadConfig
     from ..analysis.perplexity import perplexity as run_ppl
     from ..progress import progress_bar
 
+    calibration = gating.calibration
     if precalc_from is not None:
         if degrade_ratio is not None or expert_slots is None:
             raise click.UsageError("--precalc-from takes --expert-slots (the experts outside the slots are "
@@ -164,7 +166,7 @@ def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None
         raise click.UsageError(f"--prompt-tokens {skip} leaves nothing of a --ctx {n_ctx} chunk to score")
     if degrade_ratio is not None and skip < 1:
         raise click.UsageError("--degrade needs --prompt-tokens >= 1 (the prompt DAOP swaps by)")
-    gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=False)
+    gate = replace(gating, calibration=calibration or default_calibration_dir(model), decode_only=False)
     text = input_path.read_text(encoding="utf-8", errors="replace")
     with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
@@ -173,7 +175,7 @@ def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None
         deg = None
         if degrade_ratio is not None and expert_slots is not None:
             from ..analysis.daop import daop_degradation
-            from .cache_options import calibration_for
+            from ..placement import calibration_for
 
             cal = calibration_for(model, ("daop",), None, calibration, n_threads=eng.n_threads)
             assert cal is not None  # calibrated on first use when missing
@@ -182,7 +184,7 @@ def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None
             policies += [residency, deg]
         with progress_bar(len(tokens), "perplexity", unit="tok") as bar:
             res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar, score_from=skip)
-    d = {"model": str(model), "input": str(input_path), "gating": gating,
+    d = {"model": str(model), "input": str(input_path), "gating": gating.mode,
          "threshold": policy.threshold if policy is not None else None, "prompt_tokens": skip, **res.to_dict()}
     if deg is not None:
         d["degrade"] = {**deg.report(), "expert_slots": expert_slots}
@@ -202,7 +204,7 @@ def _precalc_perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: i
     from ..analysis.precalc_run import precalc_run
     from ..progress import progress_bar
     from ..runtime.engine import Engine, LoadConfig
-    from .cache_options import check_precalc_from, enable_daop_placement
+    from ..placement import check_precalc_from, enable_static_placement
 
     if prompt_tokens < 1 or prompt_tokens >= n_ctx - 1:
         raise click.UsageError(f"--prompt-tokens {prompt_tokens}: use 1..{n_ctx - 2} with --precalc-from (the prompt "
@@ -210,7 +212,7 @@ def _precalc_perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: i
     text = input_path.read_text(encoding="utf-8", errors="replace")
     with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
         check_precalc_from(eng.info, first_layer)
-        enable_daop_placement(eng, model, expert_slots, calibration)
+        enable_static_placement(eng, model, expert_slots, calibration)
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
         with progress_bar(2 * len(tokens), "perplexity (without, with pre-calculation)", unit="tok") as bar:
             run = precalc_run(eng, tokens, ctx=n_ctx, prompt_tokens=prompt_tokens, first_layer=first_layer,

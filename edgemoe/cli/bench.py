@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from .cache_options import ALLOC_HELP, calibration_for
+from ..placement import calibration_for, check_precalc_from
+from .cache_options import ALLOC_HELP
 from .types import THREADS, GGUFPath, OutputPath, Size
 
 
@@ -49,7 +50,6 @@ def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: 
 
     if precalc_from is not None:
         from ..gguf.info import read_model_info
-        from .cache_options import check_precalc_from
 
         check_precalc_from(read_model_info(model), precalc_from)
     if profile_path is None:

@@ -1,17 +1,16 @@
-"""CLI options of the expert cache (--vram, --expert-slots, --policy, --alloc, ...), and opening an engine
-with them."""
+"""The expert cache's options (--vram, --expert-slots, --policy, --alloc, ...) as one group: a command gets one
+checked edgemoe.placement.CacheRequest."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
 
+from ..placement import POLICIES, CacheRequest, cache_request
+from .options import option_group
 from .types import Size
 
-POLICIES = ("lru", "dali", "daop", "static", "promoe", "manual")
 POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's "
                "workload-aware replacement: every --dali-window tokens the most-used absent experts "
                "replace the least-used resident ones; with --dali-prefetch also DALI's prefetcher, in the "
@@ -25,40 +24,13 @@ POLICY_HELP = ("which experts the slots hold: lru (load misses for the next toke
                "fastest on a GPU), or the policy the other options belong to: dali with --dali-window, "
                "--dali-update or --dali-prefetch, promoe with --prefetch-distance or --prefetch-extra, lru with "
                "--assign or --blocking-loads")
-# the default --policy: the policy the performance model projects fastest on a GPU (1.37-1.85x stock's decode on
-# every bundled shape and profile at 8 GiB, docs/performance-model.md), where lru, which copies every miss for the
-# next token, is link-bound (0.28-0.70x on the laptop profile)
-DEFAULT_POLICY = "static"
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
               "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
               "average). Default: dp when the calibration has a routing trace, else equal")
 
 
-@dataclass(frozen=True)
-class CacheOptions:
-    vram: int | None
-    expert_slots: int | None
-    policy: str
-    blocking: bool
-    alloc: str | None = None  # "equal", "dp", or None: dp when the calibration has a routing trace
-    dali_window: int | None = None  # dali: tokens per window (None: the paper's, residency.DALI_WINDOW)
-    dali_update: int | None = None  # dali: experts replaced per window (None: the paper's for this model)
-    prefetch_distance: int | None = None  # promoe: predict layer l+d at layer l (None: ProMoE's 2)
-    prefetch_extra: int | None = None  # promoe: prefetch the top-(k+m) (None: m = 1)
-    dali_prefetch: int | None = None  # dali: next-layer experts prefetched per MoE layer (None, 0: none, native)
-    assign: str | None = None  # lru, dali: the CPU/GPU assigner of each route's loads (None: none)
-    profile: str | None = None  # --assign's machine profile (a bundled name or a file; None: this machine's)
-    degrade: float | None = None  # DAOP's graceful degradation ratio (None: off)
-    device_prefill: int = 0  # prefill ubatches of this many tokens or more run on the cache's device (0: off)
-    device_prefill_ahead: str = "all"  # what they copy one cached layer ahead
-    precalc_from: int | None = None  # DAOP's pre-calculation of the cached layers from this one on (None: off)
-
-    @property
-    def enabled(self) -> bool:
-        return self.vram is not None or self.expert_slots is not None
-
-
 def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The cache's options, given to the command as `cache`: a CacheRequest (not enabled without a budget)."""
     opts = [
         click.option("--vram", type=Size(auto=True), default=None,
                      help="GPU budget, e.g. 6GiB (auto: the GPU's free memory now): dense weights and KV cache "
@@ -119,218 +91,8 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
                           "it on the CPU (needs the routing callback: a host sync per MoE layer)"),
     ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    return option_group("cache", opts, _request)(f)
 
 
-def default_policy(*, blocking: bool = False, assign: str | None = None, dali_window: int | None = None,
-                   dali_update: int | None = None, dali_prefetch: int | None = None,
-                   prefetch_distance: int | None = None, prefetch_extra: int | None = None) -> str:
-    """The policy when --policy is not given: the one the other options belong to, else DEFAULT_POLICY."""
-    if dali_window is not None or dali_update is not None or dali_prefetch:
-        return "dali"
-    if prefetch_distance is not None or prefetch_extra is not None:
-        return "promoe"
-    if assign is not None or blocking:
-        return "lru"  # static never loads a miss: nothing to block on or to assign
-    return DEFAULT_POLICY
-
-
-def cache_from_options(vram: int | None, expert_slots: int | None, policy: str | None, blocking: bool,
-                       alloc: str | None = None, dali_window: int | None = None,
-                       dali_update: int | None = None, prefetch_distance: int | None = None,
-                       prefetch_extra: int | None = None, dali_prefetch: int | None = None,
-                       assign: str | None = None, profile: str | None = None,
-                       degrade: float | None = None, device_prefill: int = 0,
-                       device_prefill_ahead: str = "all", precalc_from: int | None = None) -> CacheOptions:
-    if vram is not None and expert_slots is not None:
-        raise click.UsageError("give --vram or --expert-slots, not both")
-    if policy is None:
-        policy = default_policy(blocking=blocking, assign=assign, dali_window=dali_window, dali_update=dali_update,
-                                dali_prefetch=dali_prefetch, prefetch_distance=prefetch_distance,
-                                prefetch_extra=prefetch_extra)
-    if policy != "promoe" and (prefetch_distance is not None or prefetch_extra is not None):
-        raise click.UsageError("--prefetch-distance and --prefetch-extra are options of --policy promoe")
-    if dali_prefetch and (policy != "dali" or blocking):
-        raise click.UsageError("--dali-prefetch is an option of --policy dali without --blocking-loads "
-                               "(a missed expert runs on the CPU while the prefetcher loads the next layer's)")
-    if assign is not None and (policy not in ("lru", "dali") or blocking or dali_prefetch):
-        raise click.UsageError("--assign is an option of --policy lru or dali without --blocking-loads or "
-                               "--dali-prefetch (it decides which of their misses to load before the layer runs)")
-    if profile is not None and assign is None:
-        raise click.UsageError("--profile gives --assign its costs: add --assign ratio (or greedy)")
-    if (assign is not None or degrade is not None) and vram is None and expert_slots is None:
-        raise click.UsageError("--assign and --degrade act on the expert cache: give --vram or --expert-slots")
-    if device_prefill and vram is None and expert_slots is None:
-        raise click.UsageError("--device-prefill runs prefill from the expert cache's device: give --vram or "
-                               "--expert-slots")
-    if device_prefill_ahead != "all" and not device_prefill:
-        raise click.UsageError("--device-prefill-ahead says what --device-prefill copies ahead: add --device-prefill N")
-    if precalc_from is not None:
-        if vram is None and expert_slots is None:
-            raise click.UsageError("--precalc-from pre-calculates the experts outside the expert cache's slots: give "
-                                   "--vram or --expert-slots")
-        hook = [o for o, on in (("--degrade", degrade is not None), ("--assign", assign is not None),
-                                ("--blocking-loads", blocking), ("--dali-prefetch", bool(dali_prefetch))) if on]
-        if hook:
-            raise click.UsageError(f"--precalc-from needs the cache's tables in the graph; {hook[0]} runs the cache "
-                                   "from the routing hook: leave one of the two out")
-    return CacheOptions(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update,
-                        prefetch_distance, prefetch_extra, dali_prefetch, assign, profile, degrade,
-                        device_prefill, device_prefill_ahead, precalc_from)
-
-
-def check_precalc_from(info: Any, first_layer: int) -> None:
-    """--precalc-from must leave a MoE layer that follows a MoE layer (else it would do nothing)."""
-    from ..policies.daop import precalc_targets
-
-    moe = list(info.moe_layers)
-    if not precalc_targets(moe, first_layer):
-        raise click.UsageError(f"--precalc-from {first_layer}: no MoE layer from there on follows a MoE layer "
-                               f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer")
-
-
-def slots_for(info: Any, opts: CacheOptions, n_ctx: int) -> int:
-    """Expert slots per MoE layer: --expert-slots, or what --vram leaves after dense weights and KV cache."""
-    if opts.expert_slots is not None:
-        return opts.expert_slots
-    from ..gguf.info import vram_plan, vram_reserve
-
-    return vram_plan(info, opts.vram or 0, n_ctx=n_ctx,
-                     reserve_bytes=vram_reserve(info, bool(opts.device_prefill))).experts_per_layer
-
-
-def whole_model_fits(info: Any, opts: CacheOptions, n_ctx: int) -> bool:
-    """--vram holds the whole model: its dense part, the KV cache of n_ctx tokens (0: the engine's default) and
-    every expert of every MoE layer. It then runs on the GPU as stock llama.cpp's -ngl 999 does, without an expert
-    cache, whose slots would hold every expert and only add graph nodes (docs/performance-model.md: 0.85-1.0x)."""
-    from ..gguf.info import VRAM_RESERVE, vram_plan
-    from ..runtime.config import planned_ctx
-
-    if opts.vram is None or not info.is_moe:
-        return False
-    return vram_plan(info, opts.vram, n_ctx=planned_ctx(n_ctx, info.n_ctx_train),
-                     reserve_bytes=VRAM_RESERVE).all_experts_fit
-
-
-def load_config(base: Any, opts: CacheOptions, model: Path) -> Any:
-    """The engine's LoadConfig with the cache's needs: on a GPU build, experts in CPU memory and the rest on the GPU;
-    every layer on the GPU where --vram holds the whole model."""
-    from dataclasses import replace
-
-    from ..runtime import native
-    from ..gguf.info import read_model_info
-
-    if not opts.enabled or native.gpu_device() is None:
-        return base
-    info = read_model_info(model)
-    if whole_model_fits(info, opts, base.n_ctx):
-        return replace(base, n_gpu_layers=999)
-    return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))
-
-
-def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, given: Path | None, *,
-                    n_threads: int = 0, dali_prefetch: int | None = None) -> Path | None:
-    """--calibration, else the model's; calibrated on first use when a policy (static, daop: router frequencies;
-    promoe, dali with --dali-prefetch: predictors) or --alloc dp (a routing trace) needs it."""
-    from ..calibration.adaptive import default_calibration_dir
-    from ..calibration.auto import STAGES_FOR, ensure_calibration
-
-    given = given or default_calibration_dir(model)
-    needs = [(f"--policy {p}", STAGES_FOR["static"]) for p in ("static", "daop") if p in policies]
-    needs += [("--policy promoe", STAGES_FOR["predictors"])] if "promoe" in policies else []
-    needs += [("--dali-prefetch", STAGES_FOR["predictors"])] if dali_prefetch else []
-    needs += [("--alloc dp", STAGES_FOR["dp"])] if alloc == "dp" else []
-    if not needs:
-        return given
-    stages = tuple(dict.fromkeys(s for _, ss in needs for s in ss))
-    return ensure_calibration(model, stages, " and ".join(w for w, _ in needs), given=given, n_threads=n_threads)
-
-
-def enable_daop_placement(engine: Any, model: Path, slots: int, calibration: Path | None) -> None:
-    """An expert cache of `slots` per MoE layer holding the calibration's most used decode experts (DAOP's initial
-    placement, never swapped: the static policy), calibrated on first use; for measuring against a fixed residency."""
-    from ..runtime.expert_cache import CacheConfig
-
-    cal = calibration_for(model, ("static",), None, calibration, n_threads=engine.n_threads)
-    engine.enable_expert_cache(CacheConfig(min(slots, engine.info.n_expert), policy="static", calibration=cal,
-                                           alloc="equal"))
-
-
-def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
-    """--assign's cost model per MoE layer, from --profile or this machine's measured profile."""
-    from ..perf.costmodel import ModelShape, expert_costs
-    from ..perf.profile import load_profile
-    from ..perf.profiling import default_profile_path
-
-    if profile is None:
-        if not default_profile_path().exists():
-            raise click.UsageError("--assign needs a machine profile: measure this machine's with `edgemoe "
-                                   "profile`, or give --profile rtx4060-laptop (or another bundled one, or a file)")
-        profile = str(default_profile_path())
-    return expert_costs(ModelShape.read(model), load_profile(profile))
-
-
-def install_cache(engine: Any, model: Path, opts: CacheOptions, calibration: Path | None) -> None:
-    from ..runtime import native
-    from ..calibration.allocation import describe, plan_allocation
-    from ..gguf.info import vram_plan, vram_reserve
-    from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
-    from ..policies.residency import DALI_WINDOW
-    from ..runtime.expert_cache import CacheConfig
-
-    if not opts.enabled or not engine.info.is_moe:
-        return
-    if whole_model_fits(engine.info, opts, engine.config.n_ctx):
-        from ..gguf.info import format_size
-
-        where = "on the GPU" if native.gpu_device() is not None else "as stock llama.cpp does (no GPU in this build)"
-        click.echo(f"note: --vram {format_size(opts.vram or 0)} holds the whole model (every expert of every MoE "
-                   f"layer): it runs {where}, without an expert cache (--policy and the cache's options have "
-                   "nothing to do); give --expert-slots N for a cache all the same", err=True)
-        return
-    if opts.precalc_from is not None:
-        check_precalc_from(engine.info, opts.precalc_from)
-    slots = slots_for(engine.info, opts, engine.n_ctx)
-    CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # --expert-slots in range
-    calibration = calibration_for(model, (opts.policy,), opts.alloc, calibration, n_threads=engine.n_threads,
-                                  dali_prefetch=opts.dali_prefetch)
-    budget = None
-    if opts.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
-        plan_bytes = vram_plan(engine.info, opts.vram, n_ctx=engine.n_ctx, reserve_bytes=vram_reserve(engine.info, bool(opts.device_prefill)))
-        budget = plan_bytes.expert_budget_bytes
-    window = opts.dali_window or DALI_WINDOW
-    plan = plan_allocation(engine.info, alloc=opts.alloc, policy=opts.policy, calibration=calibration,
-                           slots_per_layer=slots, budget_bytes=budget, dali_window=window,
-                           dali_update=opts.dali_update)
-    if plan.note:
-        click.echo(f"note: {plan.note}", err=True)
-    dev = native.gpu_device()
-    cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=opts.policy,
-                      blocking=opts.blocking, calibration=calibration, dali_window=window,
-                      dali_update=opts.dali_update, alloc=plan.alloc,
-                      prefetch_distance=opts.prefetch_distance or PROMOE_DISTANCE,
-                      prefetch_extra=PROMOE_EXTRA if opts.prefetch_extra is None else opts.prefetch_extra,
-                      dali_prefetch=opts.dali_prefetch or 0, assign=opts.assign,
-                      assign_costs=assign_costs(model, opts.profile) if opts.assign else None,
-                      degrade=opts.degrade, prefill_min_tokens=opts.device_prefill,
-                      prefill_ahead=opts.device_prefill_ahead, precalc_from=opts.precalc_from)
-    engine.enable_expert_cache(cfg, device=dev)
-    where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
-    prefetch = engine.cache.report().get("prefetch") if engine.cache is not None else None
-    note = getattr(engine.cache, "note", None)
-    if note:
-        click.echo(f"note: {note}", err=True)
-    hook_reason = getattr(engine.cache, "hook_reason", None)
-    if hook_reason:
-        click.echo(f"note: promoe runs in the routing hook (a Python call per MoE layer): {hook_reason}", err=True)
-    click.echo(f"expert cache: {describe(plan)} on {where}, policy {opts.policy}"
-               + (f" (predictor {prefetch['predictor']}, top-k+{prefetch['extra']})" if prefetch else "")
-               + (" (blocking loads)" if opts.blocking else "")
-               + (f" (misses placed by the {opts.assign} assigner)" if opts.assign else "")
-               + (f" (graceful degradation r={opts.degrade})" if opts.degrade is not None else "")
-               + (f" (prefill ubatches of {opts.device_prefill}+ tokens on the device, "
-                  f"{opts.device_prefill_ahead} ahead)" if opts.device_prefill else "")
-               + (f" (DAOP pre-calculation from layer {opts.precalc_from})" if opts.precalc_from is not None else ""),
-               err=True)
+def _request(*, blocking_loads: bool, **given: Any) -> CacheRequest:
+    return cache_request(blocking=blocking_loads, **given)  # a PlacementError is a usage error (cli.main)

@@ -15,6 +15,7 @@ import click
 
 from .. import __version__
 from ..errors import EdgeMoeError
+from ..placement import PlacementError
 from . import analysis, bench, calibrate, model, perf, serve
 
 
@@ -24,6 +25,8 @@ class EdgeMoeGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except PlacementError as err:  # options that cannot run together: a usage error (exit 2)
+            raise click.UsageError(str(err)) from err
         except EdgeMoeError as err:
             if ctx.meta.get("edgemoe.debug"):
                 traceback.print_exc()

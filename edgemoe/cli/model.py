@@ -12,75 +12,25 @@ from typing import Any
 import click
 
 from ..errors import EdgeMoeError
-from .cache_options import cache_from_options, cache_options, install_cache, load_config
-from .options import gating_from_options, gating_options
-from .types import THREADS, Finite, GGUFPath, Size
+from ..placement import CacheRequest
+from .cache_options import cache_options
+from .options import RunOptions, gating_options, run_options
+from .types import GGUFPath, Size
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
 
 
-def _run_options(f: Any) -> Any:
-    opts = [
-        click.option("--temp", "temperature", type=Finite(0.0), default=0.8, show_default=True,
-                     help="sampling temperature; 0 = greedy (identical to stock llama.cpp; with an expert cache the "
-                          "cached experts run other kernels and long outputs may differ, see docs/expert-cache.md)"),
-        click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: off"),
-        click.option("--top-p", type=Finite(0.0, 1.0), default=0.95, show_default=True),
-        click.option("--min-p", type=Finite(0.0, 1.0), default=0.05, show_default=True),
-        click.option("--repeat-penalty", type=Finite(0.0), default=1.0, show_default=True, help="1.0: off"),
-        click.option("--seed", type=int, default=None, help="sampling seed (default: random)"),
-        click.option("-t", "--threads", type=THREADS, default=0,
-                     help="CPU threads (default: physical cores)", envvar="EDGEMOE_THREADS"),
-        click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
-                     help="context length (default: the model's, at most 4096; llama.cpp rounds it up to a multiple of 256)"),
-        click.option("-ngl", "--gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="layers stock llama.cpp offloads whole to the GPU (CUDA builds)"),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+def _notify(message: str) -> None:
+    click.echo(message, err=True)
 
 
-def _install_gating(engine: Any, opts: Any) -> None:
-    from ..calibration.adaptive import build_gating
+def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None, gating: Any = None) -> Any:
+    """edgemoe.placement.open_engine with the command's options, its notes on stderr."""
+    from ..placement import open_engine
 
-    policy = build_gating(engine, opts)
-    if policy is not None:
-        path = engine.set_gating(policy)
-        where = "in the graph" if path == "graph" else "in the routing hook (blocking loads need it)"
-        click.echo(f"gating: {opts.mode}, threshold {policy.threshold:.4g}, {where}"
-                   + (" (prefill at full top-k)" if opts.decode_only else ""), err=True)
-
-
-def _make_sampling(temperature: float, top_k: int, top_p: float, min_p: float,
-                   repeat_penalty: float, seed: int | None) -> Any:
-    from ..runtime.sampling import DEFAULT_SEED, SamplingParams
-
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                          repeat_penalty=repeat_penalty, seed=DEFAULT_SEED if seed is None else seed)
-
-
-def _open_engine(model: Path, threads: int, n_ctx: int, gpu_layers: int, cache: Any = None,
-                 calibration: Path | None = None) -> Any:
-    from ..runtime.engine import Engine, LoadConfig
-
-    config = LoadConfig(n_threads=threads, n_ctx=n_ctx, n_gpu_layers=gpu_layers)
-    if cache is not None:
-        config = load_config(config, cache, model)
-    engine = Engine(model, config)
-    if n_ctx and engine.n_ctx != n_ctx:
-        click.echo(f"note: the context is {engine.n_ctx} tokens (llama.cpp sizes it in steps of 256; "
-                   f"--ctx {n_ctx} was asked)", err=True)
-    if not engine.info.is_moe:
-        click.echo(f"note: {model.name} is a dense model (no routed experts); edgemoe's MoE "
-                   "features are off and it runs as stock llama.cpp", err=True)
-    elif cache is not None:
-        try:
-            install_cache(engine, model, cache, calibration)
-        except BaseException:
-            engine.close()
-            raise
-    return engine
+    return open_engine(model, cache=cache, n_ctx=run.n_ctx, n_threads=run.threads, n_gpu_layers=run.gpu_layers,
+                       calibration=gating.calibration if gating is not None else None, gating=gating,
+                       notify=_notify)
 
 
 @click.command()
@@ -131,29 +81,17 @@ def plan_command(model: Path, vram: int, n_ctx: int) -> str:
 @click.argument("model", type=GGUFPath())
 @click.option("-p", "--prompt", required=True, help="prompt text ('-' reads it from stdin)")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@_run_options
+@run_options
 @gating_options
 @cache_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with ids, timings and cache counters")
-def generate(model: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
-             min_p: float, repeat_penalty: float, seed: int | None, threads: int, n_ctx: int,
-             gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
-             calibration: Path | None, vram: int | None, expert_slots: int | None, policy: str,
-             alloc: str | None, dali_window: int | None,
-             dali_update: int | None, prefetch_distance: int | None,
-             prefetch_extra: int | None, dali_prefetch: int | None, blocking_loads: bool,
-             assign: str | None, profile: str | None, degrade: float | None, device_prefill: int,
-             device_prefill_ahead: str, precalc_from: int | None, as_json: bool) -> None:
+def generate(model: Path, prompt: str, max_tokens: int, run: RunOptions, gating: Any, cache: CacheRequest,
+             as_json: bool) -> None:
     """Complete a prompt (plain text streamed to stdout, or --json)."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
-    cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update,
-                               prefetch_distance, prefetch_extra, dali_prefetch, assign, profile,
-                               degrade, device_prefill, device_prefill_ahead, precalc_from)
-    with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
-        _install_gating(engine, gate)
+    sampling = run.sampling
+    with _open_engine(model, run, cache, gating) as engine:
         if as_json:
             g = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
             out = {"model": str(model), "text": g.text, "prompt_tokens": g.prompt_tokens,
@@ -195,18 +133,11 @@ def _stats_line(t: Any, engine: Any = None) -> str:
 @click.option("--system", default=None, help="system prompt")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="most tokens per reply")
-@_run_options
+@run_options
 @gating_options
 @cache_options
-def chat(model: Path | None, system: str | None, max_tokens: int, temperature: float, top_k: int,
-         top_p: float, min_p: float, repeat_penalty: float, seed: int | None, threads: int,
-         n_ctx: int, gpu_layers: int, gating: str, threshold: float | None, target_reduction: float | None,
-         calibration: Path | None, vram: int | None, expert_slots: int | None, policy: str,
-         alloc: str | None, dali_window: int | None,
-             dali_update: int | None, prefetch_distance: int | None,
-             prefetch_extra: int | None, dali_prefetch: int | None, blocking_loads: bool,
-             assign: str | None, profile: str | None, degrade: float | None, device_prefill: int,
-             device_prefill_ahead: str, precalc_from: int | None) -> None:
+def chat(model: Path | None, system: str | None, max_tokens: int, run: RunOptions, gating: Any,
+         cache: CacheRequest) -> None:
     """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
 
     When stdin is not a terminal, each non-empty input line is one user message.
@@ -215,16 +146,11 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temperature: f
 
     if model is None:
         model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
-    sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
-    cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update,
-                               prefetch_distance, prefetch_extra, dali_prefetch, assign, profile,
-                               degrade, device_prefill, device_prefill_ahead, precalc_from)
+    sampling = run.sampling
     interactive = sys.stdin.isatty()
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 becomes U+FFFD, not the end of the chat
-    with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
-        _install_gating(engine, gate)
+    with _open_engine(model, run, cache, gating) as engine:
         session = ChatSession(engine, system=system)
         if interactive:
             click.echo(f"edgemoe chat · {model.name} · /reset clears history, /quit leaves", err=True)

@@ -1,15 +1,42 @@
-"""Options shared by several command groups: adaptive top-k gating (--gating, --threshold, ...)."""
+"""Options shared by several commands, each group given to the command as one object: adaptive top-k gating
+(--gating, --threshold, ...) and the run's sampling and load options (--temp, --threads, --ctx, ...)."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from .types import Finite
+from .types import THREADS, Finite
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def option_group(dest: str, options: list[Decorator], build: Callable[..., Any]) -> Decorator:
+    """Add `options` to a command and hand their values to it as one keyword, `dest` = build(**values)."""
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        names: list[str] = []
+
+        @functools.wraps(f)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            kwargs[dest] = build(**{n: kwargs.pop(n) for n in names})
+            return f(*args, **kwargs)
+
+        params = command.__dict__.setdefault("__click_params__", [])
+        before = len(params)
+        for o in reversed(options):
+            command = o(command)
+        names.extend(p.name for p in command.__click_params__[before:])  # type: ignore[attr-defined]
+        return command
+    return decorate
 
 
 def gating_options(f: Any) -> Any:
+    """--gating, --threshold, --target-reduction and --calibration, given to the command as `gating`: a
+    GatingOptions whose calibration is the one given (None: the model's, found where it is used)."""
     opts = [
         click.option("--gating", type=click.Choice(["off", "fisher", "empirical", "score", "ser"]), default="off",
                      show_default=True, help="adaptive top-k: drop experts a token does not need (docs/gating.md)"),
@@ -21,18 +48,51 @@ def gating_options(f: Any) -> Any:
         click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
                      help="calibration directory (default: the model's, see docs/predictors.md)"),
     ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    return option_group("gating", opts, _gating)(f)
 
 
-def gating_from_options(model: Path, gating: str, threshold: float | None, target_reduction: float | None,
-            calibration: Path | None, *, decode_only: bool) -> Any:
+def _gating(*, gating: str, threshold: float | None, target_reduction: float | None,
+            calibration: Path | None) -> Any:
     from ..calibration.adaptive import GatingOptions
 
-    if calibration is None:
-        from ..calibration.adaptive import default_calibration_dir
-
-        calibration = default_calibration_dir(model)
     return GatingOptions(mode=gating, threshold=threshold, target_reduction=target_reduction,
-                         calibration=calibration, decode_only=decode_only)
+                         calibration=calibration)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    sampling: Any  # edgemoe.runtime.sampling.SamplingParams
+    threads: int  # CPU threads (0: physical cores)
+    n_ctx: int  # context length (0: the model's, at most 4096)
+    gpu_layers: int  # layers stock llama.cpp offloads whole to the GPU
+
+
+def run_options(f: Any) -> Any:
+    """Sampling (--temp, --top-k, ...) and load (--threads, --ctx, -ngl) options, given as `run`: RunOptions."""
+    opts = [
+        click.option("--temp", "temperature", type=Finite(0.0), default=0.8, show_default=True,
+                     help="sampling temperature; 0 = greedy (identical to stock llama.cpp; with an expert cache the "
+                          "cached experts run other kernels and long outputs may differ, see docs/expert-cache.md)"),
+        click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: off"),
+        click.option("--top-p", type=Finite(0.0, 1.0), default=0.95, show_default=True),
+        click.option("--min-p", type=Finite(0.0, 1.0), default=0.05, show_default=True),
+        click.option("--repeat-penalty", type=Finite(0.0), default=1.0, show_default=True, help="1.0: off"),
+        click.option("--seed", type=int, default=None, help="sampling seed (default: random)"),
+        click.option("-t", "--threads", type=THREADS, default=0,
+                     help="CPU threads (default: physical cores)", envvar="EDGEMOE_THREADS"),
+        click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
+                     help="context length (default: the model's, at most 4096; llama.cpp rounds it up to a multiple "
+                          "of 256)"),
+        click.option("-ngl", "--gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="layers stock llama.cpp offloads whole to the GPU (CUDA builds)"),
+    ]
+    return option_group("run", opts, _run)(f)
+
+
+def _run(*, temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None,
+         threads: int, n_ctx: int, gpu_layers: int) -> RunOptions:
+    from ..runtime.sampling import DEFAULT_SEED, SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repeat_penalty=repeat_penalty, seed=DEFAULT_SEED if seed is None else seed)
+    return RunOptions(sampling, threads, n_ctx, gpu_layers)

@@ -8,9 +8,10 @@ from typing import Any
 
 import click
 
-from .cache_options import cache_from_options, cache_options
-from .model import BUNDLED_MODEL, _install_gating, _make_sampling, _open_engine, _run_options
-from .options import gating_from_options, gating_options
+from ..placement import CacheRequest
+from .cache_options import cache_options
+from .model import BUNDLED_MODEL, _open_engine
+from .options import RunOptions, gating_options, run_options
 from .types import GGUFPath
 
 INSTALL_HINT = "install the server extra: pip install 'edgemoe[serve]'"
@@ -43,18 +44,11 @@ def _bind(host: str, port: int) -> socket.socket:
               help="requests that may wait for the engine; more are answered 503")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="reply length when a request gives no max_tokens")
-@_run_options
+@run_options
 @gating_options
 @cache_options
 def serve(model: Path | None, host: str, port: int, api_key: str | None, model_id: str | None, max_queue: int,
-          max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
-          seed: int | None, threads: int, n_ctx: int, gpu_layers: int, gating: str, threshold: float | None,
-          target_reduction: float | None, calibration: Path | None, vram: int | None,
-          expert_slots: int | None, policy: str, alloc: str | None, dali_window: int | None,
-             dali_update: int | None, prefetch_distance: int | None,
-             prefetch_extra: int | None, dali_prefetch: int | None, blocking_loads: bool,
-             assign: str | None, profile: str | None, degrade: float | None, device_prefill: int,
-             device_prefill_ahead: str, precalc_from: int | None) -> None:
+          max_tokens: int, run: RunOptions, gating: Any, cache: CacheRequest) -> None:
     """Serve a model over the OpenAI API (default: the bundled fixture), on localhost by default.
 
     Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream or not),
@@ -71,14 +65,8 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None, model_i
 
     if model is None:
         model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
-    sampling = _make_sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    gate = gating_from_options(model, gating, threshold, target_reduction, calibration, decode_only=True)
-    cache = cache_from_options(vram, expert_slots, policy, blocking_loads, alloc, dali_window, dali_update,
-                               prefetch_distance, prefetch_extra, dali_prefetch, assign, profile,
-                               degrade, device_prefill, device_prefill_ahead, precalc_from)
-    with _open_engine(model, threads, n_ctx, gpu_layers, cache, calibration) as engine:
-        _install_gating(engine, gate)
-        config = ServerConfig(model_id=model_id or model.name.removesuffix(".gguf"), sampling=sampling,
+    with _open_engine(model, run, cache, gating) as engine:
+        config = ServerConfig(model_id=model_id or model.name.removesuffix(".gguf"), sampling=run.sampling,
                               max_tokens=max_tokens, api_key=api_key)
         worker = EngineWorker(engine, max_queue)
         sock = _bind(host, port)
