@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InvalidConfigError
+from ..policies.assignment import assign_refusal
 
 POLICIES = ("lru", "dali", "daop", "static", "promoe", "manual")
 # the default policy: the one the performance model projects fastest on a GPU (docs/expert-cache.md, "Defaults")
@@ -82,9 +83,10 @@ def check_request(r: CacheRequest) -> None:
     if r.dali_prefetch and (r.policy != "dali" or r.blocking):
         raise PlacementError("--dali-prefetch is an option of --policy dali without --blocking-loads "
                              "(a missed expert runs on the CPU while the prefetcher loads the next layer's)")
-    if r.assign is not None and (r.policy not in ("lru", "dali") or r.blocking or r.dali_prefetch):
-        raise PlacementError("--assign is an option of --policy lru or dali without --blocking-loads or "
-                             "--dali-prefetch (it decides which of their misses to load before the layer runs)")
+    if r.assign is not None:
+        refusal = assign_refusal(r.policy, blocking=r.blocking, prefetcher=bool(r.dali_prefetch))
+        if refusal is not None:
+            raise PlacementError(refusal)
     if r.profile is not None and r.assign is None:
         raise PlacementError("--profile gives --assign its costs: add --assign ratio (or greedy)")
     if (r.assign is not None or r.degrade is not None) and not r.enabled:

@@ -392,6 +392,18 @@ _ASSIGNERS: dict[AssignerKind, Assigner] = {
     AssignerKind.EXACT: exact_assign, AssignerKind.BRUTE_FORCE: optimal_assign}
 
 
+ASSIGNABLE_POLICIES = ("lru", "dali")
+
+
+def assign_refusal(policy: str, *, blocking: bool, prefetcher: bool) -> str | None:
+    """Why a CPU/GPU assigner cannot act on this residency policy (None: it can). The one statement of the rule,
+    for edgemoe.placement's request check and the engine's."""
+    if policy in ASSIGNABLE_POLICIES and not blocking and not prefetcher:
+        return None
+    return ("--assign is an option of --policy lru or dali without --blocking-loads or --dali-prefetch (it "
+            "decides which of their misses to load before the layer runs)")
+
+
 def make_assigner(kind: str) -> Assigner:
     """The assignment function named `kind` (an AssignerKind value)."""
     try:

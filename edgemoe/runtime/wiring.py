@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import EdgeMoeError
+from ..errors import EdgeMoeError, InvalidConfigError
 from ..gguf.info import ModelInfo
 from ..policies.assigned import AssignedPolicy
-from ..policies.assignment import Assigner, make_assigner
+from ..policies.assignment import Assigner, assign_refusal, make_assigner
 from ..policies.degrade import GracefulDegradation
 from ..policies.gating import GatingPolicy, GatingRule
 from ..policies.prefetch import PromoePolicy
@@ -37,10 +37,9 @@ def check_assign(config: CacheConfig) -> Assigner | None:
     is built."""
     if config.assign is None:
         return None
-    if config.policy not in ("lru", "dali") or config.blocking or config.prefetcher:
-        raise EdgeMoeError(f"--assign works with --policy lru or dali without --blocking-loads (not "
-                           f"{config.policy}{' with blocking loads' if config.blocking else ''}): it decides "
-                           "which of their misses to load before the layer runs")
+    refusal = assign_refusal(config.policy, blocking=config.blocking, prefetcher=bool(config.prefetcher))
+    if refusal is not None:
+        raise InvalidConfigError(refusal)
     if not config.assign_costs:
         raise EdgeMoeError("--assign needs a cost model: a machine profile with a GPU (--profile NAME or FILE; "
                            "`edgemoe profile` measures this machine's)")
