@@ -39,27 +39,20 @@ def eval_callback_tensors(path: Path, toks: list[int], prefix: str, dtype: type,
                           hook: object = None) -> dict[int, np.ndarray]:
     """Decode toks (every one an output) with llama.cpp's own eval callback and return, per layer,
     the flat contents of the nodes named `<prefix><il>`; `hook` (a native.MoeHookFn) is set if given."""
-    import ctypes
-
+    from edgemoe.perf import ggml_graph as ggml
     from edgemoe.runtime import native
     from edgemoe.runtime.native import lib
 
-    ggml = ctypes.CDLL(str(Path(lib._lib._name).with_name("libggml-base.so")))
-    ggml.ggml_get_name.restype = ctypes.c_char_p
-    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_nbytes.restype = ctypes.c_size_t
-    ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     out: dict[int, np.ndarray] = {}
 
     @lib.ggml_backend_sched_eval_callback
     def cb(t: int, ask: bool, ud: int) -> bool:
-        name = ggml.ggml_get_name(t).decode()
+        name = ggml.ggml_get_name(t)
         if not name.startswith(prefix):
             return False
         if not ask:
             buf = np.empty(ggml.ggml_nbytes(t) // np.dtype(dtype).itemsize, dtype)
-            ggml.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
+            ggml.tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
             out[int(name[len(prefix):])] = buf
         return True
 

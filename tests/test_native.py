@@ -14,7 +14,9 @@ def test_patched_library_is_loaded() -> None:
 
 
 def test_stock_library_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_patch_level", None)  # what a stock libllama looks like
+    from edgemoe.runtime.native import loader
+
+    monkeypatch.setattr(loader, "_patch_level", None)  # what a stock libllama looks like
     assert native.patch_level() == 0
     with pytest.raises(NativeLibraryError, match="make install"):
         native.require_patched()

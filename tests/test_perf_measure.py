@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from edgemoe.errors import EdgeMoeError
-from edgemoe.perf import measure
+from edgemoe.perf import ggml_graph, measure
 from edgemoe.runtime import native
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def test_host_copy_bandwidth() -> None:
 
 
 def test_h2d_on_the_cpu_device() -> None:
-    cpu = native.cpu_device()
+    cpu = ggml_graph.cpu_device()
     bw = measure.h2d_bandwidth(cpu, pinned=False, nbytes=8 << 20)
     assert bw is not None and math.isfinite(bw) and bw > 1e8, bw
     pinned = measure.h2d_bandwidth(cpu, pinned=True, nbytes=8 << 20)
@@ -183,7 +183,7 @@ def test_rpc_loopback_device(tmp_path: Path) -> None:
 
 def test_load_bandwidth_on_the_cpu_device() -> None:
     """The loader path's measure (chunked async copies on a backend of the device, one synchronisation)."""
-    bw = measure.h2d_load_bandwidth(native.cpu_device(), chunk=1 << 20, nbytes=8 << 20)
+    bw = measure.h2d_load_bandwidth(ggml_graph.cpu_device(), chunk=1 << 20, nbytes=8 << 20)
     assert math.isfinite(bw) and bw > 1e8, bw
     with pytest.raises(EdgeMoeError, match="at least one chunk"):
-        measure.h2d_load_bandwidth(native.cpu_device(), chunk=4 << 20, nbytes=1 << 20)
+        measure.h2d_load_bandwidth(ggml_graph.cpu_device(), chunk=4 << 20, nbytes=1 << 20)

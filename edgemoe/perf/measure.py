@@ -9,7 +9,7 @@ Everything a call allocates (contexts, buffers, backends, its threadpool) is fre
 On the CPU the graphs run on a ggml threadpool held for the whole call, so no figure includes a thread
 start (llama.cpp pays that once per whole-model graph, if at all: in an OpenMP build, as `make install`
 makes, OpenMP's persistent threads do the work with or without the threadpool, and the figures agree).
-All ctypes declarations are in edgemoe.runtime.native; this module only calls its wrappers.
+The ctypes declarations are in edgemoe.runtime.native and, for ggml graphs, edgemoe.perf.ggml_graph.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import EdgeMoeError
 from ..runtime import native
+from . import ggml_graph
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def _check_dims(qtype: str, type_id: int, rows: dict[str, int], other: dict[str,
     for what, n in {**rows, **other}.items():
         if n < 1:
             raise EdgeMoeError(f"{what}={n}: dimensions must be positive")
-    block = native.ggml_block_size(type_id)
+    block = ggml_graph.ggml_block_size(type_id)
     for what, n in rows.items():
         if n % block:
             raise EdgeMoeError(f"{what}={n} is not a multiple of {qtype}'s block of {block} values (the "
@@ -134,30 +135,30 @@ class _Backend:
 
 @contextmanager
 def _open_backend(threads: int, device: int | None) -> Iterator[_Backend]:
-    native.require_ggml()
-    cpu = native.cpu_device()
+    ggml_graph.require_ggml()
+    cpu = ggml_graph.cpu_device()
     with ExitStack() as stack:
         if device is None or device == cpu:
             _check_threads(threads)
-            backend = native.cpu_backend(threads)
-            stack.callback(native.backend_free, backend)
-            pool = native.threadpool_new(threads)
-            stack.callback(native.threadpool_free, pool)
-            native.cpu_set_threadpool(backend, pool)
-            stack.callback(native.cpu_set_threadpool, backend, None)  # runs before the pool is freed
-            buft = native.cpu_buffer_type()
-            yield _Backend(backend, buft, buft, cpu, True, native.backend_name(backend))
+            backend = ggml_graph.cpu_backend(threads)
+            stack.callback(ggml_graph.backend_free, backend)
+            pool = ggml_graph.threadpool_new(threads)
+            stack.callback(ggml_graph.threadpool_free, pool)
+            ggml_graph.cpu_set_threadpool(backend, pool)
+            stack.callback(ggml_graph.cpu_set_threadpool, backend, None)  # runs before the pool is freed
+            buft = ggml_graph.cpu_buffer_type()
+            yield _Backend(backend, buft, buft, cpu, True, ggml_graph.backend_name(backend))
         else:
-            backend = native.device_backend(device)
-            stack.callback(native.backend_free, backend)
-            yield _Backend(backend, native.backend_default_buffer_type(backend),
-                           native.device_buffer_type(device), device, False, native.backend_name(backend))
+            backend = ggml_graph.device_backend(device)
+            stack.callback(ggml_graph.backend_free, backend)
+            yield _Backend(backend, ggml_graph.backend_default_buffer_type(backend),
+                           ggml_graph.device_buffer_type(device), device, False, ggml_graph.backend_name(backend))
 
 
 def _repack_buft() -> int | None:
     """The CPU's repack extra buffer type, as llama.cpp's make_cpu_buft_list finds it; None without one."""
-    for buft in native.cpu_extra_buffer_types():
-        if "REPACK" in native.buft_name(buft).upper():
+    for buft in ggml_graph.cpu_extra_buffer_types():
+        if "REPACK" in ggml_graph.buft_name(buft).upper():
             return buft
     return None
 
@@ -173,10 +174,10 @@ def _fill_weight_rows(out: np.ndarray, type_id: int, n_per_row: int, n_rows: int
     elif type_id == native.GGML_TYPES["F16"]:
         block = src.astype(np.float16).view(np.uint8).reshape(-1)
     else:
-        block = np.empty(k * native.ggml_row_size(type_id, n_per_row), np.uint8)
+        block = np.empty(k * ggml_graph.ggml_row_size(type_id, n_per_row), np.uint8)
         imatrix = np.ones(n_per_row, np.float32)  # for the types that cannot do without one
-        imatrix_ptr = imatrix.ctypes.data if native.ggml_quantize_requires_imatrix(type_id) else None
-        native.ggml_quantize_rows(type_id, src.ctypes.data, block.ctypes.data, k, n_per_row, imatrix_ptr)
+        imatrix_ptr = imatrix.ctypes.data if ggml_graph.ggml_quantize_requires_imatrix(type_id) else None
+        ggml_graph.ggml_quantize_rows(type_id, src.ctypes.data, block.ctypes.data, k, n_per_row, imatrix_ptr)
     part = out[:(n_rows // k) * block.size]
     part.reshape(n_rows // k, block.size)[:] = block  # broadcast: as fast as the pages can be written
     return part
@@ -196,36 +197,36 @@ def _make_weights(stack: ExitStack, be: _Backend, type_id: int, shapes: list[tup
     plain one. Contents set with ggml_backend_tensor_set (where the repack happens)."""
 
     def allocate(buft: int) -> tuple[int, list[int], int]:
-        ctx = native.ggml_context(len(shapes))
+        ctx = ggml_graph.ggml_context(len(shapes))
         try:
-            tensors = [native.ggml_new_tensor(ctx, type_id, shape) for shape in shapes]
-            return ctx, tensors, native.alloc_ctx_tensors(ctx, buft)
+            tensors = [ggml_graph.ggml_new_tensor(ctx, type_id, shape) for shape in shapes]
+            return ctx, tensors, ggml_graph.alloc_ctx_tensors(ctx, buft)
         except BaseException:
-            native.ggml_context_free(ctx)
+            ggml_graph.ggml_context_free(ctx)
             raise
 
     chosen = None
     if repack and be.is_cpu and (rb := _repack_buft()) is not None:
         ctx, tensors, buffer = allocate(rb)
-        pctx = native.ggml_context(8 * len(tensors))
+        pctx = ggml_graph.ggml_context(8 * len(tensors))
         try:
-            ok = all(native.device_supports_op(be.device, probe(pctx, w, shape))
+            ok = all(ggml_graph.device_supports_op(be.device, probe(pctx, w, shape))
                      for w, shape in zip(tensors, shapes))
         finally:
-            native.ggml_context_free(pctx)
+            ggml_graph.ggml_context_free(pctx)
         if ok:
             chosen = (ctx, tensors, buffer, rb)
         else:
-            native.buffer_free(buffer)
-            native.ggml_context_free(ctx)
+            ggml_graph.buffer_free(buffer)
+            ggml_graph.ggml_context_free(ctx)
     if chosen is None:
         ctx, tensors, buffer = allocate(be.weight_buft)
         chosen = (ctx, tensors, buffer, be.weight_buft)
     ctx, tensors, buffer, buft = chosen
-    stack.callback(native.ggml_context_free, ctx)
-    stack.callback(native.buffer_free, buffer)
+    stack.callback(ggml_graph.ggml_context_free, ctx)
+    stack.callback(ggml_graph.buffer_free, buffer)
     total = 0
-    staging = np.empty(max(native.ggml_nbytes(w) for w in tensors), np.uint8)  # one host copy, refilled
+    staging = np.empty(max(ggml_graph.ggml_nbytes(w) for w in tensors), np.uint8)  # one host copy, refilled
     filled: tuple[int, int] | None = None
     data = staging[:0]
     for w, shape in zip(tensors, shapes):
@@ -233,9 +234,9 @@ def _make_weights(stack: ExitStack, be: _Backend, type_id: int, shapes: list[tup
         if key != filled:  # gate and up (and a pool of matrices) share the contents
             data = _fill_weight_rows(staging, type_id, key[0], key[1], seed=key[0])
             filled = key
-        if data.nbytes != native.ggml_nbytes(w):
-            raise AssertionError(f"{data.nbytes} bytes staged for a tensor of {native.ggml_nbytes(w)}")
-        native.tensor_set(w, data.ctypes.data, 0, data.nbytes)  # whole tensors: repack takes nothing less
+        if data.nbytes != ggml_graph.ggml_nbytes(w):
+            raise AssertionError(f"{data.nbytes} bytes staged for a tensor of {ggml_graph.ggml_nbytes(w)}")
+        ggml_graph.tensor_set(w, data.ctypes.data, 0, data.nbytes)  # whole tensors: repack takes nothing less
         total += data.nbytes
     return _Weights(tensors, buft, total)
 
@@ -284,15 +285,15 @@ def _f32(rng: np.random.Generator, n: int) -> np.ndarray:
 
 def _mul_mat_id_probe(ctx: int, w: int, shape: tuple[int, ...]) -> int:
     """llama.cpp's weight_buft_supported test for MUL_MAT_ID: [ne0, 1, 512] activations, ids [1, 512]."""
-    x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (shape[0], 1, _PROBE_TOKENS))
-    ids = native.ggml_new_tensor(ctx, native.GGML_TYPE_I32, (1, _PROBE_TOKENS))
-    return native.ggml_mul_mat_id(ctx, w, x, ids)
+    x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (shape[0], 1, _PROBE_TOKENS))
+    ids = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_I32, (1, _PROBE_TOKENS))
+    return ggml_graph.ggml_mul_mat_id(ctx, w, x, ids)
 
 
 def _mul_mat_probe(ctx: int, w: int, shape: tuple[int, ...]) -> int:
     """llama.cpp's weight_buft_supported test for MUL_MAT: [ne0, 512] activations."""
-    x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (shape[0], _PROBE_TOKENS))
-    return native.ggml_mul_mat(ctx, w, x)
+    x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (shape[0], _PROBE_TOKENS))
+    return ggml_graph.ggml_mul_mat(ctx, w, x)
 
 
 def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[int], *, threads: int,
@@ -317,8 +318,8 @@ def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[i
     type_id = _type_id(qtype)
     _check_dims(qtype, type_id, {"n_embd": n_embd, "n_ff": n_ff}, {})
     counts = _check_counts(token_counts)
-    expert_bytes = (2 * native.ggml_row_size(type_id, n_embd) * n_ff
-                    + native.ggml_row_size(type_id, n_ff) * n_embd)
+    expert_bytes = (2 * ggml_graph.ggml_row_size(type_id, n_embd) * n_ff
+                    + ggml_graph.ggml_row_size(type_id, n_ff) * n_embd)
     with ExitStack() as stack:
         be = stack.enter_context(_open_backend(threads, device))
         pool = _pool_size(expert_bytes, cold, be, pool_bytes)
@@ -331,16 +332,16 @@ def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[i
         out: dict[int, float] = {}
         for c in counts:
             with ExitStack() as per:
-                ctx = native.ggml_context(8, graph_size=16)
-                per.callback(native.ggml_context_free, ctx)
-                x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (n_embd, 1, c))
-                ids = native.ggml_new_tensor(ctx, native.GGML_TYPE_I32, (1, c))
-                h = native.ggml_swiglu_split(ctx, native.ggml_mul_mat_id(ctx, gate, x, ids),
-                                             native.ggml_mul_mat_id(ctx, up, x, ids))
-                graph = native.ggml_graph(ctx, [native.ggml_mul_mat_id(ctx, down, h, ids)], 16)
-                per.callback(native.buffer_free, native.alloc_ctx_tensors(ctx, be.compute_buft))
+                ctx = ggml_graph.ggml_context(8, graph_size=16)
+                per.callback(ggml_graph.ggml_context_free, ctx)
+                x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (n_embd, 1, c))
+                ids = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_I32, (1, c))
+                h = ggml_graph.ggml_swiglu_split(ctx, ggml_graph.ggml_mul_mat_id(ctx, gate, x, ids),
+                                             ggml_graph.ggml_mul_mat_id(ctx, up, x, ids))
+                graph = ggml_graph.ggml_graph(ctx, [ggml_graph.ggml_mul_mat_id(ctx, down, h, ids)], 16)
+                per.callback(ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, be.compute_buft))
                 xs = _f32(rng, n_embd * c)
-                native.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
+                ggml_graph.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
                 row = np.empty(c, np.int32)
                 last = [-1]
 
@@ -348,14 +349,14 @@ def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[i
                     expert = int(order[i % len(order)])
                     if expert != last[0]:  # every token to the pool's next expert
                         row.fill(expert)
-                        native.tensor_set(ids, row.ctypes.data, 0, row.nbytes)
+                        ggml_graph.tensor_set(ids, row.ctypes.data, 0, row.nbytes)
                         last[0] = expert
 
                 def compute(graph: int = graph) -> None:
-                    native.graph_compute(be.handle, graph)
+                    ggml_graph.graph_compute(be.handle, graph)
 
                 out[c] = _median_call(compute, prepare, min_seconds)
-        result = Timings(out, buffer_type=native.buft_name(weights.buft), backend=be.name, pool=pool,
+        result = Timings(out, buffer_type=ggml_graph.buft_name(weights.buft), backend=be.name, pool=pool,
                          pool_bytes=pool * expert_bytes)
     log.debug("expert FFN %s %dx%d: %r", qtype, n_embd, n_ff, result)
     return result
@@ -376,7 +377,7 @@ def time_matmul(qtype: str, ne0: int, ne1: int, token_counts: Sequence[int], *, 
     type_id = _type_id(qtype)
     _check_dims(qtype, type_id, {"ne0": ne0}, {"ne1": ne1})
     counts = _check_counts(token_counts)
-    w_bytes = native.ggml_row_size(type_id, ne0) * ne1
+    w_bytes = ggml_graph.ggml_row_size(type_id, ne0) * ne1
     with ExitStack() as stack:
         be = stack.enter_context(_open_backend(threads, device))
         pool = _pool_size(w_bytes, cold, be, pool_bytes)
@@ -387,35 +388,35 @@ def time_matmul(qtype: str, ne0: int, ne1: int, token_counts: Sequence[int], *, 
         align = 4096
         for c in counts:
             with ExitStack() as per:
-                ctx = native.ggml_context(1 + pool, graph_size=0)
-                per.callback(native.ggml_context_free, ctx)
-                x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (ne0, c))
-                results = [native.ggml_mul_mat(ctx, w, x) for w in order]
-                r_bytes = native.ggml_nbytes(results[0])
+                ctx = ggml_graph.ggml_context(1 + pool, graph_size=0)
+                per.callback(ggml_graph.ggml_context_free, ctx)
+                x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (ne0, c))
+                results = [ggml_graph.ggml_mul_mat(ctx, w, x) for w in order]
+                r_bytes = ggml_graph.ggml_nbytes(results[0])
                 x_off = -(-r_bytes // align) * align
-                buf = native.buft_alloc_buffer(be.compute_buft, x_off + native.ggml_nbytes(x))
-                per.callback(native.buffer_free, buf)
-                base = native.buffer_base(buf)  # aligned as the buffer type needs
+                buf = ggml_graph.buft_alloc_buffer(be.compute_buft, x_off + ggml_graph.ggml_nbytes(x))
+                per.callback(ggml_graph.buffer_free, buf)
+                base = ggml_graph.buffer_base(buf)  # aligned as the buffer type needs
                 for r in results:  # every result in the same place: only the weight changes between calls
-                    native.tensor_alloc(buf, r, base)
-                native.tensor_alloc(buf, x, base + x_off)
+                    ggml_graph.tensor_alloc(buf, r, base)
+                ggml_graph.tensor_alloc(buf, x, base + x_off)
                 xs = _f32(rng, ne0 * c)
-                native.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
+                ggml_graph.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
                 graphs = []
                 for r in results:
-                    g_ctx = native.ggml_context(0, graph_size=4)
-                    per.callback(native.ggml_context_free, g_ctx)
-                    graphs.append(native.ggml_graph(g_ctx, [r], 4))
+                    g_ctx = ggml_graph.ggml_context(0, graph_size=4)
+                    per.callback(ggml_graph.ggml_context_free, g_ctx)
+                    graphs.append(ggml_graph.ggml_graph(g_ctx, [r], 4))
                 current = [graphs[0]]
 
                 def prepare(i: int, graphs: list[int] = graphs, current: list[int] = current) -> None:
                     current[0] = graphs[i % len(graphs)]
 
                 def compute(current: list[int] = current) -> None:
-                    native.graph_compute(be.handle, current[0])
+                    ggml_graph.graph_compute(be.handle, current[0])
 
                 out[c] = _median_call(compute, prepare, min_seconds)
-        result = Timings(out, buffer_type=native.buft_name(weights.buft), backend=be.name, pool=pool,
+        result = Timings(out, buffer_type=ggml_graph.buft_name(weights.buft), backend=be.name, pool=pool,
                          pool_bytes=pool * w_bytes)
     log.debug("matmul %s %dx%d: %r", qtype, ne0, ne1, result)
     return result
@@ -424,22 +425,22 @@ def time_matmul(qtype: str, ne0: int, ne1: int, token_counts: Sequence[int], *, 
 def _chain_graph_seconds(be: _Backend, n_nodes: int, stack: ExitStack) -> Callable[[], float]:
     """A graph of n_nodes trivial ops on a 64-element F32 tensor (alternately + 1 and * 0.5); returns a
     function that computes it once and says how long that took."""
-    ctx = native.ggml_context(n_nodes + 2, graph_size=n_nodes + 8)
-    stack.callback(native.ggml_context_free, ctx)
-    x = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (64,))
-    one = native.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (64,))
+    ctx = ggml_graph.ggml_context(n_nodes + 2, graph_size=n_nodes + 8)
+    stack.callback(ggml_graph.ggml_context_free, ctx)
+    x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (64,))
+    one = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (64,))
     y = x
     for i in range(n_nodes):
-        y = native.ggml_add(ctx, y, one) if i % 2 == 0 else native.ggml_scale(ctx, y, 0.5)
-    graph = native.ggml_graph(ctx, [y], n_nodes + 8)
-    stack.callback(native.buffer_free, native.alloc_ctx_tensors(ctx, be.compute_buft))
+        y = ggml_graph.ggml_add(ctx, y, one) if i % 2 == 0 else ggml_graph.ggml_scale(ctx, y, 0.5)
+    graph = ggml_graph.ggml_graph(ctx, [y], n_nodes + 8)
+    stack.callback(ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, be.compute_buft))
     ones = np.ones(64, np.float32)
-    native.tensor_set(x, ones.ctypes.data, 0, ones.nbytes)
-    native.tensor_set(one, ones.ctypes.data, 0, ones.nbytes)
+    ggml_graph.tensor_set(x, ones.ctypes.data, 0, ones.nbytes)
+    ggml_graph.tensor_set(one, ones.ctypes.data, 0, ones.nbytes)
 
     def run() -> float:
         t0 = time.perf_counter()
-        native.graph_compute(be.handle, graph)
+        ggml_graph.graph_compute(be.handle, graph)
         return time.perf_counter() - t0
 
     return run
@@ -491,13 +492,13 @@ def _host_source(stack: ExitStack, device: int, nbytes: int, *, pinned: bool) ->
     """The address of nbytes of host memory to copy from, freed when `stack` closes: one of the device's host
     buffers (pinned on CUDA; None where it has none) or ordinary numpy memory."""
     if pinned:
-        host_buft = native.device_host_buffer_type(device)
+        host_buft = ggml_graph.device_host_buffer_type(device)
         if host_buft is None:
             return None
-        host = native.buft_alloc_buffer(host_buft, nbytes)
-        stack.callback(native.buffer_free, host)
-        native.buffer_clear(host, 1)
-        return native.buffer_base(host)
+        host = ggml_graph.buft_alloc_buffer(host_buft, nbytes)
+        stack.callback(ggml_graph.buffer_free, host)
+        ggml_graph.buffer_clear(host, 1)
+        return ggml_graph.buffer_base(host)
     arr = np.ones(nbytes, np.uint8)
     stack.callback(lambda: arr)  # holds the array until the copies are done
     return int(arr.ctypes.data)
@@ -511,18 +512,18 @@ def h2d_bandwidth(device: int, *, pinned: bool, nbytes: int = 64 << 20,
     pinned=False from ordinary (pageable) numpy memory."""
     if nbytes < 1:
         raise EdgeMoeError(f"nbytes={nbytes}: copy at least one byte")
-    native.require_ggml()
+    ggml_graph.require_ggml()
     with ExitStack() as stack:
         src = _host_source(stack, device, nbytes, pinned=pinned)
         if src is None:
             return None
-        ctx = native.ggml_context(1)
-        stack.callback(native.ggml_context_free, ctx)
-        t = native.ggml_new_tensor(ctx, native.GGML_TYPE_I8, (nbytes,))
-        stack.callback(native.buffer_free, native.alloc_ctx_tensors(ctx, native.device_buffer_type(device)))
+        ctx = ggml_graph.ggml_context(1)
+        stack.callback(ggml_graph.ggml_context_free, ctx)
+        t = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_I8, (nbytes,))
+        stack.callback(ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, ggml_graph.device_buffer_type(device)))
 
         def copy() -> None:
-            native.tensor_set(t, src, 0, nbytes)
+            ggml_graph.tensor_set(t, src, 0, nbytes)
 
         seconds = _median_call(copy, lambda i: None, min_seconds)
     return nbytes / seconds
@@ -537,23 +538,23 @@ def h2d_load_bandwidth(device: int, *, chunk: int = 1 << 20, nbytes: int = 64 <<
     device has the bytes (RPC's synchronize waits for the sends alone)."""
     if chunk < 1 or nbytes < chunk:
         raise EdgeMoeError(f"chunk={chunk}, nbytes={nbytes}: send at least one chunk of at least one byte")
-    native.require_ggml()
+    ggml_graph.require_ggml()
     n_chunks = nbytes // chunk
     with ExitStack() as stack:
         src = _host_source(stack, device, chunk, pinned=True) or _host_source(stack, device, chunk, pinned=False)
-        backend = native.device_backend(device)
-        stack.callback(native.backend_free, backend)
-        ctx = native.ggml_context(1)
-        stack.callback(native.ggml_context_free, ctx)
-        t = native.ggml_new_tensor(ctx, native.GGML_TYPE_I8, (n_chunks * chunk,))
-        stack.callback(native.buffer_free, native.alloc_ctx_tensors(ctx, native.device_buffer_type(device)))
+        backend = ggml_graph.device_backend(device)
+        stack.callback(ggml_graph.backend_free, backend)
+        ctx = ggml_graph.ggml_context(1)
+        stack.callback(ggml_graph.ggml_context_free, ctx)
+        t = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_I8, (n_chunks * chunk,))
+        stack.callback(ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, ggml_graph.device_buffer_type(device)))
         probe = np.zeros(4, np.uint8)
 
         def send() -> None:
             for i in range(n_chunks):
-                native.tensor_set_async(backend, t, src, i * chunk, chunk)
-            native.backend_synchronize(backend)
-            native.tensor_get(t, probe.ctypes.data, 0, 4)
+                ggml_graph.tensor_set_async(backend, t, src, i * chunk, chunk)
+            ggml_graph.backend_synchronize(backend)
+            ggml_graph.tensor_get(t, probe.ctypes.data, 0, 4)
 
         seconds = _median_call(send, lambda i: None, min_seconds)
     return n_chunks * chunk / seconds

@@ -1,0 +1,138 @@
+"""ggml's devices, buffer types, type ids and the RPC stand-in device, from the ggml libraries libllama loaded."""
+from __future__ import annotations
+
+import ctypes
+
+from ...errors import NativeLibraryError
+from .loader import GgmlBufferType, GgmlDevice, declare, ggml_cpu_lib, ggml_lib
+
+# -- ggml device and buffer-type lookups (libggml / libggml-cpu beside libllama) ------------------------
+# enum ggml_backend_dev_type (ACCEL 2, IGPU 3)
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+
+
+# ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
+_dev_by_type = declare("ggml_backend_dev_by_type", [ctypes.c_int], ctypes.c_void_p, ggml_lib)
+# const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+_dev_name = declare("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p, ggml_lib)
+# void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+_dev_memory = declare("ggml_backend_dev_memory", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                                   ctypes.POINTER(ctypes.c_size_t)], None, ggml_lib)
+# ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
+_cpu_buft = declare("ggml_backend_cpu_buffer_type", [], ctypes.c_void_p, ggml_cpu_lib)
+
+
+def device_by_type(kind: int) -> GgmlDevice | None:
+    """The first device of a ggml_backend_dev_type (GGML_BACKEND_DEVICE_TYPE_CPU, _GPU), None if none."""
+    dev = _dev_by_type(kind) if _dev_by_type is not None else None
+    return GgmlDevice(dev) if dev else None
+
+
+def reg_proc_address(reg: int, name: bytes) -> int | None:
+    """ggml_backend_reg_get_proc_address: a backend's optional function by name (None: absent)."""
+    return _reg_proc(reg, name) if _reg_proc is not None else None
+
+
+def cpu_buffer_type() -> GgmlBufferType | None:
+    """ggml_backend_cpu_buffer_type(), None in a ggml without it."""
+    buft = _cpu_buft() if _cpu_buft is not None else None
+    return GgmlBufferType(buft) if buft else None
+
+
+def gpu_device() -> GgmlDevice | None:
+    """The first GPU device of this build (a ggml_backend_dev_t), None in a CPU-only build."""
+    return device_by_type(GGML_BACKEND_DEVICE_TYPE_GPU)
+
+
+def device_name(dev: GgmlDevice) -> str:
+    return _dev_name(dev).decode() if _dev_name is not None else "?"
+
+
+def device_memory(dev: GgmlDevice) -> tuple[int, int]:
+    """(free, total) bytes of a device."""
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+    return int(free.value), int(total.value)
+
+
+# ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
+_reg_by_name = declare("ggml_backend_reg_by_name", [ctypes.c_char_p], ctypes.c_void_p, ggml_lib)
+# void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+_reg_proc = declare("ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p, ggml_lib)
+# void ggml_backend_register(ggml_backend_reg_t reg);
+_register = declare("ggml_backend_register", [ctypes.c_void_p], None, ggml_lib)
+# ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+_reg_dev_get = declare("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p, ggml_lib)
+# size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+_reg_dev_count = declare("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t, ggml_lib)
+
+# void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads,
+#                                    size_t n_devices, ggml_backend_dev_t * devices);
+_RpcStartServer = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                                   ctypes.POINTER(ctypes.c_void_p))
+# ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+_RpcAddServer = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+
+
+def rpc_loopback_device(port: int | None = None, n_threads: int = 1) -> GgmlDevice:
+    """Start llama.cpp's RPC server on 127.0.0.1:port (None: a free port) in this process (serving the CPU
+    backend from a daemon thread), register it, and return its device: a GPU-type device with its own
+    buffers, async copies and events, reached over loopback. For tests of the cache's device paths without
+    a GPU. Every model loaded afterwards in this process sees the device (run it in a process of its own).
+    """
+    import socket
+    import threading
+    import time
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+
+    reg = _reg_by_name(b"RPC") if _reg_by_name is not None else None
+    if not reg:
+        raise NativeLibraryError("llama.cpp was built without the RPC backend: run `make install`")
+    start = _RpcStartServer(_reg_proc(reg, b"ggml_backend_rpc_start_server"))
+    add = _RpcAddServer(_reg_proc(reg, b"ggml_backend_rpc_add_server"))
+    cpu = _dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    endpoint = f"127.0.0.1:{port}".encode()
+    devs = (ctypes.c_void_p * 1)(cpu)
+    threading.Thread(target=start, args=(endpoint, None, n_threads, 1, devs), daemon=True).start()
+    time.sleep(0.3)  # the server binds its socket
+    server = add(endpoint)
+    if not server or _reg_dev_count(server) < 1:
+        raise NativeLibraryError(f"no RPC device at {endpoint.decode()}")
+    _register(server)
+    return GgmlDevice(int(_reg_dev_get(server, 0)))
+
+
+class TensorBuftOverride(ctypes.Structure):
+    """struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }"""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def cpu_overrides(patterns: list[str]) -> ctypes.Array[TensorBuftOverride]:
+    """A NULL-terminated override list putting tensors matching the regexes in plain CPU buffers."""
+    if _cpu_buft is None:
+        raise NativeLibraryError("libggml-cpu does not export ggml_backend_cpu_buffer_type: run `make install`")
+    arr = (TensorBuftOverride * (len(patterns) + 1))()
+    for i, p in enumerate(patterns):
+        arr[i].pattern = p.encode()
+        arr[i].buft = _cpu_buft()
+    return arr
+
+
+
+# -- ggml contexts, graphs, buffers and backends (edgemoe.perf.measure's microbenchmarks) -----------------
+# enum ggml_type (ggml/include/ggml.h): the ids of the types the microbenchmarks build weights of
+GGML_TYPES = {
+    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
+    "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20,
+    "IQ3_S": 21, "IQ2_S": 22, "IQ4_XS": 23, "I8": 24, "I32": 26, "IQ1_M": 29, "BF16": 30, "MXFP4": 39,
+}
+GGML_TYPE_F32 = GGML_TYPES["F32"]
+GGML_TYPE_I32 = GGML_TYPES["I32"]
+GGML_TYPE_I8 = GGML_TYPES["I8"]
+

@@ -1,0 +1,441 @@
+"""The llama_moe_* C API the patch series adds (include/llama.h), each binding under its C prototype."""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from .loader import GgmlDevice, LlamaContext, declare, require_patched
+
+# enum llama_moe_hook_flags
+MOE_HOOK_PROBS = 1 << 0
+MOE_HOOK_GATE_INP = 1 << 1
+
+
+class MoeRoute(ctypes.Structure):
+    """struct llama_moe_route: one MoE layer of one ubatch, after top-k, before the experts run."""
+
+    _fields_ = [
+        ("il", ctypes.c_int32),
+        ("n_tokens", ctypes.c_int32),
+        ("n_expert", ctypes.c_int32),
+        ("n_expert_used", ctypes.c_int32),
+        ("n_embd", ctypes.c_int32),
+        ("probs", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_expert] or NULL
+        ("gate_inp", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_embd] or NULL
+        ("ids", ctypes.POINTER(ctypes.c_int32)),  # [n_tokens][n_expert_used], editable, -1 drops
+        ("weights", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_expert_used], editable
+        ("weight_rule", ctypes.c_int32),  # enum llama_moe_weight_rule of the layer
+        ("weight_scale", ctypes.c_float),  # applied after the rule
+    ]
+
+
+# typedef bool (*llama_moe_hook_fn)(struct llama_moe_route * route, void * user_data);
+MoeHookFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.POINTER(MoeRoute), ctypes.c_void_p)
+
+# void llama_moe_set_hook(struct llama_context * ctx, llama_moe_hook_fn fn, void * user_data, uint32_t flags);
+_moe_set_hook = declare("llama_moe_set_hook", [ctypes.c_void_p, MoeHookFn, ctypes.c_void_p, ctypes.c_uint32], None)
+
+
+def moe_set_hook(ctx: LlamaContext, fn: Any | None, flags: int) -> None:
+    """Set (fn: a MoeHookFn the caller keeps alive) or clear (fn None) the context's MoE hook."""
+    if _moe_set_hook is None:
+        require_patched()
+    _moe_set_hook(ctx, fn if fn is not None else MoeHookFn(), None, flags)
+
+
+class MoeCacheStats(ctypes.Structure):
+    """struct llama_moe_cache_stats: counters since the cache was made or the stats reset."""
+
+    _fields_ = [
+        ("hits", ctypes.c_uint64),  # routed slots computed from the cache
+        ("misses", ctypes.c_uint64),  # routed slots computed from the model's tensors (layers with a cache)
+        ("loads", ctypes.c_uint64),  # experts copied into slots
+        ("bytes_loaded", ctypes.c_uint64),
+        ("prefetches", ctypes.c_uint64),  # loads queued by llama_moe_cache_prefetch
+        ("chunks", ctypes.c_uint64),  # chunks issued (gate/up/down byte ranges)
+        ("us_blocked", ctypes.c_uint64),  # host time spent waiting for copies
+        ("preempted", ctypes.c_uint64),  # queued or copying loads dropped before completing (patch 0011)
+        ("us_issue", ctypes.c_uint64),  # host time queueing copies (the CPU stand-in: the copies themselves)
+        ("load_waits", ctypes.c_uint64),  # loads the compute stream waited for at a ubatch start (patch 0017)
+        ("chunks_async", ctypes.c_uint64),  # of the chunks, those the load worker issued (patch 0018)
+        ("us_worker", ctypes.c_uint64),  # host time the caller waited for the worker to finish a chunk (0018)
+        ("chunks_staged", ctypes.c_uint64),  # of the chunks, those sent from a staging buffer (0020)
+        ("routes_async", ctypes.c_uint64),  # ubatches whose routes the worker's policy step processed (0022)
+        ("waits_timed", ctypes.c_uint64),  # of the load waits, those the worker timed (0022)
+        ("us_load_wait", ctypes.c_uint64),  # their time from the compute's wait to the copies' end: an upper bound
+    ]
+
+
+# enum llama_moe_cache_state
+MOE_CACHE_ABSENT, MOE_CACHE_QUEUED, MOE_CACHE_COPYING, MOE_CACHE_RESIDENT = 0, 1, 2, 3
+
+
+# int32_t llama_moe_cache_init(struct llama_context * ctx, ggml_backend_dev_t dev, const int32_t * n_slots);
+_moe_cache_init = declare("llama_moe_cache_init", [ctypes.c_void_p, ctypes.c_void_p,
+                                                    ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32)
+# bool llama_moe_cache_set_source(struct llama_context * ctx, int32_t il, const void * const * data);
+# data: LLAMA_MOE_CACHE_N_SOURCES pointers (include/llama.h lists their order)
+MOE_CACHE_N_SOURCES = 11
+_moe_cache_set_source = declare("llama_moe_cache_set_source", [ctypes.c_void_p, ctypes.c_int32,
+                                                                ctypes.POINTER(ctypes.c_void_p)], ctypes.c_bool)
+# bool llama_moe_cache_load(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot);
+_moe_cache_load = declare("llama_moe_cache_load", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                    ctypes.c_int32], ctypes.c_bool)
+# const int32_t * llama_moe_cache_slots(const struct llama_context * ctx, int32_t il);
+_moe_cache_slots = declare("llama_moe_cache_slots", [ctypes.c_void_p, ctypes.c_int32],
+                            ctypes.POINTER(ctypes.c_int32))
+# bool llama_moe_cache_prefetch(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot, int32_t priority);
+_moe_cache_prefetch = declare("llama_moe_cache_prefetch", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                            ctypes.c_int32, ctypes.c_int32], ctypes.c_bool)
+# int32_t llama_moe_cache_issue(struct llama_context * ctx, int32_t max_chunks);
+_moe_cache_issue = declare("llama_moe_cache_issue", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+# void llama_moe_cache_sync(struct llama_context * ctx);
+_moe_cache_sync = declare("llama_moe_cache_sync", [ctypes.c_void_p], None)
+# enum llama_moe_cache_state llama_moe_cache_get_state(const struct llama_context * ctx, int32_t il, int32_t expert);
+_moe_cache_get_state = declare("llama_moe_cache_get_state", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+                                ctypes.c_int)
+# struct llama_moe_cache_stats llama_moe_cache_get_stats(const struct llama_context * ctx);
+_moe_cache_get_stats = declare("llama_moe_cache_get_stats", [ctypes.c_void_p], MoeCacheStats)
+# void llama_moe_cache_reset_stats(struct llama_context * ctx);
+_moe_cache_reset_stats = declare("llama_moe_cache_reset_stats", [ctypes.c_void_p], None)
+
+
+# enum llama_moe_gating_rule
+MOE_GATING_NONE = 0
+MOE_GATING_SCORE = 1
+MOE_GATING_SER = 2
+MOE_GATING_SENSITIVITY = 3
+
+
+class MoeStats(ctypes.Structure):
+    """struct llama_moe_stats: what the MoE control path did since the last reset."""
+
+    _fields_ = [
+        ("n_ubatch", ctypes.c_uint64),  # ubatches computed
+        ("n_host_syncs", ctypes.c_uint64),  # graph cuts at MoE layers for the routing callback
+        ("n_routed", ctypes.c_uint64),  # slots in the layers gated in the graph
+        ("n_dropped", ctypes.c_uint64),  # of these, slots the gating rule dropped
+        ("n_overlap", ctypes.c_uint64),  # device splits that ran on while the CPU computed (cache overlap)
+    ]
+
+
+# int32_t llama_moe_set_gating(struct llama_context * ctx, enum llama_moe_gating_rule rule, double threshold,
+#                              const double * sensitivity, bool decode_only);
+_moe_set_gating = declare("llama_moe_set_gating", [ctypes.c_void_p, ctypes.c_int, ctypes.c_double,
+                                                    ctypes.POINTER(ctypes.c_double), ctypes.c_bool], ctypes.c_int32)
+# struct llama_moe_stats llama_moe_get_stats(struct llama_context * ctx);
+_moe_get_stats = declare("llama_moe_get_stats", [ctypes.c_void_p], MoeStats)
+# void llama_moe_reset_stats(struct llama_context * ctx);
+_moe_reset_stats = declare("llama_moe_reset_stats", [ctypes.c_void_p], None)
+
+
+def moe_set_gating(ctx: LlamaContext, rule: int, threshold: float, sensitivity: list[float] | None,
+                   decode_only: bool) -> int:
+    """Adaptive top-k inside the graph (rule MOE_GATING_NONE turns it off); 0 on success."""
+    if _moe_set_gating is None:
+        require_patched()
+    arr = (ctypes.c_double * len(sensitivity))(*sensitivity) if sensitivity is not None else None
+    return int(_moe_set_gating(ctx, rule, threshold, arr, decode_only))
+
+
+def moe_stats(ctx: LlamaContext) -> dict[str, int]:
+    s = _moe_get_stats(ctx)
+    return {name: int(getattr(s, name)) for name, _ in MoeStats._fields_}
+
+
+def moe_reset_stats(ctx: LlamaContext) -> None:
+    _moe_reset_stats(ctx)
+
+
+# int32_t llama_moe_set_predictor(struct llama_context * ctx, int32_t il_src, int32_t il_target,
+#                                 int32_t n_out, int32_t n_hidden, enum ggml_type type, const float * w1,
+#                                 const float * b1, const float * w2, const float * b2, const float * skip);
+_moe_set_predictor = declare("llama_moe_set_predictor", [ctypes.c_void_p] + [ctypes.c_int32] * 4
+                              + [ctypes.c_int] + [ctypes.c_void_p] * 5, ctypes.c_int32)
+# void llama_moe_clear_predictors(struct llama_context * ctx);
+_moe_clear_predictors = declare("llama_moe_clear_predictors", [ctypes.c_void_p], None)
+# int32_t llama_moe_get_predictions(struct llama_context * ctx, int32_t il_target, int32_t * ids,
+#                                   int32_t n_max);
+_moe_get_predictions = declare("llama_moe_get_predictions",
+                                [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32],
+                                ctypes.c_int32)
+# size_t llama_moe_predictor_bytes(const struct llama_context * ctx);
+_moe_predictor_bytes = declare("llama_moe_predictor_bytes", [ctypes.c_void_p], ctypes.c_size_t)
+
+
+def _f32_ptr(a: np.ndarray | None) -> int | None:
+    """The address of a C-contiguous float32 numpy array (None for None)."""
+    if a is None:
+        return None
+    if a.dtype != np.float32 or not a.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"llama_moe_set_predictor takes C-contiguous float32 arrays, got {a.dtype} "
+                         f"{'contiguous' if a.flags['C_CONTIGUOUS'] else 'strided'}")
+    return int(a.ctypes.data)
+
+
+def moe_set_predictor(ctx: LlamaContext, il_src: int, il_target: int, n_out: int, type_id: int, w1: np.ndarray | None,
+                      b1: np.ndarray | None, w2: np.ndarray | None, b2: np.ndarray | None,
+                      skip: np.ndarray | None) -> int:
+    """Predict layer il_target's top-n_out experts from il_src's router input in the graph (0 on success).
+
+    Row-major float32 arrays in the C layout (None: absent): w1 (n_hidden, n_embd), b1 (n_hidden,),
+    w2 (n_expert, n_hidden), b2 (n_expert,), skip (n_expert, n_embd) or None for il_target's own router;
+    w1 None is a linear predictor (skip h + b2). The matrices are stored as ggml type type_id."""
+    if _moe_set_predictor is None:
+        require_patched()
+    n_hidden = int(w1.shape[0]) if w1 is not None else 0
+    return int(_moe_set_predictor(ctx, il_src, il_target, n_out, n_hidden, type_id, _f32_ptr(w1),
+                                  _f32_ptr(b1), _f32_ptr(w2), _f32_ptr(b2), _f32_ptr(skip)))
+
+
+def moe_clear_predictors(ctx: LlamaContext) -> None:
+    if _moe_clear_predictors is None:
+        require_patched()
+    _moe_clear_predictors(ctx)
+
+
+def moe_get_predictions(ctx: LlamaContext, il_target: int, n_out: int) -> np.ndarray | None:
+    """The last ubatch's predicted ids of il_target as (n_tokens, n_out) int32; None without a predictor."""
+    if _moe_get_predictions is None:
+        require_patched()
+    n = int(_moe_get_predictions(ctx, il_target, None, 0))
+    if n < 0:
+        return None
+    out = np.empty((n // n_out, n_out), np.int32)
+    if n:
+        _moe_get_predictions(ctx, il_target, out.ctypes.data, n)
+    return out
+
+
+def moe_predictor_bytes(ctx: LlamaContext) -> int:
+    return int(_moe_predictor_bytes(ctx)) if _moe_predictor_bytes is not None else 0
+
+
+# enum llama_moe_cache_policy
+MOE_CACHE_POLICY_CALLBACK = 0  # the routing callback maps each cached layer's ids (a host sync per layer)
+MOE_CACHE_POLICY_MANUAL = 1  # expert-to-slot tables in the graph; only load/prefetch change them
+MOE_CACHE_POLICY_LRU = 2  # tables in the graph; a native per-layer LRU after each ubatch
+MOE_CACHE_POLICY_DALI = 3  # tables in the graph; DALI's workload-aware replacement after each ubatch (0019)
+MOE_CACHE_POLICY_DAOP = 4  # tables in the graph; DAOP's swap after each prompt (0021)
+MOE_CACHE_POLICY_PROMOE = 5  # the routing callback; ProMoE's prefetcher fed by the in-graph predictors (0023)
+
+# int32_t llama_moe_cache_set_policy(struct llama_context * ctx, enum llama_moe_cache_policy policy);
+_moe_cache_set_policy = declare("llama_moe_cache_set_policy", [ctypes.c_void_p, ctypes.c_int], ctypes.c_int32)
+
+
+def moe_cache_set_policy(ctx: LlamaContext, policy: int) -> int:
+    return int(_moe_cache_set_policy(ctx, policy))
+
+
+# void llama_moe_cache_set_overlap(struct llama_context * ctx, bool overlap);
+_moe_cache_set_overlap = declare("llama_moe_cache_set_overlap", [ctypes.c_void_p, ctypes.c_bool], None)
+
+
+def moe_cache_set_overlap(ctx: LlamaContext, overlap: bool) -> None:
+    """Let the cache's device compute its experts while the CPU computes the others (the default)."""
+    _moe_cache_set_overlap(ctx, overlap)
+
+
+# int32_t llama_moe_cache_set_dali(struct llama_context * ctx, int32_t window, int32_t update);
+_moe_cache_set_dali = declare("llama_moe_cache_set_dali", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+                               ctypes.c_int32)
+
+
+def moe_cache_set_dali(ctx: LlamaContext, window: int, update: int) -> int:
+    """The native DALI policy's window (tokens) and update (experts swapped per window); 0, or -1 if refused."""
+    return int(_moe_cache_set_dali(ctx, window, update))
+
+
+# int32_t llama_moe_cache_set_daop(struct llama_context * ctx, double threshold);
+_moe_cache_set_daop = declare("llama_moe_cache_set_daop", [ctypes.c_void_p, ctypes.c_double], ctypes.c_int32)
+
+
+def moe_cache_set_daop(ctx: LlamaContext, threshold: float) -> int:
+    """The native DAOP policy's swap threshold (SwapInOut); 0, or -1 if refused (below 1)."""
+    return int(_moe_cache_set_daop(ctx, threshold))
+
+
+# int32_t llama_moe_cache_set_promoe(struct llama_context * ctx, bool blocking, double admit_bytes);
+_moe_cache_set_promoe = declare("llama_moe_cache_set_promoe", [ctypes.c_void_p, ctypes.c_bool, ctypes.c_double],
+                                 ctypes.c_int32)
+
+
+def moe_cache_set_promoe(ctx: LlamaContext, blocking: bool, admit_bytes: float) -> int:
+    """The native promoe policy's settings: blocking misses; admit_bytes, the bytes the copy stream moves per
+    MoE layer time (0: admit every load); 0 on success."""
+    return int(_moe_cache_set_promoe(ctx, blocking, admit_bytes))
+
+
+class MoePrefetchStats(ctypes.Structure):
+    """struct llama_moe_prefetch_stats: the native promoe policy's counters (patch 0023)."""
+
+    _fields_ = [
+        ("issued", ctypes.c_uint64),  # speculative loads queued for a prediction
+        ("useful", ctypes.c_uint64),  # ... resident when their layer routed, which used the expert
+        ("preempted", ctypes.c_uint64),  # ... dropped before their last chunk was issued
+        ("predicted", ctypes.c_uint64),  # experts predicted for layers that then routed (sum |P|)
+        ("in_time", ctypes.c_uint64),  # of those, resident when the layer routed
+        ("routed", ctypes.c_uint64),  # experts the predicted layers used (sum |A|)
+        ("correct", ctypes.c_uint64),  # of those, predicted (sum |P & A|)
+    ]
+
+
+# struct llama_moe_prefetch_stats llama_moe_cache_get_prefetch_stats(const struct llama_context * ctx);
+_moe_cache_get_prefetch_stats = declare("llama_moe_cache_get_prefetch_stats", [ctypes.c_void_p], MoePrefetchStats)
+
+
+def moe_cache_prefetch_stats(ctx: LlamaContext) -> dict[str, int]:
+    s = _moe_cache_get_prefetch_stats(ctx)
+    return {name: int(getattr(s, name)) for name, _ in MoePrefetchStats._fields_}
+
+
+# int32_t llama_moe_cache_set_staging(struct llama_context * ctx, int32_t n_buffers, bool any_host);
+_moe_cache_set_staging = declare("llama_moe_cache_set_staging", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool],
+                                  ctypes.c_int32)
+
+
+def moe_cache_set_staging(ctx: LlamaContext, n_buffers: int, any_host: bool = False) -> int:
+    """Send the cache's loads from n_buffers staging buffers in the device's host memory (pinned on CUDA; the
+    library's default is 4; 0: from the mapped file); any_host: plain host memory where the device has no host
+    buffer type (RPC: for tests). 0, or -1 if refused."""
+    return int(_moe_cache_set_staging(ctx, n_buffers, any_host))
+
+
+# enum llama_moe_prefill_ahead: what a prefill ubatch copies one cached layer ahead (patch 0025)
+MOE_PREFILL_ROUTED = 0  # nothing ahead: each layer copies the experts it routes at its routing callback
+MOE_PREFILL_ALL = 1  # the next cached layer's experts outside its slots
+MOE_PREFILL_PREDICTED = 2  # those the in-graph predictor from this layer names (ALL where there is none)
+MOE_PREFILL_AHEAD = {"routed": MOE_PREFILL_ROUTED, "all": MOE_PREFILL_ALL, "predicted": MOE_PREFILL_PREDICTED}
+
+
+class MoePrefillStats(ctypes.Structure):
+    """struct llama_moe_prefill_stats: the prefill buffers' counters (patch 0025)."""
+
+    _fields_ = [
+        ("ubatches", ctypes.c_uint64),  # ubatches that ran their cached layers' other experts from the buffers
+        ("layers", ctypes.c_uint64),  # cached layers that ran so
+        ("needed", ctypes.c_uint64),  # experts those layers ran from the buffers (routed, outside the slots)
+        ("ahead", ctypes.c_uint64),  # experts copied one cached layer ahead
+        ("ahead_used", ctypes.c_uint64),  # of those, the ones their layer needed
+        ("late", ctypes.c_uint64),  # experts copied at their layer's routing callback (the compute waited)
+        ("bytes", ctypes.c_uint64),  # bytes copied into the buffers
+        ("buf_bytes", ctypes.c_uint64),  # the size of the two buffers
+    ]
+
+
+# int32_t llama_moe_cache_set_prefill(struct llama_context * ctx, int32_t n_min_tokens, enum llama_moe_prefill_ahead ahead);
+_moe_cache_set_prefill = declare("llama_moe_cache_set_prefill", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int],
+                                  ctypes.c_int32)
+# struct llama_moe_prefill_stats llama_moe_cache_get_prefill_stats(const struct llama_context * ctx);
+_moe_cache_get_prefill_stats = declare("llama_moe_cache_get_prefill_stats", [ctypes.c_void_p], MoePrefillStats)
+
+
+def moe_cache_set_prefill(ctx: LlamaContext, n_min_tokens: int, ahead: int = MOE_PREFILL_ALL) -> int:
+    """Ubatches of n_min_tokens+ tokens run each cached layer's other experts on the cache's device from two
+    prefill buffers, copied one cached layer ahead (0: off). 0; -1 without a cache or for n < 0; -2 when the
+    buffers cannot be allocated."""
+    return int(_moe_cache_set_prefill(ctx, n_min_tokens, ahead))
+
+
+def moe_cache_prefill_stats(ctx: LlamaContext) -> dict[str, int]:
+    s = _moe_cache_get_prefill_stats(ctx)
+    return {name: int(getattr(s, name)) for name, _ in MoePrefillStats._fields_}
+
+
+class MoePrecalcStats(ctypes.Structure):
+    """struct llama_moe_precalc_stats: DAOP's pre-calculation counters (patch 0026)."""
+
+    _fields_ = [
+        ("layers", ctypes.c_uint64),  # layer runs that took pre-calculated experts
+        ("computed", ctypes.c_uint64),  # experts computed one layer early (predicted, outside the slots)
+        ("used", ctypes.c_uint64),  # of those, the ones their layer routed
+        ("late", ctypes.c_uint64),  # routed experts outside the slots not pre-calculated: run at their layer
+    ]
+
+
+# int32_t llama_moe_cache_set_precalc(struct llama_context * ctx, int32_t il_first, int32_t n_max_tokens);
+_moe_cache_set_precalc = declare("llama_moe_cache_set_precalc", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+                                  ctypes.c_int32)
+# struct llama_moe_precalc_stats llama_moe_cache_get_precalc_stats(const struct llama_context * ctx);
+_moe_cache_get_precalc_stats = declare("llama_moe_cache_get_precalc_stats", [ctypes.c_void_p], MoePrecalcStats)
+
+
+def moe_cache_set_precalc(ctx: LlamaContext, il_first: int, n_max_tokens: int) -> int:
+    """DAOP's pre-calculation in ubatches of at most n_max_tokens tokens: each cached layer il >= il_first takes
+    its predicted experts outside the slots from the MoE layer before, computed there on that layer's input
+    (il_first < 0 or n_max_tokens 0: off). 0; -1 without a cache or for n_max_tokens < 0."""
+    return int(_moe_cache_set_precalc(ctx, il_first, n_max_tokens))
+
+
+def moe_cache_precalc_stats(ctx: LlamaContext) -> dict[str, int]:
+    s = _moe_cache_get_precalc_stats(ctx)
+    return {name: int(getattr(s, name)) for name, _ in MoePrecalcStats._fields_}
+
+
+# void llama_moe_cache_set_async(struct llama_context * ctx, bool async);
+_moe_cache_set_async = declare("llama_moe_cache_set_async", [ctypes.c_void_p, ctypes.c_bool], None)
+
+
+def moe_cache_set_async(ctx: LlamaContext, on: bool) -> None:
+    """Issue the cache's queued loads from llama.cpp's load worker thread (on a device with events) or,
+    off, from the caller's thread when it issues them or synchronises."""
+    _moe_cache_set_async(ctx, on)
+
+
+def moe_cache_init(ctx: LlamaContext, n_slots: list[int] | None, device: GgmlDevice | None = None) -> int:
+    """Give each layer n_slots[il] expert slots on device (None: the CPU stand-in); None removes the cache."""
+    if _moe_cache_init is None:
+        require_patched()
+    arr = (ctypes.c_int32 * len(n_slots))(*n_slots) if n_slots is not None else None
+    return int(_moe_cache_init(ctx, device, arr))
+
+
+def moe_cache_set_source(ctx: LlamaContext, layer: int, pointers: list[int | None]) -> bool:
+    """Where loads of the layer read: addresses of its stacked expert tensors' bytes (None: absent), in the
+    order of expert_cache.EXPERT_TENSORS (gate_up, up, gate, down, their biases, the scales)."""
+    if len(pointers) != MOE_CACHE_N_SOURCES:
+        raise ValueError(f"{len(pointers)} sources, llama_moe_cache_set_source takes {MOE_CACHE_N_SOURCES}")
+    arr = (ctypes.c_void_p * MOE_CACHE_N_SOURCES)(*pointers)
+    return bool(_moe_cache_set_source(ctx, layer, arr))
+
+
+def moe_cache_load(ctx: LlamaContext, layer: int, expert: int, slot: int) -> bool:
+    """Copy expert into slot (expert -1 only evicts)."""
+    return bool(_moe_cache_load(ctx, layer, expert, slot))
+
+
+def moe_cache_slots(ctx: LlamaContext, layer: int, n_expert: int) -> list[int] | None:
+    """The slot of each expert of the layer (-1: not resident), None when the layer has no slots."""
+    p = _moe_cache_slots(ctx, layer)
+    return [int(p[i]) for i in range(n_expert)] if p else None
+
+
+def moe_cache_prefetch(ctx: LlamaContext, layer: int, expert: int, slot: int, priority: int = 0) -> bool:
+    """Queue an asynchronous load (evicts the slot's expert now)."""
+    return bool(_moe_cache_prefetch(ctx, layer, expert, slot, priority))
+
+
+def moe_cache_issue(ctx: LlamaContext, max_chunks: int = 2**31 - 1) -> int:
+    """Issue up to max_chunks queued chunks, most urgent first; returns how many."""
+    return int(_moe_cache_issue(ctx, max_chunks))
+
+
+def moe_cache_sync(ctx: LlamaContext) -> None:
+    """Wait for the issued loads; they become resident."""
+    _moe_cache_sync(ctx)
+
+
+def moe_cache_state(ctx: LlamaContext, layer: int, expert: int) -> int:
+    return int(_moe_cache_get_state(ctx, layer, expert))
+
+
+def moe_cache_stats(ctx: LlamaContext) -> MoeCacheStats:
+    return _moe_cache_get_stats(ctx)
+
+
+def moe_cache_reset_stats(ctx: LlamaContext) -> None:
+    _moe_cache_reset_stats(ctx)
+
+
