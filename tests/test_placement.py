@@ -1,0 +1,53 @@
+"""edgemoe.placement: the cache request's rules and open_engine, the library path behind chat/generate/serve."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgemoe.placement import PlacementError, cache_request, open_engine
+from edgemoe.runtime.sampling import GREEDY
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
+
+
+@pytest.mark.parametrize(("given", "words"), [
+    ({"vram": 1 << 30, "expert_slots": 2}, "not both"),
+    ({"expert_slots": 2, "policy": "static", "prefetch_distance": 1}, "--policy promoe"),
+    ({"expert_slots": 2, "policy": "static", "assign": "ratio"}, "--policy lru or dali"),
+    ({"expert_slots": 2, "policy": "lru", "assign": "ratio", "blocking": True}, "without --blocking-loads"),
+    ({"assign": "ratio"}, "give --vram or --expert-slots"),
+    ({"expert_slots": 2, "profile": "rtx4060-laptop"}, "add --assign"),
+    ({"device_prefill": 32}, "--device-prefill runs prefill"),
+    ({"expert_slots": 2, "device_prefill_ahead": "routed"}, "add --device-prefill N"),
+    ({"expert_slots": 2, "precalc_from": 2, "degrade": 0.8}, "--degrade runs the cache from the routing hook"),
+    ({"expert_slots": 2, "policy": "nope"}, "unknown policy"),
+])
+def test_each_refused_combination_names_what_to_change(given: dict, words: str) -> None:
+    with pytest.raises(PlacementError, match=words):
+        cache_request(**given)
+
+
+def test_a_request_without_budget_is_not_enabled() -> None:
+    req = cache_request()
+    assert not req.enabled and req.policy == "static"
+
+
+def test_open_engine_runs_the_requested_cache_and_keeps_stock_tokens() -> None:
+    notes: list[str] = []
+    with open_engine(MODEL, n_ctx=256) as stock:
+        assert stock.cache is None
+        want = stock.generate("ROMEO:", max_tokens=8, sampling=GREEDY).tokens
+    with open_engine(MODEL, expert_slots=2, policy="lru", n_ctx=256, notify=notes.append) as eng:
+        assert eng.cache is not None and type(eng.cache.policy).__name__ == "LruPolicy"
+        assert eng.generate("ROMEO:", max_tokens=8, sampling=GREEDY).tokens == want
+    assert any(n.startswith("expert cache:") and "policy lru" in n for n in notes), notes
+
+
+def test_open_engine_parses_a_size_and_refuses_two_ways_of_asking() -> None:
+    notes: list[str] = []
+    with open_engine(MODEL, vram="64GiB", n_ctx=256, notify=notes.append) as eng:
+        assert eng.cache is None  # 64 GiB holds the whole tiny model: stock layout, no cache
+    assert any("holds the whole model" in n for n in notes), notes
+    with pytest.raises(TypeError, match="not both"):
+        open_engine(MODEL, cache=cache_request(expert_slots=2), policy="lru")
