@@ -15,7 +15,7 @@ import pytest
 from edgemoe.policies.allocation import (AllocationError, decode_steps, dp_allocate, equal_allocate, f_curves,
                                          keep_top1, layer_steps, replay_curve, steps_of, total_cost)
 from edgemoe.policies.daop import DaopPolicy
-from edgemoe.policies.residency import DaliPolicy, Load, dali_default_update, make_policy, simulate
+from edgemoe.policies.residency import DaliPolicy, Load, dali_default_update, make_policy, replay_policy
 
 
 def _random_steps(rng: np.random.Generator, n_expert: int, k: int, n: int = 80) -> list[np.ndarray]:
@@ -47,7 +47,7 @@ def test_fast_replays_equal_simulate(kind: str) -> None:
                 if kind not in ("static", "daop") else DaopPolicy({0: kw["frequency"]}, {0: t}, E) \
                 if kind == "daop" else None
             if pol is not None:
-                res = simulate(pol, ([(0, s)] for s in steps), counted)
+                res = replay_policy(pol, ([(0, s)] for s in steps), counted)
                 assert (res.misses, res.loads) == (fast.misses[t], fast.loads[t])
         on = [True] * len(steps) if counted is None else counted
         assert fast.misses[0] == fast.routed == sum(int((s >= 0).sum()) for s, c in zip(steps, on) if c)
@@ -195,7 +195,7 @@ def test_dp_misses_no_more_than_equal_on_a_recorded_trace(fixture_model: Path, k
 
     def replayed_misses(slots: dict[int, int]) -> int:
         """The whole policy replayed; a layer without slots computes every routed expert on the CPU."""
-        sim = simulate(make_policy(kind, slots, n_expert=E), steps)
+        sim = replay_policy(make_policy(kind, slots, n_expert=E), steps)
         return sim.misses + sum(routed[il] for il, t in slots.items() if t == 0)
 
     for per_layer in (E // 4, E // 2):
@@ -214,7 +214,7 @@ def test_plan_allocation_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from conftest import FIXTURE_MODELS, ROOT
 
-    from edgemoe.calibration.allocation import ROUTING_TRACE, plan_allocation
+    from edgemoe.calibration.slot_plan import ROUTING_TRACE, plan_allocation
     from edgemoe.calibration.card import CalibrationError
     from edgemoe.gguf.info import read_model_info
 
@@ -222,7 +222,7 @@ def test_plan_allocation_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
     qwen = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
     mixtral = next(p for p in FIXTURE_MODELS if "mixtral" in p.name)
     info = read_model_info(qwen)
-    cal = ROOT / "predictors" / qwen.name.removesuffix(".gguf")
+    cal = ROOT / "calibrations" / qwen.name.removesuffix(".gguf")
     n = len(info.moe_layers)
 
     dp = plan_allocation(info, alloc=None, policy="lru", calibration=cal, slots_per_layer=8)
@@ -250,7 +250,7 @@ def test_plan_allocation_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
     bare.mkdir()
     no_trace = plan_allocation(info, alloc=None, policy="lru", calibration=bare, slots_per_layer=8)
     assert no_trace.alloc == "equal" and ROUTING_TRACE in (no_trace.note or "")
-    other = ROOT / "predictors" / mixtral.name.removesuffix(".gguf")
+    other = ROOT / "calibrations" / mixtral.name.removesuffix(".gguf")
     with pytest.raises(CalibrationError, match="another model"):
         plan_allocation(info, alloc=None, policy="lru", calibration=other, slots_per_layer=8)
     with pytest.raises(CalibrationError, match="unknown --alloc"):

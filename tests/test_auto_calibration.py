@@ -76,7 +76,7 @@ def test_an_explicit_or_bundled_directory_is_never_written(model: Path, tmp_path
     assert sorted(p.name for p in explicit.iterdir()) == before
     # a bundled calibration (the fixture's own) has every stage: it is used as it is
     bundled = ensure_calibration(QWEN, STAGES_FOR["static"], "--policy static", echo=pytest.fail)
-    assert bundled == ROOT / "predictors" / QWEN.name.removesuffix(".gguf")
+    assert bundled == ROOT / "calibrations" / QWEN.name.removesuffix(".gguf")
 
 
 def _cache_dir(model: Path) -> Path:

@@ -15,7 +15,7 @@ from conftest import StepRecorder
 
 from edgemoe.analysis.verify import FnPolicy
 from edgemoe.policies.gating import GatingPolicy, GatingRule
-from edgemoe.policies.residency import LruPolicy, make_policy, simulate
+from edgemoe.policies.residency import LruPolicy, make_policy, replay_policy
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import CacheConfig
 from edgemoe.runtime.sampling import GREEDY
@@ -91,7 +91,7 @@ def test_native_dali_decides_as_the_python_policy(window: int, update: int, fixt
         st = cache.stats()
         assert eng.control_stats()["n_host_syncs"] == 0
     assert got == ref and max(len(r[1]) for r in recorder.steps[0]) == 16
-    sim = simulate(make_policy("dali", n_slots, n_expert=n_expert, window=window, update=update), recorder.steps)
+    sim = replay_policy(make_policy("dali", n_slots, n_expert=n_expert, window=window, update=update), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
     assert sim.hits > 0 and sim.misses > 0
 
@@ -122,7 +122,7 @@ def test_uneven_slots_per_layer_generate_as_stock_and_as_replayed(policy: str, f
     got, st, control, _ = _generate(fixture_model, CacheConfig(slots, policy=policy, calibration=cal))
     assert got == ref and st["slots_per_layer"] == slots and st["slots_total"] == sum(slots.values())
     assert control["n_host_syncs"] == 0
-    sim = simulate(make_policy(policy, slots, calibration=cal, n_expert=n_expert), recorder.steps)
+    sim = replay_policy(make_policy(policy, slots, calibration=cal, n_expert=n_expert), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads) and sim.hits > 0
 
 
@@ -135,7 +135,7 @@ def test_native_lru_decides_as_the_python_policy(fixture_model: Path) -> None:
     assert got == ref and control["n_host_syncs"] == 0
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         n_slots = {il: 6 for il in eng.info.moe_layers}
-    sim = simulate(LruPolicy(n_slots), recorder.steps)
+    sim = replay_policy(LruPolicy(n_slots), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
     assert sim.misses > 0 and sim.hits > 0
 
@@ -186,5 +186,5 @@ def test_tables_across_ubatches_of_one_decode(fixture_model: Path) -> None:
         assert eng.control_stats()["n_host_syncs"] == 0
     assert np.array_equal(got, ref)
     assert len(recorder.steps) == 4
-    sim = simulate(LruPolicy(n_slots), recorder.steps)
+    sim = replay_policy(LruPolicy(n_slots), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads) and sim.hits > 0

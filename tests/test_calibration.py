@@ -233,7 +233,7 @@ def test_calibrate_and_predict_eval_cli(tmp_path: Path, _cache: Path) -> None:
 @pytest.mark.parametrize("model", FIXTURE_MODELS, ids=lambda p: p.name.split(".")[0])
 def test_bundled_fixture_calibrations(model: Path) -> None:
     cal = find_calibration(model)
-    assert cal.source == "bundled" and cal.path == ROOT / "predictors" / model.name[:-len(".gguf")]
+    assert cal.source == "bundled" and cal.path == ROOT / "calibrations" / model.name[:-len(".gguf")]
     size = sum(p.stat().st_size for p in cal.path.rglob("*") if p.is_file())
     assert size < 2.2e6, f"{cal.path} is {size} bytes"
     card = cal.card

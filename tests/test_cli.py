@@ -261,7 +261,7 @@ def test_alloc_dp_is_the_default_with_a_routing_trace(tmp_path: Path) -> None:
     assert json.loads(dp.stdout.splitlines()[-1])["tokens"] == dali["tokens"] == pre["tokens"] == plain["tokens"]
 
     # a calibration without the routing trace: dp says what it needs and falls back to equal
-    own = Path(__file__).resolve().parents[1] / "predictors" / MODEL.name.removesuffix(".gguf")
+    own = Path(__file__).resolve().parents[1] / "calibrations" / MODEL.name.removesuffix(".gguf")
     cal = tmp_path / "cal"
     shutil.copytree(own, cal)
     (cal / "routing_trace.npz").unlink()
@@ -416,7 +416,7 @@ def test_nan_weights_fail_every_command_with_one_line(tmp_path: Path, tensor: st
 ])
 def test_calibration_of_another_model_is_refused(args: list[str]) -> None:
     """The other fixture's calibration (32 experts vs 8) used to run."""
-    other = Path(__file__).resolve().parents[1] / "predictors" / FIXTURE_MODELS[1].name.removesuffix(".gguf")
+    other = Path(__file__).resolve().parents[1] / "calibrations" / FIXTURE_MODELS[1].name.removesuffix(".gguf")
     res = run("generate", str(MODEL), "-p", "hi", "-n", "2", "--calibration", str(other), *args)
     assert res.exit_code == 1, res.output
     assert "another model" in res.output and "edgemoe calibrate" in res.output
@@ -425,7 +425,7 @@ def test_calibration_of_another_model_is_refused(args: list[str]) -> None:
 def test_target_reduction_on_too_few_validation_tokens_is_refused(tmp_path: Path) -> None:
     import numpy as np
 
-    own = Path(__file__).resolve().parents[1] / "predictors" / MODEL.name.removesuffix(".gguf")
+    own = Path(__file__).resolve().parents[1] / "calibrations" / MODEL.name.removesuffix(".gguf")
     cal = tmp_path / "cal"
     shutil.copytree(own, cal)
     (cal / "thresholds.json").unlink(missing_ok=True)

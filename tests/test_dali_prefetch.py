@@ -11,7 +11,7 @@ from edgemoe.policies.copy_queue import CacheModel, LoadState, Priority
 from edgemoe.policies.dali_prefetch import DaliPrefetchPolicy, dali_default_prefetch
 from edgemoe.policies.prefetch import Prediction, PrefetchError
 from edgemoe.policies.replay import replay
-from edgemoe.policies.residency import DaliPolicy, simulate
+from edgemoe.policies.residency import DaliPolicy, replay_policy
 from edgemoe.predictors import GatePredictor, ModelSpec
 
 E, K = 8, 2
@@ -61,13 +61,13 @@ def test_without_router_inputs_it_replaces_as_dali(window: int, update: int) -> 
     for seed, slots in ((0, 3), (1, 5)):
         steps, counted = _routes(seed)
         n_slots = {il: slots for il in LAYERS}
-        sim = simulate(DaliPolicy(n_slots, E, window=window, update=update), steps, counted)
+        sim = replay_policy(DaliPolicy(n_slots, E, window=window, update=update), steps, counted)
         got = replay(dali(slots, window=window, update=update), steps, counted=counted)
         assert (got.hits, got.misses) == (sim.hits, sim.misses) and sim.hits > 0 and sim.misses > 0
         # every step counted: the same loads, less the last step's swaps (queued at a next route that never
         # comes) and a warm-up load a swap drops before it finishes
         every = replay(dali(slots, window=window, update=update), steps)
-        sim_every = simulate(DaliPolicy(n_slots, E, window=window, update=update), steps)
+        sim_every = replay_policy(DaliPolicy(n_slots, E, window=window, update=update), steps)
         assert sim_every.loads - update * len(LAYERS) <= every.loads <= sim_every.loads
 
 

@@ -13,7 +13,7 @@ from conftest import StepRecorder
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.policies.daop import DaopError, DaopPolicy, PromptSwapResidency, initial_placement, swap_pairs
 from edgemoe.policies.degrade import DegradeError, GracefulDegradation, degrade, rule_weights
-from edgemoe.policies.residency import Load, make_policy, simulate
+from edgemoe.policies.residency import Load, make_policy, replay_policy
 from edgemoe.policies.route import RouteRecord, WeightRule
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import CacheConfig
@@ -90,10 +90,10 @@ def test_daop_last_layer_with_one_prompt_token_is_still_a_prompt_step() -> None:
 def test_daop_replays_through_simulate_blocking_or_not() -> None:
     freq = {0: np.array([3, 2, 1, 0])}
     steps = [[(0, np.array([[3], [3], [2]]))], [(0, np.array([[3]]))], [(0, np.array([[3]]))]]
-    live = simulate(DaopPolicy(freq, {0: 2}, 4), steps)
+    live = replay_policy(DaopPolicy(freq, {0: 2}, 4), steps)
     # 2 initial loads, then 3 and 2 swap in for 0 and 1 at the first decode step, used from the next one
     assert (live.hits, live.misses, live.loads) == (1, 4, 4)
-    blocking = simulate(DaopPolicy(freq, {0: 2}, 4, blocking=True), steps)
+    blocking = replay_policy(DaopPolicy(freq, {0: 2}, 4, blocking=True), steps)
     assert (blocking.hits, blocking.misses, blocking.loads) == (2, 3, 4)
 
 
@@ -208,7 +208,7 @@ def test_daop_generates_as_stock_and_its_counters_equal_the_replay(fixture_model
         live = eng.cache.policy
         n_slots = dict(cache.n_slots)
     assert got == ref
-    sim = simulate(make_policy("daop", n_slots, blocking=blocking, calibration=cal, n_expert=n_expert),
+    sim = replay_policy(make_policy("daop", n_slots, blocking=blocking, calibration=cal, n_expert=n_expert),
                    recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
     assert live.n_prompts == 1 and live.n_swaps > 0 and sim.hits > 0
@@ -241,7 +241,7 @@ def test_native_daop_decides_as_the_python_policy(fixture_model: Path, n_ubatch:
         assert eng.control_stats()["n_host_syncs"] == 0
     assert got == ref
     freq = load_frequency(cal, n_expert=n_expert, layers=layers, phase="decode")
-    sim = simulate(Daop(freq, n_slots, n_expert, threshold=threshold), recorder.steps)
+    sim = replay_policy(Daop(freq, n_slots, n_expert, threshold=threshold), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
     assert sim.loads > sum(n_slots.values())  # the placement, then swaps
 

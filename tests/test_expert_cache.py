@@ -15,7 +15,7 @@ from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.errors import EdgeMoeError
 from edgemoe.runtime.expert_cache import CacheConfig, ExpertCacheError
 from edgemoe.policies.route import RouteRecord
-from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, make_policy, simulate, used_experts
+from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, make_policy, replay_policy, used_experts
 from edgemoe.runtime.sampling import GREEDY
 from edgemoe.analysis.verify import FnPolicy
 
@@ -101,12 +101,12 @@ def test_native_counters_equal_the_policy_replayed_on_the_trace(fixture_model: P
         cache.sync()  # the last step's prefetches complete (the simulation applies them after the step)
         st = cache.stats()
         n_slots, n_expert = dict(cache.n_slots), eng.info.n_expert
-    sim = simulate(make_policy(policy, n_slots, blocking=blocking, n_expert=n_expert), recorder.steps)
+    sim = replay_policy(make_policy(policy, n_slots, blocking=blocking, n_expert=n_expert), recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
     assert sim.hits > 0 and sim.loads > 0
     if policy != "lru":
         return
-    prefill = simulate(LruPolicy(n_slots, blocking=blocking), recorder.steps[:1])
+    prefill = replay_policy(LruPolicy(n_slots, blocking=blocking), recorder.steps[:1])
     if blocking:
         # a decode step's experts (k <= slots) are all loaded before their layer runs: misses only in
         # prefill, whose ubatch uses more experts than there are slots
@@ -136,7 +136,7 @@ def test_static_policy_places_the_most_frequent() -> None:
     pol = StaticPolicy(freq, {0: 3, 2: 1})
     assert pol.initial_loads() == [Load(0, 0, 0), Load(0, 2, 1), Load(0, 3, 2), Load(2, 4, 0)]
     assert pol.on_route(0, np.array([[1, 4]])) == []
-    res = simulate(pol, [[(0, np.array([[2, 1]])), (2, np.array([[4, 3]]))]])
+    res = replay_policy(pol, [[(0, np.array([[2, 1]])), (2, np.array([[4, 3]]))]])
     assert (res.hits, res.misses, res.loads) == (2, 2, 4)
 
 

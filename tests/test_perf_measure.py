@@ -18,7 +18,6 @@ import pytest
 
 from edgemoe.errors import EdgeMoeError
 from edgemoe.perf import ggml_graph, measure
-from edgemoe.runtime import native
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,7 @@ from edgemoe.perf.simulate import ConfigResult, SimSpec, simulate
 from edgemoe.perf.workload import GatingSpec, build_workload
 from edgemoe.policies.gating import GatingRule
 from edgemoe.policies.residency import LruPolicy
-from edgemoe.policies.residency import simulate as replay_residency
+from edgemoe.policies.residency import replay_policy as replay_residency
 
 QWEN = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
 MIXTRAL = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"

@@ -14,7 +14,7 @@ from edgemoe.policies.copy_queue import (CacheModel, CancelOp, CopyStream, CopyT
                                          Priority)
 from edgemoe.policies.prefetch import Prediction, PrefetchError, PromoePolicy, predicted_experts
 from edgemoe.policies.replay import replay
-from edgemoe.policies.residency import Load, StaticPolicy, make_policy, simulate
+from edgemoe.policies.residency import Load, StaticPolicy, make_policy, replay_policy
 from edgemoe.predictors import GatePredictor, ModelSpec, PrevTokenPredictor
 
 E, K = 8, 2
@@ -202,7 +202,7 @@ def test_replay_at_infinite_bandwidth_counts_as_simulate(kind: str, blocking: bo
             return (StaticPolicy(freq, slots) if kind == "static"
                     else make_policy(kind, slots, blocking=blocking, n_expert=E))
 
-        sim = simulate(make(), steps, counted)  # type: ignore[arg-type]
+        sim = replay_policy(make(), steps, counted)  # type: ignore[arg-type]
         got = replay(make(), steps, counted=counted)  # type: ignore[arg-type]
         assert (got.hits, got.misses, got.loads) == (sim.hits, sim.misses, sim.loads), (kind, blocking, slots)
         assert got.hits > 0 and got.tokens == sum(counted) and got.stall_s == 0.0

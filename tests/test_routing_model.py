@@ -13,7 +13,7 @@ from edgemoe.analysis.routing_model import RoutingStats, routing_stats, synthesi
 from edgemoe.analysis.trace import DECODE, record_trace
 from edgemoe.calibration.corpus import default_corpus_dir, split_corpus
 from edgemoe.errors import EdgeMoeError
-from edgemoe.policies.residency import LruPolicy, simulate
+from edgemoe.policies.residency import LruPolicy, replay_policy
 
 
 def _real_trace(model: Path):  # type: ignore[no-untyped-def]
@@ -26,7 +26,7 @@ def _decode_lru_hit(trace, slots: int) -> float:  # type: ignore[no-untyped-def]
     layers = list(range(trace.ids.shape[1]))
     rows = np.flatnonzero(trace.phase == DECODE)
     steps = [[(j, trace.ids[r:r + 1, j, :]) for j in layers] for r in rows]
-    return simulate(LruPolicy({j: slots for j in layers}), steps).hit_rate
+    return replay_policy(LruPolicy({j: slots for j in layers}), steps).hit_rate
 
 
 @pytest.mark.parametrize("model", FIXTURE_MODELS, ids=lambda p: p.name.split(".")[0])

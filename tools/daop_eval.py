@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.analysis.trace import Trace  # noqa: E402
-from edgemoe.calibration.allocation import plan_allocation  # noqa: E402
+from edgemoe.calibration.slot_plan import plan_allocation  # noqa: E402
 from edgemoe.calibration.card import find_calibration  # noqa: E402
 from edgemoe.gguf.info import read_model_info  # noqa: E402
 from edgemoe.policies.allocation import decode_steps, layer_steps, replay_curve  # noqa: E402

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.analysis.trace import Trace  # noqa: E402
-from edgemoe.calibration.allocation import RoutingTrace, plan_allocation  # noqa: E402
+from edgemoe.calibration.slot_plan import RoutingTrace, plan_allocation  # noqa: E402
 from edgemoe.calibration.card import find_calibration  # noqa: E402
 from edgemoe.gguf.info import read_model_info  # noqa: E402
 from edgemoe.policies.allocation import (  # noqa: E402

@@ -60,7 +60,7 @@ class PrecalcQuality:
 
 def decode_residency(trace: Trace, policy: ResidencyPolicy) -> np.ndarray:
     """(n_decode_tokens, L, n_expert) bool: what was resident when each decode token's layers ran, the
-    policy replayed on the trace's steps as `simulate` does (blocking loads before the layer, others after
+    policy replayed on the trace's steps as `replay_policy` does (blocking loads before the layer, others after
     the step)."""
     ubatch = int(trace.meta.get("n_batch", 512))
     layers = [int(x) for x in trace.layers]

@@ -41,7 +41,7 @@ def format_info(info: ModelInfo) -> str:
     return "\n".join(lines)
 
 
-def format_plan(plan: VramPlan) -> str:
+def format_vram_plan(plan: VramPlan) -> str:
     reserve = f" + {format_size(plan.reserve_bytes)} compute reserve" if plan.reserve_bytes else ""
     head = (f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
             f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}){reserve}")

@@ -1,7 +1,7 @@
 """A calibration directory: card.json and where it lives (explicit, bundled, per-user cache).
 
 Lookup for a model (find_calibration): an explicit --calibration DIR, then the bundled
-``predictors/<gguf stem>/`` of this repository (fixtures), then the per-user cache
+``calibrations/<gguf stem>/`` of this repository (fixtures), then the per-user cache
 ``~/.cache/edgemoe/calibration/<model sha256[:16]>/`` (where `calibrate` writes by default).
 Also the JSON writer the stages use for their files (atomic, compact number lists).
 """
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 CARD = "card.json"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BUNDLED_DIR = REPO_ROOT / "predictors"  # committed calibrations of the fixture models
+BUNDLED_DIR = REPO_ROOT / "calibrations"  # committed calibrations of the fixture models
 
 
 class CalibrationError(EdgeMoeError):
@@ -77,7 +77,7 @@ def default_out_dir(model: str | os.PathLike[str]) -> Path:
 
 
 def bundled_dir(model: str | os.PathLike[str]) -> Path:
-    """predictors/<gguf file stem>/ in this repository (committed for the fixture models)."""
+    """calibrations/<gguf file stem>/ in this repository (committed for the fixture models)."""
     name = Path(model).name
     return BUNDLED_DIR / (name.removesuffix(".gguf"))
 
@@ -170,7 +170,7 @@ class Calibration:
 
 
 def find_calibration(model: str | os.PathLike[str], explicit: str | os.PathLike[str] | None = None) -> Calibration:
-    """--calibration DIR, else the bundled predictors/<stem>/ (same model file), else the per-user cache."""
+    """--calibration DIR, else the bundled calibrations/<stem>/ (same model file), else the per-user cache."""
     if explicit is not None:
         cal = Calibration.load(explicit, "explicit")
         cal.check_model(model)

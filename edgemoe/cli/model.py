@@ -43,7 +43,7 @@ def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None
 def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
     from ..gguf.info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
-    from ..analysis.report import format_info, format_plan, plan_to_dict
+    from ..analysis.report import format_info, format_vram_plan, plan_to_dict
     from ..analysis.rules import describe_rules, routing_rules
     from ..runtime.config import planned_ctx
 
@@ -63,7 +63,7 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     if info.is_moe:
         click.echo(f"{'weights':12} {describe_rules(rules)}  (as llama.cpp weights the selected experts)")
     if plan is not None:
-        click.echo(format_plan(plan))
+        click.echo(format_vram_plan(plan))
         click.echo(f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
                    f"`{plan_command(model, vram, n_ctx)}`")
 

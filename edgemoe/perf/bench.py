@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..calibration.allocation import plan_allocation
+from ..calibration.slot_plan import plan_allocation
 from ..errors import EdgeMoeError
 from ..runtime import native
 from ..runtime.engine import Engine, LoadConfig

@@ -45,7 +45,7 @@ _MAX_CALLS = 20000
 _TILE_ROWS = 8  # distinct quantized rows tiled over a weight
 
 
-class Timings(dict[int, float]):
+class KernelTimings(dict[int, float]):
     """Seconds per call for each token count, plus where they were measured.
 
     buffer_type: the weights' buffer type ("CPU_REPACK", "CPU", "CUDA0", "RPC[...]");
@@ -64,7 +64,7 @@ class Timings(dict[int, float]):
         self.buffer_type, self.backend, self.pool, self.pool_bytes = buffer_type, backend, pool, pool_bytes
 
     def __repr__(self) -> str:
-        return (f"Timings({dict.__repr__(self)}, buffer_type={self.buffer_type!r}, backend={self.backend!r}, "
+        return (f"KernelTimings({dict.__repr__(self)}, buffer_type={self.buffer_type!r}, backend={self.backend!r}, "
                 f"pool={self.pool}, pool_bytes={self.pool_bytes})")
 
 
@@ -298,7 +298,7 @@ def _mul_mat_probe(ctx: int, w: int, shape: tuple[int, ...]) -> int:
 
 def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[int], *, threads: int,
                     repack: bool = True, cold: bool = True, device: int | None = None,
-                    min_seconds: float = 0.05, pool_bytes: int | None = None) -> Timings:
+                    min_seconds: float = 0.05, pool_bytes: int | None = None) -> KernelTimings:
     """Seconds for ONE expert's SwiGLU FFN over c tokens that all route to it, for each c in token_counts.
 
     Timed: one ggml_backend_graph_compute of ggml_mul_mat_id of the stacked gate [n_embd, n_ff, n_expert]
@@ -313,7 +313,7 @@ def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[i
     shape (llama.cpp's default load), else the plain CPU buffer (repack=False: always the plain one).
     device=None: the CPU backend with `threads` threads; otherwise a ggml_backend_dev_t (a CUDA GPU, the
     RPC loopback device of native.rpc_loopback_device) whose backend computes the graph; threads is then
-    not used. Returns Timings: {c: seconds} with the buffer type, backend and pool used.
+    not used. Returns KernelTimings: {c: seconds} with the buffer type, backend and pool used.
     """
     type_id = _type_id(qtype)
     _check_dims(qtype, type_id, {"n_embd": n_embd, "n_ff": n_ff}, {})
@@ -356,7 +356,7 @@ def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[i
                     ggml_graph.graph_compute(be.handle, graph)
 
                 out[c] = _median_call(compute, prepare, min_seconds)
-        result = Timings(out, buffer_type=ggml_graph.buft_name(weights.buft), backend=be.name, pool=pool,
+        result = KernelTimings(out, buffer_type=ggml_graph.buft_name(weights.buft), backend=be.name, pool=pool,
                          pool_bytes=pool * expert_bytes)
     log.debug("expert FFN %s %dx%d: %r", qtype, n_embd, n_ff, result)
     return result
@@ -364,7 +364,7 @@ def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[i
 
 def time_matmul(qtype: str, ne0: int, ne1: int, token_counts: Sequence[int], *, threads: int,
                 repack: bool = True, cold: bool = True, device: int | None = None, min_seconds: float = 0.05,
-                pool_bytes: int | None = None) -> Timings:
+                pool_bytes: int | None = None) -> KernelTimings:
     """Seconds for ggml_mul_mat of a [ne0, ne1] weight (ne0 = input features, ggml order) by [ne0, c] F32
     activations, for each c in token_counts (a dense layer: attention projections, shared experts, output).
 
@@ -372,7 +372,7 @@ def time_matmul(qtype: str, ne0: int, ne1: int, token_counts: Sequence[int], *, 
     a pool of separate weights whose bytes exceed twice the last-level cache (capped at 1 GiB and MAX_POOL
     weights; pool_bytes overrides it; one graph per weight, all writing the same result memory);
     cold=False: always the same weight. repack, device and threads as in time_expert_ffn. Returns
-    Timings: {c: seconds} with the buffer type, backend and pool used.
+    KernelTimings: {c: seconds} with the buffer type, backend and pool used.
     """
     type_id = _type_id(qtype)
     _check_dims(qtype, type_id, {"ne0": ne0}, {"ne1": ne1})
@@ -416,7 +416,7 @@ def time_matmul(qtype: str, ne0: int, ne1: int, token_counts: Sequence[int], *, 
                     ggml_graph.graph_compute(be.handle, current[0])
 
                 out[c] = _median_call(compute, prepare, min_seconds)
-        result = Timings(out, buffer_type=ggml_graph.buft_name(weights.buft), backend=be.name, pool=pool,
+        result = KernelTimings(out, buffer_type=ggml_graph.buft_name(weights.buft), backend=be.name, pool=pool,
                          pool_bytes=pool * w_bytes)
     log.debug("matmul %s %dx%d: %r", qtype, ne0, ne1, result)
     return result

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..analysis.trace import Trace
-from ..calibration.allocation import RoutingTrace, plan_allocation
+from ..calibration.slot_plan import RoutingTrace, plan_allocation
 from ..errors import EdgeMoeError
 from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, size_arg, vram_plan
 from .profile import MachineProfile

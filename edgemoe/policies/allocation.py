@@ -30,7 +30,7 @@ AdapMoE's two parameters still apply where the trace does not already hold them:
 Everything is numpy over per-layer step lists ((n_tokens, k) id arrays, -1 for a dropped slot):
 `layer_steps` cuts a trace's arrays into the ubatches the engine ran (`decode_steps` flags the
 decode tokens, the steps a DP for decoding counts), `replay_curve` replays one
-layer for every t (exact fast paths for lru and static, `simulate` per t for the others),
+layer for every t (exact fast paths for lru and static, `replay_policy` per t for the others),
 `f_curves` builds the DP's input, `dp_allocate` and `equal_allocate` split a budget.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 from ..errors import EdgeMoeError
 from .daop import DaopPolicy, replay_all_sizes as _daop_all_sizes
 from .residency import (DALI_WINDOW, DaliPolicy, PolicyKind, StaticPolicy, dali_default_update,
-                        make_policy, simulate, used_experts)
+                        make_policy, replay_policy, used_experts)
 
 DECODE = 1  # edgemoe.analysis.trace.DECODE: a token fed alone, one step
 MAX_UNITS = 1 << 16  # knapsack capacity above which byte weights are coarsened (rounded up)
@@ -93,7 +93,7 @@ def decode_steps(phase: np.ndarray, seq: np.ndarray, *, ubatch: int) -> np.ndarr
 
 
 def steps_of(steps_by_layer: Mapping[int, Sequence[np.ndarray]]) -> list[list[tuple[int, np.ndarray]]]:
-    """The per-layer step lists as `simulate`'s steps ([(layer, ids), ...] in layer order)."""
+    """The per-layer step lists as `replay_policy`'s steps ([(layer, ids), ...] in layer order)."""
     layers = sorted(steps_by_layer)
     n = {len(steps_by_layer[il]) for il in layers}
     if len(n) > 1:
@@ -117,7 +117,7 @@ def keep_top1(steps: Sequence[np.ndarray], alpha: float, *, seed: int = 0) -> li
 
 # -- replay ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Curve:
+class MissCurve:
     """One layer's replay for every slot count t = 0..max_slots (counts over the counted steps)."""
 
     misses: np.ndarray  # (max_slots + 1,) routed expert slots not resident when their step started
@@ -128,15 +128,15 @@ class Curve:
 
 def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_expert: int,
                  frequency: np.ndarray | None = None, window: int = DALI_WINDOW, update: int | None = None,
-                 counted: Sequence[bool] | None = None, fast: bool = True) -> Curve:
+                 counted: Sequence[bool] | None = None, fast: bool = True) -> MissCurve:
     """Replay one layer's steps through policy `kind` (non-blocking) with t = 0..max_slots slots.
 
     counted: one flag per step; only those steps' misses, loads, routed slots and tokens count
     (e.g. decode_steps: the others still change the residency).
 
-    The counters are `simulate`'s for a policy with t slots in this layer (misses at t = 0: every
+    The counters are `replay_policy`'s for a policy with t slots in this layer (misses at t = 0: every
     routed slot). lru, dali, static and daop have exact vectorised replays (``fast``); without it (and
-    for other policies) `simulate` runs once per t. static and daop need the layer's `frequency`
+    for other policies) `replay_policy` runs once per t. static and daop need the layer's `frequency`
     (n_expert,): static places by it, daop starts from it (the calibration's decode-phase counts).
     """
     try:
@@ -177,10 +177,10 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
                 pol = DaopPolicy({0: np.asarray(frequency)}, {0: t}, n_expert)
             else:
                 pol = make_policy(kind, {0: t}, n_expert=n_expert, window=window, update=update)
-            res = simulate(pol, ([(0, s)] for s in steps), flags)
+            res = replay_policy(pol, ([(0, s)] for s in steps), flags)
             misses[t], loads[t] = res.misses, res.loads
     misses[0], loads[0] = routed, 0
-    return Curve(misses=misses, loads=loads, routed=routed, tokens=tokens)
+    return MissCurve(misses=misses, loads=loads, routed=routed, tokens=tokens)
 
 
 def _step_counts(steps: Sequence[np.ndarray], n_expert: int) -> list[tuple[np.ndarray, list[int]]]:

@@ -203,7 +203,7 @@ def replay_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: 
     """(misses, loads) of one layer's DaopPolicy (non-blocking) with t = 0..max_slots slots, for
     edgemoe.policies.allocation.replay_curve: every step is one route of this layer, `flags` the
     steps counted. The residency changes only at a swap, so each step costs one product for all t.
-    Loads count the initial placement (as `simulate` does) and the swaps of counted steps."""
+    Loads count the initial placement (as `replay_policy` does) and the swaps of counted steps."""
     res = np.zeros((max_slots + 1, n_expert), bool)
     for t in range(1, max_slots + 1):
         res[t, initial_placement(frequency, t)] = True

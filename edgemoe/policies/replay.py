@@ -7,7 +7,7 @@ routed experts still loading and counts then, (5) issues the chunks the copy str
 layer computes (`CopyStream`), and returns the native operations that do the same on llama.cpp.
 lru, dali and static (edgemoe.policies.residency) run through it too: their loads are queued after
 the layer's experts were mapped (speculative priority), or before them at the precise priority and
-waited for when blocking. With an infinite bandwidth its counters are `simulate`'s.
+waited for when blocking. With an infinite bandwidth its counters are `replay_policy`'s.
 
 Counters (over the counted steps, e.g. decode tokens):
 
@@ -154,7 +154,7 @@ class PolicyDriver:
         return model.take_ops()
 
     def _move(self, ld: Load) -> None:
-        """An expert a residency policy loads into another slot leaves its old one first (as `simulate`
+        """An expert a residency policy loads into another slot leaves its old one first (as `replay_policy`
         and the native LRU do: a ubatch with more misses than slots can evict its own hit and load it back)."""
         old = self.model.resident(ld.layer).get(ld.expert)
         req = self.model.request(ld.layer, ld.expert)

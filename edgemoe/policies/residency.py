@@ -1,7 +1,7 @@
 """Expert residency policies: which experts sit in each MoE layer's cache slots.
 
 Pure Python over route ids (no ctypes), so they run the same on recorded traces
-(`simulate`) and inside the engine (`edgemoe.runtime.expert_cache.CacheController`).
+(`replay_policy`) and inside the engine (`edgemoe.runtime.expert_cache.CacheController`).
 A policy answers with loads: copy expert e of layer l into slot s.
 
 - ``static``: the most frequent experts per layer from a calibration
@@ -267,7 +267,7 @@ def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False
 
 
 @dataclass
-class SimResult:
+class ReplayResult:
     hits: int = 0  # routed slots that found their expert resident
     misses: int = 0
     loads: int = 0
@@ -277,8 +277,8 @@ class SimResult:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
 
-def simulate(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.ndarray]]],
-             counted: Iterable[bool] | None = None) -> SimResult:
+def replay_policy(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.ndarray]]],
+             counted: Iterable[bool] | None = None) -> ReplayResult:
     """Replay steps (each a list of (layer, ids) in layer order) as the engine runs them.
 
     Counts hits per routed slot against the residency the experts run with: a blocking
@@ -287,7 +287,7 @@ def simulate(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.nda
     (one flag per step) leaves the other steps' hits, misses and loads out of the result
     (they still change the residency), e.g. to count decode steps only.
     """
-    res = SimResult()
+    res = ReplayResult()
     resident: dict[int, dict[int, int]] = {}  # layer -> expert -> slot
 
     def apply(loads: list[Load], count: bool = True) -> None:

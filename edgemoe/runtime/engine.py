@@ -6,7 +6,7 @@ calls, so a chat turn only evaluates the new tokens.
 
 The Engine is assembled from one concern per module: loading and evaluation here, the
 generation loop (generation.py), chat templates (chat.py) and the routing hook / expert-cache
-wiring (wiring.py), expert predictors in the graph (prediction.py); LoadConfig is in config.py.
+routing (routing.py), expert predictors in the graph (prediction.py); LoadConfig is in config.py.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from .interrupts import deferred_interrupts
 from .native import lib
 from .prediction import PredictionMixin
 from .vocab_guard import SpmByteGuard
-from .wiring import RoutingMixin
+from .routing import RoutingMixin
 
 __all__ = ["ChatMessage", "ChatSession", "Engine", "Generation", "LoadConfig", "Timings", "default_threads"]
 

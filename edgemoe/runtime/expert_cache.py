@@ -21,7 +21,7 @@ from ..gguf.header import check_gguf
 from ..policies.route import RouteRecord
 from ..policies.copy_queue import CopyTiming, load_worker_default
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
-from ..policies.assigned import AssignedPolicy
+from ..policies.miss_assignment import AssignedPolicy
 from ..policies.daop import DAOP_SWAP_THRESHOLD, DaopPolicy
 from ..policies.degrade import GracefulDegradation
 from ..policies.loads import split_loads

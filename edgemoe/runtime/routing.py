@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import EdgeMoeError, InvalidConfigError
 from ..gguf.info import ModelInfo
-from ..policies.assigned import AssignedPolicy
+from ..policies.miss_assignment import AssignedPolicy
 from ..policies.assignment import Assigner, assign_refusal, make_assigner
 from ..policies.degrade import GracefulDegradation
 from ..policies.gating import GatingPolicy, GatingRule

@@ -1,4 +1,4 @@
-"""Per-route CPU/GPU assignment of a residency policy's misses (edgemoe.policies.assigned; issue 12, 2c):
+"""Per-route CPU/GPU assignment of a residency policy's misses (edgemoe.policies.miss_assignment; issue 12, 2c):
 the pure policy on hand-made routes and traces, then through the engine (tokens = stock, live counters =
 the replay) and the CLI."""
 from __future__ import annotations
@@ -15,9 +15,9 @@ from edgemoe.cli.main import cli
 from edgemoe.errors import EdgeMoeError
 from edgemoe.perf.costmodel import ModelShape, expert_costs
 from edgemoe.perf.profile import load_profile
-from edgemoe.policies.assigned import AssignedPolicy
+from edgemoe.policies.miss_assignment import AssignedPolicy
 from edgemoe.policies.assignment import CostModel, make_assigner
-from edgemoe.policies.residency import DaliPolicy, LruPolicy, simulate
+from edgemoe.policies.residency import DaliPolicy, LruPolicy, replay_policy
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import CacheConfig
 from edgemoe.runtime.sampling import GREEDY
@@ -49,8 +49,8 @@ def test_cheap_copies_load_every_miss_now_and_dear_ones_none() -> None:
     assign = make_assigner("ratio")
     cheap = AssignedPolicy(LruPolicy(slots), _costs([0, 1, 2], cpu=1.0, gpu=0.1, copy=0.0), assign)
     dear = AssignedPolicy(LruPolicy(slots), _costs([0, 1, 2], cpu=1.0, gpu=0.1, copy=1e6), assign)
-    assert simulate(cheap, steps) == simulate(LruPolicy(slots, blocking=True), steps)
-    assert simulate(dear, steps) == simulate(LruPolicy(slots), steps)
+    assert replay_policy(cheap, steps) == replay_policy(LruPolicy(slots, blocking=True), steps)
+    assert replay_policy(dear, steps) == replay_policy(LruPolicy(slots), steps)
     assert cheap.deferred == 0 < cheap.loaded_now and dear.loaded_now == 0 < dear.deferred
 
 
@@ -79,7 +79,7 @@ def test_the_greedy_assigner_and_dali_replay_like_the_live_rule() -> None:
                          (LruPolicy(slots), LruPolicy(slots))):
         pol = AssignedPolicy(inner, _costs([0, 1, 2], cpu=1.0, gpu=0.2, copy=0.5), make_assigner("greedy"),
                              name="greedy")
-        got, base = simulate(pol, steps), simulate(plain, steps)
+        got, base = replay_policy(pol, steps), replay_policy(plain, steps)
         assert got.loads == base.loads and got.hits >= base.hits
         assert pol.loaded_now + pol.deferred == base.loads  # every load is one or the other
 
@@ -100,7 +100,7 @@ def test_engine_runs_the_assignment_as_stock_and_as_replayed(fixture_model: Path
         n_slots = dict(cache.n_slots)
     assert got == want
     pol = AssignedPolicy(LruPolicy(n_slots), costs, make_assigner("ratio"))
-    sim = simulate(pol, recorder.steps)
+    sim = replay_policy(pol, recorder.steps)
     assert (st["hits"], st["misses"], st["loads"]) == (sim.hits, sim.misses, sim.loads)
     assert report["assign"] == pol.report() and report["assign"]["loaded_now"] > 0
 
