@@ -27,7 +27,7 @@ from ..policies.residency import simulate as replay_residency
 from .costmodel import ModelShape
 from .profile import load_profile
 from .routing import routing_for_shape
-from .shapes import shape_file
+from .shapes import shape_file, with_k_m_mix
 from .simulate import Config, estimate_graph_nodes, run_config, static_frequency
 from .workload import Workload, build_workload
 
@@ -56,6 +56,8 @@ class Published:
     miss: str = "cpu"  # cache rows: a miss runs on the CPU ("cpu") or is copied to the GPU first ("load")
     published_hit_rate: float | None = None
     n_ctx: int = 4096
+    copies_per_miss: int = 0  # "load" misses: copies the host waits for per miss (0: one queued copy stream)
+    host_routed: bool = False  # the host reads each cached layer's routing before its experts run
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ def _config(row: Published, moe: tuple[int, ...]) -> Config:
         return Config(row.id, "stock", gpu_expert_layers=gpu_layers)
     cached = [il for il in moe if il not in gpu_layers]
     return Config(row.id, "edgemoe", gpu_expert_layers=gpu_layers, policy=row.policy,
-                  slots={il: row.slots for il in cached}, blocking=row.miss == "load")
+                  slots={il: row.slots for il in cached}, blocking=row.miss == "load",
+                  copies_per_load=row.copies_per_miss, host_routed=row.host_routed)
 
 
 def _decode_hit_rate(row: Published, cfg: Config, work: Workload, frequency: Any) -> float:
@@ -110,7 +113,7 @@ def _decode_hit_rate(row: Published, cfg: Config, work: Workload, frequency: Any
 def project(row: Published, *, shape_dir: Path, trace_cache: dict[tuple[int, int, int], tuple[Trace, str]]
             ) -> Projection:
     model = shape_file(row.model, _qtype(row.quant), shape_dir)
-    shape = ModelShape.read(model)
+    shape = with_k_m_mix(ModelShape.read(model), row.quant)
     prof = load_profile(row.profile)
     moe = shape.moe_layers
     key = (shape.n_expert, shape.n_expert_used, len(moe))
@@ -164,7 +167,7 @@ def markdown(projections: Sequence[Projection]) -> str:
                      f"{p.projected_tps:.1f} | {100 * p.error:+.0f}% | {hit} | {p.routing} | {r.source} |")
     lines.append("")
     for kind, s in error_stats(projections).items():
-        lines.append(f"- **{kind} rows** ({s['rows']:.0f}): median absolute error {100 * s['median_abs_error']:.0f}% "
-                     f"(target {100 * s['target']:.0f}%), mean {100 * s['mean_abs_error']:.0f}%, worst "
+        lines.append(f"- **{kind} rows** ({s['rows']:.0f}): median absolute error {100 * s['median_abs_error']:.1f}% "
+                     f"(target {100 * s['target']:.0f}%), mean {100 * s['mean_abs_error']:.1f}%, worst "
                      f"{100 * s['worst_error']:+.0f}%")
     return "\n".join(lines) + "\n"

@@ -1,12 +1,14 @@
 """Model shapes the performance model projects without the model: header-only GGUFs of the synthetic presets
 (edgemoe.gguf.presets), plus shapes of published models no preset covers, written once per (shape, type) into
-a directory and reused."""
+a directory and reused; and the tensor types of llama-quantize's *_K_M mixes, which the presets do not write."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..gguf.presets import PRESETS, SynthPreset
 from ..gguf.synth import write_synthetic
+from .costmodel import ModelShape, Weights
 
 # Qwen3.5/3.6-35B-A3B (Qwen/Qwen3.5-35B-A3B config.json: 40 layers, hidden 2048, 256 routed experts of 512, top-8,
 # one shared expert of 512, vocabulary 248,320, 16 query heads of 256 with 2 KV heads). Drawn as a qwen2moe
@@ -33,3 +35,29 @@ def shape_file(name: str, qtype: str, directory: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_synthetic(shape_preset(name), path, qtype=qtype, shape_only=True, progress=False)
     return path
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama-quantize's use_more_bits: the layers whose ffn_down a *_K_M mix stores in Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+_BYTES_PER_256 = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def with_k_m_mix(shape: ModelShape, quant: str) -> ModelShape:
+    """`shape` (written with every expert matrix in the file's main type) with a Q4_K_M or Q5_K_M file's expert
+    down projections: Q6_K on the layers llama-quantize gives more bits (about half of them). Other quantizations
+    are returned as they are."""
+    base = quant.upper().removesuffix("_M")
+    if not quant.upper().endswith("_K_M") or base not in _BYTES_PER_256:
+        return shape
+    moe = shape.moe_layers
+    layers = list(shape.layers)
+    for i, il in enumerate(moe):
+        ly = layers[il]
+        if len(ly.expert) != 3 or ly.expert[2].qtype != base or not _more_bits(i, len(moe)):
+            continue  # gate, up, down in file order, as the presets write them
+        down = Weights("Q6_K", ly.expert[2].nbytes * _BYTES_PER_256["Q6_K"] // _BYTES_PER_256[base])
+        layers[il] = replace(ly, expert=(*ly.expert[:2], down))
+    return replace(shape, layers=tuple(layers))
