@@ -58,18 +58,25 @@ def test_backtest_meets_the_error_targets(projections):
         assert s["median_abs_error"] <= s["target"], (kind, s)
 
 
-def test_host_driven_copies_cost_their_latencies(tmp_path):
-    """A fork that copies each miss as three waited copies and reads each layer's routing back is slower than one
-    whose loader queues them, by about a link latency per copy and per layer."""
+def test_pageable_host_routed_misses_cost_their_copies(tmp_path):
+    """A fork that copies each miss from pageable memory and reads each layer's routing on the host is slower than
+    one that copies from pinned memory on its own, by the slower copies and a link latency per cached layer."""
+    from edgemoe.perf.costmodel import ModelShape
+    from edgemoe.perf.profile import load_profile
+    from edgemoe.perf.shapes import shape_file, with_k_m_mix
+
     base = dict(kind="cache", model="qwen3-30b-a3b", quant="Q4_K_M", profile="rtx5090-wsl2", published_tps=1.0,
                 source="test", conditions="test", n_cpu_moe=99, policy="lru", slots=24, miss="load")
-    queued, waited = backtest([Published(id="queued", **base),
-                               Published(id="waited", copies_per_miss=3, host_routed=True, **base)], tmp_path)
-    assert waited.projected_hit_rate == queued.projected_hit_rate
-    lat = 55e-6  # the profile's link latency (WSL2)
-    misses = 48 * 8 * (1.0 - queued.projected_hit_rate)
-    extra = 1 / waited.projected_tps - 1 / queued.projected_tps
-    assert extra == pytest.approx(lat * (3 * misses + 48), rel=0.15)
+    pinned, pageable = backtest([Published(id="pinned", **base),
+                                 Published(id="pageable", pageable_misses=True, host_routed=True, **base)], tmp_path)
+    assert pageable.projected_hit_rate == pinned.projected_hit_rate
+    shape = with_k_m_mix(ModelShape.read(shape_file("qwen3-30b-a3b", "Q4_K", tmp_path)), "Q4_K_M")
+    link = load_profile("rtx5090-wsl2").link
+    per_miss = sum(shape.expert_bytes(il) for il in shape.moe_layers) / len(shape.moe_layers)
+    misses = 48 * 8 * (1.0 - pinned.projected_hit_rate)
+    expected = misses * per_miss * (1 / link.h2d_pageable - 1 / link.h2d_pinned) + 48 * link.latency_s
+    extra = 1 / pageable.projected_tps - 1 / pinned.projected_tps
+    assert extra == pytest.approx(expected, rel=0.2)
 
 
 def test_k_m_mix_puts_half_the_down_projections_in_q6_k(tmp_path):

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from ..analysis.routing_profile import profile_for_shape
 from ..analysis.trace import DECODE, Trace
 from ..policies.residency import make_policy
 from ..policies.residency import simulate as replay_residency
 from .costmodel import ModelShape
 from .profile import load_profile
-from .routing import routing_for_shape
 from .shapes import shape_file, with_k_m_mix
 from .simulate import Config, estimate_graph_nodes, run_config, static_frequency
 from .workload import Workload, build_workload
@@ -56,7 +56,7 @@ class Published:
     miss: str = "cpu"  # cache rows: a miss runs on the CPU ("cpu") or is copied to the GPU first ("load")
     published_hit_rate: float | None = None
     n_ctx: int = 4096
-    copies_per_miss: int = 0  # "load" misses: copies the host waits for per miss (0: one queued copy stream)
+    pageable_misses: bool = False  # "load" misses copied from pageable host memory (else pinned)
     host_routed: bool = False  # the host reads each cached layer's routing before its experts run
 
 
@@ -65,7 +65,7 @@ class Projection:
     row: Published
     projected_tps: float
     projected_hit_rate: float | None
-    routing: str  # the routing the projection replayed
+    routing: str  # the bundled routing profile the projection replayed ("~": the nearest to the model's shape)
     bottleneck: str
 
     @property
@@ -94,7 +94,7 @@ def _config(row: Published, moe: tuple[int, ...]) -> Config:
     cached = [il for il in moe if il not in gpu_layers]
     return Config(row.id, "edgemoe", gpu_expert_layers=gpu_layers, policy=row.policy,
                   slots={il: row.slots for il in cached}, blocking=row.miss == "load",
-                  copies_per_load=row.copies_per_miss, host_routed=row.host_routed)
+                  pageable_loads=row.pageable_misses, host_routed=row.host_routed)
 
 
 def _decode_hit_rate(row: Published, cfg: Config, work: Workload, frequency: Any) -> float:
@@ -110,6 +110,15 @@ def _decode_hit_rate(row: Published, cfg: Config, work: Workload, frequency: Any
     return replay_residency(policy, steps, counted).hit_rate
 
 
+def routing_trace(n_expert: int, k: int, n_layer: int, seed: int = 0) -> tuple[Trace, str]:
+    """The replayed routing: N_SEQ prompts drawn from the bundled routing profile of this shape (else the nearest,
+    marked with a "~"), and the profile's name."""
+    prof, exact = profile_for_shape(n_expert, k)
+    trace = prof.synthesize(n_expert=n_expert, k=k, n_layer=n_layer, n_seq=N_SEQ, prefill=PROMPT_TOKENS,
+                            decode=DECODE_TOKENS, seed=seed)
+    return trace, prof.name if exact else f"~{prof.name}"
+
+
 def project(row: Published, *, shape_dir: Path, trace_cache: dict[tuple[int, int, int], tuple[Trace, str]]
             ) -> Projection:
     model = shape_file(row.model, _qtype(row.quant), shape_dir)
@@ -118,12 +127,13 @@ def project(row: Published, *, shape_dir: Path, trace_cache: dict[tuple[int, int
     moe = shape.moe_layers
     key = (shape.n_expert, shape.n_expert_used, len(moe))
     if key not in trace_cache:
-        trace_cache[key] = routing_for_shape(shape.n_expert, shape.n_expert_used, len(moe), n_seq=N_SEQ,
-                                             prefill=PROMPT_TOKENS, decode=DECODE_TOKENS)
+        trace_cache[key] = routing_trace(shape.n_expert, shape.n_expert_used, len(moe))
     trace, routing = trace_cache[key]
     work = build_workload(trace, moe, shape.n_expert, shape.n_expert_used)
     cfg = _config(row, moe)
-    frequency = static_frequency(work) if row.policy == "static" else None
+    # a static cache is placed from a profile of other text: the warm-up prompt's routing, replayed on the next one
+    placed = Workload(tuple(s for s in work.steps if s.seq < 1), work.moe_layers, work.n_expert)
+    frequency = static_frequency(placed) if row.policy == "static" else None
     res = run_config(cfg, work, shape, prof, estimate_graph_nodes(shape), on_gpu=True, frequency=frequency,
                      warmup_seqs=1)
     hit = _decode_hit_rate(row, cfg, work, frequency) if row.kind == "cache" else None

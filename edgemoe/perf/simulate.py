@@ -84,9 +84,9 @@ class Config:
     precalc: PrecalcSpec | None = None  # decode steps pre-calculate (patch 0026, --precalc-from)
     # decode steps split the CPU's experts by rows with the GPU where that is faster (FreeToken-style; not built)
     decode_split: bool = False
-    # other engines' caches (the backtest, edgemoe.perf.backtest): each load is this many copies the host waits
-    # for, one link latency each (0: edgemoe's loader, chunks queued on a copy stream and one synchronisation)
-    copies_per_load: int = 0
+    # other engines' caches (the backtest, edgemoe.perf.backtest): loads copied from pageable host memory (the
+    # driver stages them: h2d_pageable), where edgemoe's loader sends its chunks from pinned staging buffers
+    pageable_loads: bool = False
     # the host reads each cached layer's routing before its experts run, one device-to-host synchronisation
     host_routed: bool = False
 
@@ -158,8 +158,8 @@ class _Run:
             b = self.shape.expert_bytes(ld.layer)
             nbytes += b
             if self.prof.link is not None and self.on_gpu:
-                t += b / self.prof.link.loads_bw  # the cache's loader: chunks from its staging buffers
-                t += self.cfg.copies_per_load * self.prof.link.latency_s
+                # the cache's loader: chunks from its staging buffers (another engine's: maybe pageable copies)
+                t += b / (self.prof.link.h2d_pageable if self.cfg.pageable_loads else self.prof.link.loads_bw)
             self.ready[(ld.layer, ld.expert)] = t
         self.link_free = t
         return nbytes
