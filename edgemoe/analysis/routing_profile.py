@@ -74,6 +74,11 @@ def bundled_names() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
+def routing_names() -> list[str]:
+    """Every name `load_routing_profile` takes: the bundled profiles and their aliases."""
+    return bundled_names() + sorted(ALIASES)
+
+
 @cache
 def load_routing_profile(name: str) -> RoutingProfile:
     """A bundled profile by name (or alias: olmoe, qwen3-30b, mixtral)."""
@@ -102,6 +107,35 @@ def profile_for_shape(n_expert: int, k: int) -> tuple[RoutingProfile, bool]:
 
     best = min(real, key=lambda p: (dist(p), p.name))
     return best, best.n_expert == n_expert and best.k == k
+
+
+@dataclass(frozen=True)
+class ModelRouting:
+    """A trace for a model that has no routing data of its own, and where it comes from."""
+
+    trace: Trace
+    profile: RoutingProfile
+    exact: bool  # the profile's expert count and top-k are the model's (else the nearest bundled one)
+
+    def describe(self) -> str:
+        p = self.profile
+        how = "its shape" if self.exact else f"the nearest shape to the model's, {p.n_expert} experts top-{p.k}"
+        return (f"bundled routing profile {p.name} ({how}; {self.trace.n_tokens} tokens drawn at the model's "
+                f"{self.trace.n_expert} experts top-{self.trace.ids.shape[2]}, {len(self.trace.layers)} MoE layers)")
+
+
+def routing_for_model(n_expert: int, k: int, n_layer: int, *, name: str | None = None, n_seq: int = 4,
+                      prefill: int = 256, decode: int = 256, seed: int = 0) -> ModelRouting:
+    """A trace of the model's routing shape from the profile `name`, else from the bundled real-model profile
+    that matches the shape (profile_for_shape): what plan and simulate project with when given no trace."""
+    if name is not None:
+        prof = load_routing_profile(name)
+        exact = prof.n_expert == n_expert and prof.k == k
+    else:
+        prof, exact = profile_for_shape(n_expert, k)
+    tr = prof.synthesize(n_expert=n_expert, k=k, n_layer=n_layer, n_seq=n_seq, prefill=prefill, decode=decode,
+                         seed=seed)
+    return ModelRouting(tr, prof, exact)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from ..analysis.routing_profile import routing_names
 from .options import gating_from_options, gating_options
 from .types import THREADS, GGUFPath, IntList, OutputPath
 
@@ -119,14 +120,8 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
 
 
 
-def _routing_names() -> list[str]:
-    from ..analysis.routing_profile import ALIASES, bundled_names
-
-    return bundled_names() + sorted(ALIASES)
-
-
 @click.command("trace-synth")
-@click.option("--routing", type=click.Choice(_routing_names()), required=True,
+@click.option("--routing", type=click.Choice(routing_names()), required=True,
               help="bundled routing profile: a real model's (calibrated on published traces) or fixture-qwen3moe "
                    "(the tiny trained fixture's, a toy far less local than real models)")
 @click.option("--tokens", type=click.IntRange(min=1), required=True,

@@ -25,9 +25,9 @@ POLICY_HELP = ("which experts the slots hold: lru (load misses for the next toke
                "fastest on a GPU), or the policy the other options belong to: dali with --dali-window, "
                "--dali-update or --dali-prefetch, promoe with --prefetch-distance or --prefetch-extra, lru with "
                "--assign or --blocking-loads")
-# the default --policy: the policy the performance model projects fastest on a GPU (1.37-1.85x stock's decode on
-# every bundled shape and profile at 8 GiB, docs/performance-model.md), where lru, which copies every miss for the
-# next token, is link-bound (0.28-0.70x on the laptop profile)
+# the default --policy: the policy the performance model projects fastest on a GPU on realistic routing (the bundled
+# routing profiles of real models at 8 GiB: 1.16-1.46x stock's decode, lru 0.25-1.33x; tools/default_policy.py,
+# docs/expert-cache.md "Defaults")
 DEFAULT_POLICY = "static"
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
               "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
