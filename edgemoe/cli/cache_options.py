@@ -26,7 +26,7 @@ POLICY_HELP = ("which experts the slots hold: lru (load misses for the next toke
                "--dali-update or --dali-prefetch, promoe with --prefetch-distance or --prefetch-extra, lru with "
                "--assign or --blocking-loads")
 # the default --policy: the policy the performance model projects fastest on a GPU on realistic routing (the bundled
-# routing profiles of real models at 8 GiB: 1.16-1.46x stock's decode, lru 0.25-1.33x; tools/default_policy.py,
+# routing profiles of real models: 1.13-1.65x stock's decode, lru 0.35-1.55x; tools/default_policy.py,
 # docs/expert-cache.md "Defaults")
 DEFAULT_POLICY = "static"
 ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
