@@ -43,7 +43,8 @@ def test_docs_table_regenerates(projections):
 def test_error_stats_are_computed_from_the_rows(projections):
     stats = error_stats(projections)
     for kind in ("stock", "cache"):
-        errs = sorted(abs(p.projected_tps / p.row.published_tps - 1.0) for p in projections if p.row.kind == kind)
+        errs = sorted(abs(p.projected_tps / p.row.published_tps - 1.0)
+                      for p in projections if p.row.kind == kind)
         mid = len(errs) // 2
         median = errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
         assert stats[kind]["median_abs_error"] == pytest.approx(median)
@@ -59,16 +60,19 @@ def test_backtest_meets_the_error_targets(projections):
 
 
 def test_pageable_host_routed_misses_cost_their_copies(tmp_path):
-    """A fork that copies each miss from pageable memory and reads each layer's routing on the host is slower than
-    one that copies from pinned memory on its own, by the slower copies and a link latency per cached layer."""
+    """A fork that copies each miss from pageable memory and reads each layer's routing on the host is slower
+    than one that copies from pinned memory on its own, by the slower copies and a link latency per cached
+    layer."""
     from edgemoe.perf.costmodel import ModelShape
     from edgemoe.perf.profile import load_profile
     from edgemoe.perf.shapes import shape_file, with_k_m_mix
 
-    base = dict(kind="cache", model="qwen3-30b-a3b", quant="Q4_K_M", profile="rtx5090-wsl2", published_tps=1.0,
-                source="test", conditions="test", n_cpu_moe=99, policy="lru", slots=24, miss="load")
+    base = {"kind": "cache", "model": "qwen3-30b-a3b", "quant": "Q4_K_M", "profile": "rtx5090-wsl2",
+            "published_tps": 1.0, "source": "test", "conditions": "test", "n_cpu_moe": 99, "policy": "lru",
+            "slots": 24, "miss": "load"}
     pinned, pageable = backtest([Published(id="pinned", **base),
-                                 Published(id="pageable", pageable_misses=True, host_routed=True, **base)], tmp_path)
+                                 Published(id="pageable", pageable_misses=True, host_routed=True, **base)],
+                                tmp_path)
     assert pageable.projected_hit_rate == pinned.projected_hit_rate
     shape = with_k_m_mix(ModelShape.read(shape_file("qwen3-30b-a3b", "Q4_K", tmp_path)), "Q4_K_M")
     link = load_profile("rtx5090-wsl2").link
@@ -94,11 +98,11 @@ def test_k_m_mix_puts_half_the_down_projections_in_q6_k(tmp_path):
 
 def test_projection_follows_the_published_configuration(tmp_path):
     """More experts on the GPU projects faster on the same machine; a bigger LRU cache hits more often."""
-    base = dict(kind="stock", model="qwen3-30b-a3b", quant="Q4_K_M", profile="rtx2080-i9-10900x",
-                published_tps=1.0, source="test", conditions="test")
+    base = {"kind": "stock", "model": "qwen3-30b-a3b", "quant": "Q4_K_M", "profile": "rtx2080-i9-10900x",
+            "published_tps": 1.0, "source": "test", "conditions": "test"}
+    cache = {**base, "kind": "cache", "n_cpu_moe": 99, "policy": "lru", "miss": "load"}
     rows = [Published(id="all-cpu", n_cpu_moe=99, **base), Published(id="half", n_cpu_moe=24, **base),
-            Published(**{**base, "kind": "cache"}, id="lru8", n_cpu_moe=99, policy="lru", slots=8, miss="load"),
-            Published(**{**base, "kind": "cache"}, id="lru64", n_cpu_moe=99, policy="lru", slots=64, miss="load")]
+            Published(**{**cache, "id": "lru8", "slots": 8}), Published(**{**cache, "id": "lru64", "slots": 64})]
     all_cpu, half, lru8, lru64 = backtest(rows, tmp_path)
     assert half.projected_tps > all_cpu.projected_tps
     assert lru64.projected_hit_rate > lru8.projected_hit_rate

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.perf.backtest import backtest, error_stats, load_published, markdown  # noqa: E402
+from edgemoe.perf.backtest import backtest, error_stats, load_published, markdown
 
 BEGIN, END = "<!-- backtest:begin -->", "<!-- backtest:end -->"
 
@@ -35,7 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=Path, help="write the table between the backtest markers of this file")
     ap.add_argument("--json", type=Path, help="write every row, projected and published, as JSON")
-    ap.add_argument("--shapes", type=Path, help="directory for the header-only model files (default: a temporary one)")
+    ap.add_argument("--shapes", type=Path,
+                    help="directory for the header-only model files (default: a temporary one)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         projections = backtest(load_published(), args.shapes or Path(tmp))
@@ -44,8 +45,9 @@ def main() -> None:
     if args.docs:
         args.docs.write_text(replace_between_markers(args.docs.read_text(), table))
     if args.json:
-        rows = [{**p.row.__dict__, "projected_tps": p.projected_tps, "projected_hit_rate": p.projected_hit_rate,
-                 "error": p.error, "routing": p.routing, "bottleneck": p.bottleneck} for p in projections]
+        rows = [{**p.row.__dict__, "projected_tps": p.projected_tps,
+                 "projected_hit_rate": p.projected_hit_rate, "error": p.error, "routing": p.routing,
+                 "bottleneck": p.bottleneck} for p in projections]
         args.json.write_text(json.dumps({"projected": True, "rows": rows, "stats": error_stats(projections)},
                                         indent=1) + "\n")
 

@@ -23,7 +23,7 @@ With `--routing fixture` the fixtures' traces are needed first:
 
     for m in qwen3moe mixtral; do .venv/bin/edgemoe trace models/edgemoe-tiny-$m.Q4_K_M.gguf \
         --input .build/traces/heldout-python-docs.txt --out .build/traces/$m-python-docs.npz \
-        --max-tokens 4096 --ctx 512 --mode decode --prefill-tokens 256; done   # the held-out 10% of python-docs.txt
+        --max-tokens 4096 --ctx 512 --mode decode --prefill-tokens 256; done   # held-out 10% of python-docs
 """
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ def _trace(trace_path: Path | None, model: Path | None = None) -> Trace:
     if ROUTING["routing"] == "real" and model is not None:
         info = ModelShape.read(model)
         prof, _ = profile_for_shape(info.n_expert, info.n_expert_used)
-        return prof.synthesize(n_expert=info.n_expert, k=info.n_expert_used, n_layer=len(info.moe_layers), n_seq=4,
-                               prefill=256, decode=256)
+        return prof.synthesize(n_expert=info.n_expert, k=info.n_expert_used, n_layer=len(info.moe_layers),
+                               n_seq=4, prefill=256, decode=256)
     if trace_path is None:
         stats = routing_stats(Trace.load(B / "traces/qwen3moe-python-docs.npz"))
         return synthesize_trace(stats, n_expert=128, k=8, n_layer=48, n_seq=4, prefill=256, decode=256)
@@ -108,10 +108,10 @@ def _projections(spec: SimSpec) -> Iterator[tuple[str, Path, str, SimResult, dic
 
 
 def project_policies(out: Path, gib: int) -> None:
-    """Each residency policy at one budget, overlap on (the build's default): its decode hit rate and decode speed
-    against lru's and against the best stock configuration's (issue 29, "features that do not pay"). static and daop
-    are placed by the trace's first half of sequences and every configuration replays the second half (simulate's
-    rule without a calibration)."""
+    """Each residency policy at one budget, overlap on (the build's default): its decode hit rate and decode
+    speed against lru's and against the best stock configuration's (issue 29, "features that do not pay").
+    static and daop are placed by the trace's first half of sequences and every configuration replays the
+    second half (simulate's rule without a calibration)."""
     rows = []
     print(f"PROJECTED, {gib} GiB, decode: tok/s (x lru), decode hit rate\n")
     print("| shape | profile | routing | best stock decode | lru | static | dali | daop |")
@@ -128,8 +128,8 @@ def project_policies(out: Path, gib: int) -> None:
               f"{' | '.join(cells)} |")
         rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "routing": routing_label(model, ""),
                   "workload_note": res.workload_note, **c.__dict__} for c in res.configs]
-    out.write_text(json.dumps({"projected": True, "overlap": True, "routing": ROUTING["routing"], "rows": rows},
-                              indent=1) + "\n")
+    out.write_text(json.dumps({"projected": True, "overlap": True, "routing": ROUTING["routing"],
+                               "rows": rows}, indent=1) + "\n")
 
 
 def project_device_prefill(out: Path, gib: int) -> None:
@@ -277,8 +277,9 @@ def main() -> None:
     ap.add_argument("--summary", type=Path, default=None, metavar="JSON",
                     help="print docs/performance-model.md's one-row-per-budget table from a --json file, and stop")
     ap.add_argument("--routing", choices=("real", "fixture"), default="real",
-                    help="real: traces drawn from the bundled routing profiles of real models (default); fixture: the "
-                         "tiny trained fixtures' traces (a toy, far less local), as the tables were before issue 29")
+                    help="real: traces drawn from the bundled routing profiles of real models (default); "
+                         "fixture: the tiny trained fixtures' traces (a toy, far less local), as the tables "
+                         "were before issue 29")
     args = ap.parse_args()
     ROUTING["routing"] = args.routing
     if args.summary is not None:
@@ -293,7 +294,8 @@ def main() -> None:
     out = []
     for shape, (model, trace_path, what) in SHAPES.items():
         trace = _trace(trace_path, model)
-        gated = trace_path is not None and ROUTING["routing"] == "fixture"  # drawn routing has no router weights
+        # drawn routing has no router weights: gated rows only on the fixtures' traces
+        gated = trace_path is not None and ROUTING["routing"] == "fixture"
         if args.markdown:
             print(f"\n### {shape} (PROJECTED; routing: {routing_label(model, what)})\n")
             print("| profile | VRAM | slots/layer | configuration | decode tok/s | prefill tok/s | hit rate | "

@@ -47,8 +47,9 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
 @click.option("--routing", type=click.Choice(routing_names()), default=None,
               help="draw the trace from this bundled routing profile instead (at the model's shape)")
 @click.option("--profile", "profile_name", default=None,
-              help="profile file (`edgemoe profile`) or bundled name (rtx4060-laptop, rtx4090-desktop, h100-server); "
-                   "default: this machine's measured profile")
+              help="profile file (`edgemoe profile`) or bundled name (rtx4060-laptop, rtx4090-desktop, "
+                   "h100-server, and the backtest's machines: docs/performance-model.md); default: this "
+                   "machine's measured profile")
 @click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget; 0: CPU only")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,
               help="context the KV cache is planned for")

@@ -3,8 +3,8 @@
 simulator on that machine's specification profile and the model's shape, with the error of the projection.
 
 Stock rows replay llama.cpp's `--n-cpu-moe N` placement (N at or above the model's MoE layers: every expert on
-the CPU, as `-ot exps=CPU`); cache rows replay the fork's expert cache with edgemoe's residency policy of the same
-kind (`static` for a cache filled from a routing profile, `lru` for one filled by recency), a miss either run on
+the CPU, as `-ot exps=CPU`); cache rows replay the fork's expert cache with edgemoe's residency policy of
+the same kind (`static` for a cache filled from a routing profile, `lru` for one filled by recency), a miss run on
 the CPU (`miss: cpu`) or copied to the GPU before the layer runs (`miss: load`). Forks and stock run a layer's
 CPU and GPU branches in turn, as llama.cpp's scheduler does. `tools/backtest.py` writes the table that
 docs/performance-model.md carries; tests/test_backtest.py checks that it regenerates.
@@ -65,7 +65,7 @@ class Projection:
     row: Published
     projected_tps: float
     projected_hit_rate: float | None
-    routing: str  # the bundled routing profile the projection replayed ("~": the nearest to the model's shape)
+    routing: str  # the bundled routing profile the projection replayed ("~": the nearest to the shape)
     bottleneck: str
 
     @property
@@ -105,14 +105,15 @@ def _decode_hit_rate(row: Published, cfg: Config, work: Workload, frequency: Any
     slots = dict(cfg.slots)
     policy = (StaticPolicy(frequency, slots) if row.policy == "static"
               else make_policy(str(row.policy), slots, n_expert=work.n_expert))
-    steps = [[(il, s.ids[:, j, :]) for j, il in enumerate(work.moe_layers) if il in slots] for s in work.steps]
+    steps = [[(il, s.ids[:, j, :]) for j, il in enumerate(work.moe_layers) if il in slots]
+             for s in work.steps]
     counted = [s.phase == DECODE and s.seq >= 1 for s in work.steps]
     return replay_residency(policy, steps, counted).hit_rate
 
 
 def routing_trace(n_expert: int, k: int, n_layer: int, seed: int = 0) -> tuple[Trace, str]:
-    """The replayed routing: N_SEQ prompts drawn from the bundled routing profile of this shape (else the nearest,
-    marked with a "~"), and the profile's name."""
+    """The replayed routing: N_SEQ prompts drawn from the bundled routing profile of this shape (else the
+    nearest, marked with a "~"), and the profile's name."""
     prof, exact = profile_for_shape(n_expert, k)
     trace = prof.synthesize(n_expert=n_expert, k=k, n_layer=n_layer, n_seq=N_SEQ, prefill=PROMPT_TOKENS,
                             decode=DECODE_TOKENS, seed=seed)
@@ -131,7 +132,7 @@ def project(row: Published, *, shape_dir: Path, trace_cache: dict[tuple[int, int
     trace, routing = trace_cache[key]
     work = build_workload(trace, moe, shape.n_expert, shape.n_expert_used)
     cfg = _config(row, moe)
-    # a static cache is placed from a profile of other text: the warm-up prompt's routing, replayed on the next one
+    # a static cache is placed from a profile of other text: the warm-up prompt's routing, replayed on the next
     placed = Workload(tuple(s for s in work.steps if s.seq < 1), work.moe_layers, work.n_expert)
     frequency = static_frequency(placed) if row.policy == "static" else None
     res = run_config(cfg, work, shape, prof, estimate_graph_nodes(shape), on_gpu=True, frequency=frequency,
@@ -163,21 +164,23 @@ def _pct(x: float | None) -> str:
 
 def markdown(projections: Sequence[Projection]) -> str:
     """The docs' table: one line per row, then the error statistics per kind."""
-    lines = ["| row | GPU profile | model (quant) | configuration | published tok/s | projected | error | "
-             "hit rate published / projected | routing | source |",
+    lines = [("| row | GPU profile | model (quant) | configuration | published tok/s | projected | error | "
+              "hit rate published / projected | routing | source |"),
              "| --- | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |"]
     for p in projections:
         r = p.row
         if r.kind == "stock":
             conf = "`-ot exps=CPU`" if r.n_cpu_moe >= 99 else f"`--n-cpu-moe {r.n_cpu_moe}`"
         else:
-            conf = f"{r.policy} cache, {r.slots} experts/layer, miss {'on the CPU' if r.miss == 'cpu' else 'loaded'}"
+            miss = "on the CPU" if r.miss == "cpu" else "loaded"
+            conf = f"{r.policy} cache, {r.slots} experts/layer, miss {miss}"
         hit = f"{_pct(r.published_hit_rate)} / {_pct(p.projected_hit_rate)}" if r.kind == "cache" else "-"
         lines.append(f"| {r.id} | {r.profile} | {r.model} ({r.quant}) | {conf} | {r.published_tps:.1f} | "
                      f"{p.projected_tps:.1f} | {100 * p.error:+.0f}% | {hit} | {p.routing} | {r.source} |")
     lines.append("")
     for kind, s in error_stats(projections).items():
-        lines.append(f"- **{kind} rows** ({s['rows']:.0f}): median absolute error {100 * s['median_abs_error']:.1f}% "
+        lines.append(f"- **{kind} rows** ({s['rows']:.0f}): median absolute error "
+                     f"{100 * s['median_abs_error']:.1f}% "
                      f"(target {100 * s['target']:.0f}%), mean {100 * s['mean_abs_error']:.1f}%, worst "
                      f"{100 * s['worst_error']:+.0f}%")
     return "\n".join(lines) + "\n"

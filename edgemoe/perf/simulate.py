@@ -158,7 +158,7 @@ class _Run:
             b = self.shape.expert_bytes(ld.layer)
             nbytes += b
             if self.prof.link is not None and self.on_gpu:
-                # the cache's loader: chunks from its staging buffers (another engine's: maybe pageable copies)
+                # the cache's loader: chunks from its staging buffers (another engine's: maybe pageable)
                 t += b / (self.prof.link.h2d_pageable if self.cfg.pageable_loads else self.prof.link.loads_bw)
             self.ready[(ld.layer, ld.expert)] = t
         self.link_free = t
