@@ -157,6 +157,25 @@ def test_dp_with_coarsened_byte_units_stays_within_the_budget() -> None:
     assert used <= budget and budget - used < max(w.values())
 
 
+def test_dp_with_bytes_never_adds_to_the_slots_asked() -> None:
+    """Issue 29: with smaller experts in some layers, the byte optimum alone holds more slots than asked."""
+    rng = np.random.default_rng(3)
+    w = {il: 35_840 if il % 3 == 0 else 29_696 for il in range(8)}  # the qwen3moe fixture's Q6_K / Q4_K layers
+    more = 0
+    for _ in range(40):
+        curves = {il: np.sort(rng.random(33))[::-1] * rng.uniform(0.5, 3) for il in w}
+        per = int(rng.integers(1, 20))
+        budget = per * sum(w.values())
+        more += sum(dp_allocate(curves, budget, bytes_per_expert=w).values()) > 8 * per  # what went wrong
+        got = dp_allocate(curves, budget, bytes_per_expert=w, max_total=8 * per)
+        assert sum(got.values()) <= 8 * per and sum(t * w[il] for il, t in got.items()) <= budget
+    assert more > 10
+    # the slot optimum is taken when it fits the bytes: then it is exact
+    curves = {il: np.sort(rng.random(33))[::-1] for il in w}
+    by_slots = dp_allocate(curves, 64)
+    assert dp_allocate(curves, 10**9, bytes_per_expert=w, max_total=64) == by_slots
+
+
 def test_dali_policy_on_hand_made_routes() -> None:
     pol = DaliPolicy({0: 2}, n_expert=6, window=2, update=1)
     assert pol.on_route(0, np.array([[1, 2]])) == [Load(0, 1, 0), Load(0, 2, 1)]  # free slots fill
@@ -237,6 +256,9 @@ def test_plan_allocation_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
                                budget_bytes=8 * sum(info.bytes_per_expert_by_layer.values()))
     assert sum(t * info.bytes_per_expert_by_layer[il] for il, t in by_bytes.slots.items()) <= \
         8 * sum(info.bytes_per_expert_by_layer.values())
+    # --expert-slots 8 --alloc dp handed out 66 slots (its Q4_K layers' slots are cheaper): never more than 8 x n
+    assert len(set(info.bytes_per_expert_by_layer.values())) > 1 and by_bytes.alloc == "dp"
+    assert sum(by_bytes.slots.values()) <= 8 * n
 
     equal = {il: 8 for il in info.moe_layers}
     assert plan_allocation(info, alloc="equal", policy="lru", calibration=cal, slots_per_layer=8).slots == equal

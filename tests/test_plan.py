@@ -78,8 +78,6 @@ def test_suggest_names_the_fastest_edgemoe_row_and_its_command() -> None:
 
 
 def test_plan_without_routing_data_or_room_says_what_to_do(tmp_path: Path) -> None:
-    plan = make_plan(QWEN, vram=2**30, n_ctx=512)
-    assert plan.expected == [] and any("--trace" in n for n in plan.notes)
     small = make_plan(QWEN, vram=64 * 2**20, n_ctx=512)
     assert small.slots_per_layer["equal"] == [0] * len(read_model_info(QWEN).moe_layers) and any("raise --vram" in n for n in small.notes)
 
@@ -99,6 +97,50 @@ def test_plan_cli(tmp_path: Path) -> None:
     assert bad.exit_code != 0 and "--vram" in bad.output
     both = CliRunner().invoke(cli, ["plan", str(QWEN), "--vram", "1GiB", "--expert-slots", "4"])
     assert both.exit_code == 2 and "not both" in both.output
+
+
+def _uncalibrated(tmp_path: Path, preset: str, layers: int) -> Path:
+    from edgemoe.gguf.synth import write_synthetic
+
+    return write_synthetic(preset, tmp_path / f"{preset}.gguf", layers=layers, shape_only=True, progress=False)
+
+
+def test_plan_without_routing_data_projects_with_the_matching_routing_profile(tmp_path: Path) -> None:
+    """Issue 29: a model with no trace and no calibration gets the bundled routing profile of its shape, named."""
+    model = _uncalibrated(tmp_path, "qwen3-30b-a3b", 6)
+    assert default_calibration_dir(model) is None
+    r = CliRunner().invoke(cli, ["plan", str(model), "--vram", "1GiB", "--ctx", "512", "--profile", "rtx4060-laptop",
+                                 "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["routing_profile"] == "qwen3-30b-a3b" and "bundled routing profile qwen3-30b-a3b" in d["routing"]
+    rows = {x["config"] for x in d["expected"]}
+    assert {"edgemoe-lru", "edgemoe-static", "stock-ot-exps-cpu"} <= rows
+    assert all(x["decode_tps"] > 0 for x in d["expected"]) and d["suggestion"] is not None
+    # a shape no profile has takes the nearest real model's, and says so; --routing picks one
+    oss = _uncalibrated(tmp_path, "gpt-oss-20b", 2)
+    plan = make_plan(oss, vram=2 * 2**30, n_ctx=512)
+    assert plan.routing_profile == "olmoe-1b-7b" and "nearest shape" in plan.routing and plan.expected
+    toy = make_plan(oss, vram=2 * 2**30, n_ctx=512, routing="fixture-qwen3moe")
+    assert toy.routing_profile == "fixture-qwen3moe" and any("TOY" in n for n in toy.notes)
+    both = CliRunner().invoke(cli, ["plan", str(oss), "--vram", "1GiB", "--routing", "olmoe", "--trace", __file__])
+    assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_simulate_without_a_trace_uses_the_routing_profile(tmp_path: Path) -> None:
+    model = _uncalibrated(tmp_path, "mixtral-8x7b", 3)
+    r = CliRunner().invoke(cli, ["simulate", str(model), "--profile", "rtx4060-laptop", "--vram", "6GiB", "--ctx",
+                                 "512", "--policy", "lru", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["routing_profile"] == "mixtral-8x7b" and "its shape" in d["routing"]
+    text = CliRunner().invoke(cli, ["simulate", str(model), "--profile", "rtx4060-laptop", "--vram", "6GiB",
+                                    "--ctx", "512", "--policy", "lru", "--routing", "olmoe"],
+                              catch_exceptions=False).output
+    assert text.startswith("routing: bundled routing profile olmoe-1b-7b (the nearest shape")
+    gated = CliRunner().invoke(cli, ["simulate", str(model), "--profile", "rtx4060-laptop", "--gating", "ser",
+                                     "--threshold", "0.4"])
+    assert gated.exit_code == 2 and "recorded --trace" in gated.output
 
 
 def test_plan_says_when_the_budget_holds_the_whole_model() -> None:

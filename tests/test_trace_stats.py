@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from edgemoe.cli import cli
 from edgemoe.analysis.trace import DECODE, PREFILL, Trace
 from edgemoe.analysis.trace_stats import (adjacency_matrix, compute_stats, gate_input_cosine, gate_reuse_recall, high_workload_adjacency,
-                                 lru_hit_rates, prefill_decode_similarity, temporal_locality,
-                                 workload_windows)
+                                 lru_hit_rates, prefill_decode_similarity, prompt_coverage, reuse_distances,
+                                 reuse_within, temporal_locality, workload_windows)
 
 
 def _trace(ids: np.ndarray, n_expert: int, **kw) -> Trace:  # type: ignore[no-untyped-def]
@@ -86,6 +86,31 @@ def test_lru_hit_rates_known() -> None:
     r = lru_hit_rates(ids, 3, np.array([1, 2, 3]))
     # size 1: no hits; size 2: hits at t=2, t=3 -> 2/6; size 3: hits at t=2, 3, 5 -> 3/6
     np.testing.assert_allclose(r[0], [0.0, 2 / 6, 3 / 6])
+
+
+def test_lru_hit_rates_count_after_warmup() -> None:
+    ids = np.array([[[0]], [[1]], [[0]], [[1]], [[2]], [[0]]])
+    # size 2, counted from token 3: hits at t=3 only (t=5 misses: 0 was evicted by 2) -> 1/3
+    np.testing.assert_allclose(lru_hit_rates(ids, 3, np.array([2]), count_from=3)[0], [1 / 3])
+
+
+def test_reuse_over_a_window_known() -> None:
+    # one layer, k=2; sequence 0: {0,1} {1,2} {3,4} {0,5}; sequence 1 starts afresh: {0,1} {0,1}
+    ids = np.array([[0, 1], [1, 2], [3, 4], [0, 5], [0, 1], [0, 1]])[:, None, :]
+    seq = np.array([0, 0, 0, 0, 1, 1])
+    d = reuse_distances(ids, seq)
+    assert d[1, 0].tolist() == [1.0, np.inf] and d[3, 0].tolist() == [3.0, np.inf] and np.isinf(d[4]).all()
+    # tokens with a predecessor: t=1,2,3,5 (8 selections); within 1: 1 (t=1) + 2 (t=5) -> 3/8
+    np.testing.assert_allclose(reuse_within(d, seq, 1), [3 / 8])
+    np.testing.assert_allclose(reuse_within(d, seq, 3), [4 / 8])  # + expert 0 at t=3, three tokens back
+
+
+def test_prompt_coverage_known() -> None:
+    # 4 experts, share 0.5 -> the top 2; sequence 0 uses only 0 and 1, sequence 1 only 2 and 3
+    ids = np.array([[0, 1]] * 3 + [[2, 3]] * 3)[:, None, :]
+    own, other = prompt_coverage(ids, np.array([0, 0, 0, 1, 1, 1]), 4, 0.5)
+    assert own == 1.0 and other == 0.0  # each sequence's top half is the other's unused half
+    assert prompt_coverage(ids[:3], np.zeros(3, int), 4, 0.5) == (1.0, None)
 
 
 def test_trace_stats_cli(tmp_path: Path) -> None:

@@ -2,16 +2,15 @@
 """Projected tables (docs/performance-model.md): model shapes x bundled profiles x VRAM budgets.
 
 Every figure is a projection of `edgemoe simulate` (edgemoe.perf.simulate) from a specification
-profile, replaying a routing trace: the fixtures' traces on held-out text (real routing of trained
-models) for the shapes with the same expert count and top-k, the random-weight synthetic model's
-own trace where no trained model of that routing shape exists (labelled: no expert locality).
+profile, replaying a routing trace. By default (`--routing real`) the trace is drawn from the bundled
+routing profile of real models for the shape (edgemoe.analysis.routing_profile: Qwen3-30B-A3B and
+Mixtral-8x7B their own, gpt-oss-20b the nearest, OLMoE's), four prompts of 256 tokens then 256 generated;
+`--routing fixture` replays the tiny trained fixtures' traces as the tables did before issue 29 (a toy:
+far less local than real models; the only routing with router weights, hence the only one with gated rows).
 
     .venv/bin/python tools/synth_gguf.py qwen3-30b-a3b --shape-only --out .build/shapes/qwen3-30b-a3b.Q4_K.gguf
     .venv/bin/python tools/synth_gguf.py gpt-oss-20b --type MXFP4 --shape-only --out .build/shapes/gpt-oss-20b.MXFP4.gguf
     .venv/bin/python tools/synth_gguf.py mixtral-8x7b --shape-only --out .build/shapes/mixtral-8x7b.Q4_K.gguf
-    for m in qwen3moe mixtral; do .venv/bin/edgemoe trace models/edgemoe-tiny-$m.Q4_K_M.gguf \
-        --input .build/traces/heldout-python-docs.txt --out .build/traces/$m-python-docs.npz \
-        --max-tokens 4096 --ctx 512 --mode decode --prefill-tokens 256; done   # the held-out 10% of python-docs.txt
     .venv/bin/python tools/project_tables.py --markdown --json docs/figures/projected-tables.json
     .venv/bin/python tools/project_tables.py --summary docs/figures/projected-tables.json   # the docs' table
     .venv/bin/python tools/project_tables.py --policies docs/figures/projected-policies.json   # every policy, 8 GiB
@@ -19,6 +18,12 @@ own trace where no trained model of that routing shape exists (labelled: no expe
     .venv/bin/python tools/project_tables.py --precalc docs/figures/projected-precalc.json   # 0026, rates from
         # docs/figures/daop-precalc-run.json (tools/precalc_eval.py)
     .venv/bin/python tools/project_tables.py --decode-split docs/figures/projected-decode-split.json   # not built
+
+With `--routing fixture` the fixtures' traces are needed first:
+
+    for m in qwen3moe mixtral; do .venv/bin/edgemoe trace models/edgemoe-tiny-$m.Q4_K_M.gguf \
+        --input .build/traces/heldout-python-docs.txt --out .build/traces/$m-python-docs.npz \
+        --max-tokens 4096 --ctx 512 --mode decode --prefill-tokens 256; done   # held-out 10% of python-docs
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgemoe.analysis.routing_model import routing_stats, synthesize_trace  # noqa: E402
+from edgemoe.analysis.routing_profile import profile_for_shape  # noqa: E402
 from edgemoe.analysis.trace import Trace  # noqa: E402
 from edgemoe.gguf.info import vram_plan, vram_reserve  # noqa: E402
 from edgemoe.perf.costmodel import ModelShape  # noqa: E402
@@ -62,11 +68,30 @@ PRECALC_RUN = Path("docs/figures/daop-precalc-run.json")
 POLICIES = ("lru", "static", "dali", "daop")
 
 
-def _trace(trace_path: Path | None) -> Trace:
+ROUTING = {"routing": "real"}  # --routing: "real" (bundled profiles of real models) or "fixture" (the toy)
+
+
+def _trace(trace_path: Path | None, model: Path | None = None) -> Trace:
+    """The shape's routing: drawn from the bundled real-model profile of its expert count and top-k (else the
+    nearest), or with --routing fixture the fixtures' traces as before."""
+    if ROUTING["routing"] == "real" and model is not None:
+        info = ModelShape.read(model)
+        prof, _ = profile_for_shape(info.n_expert, info.n_expert_used)
+        return prof.synthesize(n_expert=info.n_expert, k=info.n_expert_used, n_layer=len(info.moe_layers),
+                               n_seq=4, prefill=256, decode=256)
     if trace_path is None:
         stats = routing_stats(Trace.load(B / "traces/qwen3moe-python-docs.npz"))
         return synthesize_trace(stats, n_expert=128, k=8, n_layer=48, n_seq=4, prefill=256, decode=256)
     return Trace.load(trace_path)
+
+
+def routing_label(model: Path, what: str) -> str:
+    """What routing a shape's rows replay, for the tables' headings."""
+    if ROUTING["routing"] != "real":
+        return f"fixture (a toy): {what}"
+    info = ModelShape.read(model)
+    prof, exact = profile_for_shape(info.n_expert, info.n_expert_used)
+    return prof.name if exact else f"~{prof.name} (the nearest bundled profile)"
 
 
 def _projections(spec: SimSpec) -> Iterator[tuple[str, Path, str, SimResult, dict[str, ConfigResult], ConfigResult,
@@ -74,7 +99,7 @@ def _projections(spec: SimSpec) -> Iterator[tuple[str, Path, str, SimResult, dic
     """Each shape on each bundled profile under spec: (shape, model, profile, result, configurations by name, the
     best stock configuration's decode, the best stock prefill tok/s)."""
     for shape, (model, trace_path, _) in SHAPES.items():
-        trace = _trace(trace_path)
+        trace = _trace(trace_path, model)
         for prof_name in PROFILES:
             res = simulate(model, trace, load_profile(prof_name), spec)
             stock = [c for c in res.configs if c.kind == "stock"]
@@ -83,25 +108,28 @@ def _projections(spec: SimSpec) -> Iterator[tuple[str, Path, str, SimResult, dic
 
 
 def project_policies(out: Path, gib: int) -> None:
-    """Each residency policy against the best stock configuration at one budget, overlap on (the build's
-    default): issue 12's per-policy comparison, projected. static and daop are placed by the trace's first
-    half of sequences and every configuration replays the second half (simulate's rule without a calibration)."""
+    """Each residency policy at one budget, overlap on (the build's default): its decode hit rate and decode
+    speed against lru's and against the best stock configuration's (issue 29, "features that do not pay").
+    static and daop are placed by the trace's first half of sequences and every configuration replays the
+    second half (simulate's rule without a calibration)."""
     rows = []
-    print(f"PROJECTED, {gib} GiB, decode then prefill tok/s, x best stock\n")
-    print("| shape | profile | best stock decode | lru | static | dali | daop | best stock prefill | lru | static | "
-          "dali | daop |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for shape, _, prof_name, res, by, dec, pre in _projections(
+    print(f"PROJECTED, {gib} GiB, decode: tok/s (x lru), decode hit rate\n")
+    print("| shape | profile | routing | best stock decode | lru | static | dali | daop |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for shape, model, prof_name, res, by, dec, _ in _projections(
             SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=POLICIES)):
-        cells_d = [f"{by['edgemoe-' + p].decode_tps:.1f} ({by['edgemoe-' + p].decode_tps / dec.decode_tps:.2f}x)"
-                   for p in POLICIES]
-        cells_p = [f"{by['edgemoe-' + p].prefill_tps:.0f} ({by['edgemoe-' + p].prefill_tps / pre:.2f}x)"
-                   for p in POLICIES]
-        print(f"| {shape} | {prof_name} | {dec.decode_tps:.1f} ({dec.name}) | {' | '.join(cells_d)} | {pre:.0f} | "
-              f"{' | '.join(cells_p)} |")
-        rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "workload_note": res.workload_note,
-                  **c.__dict__} for c in res.configs]
-    out.write_text(json.dumps({"projected": True, "overlap": True, "rows": rows}, indent=1) + "\n")
+        lru = by["edgemoe-lru"].decode_tps
+        cells = []
+        for p in POLICIES:
+            c = by["edgemoe-" + p]
+            ratio = "" if p == "lru" else f" ({c.decode_tps / lru:.2f}x)"
+            cells.append(f"{c.decode_tps:.1f}{ratio}, {c.decode_hit_rate:.2f}")
+        print(f"| {shape} | {prof_name} | {routing_label(model, '')} | {dec.decode_tps:.1f} ({dec.name}) | "
+              f"{' | '.join(cells)} |")
+        rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "routing": routing_label(model, ""),
+                  "workload_note": res.workload_note, **c.__dict__} for c in res.configs]
+    out.write_text(json.dumps({"projected": True, "overlap": True, "routing": ROUTING["routing"],
+                               "rows": rows}, indent=1) + "\n")
 
 
 def project_device_prefill(out: Path, gib: int) -> None:
@@ -158,7 +186,7 @@ def project_precalc(out: Path, gib: int) -> None:
           "perfect | rates late, all (recall / precision from layer) | NLL change late, all (measured) |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for shape, (model, trace_path, _) in SHAPES.items():
-        trace = _trace(trace_path)
+        trace = _trace(trace_path, model)
         rules = precalc_rules(PRECALC_FIXTURE[shape], ModelShape.read(model).info.n_layer, run)
         for prof_name in PROFILES:
             prof = load_profile(prof_name)
@@ -248,7 +276,12 @@ def main() -> None:
                          "--policies-gib on each bundled profile to this file and print its table, and stop")
     ap.add_argument("--summary", type=Path, default=None, metavar="JSON",
                     help="print docs/performance-model.md's one-row-per-budget table from a --json file, and stop")
+    ap.add_argument("--routing", choices=("real", "fixture"), default="real",
+                    help="real: traces drawn from the bundled routing profiles of real models (default); "
+                         "fixture: the tiny trained fixtures' traces (a toy, far less local), as the tables "
+                         "were before issue 29")
     args = ap.parse_args()
+    ROUTING["routing"] = args.routing
     if args.summary is not None:
         print_summary(json.loads(args.summary.read_text())["rows"])
         return
@@ -260,14 +293,11 @@ def main() -> None:
             return
     out = []
     for shape, (model, trace_path, what) in SHAPES.items():
-        if trace_path is None:
-            stats = routing_stats(Trace.load(B / "traces/qwen3moe-python-docs.npz"))
-            trace = synthesize_trace(stats, n_expert=128, k=8, n_layer=48, n_seq=4, prefill=256, decode=256)
-        else:
-            trace = Trace.load(trace_path)
-        gated = trace_path is not None
+        trace = _trace(trace_path, model)
+        # drawn routing has no router weights: gated rows only on the fixtures' traces
+        gated = trace_path is not None and ROUTING["routing"] == "fixture"
         if args.markdown:
-            print(f"\n### {shape} (PROJECTED; routing: {what})\n")
+            print(f"\n### {shape} (PROJECTED; routing: {routing_label(model, what)})\n")
             print("| profile | VRAM | slots/layer | configuration | decode tok/s | prefill tok/s | hit rate | "
                   "PCIe MB/token | bottleneck |")
             print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")

@@ -71,14 +71,21 @@ def format_stats(d: dict[str, Any]) -> str:
 
     t = d["trace"]
     lines = [f"trace {t['path']}: {t['tokens']} tokens ({t['mode']}), {len(d['layers'])} MoE layers, "
-             f"{d['n_expert']} experts, top-{d['k']}",
+             f"{d['n_expert']} experts, top-{d['k']}"
+             + (f"; synthetic routing {t['routing']}" if t.get("routing") else ""),
              f"{'MoE layer':<28} " + " ".join(f"{il:>6}" for il in d["layers"]),
              row("normalised entropy", d["entropy"]), row("skew (hottest x E)", d["skew"]),
              row("temporal locality", d["temporal_locality"]),
              row(f"high-workload adj. (w={d['adjacency_window']})", d["high_workload_adjacency"]),
              row("gate-input cos (l-1, l)", d["gate_input_cosine"], 1),
              row("gate-reuse recall (l from l-1)", d["gate_reuse_recall"], 1),
-             row("prefill/decode similarity", d["prefill_decode_similarity"])]
+             row("prefill/decode similarity", d["prefill_decode_similarity"]),
+             row("reuse by the next token", d.get("reuse_next_per_layer")),
+             row("reuse within 8 tokens", d.get("reuse_within_8_per_layer"))]
+    if d.get("coverage_top40_in_prompt") is not None:
+        other = d.get("coverage_top40_other_prompts")
+        lines.append(f"top 40% of experts cover {d['coverage_top40_in_prompt']:.3f} of a sequence's selections"
+                     + (f" (chosen on the other sequences: {other:.3f})" if other is not None else ""))
     lines.append("LRU hit rate (mean over layers): " + ", ".join(
         f"{s}: {h:.3f}" for s, h in zip(d["lru_sizes"], d["lru_hit_rate_mean"])))
     lines.append("means: " + ", ".join(f"{k} {v}" for k, v in d["mean"].items() if v is not None))

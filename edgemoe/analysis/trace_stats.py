@@ -8,11 +8,16 @@
 - prefill vs decode (DAOP eq. 1 / Table II): cosine of the per-layer activation counts of the
   prefill tokens and of the decode tokens
 - gate reuse (DAOP Fig. 5): recall of layer l+1's top-k when its router is applied to layer l's input
+- reuse over a window: the share of a token's experts that one of the previous w tokens of its sequence used
+  (w = 1: the next-token reuse; w = 8: what a cache of a few tokens' experts catches)
+- prompt coverage: the share of selections the most used 40% of experts take within one sequence, and what
+  the 40% most used on the other sequences cover of it (how far popularity drifts between prompts)
 - LRU: hit rate of a per-layer LRU expert cache of each size over the token order
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +44,10 @@ class TraceStats:
     gate_reuse_recall: np.ndarray | None  # (L-1,) predicting layer j+1 from layer j's input
     lru_sizes: np.ndarray  # (S,) cache sizes (experts per layer)
     lru_hit_rate: np.ndarray  # (L, S)
+    reuse_next: np.ndarray | None = None  # (L,) share of a token's experts the previous token used
+    reuse_within_8: np.ndarray | None = None  # (L,) ... that one of the previous 8 tokens used
+    coverage_in_prompt: float | None = None  # top-40% experts of a sequence: their share of its selections
+    coverage_other_prompts: float | None = None  # top-40% of the other sequences: their share (None: 1 sequence)
 
     def to_dict(self) -> dict[str, object]:
         def f(a: np.ndarray | None) -> object:
@@ -54,6 +63,10 @@ class TraceStats:
             "gate_reuse_recall": f(self.gate_reuse_recall),
             "lru_sizes": self.lru_sizes.tolist(), "lru_hit_rate": f(self.lru_hit_rate),
             "lru_hit_rate_mean": f(self.lru_hit_rate.mean(0)),
+            "reuse_next": _mean(self.reuse_next), "reuse_within_8": _mean(self.reuse_within_8),
+            "reuse_next_per_layer": f(self.reuse_next), "reuse_within_8_per_layer": f(self.reuse_within_8),
+            "coverage_top40_in_prompt": self.coverage_in_prompt,
+            "coverage_top40_other_prompts": self.coverage_other_prompts,
             "frequency": f(self.frequency),
             "mean": {
                 "entropy": _mean(self.entropy), "skew": _mean(self.skew),
@@ -163,8 +176,52 @@ def gate_reuse_recall(ids: np.ndarray, gate_inputs: np.ndarray, routers: dict[in
     return out
 
 
-def lru_hit_rates(ids: np.ndarray, n_expert: int, sizes: np.ndarray) -> np.ndarray:
-    """(L, S) hit rate of a per-layer LRU cache of each size, over the tokens in order."""
+def reuse_distances(ids: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """(T, L, k) float: how many tokens back the same sequence last used each selected expert (inf: not before)."""
+    T, L, k = ids.shape
+    n_expert = int(ids.max()) + 1 if ids.size else 1
+    rows = np.arange(L)[:, None]
+    last = np.full((L, n_expert), -1, np.int64)
+    out = np.full((T, L, k), np.inf)
+    for t in range(T):
+        if t and seq[t] != seq[t - 1]:
+            last.fill(-1)
+        prev = last[rows, ids[t]]
+        out[t] = np.where(prev >= 0, t - prev, np.inf)
+        last[rows, ids[t]] = t
+    return out
+
+
+def reuse_within(dist: np.ndarray, seq: np.ndarray, window: int) -> np.ndarray:
+    """(L,) share of the selections of tokens with a predecessor in their sequence whose expert one of the
+    previous `window` tokens used (window 1: the previous token)."""
+    has_prev = np.r_[False, seq[1:] == seq[:-1]]
+    d = dist[has_prev]
+    if d.shape[0] == 0:
+        return np.full(dist.shape[1], np.nan)
+    return (d <= window).mean(axis=(0, 2))
+
+
+def prompt_coverage(ids: np.ndarray, seq: np.ndarray, n_expert: int, share: float = 0.4
+                    ) -> tuple[float, float | None]:
+    """Mean over sequences and layers of the share of a sequence's selections taken by its own most used
+    `share` of experts, and by the most used `share` of all the other sequences pooled (None: one sequence)."""
+    top = max(1, round(share * n_expert))
+    seqs = np.unique(seq)
+    counts = np.stack([expert_counts(ids[seq == s], n_expert) for s in seqs])  # (S, L, E)
+    total = np.maximum(counts.sum(-1), 1)
+    own = np.sort(counts, axis=-1)[..., ::-1][..., :top].sum(-1) / total
+    if len(seqs) < 2:
+        return float(own.mean()), None
+    rest = counts.sum(0)[None] - counts
+    chosen = np.argsort(-rest, axis=-1, kind="stable")[..., :top]
+    other = np.take_along_axis(counts, chosen, axis=-1).sum(-1) / total
+    return float(own.mean()), float(other.mean())
+
+
+def lru_hit_rates(ids: np.ndarray, n_expert: int, sizes: np.ndarray, count_from: int = 0) -> np.ndarray:
+    """(L, S) hit rate of a per-layer LRU cache of each size, over the tokens in order; the first `count_from`
+    tokens only warm the cache."""
     T, L, k = ids.shape
     out = np.zeros((L, len(sizes)))
     for j in range(L):
@@ -172,27 +229,35 @@ def lru_hit_rates(ids: np.ndarray, n_expert: int, sizes: np.ndarray) -> np.ndarr
         for si, size in enumerate(sizes):
             cache: OrderedDict[int, None] = OrderedDict()
             hits = 0
-            for row in seq:
+            for t, row in enumerate(seq):
                 for e in row.tolist():
                     if e in cache:
-                        hits += 1
+                        hits += t >= count_from
                         cache.move_to_end(e)
                     else:
                         cache[e] = None
                         if len(cache) > size:
                             cache.popitem(last=False)
-            out[j, si] = hits / (T * k)
+            out[j, si] = hits / max((T - count_from) * k, 1)
     return out
 
 
-def compute_stats(tr: Trace, *, routers: dict[int, np.ndarray] | None = None, window: int = 32) -> TraceStats:
+def compute_stats(tr: Trace, *, routers: dict[int, np.ndarray] | None = None, window: int = 32,
+                  lru_sizes: Sequence[int] | None = None) -> TraceStats:
+    """Every statistic above; `lru_sizes`: the LRU cache sizes (experts per layer) to replay (default: 8 sizes
+    from k to n_expert)."""
     E, k = tr.n_expert, int(tr.ids.shape[2])
     counts = expert_counts(tr.ids, E)
     share = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     with np.errstate(divide="ignore", invalid="ignore"):
         ent = -(np.where(share > 0, share * np.log(share), 0.0)).sum(1) / np.log(E)
     work = workload_windows(tr.ids, E, window)
-    sizes = np.unique(np.linspace(k, E, num=min(8, E - k + 1)).round().astype(int))
+    if lru_sizes is None:
+        sizes = np.unique(np.linspace(k, E, num=min(8, E - k + 1)).round().astype(int))
+    else:
+        sizes = np.asarray([int(s) for s in lru_sizes], int)
+    dist = reuse_distances(tr.ids, tr.seq)
+    cov_own, cov_other = prompt_coverage(tr.ids, tr.seq, E)
     have_inputs = tr.gate_inputs is not None
     return TraceStats(
         layers=[int(x) for x in tr.layers], n_expert=E, k=k, frequency=share, entropy=ent,
@@ -204,4 +269,6 @@ def compute_stats(tr: Trace, *, routers: dict[int, np.ndarray] | None = None, wi
         gate_reuse_recall=(gate_reuse_recall(tr.ids, tr.gate_inputs, routers, list(tr.layers))
                            if have_inputs and routers else None),
         lru_sizes=sizes, lru_hit_rate=lru_hit_rates(tr.ids, E, sizes),
+        reuse_next=reuse_within(dist, tr.seq, 1), reuse_within_8=reuse_within(dist, tr.seq, 8),
+        coverage_in_prompt=round(cov_own, 5), coverage_other_prompts=None if cov_other is None else round(cov_other, 5),
     )

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..policies.allocation import decode_steps, dp_allocate, f_curves, layer_steps
+from ..policies.allocation import decode_steps, dp_allocate, f_curves, layer_steps, total_cost
 from ..policies.residency import DALI_WINDOW, PolicyKind, dali_default_update, load_frequency
 from .card import CalibrationError, cache_dir
 
@@ -109,7 +109,9 @@ def plan_allocation(info: ModelInfo, *, alloc: str | None, policy: str, calibrat
     they are 3/4 of the calibration tokens, in ubatches of hundreds of tokens, and would decide
     the allocation for prompt processing) under the same budget: `budget_bytes` of expert
     slots when given (--vram; each layer's slot costs its own bytes per expert), else
-    slots_per_layer times the MoE layers (--expert-slots N: N on average).
+    slots_per_layer times the MoE layers (--expert-slots N: N on average). Either way dp hands out at
+    most the slots equal allocation does: with bytes, layers with smaller experts (a Q4_K_M file's
+    Q4_K ffn_down beside Q6_K ones) could otherwise take more slots than were asked.
     """
     if alloc is not None and alloc not in ALLOC_MODES:
         raise CalibrationError(f"unknown --alloc {alloc!r}: use {' or '.join(ALLOC_MODES)}")
@@ -139,10 +141,14 @@ def plan_allocation(info: ModelInfo, *, alloc: str | None, policy: str, calibrat
         log.info("dp allocation for promoe: lru's replayed misses (its prefetches are not replayed)")
         policy = PolicyKind.LRU.value
     curves = decode_curves(calibration, trace, info, policy, dali_window=dali_window, dali_update=dali_update)
+    asked = slots_per_layer * len(layers)  # dp redistributes the slots equal allocation gives; it never adds
     if budget_bytes is not None:
-        slots = dp_allocate(curves, budget_bytes, bytes_per_expert=dict(info.bytes_per_expert_by_layer))
+        slots = dp_allocate(curves, budget_bytes, bytes_per_expert=dict(info.bytes_per_expert_by_layer),
+                            max_total=asked)
+        if total_cost(curves, slots) > total_cost(curves, equal.slots):  # the greedy trim can lose to equal
+            slots = dict(equal.slots)
     else:
-        slots = dp_allocate(curves, slots_per_layer * len(layers))
+        slots = dp_allocate(curves, asked)
     log.info("dp allocation for %s from %s (%d tokens) in %.2f s: %s", policy, calibration / ROUTING_TRACE,
              trace.ids.shape[0], time.perf_counter() - t0, slots)
     return AllocationPlan("dp", slots)

@@ -7,8 +7,9 @@ from typing import Any
 
 import click
 
+from ..analysis.routing_profile import routing_names
 from .options import gating_options
-from .types import THREADS, GGUFPath, OutputPath
+from .types import THREADS, GGUFPath, IntList, OutputPath
 
 
 @click.command()
@@ -83,8 +84,13 @@ def verify(model: Path, threads: int, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plots", "plots_dir", type=OutputPath(directory=True), default=None,
               help="write PNG figures into this directory")
-def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool, plots_dir: Path | None) -> None:
-    """Routing statistics of a trace: frequency, locality, similarity, gate reuse, LRU hit rates."""
+@click.option("--lru-sizes", type=IntList(), default=None, metavar="N,N,...",
+              help="LRU cache sizes (experts per MoE layer) to replay, e.g. 24,32,49 (default: 8 sizes from top-k "
+                   "to the expert count)")
+def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool, plots_dir: Path | None,
+                lru_sizes: list[int] | None) -> None:
+    """Routing statistics of a trace: frequency, locality, reuse over the next token and 8 tokens, prompt
+    coverage, similarity, gate reuse, LRU hit rates (per layer and the mean, `lru_hit_rate_mean`)."""
     from ..analysis.report import format_stats
     from ..analysis.trace import Trace
     from ..analysis.trace_stats import compute_stats
@@ -96,10 +102,13 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
         src = model or Path(str(tr.meta.get("model", "")))
         if src.is_file():
             routers = load_routers(str(src), [int(x) for x in tr.layers])
-    st = compute_stats(tr, routers=routers, window=window)
+    if lru_sizes and max(lru_sizes) > tr.n_expert:
+        raise click.BadParameter(f"the trace routes {tr.n_expert} experts per layer: use sizes up to that",
+                                 param_hint="--lru-sizes")
+    st = compute_stats(tr, routers=routers, window=window, lru_sizes=lru_sizes)
     d = st.to_dict()
     d["trace"] = {"path": str(trace_path), "tokens": tr.n_tokens, "mode": tr.meta.get("mode"),
-                  "model": tr.meta.get("model"), "input": tr.meta.get("input")}
+                  "model": tr.meta.get("model"), "input": tr.meta.get("input"), "routing": tr.meta.get("routing")}
     if plots_dir is not None:
         from ..analysis.trace_plots import write_plots
 
@@ -109,6 +118,39 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
         return
     click.echo(format_stats(d))
 
+
+
+@click.command("trace-synth")
+@click.option("--routing", type=click.Choice(routing_names()), required=True,
+              help="bundled routing profile: a real model's (calibrated on published traces) or fixture-qwen3moe "
+                   "(the tiny trained fixture's, a toy far less local than real models)")
+@click.option("--tokens", type=click.IntRange(min=1), required=True,
+              help="tokens to draw, rounded up to whole prompts of --seq-len")
+@click.option("--out", "out_path", type=OutputPath(), required=True, help="trace file to write (.npz)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), default=512, show_default=True,
+              help="tokens per prompt (expert popularity drifts from one prompt to the next)")
+@click.option("--prefill-tokens", type=click.IntRange(min=0), default=None,
+              help="tokens of each prompt marked prefill, the rest decode (default: half of --seq-len)")
+@click.option("--experts", type=click.IntRange(min=1), default=None, help="routed experts (default: the profile's)")
+@click.option("--top-k", type=click.IntRange(min=1), default=None, help="experts per token (default: the profile's)")
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="MoE layers (default: the profile's)")
+def trace_synth(routing: str, tokens: int, out_path: Path, seed: int, seq_len: int, prefill_tokens: int | None,
+                experts: int | None, top_k: int | None, layers: int | None) -> None:
+    """Write a synthetic routing trace drawn from a bundled routing profile (`trace-stats`, `simulate --trace`
+    and `plan --trace` read it); the trace's meta names the routing. Expert weights carry no information."""
+    from ..analysis.routing_profile import load_routing_profile
+
+    prof = load_routing_profile(routing)
+    seq_len = min(seq_len, tokens)
+    prefill = seq_len // 2 if prefill_tokens is None else min(prefill_tokens, seq_len)
+    n_seq = -(-tokens // seq_len)
+    tr = prof.synthesize(n_expert=experts, k=top_k, n_layer=layers, n_seq=n_seq, prefill=prefill,
+                         decode=seq_len - prefill, seed=seed)
+    tr.save(out_path)
+    click.echo(f"wrote {out_path}: {tr.n_tokens} tokens ({n_seq} prompts of {seq_len}, {prefill} prefill) x "
+               f"{len(tr.layers)} MoE layers x top-{tr.ids.shape[2]} of {tr.n_expert}, routing {prof.name}"
+               + (" (TOY)" if prof.toy else ""), err=True)
 
 
 @click.command()

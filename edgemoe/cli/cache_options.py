@@ -64,7 +64,8 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "host sync per MoE layer"),
         click.option("--profile", default=None,
                      help="--assign's machine profile: a bundled name (rtx4060-laptop, rtx4090-desktop, "
-                          "h100-server) or a file; default: this machine's (`edgemoe profile`)"),
+                          "h100-server, and the backtest's machines: docs/performance-model.md) or a file; "
+                          "default: this machine's (`edgemoe profile`)"),
         click.option("--degrade", type=click.FloatRange(0.0, 1.0, min_open=True), default=None, metavar="R",
                      help="DAOP's graceful degradation: in decode, a token's expert that is not resident (not its "
                           "best) is replaced by the best resident one it did not select whose router score is at "
@@ -85,8 +86,11 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "predicted at the layer before by its own router on that layer's input; the predicted "
                           "ones outside its slots run on the CPU on that input while the GPU computes the layer's "
                           "attention, and it takes their results (approximate: changes the output; the paper "
-                          "starts at a quarter of the depth; docs/daop.md). Needs the cache's tables: not with --degrade, --assign, "
-                          "--blocking-loads or --dali-prefetch. Default: off"),
+                          "starts at a quarter of the depth; docs/daop.md). Projected slower than without "
+                          "it: 0.92-1.01x daop's decode from the last 3/8 of the layers, 0.77-0.98x from "
+                          "layer 1, on the bundled GPU profiles at 8 GiB (docs/performance-model.md). Needs "
+                          "the cache's tables: not with --degrade, --assign, --blocking-loads or "
+                          "--dali-prefetch. Default: off"),
         click.option("--blocking-loads", is_flag=True,
                      help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
                           "it on the CPU (needs the routing callback: a host sync per MoE layer)"),

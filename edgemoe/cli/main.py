@@ -61,7 +61,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 COMMANDS: tuple[click.Command, ...] = (
     model.inspect, model.generate, model.chat, serve.serve,
-    analysis.trace, analysis.trace_stats, analysis.verify, analysis.perplexity,
+    analysis.trace, analysis.trace_stats, analysis.trace_synth, analysis.verify, analysis.perplexity,
     calibrate.calibrate, calibrate.predict_eval,
     bench.bench, perf.profile, perf.simulate, perf.plan,
 )

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
+from ..analysis.routing_profile import routing_names
 from .types import THREADS, Finite, GGUFPath, OutputPath, Size
 
 
@@ -38,12 +40,16 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--trace", "trace_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="routing trace to replay (`edgemoe trace`); another model's trace works if it has the same "
-                   "expert count and top-k")
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="routing trace to replay (`edgemoe trace`, `edgemoe trace-synth`); another model's trace works if "
+                   "it has the same expert count and top-k (default: a trace drawn from the bundled routing profile "
+                   "of a real model with the model's expert count and top-k, else the nearest; see --routing)")
+@click.option("--routing", type=click.Choice(routing_names()), default=None,
+              help="draw the trace from this bundled routing profile instead (at the model's shape)")
 @click.option("--profile", "profile_name", default=None,
-              help="profile file (`edgemoe profile`) or bundled name (rtx4060-laptop, rtx4090-desktop, h100-server); "
-                   "default: this machine's measured profile")
+              help="profile file (`edgemoe profile`) or bundled name (rtx4060-laptop, rtx4090-desktop, "
+                   "h100-server, and the backtest's machines: docs/performance-model.md); default: this "
+                   "machine's measured profile")
 @click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget; 0: CPU only")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,
               help="context the KV cache is planned for")
@@ -79,14 +85,14 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
                    "layer 5)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
-def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int, n_ctx: int, n_ubatch: int,
+def simulate(model: Path, trace_path: Path | None, routing: str | None, profile_name: str | None, vram: int,
+             n_ctx: int, n_ubatch: int,
              policies: tuple[str, ...], gating: str | None, threshold: float | None, blocking_loads: bool,
              overlap: bool, calibration: Path | None, assign: str | None, device_prefill: bool,
              precalc_from: int | None, precalc_recall: float, precalc_precision: float, as_json: bool,
              plot: Path | None) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
-    from ..analysis.trace import Trace
     from ..perf.profile import load_profile
     from ..perf.profiling import default_profile_path
     from ..perf.report import format_simulation, plot_simulation
@@ -112,10 +118,36 @@ def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int,
                    blocking=blocking_loads, overlap=overlap, calibration=calibration, assign=assign,
                    device_prefill=device_prefill,
                    precalc=PrecalcSpec(precalc_from, precalc_recall, precalc_precision) if precalc_from else None)
-    res = run(model, Trace.load(trace_path), prof, spec, gating=gate)
+    trace, where, profile_used = _routing_trace(model, trace_path, routing)
+    if gate is not None and profile_used is not None:
+        raise click.UsageError("--gating needs router weights, which a drawn routing trace does not have: pass a "
+                               "recorded --trace (`edgemoe trace`)")
+    res = run(model, trace, prof, spec, gating=gate)
     if plot is not None:
         plot_simulation(res, plot)
-    click.echo(json.dumps(res.to_dict(), indent=1) if as_json else format_simulation(res))
+    if as_json:
+        click.echo(json.dumps({**res.to_dict(), "routing": where, "routing_profile": profile_used}, indent=1))
+    else:
+        click.echo(f"routing: {where}\n{format_simulation(res)}")
+
+
+def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) -> tuple[Any, str, str | None]:
+    """simulate's trace: --trace, else one drawn from --routing or the bundled profile matching the model's shape;
+    with what to call it and the routing profile's name (None: a recorded trace)."""
+    from ..analysis.routing_profile import routing_for_model
+    from ..analysis.trace import Trace
+    from ..gguf.info import read_model_info
+
+    if trace_path is not None:
+        if routing is not None:
+            raise click.UsageError("give --trace or --routing, not both")
+        tr = Trace.load(trace_path)
+        name = tr.meta.get("routing")
+        return tr, f"{trace_path} ({tr.n_tokens} tokens" + (f", drawn from the {name} routing profile)" if name
+                                                              else ")"), name
+    info = read_model_info(model)
+    drawn = routing_for_model(info.n_expert, info.n_expert_used, len(info.moe_layers), name=routing)
+    return drawn.trace, drawn.describe(), drawn.profile.name
 
 
 @click.command()
@@ -128,12 +160,16 @@ def simulate(model: Path, trace_path: Path, profile_name: str | None, vram: int,
 @click.option("--profile", "profile_name", default=None,
               help="machine profile for projected speeds (file or bundled name; default: this machine's, if measured)")
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="routing trace for the expected figures (default: the calibration's routing trace)")
+              help="routing trace for the expected figures (default: the calibration's routing trace, else a trace "
+                   "drawn from the bundled routing profile of a real model with the model's expert count and top-k, "
+                   "else the nearest; the plan names it)")
+@click.option("--routing", type=click.Choice(routing_names()), default=None,
+              help="draw the expected figures' trace from this bundled routing profile instead")
 @click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="calibration directory (default: the model's)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def plan(model: Path, vram: int | None, expert_slots: int | None, n_ctx: int, profile_name: str | None,
-         trace_path: Path | None, calibration: Path | None, as_json: bool) -> None:
+         trace_path: Path | None, routing: str | None, calibration: Path | None, as_json: bool) -> None:
     """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
     hit rate of each policy and, with a GPU profile, projected decode/prefill speeds and the fastest
     configuration (edgemoe's, with the command that runs it, or stock's where stock is faster)."""
@@ -149,6 +185,8 @@ def plan(model: Path, vram: int | None, expert_slots: int | None, n_ctx: int, pr
                                "that holds N slots per MoE layer)")
     if vram is None and expert_slots is None:
         raise click.UsageError("give --vram SIZE or --expert-slots N")
+    if trace_path is not None and routing is not None:
+        raise click.UsageError("give --trace or --routing, not both")
     if vram is None:
         assert expert_slots is not None
         vram = budget_for_slots(read_model_info(model), expert_slots, n_ctx)
@@ -157,5 +195,5 @@ def plan(model: Path, vram: int | None, expert_slots: int | None, n_ctx: int, pr
     prof = load_profile(profile_name) if profile_name else None
     cal = calibration or default_calibration_dir(model)
     result = make_plan(model, vram=vram, n_ctx=n_ctx, trace=Trace.load(trace_path) if trace_path else None,
-                       calibration=cal if cal is not None and cal.exists() else None, profile=prof)
+                       calibration=cal if cal is not None and cal.exists() else None, profile=prof, routing=routing)
     click.echo(json.dumps(result.to_dict(), indent=1) if as_json else format_plan(result))

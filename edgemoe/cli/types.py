@@ -105,3 +105,20 @@ class OutputPath(click.ParamType):
         if not os.access(parent, os.W_OK | os.X_OK):
             self.fail(f"cannot write {path}: the directory {parent} is not writable", param, ctx)
         return path
+
+
+class IntList(click.ParamType):
+    """A comma-separated list of positive integers, e.g. 24,32,49."""
+
+    name = "N,N,..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
+        if isinstance(value, list):
+            return value
+        try:
+            out = [int(x) for x in str(value).split(",") if x.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers (e.g. 24,32,49)", param, ctx)
+        if not out or min(out) < 1:
+            self.fail(f"{value!r}: give one or more positive integers, e.g. 24,32,49", param, ctx)
+        return out

@@ -2,10 +2,13 @@
 (equal, and AdapMoE's DP allocation from the calibration's routing trace), the hit rate each policy is
 expected to reach, and the speeds the performance model projects.
 
-Hit rates and speeds replay a routing trace: `--trace` (e.g. `edgemoe trace --heldout`), else the
-calibration's routing trace, which is the data the static placement and the DP allocation were
-fitted on (so their figures on it are in-sample; the plan says so). Without routing data the plan
-says what fits and stops: no figure is made up.
+Hit rates and speeds replay a routing trace: `--trace` (e.g. `edgemoe trace --heldout` or `edgemoe
+trace-synth`), else a bundled routing profile named by `--routing`, else the calibration's routing
+trace, which is the data the static placement and the DP allocation were fitted on (so their figures
+on it are in-sample; the plan says so), else the bundled routing profile of a real model that
+matches the model's expert count and top-k (or the nearest one), drawn at the model's shape
+(edgemoe.analysis.routing_profile). The plan names the routing it used (`routing`,
+`routing_profile`).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..analysis.routing_profile import routing_for_model
 from ..analysis.trace import Trace
 from ..calibration.slot_plan import RoutingTrace, plan_allocation
 from ..errors import EdgeMoeError
@@ -34,6 +38,7 @@ class Plan:
     slots_per_layer: dict[str, list[int] | None]  # equal / dp -> one entry per MoE layer (None: not available)
     n_cpu_moe: int | None  # stock llama.cpp's best --n-cpu-moe at this budget
     routing: str = ""  # where the expected figures' routing comes from
+    routing_profile: str | None = None  # the bundled routing profile the trace was drawn from (None: recorded)
     profile: str = ""
     expected: list[dict[str, Any]] = field(default_factory=list)  # per configuration: hit rate, projected speeds
     # the fastest projected decode among edgemoe's rows against the best stock row, and the command that runs it
@@ -61,7 +66,9 @@ def _calibration_trace(calibration: Path, info: ModelInfo) -> Trace:
 
 def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace | None = None,
               calibration: Path | None = None, profile: MachineProfile | None = None,
-              policies: tuple[str, ...] = ("lru", "static", "dali", "daop")) -> Plan:
+              policies: tuple[str, ...] = ("lru", "static", "dali", "daop"), routing: str | None = None) -> Plan:
+    """The plan of `model` at `vram` bytes; `routing`: a bundled routing profile to project with instead of the
+    calibration's trace (the module docstring says which routing is used when)."""
     info = read_model_info(model)
     vp = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
     moe = list(info.moe_layers)
@@ -85,18 +92,23 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
             plan.notes.append(a.note)
     if dp:  # the first policy's DP slots are the table's; each policy row uses its own
         plan.slots_per_layer["dp"] = [next(iter(dp.values()))[il] for il in moe]
-    if trace is None and calibration is not None:
+    if trace is not None:
+        plan.routing_profile = trace.meta.get("routing")
+        plan.routing = (f"a synthetic trace of the {plan.routing_profile} routing profile ({trace.n_tokens} tokens)"
+                        if plan.routing_profile else
+                        f"trace of {trace.meta.get('model', '?')} ({trace.n_tokens} tokens)")
+    elif routing is None and calibration is not None:
         try:
             trace = _calibration_trace(calibration, info)
             plan.routing = f"the calibration's routing trace ({calibration}; in-sample for static and dp)"
         except EdgeMoeError as err:
             plan.notes.append(str(err))
-    elif trace is not None:
-        plan.routing = f"trace of {trace.meta.get('model', '?')} ({trace.n_tokens} tokens)"
     if trace is None:
-        plan.notes.append("no routing data: pass --trace T.npz (`edgemoe trace --heldout`) or calibrate the model "
-                          "for expected hit rates and speeds")
-        return plan
+        drawn = routing_for_model(info.n_expert, info.n_expert_used, len(moe), name=routing)
+        trace, plan.routing, plan.routing_profile = drawn.trace, drawn.describe(), drawn.profile.name
+        if drawn.profile.toy:
+            plan.notes.append(f"{drawn.profile.name} is a TOY routing (a tiny trained fixture's), far less local "
+                              "than real models'")
     speeds = profile is not None and profile.has_gpu
     if not speeds:
         plan.notes.append("no GPU profile: hit rates only; pass --profile with a GPU machine's profile "
@@ -123,7 +135,7 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
                 plan.expected.append(row)
             if res.workload_note and res.workload_note not in plan.notes:
                 plan.notes.append(res.workload_note)
-    if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (cli.cache_options.whole_model_fits)
+    if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (placement.whole_model_fits)
         plan.notes.append("this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
                           "llama.cpp's -ngl 999 does, without an expert cache (the rows above are what one would do)")
     else:

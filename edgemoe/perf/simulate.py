@@ -84,6 +84,11 @@ class Config:
     precalc: PrecalcSpec | None = None  # decode steps pre-calculate (patch 0026, --precalc-from)
     # decode steps split the CPU's experts by rows with the GPU where that is faster (FreeToken-style; not built)
     decode_split: bool = False
+    # other engines' caches (the backtest, edgemoe.perf.backtest): loads copied from pageable host memory (the
+    # driver stages them: h2d_pageable), where edgemoe's loader sends its chunks from pinned staging buffers
+    pageable_loads: bool = False
+    # the host reads each cached layer's routing before its experts run, one device-to-host synchronisation
+    host_routed: bool = False
 
 
 @dataclass
@@ -153,7 +158,8 @@ class _Run:
             b = self.shape.expert_bytes(ld.layer)
             nbytes += b
             if self.prof.link is not None and self.on_gpu:
-                t += b / self.prof.link.loads_bw  # the cache's loader: chunks from its staging buffers
+                # the cache's loader: chunks from its staging buffers (another engine's: maybe pageable)
+                t += b / (self.prof.link.h2d_pageable if self.cfg.pageable_loads else self.prof.link.loads_bw)
             self.ready[(ld.layer, ld.expert)] = t
         self.link_free = t
         return nbytes
@@ -196,6 +202,9 @@ class _Run:
             g, c, wait, early = (0.0, 0.0, 0.0, 0.0) if j is None else self._moe_layer(
                 ly.il, s.ids[:, j, :], s.counts(j), s, t, acc, pending, dense_s=d)
             n_cpu_splits += bool(c) + bool(early)
+            if self.cfg.host_routed and ly.il in self.cfg.slots and self.prof.link is not None:
+                wait += self.prof.link.latency_s  # the routing read back before the layer's experts
+                acc.host += self.prof.link.latency_s
             gpu_side = max(d + g, launch)
             acc.host += gpu_side - (d + g)  # the GPU idles while the host launches the layer's kernels
             # overlapped, the CPU's experts start once the layer's dense part (attention, the router) is done; the

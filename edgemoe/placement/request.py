@@ -8,7 +8,9 @@ from ..errors import InvalidConfigError
 from ..policies.assignment import assign_refusal
 
 POLICIES = ("lru", "dali", "daop", "static", "promoe", "manual")
-# the default policy: the one the performance model projects fastest on a GPU (docs/expert-cache.md, "Defaults")
+# the default policy: the one the performance model projects fastest on a GPU on realistic routing (the bundled
+# routing profiles of real models: 1.13-1.65x stock's decode, lru 0.35-1.55x; tools/default_policy.py,
+# docs/expert-cache.md "Defaults")
 DEFAULT_POLICY = "static"
 PREFILL_AHEAD = ("all", "predicted", "routed")
 

@@ -361,14 +361,23 @@ def _units(weights: Mapping[int, int], budget: int) -> tuple[dict[int, int], int
 
 
 def dp_allocate(curves: Mapping[int, np.ndarray], budget: int, *,
-                bytes_per_expert: Mapping[int, int] | None = None, min_slots: int = 0) -> dict[int, int]:
+                bytes_per_expert: Mapping[int, int] | None = None, min_slots: int = 0,
+                max_total: int | None = None) -> dict[int, int]:
     """Slots per layer minimising sum_i curves[i][t_i] (AdapMoE eq. 16-19).
 
     budget: total slots (sum t_i <= budget), or with `bytes_per_expert` a byte budget
     (sum t_i * bytes_per_expert[i] <= budget). Each t_i is in min_slots..len(curves[i]) - 1.
     Among allocations of equal cost (to 1e-9 of the largest value), the one closest to equal
     allocation (least squared distance) wins, so identical curves give equal allocation.
+
+    max_total (with bytes_per_expert): the slots asked, which DP redistributes and never adds to.
+    Where layers' experts differ in bytes, the byte optimum may hold more slots than asked (more
+    in the cheaper layers). Then the slot optimum is taken if it fits the bytes (exact: it is the
+    optimum of the looser problem), else the byte optimum less the slots whose removal costs least,
+    one at a time (greedy, not a proven optimum).
     """
+    if bytes_per_expert is not None and max_total is not None:
+        return _dp_bytes_and_slots(curves, budget, bytes_per_expert, min_slots, max_total)
     layers = sorted(curves)
     if not layers:
         return {}
@@ -418,6 +427,23 @@ def dp_allocate(curves: Mapping[int, np.ndarray], budget: int, *,
     if bytes_per_expert is not None:  # coarsened weights may leave bytes a slot still fits in
         _top_up(out, f, {il: int(bytes_per_expert[il]) for il in layers}, budget, tol)
     return dict(sorted(out.items()))
+
+
+def _dp_bytes_and_slots(curves: Mapping[int, np.ndarray], budget: int, nbytes: Mapping[int, int], min_slots: int,
+                        max_total: int) -> dict[int, int]:
+    """dp_allocate under both a byte budget and at most max_total slots (see dp_allocate)."""
+    by_bytes = dp_allocate(curves, budget, bytes_per_expert=nbytes, min_slots=min_slots)
+    if sum(by_bytes.values()) <= max_total:
+        return by_bytes
+    by_slots = dp_allocate(curves, max_total, min_slots=min_slots)
+    if sum(t * nbytes[il] for il, t in by_slots.items()) <= budget:
+        return by_slots
+    f = {il: np.asarray(curves[il], np.float64) for il in curves}
+    out = dict(by_bytes)
+    while sum(out.values()) > max_total:
+        il = min((il for il, t in out.items() if t > min_slots), key=lambda il: f[il][out[il] - 1] - f[il][out[il]])
+        out[il] -= 1
+    return out
 
 
 def _top_up(slots: dict[int, int], f: Mapping[int, np.ndarray], nbytes: Mapping[int, int], budget: int,
