@@ -44,7 +44,8 @@ def eval_callback_tensors(path: Path, toks: list[int], prefix: str, dtype: type,
     from edgemoe.runtime import native
     from edgemoe.runtime.native import lib
 
-    ggml = ctypes.CDLL(str(Path(lib._lib._name).with_name("libggml-base.so")))
+    # by soname: the copy libllama loaded (the file libggml-base.so is a second copy with globals of its own)
+    ggml = ctypes.CDLL("libggml-base.so.0")
     ggml.ggml_get_name.restype = ctypes.c_char_p
     ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
     ggml.ggml_nbytes.restype = ctypes.c_size_t
