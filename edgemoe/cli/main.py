@@ -15,7 +15,7 @@ import click
 
 from .. import __version__
 from ..errors import EdgeMoeError
-from . import analysis, bench, calibrate, model, perf, serve
+from . import analysis, bench, calibrate, doctor, model, perf, serve
 
 
 class EdgeMoeGroup(click.Group):
@@ -60,7 +60,7 @@ COMMANDS: tuple[click.Command, ...] = (
     model.inspect, model.generate, model.chat, serve.serve,
     analysis.trace, analysis.trace_stats, analysis.verify, analysis.perplexity,
     calibrate.calibrate, calibrate.predict_eval,
-    bench.bench, perf.profile, perf.simulate, perf.plan,
+    bench.bench, perf.profile, perf.simulate, perf.plan, doctor.doctor,
 )
 for _command in COMMANDS:
     cli.add_command(_command)

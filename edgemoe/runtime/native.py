@@ -1116,3 +1116,140 @@ def graph_compute(backend: int, graph: int) -> None:
 
 def backend_synchronize(backend: int) -> None:
     _backend_synchronize(backend)
+
+
+# -- what `edgemoe doctor` reports: ggml's version, its registries and devices, the CUDA runtime ----------
+class DevCaps(ctypes.Structure):
+    """struct ggml_backend_dev_caps"""
+
+    _fields_ = [("async_", ctypes.c_bool), ("host_buffer", ctypes.c_bool),
+                ("buffer_from_host_ptr", ctypes.c_bool), ("events", ctypes.c_bool), ("mmap_support", ctypes.c_bool)]
+
+
+class DevProps(ctypes.Structure):
+    """struct ggml_backend_dev_props"""
+
+    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p), ("memory_free", ctypes.c_size_t),
+                ("memory_total", ctypes.c_size_t), ("type", ctypes.c_int), ("device_id", ctypes.c_char_p),
+                ("caps", DevCaps)]
+
+
+class BackendFeature(ctypes.Structure):
+    """struct ggml_backend_feature { const char * name; const char * value; }"""
+
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_char_p)]
+
+
+# const char * ggml_version(void);
+_ggml_version = _declare("ggml_version", [], ctypes.c_char_p, _ggml_base)
+# const char * ggml_commit(void);
+_ggml_commit = _declare("ggml_commit", [], ctypes.c_char_p, _ggml_base)
+# size_t ggml_backend_reg_count(void);
+_reg_count = _declare("ggml_backend_reg_count", [], ctypes.c_size_t, _ggml)
+# ggml_backend_reg_t ggml_backend_reg_get(size_t index);
+_reg_get = _declare("ggml_backend_reg_get", [ctypes.c_size_t], ctypes.c_void_p, _ggml)
+# const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+_reg_name = _declare("ggml_backend_reg_name", [ctypes.c_void_p], ctypes.c_char_p, _ggml_base)
+# size_t ggml_backend_dev_count(void);
+_dev_count = _declare("ggml_backend_dev_count", [], ctypes.c_size_t, _ggml)
+# ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+_dev_get = _declare("ggml_backend_dev_get", [ctypes.c_size_t], ctypes.c_void_p, _ggml)
+# void ggml_backend_dev_get_props(ggml_backend_dev_t device, struct ggml_backend_dev_props * props);
+_dev_get_props = _declare("ggml_backend_dev_get_props", [ctypes.c_void_p, ctypes.POINTER(DevProps)], None,
+                          _ggml_base)
+# typedef struct ggml_backend_feature * (*ggml_backend_get_features_t)(ggml_backend_reg_t reg);
+_GetFeatures = ctypes.CFUNCTYPE(ctypes.POINTER(BackendFeature), ctypes.c_void_p)
+
+
+def ggml_version() -> tuple[str, str]:
+    """(ggml's version, the commit it was built from: "unknown" for a source tree without git)."""
+    version = _ggml_version().decode() if _ggml_version is not None else "?"
+    commit = _ggml_commit().decode() if _ggml_commit is not None else "?"
+    return version, commit
+
+
+def backend_registries() -> list[tuple[str, dict[str, str]]]:
+    """Each registered ggml backend's name with its build features (CPU: AVX2, ...; CUDA: ARCHS, ...)."""
+    _require(_reg_count, _reg_get, _reg_name, _reg_proc)
+    out: list[tuple[str, dict[str, str]]] = []
+    for i in range(_reg_count()):
+        reg = _reg_get(i)
+        features: dict[str, str] = {}
+        proc = _reg_proc(reg, b"ggml_backend_get_features")
+        if proc:
+            arr = _GetFeatures(proc)(reg)
+            j = 0
+            while arr and arr[j].name:
+                features[arr[j].name.decode()] = (arr[j].value or b"").decode()
+                j += 1
+        out.append((_reg_name(reg).decode(), features))
+    return out
+
+
+def devices() -> list[tuple[int, DevProps]]:
+    """Every device ggml sees (handle, properties with free and total memory), CPU included."""
+    _require(_dev_count, _dev_get, _dev_get_props)
+    out: list[tuple[int, DevProps]] = []
+    for i in range(_dev_count()):
+        dev = _dev_get(i)
+        props = DevProps()
+        _dev_get_props(dev, ctypes.byref(props))
+        out.append((int(dev), props))
+    return out
+
+
+def _loaded_library(prefix: str) -> str | None:
+    """The path of a shared library already mapped into this process whose file name starts with prefix."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "/" in path and os.path.basename(path).startswith(prefix):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def cuda_versions() -> tuple[int, int] | None:
+    """(driver, runtime) versions as the CUDA runtime ggml-cuda loaded reports them (12040 = 12.4); the
+    driver's is 0 without a driver; None in a build without CUDA."""
+    path = _loaded_library("libcudart.so")
+    if path is None:
+        return None
+    cudart = ctypes.CDLL(path)  # already mapped: the same object
+    # cudaError_t cudaDriverGetVersion(int * driverVersion); cudaError_t cudaRuntimeGetVersion(int * runtimeVersion);
+    driver, runtime = ctypes.c_int(0), ctypes.c_int(0)
+    cudart.cudaDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    cudart.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    cudart.cudaDriverGetVersion(ctypes.byref(driver))
+    cudart.cudaRuntimeGetVersion(ctypes.byref(runtime))
+    return int(driver.value), int(runtime.value)
+
+
+def nvml_pcie(pci_bus_id: str) -> dict[str, object] | None:
+    """The NVIDIA driver's version and a GPU's PCIe link (current and maximum generation and width) from NVML,
+    found by PCI bus id; None without the driver's libnvidia-ml or when NVML does not know the device."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    # nvmlReturn_t nvmlInit_v2(void); nvmlReturn_t nvmlSystemGetDriverVersion(char * version, unsigned int length);
+    # nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char * pciBusId, nvmlDevice_t * device);
+    # nvmlReturn_t nvmlDeviceGet{Curr,Max}PcieLink{Generation,Width}(nvmlDevice_t device, unsigned int * value);
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    version = ctypes.create_string_buffer(96)
+    nvml.nvmlSystemGetDriverVersion(version, ctypes.c_uint(96))
+    handle = ctypes.c_void_p()
+    out: dict[str, object] = {"driver": version.value.decode()}
+    if nvml.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id.encode(), ctypes.byref(handle)) == 0:
+        for key, fn in (("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
+                        ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth"),
+                        ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
+                        ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth")):
+            value = ctypes.c_uint(0)
+            if getattr(nvml, fn)(handle, ctypes.byref(value)) == 0:
+                out[key] = int(value.value)
+    nvml.nvmlShutdown()
+    return out
