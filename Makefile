@@ -2,12 +2,16 @@
 #   make chat   - chat with the bundled fixture model
 #   make test   - run the test suite
 # CUDA build: make install EDGEMOE_CUDA=1 [EDGEMOE_CUDA_ARCH=90]
+# Outside the default CI (each takes long on a small machine; docs/build.md):
+#   make asan        - the patched llama.cpp with ASan + UBSan (CPU + RPC) in .build/cmake-asan
+#   make asan-test   - the native-path tests against it (ASAN_TESTS=... to pick others)
+#   make cuda-check  - the whole patched tree compiled and linked with CUDA for sm_89 (CUDA_CHECK_ARCH)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 
-.PHONY: install llama chat test clean-build
+.PHONY: install llama chat test clean-build asan asan-test cuda-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +39,19 @@ test: install
 
 clean-build:
 	rm -rf .build
+
+# the suite's load, cache, hook, gating, predictor, prefill and RPC tests
+ASAN_TESTS ?= tests/test_native.py tests/test_engine.py tests/test_load_params.py tests/test_hooks.py \
+	tests/test_expert_cache.py tests/test_cache_tables.py tests/test_gating_native.py \
+	tests/test_predictors_native.py tests/test_promoe_native.py tests/test_device_prefill.py \
+	tests/test_cache_rpc.py tests/test_doctor.py
+CUDA_CHECK_ARCH ?= 89
+
+asan: | $(PY)
+	$(PY) tools/build_native_tree.py asan
+
+asan-test: | $(PY)
+	PYTHON=$(PY) bash tools/asan_pytest.sh -m "not gpu" $(ASAN_TESTS)
+
+cuda-check: | $(PY)
+	$(PY) tools/build_native_tree.py cuda-check --cuda-arch $(CUDA_CHECK_ARCH)

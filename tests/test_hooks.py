@@ -153,3 +153,32 @@ def test_no_hook_means_patch_level_only(fixture_model: Path) -> None:
         after = np.array(eng.eval_logits(toks))
     assert np.array_equal(after, _logits(fixture_model, toks))
     assert native.patch_level() >= 2
+
+
+def test_new_hook_is_set_before_the_old_one_is_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp holds the hook's C function pointer: the chain that owns it must outlive the switch. A chain is
+    a reference cycle (its C callback holds its bound method), so a cyclic GC pass at the wrong moment frees it:
+    the spy runs one where llama.cpp still holds the old pointer."""
+    import gc
+    import weakref
+
+    from conftest import FIXTURE_MODELS
+
+    with Engine(FIXTURE_MODELS[0], LoadConfig(n_ctx=128)) as eng:
+        eng.set_policies([FnPolicy(lambda r: None)])
+        old = weakref.ref(eng._hooks)
+        alive_at_switch: list[bool] = []
+        real = native.moe_set_hook
+
+        def spy(ctx, fn, flags):  # type: ignore[no-untyped-def]
+            gc.collect()
+            alive_at_switch.append(old() is not None)
+            real(ctx, fn, flags)
+
+        monkeypatch.setattr(native, "moe_set_hook", spy)
+        eng.set_policies([FnPolicy(lambda r: None)])
+        assert alive_at_switch == [True]
+        gc.collect()
+        assert old() is None  # and freed after it
+        toks = eng.tokenize("ROMEO:")
+        assert len(eng.generate(toks, max_tokens=2, sampling=GREEDY).tokens) == 2

@@ -3,11 +3,12 @@
 #
 #   python3 tools/device_pack.py        # here, with network: fills .devcarry/ (trimmed sdist, wheels)
 #   bash tools/gpu_check.sh build       # there: wheels + CUDA build of the patched llama.cpp + edgemoe
+#   bash tools/gpu_check.sh doctor      # there, after build: `edgemoe doctor` (text and JSON), each step in a child
 #   bash tools/gpu_check.sh test        # there: the GPU tests, then the suite against the CUDA build
 #   bash tools/gpu_check.sh bench       # there: edgemoe bench on the full-depth synthetic qwen3-30b-a3b
-#   bash tools/gpu_check.sh all         # the three in a row
-#   bash tools/gpu_check.sh diag        # there, after build: Engine loads on CUDA case by case, then a
-#                                       # native backtrace (cuda-gdb) of the last case
+#   bash tools/gpu_check.sh all         # build, doctor, test, bench in a row
+#   bash tools/gpu_check.sh diag        # there, after build: stock Llama and Engine loads on CUDA case by
+#                                       # case, then a native backtrace (cuda-gdb) of the last case
 #
 # On a CUDA machine with network the same is `make install EDGEMOE_CUDA=1 EDGEMOE_CUDA_ARCH=90 &&
 # make test PYTEST_ARGS='-m gpu'`. Logs and JSON go to $OUT (the device tool's) or out/gpu.
@@ -32,6 +33,21 @@ step_build() {
     [ $rc -eq 0 ] || return $rc
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . || return 1
     echo "build: $((SECONDS - t0)) s"
+}
+
+step_doctor() {
+    # first after the build: what the machine and build are, and which load step fails (never fatal: each step
+    # runs in a child process with a timeout)
+    timeout 900 "$PY" -m edgemoe.cli doctor --json > "$OUTDIR/doctor.json" 2> "$OUTDIR/doctor.err"
+    local rc=$?
+    "$PY" - "$OUTDIR/doctor.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for s in r["steps"]:
+    print("ok  " if s["ok"] else "FAIL", s["name"], s["error"] or s["data"].get("tokens", ""))
+print("first failure:", r["first_failure"])
+EOF
+    return $rc
 }
 
 step_test() {
@@ -67,6 +83,23 @@ EOF
 step_diag() {
     local model
     model=$(ls models/*.gguf | head -n 1)
+    # stock Llama alone, then after edgemoe's import (its abort callback), then with edgemoe's log callback:
+    # which of edgemoe's process-wide settings, if any, turns stock's working load into the crash
+    cat > /tmp/edgemoe_diag_stock.py <<EOF
+import faulthandler, sys
+faulthandler.enable()
+if sys.argv[1] != "alone":
+    from edgemoe.runtime import native
+    if sys.argv[1] == "log":
+        native.route_logs_to_python()
+import llama_cpp
+llm = llama_cpp.Llama("$model", n_ctx=256, n_gpu_layers=int(sys.argv[2]), verbose=False)
+print("ok stock", sys.argv[1:], llm("hi", max_tokens=4, temperature=0)["choices"][0]["text"], flush=True)
+EOF
+    for args in "alone 999" "import 999" "log 999"; do
+        echo "== stock Llama, edgemoe=${args% *}, n_gpu_layers=${args#* }"
+        timeout 120 "$PY" /tmp/edgemoe_diag_stock.py $args 2>&1 | grep -v "site-packages" | tail -n 8
+    done
     cat > /tmp/edgemoe_diag.py <<EOF
 import faulthandler, sys
 faulthandler.enable()
@@ -89,9 +122,10 @@ EOF
 
 case "${1:-all}" in
     build) step_build ;;
+    doctor) step_doctor ;;
     test) step_test ;;
     bench) step_bench ;;
     diag) step_diag ;;
-    all) step_build && step_test; step_bench ;;
-    *) echo "usage: $0 build|test|bench|diag|all" >&2; exit 2 ;;
+    all) step_build && { step_doctor; step_test; step_bench; } ;;
+    *) echo "usage: $0 build|doctor|test|bench|diag|all" >&2; exit 2 ;;
 esac

@@ -16,7 +16,7 @@ import click
 from .. import __version__
 from ..errors import EdgeMoeError
 from ..placement import PlacementError
-from . import analysis, bench, calibrate, model, perf, serve
+from . import analysis, bench, calibrate, doctor, model, perf, serve
 
 
 class EdgeMoeGroup(click.Group):
@@ -63,7 +63,7 @@ COMMANDS: tuple[click.Command, ...] = (
     model.inspect, model.generate, model.chat, serve.serve,
     analysis.trace, analysis.trace_stats, analysis.trace_synth, analysis.verify, analysis.perplexity,
     calibrate.calibrate, calibrate.predict_eval,
-    bench.bench, perf.profile, perf.simulate, perf.plan,
+    bench.bench, perf.profile, perf.simulate, perf.plan, doctor.doctor,
 )
 for _command in COMMANDS:
     cli.add_command(_command)

@@ -73,8 +73,9 @@ class RoutingMixin:
                  + ([self.cache] if callback and self.cache is not None and self.cache.needs_routes else []))
         self._set_native_gating(None if hook_gating else self._gating)
         if chain:
-            self._hooks = HookChain(chain)
-            native.moe_set_hook(self._ctx, self._hooks.c_callback, self._hooks.flags)
+            hooks = HookChain(chain)
+            native.moe_set_hook(self._ctx, hooks.c_callback, hooks.flags)
+            self._hooks = hooks  # the old chain's C callback is freed only once llama.cpp holds the new one
         else:
             native.moe_set_hook(self._ctx, None, 0)
             self._hooks = None

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 from ...errors import NativeLibraryError
-from .loader import GgmlBufferType, GgmlDevice, declare, ggml_cpu_lib, ggml_lib
+from .loader import GgmlBufferType, GgmlDevice, declare, ggml_base_lib, ggml_cpu_lib, ggml_lib
 
 # -- ggml device and buffer-type lookups (libggml / libggml-cpu beside libllama) ------------------------
 # enum ggml_backend_dev_type (ACCEL 2, IGPU 3)
@@ -136,3 +137,88 @@ GGML_TYPE_F32 = GGML_TYPES["F32"]
 GGML_TYPE_I32 = GGML_TYPES["I32"]
 GGML_TYPE_I8 = GGML_TYPES["I8"]
 
+
+# -- what `edgemoe doctor` reports: ggml's version, its registries and devices, the CUDA runtime ----------
+class DevCaps(ctypes.Structure):
+    """struct ggml_backend_dev_caps"""
+
+    _fields_ = [("async_", ctypes.c_bool), ("host_buffer", ctypes.c_bool),
+                ("buffer_from_host_ptr", ctypes.c_bool), ("events", ctypes.c_bool), ("mmap_support", ctypes.c_bool)]
+
+
+class DevProps(ctypes.Structure):
+    """struct ggml_backend_dev_props"""
+
+    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p), ("memory_free", ctypes.c_size_t),
+                ("memory_total", ctypes.c_size_t), ("type", ctypes.c_int), ("device_id", ctypes.c_char_p),
+                ("caps", DevCaps)]
+
+
+class BackendFeature(ctypes.Structure):
+    """struct ggml_backend_feature { const char * name; const char * value; }"""
+
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_char_p)]
+
+
+# const char * ggml_version(void);
+_ggml_version = declare("ggml_version", [], ctypes.c_char_p, ggml_base_lib)
+# const char * ggml_commit(void);
+_ggml_commit = declare("ggml_commit", [], ctypes.c_char_p, ggml_base_lib)
+# size_t ggml_backend_reg_count(void);
+_reg_count = declare("ggml_backend_reg_count", [], ctypes.c_size_t, ggml_lib)
+# ggml_backend_reg_t ggml_backend_reg_get(size_t index);
+_reg_get = declare("ggml_backend_reg_get", [ctypes.c_size_t], ctypes.c_void_p, ggml_lib)
+# const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+_reg_name = declare("ggml_backend_reg_name", [ctypes.c_void_p], ctypes.c_char_p, ggml_base_lib)
+# size_t ggml_backend_dev_count(void);
+_dev_count = declare("ggml_backend_dev_count", [], ctypes.c_size_t, ggml_lib)
+# ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+_dev_get = declare("ggml_backend_dev_get", [ctypes.c_size_t], ctypes.c_void_p, ggml_lib)
+# void ggml_backend_dev_get_props(ggml_backend_dev_t device, struct ggml_backend_dev_props * props);
+_dev_get_props = declare("ggml_backend_dev_get_props", [ctypes.c_void_p, ctypes.POINTER(DevProps)], None,
+                          ggml_base_lib)
+# typedef struct ggml_backend_feature * (*ggml_backend_get_features_t)(ggml_backend_reg_t reg);
+_GetFeatures = ctypes.CFUNCTYPE(ctypes.POINTER(BackendFeature), ctypes.c_void_p)
+
+
+def _require_doctor(*fns: Any) -> None:
+    if any(fn is None for fn in fns):
+        raise NativeLibraryError("the ggml libraries beside libllama lack a function `edgemoe doctor` calls (a "
+                                 "stock or partial build?): run `make install`")
+
+
+def ggml_version() -> tuple[str, str]:
+    """(ggml's version, the commit it was built from: "unknown" for a source tree without git)."""
+    version = _ggml_version().decode() if _ggml_version is not None else "?"
+    commit = _ggml_commit().decode() if _ggml_commit is not None else "?"
+    return version, commit
+
+
+def backend_registries() -> list[tuple[str, dict[str, str]]]:
+    """Each registered ggml backend's name with its build features (CPU: AVX2, ...; CUDA: ARCHS, ...)."""
+    _require_doctor(_reg_count, _reg_get, _reg_name, _reg_proc)
+    out: list[tuple[str, dict[str, str]]] = []
+    for i in range(_reg_count()):
+        reg = _reg_get(i)
+        features: dict[str, str] = {}
+        proc = _reg_proc(reg, b"ggml_backend_get_features")
+        if proc:
+            arr = _GetFeatures(proc)(reg)
+            j = 0
+            while arr and arr[j].name:
+                features[arr[j].name.decode()] = (arr[j].value or b"").decode()
+                j += 1
+        out.append((_reg_name(reg).decode(), features))
+    return out
+
+
+def devices() -> list[tuple[int, DevProps]]:
+    """Every device ggml sees (handle, properties with free and total memory), CPU included."""
+    _require_doctor(_dev_count, _dev_get, _dev_get_props)
+    out: list[tuple[int, DevProps]] = []
+    for i in range(_dev_count()):
+        dev = _dev_get(i)
+        props = DevProps()
+        _dev_get_props(dev, ctypes.byref(props))
+        out.append((int(dev), props))
+    return out

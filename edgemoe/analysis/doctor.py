@@ -1,0 +1,173 @@
+"""`edgemoe doctor`: what this machine and build are, and whether a model loads and generates on each device.
+
+Every step that touches llama.cpp runs in a child process (analysis/doctor_child.py) under a timeout, so a
+segfault or a hang is reported as that step's failure, with the phase it reached, never the end of doctor.
+The steps: the build (CPU or CUDA and its architectures, patch level, ggml), the devices ggml sees (memory,
+CUDA driver and runtime, PCIe link), then the bundled fixture with 0 and all layers offloaded on each GPU
+(or on llama.cpp's RPC device on loopback, a GPU stand-in, when asked) and 4 greedy tokens compared with the
+CPU's. The system part (RAM, CPU) is read from /proc in this process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ALL_LAYERS = 999  # n_gpu_layers: every layer
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step: its name, whether it passed, and what it found or the one-line reason it failed."""
+
+    name: str
+    ok: bool
+    seconds: float
+    error: str | None = None  # one line
+    phase: str | None = None  # the last phase the child reached (import, load, decode, ...)
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    system: dict[str, Any]
+    steps: tuple[StepResult, ...]
+
+    @property
+    def first_failure(self) -> StepResult | None:
+        return next((s for s in self.steps if not s.ok), None)
+
+    @property
+    def ok(self) -> bool:
+        return self.first_failure is None
+
+    def step(self, name: str) -> StepResult | None:
+        return next((s for s in self.steps if s.name == name), None)
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first_failure
+        return {"ok": self.ok, "first_failure": None if first is None else {"step": first.name, "error": first.error},
+                "system": self.system, "steps": [asdict(s) for s in self.steps]}
+
+
+def system_info() -> dict[str, Any]:
+    """RAM and CPU of this machine, the Python and OS."""
+    info: dict[str, Any] = {"os": platform.platform(), "python": platform.python_version(),
+                            "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        mem = dict(ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines() if ":" in ln)
+        info["ram_total"] = int(mem["MemTotal"].split()[0]) * 1024
+        info["ram_available"] = int(mem["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError) as err:
+        log.debug("no /proc details: %s", err)
+    return info
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
+    """Run one step in a child process; a crash, a non-zero exit or the timeout is the step's failure."""
+    cmd = [sys.executable, "-m", "edgemoe.analysis.doctor_child", json.dumps(step)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child's whole session: no stray RPC server or worker
+        out, err = proc.communicate()
+        timed_out = True
+    seconds = time.perf_counter() - t0
+    phases = [ln[6:] for ln in out.splitlines() if ln.startswith("PHASE ")]
+    phase = phases[-1] if phases else None
+    result = next((ln[7:] for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    if timed_out:
+        error = f"no answer after {timeout:.0f} s during {phase or 'start-up'} (a hang): killed"
+    elif proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name
+        error = f"crashed with {sig} during {phase or 'start-up'}" + (f": {_one_line(err)}" if _one_line(err) else "")
+    elif proc.returncode != 0 or result is None:
+        error = f"failed during {phase or 'start-up'}: {_one_line(err) or f'exit status {proc.returncode}'}"
+    else:
+        return StepResult(name, True, seconds, phase=phase, data=json.loads(result))
+    return StepResult(name, False, seconds, error=error, phase=phase)
+
+
+def run_doctor(model: Path, *, rpc: bool = False, timeout: float = 180.0) -> DoctorReport:
+    """All steps in order; each device's generations are compared with the CPU's tokens."""
+    steps: list[StepResult] = [run_step("build", {"kind": "build"}, timeout)]
+    devices = run_step("devices", {"kind": "devices"}, timeout)
+    steps.append(devices)
+    gpus = [d["name"] for d in devices.data.get("devices", []) if d["type"] in ("GPU", "IGPU")]
+    gen = {"kind": "generate", "model": str(model)}
+    cpu = run_step("cpu", {**gen, "n_gpu_layers": 0}, timeout)
+    steps.append(cpu)
+    targets: list[tuple[str, dict[str, Any]]] = []
+    if gpus:
+        targets += [(f"gpu ngl={n}", {**gen, "n_gpu_layers": n}) for n in (0, ALL_LAYERS)]
+    if rpc:
+        targets += [(f"rpc ngl={n}", {**gen, "n_gpu_layers": n, "rpc": True}) for n in (0, ALL_LAYERS)]
+    for name, spec in targets:
+        res = run_step(name, spec, timeout)
+        if res.ok and cpu.ok and res.data["tokens"] != cpu.data["tokens"]:
+            res = StepResult(name, False, res.seconds, phase=res.phase, data=res.data,
+                             error=f"tokens {res.data['tokens']} differ from the CPU's {cpu.data['tokens']}")
+        steps.append(res)
+    system = system_info()
+    system["gpu"] = bool(gpus)
+    return DoctorReport(system, tuple(steps))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def format_report(report: DoctorReport) -> str:
+    """The human-readable report: what to paste into a bug report."""
+    s = report.system
+    lines = [f"system   {s.get('cpu')} ({s.get('cpu_count')} threads), RAM {_gib(s.get('ram_total', 0))} "
+             f"({_gib(s.get('ram_available', 0))} available), {s.get('os')}, Python {s.get('python')}"]
+    build = report.step("build")
+    if build is not None and build.ok:
+        b = build.data
+        kind = b["kind"] + (f" (architectures {b['cuda_archs']})" if b.get("cuda_archs") else "")
+        lines.append(f"build    {kind}, edgemoe patch level {b['patch_level']} (needs {b['required_patch_level']}), "
+                     f"llama-cpp-python {b['llama_cpp_python']}, ggml {b['ggml_version']} ({b['ggml_commit']})")
+        if b.get("cuda_runtime") is not None:
+            lines.append(f"cuda     runtime {b['cuda_runtime']}, driver {b['cuda_driver'] or 'none'}")
+    devices = report.step("devices")
+    for d in (devices.data.get("devices", []) if devices is not None else []):
+        line = f"device   {d['name']} ({d['type']}): {d['description']}, {_gib(d['memory_free'])} free of " \
+               f"{_gib(d['memory_total'])}"
+        nv = d.get("nvml")
+        if nv:
+            line += f", driver {nv.get('driver')}, PCIe gen {nv.get('pcie_gen')} x{nv.get('pcie_width')}" \
+                    f" (max gen {nv.get('pcie_gen_max')} x{nv.get('pcie_width_max')})"
+        lines.append(line)
+    if not s.get("gpu"):
+        lines.append("gpu      none: ggml sees no GPU (a CPU build, or no driver); checking the CPU")
+    for st in report.steps:
+        status = "ok  " if st.ok else "FAIL"
+        detail = st.error or (f"{st.data.get('device')}: tokens {st.data.get('tokens')}" if "tokens" in st.data
+                              else "")
+        lines.append(f"{status}     {st.name:12} {st.seconds:6.1f} s  {detail}".rstrip())
+    first = report.first_failure
+    lines.append("result   all steps passed" if first is None else f"result   first failure: {first.name}: {first.error}")
+    return "\n".join(lines)

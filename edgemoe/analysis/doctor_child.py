@@ -1,0 +1,110 @@
+"""One step of `edgemoe doctor`, run as ``python -m edgemoe.analysis.doctor_child '<json step>'``.
+
+Each step runs in a process of its own, so a native crash (a segfault in llama_model_load_from_file, an
+abort in a CUDA call) ends this process, not doctor. Before each phase the child prints ``PHASE <name>`` and
+flushes, so that the parent knows where a crash happened; its last stdout line is ``RESULT <json>``.
+
+Steps: ``build`` (patch level, ggml, backends and their features, CUDA versions), ``devices`` (every ggml
+device with its memory and, for NVIDIA GPUs, the PCIe link from NVML), ``generate`` (an Engine on the
+fixture with n_gpu_layers layers offloaded, ``rpc``: on llama.cpp's RPC device on loopback, 4 greedy tokens).
+
+``EDGEMOE_DOCTOR_FAULT=<step>:<phase>`` makes that phase crash with SIGSEGV, ``<step>:<phase>:hang`` makes it
+hang: what doctor's tests use to show that a crash or a hang is reported as the step's failure.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+from typing import Any
+
+N_TOKENS = 4
+PROMPT = "The capital of France is"
+
+
+def _phase(step: str, name: str) -> None:
+    print(f"PHASE {name}", flush=True)
+    fault = os.environ.get("EDGEMOE_DOCTOR_FAULT", "")
+    if fault == f"{step}:{name}":
+        ctypes.string_at(0)  # a NULL read: SIGSEGV, as a native crash would
+    if fault == f"{step}:{name}:hang":
+        time.sleep(3600)  # as a native deadlock would
+
+
+def build_info() -> dict[str, Any]:
+    _phase("build", "import")
+    import llama_cpp
+
+    from ..runtime import native
+
+    _phase("build", "query")
+    version, commit = native.ggml_version()
+    backends = dict(native.backend_registries())
+    cuda = native.cuda_versions()
+    archs = backends.get("CUDA", {}).get("ARCHS")
+    return {"llama_cpp_python": llama_cpp.__version__, "ggml_version": version, "ggml_commit": commit,
+            "patch_level": native.patch_level(), "required_patch_level": native.REQUIRED_PATCH_LEVEL,
+            "library": getattr(native.lib._lib, "_name", "?"), "gpu_offload": native.supports_gpu_offload(),
+            "kind": "CUDA" if "CUDA" in backends else "CPU", "cuda_archs": archs, "backends": backends,
+            "cuda_driver": cuda[0] if cuda else None, "cuda_runtime": cuda[1] if cuda else None}
+
+
+def device_info() -> dict[str, Any]:
+    _phase("devices", "import")
+    from ..runtime import native
+
+    _phase("devices", "query")
+    kinds = {0: "CPU", 1: "GPU", 2: "ACCEL", 3: "IGPU"}
+    out = []
+    for _, props in native.devices():
+        dev: dict[str, Any] = {"name": (props.name or b"").decode(), "description": (props.description or b"").decode(),
+                               "type": kinds.get(props.type, str(props.type)), "memory_free": int(props.memory_free),
+                               "memory_total": int(props.memory_total),
+                               "pci_bus_id": props.device_id.decode() if props.device_id else None}
+        if dev["pci_bus_id"] and dev["name"].startswith("CUDA"):
+            dev["nvml"] = native.nvml_pcie(dev["pci_bus_id"])
+        out.append(dev)
+    return {"devices": out}
+
+
+def generate(model: str, n_gpu_layers: int, rpc: bool) -> dict[str, Any]:
+    _phase("generate", "import")
+    from ..runtime import native
+    from ..runtime.engine import Engine, LoadConfig
+    from ..runtime.sampling import GREEDY
+
+    device = "CPU"
+    if rpc:
+        _phase("generate", "rpc")
+        device = native.device_name(native.rpc_loopback_device())
+    elif n_gpu_layers > 0:
+        gpu = native.gpu_device()
+        device = native.device_name(gpu) if gpu else "CPU"
+    _phase("generate", "load")
+    with Engine(model, LoadConfig(n_ctx=256, n_threads=2, n_gpu_layers=n_gpu_layers)) as eng:
+        _phase("generate", "decode")
+        tokens = list(eng.generate(PROMPT, max_tokens=N_TOKENS, sampling=GREEDY).tokens)
+    return {"device": device, "tokens": tokens}
+
+
+def run(step: dict[str, Any]) -> dict[str, Any]:
+    kind = step["kind"]
+    if kind == "build":
+        return build_info()
+    if kind == "devices":
+        return device_info()
+    if kind == "generate":
+        return generate(step["model"], int(step["n_gpu_layers"]), bool(step.get("rpc")))
+    raise ValueError(f"unknown doctor step {kind!r}")
+
+
+def main(argv: list[str]) -> int:
+    result = run(json.loads(argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
