@@ -39,8 +39,9 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="TCP port (0: a free one, printed at start)")
 @click.option("--api-key", "api_keys", envvar="EDGEMOE_API_KEY", multiple=True,
-              help="require this key on /v1/, as `Authorization: Bearer KEY` or `x-api-key: KEY` (repeatable: "
-                   "each key's cached prompts stay its own; env EDGEMOE_API_KEY, keys separated by spaces)")
+              help="require this key on /v1/, as `Authorization: Bearer KEY` or `x-api-key: KEY` "
+                   "(repeatable: each key's cached prompts stay its own; env EDGEMOE_API_KEY, keys separated "
+                   "by spaces)")
 @click.option("--model-id", default=None, help="the model's name in /v1/models (default: the file name)")
 @click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
               help="requests that may wait for the engine; more are answered 503")
@@ -49,8 +50,8 @@ def _bind(host: str, port: int) -> socket.socket:
                    "[default: a quarter of the available memory, at most 8 GiB; 0: off]")
 @click.option("--max-body-mib", type=click.IntRange(min=1), default=8, show_default=True,
               help="larger request bodies are answered 413")
-@click.option("--scripted-replies", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              hidden=True, help="tests: a JSON list of replies given in order instead of sampled ones")
+@click.option("--scripted-replies", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, hidden=True, help="tests: a JSON list of replies given in order instead of sampled ones")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="reply length when a request gives no max_tokens")
 @_run_options
@@ -66,7 +67,7 @@ def serve(model: Path | None, host: str, port: int, api_keys: tuple[str, ...], m
              prefetch_extra: int | None, dali_prefetch: int | None, blocking_loads: bool,
              assign: str | None, profile: str | None, degrade: float | None, device_prefill: int,
              device_prefill_ahead: str, precalc_from: int | None) -> None:
-    """Serve a model over the OpenAI and Anthropic APIs (default: the bundled fixture), on localhost by default.
+    """Serve a model over the OpenAI and Anthropic APIs (default: the bundled fixture; on localhost by default).
 
     Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (stream or
     not; tools through the model's chat template), POST /v1/messages/count_tokens, GET /health. Requests run

@@ -71,7 +71,7 @@ class PromptCacheStats:
     bytes: int
     capacity_bytes: int
     stored: int  # snapshots put
-    hits: int  # lookups that found a prefix
+    hits: int  # lookups that found a (long enough) prefix
     misses: int
     evicted: int
 
@@ -95,15 +95,16 @@ class PromptCache:
     def scoped(self, scope: str) -> Iterator[KVSnapshot]:
         return (snap for (s, _), snap in self._entries.items() if s == scope)
 
-    def lookup(self, scope: str, tokens: Sequence[int]) -> tuple[KVSnapshot | None, int]:
-        """(the scope's snapshot sharing the longest prefix with tokens, that length); (None, 0) below
-        min_prefix. A hit becomes the most recently used."""
+    def lookup(self, scope: str, tokens: Sequence[int], *,
+               longer_than: int = 0) -> tuple[KVSnapshot | None, int]:
+        """(the scope's snapshot sharing the longest prefix with tokens, that length); (None, 0) when none
+        shares min_prefix tokens and more than longer_than. A hit becomes the most recently used."""
         best, best_n = None, 0
         for snap in self.scoped(scope):
             n = common_prefix(snap.tokens, tokens)
             if n > best_n:
                 best, best_n = snap, n
-        if best is None or best_n < self.min_prefix:
+        if best is None or best_n < self.min_prefix or best_n <= longer_than:
             self.misses += 1
             return None, 0
         self.hits += 1
@@ -120,8 +121,9 @@ class PromptCache:
         False (nothing stored) when it alone is larger than the capacity or shorter than min_prefix."""
         if snap.nbytes > self.capacity_bytes or len(snap.tokens) < self.min_prefix:
             return False
+        n = len(snap.tokens)
         for key in [k for k, s in self._entries.items()
-                    if k[0] == scope and len(s.tokens) <= len(snap.tokens) and snap.tokens[:len(s.tokens)] == s.tokens]:
+                    if k[0] == scope and len(s.tokens) <= n and snap.tokens[:len(s.tokens)] == s.tokens]:
             self._drop(key)
         while self._entries and self.bytes + snap.nbytes > self.capacity_bytes:
             self._drop(next(iter(self._entries)))

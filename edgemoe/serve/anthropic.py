@@ -127,7 +127,8 @@ class MessagesRequest(CountTokensRequest):
         return tuple(self.stop_sequences or ())
 
 
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                 "cancelled": "end_turn"}
 
 
 def stop_reason(out: Outcome) -> str:
@@ -158,8 +159,8 @@ class MessageReply:
                 content[-1]["text"] += p
             else:
                 content.append({"type": "text", "text": p})
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason(out), "stop_sequence": out.stop_sequence, "usage": usage(out),
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop_reason(out), "stop_sequence": out.stop_sequence, "usage": usage(out),
                 "edgemoe": out.extension}
 
     # -- streaming ----------------------------------------------------------------------

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..runtime.sampling import SamplingParams
 from . import anthropic as ant
 from .errors import APIError, install_handlers, is_anthropic
-from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, Kind, Reply
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, Reply
 from .tools import ToolCall
 from .worker import EngineWorker, Job, Outcome, QueueFullError
 
@@ -118,8 +118,8 @@ class GuardMiddleware:
         await self.app(scope, counted, send)
 
     def _too_large(self, path: str) -> APIError:
-        return APIError(413, f"the request body is larger than {self.max_body >> 20} MiB; send less (or start the "
-                             "server with a larger --max-body-mib)", code="request_too_large")
+        return APIError(413, f"the request body is larger than {self.max_body >> 20} MiB; send less (or start "
+                             "the server with a larger --max-body-mib)", code="request_too_large")
 
 
 class Routes:
@@ -149,7 +149,8 @@ class Routes:
 
     async def models(self) -> dict[str, Any]:
         card = self.model_card()
-        return {"object": "list", "data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
+        return {"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
+                "last_id": card["id"]}
 
     async def model(self, model_id: str) -> dict[str, Any]:
         self.check_model(model_id)
@@ -175,7 +176,8 @@ class Routes:
                         messages=body.chat_messages(), tools=body.template_tools())
         reply = ant.MessageReply(self.config.model_id)
         if body.stream:
-            return await self._start_stream(request, job, lambda start: self._anthropic_events(job, reply, start))
+            return await self._start_stream(request, job,
+                                            lambda start: self._anthropic_events(job, reply, start))
         parts: list[str | ToolCall] = []
         out = await self._whole(request, job, parts)
         return JSONResponse(reply.whole(parts, out))

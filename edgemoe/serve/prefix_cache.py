@@ -42,8 +42,8 @@ class PrefixReuse:
         if len(live) > shared:  # the prompt (or a restore) throws away part of the live state
             self._keep(live)
         if self.store is not None:
-            snap, n = self.store.lookup(scope, ids)
-            if snap is not None and n > shared:
+            snap, _ = self.store.lookup(scope, ids, longer_than=shared)
+            if snap is not None:
                 try:
                     eng.restore(snap)
                 except EdgeMoeError as err:  # the prompt is then evaluated in full
@@ -53,7 +53,9 @@ class PrefixReuse:
     def _keep(self, live: tuple[int, ...]) -> None:
         """Store the live state under its owner, unless a stored state covers it already."""
         store = self.store
-        if store is None or self.owner is None or len(live) < store.min_prefix or store.covers(self.owner, live):
+        if store is None or self.owner is None or len(live) < store.min_prefix:
+            return
+        if store.covers(self.owner, live):
             return
         snap = self.engine.snapshot()
         if not store.put(self.owner, snap):

@@ -85,7 +85,8 @@ def _call_to_template(call: ToolCallIn, param: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             raise APIError(400, f"{param}.function.arguments is not a JSON object: {args[:80]!r}",
                            param=param, code="invalid_value") from None
-    return {"id": call.id or "", "type": "function", "function": {"name": call.function.name, "arguments": args}}
+    return {"id": call.id or "", "type": "function",
+            "function": {"name": call.function.name, "arguments": args}}
 
 
 class StreamOptions(_Lenient):

@@ -29,7 +29,8 @@ def _raise(message: str) -> None:
     raise TemplateRefusal(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
+            sort_keys: bool = False) -> str:
     # transformers' tojson: no HTML escaping (jinja2's own escapes <, > and &, which changes the prompt)
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
@@ -60,9 +61,10 @@ class ChatTemplate:
                add_generation_prompt: bool = True) -> str:
         """The prompt text; APIError 400 when the template refuses the messages or has no tool support."""
         if tools and not self.supports_tools:
-            raise APIError(400, "this model's chat template does not render tools (it has no `tools` variable), "
-                                "so it cannot call them: send the request without tools, or serve a GGUF whose "
-                                "chat template supports tool calling", param="tools", code="tools_unsupported")
+            raise APIError(400, "this model's chat template does not render tools (it has no `tools` "
+                                "variable), so it cannot call them: send the request without tools, or serve a "
+                                "GGUF whose chat template supports tool calling", param="tools",
+                           code="tools_unsupported")
         try:
             return self._template.render(messages=messages, tools=tools or None,
                                          add_generation_prompt=add_generation_prompt,

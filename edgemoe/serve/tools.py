@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -25,7 +25,7 @@ class ToolCall:
         return json.dumps(self.arguments, ensure_ascii=False)
 
 
-Event = Union[str, ToolCall]  # a piece of text, or a whole call
+Event = str | ToolCall  # a piece of text, or a whole call
 
 
 def parse_call(body: str) -> ToolCall | None:

@@ -181,16 +181,16 @@ class EngineWorker:
         if self.template is not None:
             return self.template.render(messages, tools)
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-            raise APIError(400, "this model's chat template cannot be rendered with jinja2, so the server has no "
-                                "tool support for it: send the request without tools", param="tools",
+            raise APIError(400, "this model's chat template cannot be rendered with jinja2, so the server has "
+                                "no tool support for it: send the request without tools", param="tools",
                            code="tools_unsupported")
         try:
             return self.engine.format_chat([ChatMessage(m["role"], m.get("content") or "") for m in messages])
         except EdgeMoeError as err:  # no (known) chat template
             raise APIError(400, str(err), param="messages", code="no_chat_template") from err
 
-    def prompt_ids(self, *, messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
-                   prompt: str | None = None) -> list[int]:
+    def prompt_ids(self, *, messages: list[dict[str, Any]] | None = None,
+                   tools: list[dict[str, Any]] | None = None, prompt: str | None = None) -> list[int]:
         """The prompt's token ids (thread-safe); APIError 400 when it is empty or longer than the context."""
         eng = self.engine
         chat = messages is not None
@@ -221,7 +221,10 @@ class EngineWorker:
 
         def emit(text: str, final: bool = False) -> None:
             nonlocal n_calls
-            events = ([text] if text else []) if calls is None else calls.push(text) + (calls.flush() if final else [])
+            if calls is None:
+                events: list[str | ToolCall] = [text] if text else []
+            else:
+                events = calls.push(text) + (calls.flush() if final else [])
             for e in events:
                 if isinstance(e, ToolCall):
                     n_calls += 1
@@ -272,7 +275,8 @@ class EngineWorker:
         eng = self.engine
         first = eng.generate(ids, max_tokens=1, sampling=GREEDY)
         assert self.scripted is not None
-        reply = eng.tokenize(self.scripted.pop(0) if self.scripted else "", add_special=False, parse_special=True)
+        text = self.scripted.pop(0) if self.scripted else ""
+        reply = eng.tokenize(text, add_special=False, parse_special=True)
         for tok in reply[:max_tokens]:
             yield tok, eng.detokenize([tok])
         stop = "eog" if len(reply) <= max_tokens else "length"
