@@ -161,6 +161,9 @@ def test_bad_requests_get_anthropic_errors(server: Server, path: str, body: Any,
 def test_context_overflow_says_the_numbers(server: Server) -> None:
     r = messages_post(server, BAD[7][2])
     assert f"the context holds {CTX}" in r.json()["error"]["message"]
+    counted = messages_post(server, {k: v for k, v in BAD[7][2].items() if k != "max_tokens"},
+                            path="/messages/count_tokens")
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > CTX  # counting needs no room
 
 
 def test_ten_megabytes_on_openai_and_unknown_fields(server: Server) -> None:

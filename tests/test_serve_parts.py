@@ -191,7 +191,8 @@ def test_template_refusals_are_400s() -> None:
 def test_anthropic_messages_become_template_messages() -> None:
     req = ant.MessagesRequest.model_validate({
         "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}], "unknown_field": 1,
-        "tools": [{"name": "read", "input_schema": {"type": "object"}}],
+        "tools": [{"name": "read", "input_schema": {"type": "object"}},
+                  {"type": "web_search_20250305", "name": "web_search"}],  # a server tool: left out
         "messages": [
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": [{"type": "text", "text": "ok"},
@@ -238,6 +239,22 @@ def test_anthropic_stream_events_in_order() -> None:
     assert whole["content"] == [{"type": "text", "text": "ab"},
                                 {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"p": 1}}]
     assert whole["stop_reason"] == "stop_sequence" and whole["stop_sequence"] == "X"
+
+
+def test_no_event_within_the_interval_is_a_ping() -> None:
+    import asyncio
+
+    from edgemoe.runtime.sampling import GREEDY
+    from edgemoe.serve.app import _next
+    from edgemoe.serve.worker import Job
+
+    async def run() -> list[tuple[str, Any]]:
+        job = Job(asyncio.get_running_loop(), 4, GREEDY)
+        first = await _next(job, 0.01)
+        job.emit("delta", "x")
+        return [first, await _next(job, 5.0)]
+
+    assert asyncio.run(run()) == [("ping", None), ("delta", "x")]
 
 
 def test_errors_take_the_shape_of_the_path() -> None:

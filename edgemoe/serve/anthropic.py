@@ -3,11 +3,12 @@
 Messages become the OpenAI-shaped dicts the chat template reads (template.py): the system prompt a
 first "system" message, `tool_use` blocks an assistant's "tool_calls", `tool_result` blocks "tool"
 messages. Unknown fields are accepted and ignored; content the server cannot honour (images,
-documents) is refused with a 400.
+documents) is refused with a 400; server tools (web search...) are left out, client tools go to the model.
 """
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import replace
 from typing import Any, Literal
@@ -18,6 +19,8 @@ from ..runtime.sampling import SamplingParams
 from .errors import APIError
 from .tools import ToolCall
 from .worker import Outcome
+
+log = logging.getLogger(__name__)
 
 
 class _Lenient(BaseModel):
@@ -76,12 +79,12 @@ class CountTokensRequest(_Lenient):
     def template_tools(self) -> list[dict[str, Any]] | None:
         if not self.tools or (self.tool_choice or {}).get("type") == "none":
             return None
-        for i, t in enumerate(self.tools):
-            if t.type not in (None, "custom"):
-                raise APIError(400, f"tools.{i}: server tools ({t.type}) are not available here; give client "
-                                    "tools with an input_schema", param=f"tools.{i}", code="unsupported_tool")
+        server_tools = [t.name for t in self.tools if t.type not in (None, "custom")]
+        if server_tools:  # web search, code execution...: Anthropic runs those; a local model cannot
+            log.info("ignoring server tools %s (only client tools reach the model)", ", ".join(server_tools))
         return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                  "parameters": t.input_schema}} for t in self.tools]
+                                                  "parameters": t.input_schema}}
+                for t in self.tools if t.type in (None, "custom")] or None
 
 
 def _to_template(m: AnthropicMessage, param: str) -> list[dict[str, Any]]:

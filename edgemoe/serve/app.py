@@ -185,7 +185,7 @@ class Routes:
     async def count_tokens(self, body: ant.CountTokensRequest) -> dict[str, int]:
         self.check_model(body.model)
         messages, tools = body.chat_messages(), body.template_tools()
-        ids = await asyncio.to_thread(self.worker.prompt_ids, messages=messages, tools=tools)
+        ids = await asyncio.to_thread(self.worker.prompt_ids, messages=messages, tools=tools, fit=False)
         return {"input_tokens": len(ids)}
 
     # -- running a job ------------------------------------------------------------------

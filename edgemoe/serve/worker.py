@@ -190,8 +190,10 @@ class EngineWorker:
             raise APIError(400, str(err), param="messages", code="no_chat_template") from err
 
     def prompt_ids(self, *, messages: list[dict[str, Any]] | None = None,
-                   tools: list[dict[str, Any]] | None = None, prompt: str | None = None) -> list[int]:
-        """The prompt's token ids (thread-safe); APIError 400 when it is empty or longer than the context."""
+                   tools: list[dict[str, Any]] | None = None, prompt: str | None = None,
+                   fit: bool = True) -> list[int]:
+        """The prompt's token ids (thread-safe); APIError 400 when it is empty, or (fit) longer than the
+        context."""
         eng = self.engine
         chat = messages is not None
         text = self.render(messages, tools) if messages is not None else prompt or ""
@@ -203,7 +205,7 @@ class EngineWorker:
         param = "messages" if chat else "prompt"
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param=param)
-        if len(ids) >= eng.n_ctx:
+        if fit and len(ids) >= eng.n_ctx:
             raise APIError(400, f"the prompt is {len(ids)} tokens but the context holds {eng.n_ctx}; "
                                 "shorten it or start the server with a larger --ctx",
                            param=param, code="context_length_exceeded")
