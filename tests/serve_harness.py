@@ -2,6 +2,8 @@
 
 A test module imports the module-scoped `server` fixture from here; it starts one process per
 test module (the bundled qwen3moe fixture, --ctx CTX, --api-key API_KEY, --max-queue 8).
+`tool_model` writes a copy of the fixture whose chat template (TOOL_TEMPLATE, Qwen3/Hermes style)
+renders tools and refuses a conversation that does not start with a user message.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +45,11 @@ class Server:
 
         return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kw)
 
+    def anthropic(self, api_key: str = API_KEY, **kw: object):  # type: ignore[no-untyped-def]
+        import anthropic
+
+        return anthropic.Anthropic(base_url=f"http://127.0.0.1:{self.port}", api_key=api_key, max_retries=0, **kw)
+
     def health(self) -> dict[str, object]:
         return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).json()
 
@@ -53,8 +61,64 @@ class Server:
         return self.proc.poll() is None
 
 
-def start_server(log: Path, *extra: str) -> Server:
-    cmd = [sys.executable, "-m", "edgemoe", "serve", str(MODEL), "--port", "0", "--ctx", str(CTX),
+TOOL_TEMPLATE = """{%- set first = messages[0] if messages else none -%}
+{%- if first is not none and first.role == 'system' or tools -%}
+<|im_start|>system
+{% if first is not none and first.role == 'system' %}{{ first.content }}{% endif %}
+{%- if tools %}
+
+# Tools
+
+Call functions to help with the user's request. Their signatures, in <tools></tools> tags:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+To call one, answer with a JSON object in <tool_call></tool_call> tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call>
+{%- endif %}<|im_end|>
+{% endif -%}
+{%- set rest = messages[1:] if first is not none and first.role == 'system' else messages -%}
+{%- if rest and rest[0].role != 'user' -%}
+{{ raise_exception('the conversation must start with a user message (after the system prompt)') }}
+{%- endif -%}
+{%- for m in rest -%}
+{%- if m.role == 'system' -%}
+{{ raise_exception('a system message may only come first') }}
+{%- elif m.role == 'tool' -%}
+{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user
+{% endif %}<tool_response>
+{{ m.content }}
+</tool_response>
+{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>
+{% endif %}
+{%- else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}
+{%- for call in m.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+
+
+def tool_model(directory: Path) -> Path:
+    """A copy of the fixture GGUF with TOOL_TEMPLATE as its chat template."""
+    from gguf import GGUFValueType
+    from gguf_mutate import GgufFile
+
+    out = directory / "edgemoe-tiny-qwen3moe-tools.gguf"
+    return GgufFile.read(MODEL).set("tokenizer.chat_template", GGUFValueType.STRING, TOOL_TEMPLATE).write(out)
+
+
+def start_server(log: Path, *extra: str, model: Path = MODEL) -> Server:
+    cmd = [sys.executable, "-m", "edgemoe", "serve", str(model), "--port", "0", "--ctx", str(CTX),
            "--api-key", API_KEY, "--max-queue", str(MAX_QUEUE), "-t", str(THREADS), *extra]
     with log.open("wb") as out:  # a file, not a pipe: a full pipe would block the server
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -86,12 +150,19 @@ def stop_server(server: Server) -> str:
     return server.log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("serve") / "server.log")
+@contextmanager
+def running(log: Path, *extra: str, model: Path = MODEL) -> Iterator[Server]:
+    """A server for the block; afterwards its log must show no traceback and no hanging handler."""
+    srv = start_server(log, *extra, model=model)
     try:
         yield srv
     finally:
-        log = stop_server(srv)
-    assert "Traceback" not in log, log[-4000:]
-    assert "graceful shutdown exceeded" not in log, log[-4000:]  # no request handler left hanging
+        text = stop_server(srv)
+    assert "Traceback" not in text, text[-4000:]
+    assert "graceful shutdown exceeded" not in text, text[-4000:]  # no request handler left hanging
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running(tmp_path_factory.mktemp("serve") / "server.log") as srv:
+        yield srv

@@ -15,7 +15,9 @@ from .types import THREADS, GGUFPath, OutputPath, Size
 @click.argument("model", type=GGUFPath())
 @click.option("--vram", type=Size(auto=True), default="8GiB", show_default=True,
               help="GPU budget shared by every configuration (auto: this GPU's free memory)")
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="prompt length: prefill t/s and TTFT, and the TTFT of a second request on the same prefix "
+                   "('reuse ms': its KV state restored from host memory, as serve's prompt cache does)")
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("-t", "--threads", type=THREADS, default=0, help="CPU threads (default: physical cores)")
 @click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "dali", "static", "daop", "promoe"]),

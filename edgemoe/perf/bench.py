@@ -27,6 +27,7 @@ from ..gguf.info import (VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_inf
 from ..runtime.sampling import GREEDY
 
 WARMUP_PROMPT = 16  # tokens of the prompt each configuration's warm-up generation (2 tokens) starts from
+REUSE_QUESTION = 32  # new tokens at the end of the second request on the same prefix (reuse TTFT)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class BenchRow:
     projected_decode_tps: float | None = None  # the performance model's projection from this machine's profile
     projected_prefill_tps: float | None = None
     projection_error: float | None = None  # projected / measured decode - 1
+    # TTFT of a second request sharing all but the prompt's last REUSE_QUESTION tokens, its KV state restored
+    # from host memory as `edgemoe serve`'s prompt cache does
+    reuse_ttft_s: float | None = None
 
 
 @dataclass
@@ -92,8 +96,22 @@ def _prompt(info: ModelInfo, n: int) -> list[int]:
     return [int(t) for t in rng.integers(16, max(17, min(info.n_vocab, 32000)), n)]
 
 
+def _reuse_ttft(eng: Engine, prompt: list[int]) -> float:
+    """Seconds to the first token of a request on the same prefix with a new question, after another
+    conversation emptied the KV cache: restore the stored state, evaluate the question, sample."""
+    snap = eng.snapshot()
+    eng.reset()
+    rng = np.random.default_rng(1)
+    question = [int(t) for t in rng.integers(16, max(prompt) + 1, min(REUSE_QUESTION, len(prompt) - 1))]
+    t0 = time.perf_counter()
+    eng.restore(snap)
+    eng.generate(prompt[:len(prompt) - len(question)] + question, max_tokens=1, sampling=GREEDY, ignore_eog=True)
+    return time.perf_counter() - t0
+
+
 def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
-             setup: Callable[[Engine], None] | None = None) -> tuple[float, float, float, float, int | None, Any, list[int]]:
+             setup: Callable[[Engine], None] | None = None) -> tuple[float, float, float, float, int | None, Any,
+                                                                    list[int], float]:
     dev = native.gpu_device()
     free0 = native.device_memory(dev)[0] if dev is not None else None
     with Engine(path, config) as eng:
@@ -110,9 +128,10 @@ def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
         cache = ({**eng.cache.cache.stats(), "prefill": eng.cache.cache.prefill_stats(),
                   "precalc": eng.cache.cache.precalc_stats()}
                  if eng.cache is not None else None)
+        reuse = _reuse_ttft(eng, prompt)
     t = g.timings
     tpot = 1.0 / t.decode_tps if t.decode_tps > 0 else wall
-    return t.prompt_tps, t.decode_tps, t.ttft_s, tpot, used, cache, g.tokens
+    return t.prompt_tps, t.decode_tps, t.ttft_s, tpot, used, cache, g.tokens, reuse
 
 
 def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | None = None) -> BenchResult:
@@ -191,12 +210,12 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         if progress:
             progress(name)
         try:
-            pre, dec, ttft, tpot, vram, cache, tokens = _measure(path, cfg, prompt, spec.gen_tokens, setup)
+            pre, dec, ttft, tpot, vram, cache, tokens, reuse = _measure(path, cfg, prompt, spec.gen_tokens, setup)
         except Exception as err:  # noqa: BLE001 - one configuration failing (no calibration...) is a row
             res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
             continue
         generated = generated or tokens
-        res.rows.append(BenchRow(name, kind, pre, dec, ttft, tpot, vram, cache, note))
+        res.rows.append(BenchRow(name, kind, pre, dec, ttft, tpot, vram, cache, note, reuse_ttft_s=reuse))
     if spec.profile is not None and generated:
         if progress:
             progress("projection (trace + performance model)")
@@ -296,7 +315,8 @@ def _project_precalc(row: BenchRow, path: Path, trace: Any, prof: Any, spec: Ben
 def format_table(res: BenchResult) -> str:
     head = (f"{res.model} · {res.device} · budget {res.vram / 2**30:.1f} GiB · {res.slots_per_layer} slots/layer · "
             f"{res.prompt_tokens} prompt + {res.gen_tokens} generated tokens")
-    lines = [head, f"{'configuration':<26} {'prefill t/s':>11} {'decode t/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} "
+    lines = [head, f"{'configuration':<26} {'prefill t/s':>11} {'decode t/s':>10} {'TTFT ms':>8} {'reuse ms':>8} "
+                   f"{'TPOT ms':>8} "
                    f"{'VRAM GiB':>8} {'decode x':>8} {'prefill x':>9} {'hit rate':>8} {'proj dec':>8} {'err':>6}  note"]
     for r in res.rows:
         vram = f"{r.peak_vram_bytes / 2**30:.2f}" if r.peak_vram_bytes is not None else "-"
@@ -305,8 +325,11 @@ def format_table(res: BenchResult) -> str:
         hit = f"{r.cache['hit_rate']:.3f}" if r.cache else "-"
         proj = f"{r.projected_decode_tps:.2f}" if r.projected_decode_tps is not None else "-"
         err = f"{r.projection_error:+.1%}" if r.projection_error is not None else "-"
-        lines.append(f"{r.name:<26} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} "
+        reuse = f"{r.reuse_ttft_s * 1e3:.0f}" if r.reuse_ttft_s is not None else "-"
+        lines.append(f"{r.name:<26} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} {reuse:>8} "
                      f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8} {proj:>8} {err:>6}  {r.note}")
+    lines.append(f"reuse ms: TTFT of a second request on the same prefix with {REUSE_QUESTION} new tokens, its KV "
+                 "state restored from host memory (serve's prompt cache)")
     if res.projection_note:
         lines.append(f"proj dec: PROJECTED decode tok/s, {res.projection_note}")
     elif any(r.kind for r in res.rows):

@@ -24,7 +24,7 @@ class ChatMessage:
 
 
 class ChatMixin:
-    """chat_template() / format_chat() of Engine."""
+    """chat_template() / template_tokens() / format_chat() of Engine."""
 
     _model: Any
     path: Path
@@ -32,6 +32,19 @@ class ChatMixin:
     def chat_template(self) -> str | None:
         ptr = lib.llama_model_chat_template(self._model, None)
         return ptr.decode("utf-8") if ptr else None
+
+    def template_tokens(self) -> tuple[str, str]:
+        """The text of BOS and EOS as chat templates read them (bos_token, eos_token); "" for none."""
+        vocab = lib.llama_model_get_vocab(self._model)
+        out = []
+        for tok in (lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab)):
+            if tok < 0:
+                out.append("")
+                continue
+            buf = ctypes.create_string_buffer(256)
+            n = lib.llama_token_to_piece(vocab, tok, buf, len(buf), 0, True)
+            out.append(buf.raw[:max(n, 0)].decode("utf-8", errors="replace"))
+        return out[0], out[1]
 
     def format_chat(self, messages: Sequence[ChatMessage], *, add_assistant: bool = True) -> str:
         """Apply the model's chat template (llama.cpp's built-in template engine)."""

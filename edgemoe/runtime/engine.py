@@ -6,7 +6,8 @@ calls, so a chat turn only evaluates the new tokens.
 
 The Engine is assembled from one concern per module: loading and evaluation here, the
 generation loop (generation.py), chat templates (chat.py) and the routing hook / expert-cache
-routing (routing.py), expert predictors in the graph (prediction.py); LoadConfig is in config.py.
+routing (routing.py), expert predictors in the graph (prediction.py), KV state snapshots (prompt_cache.py);
+LoadConfig is in config.py.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from .hooks import HookChain
 from .interrupts import deferred_interrupts
 from .native import lib
 from .prediction import PredictionMixin
+from .prompt_cache import StateMixin
 from .vocab_guard import SpmByteGuard
 from .routing import RoutingMixin
 
@@ -59,7 +61,7 @@ def graph_nodes_logged(lines: list[str]) -> tuple[int, int] | None:
     return None
 
 
-class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin):
+class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMixin):
     """A loaded model with one context. Use as a context manager or call close()."""
 
     def __init__(self, model_path: str | os.PathLike[str], config: LoadConfig | None = None) -> None:

@@ -1,27 +1,35 @@
-"""The routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /health.
+"""The routes: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/messages,
+/v1/messages/count_tokens, GET /health.
 
-Every request becomes a Job for the one engine thread (worker.py). A client that goes away
-cancels its job: a streamed reply notices when the SSE stream is torn down, a whole reply
-through a task that waits for the connection's http.disconnect.
+Every generation request becomes a Job for the one engine thread (worker.py). A client that goes away
+cancels its job: a streamed reply notices when the SSE stream is torn down, a whole reply through a
+task that waits for the connection's http.disconnect. While a streamed prompt is evaluated, pings
+(an SSE comment for OpenAI, a `ping` event for Anthropic) keep clients from timing out.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..runtime.sampling import SamplingParams
-from .errors import APIError, install_handlers
-from .schemas import ChatCompletionRequest, CompletionRequest, Kind, Reply, GenerationRequest
+from . import anthropic as ant
+from .errors import APIError, install_handlers, is_anthropic
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, Reply
+from .tools import ToolCall
 from .worker import EngineWorker, Job, Outcome, QueueFullError
+
+SCOPE_KEY = "edgemoe.scope"  # the ASGI scope entry naming the request's API key (its prompt-cache scope)
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,9 @@ class ServerConfig:
     model_id: str  # what /v1/models lists and requests must name
     sampling: SamplingParams  # defaults for fields a request leaves out
     max_tokens: int  # reply length when a request gives none
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them is accepted; none: no key is asked
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    ping_s: float = 5.0  # a streamed reply's keep-alive interval while the prompt is evaluated
 
 
 def _sse(obj: dict[str, Any] | str) -> str:
@@ -45,30 +55,71 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
             return
 
 
-async def _next(job: Job) -> tuple[str, Any]:
-    kind, value = await job.events.get()
+async def _next(job: Job, timeout: float | None = None) -> tuple[str, Any]:
+    """The job's next event; ("ping", None) when none came within timeout seconds."""
+    try:
+        kind, value = await asyncio.wait_for(job.events.get(), timeout)
+    except asyncio.TimeoutError:
+        return "ping", None
     if kind == "error":
         raise value
     return kind, value
 
 
-class APIKeyMiddleware:
-    """401 for /v1/ requests without `Authorization: Bearer KEY`, before their body is read."""
+def key_scope(key: str) -> str:
+    """The prompt-cache scope of an API key (its digest: the key itself is not kept around)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
+
+class GuardMiddleware:
+    """Before a /v1/ request's body is read: 401 without one of the API keys (`Authorization: Bearer KEY` or
+    `x-api-key: KEY`), 413 for a body over the limit; errors in the shape of the path's API."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], max_body: int) -> None:
         self.app = app
-        self.key = key.encode()
+        self.keys = [k.encode() for k in keys]
+        self.max_body = max_body
+
+    def _key(self, headers: dict[bytes, bytes]) -> bytes | None:
+        auth = headers.get(b"authorization", b"")
+        given = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"").strip()
+        # compare with every key (no early exit: the time taken does not tell which one is near)
+        match = [k for k in self.keys if secrets.compare_digest(given, k)]
+        return match[0] if match else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not secrets.compare_digest(given, self.key):
-                err = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                               code="invalid_api_key")
-                await err.response()(scope, receive, send)
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        headers = dict(scope["headers"])
+        if self.keys:
+            key = self._key(headers)
+            if key is None:
+                how = "x-api-key: KEY" if is_anthropic(path) else "Authorization: Bearer KEY"
+                await APIError(401, f"invalid or missing API key (send {how})",
+                               code="invalid_api_key").response(path)(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+            scope[SCOPE_KEY] = key_scope(key.decode())
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_body:
+            await self._too_large(path).response(path)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:  # a body without Content-Length is counted as it comes
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                raise self._too_large(path)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self, path: str) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_body >> 20} MiB; send less (or start "
+                             "the server with a larger --max-body-mib)", code="request_too_large")
 
 
 class Routes:
@@ -78,7 +129,10 @@ class Routes:
         self.started = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.config.model_id, "object": "model", "created": self.started, "owned_by": "edgemoe"}
+        """One card both clients read: OpenAI's fields and Anthropic's."""
+        created = datetime.fromtimestamp(self.started, timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"id": self.config.model_id, "object": "model", "created": self.started, "owned_by": "edgemoe",
+                "type": "model", "display_name": self.config.model_id, "created_at": created}
 
     def check_model(self, model: str) -> None:
         if model != self.config.model_id:
@@ -87,11 +141,16 @@ class Routes:
 
     async def health(self) -> dict[str, Any]:
         w = self.worker
-        return {"status": "ok", "model": self.config.model_id, "busy": w.busy, "queued": w.queued,
-                "max_queue": w.max_queue, "served": w.served}
+        out = {"status": "ok", "model": self.config.model_id, "busy": w.busy, "queued": w.queued,
+               "max_queue": w.max_queue, "served": w.served}
+        if w.reuse.store is not None:
+            out["prompt_cache"] = w.reuse.store.stats().to_dict()
+        return out
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self.model_card()]}
+        card = self.model_card()
+        return {"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
+                "last_id": card["id"]}
 
     async def model(self, model_id: str) -> dict[str, Any]:
         self.check_model(model_id)
@@ -99,76 +158,153 @@ class Routes:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
-        return await self._serve(request, body, "chat", messages=body.chat_messages())
+        body.check()
+        job = self._job(request, body.limit(self.config.max_tokens), body.sampling(self.config.sampling),
+                        body.stops(), messages=body.chat_messages(), tools=body.template_tools())
+        return await self._openai(request, job, Reply("chat", self.config.model_id), body)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
-        return await self._serve(request, body, "text", prompt=body.text())
-
-    async def _serve(self, request: Request, body: GenerationRequest, kind: Kind, **what: Any) -> Any:
         body.check()
-        job = Job(asyncio.get_running_loop(), body.limit(self.config.max_tokens),
-                  body.sampling(self.config.sampling), body.stops(), **what)
+        job = self._job(request, body.limit(self.config.max_tokens), body.sampling(self.config.sampling),
+                        body.stops(), prompt=body.text())
+        return await self._openai(request, job, Reply("text", self.config.model_id), body)
+
+    async def messages(self, body: ant.MessagesRequest, request: Request) -> Any:
+        self.check_model(body.model)
+        job = self._job(request, body.max_tokens, body.sampling(self.config.sampling), body.stops(),
+                        messages=body.chat_messages(), tools=body.template_tools())
+        reply = ant.MessageReply(self.config.model_id)
+        if body.stream:
+            return await self._start_stream(request, job,
+                                            lambda start: self._anthropic_events(job, reply, start))
+        parts: list[str | ToolCall] = []
+        out = await self._whole(request, job, parts)
+        return JSONResponse(reply.whole(parts, out))
+
+    async def count_tokens(self, body: ant.CountTokensRequest) -> dict[str, int]:
+        self.check_model(body.model)
+        messages, tools = body.chat_messages(), body.template_tools()
+        ids = await asyncio.to_thread(self.worker.prompt_ids, messages=messages, tools=tools, fit=False)
+        return {"input_tokens": len(ids)}
+
+    # -- running a job ------------------------------------------------------------------
+    def _job(self, request: Request, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
+             **what: Any) -> Job:
+        job = Job(asyncio.get_running_loop(), max_tokens, sampling, stop,
+                  scope=request.scope.get(SCOPE_KEY, ""), **what)
         try:
             self.worker.submit(job)
         except QueueFullError:
             raise APIError(503, f"the server is busy: {self.worker.max_queue} requests wait already; "
                                 "retry later", code="queue_full") from None
+        return job
+
+    async def _begin(self, request: Request, job: Job) -> tuple[int, int]:
+        """Wait for the job's start: (prompt tokens, cached); errors before it are answered with a status."""
         watcher = asyncio.create_task(_watch_disconnect(request, job))
-        reply = Reply(kind, self.config.model_id)
         try:
-            await _next(job)  # "start": the prompt fits; errors before it are answered with a status
-            if body.stream:
-                watcher.cancel()  # from here StreamingResponse watches the connection
-                return StreamingResponse(self._stream(job, reply, body.include_usage),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            parts: list[str] = []
-            while True:
-                event, value = await _next(job)
-                if event == "delta":
-                    parts.append(value)
-                else:
-                    return JSONResponse(reply.whole("".join(parts), value))
+            _, start = await _next(job)
+            return start
+        except BaseException:
+            job.cancel()
+            raise
         finally:
             watcher.cancel()
-            if not body.stream:
-                job.cancel()  # no-op once done; stops the engine if this handler was cancelled
 
-    async def _stream(self, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    async def _start_stream(self, request: Request, job: Job,
+                            events: Callable[[tuple[int, int]], AsyncIterator[str]]) -> StreamingResponse:
+        start = await self._begin(request, job)
+        return StreamingResponse(events(start), media_type="text/event-stream",  # it watches the connection
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _whole(self, request: Request, job: Job, parts: list[str | ToolCall]) -> Outcome:
+        """Run a job to its end, collecting text pieces and tool calls; the client leaving cancels it."""
+        await self._begin(request, job)
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        try:
+            while True:
+                event, value = await _next(job)
+                if event == "done":
+                    return value
+                parts.append(value)
+        finally:
+            watcher.cancel()
+            job.cancel()  # no-op once done; stops the engine if this handler was cancelled
+
+    async def _openai(self, request: Request, job: Job, reply: Reply, body: GenerationRequest) -> Any:
+        if body.stream:
+            return await self._start_stream(request, job,
+                                             lambda _: self._openai_events(job, reply, body.include_usage))
+        parts: list[str | ToolCall] = []
+        out = await self._whole(request, job, parts)
+        text = "".join(p for p in parts if isinstance(p, str))
+        return JSONResponse(reply.whole(text, out, [p for p in parts if isinstance(p, ToolCall)]))
+
+    async def _openai_events(self, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+        n_calls = 0
         try:
             if reply.kind == "chat":
                 yield _sse(reply.chunk(None, first=True))
             while True:
                 try:
-                    event, value = await _next(job)
+                    event, value = await _next(job, self.config.ping_s)
                 except APIError as err:  # after the headers: the error goes in the stream
                     yield _sse(err.body())
                     break
-                if event == "delta":
+                if event == "ping":
+                    yield ": ping\n\n"
+                elif event == "delta":
                     yield _sse(reply.chunk(value))
-                    continue
-                out: Outcome = value
-                yield _sse({**reply.chunk(None if reply.kind == "chat" else "", out.finish_reason),
-                            "edgemoe": out.extension})
-                if include_usage:
-                    yield _sse(reply.usage_chunk(out))
-                break
+                elif event == "tool_call":
+                    yield _sse(reply.tool_chunk(value, n_calls))
+                    n_calls += 1
+                else:
+                    out: Outcome = value
+                    yield _sse({**reply.chunk(None if reply.kind == "chat" else "", out.finish_reason),
+                                "edgemoe": out.extension})
+                    if include_usage:
+                        yield _sse(reply.usage_chunk(out))
+                    break
             yield _sse("[DONE]")
         finally:
             job.cancel()  # the client went away mid-stream (or we are done): free the engine
 
+    async def _anthropic_events(self, job: Job, reply: ant.MessageReply,
+                                start: tuple[int, int]) -> AsyncIterator[str]:
+        try:
+            yield reply.start(*start)
+            yield ant.PING
+            while True:
+                try:
+                    event, value = await _next(job, self.config.ping_s)
+                except APIError as err:
+                    yield ant.error_event(err)
+                    break
+                if event == "ping":
+                    yield ant.PING
+                elif event == "delta":
+                    yield reply.text(value)
+                elif event == "tool_call":
+                    yield reply.tool_use(value)
+                else:
+                    yield reply.end(value)
+                    break
+        finally:
+            job.cancel()
+
 
 def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="edgemoe", summary="OpenAI-compatible API over one edgemoe Engine",
+    app = FastAPI(title="edgemoe", summary="OpenAI- and Anthropic-compatible API over one edgemoe Engine",
                   openapi_url=None, docs_url=None, redoc_url=None)
     install_handlers(app)
-    if config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, key=config.api_key)
+    app.add_middleware(GuardMiddleware, keys=config.api_keys, max_body=config.max_body_bytes)
     r = Routes(worker, config)
     app.add_api_route("/health", r.health, methods=["GET"])
     app.add_api_route("/v1/models", r.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", r.model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", r.chat, methods=["POST"])
     app.add_api_route("/v1/completions", r.completions, methods=["POST"])
+    app.add_api_route("/v1/messages", r.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", r.count_tokens, methods=["POST"])
     return app

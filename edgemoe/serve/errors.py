@@ -1,4 +1,8 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}} with a fitting status."""
+"""Errors in each API's own shape, with a fitting status.
+
+OpenAI (every path but /v1/messages): {"error": {"message", "type", "param", "code"}};
+Anthropic (/v1/messages...): {"type": "error", "error": {"type", "message"}}, and 529 where OpenAI's is 503.
+"""
 from __future__ import annotations
 
 import logging
@@ -12,7 +16,15 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 503: "server_overloaded"}
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic(path: str) -> bool:
+    """Is this path of the Anthropic Messages API (its errors take Anthropic's shape)?"""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 class APIError(Exception):
@@ -30,8 +42,16 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The JSON response, in the shape of the API that path belongs to."""
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        if is_anthropic(path):
+            status = 529 if self.status == 503 else self.status
+            return JSONResponse(self.anthropic_body(), status_code=status, headers=headers)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -53,23 +73,23 @@ def from_validation(exc: RequestValidationError) -> APIError:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Answer every error (ours, validation, routing, unexpected) in the OpenAI shape."""
+    """Answer every error (ours, validation, routing, unexpected) in the shape of the request's API."""
 
-    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return exc.response()
+        return exc.response(request.url.path)
 
-    async def validation(_: Request, exc: Exception) -> JSONResponse:
+    async def validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return from_validation(exc).response()
+        return from_validation(exc).response(request.url.path)
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error while serving a request")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response(request.url.path)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation)

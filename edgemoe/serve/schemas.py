@@ -1,10 +1,12 @@
-"""Request models (pydantic, as FastAPI validates them) and the OpenAI response bodies.
+"""OpenAI's request models (pydantic, as FastAPI validates them) and response bodies.
 
 Fields the server does not use (frequency_penalty, user, ...) are accepted and ignored, as
 other local servers do; fields it cannot honour (n > 1, logprobs) are refused with a 400.
+Chat messages become the OpenAI-shaped dicts the chat template reads (template.py).
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import replace
@@ -12,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..runtime.chat import ChatMessage
 from ..runtime.sampling import SamplingParams
 from .errors import APIError
+from .tools import ToolCall
 from .worker import Outcome
 
 
@@ -27,17 +29,64 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Lenient):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
 class Message(_Lenient):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def to_chat(self, i: int) -> ChatMessage:
+    def to_template(self, i: int) -> dict[str, Any]:
         if self.content is None or isinstance(self.content, str):
-            return ChatMessage(self.role, self.content or "")
-        if any(p.type != "text" or p.text is None for p in self.content):
+            text = self.content or ""
+        elif any(p.type != "text" or p.text is None for p in self.content):
             raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content",
                            code="unsupported_content")
-        return ChatMessage(self.role, "".join(p.text or "" for p in self.content))
+        else:
+            text = "".join(p.text or "" for p in self.content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [_call_to_template(c, f"messages.{i}.tool_calls.{j}")
+                                 for j, c in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id or ""
+            if self.name:
+                out["name"] = self.name
+        return out
+
+
+def _call_to_template(call: ToolCallIn, param: str) -> dict[str, Any]:
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except json.JSONDecodeError:
+            raise APIError(400, f"{param}.function.arguments is not a JSON object: {args[:80]!r}",
+                           param=param, code="invalid_value") from None
+    return {"id": call.id or "", "type": "function",
+            "function": {"name": call.function.name, "arguments": args}}
 
 
 class StreamOptions(_Lenient):
@@ -87,9 +136,16 @@ class GenerationRequest(_Lenient):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" drops the tools; others are left to the model
 
-    def chat_messages(self) -> list[ChatMessage]:
-        return [m.to_chat(i) for i, m in enumerate(self.messages)]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class CompletionRequest(GenerationRequest):
@@ -123,14 +179,23 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(out: Outcome) -> dict[str, int]:
+    def usage(out: Outcome) -> dict[str, Any]:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens}
+                "total_tokens": out.prompt_tokens + out.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
-    def whole(self, text: str, out: Outcome) -> dict[str, Any]:
+    @staticmethod
+    def tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+        head = {} if index is None else {"index": index}
+        return {**head, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments_json}}
+
+    def whole(self, text: str, out: Outcome, calls: list[ToolCall] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
         if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                choice["message"]["tool_calls"] = [self.tool_call(c) for c in calls]
         else:
             choice["text"] = text
         return {**self._head(self.object), "choices": [choice], "usage": self.usage(out),
@@ -147,6 +212,11 @@ class Reply:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice["text"] = text or ""
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def tool_chunk(self, call: ToolCall, index: int) -> dict[str, Any]:
+        choice = {"index": 0, "finish_reason": None, "logprobs": None,
+                  "delta": {"tool_calls": [self.tool_call(call, index)]}}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, out: Outcome) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -1,9 +1,15 @@
 """The one engine thread: requests wait in a bounded FIFO queue and run one at a time.
 
-The Engine is not thread-safe, so every engine call (chat template, tokenizer, generation,
-counters) happens on this thread. A Job carries its events back to the asyncio loop that
-submitted it: ("start", prompt tokens), ("delta", text), ("done", Outcome) or ("error", APIError).
-A job's `cancel()` (client gone) stops its generation at the next token, or skips it if it waits.
+The Engine is not thread-safe, so every use of its llama.cpp context (prefix reuse, generation,
+counters) happens on this thread; only the chat template and the tokenizer, which read the model's
+vocabulary, also run on the server's threads (count_tokens). A Job carries its events back to the
+asyncio loop that submitted it: ("start", (prompt tokens, cached tokens)), ("delta", text),
+("tool_call", ToolCall), ("done", Outcome) or ("error", APIError). A job's `cancel()` (client gone)
+stops its generation at the next token, or skips it if it waits.
+
+Prompt caching (prefix_cache.py): before a prompt is evaluated, the live KV state is kept in the
+host-memory store when the prompt would throw part of it away, and a stored state sharing a longer
+prefix with the prompt is restored; states are scoped by API key.
 """
 from __future__ import annotations
 
@@ -12,14 +18,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EdgeMoeError
 from ..runtime.chat import ChatMessage
-from ..runtime.sampling import SamplingParams
+from ..runtime.generation import Generation
+from ..runtime.prompt_cache import PromptCache
+from ..runtime.sampling import GREEDY, SamplingParams
 from .errors import APIError
+from .prefix_cache import PrefixReuse
+from .template import ChatTemplate
+from .tools import ToolCall, ToolCallScanner
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +45,15 @@ class StopScanner:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.buf = ""
+        self.hit: str | None = None  # the stop string that ended the text
 
     def push(self, piece: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was reached)."""
         self.buf += piece
-        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.buf = self.buf[:min(hits)], ""
+            i, self.hit = min(hits)
+            out, self.buf = self.buf[:i], ""
             return out, True
         hold = 0
         for s in self.stops:
@@ -56,10 +69,12 @@ class StopScanner:
 
 @dataclass
 class Outcome:
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
     extension: dict[str, Any]  # the response's "edgemoe" object
+    cached_tokens: int = 0  # prompt tokens whose KV state was reused (not evaluated)
+    stop_sequence: str | None = None  # the stop string that ended the reply
 
 
 @dataclass
@@ -70,8 +85,10 @@ class Job:
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
-    messages: list[ChatMessage] | None = None
+    messages: list[dict[str, Any]] | None = None  # OpenAI-shaped (template.py)
+    tools: list[dict[str, Any]] | None = None
     prompt: str | None = None
+    scope: str = ""  # whose prompt-cache entries it may reuse (the API key's id)
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -88,11 +105,20 @@ class Job:
 
 
 class EngineWorker:
-    """Owns the Engine after start(); one daemon thread runs the queued jobs in order."""
+    """Owns the Engine after start(); one daemon thread runs the queued jobs in order.
 
-    def __init__(self, engine: Any, max_queue: int) -> None:
+    template: the model's Jinja chat template (None: llama.cpp's built-in templates, no tools);
+    prompt_cache: the host-memory store of KV states (None: only the live KV prefix is reused);
+    scripted: replies to give in order instead of sampling (tests of the tool-call path).
+    """
+
+    def __init__(self, engine: Any, max_queue: int, *, template: ChatTemplate | None = None,
+                 prompt_cache: PromptCache | None = None, scripted: list[str] | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
+        self.template = template
+        self.reuse = PrefixReuse(engine, prompt_cache)
+        self.scripted = scripted
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._main, name="edgemoe-engine", daemon=True)
         self._current: Job | None = None
@@ -150,18 +176,36 @@ class EngineWorker:
                 self._current = None
                 self.served += 1
 
-    def _tokens(self, job: Job) -> list[int]:
-        eng = self.engine
-        chat = job.messages is not None
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The prompt text of a chat through the model's template (thread-safe: no llama.cpp context)."""
+        if self.template is not None:
+            return self.template.render(messages, tools)
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            raise APIError(400, "this model's chat template cannot be rendered with jinja2, so the server has "
+                                "no tool support for it: send the request without tools", param="tools",
+                           code="tools_unsupported")
         try:
-            prompt = eng.format_chat(job.messages) if chat else job.prompt or ""
+            return self.engine.format_chat([ChatMessage(m["role"], m.get("content") or "") for m in messages])
         except EdgeMoeError as err:  # no (known) chat template
             raise APIError(400, str(err), param="messages", code="no_chat_template") from err
-        ids = eng.tokenize(prompt, parse_special=chat)
+
+    def prompt_ids(self, *, messages: list[dict[str, Any]] | None = None,
+                   tools: list[dict[str, Any]] | None = None, prompt: str | None = None,
+                   fit: bool = True) -> list[int]:
+        """The prompt's token ids (thread-safe); APIError 400 when it is empty, or (fit) longer than the
+        context."""
+        eng = self.engine
+        chat = messages is not None
+        text = self.render(messages, tools) if messages is not None else prompt or ""
+        add_special = True
+        if chat and eng.adds_bos() and self.template is not None and self.template.bos_token \
+                and text.startswith(self.template.bos_token):
+            add_special = False  # the template wrote BOS itself
+        ids = eng.tokenize(text, add_special=add_special, parse_special=chat)
         param = "messages" if chat else "prompt"
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param=param)
-        if len(ids) >= eng.n_ctx:
+        if fit and len(ids) >= eng.n_ctx:
             raise APIError(400, f"the prompt is {len(ids)} tokens but the context holds {eng.n_ctx}; "
                                 "shorten it or start the server with a larger --ctx",
                            param=param, code="context_length_exceeded")
@@ -170,13 +214,32 @@ class EngineWorker:
     def _run(self, job: Job) -> None:
         eng = self.engine
         t_start = time.perf_counter()
-        ids = self._tokens(job)
-        job.emit("start", len(ids))
+        ids = self.prompt_ids(messages=job.messages, tools=job.tools, prompt=job.prompt)
+        cached = self.reuse.prepare(job.scope, ids)
+        job.emit("start", (len(ids), cached))
         stops = StopScanner(job.stop)
+        calls = ToolCallScanner() if job.tools else None
+        n_calls = 0
+
+        def emit(text: str, final: bool = False) -> None:
+            nonlocal n_calls
+            if calls is None:
+                events: list[str | ToolCall] = [text] if text else []
+            else:
+                events = calls.push(text) + (calls.flush() if final else [])
+            for e in events:
+                if isinstance(e, ToolCall):
+                    n_calls += 1
+                    job.emit("tool_call", e)
+                elif e:
+                    job.emit("delta", e)
+
         finish: str | None = None
         n_out = 0
         t_first: float | None = None
-        gen = eng.stream(ids, max_tokens=job.max_tokens, sampling=job.sampling)
+        scripted = self.scripted is not None
+        gen = self._scripted(ids, job.max_tokens) if scripted else \
+            eng.stream(ids, max_tokens=job.max_tokens, sampling=job.sampling)
         try:
             for tok, piece in gen:
                 if job.cancelled.is_set():
@@ -185,8 +248,7 @@ class EngineWorker:
                 n_out += tok >= 0
                 t_first = t_first or time.perf_counter()
                 text, hit = stops.push(piece)
-                if text:
-                    job.emit("delta", text)
+                emit(text)
                 if hit:
                     finish = "stop"
                     break
@@ -194,16 +256,34 @@ class EngineWorker:
             gen.close()
         t_end = time.perf_counter()
         if finish is None:  # the engine ended it: eog, max_tokens or a full context
-            g = eng.last
+            g: Generation = self._script_last if scripted else eng.last
             finish = "stop" if g.stop_reason == "eog" else "length"
-            tail = stops.flush()
-            if tail:
-                job.emit("delta", tail)
+            emit(stops.flush(), final=True)
             n_out, timings = len(g.tokens), g.timings.to_dict()
         else:  # cut short here: the engine's Generation was not completed
+            if finish == "stop":
+                emit("", final=True)
             timings = {"decode_tokens": n_out, "ttft_s": (t_first or t_end) - t_start,
                        "decode_s": t_end - (t_first or t_end)}
-        job.emit("done", Outcome(finish, len(ids), n_out, self._extension(job, timings, t_start, t_end)))
+        if n_calls and finish == "stop" and stops.hit is None:
+            finish = "tool_calls"
+        ext = self._extension(job, timings, t_start, t_end)
+        job.emit("done", Outcome(finish, len(ids), n_out, ext, cached, stops.hit))
+
+    _script_last: Generation
+
+    def _scripted(self, ids: list[int], max_tokens: int) -> Iterator[tuple[int, str]]:
+        """The next scripted reply as if sampled: the prompt is evaluated for real (prefix reuse included)."""
+        eng = self.engine
+        first = eng.generate(ids, max_tokens=1, sampling=GREEDY)
+        assert self.scripted is not None
+        text = self.scripted.pop(0) if self.scripted else ""
+        reply = eng.tokenize(text, add_special=False, parse_special=True)
+        for tok in reply[:max_tokens]:
+            yield tok, eng.detokenize([tok])
+        stop = "eog" if len(reply) <= max_tokens else "length"
+        self._script_last = Generation(eng.detokenize(reply[:max_tokens]), ids, reply[:max_tokens], stop,
+                                       first.timings)
 
     def _extension(self, job: Job, timings: dict[str, Any], t_start: float, t_end: float) -> dict[str, Any]:
         eng = self.engine
@@ -212,4 +292,6 @@ class EngineWorker:
                                "control": eng.control_stats()}
         if eng.cache is not None:
             ext["cache"] = eng.cache.cache.stats()
+        if self.reuse.store is not None:
+            ext["prompt_cache"] = self.reuse.store.stats().to_dict()
         return ext

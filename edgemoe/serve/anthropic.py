@@ -1,0 +1,217 @@
+"""The Anthropic Messages API's request model and response bodies (POST /v1/messages, count_tokens).
+
+Messages become the OpenAI-shaped dicts the chat template reads (template.py): the system prompt a
+first "system" message, `tool_use` blocks an assistant's "tool_calls", `tool_result` blocks "tool"
+messages. Unknown fields are accepted and ignored; content the server cannot honour (images,
+documents) is refused with a 400; server tools (web search...) are left out, client tools go to the model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..runtime.sampling import SamplingParams
+from .errors import APIError
+from .tools import ToolCall
+from .worker import Outcome
+
+log = logging.getLogger(__name__)
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Block(_Lenient):
+    type: str
+    text: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+
+    def plain(self, param: str) -> str:
+        """The text of a text block (or of a tool_result's content)."""
+        if self.type == "text":
+            return self.text or ""
+        if self.type in ("thinking", "redacted_thinking"):
+            return ""  # earlier turns' thinking is not part of the prompt
+        raise APIError(400, f"{param}: content blocks of type {self.type!r} are not supported here (text, "
+                            "tool_use and tool_result are)", param=param, code="unsupported_content")
+
+
+class AnthropicMessage(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Lenient):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    type: str | None = None  # "custom" or none; server tools are refused
+
+
+class CountTokensRequest(_Lenient):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else \
+                "".join(b.plain(f"system.{i}") for i, b in enumerate(self.system))
+            out.append({"role": "system", "content": system})
+        for i, m in enumerate(self.messages):
+            out += _to_template(m, f"messages.{i}.content")
+        return out
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools or (self.tool_choice or {}).get("type") == "none":
+            return None
+        server_tools = [t.name for t in self.tools if t.type not in (None, "custom")]
+        if server_tools:  # web search, code execution...: Anthropic runs those; a local model cannot
+            log.info("ignoring server tools %s (only client tools reach the model)", ", ".join(server_tools))
+        return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                  "parameters": t.input_schema}}
+                for t in self.tools if t.type in (None, "custom")] or None
+
+
+def _to_template(m: AnthropicMessage, param: str) -> list[dict[str, Any]]:
+    """One Anthropic message as template messages: tool results become "tool" messages before the text."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, b in enumerate(m.content):
+        where = f"{param}.{j}"
+        if b.type == "tool_use" and m.role == "assistant":
+            calls.append({"id": b.id or "", "type": "function",
+                          "function": {"name": b.name or "", "arguments": b.input or {}}})
+        elif b.type == "tool_result" and m.role == "user":
+            body = b.content if isinstance(b.content, str) or b.content is None else \
+                "".join(c.plain(f"{where}.content") for c in b.content)
+            results.append({"role": "tool", "tool_call_id": b.tool_use_id or "", "content": body or ""})
+        else:
+            text.append(b.plain(where))
+    out = results
+    if calls or text or not results:
+        msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+        if calls:
+            msg["tool_calls"] = calls
+        out = out + [msg]
+    return out
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+
+    def sampling(self, default: SamplingParams) -> SamplingParams:
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        return replace(default, **{k: v for k, v in given.items() if v is not None})
+
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop_sequences or ())
+
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                 "cancelled": "end_turn"}
+
+
+def stop_reason(out: Outcome) -> str:
+    return "stop_sequence" if out.stop_sequence is not None else _STOP_REASONS[out.finish_reason]
+
+
+def usage(out: Outcome) -> dict[str, int]:
+    """Anthropic counts cache reads apart: input_tokens are the prompt tokens evaluated."""
+    return {"input_tokens": out.prompt_tokens - out.cached_tokens, "output_tokens": out.completion_tokens,
+            "cache_read_input_tokens": out.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+class MessageReply:
+    """The bodies of one /v1/messages reply: whole, or its server-sent events."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.index = -1  # of the open content block
+        self.open: str | None = None  # its type
+
+    def whole(self, parts: list[str | ToolCall], out: Outcome) -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        for p in parts:
+            if isinstance(p, ToolCall):
+                content.append({"type": "tool_use", "id": p.id, "name": p.name, "input": p.arguments})
+            elif content and content[-1]["type"] == "text":
+                content[-1]["text"] += p
+            else:
+                content.append({"type": "text", "text": p})
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop_reason(out), "stop_sequence": out.stop_sequence, "usage": usage(out),
+                "edgemoe": out.extension}
+
+    # -- streaming ----------------------------------------------------------------------
+    def start(self, prompt_tokens: int, cached: int) -> str:
+        msg = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+               "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": prompt_tokens - cached, "output_tokens": 0,
+                         "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}}
+        return event("message_start", {"type": "message_start", "message": msg})
+
+    def _close(self) -> str:
+        if self.open is None:
+            return ""
+        self.open = None
+        return event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def _begin(self, block: dict[str, Any]) -> str:
+        out = self._close()
+        self.index += 1
+        self.open = block["type"]
+        return out + event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                   "content_block": block})
+
+    def text(self, piece: str) -> str:
+        out = "" if self.open == "text" else self._begin({"type": "text", "text": ""})
+        return out + event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                   "delta": {"type": "text_delta", "text": piece}})
+
+    def tool_use(self, call: ToolCall) -> str:
+        out = self._begin({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        out += event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                             "delta": {"type": "input_json_delta",
+                                                       "partial_json": call.arguments_json}})
+        return out + self._close()
+
+    def end(self, out: Outcome) -> str:
+        delta = {"type": "message_delta", "delta": {"stop_reason": stop_reason(out),
+                                                    "stop_sequence": out.stop_sequence},
+                 "usage": usage(out), "edgemoe": out.extension}
+        return self._close() + event("message_delta", delta) + event("message_stop", {"type": "message_stop"})
+
+
+def event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+PING = event("ping", {"type": "ping"})
+
+
+def error_event(err: APIError) -> str:
+    return event("error", err.anthropic_body())
