@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import build_llama as bl  # noqa: E402
+import llama_git  # noqa: E402
 
 SDIST = ROOT / ".build" / "sdist" / f"{bl.SDIST_NAME}.tar.gz"
 needs_sdist = pytest.mark.skipif(not SDIST.exists(), reason="sdist not downloaded (make install fetches it)")
@@ -26,8 +27,32 @@ def test_series_lists_existing_numbered_patches() -> None:
 def test_series_applies_to_pristine_sdist(tmp_path: Path) -> None:
     src = bl.unpack(SDIST, tmp_path / "src")
     bl.apply_series(src, bl.read_series(ROOT / "patches"))
-    header = (src / "vendor" / "llama.cpp" / "include" / "llama.h").read_text()
+    llama_dir = src / "vendor" / "llama.cpp"
+    header = (llama_dir / "include" / "llama.h").read_text()
     assert "llama_edgemoe_patch_level" in header
+    # one commit per patch on the sdist's source, each stamped
+    patches = bl.read_series(ROOT / "patches")
+    n = llama_git.git(llama_dir, "rev-list", "--count", f"{llama_git.BASE_TAG}..HEAD").stdout.strip()
+    assert int(n) == len(patches)
+    assert llama_git.applied(llama_dir) == sorted(p.name for p in patches)
+
+
+@needs_sdist
+def test_moved_context_merges_three_way(tmp_path: Path) -> None:
+    """A base whose lines around a hunk changed: plain `git apply` refuses, `git am -3` merges."""
+    llama_dir = bl.unpack(SDIST, tmp_path / "src") / "vendor" / "llama.cpp"
+    llama_git.init_base(llama_dir, "test")
+    header = llama_dir / "include" / "llama.h"
+    text = header.read_text()
+    anchor = "    LLAMA_API bool llama_supports_gpu_offload(void);\n"  # the hunk's first context line
+    assert anchor in text
+    header.write_text(text.replace(anchor, anchor.rstrip() + " // a comment upstream added\n"))
+    llama_git.git(llama_dir, "commit", "-q", "-am", "upstream moved the context")
+    first = bl.read_series(ROOT / "patches")[0]
+    assert llama_git.git(llama_dir, "apply", "--check", str(first), check=False).returncode != 0
+    llama_git.am_series(llama_dir, [first], fix_hint="", log=lambda _: None)
+    merged = header.read_text()
+    assert "llama_edgemoe_patch_level" in merged and "a comment upstream added" in merged
 
 
 @needs_sdist
@@ -37,7 +62,8 @@ def test_broken_patch_names_itself_and_how_to_refresh(tmp_path: Path) -> None:
     good = bl.read_series(ROOT / "patches")[0].read_text()
     bad.write_text(good.replace("@@ -569,6 +569,10 @@", "@@ -9569,6 +9569,10 @@").replace(
         "LLAMA_API bool llama_supports_rpc", "LLAMA_API bool llama_supports_nothing"))
-    with pytest.raises(bl.BuildError, match=r"(?s)0099-moe-broken\.patch does not apply.*tools/patches\.py"):
+    with pytest.raises(bl.BuildError, match=r"(?s)0099-moe-broken\.patch does not apply.*"
+                                            r"git am --continue.*git am --skip.*git am --abort.*tools/patches\.py"):
         bl.apply_series(src, [bad])
 
 
