@@ -1,6 +1,7 @@
 """The patch pipeline: the series applies to the pinned sdist, failures name the patch, the stamp tracks inputs."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -92,3 +93,24 @@ def test_missing_series_entry(tmp_path: Path) -> None:
     (tmp_path / "series").write_text("0001-missing.patch\n")
     with pytest.raises(bl.BuildError, match="0001-missing.patch"):
         bl.read_series(tmp_path)
+
+
+def test_each_patch_has_the_project_as_author_and_a_body_naming_its_test() -> None:
+    for p in bl.read_series(ROOT / "patches"):
+        header = p.read_text().split("\ndiff --git ", 1)[0]
+        assert "\nFrom: edgemoe <edgemoe@users.noreply.github.com>\n" in header, p.name
+        body = header.split("\nSubject: ", 1)[1].split("\n", 1)[1]
+        assert len(body.split()) > 30 and "tests/test_" in body, f"{p.name}: no body naming its test"
+
+
+def test_patch_level_is_set_once_to_what_the_python_side_requires() -> None:
+    native_src = (ROOT / "edgemoe" / "runtime" / "native.py").read_text()
+    required = int(re.search(r"^REQUIRED_PATCH_LEVEL = (\d+)$", native_src, re.M).group(1))
+    setters = {p.name: re.findall(r"^\+int32_t llama_edgemoe_patch_level\(void\) \{\n\+    return (\d+);",
+                                  p.read_text(), re.M)
+               for p in bl.read_series(ROOT / "patches")}
+    touching = {name: levels for name, levels in setters.items() if levels}
+    first = bl.read_series(ROOT / "patches")[0].name
+    assert touching == {first: [str(required)]}
+    later = [p.name for p in bl.read_series(ROOT / "patches")[1:] if "edgemoe_patch_level" in p.read_text()]
+    assert later == []
