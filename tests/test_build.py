@@ -1,6 +1,7 @@
 """The patch pipeline: the series applies to the pinned sdist, failures name the patch, the stamp tracks inputs."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import build_llama as bl  # noqa: E402
+import llama_git  # noqa: E402
 
 SDIST = ROOT / ".build" / "sdist" / f"{bl.SDIST_NAME}.tar.gz"
 needs_sdist = pytest.mark.skipif(not SDIST.exists(), reason="sdist not downloaded (make install fetches it)")
@@ -26,8 +28,32 @@ def test_series_lists_existing_numbered_patches() -> None:
 def test_series_applies_to_pristine_sdist(tmp_path: Path) -> None:
     src = bl.unpack(SDIST, tmp_path / "src")
     bl.apply_series(src, bl.read_series(ROOT / "patches"))
-    header = (src / "vendor" / "llama.cpp" / "include" / "llama.h").read_text()
+    llama_dir = src / "vendor" / "llama.cpp"
+    header = (llama_dir / "include" / "llama.h").read_text()
     assert "llama_edgemoe_patch_level" in header
+    # one commit per patch on the sdist's source, each stamped
+    patches = bl.read_series(ROOT / "patches")
+    n = llama_git.git(llama_dir, "rev-list", "--count", f"{llama_git.BASE_TAG}..HEAD").stdout.strip()
+    assert int(n) == len(patches)
+    assert llama_git.applied(llama_dir) == sorted(p.name for p in patches)
+
+
+@needs_sdist
+def test_moved_context_merges_three_way(tmp_path: Path) -> None:
+    """A base whose lines around a hunk changed: plain `git apply` refuses, `git am -3` merges."""
+    llama_dir = bl.unpack(SDIST, tmp_path / "src") / "vendor" / "llama.cpp"
+    llama_git.init_base(llama_dir, "test")
+    header = llama_dir / "include" / "llama.h"
+    text = header.read_text()
+    anchor = "    LLAMA_API bool llama_supports_gpu_offload(void);\n"  # the hunk's first context line
+    assert anchor in text
+    header.write_text(text.replace(anchor, anchor.rstrip() + " // a comment upstream added\n"))
+    llama_git.git(llama_dir, "commit", "-q", "-am", "upstream moved the context")
+    first = bl.read_series(ROOT / "patches")[0]
+    assert llama_git.git(llama_dir, "apply", "--check", str(first), check=False).returncode != 0
+    llama_git.am_series(llama_dir, [first], fix_hint="", log=lambda _: None)
+    merged = header.read_text()
+    assert "llama_edgemoe_patch_level" in merged and "a comment upstream added" in merged
 
 
 @needs_sdist
@@ -37,7 +63,8 @@ def test_broken_patch_names_itself_and_how_to_refresh(tmp_path: Path) -> None:
     good = bl.read_series(ROOT / "patches")[0].read_text()
     bad.write_text(good.replace("@@ -569,6 +569,10 @@", "@@ -9569,6 +9569,10 @@").replace(
         "LLAMA_API bool llama_supports_rpc", "LLAMA_API bool llama_supports_nothing"))
-    with pytest.raises(bl.BuildError, match=r"(?s)0099-moe-broken\.patch does not apply.*tools/patches\.py"):
+    with pytest.raises(bl.BuildError, match=r"(?s)0099-moe-broken\.patch does not apply.*"
+                                            r"git am --continue.*git am --skip.*git am --abort.*tools/patches\.py"):
         bl.apply_series(src, [bad])
 
 
@@ -66,3 +93,24 @@ def test_missing_series_entry(tmp_path: Path) -> None:
     (tmp_path / "series").write_text("0001-missing.patch\n")
     with pytest.raises(bl.BuildError, match="0001-missing.patch"):
         bl.read_series(tmp_path)
+
+
+def test_each_patch_has_the_project_as_author_and_a_body_naming_its_test() -> None:
+    for p in bl.read_series(ROOT / "patches"):
+        header = p.read_text().split("\ndiff --git ", 1)[0]
+        assert "\nFrom: edgemoe <edgemoe@users.noreply.github.com>\n" in header, p.name
+        body = header.split("\nSubject: ", 1)[1].split("\n", 1)[1]
+        assert len(body.split()) > 30 and "tests/test_" in body, f"{p.name}: no body naming its test"
+
+
+def test_patch_level_is_set_once_to_what_the_python_side_requires() -> None:
+    native_src = (ROOT / "edgemoe" / "runtime" / "native.py").read_text()
+    required = int(re.search(r"^REQUIRED_PATCH_LEVEL = (\d+)$", native_src, re.M).group(1))
+    setters = {p.name: re.findall(r"^\+int32_t llama_edgemoe_patch_level\(void\) \{\n\+    return (\d+);",
+                                  p.read_text(), re.M)
+               for p in bl.read_series(ROOT / "patches")}
+    touching = {name: levels for name, levels in setters.items() if levels}
+    first = bl.read_series(ROOT / "patches")[0].name
+    assert touching == {first: [str(required)]}
+    later = [p.name for p in bl.read_series(ROOT / "patches")[1:] if "edgemoe_patch_level" in p.read_text()]
+    assert later == []

@@ -2,8 +2,9 @@
 """Build the patched llama-cpp-python into a virtual environment.
 
 Steps: fetch the pinned llama-cpp-python sdist with pip, check its sha256,
-unpack it, apply ``patches/series`` to ``vendor/llama.cpp`` (stopping at the
-first patch that does not apply), then ``pip install`` it with a trimmed
+unpack it, make ``vendor/llama.cpp`` a git repository whose first commit is the
+sdist's source and apply ``patches/series`` with ``git am -3`` (stopping at the
+first patch that does not merge, with what to do), then ``pip install`` it with a trimmed
 CMake configuration (no server, tools, examples, tests or multimodal).
 
 A stamp in the venv records sdist + patches + options; when they are
@@ -27,6 +28,9 @@ import tarfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_git  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SDIST_NAME = "llama_cpp_python-0.3.36"
@@ -165,20 +169,16 @@ def unpack(tarball: Path, dest: Path) -> Path:
 
 
 def apply_series(src: Path, patches: list[Path]) -> None:
+    """Make vendor/llama.cpp a repository (first commit: the sdist's source) and `git am -3` the series."""
     llama_dir = src / "vendor" / "llama.cpp"
-    # git apply inside a repository only patches paths below the cwd; a source tree without its
-    # .git link (a trimmed sdist) sitting inside our checkout would be skipped silently
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(llama_dir.parent))
-    for p in patches:
-        check = subprocess.run(["git", "apply", "--check", "-p1", str(p)], cwd=llama_dir,
-                               capture_output=True, text=True, env=env)
-        if check.returncode != 0:
-            raise BuildError(
-                f"patch {p.name} does not apply to the vendored llama.cpp:\n{check.stderr.strip()}\n"
-                "Refresh it: `python tools/patches.py init`, fix this patch's commit in "
-                f".build/patchwork/{SDIST_NAME}/vendor/llama.cpp, then `python tools/patches.py export`.")
-        subprocess.run(["git", "apply", "-p1", str(p)], cwd=llama_dir, check=True, env=env)
-        log(f"applied {p.name}")
+    try:
+        llama_git.init_base(llama_dir, f"{SDIST_NAME} (sha256 {SDIST_SHA256[:12]})")
+        llama_git.am_series(llama_dir, patches, log=log, fix_hint=(
+            "The build unpacks a fresh tree every run, so fix the patch itself: `python tools/patches.py "
+            f"init` stops at the same patch in .build/patchwork/llama.cpp; resolve it there, `git am "
+            "--continue`, then `python tools/patches.py export` (docs/upgrading-llama.md)."))
+    except llama_git.SeriesError as err:
+        raise BuildError(str(err)) from None
 
 
 def stamp_key(patches: list[Path], opts: BuildOptions) -> dict:

@@ -10,10 +10,8 @@ from typing import Any, NewType
 
 from ...errors import NativeLibraryError
 
-# The patch level this edgemoe needs (patches/series: 0001 sets 1, 0002 sets 2, 0004 sets 3, 0005 sets 4,
-# 0006 sets 5, 0007 sets 6, 0009 sets 7, 0010 sets 8, 0011 sets 9, 0012 sets 10, 0013 sets 11, 0014 sets 12,
-# 0015 sets 13, 0016 sets 14, 0017 sets 15, 0018 sets 16, 0019 sets 17, 0020 sets 18, 0021 sets 19, 0022 sets 20,
-# 0023 sets 21, 0024 sets 22).
+# The patch level this edgemoe needs: set once by the series' first patch (patches/README.md); raise it with
+# the C side when the API these bindings use changes.
 REQUIRED_PATCH_LEVEL = 24
 
 log = logging.getLogger(__name__)
