@@ -309,3 +309,25 @@ def test_known_architectures_match_vendored_llama_arch_cpp() -> None:
     table = src[src.index("LLM_ARCH_NAMES = {"):]
     names = re.findall(r'\{\s*LLM_ARCH_\w+,\s*"([^"]+)"\s*\}', table[:table.index("};")])
     assert tuple(n for n in names if n not in ("clip", "(unknown)")) == KNOWN_ARCHITECTURES
+
+
+def test_vram_reserve_grows_with_the_context_past_4096_tokens(tmp_path: Path) -> None:
+    """Without flash attention llama.cpp's compute buffer holds one ubatch's attention scores (issue 29): the plan
+    reserves them past 4096 tokens, and plan's budget for N slots, stock's --n-cpu-moe and the slots agree."""
+    from edgemoe.gguf.info import RESERVE_CTX, VRAM_RESERVE, best_n_cpu_moe, context_reserve_bytes, vram_plan
+    from edgemoe.gguf.synth import write_synthetic
+    from edgemoe.perf.plan import budget_for_slots
+
+    info = read_model_info(write_synthetic("qwen3-30b-a3b", tmp_path / "q.gguf", layers=2, shape_only=True,
+                                           progress=False))
+    assert context_reserve_bytes(info, RESERVE_CTX) == 0 == context_reserve_bytes(info, 512)
+    assert vram_plan(info, 8 * 2**30, n_ctx=4096, reserve_bytes=VRAM_RESERVE).reserve_bytes == VRAM_RESERVE
+    long = vram_plan(info, 8 * 2**30, n_ctx=16384, reserve_bytes=VRAM_RESERVE)
+    assert long.reserve_bytes == VRAM_RESERVE + (16384 - 4096) * 512 * info.n_head * 4
+    assert vram_plan(info, 8 * 2**30, n_ctx=16384).reserve_bytes == 0  # no reserve asked: none added
+    for n_ctx in (4096, 16384):
+        vram = budget_for_slots(info, 8, n_ctx)
+        assert vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer == 8
+        assert vram_plan(info, vram - 1, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer == 7
+    whole = budget_for_slots(info, info.n_expert, 16384)
+    assert best_n_cpu_moe(info, whole, 16384) == 0 and best_n_cpu_moe(info, whole - 1, 16384) == 1

@@ -76,6 +76,10 @@ def test_trace_synth_and_trace_stats_cli(name: str, tmp_path: Path) -> None:
                                  "--layers", "3", "--seed", "2", "--out", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     tr = Trace.load(out)
+    again = tmp_path / "again.npz"
+    CliRunner().invoke(cli, ["trace-synth", "--routing", name, "--tokens", "300", "--seq-len", "150", "--layers", "3",
+                             "--seed", "2", "--out", str(again)], catch_exceptions=False)
+    np.testing.assert_array_equal(Trace.load(again).ids, tr.ids)  # a seed draws the same trace
     prof = load_routing_profile(name)
     assert tr.ids.shape == (300, 3, prof.k) and tr.meta["routing"] == name and tr.n_expert == prof.n_expert
     sizes = sorted({prof.k, min(prof.n_expert, 2 * prof.k)})

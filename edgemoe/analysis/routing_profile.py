@@ -47,7 +47,8 @@ class RoutingProfile:
         shape or another one (expert count, top-k, MoE layers)."""
         e, kk, nl = n_expert or self.n_expert, k or self.k, n_layer or self.n_layer
         if not 1 <= kk <= e:
-            raise EdgeMoeError(f"top-{kk} of {e} experts is not a routing shape")
+            raise EdgeMoeError(f"top-{kk} of {e} experts is not a routing shape: give a top-k of 1..{e} "
+                               "(trace-synth --top-k) or more experts (--experts)")
         if n_seq < 1 or prefill + decode < 1:
             raise EdgeMoeError("a synthetic trace needs at least one sequence of at least one token")
         if self.stats is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,14 @@ import click
 
 from ..analysis.routing_profile import routing_names
 from .types import THREADS, Finite, GGUFPath, OutputPath, Size
+
+
+def _routing_options(trace_help: str, routing_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--trace PATH and --routing NAME (a bundled routing profile), the routing a projection replays."""
+    trace = click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                         default=None, help=trace_help)
+    routing = click.option("--routing", type=click.Choice(routing_names()), default=None, help=routing_help)
+    return lambda f: trace(routing(f))
 
 
 @click.command()
@@ -40,12 +49,10 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="routing trace to replay (`edgemoe trace`, `edgemoe trace-synth`); another model's trace works if "
-                   "it has the same expert count and top-k (default: a trace drawn from the bundled routing profile "
-                   "of a real model with the model's expert count and top-k, else the nearest; see --routing)")
-@click.option("--routing", type=click.Choice(routing_names()), default=None,
-              help="draw the trace from this bundled routing profile instead (at the model's shape)")
+@_routing_options("routing trace to replay (`edgemoe trace`, `edgemoe trace-synth`); another model's trace works if "
+                  "it has the same expert count and top-k (default: a trace drawn from the bundled routing profile of "
+                  "a real model with the model's expert count and top-k, else the nearest; see --routing)",
+                  "draw the trace from this bundled routing profile instead (at the model's shape)")
 @click.option("--profile", "profile_name", default=None,
               help="profile file (`edgemoe profile`) or bundled name (rtx4060-laptop, rtx4090-desktop, "
                    "h100-server, and the backtest's machines: docs/performance-model.md); default: this "
@@ -159,12 +166,10 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
               help="context the KV cache is planned for")
 @click.option("--profile", "profile_name", default=None,
               help="machine profile for projected speeds (file or bundled name; default: this machine's, if measured)")
-@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="routing trace for the expected figures (default: the calibration's routing trace, else a trace "
-                   "drawn from the bundled routing profile of a real model with the model's expert count and top-k, "
-                   "else the nearest; the plan names it)")
-@click.option("--routing", type=click.Choice(routing_names()), default=None,
-              help="draw the expected figures' trace from this bundled routing profile instead")
+@_routing_options("routing trace for the expected figures (default: the calibration's routing trace, else a trace "
+                  "drawn from the bundled routing profile of a real model with the model's expert count and top-k, "
+                  "else the nearest; the plan names it)",
+                  "draw the expected figures' trace from this bundled routing profile instead")
 @click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="calibration directory (default: the model's)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")

@@ -298,8 +298,19 @@ def estimate_kv_cache_bytes(info: ModelInfo, n_ctx: int) -> int:
     return info.n_layer * n_ctx * per_token_layer
 
 
-# what edgemoe leaves free on the GPU for compute buffers and the like when it plans --vram
+# what edgemoe leaves free on the GPU for compute buffers and the like when it plans --vram, at contexts up to
+# RESERVE_CTX tokens (context_reserve_bytes adds what longer ones need)
 VRAM_RESERVE = 512 * 2**20
+RESERVE_CTX = 4096
+PLAN_UBATCH = 512  # the engine's default n_ubatch
+
+
+def context_reserve_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = PLAN_UBATCH) -> int:
+    """What llama.cpp's compute buffer grows by past RESERVE_CTX tokens of context: without flash attention
+    (edgemoe's default, as llama-cpp-python's) it holds one ubatch's F32 attention scores, n_ctx x n_ubatch x
+    n_head x 4 bytes. Measured on the CPU backend (the Qwen3-30B-A3B shape, 512-token ubatches): a compute buffer
+    of 305 MiB at 4096 tokens, 1086 MiB at 16384, 2142 MiB at 32768; 305 MiB at each with flash attention."""
+    return max(0, n_ctx - RESERVE_CTX) * n_ubatch * info.n_head * 4
 
 
 def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_bytes: int = 0,
@@ -308,11 +319,14 @@ def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_
     MoE layer.
 
     `reserve_bytes` is left free for compute buffers and the like (llama.cpp needs a
-    few hundred MiB; the caller knows its batch size, this module does not).
+    few hundred MiB; the caller knows its batch size, this module does not); a nonzero reserve grows by
+    context_reserve_bytes past RESERVE_CTX tokens of context (the plan's reserve_bytes includes it).
     """
     if budget_bytes < 0 or n_ctx <= 0 or reserve_bytes < 0 or predictor_bytes < 0:
         raise ValueError(f"budget ({budget_bytes}), n_ctx ({n_ctx}), reserve ({reserve_bytes}) and "
                          f"predictors ({predictor_bytes}) must be positive")
+    if reserve_bytes:
+        reserve_bytes += context_reserve_bytes(info, n_ctx)
     kv = estimate_kv_cache_bytes(info, n_ctx)
     left = max(0, budget_bytes - info.dense_bytes - kv - reserve_bytes - predictor_bytes)
     slot = sum(info.bytes_per_expert_by_layer.values())  # one expert in each MoE layer
@@ -347,7 +361,7 @@ def slots_beside_prefill_buffers(info: ModelInfo, slots_per_layer: Mapping[int, 
 
 def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:
     """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit; None: never fits."""
-    fixed = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE
+    fixed = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE + context_reserve_bytes(info, n_ctx)
     layers = sorted(info.moe_layers)
     per_layer = {il: info.bytes_per_expert_by_layer[il] * info.n_expert for il in layers}
     for n in range(len(layers) + 1):

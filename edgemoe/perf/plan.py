@@ -53,7 +53,7 @@ class Plan:
 def budget_for_slots(info: ModelInfo, slots: int, n_ctx: int) -> int:
     """The --vram that leaves `slots` expert slots in every MoE layer."""
     vp = vram_plan(info, 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
-    return info.dense_bytes + vp.kv_cache_bytes + VRAM_RESERVE + slots * vp.slot_bytes
+    return info.dense_bytes + vp.kv_cache_bytes + vp.reserve_bytes + slots * vp.slot_bytes
 
 
 def _calibration_trace(calibration: Path, info: ModelInfo) -> Trace:
@@ -78,8 +78,8 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
                 slot_bytes=vp.slot_bytes, slots_per_layer={"equal": [vp.experts_per_layer] * len(moe), "dp": None},
                 n_cpu_moe=best_n_cpu_moe(info, vram, n_ctx), profile=profile.name if profile else "")
     if not vp.dense_fits:
-        plan.notes.append(f"the dense weights, the KV cache of {n_ctx} tokens and the {VRAM_RESERVE >> 20} MiB "
-                          f"reserve need {(vp.dense_bytes + vp.kv_cache_bytes + VRAM_RESERVE) / 2**30:.2f} GiB: "
+        plan.notes.append(f"the dense weights, the KV cache of {n_ctx} tokens and the {vp.reserve_bytes >> 20} MiB "
+                          f"reserve need {(vp.dense_bytes + vp.kv_cache_bytes + vp.reserve_bytes) / 2**30:.2f} GiB: "
                           "raise --vram or lower --ctx")
         return plan
     dp: dict[str, dict[int, int]] = {}
