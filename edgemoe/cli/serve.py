@@ -51,7 +51,8 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--max-body-mib", type=click.IntRange(min=1), default=8, show_default=True,
               help="larger request bodies are answered 413")
 @click.option("--scripted-replies", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, hidden=True, help="tests: a JSON list of replies given in order instead of sampled ones")
+              default=None, hidden=True,
+              help="tests: a JSON list of replies given in order instead of sampled ones")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="reply length when a request gives no max_tokens")
 @_run_options
@@ -67,7 +68,7 @@ def serve(model: Path | None, host: str, port: int, api_keys: tuple[str, ...], m
              prefetch_extra: int | None, dali_prefetch: int | None, blocking_loads: bool,
              assign: str | None, profile: str | None, degrade: float | None, device_prefill: int,
              device_prefill_ahead: str, precalc_from: int | None) -> None:
-    """Serve a model over the OpenAI and Anthropic APIs (default: the bundled fixture; on localhost by default).
+    """Serve a model over the OpenAI and Anthropic APIs (default: the bundled fixture), on localhost by default.
 
     Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (stream or
     not; tools through the model's chat template), POST /v1/messages/count_tokens, GET /health. Requests run

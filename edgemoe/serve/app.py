@@ -118,8 +118,8 @@ class GuardMiddleware:
         await self.app(scope, counted, send)
 
     def _too_large(self, path: str) -> APIError:
-        return APIError(413, f"the request body is larger than {self.max_body >> 20} MiB; send less (or start "
-                             "the server with a larger --max-body-mib)", code="request_too_large")
+        return APIError(413, f"the request body is larger than {self.max_body >> 20} MiB; send less (or "
+                             "start the server with a larger --max-body-mib)", code="request_too_large")
 
 
 class Routes:
