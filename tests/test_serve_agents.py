@@ -186,6 +186,21 @@ def test_ten_megabytes_on_openai_and_unknown_fields(server: Server) -> None:
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
 
 
+def test_chunked_bodies_are_held_to_the_limit(server: Server) -> None:
+    """Without Content-Length the body is counted as it comes: 413 past the limit, served below it."""
+    def body(n_mib: int) -> Iterator[bytes]:
+        yield b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "' % MODEL_ID.encode()
+        for _ in range(n_mib):
+            yield b"x" * (1 << 20)
+        yield b'Hi"}]}'
+
+    h = {"x-api-key": API_KEY, "content-type": "application/json"}
+    r = httpx.post(f"{server.base_url}/messages", content=body(10), headers=h, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.post(f"{server.base_url}/messages", content=body(0), headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message"
+
+
 def test_disconnect_mid_stream_frees_the_engine(server: Server) -> None:
     body = {"model": MODEL_ID, "max_tokens": CTX - 64, "temperature": 0, "stream": True, "messages": USER}
     h = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
