@@ -48,7 +48,8 @@ class Server:
     def anthropic(self, api_key: str = API_KEY, **kw: object):  # type: ignore[no-untyped-def]
         import anthropic
 
-        return anthropic.Anthropic(base_url=f"http://127.0.0.1:{self.port}", api_key=api_key, max_retries=0, **kw)
+        return anthropic.Anthropic(base_url=f"http://127.0.0.1:{self.port}", api_key=api_key, max_retries=0,
+                                   **kw)
 
     def health(self) -> dict[str, object]:
         return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).json()

@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from serve_harness import API_KEY, CTX, MODEL, MODEL_ID, THREADS, Server, running, server, tool_model  # noqa: F401
+from serve_harness import (API_KEY, CTX, MODEL, MODEL_ID, THREADS, Server, running, server,  # noqa: F401
+                           tool_model)
 from edgemoe import Engine, LoadConfig
 from edgemoe.runtime.chat import ChatMessage
 from edgemoe.serve.template import ChatTemplate
@@ -26,11 +27,12 @@ from test_serve import _wait_idle, chat_reference
 SYSTEM = "You are a terse playwright."
 T0 = {"temperature": 0}  # the anthropic client has no temperature argument any more: sent as an extra field
 USER = [{"role": "user", "content": "To be, or not to be"}]
-READ_TOOL = {"name": "read_file", "description": "Read a file of the project",
-             "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
-OPENAI_TOOL = {"type": "function", "function": {"name": READ_TOOL["name"], "description": READ_TOOL["description"],
-                                                "parameters": READ_TOOL["input_schema"]}}
-CALL_TEXT = 'I will read it.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "README.md"}}\n</tool_call>'
+SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+READ_TOOL = {"name": "read_file", "description": "Read a file of the project", "input_schema": SCHEMA}
+OPENAI_TOOL = {"type": "function",
+               "function": {"name": "read_file", "description": "Read a file of the project", "parameters": SCHEMA}}
+CALL_TEXT = ('I will read it.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "README.md"}}\n'
+             '</tool_call>')
 ANSWER = "The file says hello."
 SCRIPT = [CALL_TEXT, ANSWER, CALL_TEXT, CALL_TEXT, ANSWER, CALL_TEXT]  # in the order the tool tests ask
 
@@ -53,7 +55,8 @@ def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ser
 
 def messages_post(server: Server, body: Any, *, headers: dict[str, str] | None = None,
                   path: str = "/messages", **kw: Any) -> httpx.Response:
-    h = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01", "content-type": "application/json", **(headers or {})}
+    h = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01", "content-type": "application/json",
+         **(headers or {})}
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(f"{server.base_url}{path}", content=data, headers=h, timeout=30, **kw)
 
@@ -66,8 +69,8 @@ def test_anthropic_greedy_equals_chat(server: Server, engine: Engine) -> None:
     assert r.content[0].type == "text" and r.content[0].text == text
     assert r.stop_reason == ("end_turn" if finish == "stop" else "max_tokens")
     assert r.usage.output_tokens == n_tok
-    n_prompt = len(engine.tokenize(engine.format_chat([ChatMessage("system", SYSTEM), ChatMessage(**USER[0])]),
-                                   parse_special=True))
+    chat = engine.format_chat([ChatMessage("system", SYSTEM), ChatMessage(**USER[0])])
+    n_prompt = len(engine.tokenize(chat, parse_special=True))
     assert r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) == n_prompt
 
 
@@ -104,8 +107,10 @@ def test_401_without_the_key(server: Server) -> None:
     with pytest.raises(anthropic.AuthenticationError) as exc:
         server.anthropic(api_key="wrong").messages.create(model=MODEL_ID, max_tokens=4,
                                                           messages=USER)  # type: ignore[arg-type]
-    assert exc.value.status_code == 401 and exc.value.body["error"]["type"] == "authentication_error"  # type: ignore
-    r = messages_post(server, {"model": MODEL_ID, "max_tokens": 4, "messages": USER}, headers={"x-api-key": ""})
+    assert exc.value.status_code == 401
+    assert exc.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    r = messages_post(server, {"model": MODEL_ID, "max_tokens": 4, "messages": USER},
+                      headers={"x-api-key": ""})
     assert r.status_code == 401 and r.json()["type"] == "error"
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").models.list()
@@ -150,7 +155,8 @@ BAD = [  # (id, path, body, status, Anthropic error type)
 
 
 @pytest.mark.parametrize("path, body, status, kind", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_bad_requests_get_anthropic_errors(server: Server, path: str, body: Any, status: int, kind: str) -> None:
+def test_bad_requests_get_anthropic_errors(server: Server, path: str, body: Any, status: int,
+                                          kind: str) -> None:
     r = messages_post(server, body, path=path)
     assert r.status_code == status, r.text
     err = r.json()
@@ -180,6 +186,21 @@ def test_ten_megabytes_on_openai_and_unknown_fields(server: Server) -> None:
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
 
 
+def test_chunked_bodies_are_held_to_the_limit(server: Server) -> None:
+    """Without Content-Length the body is counted as it comes: 413 past the limit, served below it."""
+    def body(n_mib: int) -> Iterator[bytes]:
+        yield b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "' % MODEL_ID.encode()
+        for _ in range(n_mib):
+            yield b"x" * (1 << 20)
+        yield b'Hi"}]}'
+
+    h = {"x-api-key": API_KEY, "content-type": "application/json"}
+    r = httpx.post(f"{server.base_url}/messages", content=body(10), headers=h, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.post(f"{server.base_url}/messages", content=body(0), headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message"
+
+
 def test_disconnect_mid_stream_frees_the_engine(server: Server) -> None:
     body = {"model": MODEL_ID, "max_tokens": CTX - 64, "temperature": 0, "stream": True, "messages": USER}
     h = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
@@ -197,7 +218,8 @@ def test_disconnect_mid_stream_frees_the_engine(server: Server) -> None:
 # -- tool calls through the forced output ------------------------------------------------------
 def prompt_tokens(model: Path, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
     with Engine(model, LoadConfig(n_ctx=CTX, n_threads=THREADS)) as eng:
-        return len(eng.tokenize(ChatTemplate(eng.chat_template() or "").render(messages, tools), parse_special=True))
+        text = ChatTemplate(eng.chat_template() or "").render(messages, tools)
+        return len(eng.tokenize(text, parse_special=True))
 
 
 def test_openai_tool_round_trip(tools_server: tuple[Server, Path]) -> None:

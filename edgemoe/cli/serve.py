@@ -45,14 +45,15 @@ def _bind(host: str, port: int) -> socket.socket:
                    "by spaces)")
 @click.option("--model-id", default=None, help="the model's name in /v1/models (default: the file name)")
 @click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
-              help="requests that may wait for the engine; more are answered 503")
+              help="requests that may wait for the engine; more are answered 503 (Anthropic API: 529)")
 @click.option("--prompt-cache-mib", type=click.IntRange(min=0), default=None,
               help="host memory for the KV states of recent prompts, reused by requests sharing their prefix "
                    "[default: a quarter of the available memory, at most 8 GiB; 0: off]")
 @click.option("--max-body-mib", type=click.IntRange(min=1), default=8, show_default=True,
               help="larger request bodies are answered 413")
 @click.option("--scripted-replies", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, hidden=True, help="tests: a JSON list of replies given in order instead of sampled ones")
+              default=None, hidden=True,
+              help="tests: a JSON list of replies given in order instead of sampled ones")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="reply length when a request gives no max_tokens")
 @run_options

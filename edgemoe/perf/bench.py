@@ -105,13 +105,14 @@ def _reuse_ttft(eng: Engine, prompt: list[int]) -> float:
     question = [int(t) for t in rng.integers(16, max(prompt) + 1, min(REUSE_QUESTION, len(prompt) - 1))]
     t0 = time.perf_counter()
     eng.restore(snap)
-    eng.generate(prompt[:len(prompt) - len(question)] + question, max_tokens=1, sampling=GREEDY, ignore_eog=True)
+    second = prompt[:len(prompt) - len(question)] + question
+    eng.generate(second, max_tokens=1, sampling=GREEDY, ignore_eog=True)
     return time.perf_counter() - t0
 
 
 def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
-             setup: Callable[[Engine], None] | None = None) -> tuple[float, float, float, float, int | None, Any,
-                                                                    list[int], float]:
+             setup: Callable[[Engine], None] | None = None
+             ) -> tuple[float, float, float, float, int | None, Any, list[int], float]:
     dev = native.gpu_device()
     free0 = native.device_memory(dev)[0] if dev is not None else None
     with Engine(path, config) as eng:

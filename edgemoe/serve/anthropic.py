@@ -163,8 +163,8 @@ class MessageReply:
             else:
                 content.append({"type": "text", "text": p})
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": stop_reason(out), "stop_sequence": out.stop_sequence, "usage": usage(out),
-                "edgemoe": out.extension}
+                "content": content, "stop_reason": stop_reason(out), "stop_sequence": out.stop_sequence,
+                "usage": usage(out), "edgemoe": out.extension}
 
     # -- streaming ----------------------------------------------------------------------
     def start(self, prompt_tokens: int, cached: int) -> str:

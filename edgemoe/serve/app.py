@@ -101,25 +101,37 @@ class GuardMiddleware:
                                code="invalid_api_key").response(path)(scope, receive, send)
                 return
             scope[SCOPE_KEY] = key_scope(key.decode())
-        length = headers.get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.max_body:
-            await self._too_large(path).response(path)(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None:  # the HTTP server holds the body to its announced length
+            if length.isdigit() and int(length) > self.max_body:
+                await self._too_large(path).response(path)(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
             return
-        seen = 0
-
-        async def counted() -> Message:  # a body without Content-Length is counted as it comes
-            nonlocal seen
+        # a chunked body: read it here, up to the limit, and hand it on whole
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_body:
-                raise self._too_large(path)
-            return message
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                await self._too_large(path).response(path)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        first: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-        await self.app(scope, counted, send)
+        async def replay() -> Message:
+            return first.pop() if first else await receive()
+
+        await self.app(scope, replay, send)
 
     def _too_large(self, path: str) -> APIError:
-        return APIError(413, f"the request body is larger than {self.max_body >> 20} MiB; send less (or start "
-                             "the server with a larger --max-body-mib)", code="request_too_large")
+        return APIError(413, f"the request body is larger than {self.max_body >> 20} MiB; send less (or "
+                             "start the server with a larger --max-body-mib)", code="request_too_large")
 
 
 class Routes:

@@ -62,8 +62,8 @@ class ChatTemplate:
         """The prompt text; APIError 400 when the template refuses the messages or has no tool support."""
         if tools and not self.supports_tools:
             raise APIError(400, "this model's chat template does not render tools (it has no `tools` "
-                                "variable), so it cannot call them: send the request without tools, or serve a "
-                                "GGUF whose chat template supports tool calling", param="tools",
+                                "variable), so it cannot call them: send the request without tools, or "
+                                "serve a GGUF whose chat template supports tool calling", param="tools",
                            code="tools_unsupported")
         try:
             return self._template.render(messages=messages, tools=tools or None,

@@ -181,8 +181,8 @@ class EngineWorker:
         if self.template is not None:
             return self.template.render(messages, tools)
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-            raise APIError(400, "this model's chat template cannot be rendered with jinja2, so the server has "
-                                "no tool support for it: send the request without tools", param="tools",
+            raise APIError(400, "this model's chat template cannot be rendered with jinja2, so the server "
+                                "has no tool support for it: send the request without tools", param="tools",
                            code="tools_unsupported")
         try:
             return self.engine.format_chat([ChatMessage(m["role"], m.get("content") or "") for m in messages])
