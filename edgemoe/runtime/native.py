@@ -19,7 +19,7 @@ from ..errors import NativeLibraryError
 
 # The patch level this edgemoe needs: set once by the series' first patch (patches/README.md); raise it with
 # the C side when the API these bindings use changes.
-REQUIRED_PATCH_LEVEL = 24
+REQUIRED_PATCH_LEVEL = 25
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,9 @@ _moe_cache_slots = _declare("llama_moe_cache_slots", [ctypes.c_void_p, ctypes.c_
 # bool llama_moe_cache_prefetch(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot, int32_t priority);
 _moe_cache_prefetch = _declare("llama_moe_cache_prefetch", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                                                             ctypes.c_int32, ctypes.c_int32], ctypes.c_bool)
-# int32_t llama_moe_cache_issue(struct llama_context * ctx, int32_t max_chunks);
-_moe_cache_issue = _declare("llama_moe_cache_issue", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+# int32_t llama_moe_cache_issue_loads(struct llama_context * ctx, int32_t max_chunks);
+_moe_cache_issue_loads = _declare("llama_moe_cache_issue_loads", [ctypes.c_void_p, ctypes.c_int32],
+                                  ctypes.c_int32)
 # void llama_moe_cache_sync(struct llama_context * ctx);
 _moe_cache_sync = _declare("llama_moe_cache_sync", [ctypes.c_void_p], None)
 # enum llama_moe_cache_state llama_moe_cache_get_state(const struct llama_context * ctx, int32_t il, int32_t expert);
@@ -277,34 +278,39 @@ def moe_cache_set_overlap(ctx: Any, overlap: bool) -> None:
     _moe_cache_set_overlap(ctx, overlap)
 
 
-# int32_t llama_moe_cache_set_dali(struct llama_context * ctx, int32_t window, int32_t update);
-_moe_cache_set_dali = _declare("llama_moe_cache_set_dali", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
-                               ctypes.c_int32)
+# int32_t llama_moe_cache_set_window_replacement(struct llama_context * ctx, int32_t window, int32_t update);
+_moe_cache_set_window_replacement = _declare("llama_moe_cache_set_window_replacement",
+                                             [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+                                             ctypes.c_int32)
 
 
-def moe_cache_set_dali(ctx: Any, window: int, update: int) -> int:
-    """The native DALI policy's window (tokens) and update (experts swapped per window); 0, or -1 if refused."""
-    return int(_moe_cache_set_dali(ctx, window, update))
+def moe_cache_set_window_replacement(ctx: Any, window: int, update: int) -> int:
+    """Window replacement (the native DALI policy): its window (tokens) and update (experts swapped per
+    window); 0, or -1 if refused."""
+    return int(_moe_cache_set_window_replacement(ctx, window, update))
 
 
-# int32_t llama_moe_cache_set_daop(struct llama_context * ctx, double threshold);
-_moe_cache_set_daop = _declare("llama_moe_cache_set_daop", [ctypes.c_void_p, ctypes.c_double], ctypes.c_int32)
+# int32_t llama_moe_cache_set_prompt_swap(struct llama_context * ctx, double threshold);
+_moe_cache_set_prompt_swap = _declare("llama_moe_cache_set_prompt_swap", [ctypes.c_void_p, ctypes.c_double],
+                                      ctypes.c_int32)
 
 
-def moe_cache_set_daop(ctx: Any, threshold: float) -> int:
-    """The native DAOP policy's swap threshold (SwapInOut); 0, or -1 if refused (below 1)."""
-    return int(_moe_cache_set_daop(ctx, threshold))
+def moe_cache_set_prompt_swap(ctx: Any, threshold: float) -> int:
+    """Prompt swap (the native DAOP policy): its swap threshold (SwapInOut); 0, or -1 if refused (below 1)."""
+    return int(_moe_cache_set_prompt_swap(ctx, threshold))
 
 
-# int32_t llama_moe_cache_set_promoe(struct llama_context * ctx, bool blocking, double admit_bytes);
-_moe_cache_set_promoe = _declare("llama_moe_cache_set_promoe", [ctypes.c_void_p, ctypes.c_bool, ctypes.c_double],
-                                 ctypes.c_int32)
+# int32_t llama_moe_cache_set_predicted_prefetch(struct llama_context * ctx, bool blocking,
+#                                                double admit_bytes);
+_moe_cache_set_predicted_prefetch = _declare("llama_moe_cache_set_predicted_prefetch",
+                                             [ctypes.c_void_p, ctypes.c_bool, ctypes.c_double],
+                                             ctypes.c_int32)
 
 
-def moe_cache_set_promoe(ctx: Any, blocking: bool, admit_bytes: float) -> int:
-    """The native promoe policy's settings: blocking misses; admit_bytes, the bytes the copy stream moves per
-    MoE layer time (0: admit every load); 0 on success."""
-    return int(_moe_cache_set_promoe(ctx, blocking, admit_bytes))
+def moe_cache_set_predicted_prefetch(ctx: Any, blocking: bool, admit_bytes: float) -> int:
+    """Predicted prefetch (the native ProMoE policy): blocking misses; admit_bytes, the bytes the copy stream
+    moves per MoE layer time (0: admit every load); 0 on success."""
+    return int(_moe_cache_set_predicted_prefetch(ctx, blocking, admit_bytes))
 
 
 class MoePrefetchStats(ctypes.Structure):
@@ -456,9 +462,9 @@ def moe_cache_prefetch(ctx: Any, layer: int, expert: int, slot: int, priority: i
     return bool(_moe_cache_prefetch(ctx, layer, expert, slot, priority))
 
 
-def moe_cache_issue(ctx: Any, max_chunks: int = 2**31 - 1) -> int:
+def moe_cache_issue_loads(ctx: Any, max_chunks: int = 2**31 - 1) -> int:
     """Issue up to max_chunks queued chunks, most urgent first; returns how many."""
-    return int(_moe_cache_issue(ctx, max_chunks))
+    return int(_moe_cache_issue_loads(ctx, max_chunks))
 
 
 def moe_cache_sync(ctx: Any) -> None:
