@@ -251,7 +251,8 @@ def test_native_daop_refuses_a_threshold_below_one(fixture_model: Path) -> None:
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         eng.enable_expert_cache(CacheConfig(2, policy="manual"))
-        assert native.moe_cache_set_daop(eng._ctx, 0.99) == -1 and native.moe_cache_set_daop(eng._ctx, 1.0) == 0
+        assert native.moe_cache_set_prompt_swap(eng._ctx, 0.99) == -1
+        assert native.moe_cache_set_prompt_swap(eng._ctx, 1.0) == 0
 
 
 def test_degradation_in_a_generation_changes_only_non_resident_picks(fixture_model: Path) -> None:

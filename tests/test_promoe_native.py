@@ -71,7 +71,7 @@ def test_admission_by_bytes_queues_nothing_that_cannot_arrive(fixture_model: Pat
         with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
             cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy="promoe", calibration=cal))
             assert cache is not None
-            assert native.moe_cache_set_promoe(eng._ctx, False, admit) == 0
+            assert native.moe_cache_set_predicted_prefetch(eng._ctx, False, admit) == 0
             toks = eng.generate(PROMPT, max_tokens=12, sampling=GREEDY, ignore_eog=True).tokens
             st, pf = cache.stats(), eng.cache.report()["prefetch"]
         assert toks == ref[:12]

@@ -225,7 +225,7 @@ class ExpertCache:
             raise ExpertCacheError(f"emptying slot {slot} of layer {layer} failed")
 
     def issue(self, max_chunks: int = 2**31 - 1) -> int:
-        return native.moe_cache_issue(self._ctx, max_chunks)
+        return native.moe_cache_issue_loads(self._ctx, max_chunks)
 
     def sync(self) -> None:
         native.moe_cache_sync(self._ctx)
@@ -407,12 +407,13 @@ class CacheController:
             return
         if policy == native.MOE_CACHE_POLICY_DALI:
             assert isinstance(self.policy, DaliPolicy)
-            if native.moe_cache_set_dali(self.cache._ctx, self.policy.window, self.policy.update) != 0:
+            dali = self.policy
+            if native.moe_cache_set_window_replacement(self.cache._ctx, dali.window, dali.update) != 0:
                 raise ExpertCacheError(f"llama.cpp refused dali window {self.policy.window} / update "
                                        f"{self.policy.update}: {native.recent_log()[-200:].strip()}")
         if policy == native.MOE_CACHE_POLICY_DAOP:
             assert isinstance(self.policy, DaopPolicy)
-            if native.moe_cache_set_daop(self.cache._ctx, self.policy.threshold) != 0:
+            if native.moe_cache_set_prompt_swap(self.cache._ctx, self.policy.threshold) != 0:
                 raise ExpertCacheError(f"llama.cpp refused the daop threshold {self.policy.threshold}: "
                                        f"{native.recent_log()[-200:].strip()}")
         if native.moe_cache_set_policy(self.cache._ctx, policy) != 0:

@@ -150,7 +150,7 @@ class NativePromoeController(CacheController):
         model of one, runs in the hook)."""
         if self.mode == native.MOE_CACHE_POLICY_PROMOE:
             return
-        native.moe_cache_set_promoe(self.cache._ctx, self.policy.blocking, 0.0)
+        native.moe_cache_set_predicted_prefetch(self.cache._ctx, self.policy.blocking, 0.0)
         super().set_mode(native.MOE_CACHE_POLICY_PROMOE)
 
     def report(self) -> dict[str, Any]:

@@ -89,8 +89,9 @@ _moe_cache_slots = declare("llama_moe_cache_slots", [ctypes.c_void_p, ctypes.c_i
 # bool llama_moe_cache_prefetch(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot, int32_t priority);
 _moe_cache_prefetch = declare("llama_moe_cache_prefetch", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                                                             ctypes.c_int32, ctypes.c_int32], ctypes.c_bool)
-# int32_t llama_moe_cache_issue(struct llama_context * ctx, int32_t max_chunks);
-_moe_cache_issue = declare("llama_moe_cache_issue", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+# int32_t llama_moe_cache_issue_loads(struct llama_context * ctx, int32_t max_chunks);
+_moe_cache_issue_loads = declare("llama_moe_cache_issue_loads", [ctypes.c_void_p, ctypes.c_int32],
+                                 ctypes.c_int32)
 # void llama_moe_cache_sync(struct llama_context * ctx);
 _moe_cache_sync = declare("llama_moe_cache_sync", [ctypes.c_void_p], None)
 # enum llama_moe_cache_state llama_moe_cache_get_state(const struct llama_context * ctx, int32_t il, int32_t expert);
@@ -238,34 +239,37 @@ def moe_cache_set_overlap(ctx: LlamaContext, overlap: bool) -> None:
     _moe_cache_set_overlap(ctx, overlap)
 
 
-# int32_t llama_moe_cache_set_dali(struct llama_context * ctx, int32_t window, int32_t update);
-_moe_cache_set_dali = declare("llama_moe_cache_set_dali", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
-                               ctypes.c_int32)
+# int32_t llama_moe_cache_set_window_replacement(struct llama_context * ctx, int32_t window, int32_t update);
+_moe_cache_set_window_replacement = declare("llama_moe_cache_set_window_replacement",
+                                            [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
 
 
-def moe_cache_set_dali(ctx: LlamaContext, window: int, update: int) -> int:
-    """The native DALI policy's window (tokens) and update (experts swapped per window); 0, or -1 if refused."""
-    return int(_moe_cache_set_dali(ctx, window, update))
+def moe_cache_set_window_replacement(ctx: LlamaContext, window: int, update: int) -> int:
+    """Window replacement (the native DALI policy): its window (tokens) and update (experts swapped per
+    window); 0, or -1 if refused."""
+    return int(_moe_cache_set_window_replacement(ctx, window, update))
 
 
-# int32_t llama_moe_cache_set_daop(struct llama_context * ctx, double threshold);
-_moe_cache_set_daop = declare("llama_moe_cache_set_daop", [ctypes.c_void_p, ctypes.c_double], ctypes.c_int32)
+# int32_t llama_moe_cache_set_prompt_swap(struct llama_context * ctx, double threshold);
+_moe_cache_set_prompt_swap = declare("llama_moe_cache_set_prompt_swap", [ctypes.c_void_p, ctypes.c_double],
+                                     ctypes.c_int32)
 
 
-def moe_cache_set_daop(ctx: LlamaContext, threshold: float) -> int:
-    """The native DAOP policy's swap threshold (SwapInOut); 0, or -1 if refused (below 1)."""
-    return int(_moe_cache_set_daop(ctx, threshold))
+def moe_cache_set_prompt_swap(ctx: LlamaContext, threshold: float) -> int:
+    """Prompt swap (the native DAOP policy): its swap threshold (SwapInOut); 0, or -1 if refused (below 1)."""
+    return int(_moe_cache_set_prompt_swap(ctx, threshold))
 
 
-# int32_t llama_moe_cache_set_promoe(struct llama_context * ctx, bool blocking, double admit_bytes);
-_moe_cache_set_promoe = declare("llama_moe_cache_set_promoe", [ctypes.c_void_p, ctypes.c_bool, ctypes.c_double],
-                                 ctypes.c_int32)
+# int32_t llama_moe_cache_set_predicted_prefetch(struct llama_context * ctx, bool blocking,
+#                                                double admit_bytes);
+_moe_cache_set_predicted_prefetch = declare("llama_moe_cache_set_predicted_prefetch",
+                                            [ctypes.c_void_p, ctypes.c_bool, ctypes.c_double], ctypes.c_int32)
 
 
-def moe_cache_set_promoe(ctx: LlamaContext, blocking: bool, admit_bytes: float) -> int:
-    """The native promoe policy's settings: blocking misses; admit_bytes, the bytes the copy stream moves per
-    MoE layer time (0: admit every load); 0 on success."""
-    return int(_moe_cache_set_promoe(ctx, blocking, admit_bytes))
+def moe_cache_set_predicted_prefetch(ctx: LlamaContext, blocking: bool, admit_bytes: float) -> int:
+    """Predicted prefetch (the native ProMoE policy): blocking misses; admit_bytes, the bytes the copy stream
+    moves per MoE layer time (0: admit every load); 0 on success."""
+    return int(_moe_cache_set_predicted_prefetch(ctx, blocking, admit_bytes))
 
 
 class MoePrefetchStats(ctypes.Structure):
@@ -417,9 +421,9 @@ def moe_cache_prefetch(ctx: LlamaContext, layer: int, expert: int, slot: int, pr
     return bool(_moe_cache_prefetch(ctx, layer, expert, slot, priority))
 
 
-def moe_cache_issue(ctx: LlamaContext, max_chunks: int = 2**31 - 1) -> int:
+def moe_cache_issue_loads(ctx: LlamaContext, max_chunks: int = 2**31 - 1) -> int:
     """Issue up to max_chunks queued chunks, most urgent first; returns how many."""
-    return int(_moe_cache_issue(ctx, max_chunks))
+    return int(_moe_cache_issue_loads(ctx, max_chunks))
 
 
 def moe_cache_sync(ctx: LlamaContext) -> None:
