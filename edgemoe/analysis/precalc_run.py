@@ -1,4 +1,4 @@
-"""DAOP's pre-calculation as llama.cpp runs it (patch 0026, `CacheConfig.precalc_from`): its quality cost and its
+"""DAOP's pre-calculation as llama.cpp runs it (`CacheConfig.precalc_from`): its quality cost and its
 gain on text, next to the same run without it (`edgemoe perplexity --precalc-from`, tools/daop_eval.py).
 
 Each chunk is a fresh sequence: its first `prompt_tokens` tokens go in one ubatch (the prompt: never

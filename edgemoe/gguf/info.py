@@ -339,7 +339,7 @@ def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_
 
 
 def prefill_buffer_bytes(info: ModelInfo) -> int:
-    """The two prefill buffers of `--device-prefill` (patch 0025): each holds the largest MoE layer's experts."""
+    """The two prefill buffers of `--device-prefill`: each holds the largest MoE layer's experts."""
     per_layer = [info.bytes_per_expert_by_layer[il] * info.n_expert for il in info.moe_layers]
     return 2 * max(per_layer, default=0)
 

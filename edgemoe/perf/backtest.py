@@ -35,7 +35,7 @@ from .workload import Workload, build_workload
 PROMPT_TOKENS = 64
 DECODE_TOKENS = 128
 N_SEQ = 2
-TARGETS = {"stock": 0.20, "cache": 0.25}  # issue 29: median absolute error per kind of row
+TARGETS = {"stock": 0.20, "cache": 0.25}  # the targets: median absolute error per kind of row
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,9 @@ class BenchSpec:
     # also run lru and dali with this CPU/GPU assigner ("... +assign ratio" rows), priced by `profile`
     assign: str | None = None
     # also run each policy with prefill ubatches of this many tokens on the device ("... +device prefill" rows,
-    # patch 0025: the two prefill buffers come out of the slots' budget); 0: not
+    # the two prefill buffers come out of the slots' budget); 0: not
     device_prefill: int = 0
-    # also run each policy with DAOP's pre-calculation from this layer ("... +precalc L" rows, patch 0026); None: not
+    # also run each policy with DAOP's pre-calculation from this layer ("... +precalc L" rows); None: not
     precalc_from: int | None = None
 
 

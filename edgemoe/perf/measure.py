@@ -534,7 +534,7 @@ def h2d_load_bandwidth(device: int, *, chunk: int = 1 << 20, nbytes: int = 64 <<
     """Bytes/s of the expert cache's loader path: nbytes sent as chunk-sized asynchronous copies on a backend
     of the device's own (a copy stream), synchronised once, as llama.cpp's loader sends an expert's chunks.
     The source is one of the device's host buffers when it has them (pinned on CUDA: the loader's staging
-    buffers since patch 0020), else ordinary memory. A 4-byte read after the synchronisation makes sure the
+    buffers, as the cache's staging does), else ordinary memory. A 4-byte read after the synchronisation makes sure the
     device has the bytes (RPC's synchronize waits for the sends alone)."""
     if chunk < 1 or nbytes < chunk:
         raise EdgeMoeError(f"chunk={chunk}, nbytes={nbytes}: send at least one chunk of at least one byte")

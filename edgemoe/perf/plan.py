@@ -119,7 +119,7 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
             slots = dp.get(pol) if alloc == "dp" else None
             if alloc == "dp" and slots is None:
                 continue
-            # overlap: what the build runs with the cache on a GPU (patch 0016; stock runs in turn either way)
+            # overlap: what the build runs with the cache on a GPU (stock runs in turn either way)
             spec = SimSpec(vram=vram, n_ctx=n_ctx, policies=(pol,), calibration=calibration, slots=slots,
                            overlap=True)
             res = simulate(model, trace, profile if speeds and profile else _hit_rate_only(), spec)

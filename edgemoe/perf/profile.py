@@ -133,7 +133,7 @@ class LinkProfile:
     latency_s: float  # per copy or CPU<->GPU hand-off (a synchronisation)
     # bytes/s of the expert cache's loader: chunk-sized async copies on a copy stream from the device's host
     # buffers (measured by `edgemoe profile`); None (specification profiles): h2d_pinned, since the loader
-    # sends through pinned staging buffers (patch 0020)
+    # sends through pinned staging buffers
     h2d_loads: float | None = None
 
     @property

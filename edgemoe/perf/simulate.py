@@ -9,7 +9,7 @@ loader's bandwidth (`LinkProfile.loads_bw`) and a layer that needs a slot still 
 Where the engine leaves the load worker off (the RPC device: `load_worker_default`), the caller issues
 the loads a step queued when it synchronises after it, so their copy time ends that step on the host. `overlap=False` runs the CPU branch and the GPU
 branch of a layer one after the other (llama.cpp's order, and the build's with `CacheConfig(overlap=False)`);
-`overlap=True` projects the CPU/GPU overlap the build runs by default with the cache on a device (patch 0016)
+`overlap=True` projects the CPU/GPU overlap the build runs by default with the cache on a device
 for edgemoe's configurations: the CPU's experts start once the layer's dense part (attention, router) is
 done and run while the GPU computes its experts; stock llama.cpp's always run the two one after the other. Host work per call (Python, sampling) and per graph node comes from the
 profile. Everything is a projection: docs/performance-model.md says how it was validated.
@@ -34,9 +34,9 @@ from .workload import Step, Workload
 
 OFFLOAD_MIN_TOKENS = 32  # llama.cpp's CUDA backend offloads an op on host weights from this batch size
 CPU_NODES_PER_SPLIT = 8  # graph nodes a layer's CPU expert branch adds (mul_mat_id x3, glu, weights, sums)
-GATE_NODES_PER_LAYER = 2  # ggml_moe_gate ids + weights (patch 0009)
-CACHE_NODES_PER_LAYER = 12  # the expert cache's second expert FFN and its table lookups (patch 0011)
-# DAOP's pre-calculation per target layer (patch 0026): router product, top-k, table lookup, the early FFN (three
+GATE_NODES_PER_LAYER = 2  # ggml_moe_gate ids + weights
+CACHE_NODES_PER_LAYER = 12  # the expert cache's second expert FFN and its table lookups
+# DAOP's pre-calculation per target layer: router product, top-k, table lookup, the early FFN (three
 # mul_mat_id, glu), the two CPU operations and the add
 PRECALC_NODES_PER_LAYER = 12
 # a decode split per MoE layer: the CPU's partial FFN and the GPU's (three mul_mat_id and the glu each) and the add
@@ -45,7 +45,7 @@ SPLIT_NODES_PER_LAYER = 9
 
 @dataclass(frozen=True)
 class PrecalcSpec:
-    """DAOP's pre-calculation (patch 0026, generate's --precalc-from) as the simulator projects it, from rates
+    """DAOP's pre-calculation (generate's --precalc-from) as the simulator projects it, from rates
     measured through llama.cpp (tools/precalc_eval.py, docs/daop.md): in a decode step, at each cached MoE layer
     from `first_layer` on that follows a MoE layer, a share `recall` of the layer's CPU expert work was computed a
     layer early (`early_share`), and `recall * (1 - precision) / precision` as much again was computed early for
@@ -79,9 +79,9 @@ class Config:
     blocking: bool = False
     assign: str | None = None  # prefill ubatches: DALI's CPU/GPU assignment (edgemoe.policies.assignment) by name
     # prefill ubatches run every routed expert on the GPU, the experts outside the slots copied into a prefill
-    # buffer one cached layer ahead on the copy stream (patch 0025, --device-prefill, all ahead)
+    # buffer one cached layer ahead on the copy stream (--device-prefill, all ahead)
     device_prefill: bool = False
-    precalc: PrecalcSpec | None = None  # decode steps pre-calculate (patch 0026, --precalc-from)
+    precalc: PrecalcSpec | None = None  # decode steps pre-calculate (--precalc-from)
     # decode steps split the CPU's experts by rows with the GPU where that is faster (FreeToken-style; not built)
     decode_split: bool = False
     # other engines' caches (the backtest, edgemoe.perf.backtest): loads copied from pageable host memory (the
@@ -122,7 +122,7 @@ class _Run:
 
     def __init__(self, cfg: Config, shape: ModelShape, prof: MachineProfile, nodes: tuple[int, int],
                  policy: ResidencyPolicy | None, *, overlap: bool, on_gpu: bool) -> None:
-        # the overlap is edgemoe's (patch 0016, with a cache): stock llama.cpp runs a layer's branches in turn
+        # the overlap is edgemoe's (with a cache): stock llama.cpp runs a layer's branches in turn
         self.cfg, self.shape, self.prof, self.overlap = cfg, shape, prof, overlap and cfg.policy is not None
         self.nodes_pp, self.nodes_tg = nodes
         self.policy = policy
@@ -364,8 +364,8 @@ class SimSpec:
     overlap: bool = False
     calibration: Path | None = None
     assign: str | None = None  # add edgemoe variants whose prefill ubatches use this CPU/GPU assigner
-    device_prefill: bool = False  # add edgemoe variants whose prefill ubatches run on the GPU (patch 0025)
-    precalc: PrecalcSpec | None = None  # add edgemoe variants whose decode steps pre-calculate (patch 0026)
+    device_prefill: bool = False  # add edgemoe variants whose prefill ubatches run on the GPU
+    precalc: PrecalcSpec | None = None  # add edgemoe variants whose decode steps pre-calculate
     decode_split: bool = False  # add edgemoe variants whose small steps split CPU experts with the GPU (not built)
     slots: Mapping[int, int] | None = None  # edgemoe's slots per MoE layer (None: equal, what the budget leaves)
     # the trace's first sequences only warm the cache (replayed, not counted), as `edgemoe bench` warms up

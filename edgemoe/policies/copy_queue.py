@@ -1,4 +1,4 @@
-"""A model of the expert cache's slots and copy queue (patches 0005/0006), and of the copy stream's pace.
+"""A model of the expert cache's slots and copy queue, and of the copy stream's pace.
 
 `CacheModel` applies the rules of llama.cpp's expert cache in Python: per MoE layer, which expert
 is in which slot, and a queue of loads copied chunk by chunk (an expert's gate/up/down byte
@@ -33,8 +33,7 @@ from .residency import Load
 
 
 def load_worker_default(device_name: str) -> bool:
-    """Whether llama.cpp's load worker issues the expert cache's loads on this device by default (patches 0018,
-    0022): yes, except on llama.cpp's RPC device, whose one FIFO connection carries the copies and the graph
+    """Whether llama.cpp's load worker issues the expert cache's loads on this device by default: yes, except on llama.cpp's RPC device, whose one FIFO connection carries the copies and the graph
     runs, so a worker overlaps nothing there; then the caller issues them when it synchronises."""
     return not device_name.startswith("RPC")
 

@@ -231,7 +231,7 @@ def replay_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: 
 
 
 def precalc_targets(moe_layers: Sequence[int], first_layer: int) -> list[int]:
-    """The MoE layers DAOP's pre-calculation from first_layer acts on (patch 0026): those from there on that
+    """The MoE layers DAOP's pre-calculation from first_layer acts on: those from there on that
     follow a MoE layer."""
     moe = set(moe_layers)
     return [il for il in sorted(moe) if il >= first_layer and il - 1 in moe]

@@ -14,7 +14,7 @@ rule gives a smaller top-k (renormalised and scaled, or as they are). Rules:
   which is the paper's (1 - a)^2 * S_l <= T; for k > 2 the mass of all dropped
   experts generalises it.
 
-An Engine runs these rules inside llama.cpp's graph (patches 0008/0009: ggml_moe_gate, with the
+An Engine runs these rules inside llama.cpp's graph (ggml_moe_gate, with the
 arithmetic of ``normalised``/``keep_mask`` and the model's own weight rule for the kept
 experts) unless a Python routing hook or the expert cache needs the routing callback; then
 GatingPolicy runs here, in the hook, with the same decisions and the same kept weights (the
@@ -43,7 +43,7 @@ class GatingRule(str, Enum):
 def normalised(weights: np.ndarray, *, logits: bool = False) -> np.ndarray:
     """(n_tokens, k) float64 weights summing to 1 per row: by their sum, or a softmax of logits.
 
-    The arithmetic is the native gate's (patch 0008, ggml_moe_gate): float64, sums in slot order
+    The arithmetic is the native gate's (ggml_moe_gate): float64, sums in slot order
     (np.cumsum adds sequentially), exp from the C library, so that both decide alike bit for bit.
     """
     x = np.asarray(weights, np.float64)

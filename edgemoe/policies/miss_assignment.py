@@ -1,4 +1,4 @@
-"""Per-route CPU/GPU assignment of a residency policy's misses (DALI §4.1; issue 12, 2c).
+"""Per-route CPU/GPU assignment of a residency policy's misses (DALI §4.1).
 
 A residency policy (lru, dali) decides which experts a layer's slots hold and, for a miss, loads it
 for the layer's next run while this step computes it on the CPU. `AssignedPolicy` asks, at every

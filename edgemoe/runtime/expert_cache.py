@@ -1,8 +1,8 @@
-"""The engine side of the expert cache (patch 0005): slots per layer (equal or per layer), loads, counters.
+"""The engine side of the expert cache: slots per layer (equal or per layer), loads, counters.
 
 `ExpertCache` wraps one context's cache (llama_moe_cache_*); `CacheController` runs a
 residency policy (edgemoe.policies.residency): inside llama.cpp's graph with the expert-to-slot
-tables (patch 0011), or as a route policy in the hook that applies its loads now (blocking) or
+tables, or as a route policy in the hook that applies its loads now (blocking) or
 after the step.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ class CacheConfig:
     copy_timing: CopyTiming | None = None
     # promoe with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
     prefetch_admission: bool = True
-    # promoe inside llama.cpp (patch 0023: the in-graph predictor's ids drive the loads, no Python per layer) or in
+    # promoe inside llama.cpp (the in-graph predictor's ids drive the loads, no Python per layer) or in
     # the routing hook (False); None: inside where it can run (no copy_timing pacing the stand-in, at most
     # n_expert/2 experts per token), else the hook; True: inside or an error
     prefetch_native: bool | None = None
@@ -79,7 +79,7 @@ class CacheConfig:
     # Runs in the routing hook: a host sync per MoE layer
     assign: str | None = None
     assign_costs: Mapping[int, Any] | None = None  # MoE layer -> edgemoe.policies.assignment.ExpertCosts
-    # prefill on the device (patch 0025): a ubatch of at least this many tokens runs each cached layer's other
+    # prefill on the device: a ubatch of at least this many tokens runs each cached layer's other
     # experts (routed, outside the slots) on the cache's device too, from two buffers of a whole layer's experts
     # (their bytes come out of the budget: prefill_buffer_bytes), copied one cached layer ahead on the copy stream
     # while the layer before computes; 0: off (they run on the CPU, or llama.cpp's op offload copies them)
@@ -88,7 +88,7 @@ class CacheConfig:
     # "predicted" (those the in-graph predictor from this layer names: promoe's), "routed" (nothing ahead: each
     # layer copies what it routes at its routing callback, the compute waiting)
     prefill_ahead: str = "all"
-    # DAOP's pre-calculation (patch 0026): in ubatches of at most precalc_max_tokens tokens (decode), each cached
+    # DAOP's pre-calculation: in ubatches of at most precalc_max_tokens tokens (decode), each cached
     # MoE layer from this index on has its experts predicted at the MoE layer before by its own router on that
     # layer's input (gate reuse); the predicted ones outside its slots run on that input, on the CPU, while the
     # device computes the layer's attention and routing, and it takes their results instead of running them (an
@@ -359,9 +359,9 @@ class CacheResidency:
 class CacheController:
     """Runs a residency policy: inside llama.cpp when it can, else as a route policy in the hook.
 
-    In the graph (patch 0011): the cached layers split their ids with expert-to-slot tables, with no
+    In the graph: the cached layers split their ids with expert-to-slot tables, with no
     host sync per layer; lru, dali and daop run natively after each ubatch (the same decisions as
-    LruPolicy, DaliPolicy (0019) and DaopPolicy (0021), their loads prefetched on the copy stream and used
+    LruPolicy, DaliPolicy and DaopPolicy, their loads prefetched on the copy stream and used
     from the next ubatch), static and manual never load by themselves. In the hook (a Python policy is set,
     or blocking loads): the policy sees each layer's final ids. Blocking: copied before the layer's
     experts run. Otherwise prefetched on the copy stream from the next layer's hook (after this

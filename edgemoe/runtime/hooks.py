@@ -1,6 +1,6 @@
 """MoE routing hook: the native callback that turns each routing into a RouteRecord for a chain of policies.
 
-llama.cpp (patch 0002) calls the hook once per MoE layer per ubatch, after
+llama.cpp calls the hook once per MoE layer per ubatch, after
 top-k routing and before the experts run. A policy gets a RouteRecord whose
 ``ids`` and ``weights`` are writable views of the arrays llama.cpp then uses:
 edit them in place (``ids[t, j] = -1`` drops slot j of token t: it contributes

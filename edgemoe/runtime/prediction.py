@@ -1,4 +1,4 @@
-"""Expert predictors evaluated inside llama.cpp's graph (patch 0015, issue 11 item 1).
+"""Expert predictors evaluated inside llama.cpp's graph.
 
 PredictionMixin is a part of Engine (edgemoe.runtime.engine). `set_predictors` registers the
 mlp, gate and residual predictors (edgemoe.predictors) with llama.cpp: for each covered target

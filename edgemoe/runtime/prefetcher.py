@@ -11,8 +11,7 @@ raises. The counters (`report`) are the driver's: on the same routes and copy ti
 gives the same numbers.
 
 In the hook the predictor runs in numpy on the host, once per MoE layer (a host sync per layer and a
-Python call, as dali's hook). `NativePromoeController` runs promoe inside llama.cpp instead (patch
-0023): the predictor runs in the graph (patch 0015) and, at each cached layer's routing callback,
+Python call, as dali's hook). `NativePromoeController` runs promoe inside llama.cpp instead: the predictor runs in the graph and, at each cached layer's routing callback,
 llama.cpp hands its ids to the loader and makes PromoePolicy's decisions itself, with no Python call;
 `CacheConfig.prefetch_native` chooses (default: native where it can run).
 """
@@ -125,7 +124,7 @@ class PrefetchController(CacheController):
 
 
 class NativePromoeController(CacheController):
-    """Runs PromoePolicy inside llama.cpp (LLAMA_MOE_CACHE_POLICY_PROMOE, patch 0023) with the predictor in the
+    """Runs PromoePolicy inside llama.cpp (LLAMA_MOE_CACHE_POLICY_PROMOE, predicted prefetch) with the predictor in the
     graph: the same decisions at the same routing callbacks, no Python per layer. The engine sets the predictor
     (set_predictors) and takes it out with the cache."""
 

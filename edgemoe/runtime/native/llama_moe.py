@@ -56,14 +56,14 @@ class MoeCacheStats(ctypes.Structure):
         ("prefetches", ctypes.c_uint64),  # loads queued by llama_moe_cache_prefetch
         ("chunks", ctypes.c_uint64),  # chunks issued (gate/up/down byte ranges)
         ("us_blocked", ctypes.c_uint64),  # host time spent waiting for copies
-        ("preempted", ctypes.c_uint64),  # queued or copying loads dropped before completing (patch 0011)
+        ("preempted", ctypes.c_uint64),  # queued or copying loads dropped before completing
         ("us_issue", ctypes.c_uint64),  # host time queueing copies (the CPU stand-in: the copies themselves)
-        ("load_waits", ctypes.c_uint64),  # loads the compute stream waited for at a ubatch start (patch 0017)
-        ("chunks_async", ctypes.c_uint64),  # of the chunks, those the load worker issued (patch 0018)
-        ("us_worker", ctypes.c_uint64),  # host time the caller waited for the worker to finish a chunk (0018)
-        ("chunks_staged", ctypes.c_uint64),  # of the chunks, those sent from a staging buffer (0020)
-        ("routes_async", ctypes.c_uint64),  # ubatches whose routes the worker's policy step processed (0022)
-        ("waits_timed", ctypes.c_uint64),  # of the load waits, those the worker timed (0022)
+        ("load_waits", ctypes.c_uint64),  # loads the compute stream waited for at a ubatch start
+        ("chunks_async", ctypes.c_uint64),  # of the chunks, those the load worker issued
+        ("us_worker", ctypes.c_uint64),  # host time the caller waited for the worker to finish a chunk
+        ("chunks_staged", ctypes.c_uint64),  # of the chunks, those sent from a staging buffer
+        ("routes_async", ctypes.c_uint64),  # ubatches whose routes the worker's policy step processed
+        ("waits_timed", ctypes.c_uint64),  # of the load waits, those the worker timed
         ("us_load_wait", ctypes.c_uint64),  # their time from the compute's wait to the copies' end: an upper bound
     ]
 
@@ -218,9 +218,9 @@ def moe_predictor_bytes(ctx: LlamaContext) -> int:
 MOE_CACHE_POLICY_CALLBACK = 0  # the routing callback maps each cached layer's ids (a host sync per layer)
 MOE_CACHE_POLICY_MANUAL = 1  # expert-to-slot tables in the graph; only load/prefetch change them
 MOE_CACHE_POLICY_LRU = 2  # tables in the graph; a native per-layer LRU after each ubatch
-MOE_CACHE_POLICY_DALI = 3  # tables in the graph; DALI's workload-aware replacement after each ubatch (0019)
-MOE_CACHE_POLICY_DAOP = 4  # tables in the graph; DAOP's swap after each prompt (0021)
-MOE_CACHE_POLICY_PROMOE = 5  # the routing callback; ProMoE's prefetcher fed by the in-graph predictors (0023)
+MOE_CACHE_POLICY_DALI = 3  # tables in the graph; DALI's workload-aware replacement after each ubatch
+MOE_CACHE_POLICY_DAOP = 4  # tables in the graph; DAOP's swap after each prompt
+MOE_CACHE_POLICY_PROMOE = 5  # the routing callback; ProMoE's prefetcher fed by the in-graph predictors
 
 # int32_t llama_moe_cache_set_policy(struct llama_context * ctx, enum llama_moe_cache_policy policy);
 _moe_cache_set_policy = declare("llama_moe_cache_set_policy", [ctypes.c_void_p, ctypes.c_int], ctypes.c_int32)
@@ -273,7 +273,7 @@ def moe_cache_set_predicted_prefetch(ctx: LlamaContext, blocking: bool, admit_by
 
 
 class MoePrefetchStats(ctypes.Structure):
-    """struct llama_moe_prefetch_stats: the native promoe policy's counters (patch 0023)."""
+    """struct llama_moe_prefetch_stats: the native promoe policy's counters."""
 
     _fields_ = [
         ("issued", ctypes.c_uint64),  # speculative loads queued for a prediction
@@ -307,7 +307,7 @@ def moe_cache_set_staging(ctx: LlamaContext, n_buffers: int, any_host: bool = Fa
     return int(_moe_cache_set_staging(ctx, n_buffers, any_host))
 
 
-# enum llama_moe_prefill_ahead: what a prefill ubatch copies one cached layer ahead (patch 0025)
+# enum llama_moe_prefill_ahead: what a prefill ubatch copies one cached layer ahead
 MOE_PREFILL_ROUTED = 0  # nothing ahead: each layer copies the experts it routes at its routing callback
 MOE_PREFILL_ALL = 1  # the next cached layer's experts outside its slots
 MOE_PREFILL_PREDICTED = 2  # those the in-graph predictor from this layer names (ALL where there is none)
@@ -315,7 +315,7 @@ MOE_PREFILL_AHEAD = {"routed": MOE_PREFILL_ROUTED, "all": MOE_PREFILL_ALL, "pred
 
 
 class MoePrefillStats(ctypes.Structure):
-    """struct llama_moe_prefill_stats: the prefill buffers' counters (patch 0025)."""
+    """struct llama_moe_prefill_stats: the prefill buffers' counters."""
 
     _fields_ = [
         ("ubatches", ctypes.c_uint64),  # ubatches that ran their cached layers' other experts from the buffers
@@ -349,7 +349,7 @@ def moe_cache_prefill_stats(ctx: LlamaContext) -> dict[str, int]:
 
 
 class MoePrecalcStats(ctypes.Structure):
-    """struct llama_moe_precalc_stats: DAOP's pre-calculation counters (patch 0026)."""
+    """struct llama_moe_precalc_stats: DAOP's pre-calculation counters."""
 
     _fields_ = [
         ("layers", ctypes.c_uint64),  # layer runs that took pre-calculated experts
