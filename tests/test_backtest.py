@@ -12,7 +12,7 @@ from edgemoe.perf.profile import bundled_profiles
 from edgemoe.perf.shapes import shape_preset
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "performance-model.md"
+DOC = ROOT / "docs" / "research" / "performance-model.md"
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The performance model against published measurements (docs/performance-model.md, "Backtest").
+"""The performance model against published measurements (docs/research/performance-model.md, "Backtest").
 
 Projects every row of edgemoe/perf/published/measurements.json on its machine profile and writes the table
-into docs/performance-model.md between its markers, and the rows as JSON:
+into docs/research/performance-model.md between its markers, and the rows as JSON:
 
-    .venv/bin/python tools/backtest.py --docs docs/performance-model.md --json docs/figures/backtest.json
+    .venv/bin/python tools/backtest.py --docs docs/research/performance-model.md --json docs/figures/backtest.json
     .venv/bin/python tools/backtest.py            # print the table only
 """
 from __future__ import annotations

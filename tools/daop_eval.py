@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""DAOP (docs/daop.md) against lru and static on held-out text: placement, pre-calculation, degradation.
+"""DAOP (docs/research/daop.md) against lru and static on held-out text: placement, pre-calculation, degradation.
 
   PYTHONPATH=. .venv/bin/python tools/daop_eval.py placement TRACE.npz ... [--profile rtx4060-laptop] [--json F]
   PYTHONPATH=. .venv/bin/python tools/daop_eval.py precalc TRACE.npz ... [--json F]
   PYTHONPATH=. .venv/bin/python tools/daop_eval.py quality [--eval-tokens 4096] [--ratios ...] [--json F]
   PYTHONPATH=. .venv/bin/python tools/daop_eval.py similarity TRACE.npz ... [--json F]
 
-TRACE: `edgemoe trace MODEL --input CORPUS --heldout --mode decode --gate-inputs ...` (docs/daop.md has the
+TRACE: `edgemoe trace MODEL --input CORPUS --heldout --mode decode --gate-inputs ...` (docs/research/daop.md has the
 commands). Every policy is replayed from the model's bundled calibration (train splits), never from the
 held-out text; slots are equal in every MoE layer unless the row says dp.
 

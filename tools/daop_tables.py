@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown tables of docs/daop.md from tools/daop_eval.py's JSON files.
+"""Markdown tables of docs/research/daop.md from tools/daop_eval.py's JSON files.
 
   .venv/bin/python tools/daop_tables.py --placement P.json --precalc C.json --quality Q.json
 """

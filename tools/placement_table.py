@@ -3,7 +3,7 @@
 
   PYTHONPATH=. .venv/bin/python tools/placement_table.py TRACE.npz [TRACE.npz ...] [--json out.json]
 
-Each TRACE is `edgemoe trace MODEL --input CORPUS --heldout --mode decode ...` (docs/placement.md has
+Each TRACE is `edgemoe trace MODEL --input CORPUS --heldout --mode decode ...` (docs/research/placement.md has
 the commands); traces of the same model are grouped. The DP allocation comes from the model's
 calibration (its routing_trace.npz: the train splits), never from the held-out text; static's
 frequencies too. Every number is a replay of the policy (edgemoe.policies.residency, the code the

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """DAOP's pre-calculation run inside llama.cpp (patch 0026) on held-out text: its NLL cost and the share of the
-CPU's expert executions it starts one layer early, for both fixtures (docs/daop.md, "Pre-calculation (§IV-C)").
+CPU's expert executions it starts one layer early, for both fixtures (docs/research/daop.md, "Pre-calculation (§IV-C)").
 
   nice -n 10 .venv/bin/python tools/precalc_eval.py [--max-tokens 4096] [--json docs/figures/daop-precalc-run.json]
   nice -n 10 .venv/bin/python tools/precalc_eval.py --max-tokens 300 --json .build/precalc/smoke.json  # smoke run
@@ -71,7 +71,7 @@ def run_model(model: Path, slots: int, max_tokens: int) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The docs/daop.md table."""
+    """The docs/research/daop.md table."""
     out = ["| model | corpus | slots | targets | NLL change | top-1 agreement | CPU executions early: target layers / "
            "all layers | precision | wasted pre-calcs / token |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

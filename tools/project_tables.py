@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Projected tables (docs/performance-model.md): model shapes x bundled profiles x VRAM budgets.
+"""Projected tables (docs/research/performance-model.md): model shapes x bundled profiles x VRAM budgets.
 
 Every figure is a projection of `edgemoe simulate` (edgemoe.perf.simulate) from a specification
 profile, replaying a routing trace. By default (`--routing real`) the trace is drawn from the bundled
@@ -275,7 +275,7 @@ def main() -> None:
                     help="write static's decode with and without the FreeToken-style decode split (not built) at "
                          "--policies-gib on each bundled profile to this file and print its table, and stop")
     ap.add_argument("--summary", type=Path, default=None, metavar="JSON",
-                    help="print docs/performance-model.md's one-row-per-budget table from a --json file, and stop")
+                    help="print docs/research/performance-model.md's one-row-per-budget table from a --json file, and stop")
     ap.add_argument("--routing", choices=("real", "fixture"), default="real",
                     help="real: traces drawn from the bundled routing profiles of real models (default); "
                          "fixture: the tiny trained fixtures' traces (a toy, far less local), as the tables "

@@ -64,13 +64,13 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "host sync per MoE layer"),
         click.option("--profile", default=None,
                      help="--assign's machine profile: a bundled name (rtx4060-laptop, rtx4090-desktop, "
-                          "h100-server, and the backtest's machines: docs/performance-model.md) or a file; "
+                          "h100-server, and the backtest's machines: docs/research/performance-model.md) or a file; "
                           "default: this machine's (`edgemoe profile`)"),
         click.option("--degrade", type=click.FloatRange(0.0, 1.0, min_open=True), default=None, metavar="R",
                      help="DAOP's graceful degradation: in decode, a token's expert that is not resident (not its "
                           "best) is replaced by the best resident one it did not select whose router score is at "
                           "least R times its own (e.g. 0.8). Fewer CPU experts for a small quality cost "
-                          "(docs/daop.md); changes the output; runs in the routing hook"),
+                          "(docs/research/daop.md); changes the output; runs in the routing hook"),
         click.option("--device-prefill", type=click.IntRange(min=0), default=0, metavar="N",
                      help="prefill ubatches of N or more tokens (e.g. 32) also run each cached layer's other "
                           "experts on the GPU, from two buffers of a whole layer's experts (taken from --vram) "
@@ -86,9 +86,9 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "predicted at the layer before by its own router on that layer's input; the predicted "
                           "ones outside its slots run on the CPU on that input while the GPU computes the layer's "
                           "attention, and it takes their results (approximate: changes the output; the paper "
-                          "starts at a quarter of the depth; docs/daop.md). Projected slower than without "
+                          "starts at a quarter of the depth; docs/research/daop.md). Projected slower than without "
                           "it: 0.92-1.01x daop's decode from the last 3/8 of the layers, 0.77-0.98x from "
-                          "layer 1, on the bundled GPU profiles at 8 GiB (docs/performance-model.md). Needs "
+                          "layer 1, on the bundled GPU profiles at 8 GiB (docs/research/performance-model.md). Needs "
                           "the cache's tables: not with --degrade, --assign, --blocking-loads or "
                           "--dali-prefetch. Default: off"),
         click.option("--blocking-loads", is_flag=True,

@@ -55,7 +55,7 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
                   "draw the trace from this bundled routing profile instead (at the model's shape)")
 @click.option("--profile", "profile_name", default=None,
               help="profile file (`edgemoe profile`) or bundled name (rtx4060-laptop, rtx4090-desktop, "
-                   "h100-server, and the backtest's machines: docs/performance-model.md); default: this "
+                   "h100-server, and the backtest's machines: docs/research/performance-model.md); default: this "
                    "machine's measured profile")
 @click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget; 0: CPU only")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,
@@ -85,7 +85,7 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
                    "layer L on one layer early (generate's --precalc-from), at the rates below")
 @click.option("--precalc-recall", type=click.FloatRange(0.0, 1.0), default=0.78, show_default=True,
               help="share of a target layer's CPU expert work computed early (generate --json's "
-                   "cache.precalc.early_share; the default is the fixtures' from layer 5, docs/daop.md)")
+                   "cache.precalc.early_share; the default is the fixtures' from layer 5, docs/research/daop.md)")
 @click.option("--precalc-precision", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.79,
               show_default=True,
               help="share of the early computations that are used (cache.precalc.precision; the fixtures' from "

@@ -7,7 +7,7 @@ the CPU, as `-ot exps=CPU`); cache rows replay the fork's expert cache with edge
 the same kind (`static` for a cache filled from a routing profile, `lru` for one filled by recency), a miss run on
 the CPU (`miss: cpu`) or copied to the GPU before the layer runs (`miss: load`). Forks and stock run a layer's
 CPU and GPU branches in turn, as llama.cpp's scheduler does. `tools/backtest.py` writes the table that
-docs/performance-model.md carries; tests/test_backtest.py checks that it regenerates.
+docs/research/performance-model.md carries; tests/test_backtest.py checks that it regenerates.
 """
 from __future__ import annotations
 

@@ -140,7 +140,7 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
                           "llama.cpp's -ngl 999 does, without an expert cache (the rows above are what one would do)")
     else:
         plan.suggestion = suggest(plan.expected, model=str(model), vram=vram, n_ctx=n_ctx)
-    plan.notes.append("promoe is not in the plan: the performance model replays no prefetcher (docs/prefetch.md)")
+    plan.notes.append("promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)")
     return plan
 
 

@@ -1,6 +1,6 @@
 """Machine profiles for the performance model: what a CPU, a GPU and the link between them cost.
 
-A profile is a JSON file (format in docs/performance-model.md). `edgemoe profile` measures one on
+A profile is a JSON file (format in docs/research/performance-model.md). `edgemoe profile` measures one on
 this machine (`edgemoe.perf.profiling`); the bundled ones (edgemoe/perf/profiles/*.json) describe
 machines we do not have from published specifications, each naming its sources.
 

@@ -12,7 +12,7 @@ branch of a layer one after the other (llama.cpp's order, and the build's with `
 `overlap=True` projects the CPU/GPU overlap the build runs by default with the cache on a device
 for edgemoe's configurations: the CPU's experts start once the layer's dense part (attention, router) is
 done and run while the GPU computes its experts; stock llama.cpp's always run the two one after the other. Host work per call (Python, sampling) and per graph node comes from the
-profile. Everything is a projection: docs/performance-model.md says how it was validated.
+profile. Everything is a projection: docs/research/performance-model.md says how it was validated.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ SPLIT_NODES_PER_LAYER = 9
 @dataclass(frozen=True)
 class PrecalcSpec:
     """DAOP's pre-calculation (generate's --precalc-from) as the simulator projects it, from rates
-    measured through llama.cpp (tools/precalc_eval.py, docs/daop.md): in a decode step, at each cached MoE layer
+    measured through llama.cpp (tools/precalc_eval.py, docs/research/daop.md): in a decode step, at each cached MoE layer
     from `first_layer` on that follows a MoE layer, a share `recall` of the layer's CPU expert work was computed a
     layer early (`early_share`), and `recall * (1 - precision) / precision` as much again was computed early for
     nothing (predicted, not routed). The early work starts with the layer, on the CPU, while the GPU computes the

@@ -45,7 +45,7 @@ def slots_for(info: ModelInfo, req: CacheRequest, n_ctx: int) -> int:
 def whole_model_fits(info: ModelInfo, req: CacheRequest, n_ctx: int) -> bool:
     """The budget holds the whole model: its dense part, the KV cache of n_ctx tokens (0: the engine's default) and
     every expert of every MoE layer. It then runs on the GPU as stock llama.cpp's -ngl 999 does, without an expert
-    cache, whose slots would hold every expert and only add graph nodes (docs/performance-model.md: 0.85-1.0x)."""
+    cache, whose slots would hold every expert and only add graph nodes (docs/research/performance-model.md: 0.85-1.0x)."""
     if req.vram is None or not info.is_moe:
         return False
     return vram_plan(info, req.vram, n_ctx=planned_ctx(n_ctx, info.n_ctx_train),

@@ -18,7 +18,7 @@ modelled: the caller passes only experts it has room to load.
 - ``greedy_assign``: DALI's Algorithm 1, O(n log n), as the paper describes it.
 - ``ratio_assign``: the best cut of the experts ordered by CPU/GPU time ratio, O(n log n); on
   the fixtures' prefill routes within 1% of the optimum on average (4.9% at worst), where
-  DALI's is up to 13% above it on average (37% at worst; docs/assignment.md).
+  DALI's is up to 13% above it on average (37% at worst; docs/research/assignment.md).
 - ``optimal_assign``: brute force over the 2^n placements (n <= 20), the reference for tests.
 - ``exact_assign``: the same optimum by meet-in-the-middle over Pareto fronts (n <= 40), so
   layers with all 32 experts active can be scored exactly.
@@ -239,7 +239,7 @@ def ratio_assign(workload: Mapping[int, int], resident: AbstractSet[int], cost: 
     place fractions of experts is solved by filling the GPU in that order and splitting one expert;
     rounding that expert to either side gives one of the cuts tried here, so the makespan is at
     most the optimum plus min(c_e, g_e) of the split expert. Not in DALI: its Algorithm 1 visits
-    experts by |g_e - c_e|, which on 32 active experts lands 11-13% above the optimum (docs/assignment.md).
+    experts by |g_e - c_e|, which on 32 active experts lands 11-13% above the optimum (docs/research/assignment.md).
     """
     p = _problem(workload, resident, cost)
     n = len(p.experts)

@@ -21,7 +21,7 @@ layer routes, and a refill only if they can within the current layer's time; lla
 evicts the slot's expert when the load is queued, so a load that cannot arrive in time costs a
 resident expert for nothing. On the fixtures' held-out text at a laptop's PCIe bandwidth this takes
 promoe's decode hit rate at E/4 slots from 0.08-0.39 to 0.56-0.62, above lru and static
-(docs/prefetch.md); without a timing (an unknown or infinite bandwidth) everything is queued.
+(docs/research/prefetch.md); without a timing (an unknown or infinite bandwidth) everything is queued.
 
 Replacement (§6.1: a per-layer LRU): a load takes a free slot, else the least recently used slot
 (touched when routed or predicted) whose expert is not pinned and has no load queued. Pinned are

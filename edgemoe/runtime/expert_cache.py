@@ -92,7 +92,7 @@ class CacheConfig:
     # MoE layer from this index on has its experts predicted at the MoE layer before by its own router on that
     # layer's input (gate reuse); the predicted ones outside its slots run on that input, on the CPU, while the
     # device computes the layer's attention and routing, and it takes their results instead of running them (an
-    # approximation: the output changes; docs/daop.md).
+    # approximation: the output changes; docs/research/daop.md).
     # Needs the cache's tables in the graph (no routing hook: --degrade, --assign, --blocking-loads, Python
     # policies turn it off). None: off
     precalc_from: int | None = None
