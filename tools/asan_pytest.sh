@@ -6,9 +6,11 @@
 #
 # llama-cpp-python loads libllama from LLAMA_CPP_LIB_PATH; libasan is preloaded into Python (which is not
 # instrumented); PYTHONMALLOC=malloc lets ASan see the ctypes buffers Python hands llama.cpp. Test
-# subprocesses inherit all of it. Reports go to $ASAN_LOGS/{asan,ubsan}.<pid> (default .build/asan-logs,
-# emptied first) and are summed up at the end; the exit status is pytest's, or 3 when pytest passed but a
-# sanitizer reported something.
+# subprocesses inherit all of it. Every report stops its process (UBSan's too: halt_on_error), so it fails
+# the test that ran it and its text is in that test's output; ASan's reports are also written to
+# $ASAN_LOGS/asan.<pid> (default .build/asan-logs, emptied first; UBSan's standalone runtime ignores
+# log_path) and summed up at the end. tools/ubsan.supp lists the UBSan reports explained in docs/build.md.
+# The exit status is pytest's, or 3 when pytest passed but a log holds a report.
 # Environment: PYTHON (default .venv/bin/python), ASAN_LOGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +28,7 @@ export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=lib
 export PYTHONMALLOC=malloc
 # leaks: CPython and ctypes keep what they allocate until exit; every other report stops the process
 export ASAN_OPTIONS=detect_leaks=0:verify_asan_link_order=0:log_path=$LOGS/asan:print_summary=1:${ASAN_EXTRA:-}
-export UBSAN_OPTIONS=print_stacktrace=1:log_path=$LOGS/ubsan
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:suppressions=$PWD/tools/ubsan.supp
 "$PY" -m pytest -q -p no:cacheprovider "$@"
 rc=$?
 n=$(cat "$LOGS"/* 2>/dev/null | grep -c "ERROR: AddressSanitizer\|runtime error:")
