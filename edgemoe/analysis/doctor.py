@@ -16,6 +16,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,20 +85,24 @@ def _one_line(text: str) -> str:
 
 def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
     """Run one step in a child process; a crash, a non-zero exit or the timeout is the step's failure."""
-    cmd = [sys.executable, "-m", "edgemoe.analysis.doctor_child", json.dumps(step)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the child's whole session: no stray RPC server or worker
-        out, err = proc.communicate()
-        timed_out = True
-    seconds = time.perf_counter() - t0
-    phases = [ln[6:] for ln in out.splitlines() if ln.startswith("PHASE ")]
+    with tempfile.TemporaryDirectory(prefix="edgemoe-doctor-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "edgemoe.analysis.doctor_child", json.dumps(step), result_path]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child's whole session: no stray RPC server or worker
+            out, err = proc.communicate()
+            timed_out = True
+        seconds = time.perf_counter() - t0
+        result = Path(result_path).read_text() if os.path.exists(result_path) else None
+    # native threads print to the same stdout: a marker may follow their text on a line
+    phases = [ln[ln.index("PHASE ") + 6:] for ln in out.splitlines() if "PHASE " in ln]
     phase = phases[-1] if phases else None
-    result = next((ln[7:] for ln in out.splitlines() if ln.startswith("RESULT ")), None)
     if timed_out:
         error = f"no answer after {timeout:.0f} s during {phase or 'start-up'} (a hang): killed"
     elif proc.returncode < 0:

@@ -2,7 +2,9 @@
 
 Each step runs in a process of its own, so a native crash (a segfault in llama_model_load_from_file, an
 abort in a CUDA call) ends this process, not doctor. Before each phase the child prints ``PHASE <name>`` and
-flushes, so that the parent knows where a crash happened; its last stdout line is ``RESULT <json>``.
+flushes, so that the parent knows where a crash happened; its result is written as JSON to the file named
+after the step (and printed as ``RESULT <json>``): llama.cpp's own threads write to the same stdout (the RPC
+server's connection lines), so the file is what the parent reads.
 
 Steps: ``build`` (patch level, ggml, backends and their features, CUDA versions), ``devices`` (every ggml
 device with its memory and, for NVIDIA GPUs, the PCIe link from NVML), ``generate`` (an Engine on the
@@ -102,7 +104,13 @@ def run(step: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     result = run(json.loads(argv[1]))
-    print("RESULT " + json.dumps(result), flush=True)
+    text = json.dumps(result)
+    if len(argv) > 2:  # the parent's result file, written whole or not at all
+        tmp = argv[2] + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, argv[2])
+    print("RESULT " + text, flush=True)
     return 0
 
 
