@@ -193,15 +193,14 @@ def compute_stats(tr: Trace, *, routers: dict[int, np.ndarray] | None = None, wi
         ent = -(np.where(share > 0, share * np.log(share), 0.0)).sum(1) / np.log(E)
     work = workload_windows(tr.ids, E, window)
     sizes = np.unique(np.linspace(k, E, num=min(8, E - k + 1)).round().astype(int))
-    have_inputs = tr.gate_inputs is not None
     return TraceStats(
         layers=[int(x) for x in tr.layers], n_expert=E, k=k, frequency=share, entropy=ent,
         skew=share.max(1) * E, temporal_locality=temporal_locality(tr.ids, tr.seq, E),
         adjacency_window=window, high_workload_adjacency=high_workload_adjacency(work, k),
         workload_windows=work, adjacency_matrix=adjacency_matrix(work, k),
-        gate_input_cosine=gate_input_cosine(tr.gate_inputs) if have_inputs else None,
+        gate_input_cosine=gate_input_cosine(tr.gate_inputs) if tr.gate_inputs is not None else None,
         prefill_decode_similarity=prefill_decode_similarity(tr.ids, tr.phase, E),
         gate_reuse_recall=(gate_reuse_recall(tr.ids, tr.gate_inputs, routers, list(tr.layers))
-                           if have_inputs and routers else None),
+                           if tr.gate_inputs is not None and routers else None),
         lru_sizes=sizes, lru_hit_rate=lru_hit_rates(tr.ids, E, sizes),
     )

@@ -62,7 +62,7 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     click.echo(format_info(info))
     if info.is_moe:
         click.echo(f"{'weights':12} {describe_rules(rules)}  (as llama.cpp weights the selected experts)")
-    if plan is not None:
+    if plan is not None and vram is not None:  # a plan is made only for a budget
         click.echo(format_plan(plan))
         click.echo(f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
                    f"`{plan_command(model, vram, n_ctx)}`")

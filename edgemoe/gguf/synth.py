@@ -219,7 +219,7 @@ def write_synthetic(preset_name: str | SynthPreset, out_path: str | Path, *, lay
                     continue
                 written = 0
                 for chunk in _tensor_bytes(t, _tensor_rng(seed, t.name)):
-                    fout.write(memoryview(chunk))
+                    fout.write(memoryview(chunk))  # pyright: ignore[reportArgumentType]  # numpy stubs: __buffer__ on 3.12+ only
                     written += chunk.nbytes
                     bar.update(chunk.nbytes)
                 if written != t.nbytes:

@@ -187,11 +187,11 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
                             "; ".join(notes)))
 
     generated: list[int] = []
-    for name, kind, cfg, setup, note in configs:
+    for name, kind, cfg, setup_fn, note in configs:
         if progress:
             progress(name)
         try:
-            pre, dec, ttft, tpot, vram, cache, tokens = _measure(path, cfg, prompt, spec.gen_tokens, setup)
+            pre, dec, ttft, tpot, vram, cache, tokens = _measure(path, cfg, prompt, spec.gen_tokens, setup_fn)
         except Exception as err:  # noqa: BLE001 - one configuration failing (no calibration...) is a row
             res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
             continue

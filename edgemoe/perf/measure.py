@@ -251,7 +251,7 @@ def _pool_size(item_bytes: int, cold: bool, be: _Backend, pool_bytes: int | None
         return max(2, min(math.ceil(pool_bytes / item_bytes), MAX_POOL))
     cap = POOL_CAP_BYTES
     if not be.is_cpu:
-        free, _total = native.device_memory(be.device)
+        free, _total = native.device_memory(native.GgmlDevice(be.device))
         if free > 0:
             cap = min(cap, free // 4)
     n = min(math.ceil(2 * last_level_cache_bytes() / item_bytes), cap // item_bytes)
@@ -542,6 +542,7 @@ def h2d_load_bandwidth(device: int, *, chunk: int = 1 << 20, nbytes: int = 64 <<
     n_chunks = nbytes // chunk
     with ExitStack() as stack:
         src = _host_source(stack, device, chunk, pinned=True) or _host_source(stack, device, chunk, pinned=False)
+        assert src is not None  # the unpinned source always exists
         backend = ggml_graph.device_backend(device)
         stack.callback(ggml_graph.backend_free, backend)
         ctx = ggml_graph.ggml_context(1)

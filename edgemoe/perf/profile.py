@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -213,7 +213,7 @@ def profile_from_dict(d: Mapping[str, Any]) -> MachineProfile:
                            "with `edgemoe profile`")
     try:
         gpu = _device(d["gpu"]) if d.get("gpu") else None
-        link = (LinkProfile(**{k: float(v) if v is not None else None for k, v in d["link"].items()})
+        link = (LinkProfile(**cast("dict[str, Any]", {k: float(v) if v is not None else None for k, v in d["link"].items()}))
                 if d.get("link") else None)
         return MachineProfile(name=str(d["name"]), kind=str(d["kind"]), cpu=_device(d["cpu"]),
                               host=HostProfile(**{k: float(v) for k, v in d["host"].items()}),

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from . import measure
 from .costmodel import LayerCosts, ModelShape
 from .profile import (TOKEN_GRID, Curve, DeviceProfile, HostProfile, LinkProfile, MachineProfile, RatePoint,
                       Roofline, weights_per_byte)
+
+if TYPE_CHECKING:
+    from ..runtime.native import GgmlDevice
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +250,7 @@ def measure_profile(*, threads: int = 0, model: str | Path | None = None,
                           sources=tuple(sources), notes="; ".join(notes))
 
 
-def _measure_gpu(dev: int, expert_types: tuple[str, ...], dense_types: tuple[str, ...],
+def _measure_gpu(dev: GgmlDevice, expert_types: tuple[str, ...], dense_types: tuple[str, ...],
                  tick: Callable[[], None]) -> tuple[DeviceProfile, LinkProfile]:
     from ..runtime import native
 

@@ -142,7 +142,7 @@ def install_cache(engine: Engine, model: Path, req: CacheRequest, calibration: P
     notify(_describe(engine, req, describe(plan), dev))
 
 
-def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: object) -> str:
+def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.GgmlDevice | None) -> str:
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
     cache = engine.cache
     prefetch = cache.report().get("prefetch") if cache is not None else None

@@ -128,7 +128,7 @@ class Curve:
 
 def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_expert: int,
                  frequency: np.ndarray | None = None, window: int = DALI_WINDOW, update: int | None = None,
-                 counted: Sequence[bool] | None = None, fast: bool = True) -> Curve:
+                 counted: Sequence[bool] | np.ndarray | None = None, fast: bool = True) -> Curve:
     """Replay one layer's steps through policy `kind` (non-blocking) with t = 0..max_slots slots.
 
     counted: one flag per step; only those steps' misses, loads, routed slots and tokens count
@@ -314,7 +314,7 @@ def _static_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots:
 def f_curves(steps_by_layer: Mapping[int, Sequence[np.ndarray]], policy_kind: str, max_slots: int, *,
              n_expert: int, measure: str = "misses", alpha: Mapping[int, float] | None = None,
              beta: Mapping[int, float] | None = None, frequency: Mapping[int, np.ndarray] | None = None,
-             window: int = DALI_WINDOW, update: int | None = None, counted: Sequence[bool] | None = None,
+             window: int = DALI_WINDOW, update: int | None = None, counted: Sequence[bool] | np.ndarray | None = None,
              seed: int = 0) -> dict[int, np.ndarray]:
     """AdapMoE's f_i(t) per layer for t = 0..max_slots: misses (or loads) per token of the replay.
 

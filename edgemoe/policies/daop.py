@@ -57,7 +57,7 @@ def initial_placement(frequency: np.ndarray, n_slots: int) -> list[int]:
     return sorted(int(e) for e in np.argsort(-freq, kind="stable")[:n_slots])
 
 
-def swap_pairs(counts: np.ndarray, resident: Sequence[int] | set[int], *,
+def swap_pairs(counts: np.ndarray, resident: Iterable[int], *,
                threshold: float = DAOP_SWAP_THRESHOLD, max_pairs: int | None = None,
                outside: Iterable[int] | None = None) -> list[tuple[int, int]]:
     """Algorithm 1's swaps for one layer: (CPU expert in, GPU expert out) pairs.

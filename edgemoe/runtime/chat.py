@@ -47,10 +47,10 @@ class ChatMixin:
             arr[i].role, arr[i].content = role, content
         size = 256 + 2 * sum(len(k) for k in keep)
         buf = ctypes.create_string_buffer(size)
-        n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, size)
+        n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, size)  # pyright: ignore[reportArgumentType]  # llama_cpp types buf bytes: it is written to
         if n > size:
             buf = ctypes.create_string_buffer(n)
-            n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, n)
+            n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, n)  # pyright: ignore[reportArgumentType]  # as above
         if n < 0:
             raise EdgeMoeError(f"llama.cpp does not recognise the chat template of {self.path.name}; "
                                "use `edgemoe generate` for plain completion")

@@ -82,7 +82,7 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin):
         if self.config.cpu_expert_layers:
             layers = "|".join(str(i) for i in sorted(self.config.cpu_expert_layers))
             self._buft_overrides = native.cpu_overrides([rf"^blk\.({layers})\.ffn_(gate_up|up|gate|down)_exps"])
-            mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)
+            mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)  # pyright: ignore[reportAttributeAccessIssue]  # a pointer field the stub types as an array
         if self._kv_overrides is not None:
             mparams.kv_overrides = self._kv_overrides
         mark = native.log_mark()
@@ -91,6 +91,7 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin):
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_error(mark)[-400:]}"
                                  " (run with --debug for the full log)")
         self._vocab_p = lib.llama_model_get_vocab(self._model_p)
+        assert self._vocab_p is not None  # a loaded model always has one
         # a GGUF without a tokenizer (tokenizer.ggml.model "none") loads, but llama.cpp aborts on any text
         self._has_tokenizer = lib.llama_vocab_type(self._vocab_p) != lib.LLAMA_VOCAB_TYPE_NONE
         self._spm_guard: SpmByteGuard | None = None  # built on the first tokenize of an SPM vocabulary
@@ -169,11 +170,11 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin):
         if getattr(self, "_ctx_p", None) and self.cache is not None:
             self.cache.cache.close()
             self.cache = None
-        if getattr(self, "_ctx_p", None):
-            lib.llama_free(self._ctx_p)
+        if ctx_p := getattr(self, "_ctx_p", None):
+            lib.llama_free(ctx_p)
             self._ctx_p = None
-        if getattr(self, "_model_p", None):
-            lib.llama_model_free(self._model_p)
+        if model_p := getattr(self, "_model_p", None):
+            lib.llama_model_free(model_p)
             self._model_p = None
 
     def _handle(self, name: str) -> Any:
@@ -268,7 +269,7 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin):
     # -- evaluation ---------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the KV cache."""
-        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)  # pyright: ignore[reportArgumentType]  # takes NULL too
         self._kv = []
 
     def _decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
@@ -326,7 +327,7 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin):
                 break
             keep += 1
         keep = min(keep, len(tokens) - 1)  # re-evaluate at least one token to get fresh logits
-        lib.llama_memory_seq_rm(lib.llama_get_memory(self._ctx), 0, keep, -1)
+        lib.llama_memory_seq_rm(lib.llama_get_memory(self._ctx), 0, keep, -1)  # pyright: ignore[reportArgumentType]  # takes NULL too
         del self._kv[keep:]
         self._decode(tokens[keep:])
         return len(tokens) - keep

@@ -373,7 +373,8 @@ class CacheController:
     wants_gate_inp = False
     issues_own_loads = False  # the hook's prefetchers issue the chunks themselves (no load worker)
 
-    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy | PromoePolicy, *, alloc: str = "equal") -> None:
+    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy | AssignedPolicy | PromoePolicy, *,
+                 alloc: str = "equal") -> None:
         self.cache = cache
         self.policy = policy
         self.alloc = alloc  # how the slots per layer were chosen
@@ -425,6 +426,7 @@ class CacheController:
 
     def on_route(self, route: RouteRecord) -> None:
         self.flush()
+        assert not isinstance(self.policy, PromoePolicy)  # its controllers route it themselves
         now, self.pending = split_loads(self.policy, self.policy.on_route(route.layer, route.ids))
         for ld in now:  # before this layer's experts run: the C side maps the ids after the hook
             self.cache.load(ld)

@@ -69,7 +69,7 @@ class RoutingMixin:
             self.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK if callback else self.cache.native_policy)
         hook_gating = self._gating is not None and callback
         degrade = self.cache.degradation if self.cache is not None else None
-        chain = (([self._gating] if hook_gating else []) + self._policies + ([degrade] if degrade else [])
+        chain = (([self._gating] if hook_gating and self._gating is not None else []) + self._policies + ([degrade] if degrade else [])
                  + ([self.cache] if callback and self.cache is not None and self.cache.needs_routes else []))
         self._set_native_gating(None if hook_gating else self._gating)
         if chain:
