@@ -19,9 +19,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from .trace import Trace
 from ..predictors import metrics
 from ..predictors.base import Known, Predictor, PredictorError, source_of
+from .trace import Trace
 
 METRICS = ("recall", "recall_km", "exact", "hw_recall_1", "hw_recall_k")
 

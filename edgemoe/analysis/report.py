@@ -80,7 +80,7 @@ def format_stats(d: dict[str, Any]) -> str:
              row("gate-reuse recall (l from l-1)", d["gate_reuse_recall"], 1),
              row("prefill/decode similarity", d["prefill_decode_similarity"])]
     lines.append("LRU hit rate (mean over layers): " + ", ".join(
-        f"{s}: {h:.3f}" for s, h in zip(d["lru_sizes"], d["lru_hit_rate_mean"])))
+        f"{s}: {h:.3f}" for s, h in zip(d["lru_sizes"], d["lru_hit_rate_mean"], strict=False)))
     lines.append("means: " + ", ".join(f"{k} {v}" for k, v in d["mean"].items() if v is not None))
     if d.get("plots"):
         lines.append("plots: " + ", ".join(d["plots"]))

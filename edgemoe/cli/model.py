@@ -42,9 +42,9 @@ def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
-    from ..gguf.info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
     from ..analysis.report import format_info, format_plan, plan_to_dict
     from ..analysis.rules import describe_rules, routing_rules
+    from ..gguf.info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
     from ..runtime.config import planned_ctx
 
     info = read_model_info(model)

@@ -22,7 +22,6 @@ import numpy as np
 from gguf import GGUFWriter, LlamaFileType, RopeScalingType, TokenType
 from tqdm import tqdm
 
-from .randquant import constant_f32, iter_random_tensor
 from .presets import (
     PRESETS,
     PlannedTensor,
@@ -33,6 +32,7 @@ from .presets import (
     normalize_qtype,
     plan_tensors,
 )
+from .randquant import constant_f32, iter_random_tensor
 
 __all__ = ["CHATML_TEMPLATE", "PRESETS", "plan_tensors", "synthetic_vocab", "write_synthetic"]
 

@@ -211,7 +211,7 @@ def _make_weights(stack: ExitStack, be: _Backend, type_id: int, shapes: list[tup
         pctx = ggml_graph.ggml_context(8 * len(tensors))
         try:
             ok = all(ggml_graph.device_supports_op(be.device, probe(pctx, w, shape))
-                     for w, shape in zip(tensors, shapes))
+                     for w, shape in zip(tensors, shapes, strict=False))
         finally:
             ggml_graph.ggml_context_free(pctx)
         if ok:
@@ -229,7 +229,7 @@ def _make_weights(stack: ExitStack, be: _Backend, type_id: int, shapes: list[tup
     staging = np.empty(max(ggml_graph.ggml_nbytes(w) for w in tensors), np.uint8)  # one host copy, refilled
     filled: tuple[int, int] | None = None
     data = staging[:0]
-    for w, shape in zip(tensors, shapes):
+    for w, shape in zip(tensors, shapes, strict=False):
         key = (shape[0], math.prod(shape[1:]))
         if key != filled:  # gate and up (and a pool of matrices) share the contents
             data = _fill_weight_rows(staging, type_id, key[0], key[1], seed=key[0])

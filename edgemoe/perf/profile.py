@@ -67,7 +67,7 @@ class Curve:
             last = pts[-1]
             f = c / last.tokens
             return RatePoint(c, last.fixed_s, last.s_per_byte * f, last.s_per_byte_hot * f)
-        for lo, hi in zip(pts, pts[1:]):
+        for lo, hi in zip(pts, pts[1:], strict=False):
             if lo.tokens <= c <= hi.tokens:
                 w = (math.log(c) - math.log(lo.tokens)) / (math.log(hi.tokens) - math.log(lo.tokens))
                 return RatePoint(c, *(a + w * (b - a) for a, b in (

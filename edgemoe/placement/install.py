@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..calibration import auto
 from ..calibration.adaptive import default_calibration_dir
 from ..calibration.allocation import describe, plan_allocation
-from ..calibration import auto
 from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, read_model_info, vram_plan, vram_reserve
 from ..policies.daop import precalc_targets
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA

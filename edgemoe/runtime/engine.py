@@ -23,8 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (ContextOverflowError, EdgeMoeError, EngineBusyError, EngineClosedError, ModelLoadError,
-                      NonFiniteLogitsError)
+from ..errors import (
+    ContextOverflowError,
+    EdgeMoeError,
+    EngineBusyError,
+    EngineClosedError,
+    ModelLoadError,
+    NonFiniteLogitsError,
+)
 from ..gguf.info import ModelInfo, check_gguf, model_info
 from ..gguf.validate import validate_hparams
 from ..policies.gating import GatingPolicy
@@ -322,7 +328,7 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin):
                 f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx}; "
                 "shorten the prompt or raise --ctx")
         keep = 0
-        for a, b in zip(self._kv, tokens):
+        for a, b in zip(self._kv, tokens, strict=False):
             if a != b:
                 break
             keep += 1

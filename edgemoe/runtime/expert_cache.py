@@ -14,19 +14,27 @@ from typing import Any
 
 import numpy as np
 
-from . import native
-from .native import lib
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
-from ..policies.route import RouteRecord
-from ..policies.copy_queue import CopyTiming, load_worker_default
-from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
 from ..policies.assigned import AssignedPolicy
+from ..policies.copy_queue import CopyTiming, load_worker_default
 from ..policies.daop import DAOP_SWAP_THRESHOLD, DaopPolicy
 from ..policies.degrade import GracefulDegradation
 from ..policies.loads import split_loads
-from ..policies.residency import (DALI_WINDOW, DaliPolicy, Load, LruPolicy, ManualPolicy, PolicyKind,
-                                  ResidencyPolicy, StaticPolicy)
+from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
+from ..policies.residency import (
+    DALI_WINDOW,
+    DaliPolicy,
+    Load,
+    LruPolicy,
+    ManualPolicy,
+    PolicyKind,
+    ResidencyPolicy,
+    StaticPolicy,
+)
+from ..policies.route import RouteRecord
+from . import native
+from .native import lib
 
 
 class ExpertCacheError(EdgeMoeError):

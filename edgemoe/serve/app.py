@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..runtime.sampling import SamplingParams
 from .errors import APIError, install_handlers
-from .schemas import ChatCompletionRequest, CompletionRequest, Kind, Reply, GenerationRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, Kind, Reply
 from .worker import EngineWorker, Job, Outcome, QueueFullError
 
 
