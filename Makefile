@@ -10,8 +10,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
+# the checkers, pinned as in pyproject.toml's test extra
+RUFF := ruff==0.17.6
+PYRIGHT := pyright==1.1.414
 
-.PHONY: install llama chat test clean-build asan asan-test cuda-check
+.PHONY: install llama chat test lint typecheck clean-build asan asan-test cuda-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +39,21 @@ chat: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+$(VENV)/bin/ruff: | $(PY)
+	$(PY) -m pip install -q $(RUFF)
+
+$(VENV)/bin/pyright: | $(PY)
+	$(PY) -m pip install -q $(PYRIGHT)
+
+# ruff's lint rules and formatting on edgemoe/ (configured in pyproject.toml)
+lint: | $(VENV)/bin/ruff
+	$(VENV)/bin/ruff check edgemoe
+	$(VENV)/bin/ruff format --check edgemoe
+
+# pyright (basic) on edgemoe/, against the installed dependencies (llama-cpp-python's bindings included)
+typecheck: install | $(VENV)/bin/pyright
+	$(VENV)/bin/pyright --pythonpath $(abspath $(PY))
 
 clean-build:
 	rm -rf .build

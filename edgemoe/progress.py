@@ -15,4 +15,7 @@ def progress_bar(total: int, desc: str, *, unit: str = "it") -> Iterator[Callabl
     from tqdm import tqdm
 
     with tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False) as bar:
-        yield bar.update
+
+        def advance(n: int) -> None:
+            bar.update(n)
+        yield advance

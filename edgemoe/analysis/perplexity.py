@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..runtime.engine import Engine
 from ..policies.route import RoutePolicy, RouteRecord
+from ..runtime.engine import Engine
 
 
 @dataclass(frozen=True)

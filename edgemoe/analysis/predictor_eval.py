@@ -15,13 +15,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from .trace import Trace
 from ..predictors import metrics
 from ..predictors.base import Known, Predictor, PredictorError, source_of
+from .trace import Trace
 
 METRICS = ("recall", "recall_km", "exact", "hw_recall_1", "hw_recall_k")
 
@@ -154,8 +154,10 @@ def format_evaluation(ev: Evaluation | dict[str, dict[str, Any]]) -> str:
 
     Takes an Evaluation or its JSON form (evaluation_to_json, or a card's "validation").
     """
-    js = evaluation_to_json(ev) if any(isinstance(v, Score) for by_d in ev.values() for v in by_d.values()) \
-        else ev  # type: ignore[arg-type]
+    if any(isinstance(v, Score) for by_d in ev.values() for v in by_d.values()):
+        js = evaluation_to_json(cast(Evaluation, ev))
+    else:
+        js = cast("dict[str, dict[str, Any]]", ev)
     dists = sorted({key for by_d in js.values() for key in by_d}, key=lambda x: int(x[1:]))
     first = next(s for by_d in js.values() for s in by_d.values())
     k, m = first["k"], first["m"]

@@ -87,7 +87,7 @@ def format_stats(d: dict[str, Any]) -> str:
         lines.append(f"top 40% of experts cover {d['coverage_top40_in_prompt']:.3f} of a sequence's selections"
                      + (f" (chosen on the other sequences: {other:.3f})" if other is not None else ""))
     lines.append("LRU hit rate (mean over layers): " + ", ".join(
-        f"{s}: {h:.3f}" for s, h in zip(d["lru_sizes"], d["lru_hit_rate_mean"])))
+        f"{s}: {h:.3f}" for s, h in zip(d["lru_sizes"], d["lru_hit_rate_mean"], strict=False)))
     lines.append("means: " + ", ".join(f"{k} {v}" for k, v in d["mean"].items() if v is not None))
     if d.get("plots"):
         lines.append("plots: " + ", ".join(d["plots"]))

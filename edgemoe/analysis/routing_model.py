@@ -41,7 +41,7 @@ def routing_stats(trace: Trace) -> RoutingStats:
         cum = np.r_[0.0, np.cumsum(np.sort(counts)[::-1])] / max(counts.sum(), 1.0)
         mass[j] = np.interp(QUANTILES * e, np.arange(e + 1), cum)
         prev, cur = ids[:-1][same_seq], ids[1:][same_seq]
-        shared = [len(set(a) & set(b)) for a, b in zip(prev.tolist(), cur.tolist())]
+        shared = [len(set(a) & set(b)) for a, b in zip(prev.tolist(), cur.tolist(), strict=False)]
         reuse[j] = float(np.mean(shared)) / k if shared else 0.0
     return RoutingStats(mass=mass, reuse=reuse, source=str(trace.meta.get("model", "")))
 

@@ -161,7 +161,7 @@ def measure(trace: Trace, target: dict[str, Any]) -> float:
         j = int(target["layer"])
         same = seq[1:] == seq[:-1]
         a, b = ids[:-1, j][same], ids[1:, j][same]
-        return float(np.mean([bool(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist())]))
+        return float(np.mean([bool(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist(), strict=True)]))
     if m in ("coverage_in_prompt", "coverage_other_prompts"):
         own, other = prompt_coverage(ids, seq, trace.n_expert, float(target.get("share", 0.4)))
         return own if m == "coverage_in_prompt" else float(other if other is not None else np.nan)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class Trace:
         tmp = path.with_name(path.name + ".tmp")
         try:
             with tmp.open("wb") as f:
-                np.savez_compressed(f, **arrays)
+                np.savez_compressed(f, **cast("dict[str, Any]", arrays))  # the stub's allow_pickle: bool
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -108,7 +108,7 @@ class TraceRecorder:
         def stack(i: int) -> np.ndarray | None:
             per_layer = [np.concatenate([r[i] for r in self._routes[il]]) if self._routes[il][0][i] is not None
                          else None for il in layers]
-            return None if per_layer[0] is None else np.stack(per_layer, axis=1)
+            return None if per_layer[0] is None else np.stack(cast("list[np.ndarray]", per_layer), axis=1)
 
         ids, weights = stack(0), stack(1)
         assert ids is not None and weights is not None
@@ -135,8 +135,11 @@ def join_traces(traces: Sequence[Trace]) -> Trace:
     def cat(name: str) -> np.ndarray | None:
         parts = [getattr(t, name) for t in traces]
         return None if any(p is None for p in parts) else np.concatenate(parts)
-    return Trace(tokens=cat("tokens"), layers=traces[0].layers, ids=cat("ids"), weights=cat("weights"),
-                 phase=cat("phase"), seq=np.concatenate(seqs).astype(np.int32), probs=cat("probs"),
+
+    def req(name: str) -> np.ndarray:  # a field every trace has
+        return np.concatenate([getattr(t, name) for t in traces])
+    return Trace(tokens=req("tokens"), layers=traces[0].layers, ids=req("ids"), weights=req("weights"),
+                 phase=req("phase"), seq=np.concatenate(seqs).astype(np.int32), probs=cat("probs"),
                  gate_inputs=cat("gate_inputs"), meta=dict(traces[-1].meta))
 
 

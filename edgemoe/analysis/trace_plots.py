@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .trace_stats import TraceStats
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
@@ -17,7 +21,7 @@ def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
 
-    def save(fig: "plt.Figure", name: str) -> None:  # noqa: F821
+    def save(fig: Figure, name: str) -> None:
         p = out_dir / name
         fig.tight_layout()
         fig.savefig(p, dpi=110)
@@ -28,7 +32,7 @@ def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     im = ax.imshow(np.sort(st.frequency, axis=1)[:, ::-1] * st.n_expert, aspect="auto", cmap="viridis")
     ax.set(xlabel="expert rank (hottest first)", ylabel="MoE layer", title=f"{title}: expert share x n_expert")
-    ax.set_yticks(range(len(st.layers)), st.layers)
+    ax.set_yticks(range(len(st.layers)), [str(x) for x in st.layers])
     fig.colorbar(im, ax=ax, label="share x n_expert (1 = uniform)")
     save(fig, "frequency.png")
 

@@ -258,16 +258,15 @@ def compute_stats(tr: Trace, *, routers: dict[int, np.ndarray] | None = None, wi
         sizes = np.asarray([int(s) for s in lru_sizes], int)
     dist = reuse_distances(tr.ids, tr.seq)
     cov_own, cov_other = prompt_coverage(tr.ids, tr.seq, E)
-    have_inputs = tr.gate_inputs is not None
     return TraceStats(
         layers=[int(x) for x in tr.layers], n_expert=E, k=k, frequency=share, entropy=ent,
         skew=share.max(1) * E, temporal_locality=temporal_locality(tr.ids, tr.seq, E),
         adjacency_window=window, high_workload_adjacency=high_workload_adjacency(work, k),
         workload_windows=work, adjacency_matrix=adjacency_matrix(work, k),
-        gate_input_cosine=gate_input_cosine(tr.gate_inputs) if have_inputs else None,
+        gate_input_cosine=gate_input_cosine(tr.gate_inputs) if tr.gate_inputs is not None else None,
         prefill_decode_similarity=prefill_decode_similarity(tr.ids, tr.phase, E),
         gate_reuse_recall=(gate_reuse_recall(tr.ids, tr.gate_inputs, routers, list(tr.layers))
-                           if have_inputs and routers else None),
+                           if tr.gate_inputs is not None and routers else None),
         lru_sizes=sizes, lru_hit_rate=lru_hit_rates(tr.ids, E, sizes),
         reuse_next=reuse_within(dist, tr.seq, 1), reuse_within_8=reuse_within(dist, tr.seq, 8),
         coverage_in_prompt=round(cov_own, 5), coverage_other_prompts=None if cov_other is None else round(cov_other, 5),

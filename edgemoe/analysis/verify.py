@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.engine import Engine, LoadConfig
 from ..errors import EdgeMoeError
 from ..gguf.info import read_model_info
 from ..policies.route import RouteRecord, WeightRule
+from ..runtime.engine import Engine, LoadConfig
 
 PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is "
           "the sun.\n\nThe list type is a mutable sequence.")

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+from .auto import STAGES_FOR, ensure_calibration
 from .card import (
     CARD,
     FORMAT_VERSION,
@@ -19,7 +20,6 @@ from .card import (
     model_sha256,
     write_json,
 )
-from .auto import STAGES_FOR, ensure_calibration
 from .run import DEFAULT_CTX, DEFAULT_TOKENS, CalibrationConfig, run_calibration
 from .stages import Stage, StageContext, all_stages, register_stage, select_stages, unregister_stage
 

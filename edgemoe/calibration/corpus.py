@@ -30,7 +30,7 @@ class CorpusSplit:
             return f.read(rng[1] - rng[0]).decode("utf-8", errors="replace")
 
 
-def split_corpus(path: str | Path) -> CorpusSplit:
+def split_corpus(path: str | os.PathLike[str]) -> CorpusSplit:
     """Split a corpus file into train (first ~90%) and held-out (rest) at a line boundary."""
     p = Path(path)
     data = p.read_bytes()

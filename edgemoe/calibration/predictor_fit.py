@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..analysis.predictor_eval import eval_rows, evaluate, evaluation_to_json
 from ..analysis.trace import Trace
 from ..analysis.trace_stats import expert_counts
 from ..predictors.base import ModelSpec, Predictor, PredictorError
 from ..predictors.baselines import PrevTokenPredictor, RandomPredictor, TokenIdPredictor
-from ..analysis.predictor_eval import eval_rows, evaluate, evaluation_to_json
 from ..predictors.gate import GatePredictor, ResidualPredictor
 from ..predictors.store import save_predictors, spec_for_model
 
 if TYPE_CHECKING:
-    from .stages import StageContext
     from ..predictors.train import TrainConfig
+    from .stages import StageContext
 
 DISTANCES = (1, 2)
 VAL_FRACTION = 0.1

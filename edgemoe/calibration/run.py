@@ -20,7 +20,16 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ..progress import progress_bar
-from .card import CARD, FORMAT_VERSION, Calibration, CalibrationError, default_out_dir, edgemoe_commit, model_sha256, write_json
+from .card import (
+    CARD,
+    FORMAT_VERSION,
+    Calibration,
+    CalibrationError,
+    default_out_dir,
+    edgemoe_commit,
+    model_sha256,
+    write_json,
+)
 from .stages import CorpusText, ProgressFactory, Stage, StageContext, all_stages, select_stages
 
 if TYPE_CHECKING:

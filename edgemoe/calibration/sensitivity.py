@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class Sensitivity:
             raise EdgeMoeError(f"{directory} has no {FILE_NAME}; run `edgemoe calibrate MODEL --corpus FILE ...`")
         d = json.loads(path.read_text())
         to_map = lambda m: None if m is None else {int(k): float(v) for k, v in m.items()}  # noqa: E731
-        return cls(empirical=to_map(d["empirical"]), fisher=to_map(d["fisher"]), base_nll=d["base_nll"],
+        return cls(empirical=cast("dict[int, float]", to_map(d["empirical"])), fisher=to_map(d["fisher"]), base_nll=d["base_nll"],
                    tokens=d["tokens"], spearman=d["spearman"])
 
 
@@ -100,6 +100,7 @@ def fisher_sensitivity(model_path: Path, chunks: Sequence[Sequence[int]]) -> dic
             model.zero_grad(set_to_none=True)
             loss.backward()
             for i, y in outs.items():
+                assert y.grad is not None  # retain_grad() and backward() ran
                 total[i] += float((y.grad.double() ** 2).sum())
     finally:
         for h in handles:

@@ -108,7 +108,7 @@ def traces_stage(ctx: StageContext) -> dict[str, Any]:
     return {"mode": TRACE_MODE, "prefill_tokens": prefill, "ctx": ctx.ctx, "tokens": tr.n_tokens,
             "sequences": len(np.unique(tr.seq)),
             "gate_inputs_mib": round(tr.gate_inputs.nbytes / 2**20, 1) if tr.gate_inputs is not None else 0,
-            "ranges": {str(tx.path): r for tx, r in zip(ctx.texts, ranges)}}
+            "ranges": {str(tx.path): r for tx, r in zip(ctx.texts, ranges, strict=False)}}
 
 
 def router_frequency_stage(ctx: StageContext) -> dict[str, Any]:

@@ -33,10 +33,10 @@ from .types import THREADS, GGUFPath, IntList, OutputPath
 def trace(model: Path, input_path: Path, heldout: bool, out_path: Path, max_tokens: int, n_ctx: int,
           mode: str, prefill_tokens: int, gate_inputs: bool, probs: bool, threads: int) -> None:
     """Record which experts every MoE layer picks for every token of a text."""
-    from ..runtime.engine import Engine, LoadConfig
-    from ..progress import progress_bar
     from ..analysis.trace import record_trace
     from ..calibration.corpus import split_corpus
+    from ..progress import progress_bar
+    from ..runtime.engine import Engine, LoadConfig
 
     if heldout:
         text = split_corpus(input_path).heldout_text()
@@ -187,10 +187,10 @@ def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None
     """
     from dataclasses import replace
 
-    from ..calibration.adaptive import build_gating, default_calibration_dir
-    from ..runtime.engine import Engine, LoadConfig
     from ..analysis.perplexity import perplexity as run_ppl
+    from ..calibration.adaptive import build_gating, default_calibration_dir
     from ..progress import progress_bar
+    from ..runtime.engine import Engine, LoadConfig
 
     calibration = gating.calibration
     if precalc_from is not None:
@@ -244,9 +244,9 @@ def _precalc_perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: i
                         first_layer: int, expert_slots: int, prompt_tokens: int, threads: int, as_json: bool) -> None:
     """perplexity --precalc-from: edgemoe.analysis.precalc_run over DAOP's placement (static, not swapped)."""
     from ..analysis.precalc_run import precalc_run
+    from ..placement import check_precalc_from, enable_static_placement
     from ..progress import progress_bar
     from ..runtime.engine import Engine, LoadConfig
-    from ..placement import check_precalc_from, enable_static_placement
 
     if prompt_tokens < 1 or prompt_tokens >= n_ctx - 1:
         raise click.UsageError(f"--prompt-tokens {prompt_tokens}: use 1..{n_ctx - 2} with --precalc-from (the prompt "

@@ -40,8 +40,8 @@ def calibrate(model: Path, corpora: tuple[Path, ...], tokens: int, out_dir: Path
               epochs: int | None, stages: tuple[str, ...], force: bool, update: bool, threads: int,
               as_json: bool) -> None:
     """Record calibration traces on the corpora's train splits and train the expert predictors."""
-    from ..calibration.run import CalibrationConfig, run_calibration
     from ..analysis.predictor_eval import format_evaluation
+    from ..calibration.run import CalibrationConfig, run_calibration
 
     options = {"predictors": {"epochs": epochs}} if epochs else {}
     cfg = CalibrationConfig(model=model, corpora=corpora, tokens=tokens, ctx=n_ctx, seed=seed, n_threads=threads,
@@ -82,13 +82,13 @@ def _ran(card: Mapping[str, Any], stages: tuple[str, ...]) -> list[str]:
 def predict_eval(model: Path, calibration_dir: Path | None, input_path: Path, heldout: bool, max_tokens: int,
                  n_ctx: int, window: int, kinds: tuple[str, ...], threads: int, as_json: bool) -> None:
     """Score every expert predictor on a text: recall, top-(k+m) recall, exact set, high-workload recall."""
-    from ..calibration.card import find_calibration
-    from ..calibration.traces import eval_tokens, record_eval_trace
-    from ..calibration.corpus import split_corpus
-    from ..runtime.engine import Engine, LoadConfig
     from ..analysis.predictor_eval import evaluate, evaluation_to_json, format_evaluation
+    from ..calibration.card import find_calibration
+    from ..calibration.corpus import split_corpus
+    from ..calibration.traces import eval_tokens, record_eval_trace
     from ..predictors import parse_kind
     from ..progress import progress_bar
+    from ..runtime.engine import Engine, LoadConfig
 
     for k in kinds:
         parse_kind(k)

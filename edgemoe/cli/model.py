@@ -42,9 +42,9 @@ def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
-    from ..gguf.info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
     from ..analysis.report import format_info, format_vram_plan, plan_to_dict
     from ..analysis.rules import describe_rules, routing_rules
+    from ..gguf.info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
     from ..runtime.config import planned_ctx
 
     info = read_model_info(model)
@@ -62,7 +62,7 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     click.echo(format_info(info))
     if info.is_moe:
         click.echo(f"{'weights':12} {describe_rules(rules)}  (as llama.cpp weights the selected experts)")
-    if plan is not None:
+    if plan is not None and vram is not None:  # a plan is made only for a budget
         click.echo(format_vram_plan(plan))
         click.echo(f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
                    f"`{plan_command(model, vram, n_ctx)}`")

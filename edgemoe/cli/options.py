@@ -27,10 +27,11 @@ def option_group(dest: str, options: list[Decorator], build: Callable[..., Any])
 
         params = command.__dict__.setdefault("__click_params__", [])
         before = len(params)
+        cmd: Callable[..., Any] = command
         for o in reversed(options):
-            command = o(command)
-        names.extend(p.name for p in command.__click_params__[before:])  # type: ignore[attr-defined]
-        return command
+            cmd = o(cmd)
+        names.extend(p.name for p in cmd.__click_params__[before:])  # type: ignore[attr-defined]
+        return cmd
     return decorate
 
 

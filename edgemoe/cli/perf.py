@@ -32,7 +32,7 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
     count, graph-node and per-call costs, memory bandwidth (on a CUDA build also the GPU and its link)."""
     from ..perf.profiling import default_profile_path, measure_profile, summary
 
-    with click.progressbar(length=100, label="profiling", file=click.get_text_stream("stderr")) as bar:
+    with click.progressbar(length=100, label="profiling", file=click.get_text_stream("stderr")) as bar:  # pyright: ignore[reportCallIssue]  # click 8.5 types its deprecated names object
         done = [0]
 
         def progress(share: float) -> None:

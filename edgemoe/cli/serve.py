@@ -97,8 +97,8 @@ def serve(model: Path | None, host: str, port: int, api_keys: tuple[str, ...], m
                                                     timeout_graceful_shutdown=5))
         worker.start()
         tools = "tools" if template is not None and template.supports_tools else "no tools"
-        cache = f"prompt cache {capacity >> 20} MiB" if store else "no prompt cache"
-        click.echo(f"edgemoe serve: {config.model_id} (context {engine.n_ctx}, {tools}, {cache}) on "
+        prompts = f"prompt cache {capacity >> 20} MiB" if store else "no prompt cache"
+        click.echo(f"edgemoe serve: {config.model_id} (context {engine.n_ctx}, {tools}, {prompts}) on "
                    f"http://{host}:{bound}/v1" + (" (API key required)" if keys else ""), err=True)
         try:
             server.run(sockets=[sock])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
@@ -127,7 +127,7 @@ class VramPlan:
 # --------------------------------------------------------------------------- read_model_info
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -22,7 +22,6 @@ import numpy as np
 from gguf import GGUFWriter, LlamaFileType, RopeScalingType, TokenType
 from tqdm import tqdm
 
-from .randquant import constant_f32, iter_random_tensor
 from .presets import (
     PRESETS,
     PlannedTensor,
@@ -33,6 +32,7 @@ from .presets import (
     normalize_qtype,
     plan_tensors,
 )
+from .randquant import constant_f32, iter_random_tensor
 
 __all__ = ["CHATML_TEMPLATE", "PRESETS", "plan_tensors", "synthetic_vocab", "write_synthetic"]
 
@@ -219,7 +219,7 @@ def write_synthetic(preset_name: str | SynthPreset, out_path: str | Path, *, lay
                     continue
                 written = 0
                 for chunk in _tensor_bytes(t, _tensor_rng(seed, t.name)):
-                    fout.write(memoryview(chunk))
+                    fout.write(memoryview(chunk))  # pyright: ignore[reportArgumentType]  # numpy stubs: __buffer__ on 3.12+ only
                     written += chunk.nbytes
                     bar.update(chunk.nbytes)
                 if written != t.nbytes:

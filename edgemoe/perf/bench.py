@@ -19,11 +19,17 @@ import numpy as np
 
 from ..calibration.slot_plan import plan_allocation
 from ..errors import EdgeMoeError
+from ..gguf.info import (
+    VRAM_RESERVE,
+    ModelInfo,
+    best_n_cpu_moe,
+    read_model_info,
+    slots_beside_prefill_buffers,
+    vram_plan,
+)
 from ..runtime import native
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.expert_cache import CacheConfig
-from ..gguf.info import (VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, slots_beside_prefill_buffers,
-                         vram_plan)
 from ..runtime.sampling import GREEDY
 
 WARMUP_PROMPT = 16  # tokens of the prompt each configuration's warm-up generation (2 tokens) starts from
@@ -176,13 +182,13 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         name = f"edgemoe {pol}" + (" dp" if plan.alloc == "dp" else "")
         for overlap in (True, False) if spec.compare_overlap else (True,):
 
-            def setup(eng: Engine, cfg: CacheConfig = replace(cfg, overlap=overlap)) -> None:
+            def setup(eng: Engine, cfg: CacheConfig = replace(cfg, overlap=overlap)) -> None:  # noqa: B008 - binds this loop's config
                 eng.enable_expert_cache(cfg, device=dev)
 
             configs.append((name + ("" if overlap else " no-overlap"), "edgemoe", cached, setup, "; ".join(notes)))
         if costs is not None and pol in ("lru", "dali"):
 
-            def setup_assign(eng: Engine, cfg: CacheConfig = replace(cfg, assign=spec.assign, assign_costs=costs)) -> None:
+            def setup_assign(eng: Engine, cfg: CacheConfig = replace(cfg, assign=spec.assign, assign_costs=costs)) -> None:  # noqa: B008 - binds this loop's config
                 eng.enable_expert_cache(cfg, device=dev)
 
             configs.append((f"{name} +assign {spec.assign}", "edgemoe", cached, setup_assign,
@@ -200,18 +206,18 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
                                               "prefill buffers"])))
         if spec.precalc_from is not None:
 
-            def setup_precalc(eng: Engine, cfg: CacheConfig = replace(cfg, precalc_from=spec.precalc_from)) -> None:
+            def setup_precalc(eng: Engine, cfg: CacheConfig = replace(cfg, precalc_from=spec.precalc_from)) -> None:  # noqa: B008 - binds this loop's config
                 eng.enable_expert_cache(cfg, device=dev)
 
             configs.append((f"{name} +precalc {spec.precalc_from}", "edgemoe", cached, setup_precalc,
                             "; ".join(notes)))
 
     generated: list[int] = []
-    for name, kind, cfg, setup, note in configs:
+    for name, kind, cfg, setup_fn, note in configs:
         if progress:
             progress(name)
         try:
-            pre, dec, ttft, tpot, vram, cache, tokens, reuse = _measure(path, cfg, prompt, spec.gen_tokens, setup)
+            pre, dec, ttft, tpot, vram, cache, tokens, reuse = _measure(path, cfg, prompt, spec.gen_tokens, setup_fn)
         except Exception as err:  # noqa: BLE001 - one configuration failing (no calibration...) is a row
             res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
             continue
@@ -309,7 +315,9 @@ def _project_precalc(row: BenchRow, path: Path, trace: Any, prof: Any, spec: Ben
         calibration=spec.calibration, overlap=True,
         precalc=PrecalcSpec(spec.precalc_from, float(pc["early_share"]), float(pc["precision"]))))
     key = f"edgemoe-{pol}-precalc"
-    by_name.update({key: c for c in sim.configs if c.name == key})
+    for c in sim.configs:  # the last config of that name
+        if c.name == key:
+            by_name[key] = c
     return key
 
 

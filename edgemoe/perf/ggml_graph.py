@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import NativeLibraryError
 from ..runtime.native.ggml import GGML_BACKEND_DEVICE_TYPE_CPU, device_by_type, device_name, reg_proc_address
 from ..runtime.native.ggml import cpu_buffer_type as _cpu_buffer_type
-from ..runtime.native.loader import declare, ggml_base_lib, ggml_cpu_lib
+from ..runtime.native.loader import GgmlDevice, declare, ggml_base_lib, ggml_cpu_lib
 
 # enum ggml_status
 GGML_STATUS_SUCCESS = 0
@@ -385,7 +385,7 @@ def cpu_set_threadpool(backend: int, threadpool: int | None) -> None:
 
 def device_backend(dev: int) -> int:
     """A backend on device (ggml_backend_dev_init); free it with backend_free."""
-    return _ptr(_dev_init(dev, None), f"ggml_backend_dev_init({device_name(dev)})")
+    return _ptr(_dev_init(dev, None), f"ggml_backend_dev_init({device_name(GgmlDevice(dev))})")
 
 
 def backend_free(backend: int | None) -> None:

@@ -211,7 +211,7 @@ def _make_weights(stack: ExitStack, be: _Backend, type_id: int, shapes: list[tup
         pctx = ggml_graph.ggml_context(8 * len(tensors))
         try:
             ok = all(ggml_graph.device_supports_op(be.device, probe(pctx, w, shape))
-                     for w, shape in zip(tensors, shapes))
+                     for w, shape in zip(tensors, shapes, strict=False))
         finally:
             ggml_graph.ggml_context_free(pctx)
         if ok:
@@ -229,7 +229,7 @@ def _make_weights(stack: ExitStack, be: _Backend, type_id: int, shapes: list[tup
     staging = np.empty(max(ggml_graph.ggml_nbytes(w) for w in tensors), np.uint8)  # one host copy, refilled
     filled: tuple[int, int] | None = None
     data = staging[:0]
-    for w, shape in zip(tensors, shapes):
+    for w, shape in zip(tensors, shapes, strict=False):
         key = (shape[0], math.prod(shape[1:]))
         if key != filled:  # gate and up (and a pool of matrices) share the contents
             data = _fill_weight_rows(staging, type_id, key[0], key[1], seed=key[0])
@@ -251,7 +251,7 @@ def _pool_size(item_bytes: int, cold: bool, be: _Backend, pool_bytes: int | None
         return max(2, min(math.ceil(pool_bytes / item_bytes), MAX_POOL))
     cap = POOL_CAP_BYTES
     if not be.is_cpu:
-        free, _total = native.device_memory(be.device)
+        free, _total = native.device_memory(native.GgmlDevice(be.device))
         if free > 0:
             cap = min(cap, free // 4)
     n = min(math.ceil(2 * last_level_cache_bytes() / item_bytes), cap // item_bytes)
@@ -542,6 +542,7 @@ def h2d_load_bandwidth(device: int, *, chunk: int = 1 << 20, nbytes: int = 64 <<
     n_chunks = nbytes // chunk
     with ExitStack() as stack:
         src = _host_source(stack, device, chunk, pinned=True) or _host_source(stack, device, chunk, pinned=False)
+        assert src is not None  # the unpinned source always exists
         backend = ggml_graph.device_backend(device)
         stack.callback(ggml_graph.backend_free, backend)
         ctx = ggml_graph.ggml_context(1)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -67,7 +67,7 @@ class Curve:
             last = pts[-1]
             f = c / last.tokens
             return RatePoint(c, last.fixed_s, last.s_per_byte * f, last.s_per_byte_hot * f)
-        for lo, hi in zip(pts, pts[1:]):
+        for lo, hi in zip(pts, pts[1:], strict=False):
             if lo.tokens <= c <= hi.tokens:
                 w = (math.log(c) - math.log(lo.tokens)) / (math.log(hi.tokens) - math.log(lo.tokens))
                 return RatePoint(c, *(a + w * (b - a) for a, b in (
@@ -213,7 +213,7 @@ def profile_from_dict(d: Mapping[str, Any]) -> MachineProfile:
                            "with `edgemoe profile`")
     try:
         gpu = _device(d["gpu"]) if d.get("gpu") else None
-        link = (LinkProfile(**{k: float(v) if v is not None else None for k, v in d["link"].items()})
+        link = (LinkProfile(**cast("dict[str, Any]", {k: float(v) if v is not None else None for k, v in d["link"].items()}))
                 if d.get("link") else None)
         return MachineProfile(name=str(d["name"]), kind=str(d["kind"]), cpu=_device(d["cpu"]),
                               host=HostProfile(**{k: float(v) for k, v in d["host"].items()}),

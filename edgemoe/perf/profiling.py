@@ -13,13 +13,14 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import logging
 import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,8 +30,20 @@ from ..gguf.presets import get_preset
 from ..runtime.config import default_threads
 from . import measure
 from .costmodel import LayerCosts, ModelShape
-from .profile import (TOKEN_GRID, Curve, DeviceProfile, HostProfile, LinkProfile, MachineProfile, RatePoint,
-                      Roofline, weights_per_byte)
+from .profile import (
+    TOKEN_GRID,
+    Curve,
+    DeviceProfile,
+    HostProfile,
+    LinkProfile,
+    MachineProfile,
+    RatePoint,
+    Roofline,
+    weights_per_byte,
+)
+
+if TYPE_CHECKING:
+    from ..runtime.native import GgmlDevice
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +72,7 @@ def _fit(small: dict[int, float], large: dict[int, float], b_small: int, b_large
 
 
 def _curve(cold: list[tuple[int, float, float]], hot: list[tuple[int, float, float]]) -> Curve:
-    return Curve(tuple(RatePoint(c, min(f, fh), s, min(sh, s)) for (c, f, s), (_, fh, sh) in zip(cold, hot)))
+    return Curve(tuple(RatePoint(c, min(f, fh), s, min(sh, s)) for (c, f, s), (_, fh, sh) in zip(cold, hot, strict=False)))
 
 
 def _expert_bytes(qtype: str, n_embd: int, n_ff: int) -> int:
@@ -181,7 +194,7 @@ def fit_host(cpu: DeviceProfile, threads: int, workdir: Path, tick: Callable[[],
                     call_s, node_s, vocab_s)
         node_s = cpu.node_s
         (call_s, vocab_s), *_ = np.linalg.lstsq(np.array([[r[0], r[2]] for r in rows]),
-                                               np.array([y - r[1] * node_s for r, y in zip(rows, rhs)]), rcond=None)
+                                               np.array([y - r[1] * node_s for r, y in zip(rows, rhs, strict=False)]), rcond=None)
         call_s, vocab_s = max(float(call_s), 0.0), max(float(vocab_s), 0.0)
     # prefill: what the matrices, attention and per-node dispatch leave is elementwise work per node and token
     xs, ys = [], []
@@ -246,7 +259,7 @@ def measure_profile(*, threads: int = 0, model: str | Path | None = None,
                           sources=tuple(sources), notes="; ".join(notes))
 
 
-def _measure_gpu(dev: int, expert_types: tuple[str, ...], dense_types: tuple[str, ...],
+def _measure_gpu(dev: GgmlDevice, expert_types: tuple[str, ...], dense_types: tuple[str, ...],
                  tick: Callable[[], None]) -> tuple[DeviceProfile, LinkProfile]:
     from ..runtime import native
 

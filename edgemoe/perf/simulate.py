@@ -24,8 +24,8 @@ from typing import Any
 from ..analysis.trace import DECODE, PREFILL
 from ..errors import EdgeMoeError
 from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, slots_beside_prefill_buffers, vram_plan
-from ..policies.copy_queue import load_worker_default
 from ..policies.assignment import split_share
+from ..policies.copy_queue import load_worker_default
 from ..policies.daop import DaopPolicy, precalc_targets
 from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
 from .costmodel import LayerCosts, ModelShape, layer_cost_model

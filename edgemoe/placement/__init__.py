@@ -2,8 +2,17 @@
 that `edgemoe chat/generate/serve`, the tools and Python users share (docs/expert-cache.md)."""
 from __future__ import annotations
 
-from .install import (assign_costs, calibration_for, check_precalc_from, enable_static_placement, install_cache,
-                      install_gating, load_config, slots_for, whole_model_fits)
+from .install import (
+                      assign_costs,
+                      calibration_for,
+                      check_precalc_from,
+                      enable_static_placement,
+                      install_cache,
+                      install_gating,
+                      load_config,
+                      slots_for,
+                      whole_model_fits,
+)
 from .open import open_engine
 from .request import DEFAULT_POLICY, POLICIES, CacheRequest, PlacementError, cache_request, default_policy
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..calibration import auto
 from ..calibration.adaptive import default_calibration_dir
 from ..calibration.slot_plan import describe, plan_allocation
-from ..calibration import auto
 from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, read_model_info, vram_plan, vram_reserve
 from ..policies.daop import precalc_targets
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
@@ -142,7 +142,7 @@ def install_cache(engine: Engine, model: Path, req: CacheRequest, calibration: P
     notify(_describe(engine, req, describe(plan), dev))
 
 
-def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: object) -> str:
+def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.GgmlDevice | None) -> str:
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
     cache = engine.cache
     prefetch = cache.report().get("prefetch") if cache is not None else None

@@ -44,9 +44,18 @@ from itertools import pairwise
 import numpy as np
 
 from ..errors import EdgeMoeError
-from .daop import DaopPolicy, replay_all_sizes as _daop_all_sizes
-from .residency import (DALI_WINDOW, DaliPolicy, PolicyKind, StaticPolicy, dali_default_update,
-                        make_policy, replay_policy, used_experts)
+from .daop import DaopPolicy
+from .daop import replay_all_sizes as _daop_all_sizes
+from .residency import (
+    DALI_WINDOW,
+    DaliPolicy,
+    PolicyKind,
+    StaticPolicy,
+    dali_default_update,
+    make_policy,
+    replay_policy,
+    used_experts,
+)
 
 DECODE = 1  # edgemoe.analysis.trace.DECODE: a token fed alone, one step
 MAX_UNITS = 1 << 16  # knapsack capacity above which byte weights are coarsened (rounded up)
@@ -128,7 +137,7 @@ class MissCurve:
 
 def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_expert: int,
                  frequency: np.ndarray | None = None, window: int = DALI_WINDOW, update: int | None = None,
-                 counted: Sequence[bool] | None = None, fast: bool = True) -> MissCurve:
+                 counted: Sequence[bool] | np.ndarray | None = None, fast: bool = True) -> MissCurve:
     """Replay one layer's steps through policy `kind` (non-blocking) with t = 0..max_slots slots.
 
     counted: one flag per step; only those steps' misses, loads, routed slots and tokens count
@@ -150,8 +159,8 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
     flags = np.ones(len(steps), bool) if counted is None else np.asarray(counted, bool)
     if flags.shape != (len(steps),):
         raise AllocationError(f"{flags.shape[0]} counted flags for {len(steps)} steps")
-    routed = sum(int((s >= 0).sum()) for s, c in zip(steps, flags) if c)
-    tokens = sum(int(s.shape[0]) for s, c in zip(steps, flags) if c)
+    routed = sum(int((s >= 0).sum()) for s, c in zip(steps, flags, strict=False) if c)
+    tokens = sum(int(s.shape[0]) for s, c in zip(steps, flags, strict=False) if c)
     if k is PolicyKind.MANUAL:
         raise AllocationError("the manual policy loads nothing by itself: there is nothing to replay")
     if k in (PolicyKind.STATIC, PolicyKind.DAOP) and frequency is None:
@@ -206,7 +215,7 @@ def _lru_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: in
     misses = np.zeros(max_slots + 1, np.int64)
     loads = np.zeros(max_slots + 1, np.int64)
     clock = 0
-    for (counts, used), count in zip(_step_counts(steps, n_expert), flags):
+    for (counts, used), count in zip(_step_counts(steps, n_expert), flags, strict=False):
         if not used:
             continue
         u = np.array(used)
@@ -265,7 +274,7 @@ def _dali_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: i
     loads = np.zeros(max_slots + 1, np.int64)
     tokens = 0
     ids_asc = np.arange(n_expert)
-    for s, (counts, used), count in zip(steps, _step_counts(steps, n_expert), flags):
+    for s, (counts, used), count in zip(steps, _step_counts(steps, n_expert), flags, strict=False):
         if count:
             misses += int(counts.sum()) - res @ counts
         scores += counts
@@ -303,7 +312,7 @@ def _static_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots:
                       frequency: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """StaticPolicy for every size: the top-t experts by frequency (ties: lower id), loaded once."""
     total = np.zeros(n_expert, np.int64)
-    for (counts, _), count in zip(_step_counts(steps, n_expert), flags):
+    for (counts, _), count in zip(_step_counts(steps, n_expert), flags, strict=False):
         if count:
             total += counts
     top = np.argsort(-np.asarray(frequency, np.float64), kind="stable")
@@ -314,7 +323,7 @@ def _static_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots:
 def f_curves(steps_by_layer: Mapping[int, Sequence[np.ndarray]], policy_kind: str, max_slots: int, *,
              n_expert: int, measure: str = "misses", alpha: Mapping[int, float] | None = None,
              beta: Mapping[int, float] | None = None, frequency: Mapping[int, np.ndarray] | None = None,
-             window: int = DALI_WINDOW, update: int | None = None, counted: Sequence[bool] | None = None,
+             window: int = DALI_WINDOW, update: int | None = None, counted: Sequence[bool] | np.ndarray | None = None,
              seed: int = 0) -> dict[int, np.ndarray]:
     """AdapMoE's f_i(t) per layer for t = 0..max_slots: misses (or loads) per token of the replay.
 

@@ -61,8 +61,8 @@ class ExpertCosts(Protocol):
     def split_overhead_s(self) -> float: ...
     @property
     def transfer_mode(self) -> TransferMode: ...
-    def cpu_s(self, tokens: int) -> float: ...
-    def gpu_s(self, tokens: int) -> float: ...
+    def cpu_s(self, tokens: int, /) -> float: ...
+    def gpu_s(self, tokens: int, /) -> float: ...
     def transfer_s(self) -> float: ...
 
 
@@ -178,25 +178,25 @@ def _problem(workload: Mapping[int, int], resident: AbstractSet[int], cost: Expe
     c = tuple(float(cost.cpu_s(int(workload[e]))) for e in experts)
     gc = tuple(float(cost.gpu_s(int(workload[e]))) for e in experts)
     if not all(0.0 <= t < math.inf for t in (x, *c, *gc)):  # NaN fails too
-        bad_w = next(int(workload[e]) for e, ce, ge in zip(experts, c, gc)
+        bad_w = next(int(workload[e]) for e, ce, ge in zip(experts, c, gc, strict=False)
                      if not (0.0 <= ce < math.inf and 0.0 <= ge < math.inf)) if experts else 0
         raise AssignmentError(f"the cost model gave cpu_s({bad_w})={cost.cpu_s(bad_w)}, gpu_s({bad_w})="
                               f"{cost.gpu_s(bad_w)}, transfer_s()={x}: every time must be finite and >= 0 seconds")
     loaded = tuple(e not in resident for e in experts)
     if cost.transfer_mode is TransferMode.PIPELINED:
-        g = tuple(max(x, t) if miss else t for t, miss in zip(gc, loaded))
+        g = tuple(max(x, t) if miss else t for t, miss in zip(gc, loaded, strict=False))
     else:
-        g = tuple(x + t if miss else t for t, miss in zip(gc, loaded))
+        g = tuple(x + t if miss else t for t, miss in zip(gc, loaded, strict=False))
     return _Problem(experts, c, g, loaded, float(cost.cpu_handoff_s), x)
 
 
 def _assignment(p: _Problem, on_gpu: Sequence[bool]) -> Assignment:
     """Score a placement; every solver ends here, so equal placements score bitwise equal."""
-    cpu = tuple(e for e, on in zip(p.experts, on_gpu) if not on)
-    gpu = tuple(e for e, on in zip(p.experts, on_gpu) if on)
-    load = tuple(e for e, on, ld in zip(p.experts, on_gpu, p.loaded) if on and ld)
-    t_cpu = math.fsum([p.handoff] + [c for c, on in zip(p.c, on_gpu) if not on]) if cpu else 0.0
-    t_gpu = math.fsum(g for g, on in zip(p.g, on_gpu) if on)
+    cpu = tuple(e for e, on in zip(p.experts, on_gpu, strict=False) if not on)
+    gpu = tuple(e for e, on in zip(p.experts, on_gpu, strict=False) if on)
+    load = tuple(e for e, on, ld in zip(p.experts, on_gpu, p.loaded, strict=False) if on and ld)
+    t_cpu = math.fsum([p.handoff] + [c for c, on in zip(p.c, on_gpu, strict=False) if not on]) if cpu else 0.0
+    t_gpu = math.fsum(g for g, on in zip(p.g, on_gpu, strict=False) if on)
     return Assignment(cpu=cpu, gpu=gpu, load=load, t_cpu=t_cpu, t_gpu=t_gpu, t_transfer=p.transfer * len(load))
 
 

@@ -30,8 +30,8 @@ import numpy as np
 
 from ..predictors.base import Predictor
 from .copy_queue import CacheModel, CopyTiming, LoadState, Priority
-from .prefetch import PrefetchError, PromoePolicy
 from .daop import swap_pairs
+from .prefetch import PrefetchError, PromoePolicy
 from .residency import DALI_WINDOW, Load, used_experts
 
 DALI_PREFETCH_DISTANCE = 1  # DALI predicts the next MoE layer
@@ -83,7 +83,7 @@ class DaliPrefetchPolicy(PromoePolicy):
         if free:  # warm-up: the misses fill the free slots, most routed first
             misses = sorted((e for e in used if cache.state(layer, e) is LoadState.ABSENT),
                             key=lambda e: (-counts[e], used.index(e)))
-            for e, s in zip(misses, free):
+            for e, s in zip(misses, free, strict=False):
                 cache.prefetch(Load(layer, e, s), Priority.REFILL)
         self._tokens[layer] = self._tokens.get(layer, 0) + int(ids.shape[0])
         if self._tokens[layer] < self.window:

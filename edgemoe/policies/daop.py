@@ -57,7 +57,7 @@ def initial_placement(frequency: np.ndarray, n_slots: int) -> list[int]:
     return sorted(int(e) for e in np.argsort(-freq, kind="stable")[:n_slots])
 
 
-def swap_pairs(counts: np.ndarray, resident: Sequence[int] | set[int], *,
+def swap_pairs(counts: np.ndarray, resident: Iterable[int], *,
                threshold: float = DAOP_SWAP_THRESHOLD, max_pairs: int | None = None,
                outside: Iterable[int] | None = None) -> list[tuple[int, int]]:
     """Algorithm 1's swaps for one layer: (CPU expert in, GPU expert out) pairs.
@@ -77,7 +77,7 @@ def swap_pairs(counts: np.ndarray, resident: Sequence[int] | set[int], *,
     hot = sorted(candidates, key=lambda e: (-c[e], e))
     cold = sorted(res, key=lambda e: (c[e], e))
     pairs = []
-    for e_in, e_out in zip(hot[:n], cold[:n]):
+    for e_in, e_out in zip(hot[:n], cold[:n], strict=False):
         if not c[e_in] > threshold * c[e_out]:
             break
         pairs.append((e_in, e_out))
@@ -210,7 +210,7 @@ def replay_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: 
     misses = np.zeros(max_slots + 1, np.int64)
     loads = np.arange(max_slots + 1, dtype=np.int64)
     prompt: np.ndarray | None = None
-    for ids, count in zip(steps, flags):
+    for ids, count in zip(steps, flags, strict=False):
         flat = np.asarray(ids).reshape(-1)
         counts = np.bincount(flat[flat >= 0], minlength=n_expert)
         if count:

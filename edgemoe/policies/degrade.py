@@ -75,7 +75,7 @@ def degrade(ids: np.ndarray, scores: np.ndarray, resident: np.ndarray, *, ratio:
             continue
         chosen = set(int(e) for e in row[valid])
         cands = [int(e) for e in np.argsort(-s, kind="stable") if resident[e] and int(e) not in chosen]
-        for j, e_new in zip(cpu, cands):
+        for j, e_new in zip(cpu, cands, strict=False):
             if not s[e_new] >= ratio * s[row[j]]:
                 break
             row[j] = e_new

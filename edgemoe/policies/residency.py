@@ -32,7 +32,9 @@ import numpy as np
 
 from ..errors import EdgeMoeError
 from .daop import DAOP_SWAP_THRESHOLD, DaopPolicy, swap_pairs
-from .loads import Load as Load, split_loads, used_experts as used_experts  # re-exported: they lived here before loads.py
+from .loads import Load as Load  # re-exported: they lived here before loads.py
+from .loads import split_loads
+from .loads import used_experts as used_experts
 
 
 class PolicyKind(str, enum.Enum):
@@ -162,7 +164,7 @@ class DaliPolicy:
             used = used_experts(ids)
             misses = sorted((e for e in used if e not in res), key=lambda e: (-counts[e], used.index(e)))
             free = sorted(set(range(n)) - set(res.values()))
-            for e, s in zip(misses, free):
+            for e, s in zip(misses, free, strict=False):
                 res[e] = s
                 loads.append(Load(layer, e, s))
         self._tokens[layer] = self._tokens.get(layer, 0) + int(np.asarray(ids).shape[0])

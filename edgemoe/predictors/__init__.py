@@ -11,13 +11,13 @@ Importing this package does not import torch.
 from __future__ import annotations
 
 from .base import Known, ModelSpec, Predictor, PredictorError, PredictorKind, parse_kind, source_of, topk_ids
-from .registry import create_predictor, predictor_class
 
 # importing each kind registers it: after this package's import the registry is complete
 from .baselines import PrevTokenPredictor, RandomPredictor, TokenIdPredictor
 from .first_layer import FirstLayerPredictor
 from .gate import GatePredictor, ResidualPredictor
 from .mlp import MLPPredictor, mlp_hidden
+from .registry import create_predictor, predictor_class
 from .store import load_predictors, save_predictors, spec_for_model
 
 __all__ = [

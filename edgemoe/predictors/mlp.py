@@ -45,7 +45,7 @@ class MLPPredictor(Predictor):
         got = {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "skip": skip}
         for name, shape in want.items():
             a = got[name]
-            if a.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, a.shape)):
+            if a.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, a.shape, strict=False)):
                 raise PredictorError(f"mlp d={distance}: {name} is {a.shape}, expected {shape} for this model "
                                      "(None = any): calibrate again for this model")
         self._stored = {n: a for n, a in got.items()}  # as stored (float16 weights)

@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def save_predictors(preds: Sequence[Predictor], out_dir: Path) -> list[dict[str,
             rel = f"{SUBDIR}/{artifact_name(p)}"
             if rel not in written:  # distance-free kinds share one file
                 with (out_dir / rel).open("wb") as f:
-                    np.savez_compressed(f, **arrays)
+                    np.savez_compressed(f, **cast("dict[str, Any]", arrays))  # the stub's allow_pickle: bool
                 written.add(rel)
         entries.append({**p.describe(), "file": rel, "params_per_layer": p.n_params()})
     return entries

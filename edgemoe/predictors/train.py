@@ -67,6 +67,10 @@ def _recall(out: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
 class _BatchedMLP(torch.nn.Module):
     """P independent two-layer MLPs with a frozen router skip: out_p = W2 relu(W1 x^ + b1) + b2 + R x."""
 
+    skip: torch.Tensor  # buffers (register_buffer)
+    mu: torch.Tensor
+    sd: torch.Tensor
+
     def __init__(self, P: int, n: int, H: int, E: int, skip: torch.Tensor, mu: torch.Tensor, sd: torch.Tensor,
                  gen: torch.Generator) -> None:
         super().__init__()
@@ -152,7 +156,7 @@ def _standardisation(g: np.ndarray, rows: np.ndarray, layers: slice) -> tuple[np
         x = g[rows[i:i + 4096], layers].astype(np.float64)
         s = s + x.sum(0)
         s2 = s2 + (x * x).sum(0)
-    mu = s / len(rows)
+    mu = np.asarray(s / len(rows))  # s is an array once a batch is summed
     sd = np.sqrt(np.maximum(s2 / len(rows) - mu * mu, 0.0)) + 1e-4
     return mu.astype(np.float32), sd.astype(np.float32)
 

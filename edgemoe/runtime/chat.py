@@ -36,9 +36,10 @@ class ChatMixin:
     def template_tokens(self) -> tuple[str, str]:
         """The text of BOS and EOS as chat templates read them (bos_token, eos_token); "" for none."""
         vocab = lib.llama_model_get_vocab(self._model)
+        assert vocab is not None  # a loaded model has a vocabulary
         out = []
         for tok in (lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab)):
-            if tok < 0:
+            if int(tok) < 0:
                 out.append("")
                 continue
             buf = ctypes.create_string_buffer(256)
@@ -60,10 +61,10 @@ class ChatMixin:
             arr[i].role, arr[i].content = role, content
         size = 256 + 2 * sum(len(k) for k in keep)
         buf = ctypes.create_string_buffer(size)
-        n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, size)
+        n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, size)  # pyright: ignore[reportArgumentType]  # llama_cpp types buf bytes: it is written to
         if n > size:
             buf = ctypes.create_string_buffer(n)
-            n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, n)
+            n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, n)  # pyright: ignore[reportArgumentType]  # as above
         if n < 0:
             raise EdgeMoeError(f"llama.cpp does not recognise the chat template of {self.path.name}; "
                                "use `edgemoe generate` for plain completion")

@@ -24,8 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (ContextOverflowError, EdgeMoeError, EngineBusyError, EngineClosedError, ModelLoadError,
-                      NonFiniteLogitsError)
+from ..errors import (
+    ContextOverflowError,
+    EdgeMoeError,
+    EngineBusyError,
+    EngineClosedError,
+    ModelLoadError,
+    NonFiniteLogitsError,
+)
 from ..gguf.info import ModelInfo, check_gguf, model_info
 from ..gguf.validate import validate_hparams
 from ..policies.gating import GatingPolicy
@@ -40,8 +46,8 @@ from .interrupts import deferred_interrupts
 from .native import lib
 from .prediction import PredictionMixin
 from .prompt_cache import StateMixin
-from .vocab_guard import SpmByteGuard
 from .routing import RoutingMixin
+from .vocab_guard import SpmByteGuard
 
 __all__ = ["ChatMessage", "ChatSession", "Engine", "Generation", "LoadConfig", "Timings", "default_threads"]
 
@@ -84,7 +90,7 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         if self.config.cpu_expert_layers:
             layers = "|".join(str(i) for i in sorted(self.config.cpu_expert_layers))
             self._buft_overrides = native.cpu_overrides([rf"^blk\.({layers})\.ffn_(gate_up|up|gate|down)_exps"])
-            mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)
+            mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)  # pyright: ignore[reportAttributeAccessIssue]  # a pointer field the stub types as an array
         if self._kv_overrides is not None:
             mparams.kv_overrides = self._kv_overrides
         mark = native.log_mark()
@@ -93,6 +99,7 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_error(mark)[-400:]}"
                                  " (run with --debug for the full log)")
         self._vocab_p = lib.llama_model_get_vocab(self._model_p)
+        assert self._vocab_p is not None  # a loaded model always has one
         # a GGUF without a tokenizer (tokenizer.ggml.model "none") loads, but llama.cpp aborts on any text
         self._has_tokenizer = lib.llama_vocab_type(self._vocab_p) != lib.LLAMA_VOCAB_TYPE_NONE
         self._spm_guard: SpmByteGuard | None = None  # built on the first tokenize of an SPM vocabulary
@@ -171,11 +178,11 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         if getattr(self, "_ctx_p", None) and self.cache is not None:
             self.cache.cache.close()
             self.cache = None
-        if getattr(self, "_ctx_p", None):
-            lib.llama_free(self._ctx_p)
+        if ctx_p := getattr(self, "_ctx_p", None):
+            lib.llama_free(ctx_p)
             self._ctx_p = None
-        if getattr(self, "_model_p", None):
-            lib.llama_model_free(self._model_p)
+        if model_p := getattr(self, "_model_p", None):
+            lib.llama_model_free(model_p)
             self._model_p = None
 
     def _handle(self, name: str) -> Any:
@@ -270,7 +277,7 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
     # -- evaluation ---------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the KV cache."""
-        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)  # pyright: ignore[reportArgumentType]  # takes NULL too
         self._kv = []
 
     def _decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
@@ -323,12 +330,12 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
                 f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx}; "
                 "shorten the prompt or raise --ctx")
         keep = 0
-        for a, b in zip(self._kv, tokens):
+        for a, b in zip(self._kv, tokens, strict=False):
             if a != b:
                 break
             keep += 1
         keep = min(keep, len(tokens) - 1)  # re-evaluate at least one token to get fresh logits
-        lib.llama_memory_seq_rm(lib.llama_get_memory(self._ctx), 0, keep, -1)
+        lib.llama_memory_seq_rm(lib.llama_get_memory(self._ctx), 0, keep, -1)  # pyright: ignore[reportArgumentType]  # takes NULL too
         del self._kv[keep:]
         self._decode(tokens[keep:])
         return len(tokens) - keep

@@ -14,19 +14,27 @@ from typing import Any
 
 import numpy as np
 
-from . import native
-from .native import lib
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
-from ..policies.route import RouteRecord
 from ..policies.copy_queue import CopyTiming, load_worker_default
-from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
-from ..policies.miss_assignment import AssignedPolicy
 from ..policies.daop import DAOP_SWAP_THRESHOLD, DaopPolicy
 from ..policies.degrade import GracefulDegradation
 from ..policies.loads import split_loads
-from ..policies.residency import (DALI_WINDOW, DaliPolicy, Load, LruPolicy, ManualPolicy, PolicyKind,
-                                  ResidencyPolicy, StaticPolicy)
+from ..policies.miss_assignment import AssignedPolicy
+from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
+from ..policies.residency import (
+    DALI_WINDOW,
+    DaliPolicy,
+    Load,
+    LruPolicy,
+    ManualPolicy,
+    PolicyKind,
+    ResidencyPolicy,
+    StaticPolicy,
+)
+from ..policies.route import RouteRecord
+from . import native
+from .native import lib
 
 
 class ExpertCacheError(EdgeMoeError):
@@ -373,7 +381,8 @@ class CacheController:
     wants_gate_inp = False
     issues_own_loads = False  # the hook's prefetchers issue the chunks themselves (no load worker)
 
-    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy | PromoePolicy, *, alloc: str = "equal") -> None:
+    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy | AssignedPolicy | PromoePolicy, *,
+                 alloc: str = "equal") -> None:
         self.cache = cache
         self.policy = policy
         self.alloc = alloc  # how the slots per layer were chosen
@@ -426,6 +435,7 @@ class CacheController:
 
     def on_route(self, route: RouteRecord) -> None:
         self.flush()
+        assert not isinstance(self.policy, PromoePolicy)  # its controllers route it themselves
         now, self.pending = split_loads(self.policy, self.policy.on_route(route.layer, route.ids))
         for ld in now:  # before this layer's experts run: the C side maps the ids after the hook
             self.cache.load(ld)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import EdgeMoeError
 from .sampling import Sampler, SamplingParams
@@ -79,6 +80,16 @@ class GenerationMixin:
     n_ctx: int
     n_vocab: int
     last: Generation | None
+
+    if TYPE_CHECKING:  # Engine's methods, which this part uses
+        def _exclusive(self, *, native: bool = False) -> AbstractContextManager[None]: ...
+        def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
+        def token_piece(self, token: int, *, special: bool = False) -> bytes: ...
+        def detokenize(self, tokens: Sequence[int]) -> str: ...
+        def is_eog(self, token: int) -> bool: ...
+        def check_logits(self, idx: int = -1) -> None: ...
+        def _prefill(self, tokens: list[int]) -> int: ...
+        def _decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None: ...
 
     # -- generation ---------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,

@@ -13,6 +13,7 @@ false, llama.cpp aborts the decode, and the Engine re-raises the exception.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -27,7 +28,7 @@ def _view(ptr: ctypes._Pointer, shape: tuple[int, int]) -> np.ndarray:  # type: 
 class HookChain:
     """Owns the C callback for one context and passes each route record through the policies in order."""
 
-    def __init__(self, policies: list[RoutePolicy]) -> None:
+    def __init__(self, policies: Sequence[RoutePolicy]) -> None:
         self.policies = list(policies)
         self.error: BaseException | None = None
         self.calls = 0

@@ -46,7 +46,7 @@ def default_capacity() -> int:
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # a prefix of the shorter
         if x != y:
             break
         n += 1
@@ -162,9 +162,9 @@ class StateMixin:
     def snapshot(self) -> KVSnapshot:
         """A copy of the KV state of the tokens evaluated so far."""
         with self._exclusive(native=True):
-            size = lib.llama_state_seq_get_size(self._ctx, 0)
+            size = lib.llama_state_seq_get_size(self._ctx, lib.llama_seq_id(0))
             buf = (ctypes.c_uint8 * size)()
-            n = lib.llama_state_seq_get_data(self._ctx, buf, size, 0)
+            n = lib.llama_state_seq_get_data(self._ctx, buf, size, lib.llama_seq_id(0))
         if n != size:
             raise EdgeMoeError(f"llama.cpp wrote {n} bytes of KV state where it announced {size}")
         return KVSnapshot(tuple(self._kv), buf)
@@ -172,9 +172,9 @@ class StateMixin:
     def restore(self, snap: KVSnapshot) -> None:
         """Make the KV cache hold snap's tokens again (the next prompt then reuses what it shares)."""
         with self._exclusive(native=True):
-            lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+            lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)  # pyright: ignore[reportArgumentType]  # takes NULL too
             self._kv = []
-            n = lib.llama_state_seq_set_data(self._ctx, snap.data, snap.nbytes, 0)
+            n = lib.llama_state_seq_set_data(self._ctx, snap.data, snap.nbytes, lib.llama_seq_id(0))
         if n == 0:
             raise EdgeMoeError(f"llama.cpp could not restore a KV state of {len(snap.tokens)} tokens "
                                f"({snap.nbytes} bytes): the cache was cleared instead")

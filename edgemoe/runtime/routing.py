@@ -17,10 +17,10 @@ from typing import Any
 
 from ..errors import EdgeMoeError, InvalidConfigError
 from ..gguf.info import ModelInfo
-from ..policies.miss_assignment import AssignedPolicy
 from ..policies.assignment import Assigner, assign_refusal, make_assigner
 from ..policies.degrade import GracefulDegradation
 from ..policies.gating import GatingPolicy, GatingRule
+from ..policies.miss_assignment import AssignedPolicy
 from ..policies.prefetch import PromoePolicy
 from ..policies.residency import make_policy
 from ..policies.route import RoutePolicy
@@ -69,7 +69,7 @@ class RoutingMixin:
             self.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK if callback else self.cache.native_policy)
         hook_gating = self._gating is not None and callback
         degrade = self.cache.degradation if self.cache is not None else None
-        chain = (([self._gating] if hook_gating else []) + self._policies + ([degrade] if degrade else [])
+        chain = (([self._gating] if hook_gating and self._gating is not None else []) + self._policies + ([degrade] if degrade else [])
                  + ([self.cache] if callback and self.cache is not None and self.cache.needs_routes else []))
         self._set_native_gating(None if hook_gating else self._gating)
         if chain:

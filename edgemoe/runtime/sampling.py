@@ -37,8 +37,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, vocab: Any, n_vocab: int) -> None:
         chain_params = lib.llama_sampler_chain_default_params()
-        self._chain = lib.llama_sampler_chain_init(chain_params)
-        add = lambda s: lib.llama_sampler_chain_add(self._chain, s)  # noqa: E731
+        self._chain = chain = lib.llama_sampler_chain_init(chain_params)
+        add = lambda s: lib.llama_sampler_chain_add(chain, s)  # noqa: E731
         if params.repeat_penalty != 1.0:
             add(lib.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
         if params.greedy:
@@ -55,6 +55,7 @@ class Sampler:
 
     def sample(self, ctx: Any, idx: int = -1) -> int:
         """Sample from the logits of output idx of the last decode and accept the token."""
+        assert self._chain is not None, "the sampler is closed"
         return int(lib.llama_sampler_sample(self._chain, ctx, idx))
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,7 +272,7 @@ class EngineWorker:
 
     _script_last: Generation
 
-    def _scripted(self, ids: list[int], max_tokens: int) -> Iterator[tuple[int, str]]:
+    def _scripted(self, ids: list[int], max_tokens: int) -> Generator[tuple[int, str], None, None]:
         """The next scripted reply as if sampled: the prompt is evaluated for real (prefix reuse included)."""
         eng = self.engine
         first = eng.generate(ids, max_tokens=1, sampling=GREEDY)

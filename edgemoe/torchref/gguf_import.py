@@ -28,8 +28,15 @@ def _field(reader: gguf.GGUFReader, key: str, default: float | int | None = None
     return f.contents()  # type: ignore[no-any-return]
 
 
+def _required(reader: gguf.GGUFReader, key: str) -> gguf.ReaderField:
+    f = reader.get_field(key)
+    if f is None:
+        raise KeyError(key)
+    return f
+
+
 def config_from_gguf(reader: gguf.GGUFReader) -> MoEConfig:
-    arch = str(reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    arch = str(_required(reader, gguf.Keys.General.ARCHITECTURE).contents())
     n_expert = int(_field(reader, gguf.Keys.LLM.EXPERT_COUNT.format(arch=arch), 0))
     if arch not in SUPPORTED or n_expert == 0:
         raise UnsupportedArchitectureError(
@@ -41,7 +48,7 @@ def config_from_gguf(reader: gguf.GGUFReader) -> MoEConfig:
     head_dim = int(_field(reader, gguf.Keys.Attention.KEY_LENGTH.format(arch=arch), n_embd // n_head))
     n_ff_exp = (int(_field(reader, k.EXPERT_FEED_FORWARD_LENGTH.format(arch=arch))) if arch == "qwen3moe"
                 else int(_field(reader, k.FEED_FORWARD_LENGTH.format(arch=arch))))
-    tokens = reader.get_field(gguf.Keys.Tokenizer.LIST)
+    tokens = _required(reader, gguf.Keys.Tokenizer.LIST)
     return MoEConfig(
         arch=arch, n_vocab=len(tokens.data), n_embd=n_embd,
         n_layer=int(_field(reader, k.BLOCK_COUNT.format(arch=arch))), n_head=n_head,

@@ -16,7 +16,9 @@ Used for training fixtures and, later, for gradients (Fisher sensitivity).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -171,7 +173,8 @@ class MoEModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embd = nn.Embedding(cfg.n_vocab, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # typed as what it holds: an nn.ModuleList iterates and indexes as plain Modules
+        self.blocks = cast("Sequence[Block]", nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)))
         self.out_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.output = nn.Linear(cfg.n_embd, cfg.n_vocab, bias=False)
         nn.init.normal_(self.tok_embd.weight, std=0.02)

@@ -9,19 +9,26 @@ The microbenchmarks' ggml graph bindings live beside them, in edgemoe.perf.ggml_
 `from edgemoe.runtime import native` and `native.NAME`; tests monkeypatch the same names."""
 from __future__ import annotations
 
-from .ggml import (  # noqa: F401
+from .cuda import cuda_versions, nvml_pcie  # noqa: F401
+from .ggml import (  # noqa: F401  # noqa: F401
     GGML_BACKEND_DEVICE_TYPE_CPU,
     GGML_BACKEND_DEVICE_TYPE_GPU,
     GGML_TYPE_F32,
     GGML_TYPE_I8,
     GGML_TYPE_I32,
     GGML_TYPES,
+    BackendFeature,
+    DevCaps,
+    DevProps,
     TensorBuftOverride,
+    backend_registries,
     cpu_buffer_type,
     cpu_overrides,
     device_by_type,
     device_memory,
     device_name,
+    devices,
+    ggml_version,
     gpu_device,
     reg_proc_address,
     rpc_loopback_device,
@@ -65,15 +72,15 @@ from .llama_moe import (  # noqa: F401
     moe_cache_prefill_stats,
     moe_cache_reset_stats,
     moe_cache_set_async,
-    moe_cache_set_window_replacement,
-    moe_cache_set_prompt_swap,
     moe_cache_set_overlap,
     moe_cache_set_policy,
     moe_cache_set_precalc,
-    moe_cache_set_prefill,
     moe_cache_set_predicted_prefetch,
+    moe_cache_set_prefill,
+    moe_cache_set_prompt_swap,
     moe_cache_set_source,
     moe_cache_set_staging,
+    moe_cache_set_window_replacement,
     moe_cache_slots,
     moe_cache_state,
     moe_cache_stats,
@@ -103,5 +110,3 @@ from .loader import (  # noqa: F401
     supports_gpu_offload,
     system_info,
 )
-from .cuda import cuda_versions, nvml_pcie  # noqa: F401
-from .ggml import BackendFeature, DevCaps, DevProps, backend_registries, devices, ggml_version  # noqa: F401

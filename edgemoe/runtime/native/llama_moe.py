@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .loader import GgmlDevice, LlamaContext, declare, require_patched
+from .loader import GgmlDevice, LlamaContext, declare, missing_native
 
 # enum llama_moe_hook_flags
 MOE_HOOK_PROBS = 1 << 0
@@ -41,7 +41,7 @@ _moe_set_hook = declare("llama_moe_set_hook", [ctypes.c_void_p, MoeHookFn, ctype
 def moe_set_hook(ctx: LlamaContext, fn: Any | None, flags: int) -> None:
     """Set (fn: a MoeHookFn the caller keeps alive) or clear (fn None) the context's MoE hook."""
     if _moe_set_hook is None:
-        require_patched()
+        missing_native()
     _moe_set_hook(ctx, fn if fn is not None else MoeHookFn(), None, flags)
 
 
@@ -136,14 +136,14 @@ def moe_set_gating(ctx: LlamaContext, rule: int, threshold: float, sensitivity: 
                    decode_only: bool) -> int:
     """Adaptive top-k inside the graph (rule MOE_GATING_NONE turns it off); 0 on success."""
     if _moe_set_gating is None:
-        require_patched()
+        missing_native()
     arr = (ctypes.c_double * len(sensitivity))(*sensitivity) if sensitivity is not None else None
     return int(_moe_set_gating(ctx, rule, threshold, arr, decode_only))
 
 
 def moe_stats(ctx: LlamaContext) -> dict[str, int]:
     s = _moe_get_stats(ctx)
-    return {name: int(getattr(s, name)) for name, _ in MoeStats._fields_}
+    return {name: int(getattr(s, name)) for name, *_ in MoeStats._fields_}
 
 
 def moe_reset_stats(ctx: LlamaContext) -> None:
@@ -185,7 +185,7 @@ def moe_set_predictor(ctx: LlamaContext, il_src: int, il_target: int, n_out: int
     w2 (n_expert, n_hidden), b2 (n_expert,), skip (n_expert, n_embd) or None for il_target's own router;
     w1 None is a linear predictor (skip h + b2). The matrices are stored as ggml type type_id."""
     if _moe_set_predictor is None:
-        require_patched()
+        missing_native()
     n_hidden = int(w1.shape[0]) if w1 is not None else 0
     return int(_moe_set_predictor(ctx, il_src, il_target, n_out, n_hidden, type_id, _f32_ptr(w1),
                                   _f32_ptr(b1), _f32_ptr(w2), _f32_ptr(b2), _f32_ptr(skip)))
@@ -193,14 +193,14 @@ def moe_set_predictor(ctx: LlamaContext, il_src: int, il_target: int, n_out: int
 
 def moe_clear_predictors(ctx: LlamaContext) -> None:
     if _moe_clear_predictors is None:
-        require_patched()
+        missing_native()
     _moe_clear_predictors(ctx)
 
 
 def moe_get_predictions(ctx: LlamaContext, il_target: int, n_out: int) -> np.ndarray | None:
     """The last ubatch's predicted ids of il_target as (n_tokens, n_out) int32; None without a predictor."""
     if _moe_get_predictions is None:
-        require_patched()
+        missing_native()
     n = int(_moe_get_predictions(ctx, il_target, None, 0))
     if n < 0:
         return None
@@ -292,7 +292,7 @@ _moe_cache_get_prefetch_stats = declare("llama_moe_cache_get_prefetch_stats", [c
 
 def moe_cache_prefetch_stats(ctx: LlamaContext) -> dict[str, int]:
     s = _moe_cache_get_prefetch_stats(ctx)
-    return {name: int(getattr(s, name)) for name, _ in MoePrefetchStats._fields_}
+    return {name: int(getattr(s, name)) for name, *_ in MoePrefetchStats._fields_}
 
 
 # int32_t llama_moe_cache_set_staging(struct llama_context * ctx, int32_t n_buffers, bool any_host);
@@ -345,7 +345,7 @@ def moe_cache_set_prefill(ctx: LlamaContext, n_min_tokens: int, ahead: int = MOE
 
 def moe_cache_prefill_stats(ctx: LlamaContext) -> dict[str, int]:
     s = _moe_cache_get_prefill_stats(ctx)
-    return {name: int(getattr(s, name)) for name, _ in MoePrefillStats._fields_}
+    return {name: int(getattr(s, name)) for name, *_ in MoePrefillStats._fields_}
 
 
 class MoePrecalcStats(ctypes.Structure):
@@ -375,7 +375,7 @@ def moe_cache_set_precalc(ctx: LlamaContext, il_first: int, n_max_tokens: int) -
 
 def moe_cache_precalc_stats(ctx: LlamaContext) -> dict[str, int]:
     s = _moe_cache_get_precalc_stats(ctx)
-    return {name: int(getattr(s, name)) for name, _ in MoePrecalcStats._fields_}
+    return {name: int(getattr(s, name)) for name, *_ in MoePrecalcStats._fields_}
 
 
 # void llama_moe_cache_set_async(struct llama_context * ctx, bool async);
@@ -391,7 +391,7 @@ def moe_cache_set_async(ctx: LlamaContext, on: bool) -> None:
 def moe_cache_init(ctx: LlamaContext, n_slots: list[int] | None, device: GgmlDevice | None = None) -> int:
     """Give each layer n_slots[il] expert slots on device (None: the CPU stand-in); None removes the cache."""
     if _moe_cache_init is None:
-        require_patched()
+        missing_native()
     arr = (ctypes.c_int32 * len(n_slots))(*n_slots) if n_slots is not None else None
     return int(_moe_cache_init(ctx, device, arr))
 

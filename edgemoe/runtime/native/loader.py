@@ -6,7 +6,7 @@ import ctypes
 import logging
 import os
 from collections import deque
-from typing import Any, NewType
+from typing import Any, NewType, NoReturn
 
 from ...errors import NativeLibraryError
 
@@ -72,6 +72,13 @@ def require_patched() -> None:
         raise NativeLibraryError(
             f"{where} is stock llama.cpp (edgemoe patch level {level}, need >= {REQUIRED_PATCH_LEVEL}); "
             "run `make install` (or `python tools/build_llama.py`) to build the patched library")
+
+
+def missing_native() -> NoReturn:
+    """Raise for a patched function the loaded libllama lacks (NativeLibraryError of require_patched on stock)."""
+    require_patched()
+    raise NativeLibraryError("the loaded libllama lacks a function of edgemoe's patch series: run `make install` "
+                             "to rebuild it")
 
 
 def supports_gpu_offload() -> bool:
