@@ -4,6 +4,7 @@ Public API: open_engine (a model with an expert cache for a VRAM budget), CacheR
 ChatSession, ChatMessage, SamplingParams, GREEDY.
 Importing edgemoe does not load llama.cpp; the names below load it on first use.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,10 +12,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Engine": "runtime.engine", "LoadConfig": "runtime.engine", "ChatSession": "runtime.engine",
-    "ChatMessage": "runtime.engine", "Generation": "runtime.engine",
-    "SamplingParams": "runtime.sampling", "GREEDY": "runtime.sampling",
-    "open_engine": "placement", "CacheRequest": "placement",
+    "Engine": "runtime.engine",
+    "LoadConfig": "runtime.engine",
+    "ChatSession": "runtime.engine",
+    "ChatMessage": "runtime.engine",
+    "Generation": "runtime.engine",
+    "SamplingParams": "runtime.sampling",
+    "GREEDY": "runtime.sampling",
+    "open_engine": "placement",
+    "CacheRequest": "placement",
 }
 
 

@@ -1,4 +1,5 @@
 """Typed exceptions. Every message says what went wrong and what to do about it."""
+
 from __future__ import annotations
 
 

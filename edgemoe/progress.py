@@ -1,4 +1,5 @@
 """A progress bar on stderr for long CLI work (tqdm when the terminal is interactive)."""
+
 from __future__ import annotations
 
 import sys
@@ -18,4 +19,5 @@ def progress_bar(total: int, desc: str, *, unit: str = "it") -> Iterator[Callabl
 
         def advance(n: int) -> None:
             bar.update(n)
+
         yield advance

@@ -6,6 +6,7 @@ layer's calibration placement by their routing: PromptSwapResidency), the rest s
 only the rows after the prompt are scored, so the NLL and the greedy agreement compare what decoding
 would compute with and without degradation.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,8 +21,9 @@ from ..policies.route import RoutePolicy
 from ..runtime.engine import Engine
 
 
-def daop_degradation(engine: Engine, calibration: Path, *, slots: int, ratio: float,
-                     prompt_tokens: int) -> tuple[PromptSwapResidency, GracefulDegradation]:
+def daop_degradation(
+    engine: Engine, calibration: Path, *, slots: int, ratio: float, prompt_tokens: int
+) -> tuple[PromptSwapResidency, GracefulDegradation]:
     """The two route policies, in chain order: DAOP's residency (`slots` in every MoE layer) and degradation."""
     info = engine.info
     layers = list(info.moe_layers)
@@ -30,8 +32,9 @@ def daop_degradation(engine: Engine, calibration: Path, *, slots: int, ratio: fl
     return residency, GracefulDegradation(residency, ratio=ratio, decode_only=False, skip_rows=prompt_tokens)
 
 
-def greedy_agreement(engine: Engine, prompt: Sequence[int], cont: Sequence[int],
-                     policies: Sequence[RoutePolicy] = ()) -> float:
+def greedy_agreement(
+    engine: Engine, prompt: Sequence[int], cont: Sequence[int], policies: Sequence[RoutePolicy] = ()
+) -> float:
     """Share of positions where the argmax, teacher-forced on prompt + cont, is the next token of `cont`
     (the reference's greedy continuation of `prompt`); the prompt + cont must fit one ubatch."""
     engine.set_policies(list(policies) or None)
@@ -39,5 +42,5 @@ def greedy_agreement(engine: Engine, prompt: Sequence[int], cont: Sequence[int],
         logits = np.stack(engine.eval_logits([*prompt, *cont[:-1]]))
     finally:
         engine.set_policies(None)
-    pred = logits[len(prompt) - 1:].argmax(-1)
+    pred = logits[len(prompt) - 1 :].argmax(-1)
     return float((pred == np.asarray(cont)).mean())

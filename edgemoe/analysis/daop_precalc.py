@@ -19,6 +19,7 @@ l's hidden state. Two things decide whether that pays:
   Reported: the relative error ||y' - y|| / ||y|| of the MoE layer output, averaged over tokens, and as a
   yardstick the error of skipping those experts instead.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -44,7 +45,9 @@ class PrecalcAccuracy:
     recall: float  # selected CPU experts that were predicted (CPU work that could start a layer early)
     cpu_per_token: float  # selected experts not resident (CPU executions) per decode token
     predicted_cpu_per_token: float  # predicted experts not resident (pre-calculations) per decode token
-    wasted_per_token: float  # predicted CPU experts not selected per decode token (pre-calculated for nothing)
+    wasted_per_token: (
+        float  # predicted CPU experts not selected per decode token (pre-calculated for nothing)
+    )
 
 
 @dataclass(frozen=True)
@@ -109,12 +112,16 @@ def _predicted(trace: Trace, routers: Mapping[int, np.ndarray], j: int, rows: np
 
 def _require_gate_inputs(trace: Trace) -> np.ndarray:
     if trace.gate_inputs is None:
-        raise EdgeMoeError("the trace has no router inputs: record it with `edgemoe trace MODEL --input FILE "
-                           "--mode decode --gate-inputs`")
+        raise EdgeMoeError(
+            "the trace has no router inputs: record it with `edgemoe trace MODEL --input FILE "
+            "--mode decode --gate-inputs`"
+        )
     return np.flatnonzero(trace.phase == DECODE)
 
 
-def precalc_accuracy(trace: Trace, routers: Mapping[int, np.ndarray], residency: np.ndarray) -> list[PrecalcAccuracy]:
+def precalc_accuracy(
+    trace: Trace, routers: Mapping[int, np.ndarray], residency: np.ndarray
+) -> list[PrecalcAccuracy]:
     """Per target MoE layer 1..L-1; routers: layer -> (n_expert, n_embd) (edgemoe.gguf.routers.load_routers);
     residency from decode_residency (one row per decode token)."""
     rows = _require_gate_inputs(trace)
@@ -131,16 +138,28 @@ def precalc_accuracy(trace: Trace, routers: Mapping[int, np.ndarray], residency:
         in_pred = (true[:, :, None] == pred[:, None, :]).any(2)
         hit = int((pred_cpu & in_true).sum())
         n = max(len(rows), 1)
-        out.append(PrecalcAccuracy(
-            layer=layers[j], topk_recall=float(in_pred[true >= 0].mean()),
-            precision=hit / max(int(pred_cpu.sum()), 1), recall=hit / max(int(true_cpu.sum()), 1),
-            cpu_per_token=float(true_cpu.sum()) / n, predicted_cpu_per_token=float(pred_cpu.sum()) / n,
-            wasted_per_token=float((pred_cpu & ~in_true).sum()) / n))
+        out.append(
+            PrecalcAccuracy(
+                layer=layers[j],
+                topk_recall=float(in_pred[true >= 0].mean()),
+                precision=hit / max(int(pred_cpu.sum()), 1),
+                recall=hit / max(int(true_cpu.sum()), 1),
+                cpu_per_token=float(true_cpu.sum()) / n,
+                predicted_cpu_per_token=float(pred_cpu.sum()) / n,
+                wasted_per_token=float((pred_cpu & ~in_true).sum()) / n,
+            )
+        )
     return out
 
 
-def precalc_quality(trace: Trace, model: Path, residency: np.ndarray, *, max_tokens: int = 512,
-                    layers: Sequence[int] | None = None) -> list[PrecalcQuality]:
+def precalc_quality(
+    trace: Trace,
+    model: Path,
+    residency: np.ndarray,
+    *,
+    max_tokens: int = 512,
+    layers: Sequence[int] | None = None,
+) -> list[PrecalcQuality]:
     """The numpy reference of the module docstring, on up to max_tokens evenly spaced decode tokens."""
     rows_all = _require_gate_inputs(trace)
     pick = np.unique(np.linspace(0, len(rows_all) - 1, min(max_tokens, len(rows_all))).astype(int))
@@ -152,14 +171,18 @@ def precalc_quality(trace: Trace, model: Path, residency: np.ndarray, *, max_tok
     for j in targets:
         cur, prev = load_expert_layer(model, moe[j]), load_expert_layer(model, moe[j - 1])
         if cur.ffn_norm is None or prev.ffn_norm is None:
-            raise EdgeMoeError(f"layers {moe[j - 1]} and {moe[j]} need an ffn_norm for the renormalised input")
+            raise EdgeMoeError(
+                f"layers {moe[j - 1]} and {moe[j]} need an ffn_norm for the renormalised input"
+            )
         x = trace.gate_inputs[rows, j].astype(np.float64)  # type: ignore[index]
         x_src = trace.gate_inputs[rows, j - 1].astype(np.float64)  # type: ignore[index]
         x_ren = x_src / prev.ffn_norm.astype(np.float64) * cur.ffn_norm.astype(np.float64)
         ids, w = trace.ids[rows, j], trace.weights[rows, j].astype(np.float64)
         pred = _predicted(trace, routers, j, rows)
         t_idx = np.arange(len(rows))[:, None]
-        pre = (ids >= 0) & ~res[:, j][t_idx, np.maximum(ids, 0)] & (ids[:, :, None] == pred[:, None, :]).any(2)
+        pre = (
+            (ids >= 0) & ~res[:, j][t_idx, np.maximum(ids, 0)] & (ids[:, :, None] == pred[:, None, :]).any(2)
+        )
         y = np.zeros_like(x)
         d_raw, d_ren, skipped = np.zeros_like(x), np.zeros_like(x), np.zeros_like(x)
         exp_err = []
@@ -177,10 +200,15 @@ def precalc_quality(trace: Trace, model: Path, residency: np.ndarray, *, max_tok
             np.add.at(skipped, tt, true_out[m])
             exp_err += list(np.linalg.norm(raw - true_out[m], axis=1) / np.linalg.norm(true_out[m], axis=1))
         norm = np.maximum(np.linalg.norm(y, axis=1), 1e-30)
-        out.append(PrecalcQuality(
-            layer=moe[j], tokens=len(rows), precalc_per_token=float(pre.sum()) / len(rows),
-            rel_err=float((np.linalg.norm(d_raw, axis=1) / norm).mean()),
-            rel_err_renorm=float((np.linalg.norm(d_ren, axis=1) / norm).mean()),
-            rel_err_skip=float((np.linalg.norm(skipped, axis=1) / norm).mean()),
-            expert_rel_err=float(np.mean(exp_err)) if exp_err else 0.0))
+        out.append(
+            PrecalcQuality(
+                layer=moe[j],
+                tokens=len(rows),
+                precalc_per_token=float(pre.sum()) / len(rows),
+                rel_err=float((np.linalg.norm(d_raw, axis=1) / norm).mean()),
+                rel_err_renorm=float((np.linalg.norm(d_ren, axis=1) / norm).mean()),
+                rel_err_skip=float((np.linalg.norm(skipped, axis=1) / norm).mean()),
+                expert_rel_err=float(np.mean(exp_err)) if exp_err else 0.0,
+            )
+        )
     return out

@@ -7,6 +7,7 @@ CUDA driver and runtime, PCIe link), then the bundled fixture with 0 and all lay
 (or on llama.cpp's RPC device on loopback, a GPU stand-in, when asked) and 4 greedy tokens compared with the
 CPU's. The system part (RAM, CPU) is read from /proc in this process.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,14 +58,22 @@ class DoctorReport:
 
     def to_json(self) -> dict[str, Any]:
         first = self.first_failure
-        return {"ok": self.ok, "first_failure": None if first is None else {"step": first.name, "error": first.error},
-                "system": self.system, "steps": [asdict(s) for s in self.steps]}
+        return {
+            "ok": self.ok,
+            "first_failure": None if first is None else {"step": first.name, "error": first.error},
+            "system": self.system,
+            "steps": [asdict(s) for s in self.steps],
+        }
 
 
 def system_info() -> dict[str, Any]:
     """RAM and CPU of this machine, the Python and OS."""
-    info: dict[str, Any] = {"os": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
+    info: dict[str, Any] = {
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -89,8 +98,9 @@ def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
         result_path = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "edgemoe.analysis.doctor_child", json.dumps(step), result_path]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
             timed_out = False
@@ -101,13 +111,15 @@ def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
         seconds = time.perf_counter() - t0
         result = Path(result_path).read_text() if os.path.exists(result_path) else None
     # native threads print to the same stdout: a marker may follow their text on a line
-    phases = [ln[ln.index("PHASE ") + 6:] for ln in out.splitlines() if "PHASE " in ln]
+    phases = [ln[ln.index("PHASE ") + 6 :] for ln in out.splitlines() if "PHASE " in ln]
     phase = phases[-1] if phases else None
     if timed_out:
         error = f"no answer after {timeout:.0f} s during {phase or 'start-up'} (a hang): killed"
     elif proc.returncode < 0:
         sig = signal.Signals(-proc.returncode).name
-        error = f"crashed with {sig} during {phase or 'start-up'}" + (f": {_one_line(err)}" if _one_line(err) else "")
+        error = f"crashed with {sig} during {phase or 'start-up'}" + (
+            f": {_one_line(err)}" if _one_line(err) else ""
+        )
     elif proc.returncode != 0 or result is None:
         error = f"failed during {phase or 'start-up'}: {_one_line(err) or f'exit status {proc.returncode}'}"
     else:
@@ -132,8 +144,14 @@ def run_doctor(model: Path, *, rpc: bool = False, timeout: float = 180.0) -> Doc
     for name, spec in targets:
         res = run_step(name, spec, timeout)
         if res.ok and cpu.ok and res.data["tokens"] != cpu.data["tokens"]:
-            res = StepResult(name, False, res.seconds, phase=res.phase, data=res.data,
-                             error=f"tokens {res.data['tokens']} differ from the CPU's {cpu.data['tokens']}")
+            res = StepResult(
+                name,
+                False,
+                res.seconds,
+                phase=res.phase,
+                data=res.data,
+                error=f"tokens {res.data['tokens']} differ from the CPU's {cpu.data['tokens']}",
+            )
         steps.append(res)
     system = system_info()
     system["gpu"] = bool(gpus)
@@ -147,32 +165,45 @@ def _gib(n: int) -> str:
 def format_report(report: DoctorReport) -> str:
     """The human-readable report: what to paste into a bug report."""
     s = report.system
-    lines = [f"system   {s.get('cpu')} ({s.get('cpu_count')} threads), RAM {_gib(s.get('ram_total', 0))} "
-             f"({_gib(s.get('ram_available', 0))} available), {s.get('os')}, Python {s.get('python')}"]
+    lines = [
+        f"system   {s.get('cpu')} ({s.get('cpu_count')} threads), RAM {_gib(s.get('ram_total', 0))} "
+        f"({_gib(s.get('ram_available', 0))} available), {s.get('os')}, Python {s.get('python')}"
+    ]
     build = report.step("build")
     if build is not None and build.ok:
         b = build.data
         kind = b["kind"] + (f" (architectures {b['cuda_archs']})" if b.get("cuda_archs") else "")
-        lines.append(f"build    {kind}, edgemoe patch level {b['patch_level']} (needs {b['required_patch_level']}), "
-                     f"llama-cpp-python {b['llama_cpp_python']}, ggml {b['ggml_version']} ({b['ggml_commit']})")
+        lines.append(
+            f"build    {kind}, edgemoe patch level {b['patch_level']} (needs {b['required_patch_level']}), "
+            f"llama-cpp-python {b['llama_cpp_python']}, ggml {b['ggml_version']} ({b['ggml_commit']})"
+        )
         if b.get("cuda_runtime") is not None:
             lines.append(f"cuda     runtime {b['cuda_runtime']}, driver {b['cuda_driver'] or 'none'}")
     devices = report.step("devices")
-    for d in (devices.data.get("devices", []) if devices is not None else []):
-        line = f"device   {d['name']} ({d['type']}): {d['description']}, {_gib(d['memory_free'])} free of " \
-               f"{_gib(d['memory_total'])}"
+    for d in devices.data.get("devices", []) if devices is not None else []:
+        line = (
+            f"device   {d['name']} ({d['type']}): {d['description']}, {_gib(d['memory_free'])} free of "
+            f"{_gib(d['memory_total'])}"
+        )
         nv = d.get("nvml")
         if nv:
-            line += f", driver {nv.get('driver')}, PCIe gen {nv.get('pcie_gen')} x{nv.get('pcie_width')}" \
-                    f" (max gen {nv.get('pcie_gen_max')} x{nv.get('pcie_width_max')})"
+            line += (
+                f", driver {nv.get('driver')}, PCIe gen {nv.get('pcie_gen')} x{nv.get('pcie_width')}"
+                f" (max gen {nv.get('pcie_gen_max')} x{nv.get('pcie_width_max')})"
+            )
         lines.append(line)
     if not s.get("gpu"):
         lines.append("gpu      none: ggml sees no GPU (a CPU build, or no driver); checking the CPU")
     for st in report.steps:
         status = "ok  " if st.ok else "FAIL"
-        detail = st.error or (f"{st.data.get('device')}: tokens {st.data.get('tokens')}" if "tokens" in st.data
-                              else "")
+        detail = st.error or (
+            f"{st.data.get('device')}: tokens {st.data.get('tokens')}" if "tokens" in st.data else ""
+        )
         lines.append(f"{status}     {st.name:12} {st.seconds:6.1f} s  {detail}".rstrip())
     first = report.first_failure
-    lines.append("result   all steps passed" if first is None else f"result   first failure: {first.name}: {first.error}")
+    lines.append(
+        "result   all steps passed"
+        if first is None
+        else f"result   first failure: {first.name}: {first.error}"
+    )
     return "\n".join(lines)

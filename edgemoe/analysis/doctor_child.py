@@ -13,6 +13,7 @@ fixture with n_gpu_layers layers offloaded, ``rpc``: on llama.cpp's RPC device o
 ``EDGEMOE_DOCTOR_FAULT=<step>:<phase>`` makes that phase crash with SIGSEGV, ``<step>:<phase>:hang`` makes it
 hang: what doctor's tests use to show that a crash or a hang is reported as the step's failure.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -46,11 +47,20 @@ def build_info() -> dict[str, Any]:
     backends = dict(native.backend_registries())
     cuda = native.cuda_versions()
     archs = backends.get("CUDA", {}).get("ARCHS")
-    return {"llama_cpp_python": llama_cpp.__version__, "ggml_version": version, "ggml_commit": commit,
-            "patch_level": native.patch_level(), "required_patch_level": native.REQUIRED_PATCH_LEVEL,
-            "library": getattr(native.lib._lib, "_name", "?"), "gpu_offload": native.supports_gpu_offload(),
-            "kind": "CUDA" if "CUDA" in backends else "CPU", "cuda_archs": archs, "backends": backends,
-            "cuda_driver": cuda[0] if cuda else None, "cuda_runtime": cuda[1] if cuda else None}
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "ggml_version": version,
+        "ggml_commit": commit,
+        "patch_level": native.patch_level(),
+        "required_patch_level": native.REQUIRED_PATCH_LEVEL,
+        "library": getattr(native.lib._lib, "_name", "?"),
+        "gpu_offload": native.supports_gpu_offload(),
+        "kind": "CUDA" if "CUDA" in backends else "CPU",
+        "cuda_archs": archs,
+        "backends": backends,
+        "cuda_driver": cuda[0] if cuda else None,
+        "cuda_runtime": cuda[1] if cuda else None,
+    }
 
 
 def device_info() -> dict[str, Any]:
@@ -61,10 +71,14 @@ def device_info() -> dict[str, Any]:
     kinds = {0: "CPU", 1: "GPU", 2: "ACCEL", 3: "IGPU"}
     out = []
     for _, props in native.devices():
-        dev: dict[str, Any] = {"name": (props.name or b"").decode(), "description": (props.description or b"").decode(),
-                               "type": kinds.get(props.type, str(props.type)), "memory_free": int(props.memory_free),
-                               "memory_total": int(props.memory_total),
-                               "pci_bus_id": props.device_id.decode() if props.device_id else None}
+        dev: dict[str, Any] = {
+            "name": (props.name or b"").decode(),
+            "description": (props.description or b"").decode(),
+            "type": kinds.get(props.type, str(props.type)),
+            "memory_free": int(props.memory_free),
+            "memory_total": int(props.memory_total),
+            "pci_bus_id": props.device_id.decode() if props.device_id else None,
+        }
         if dev["pci_bus_id"] and dev["name"].startswith("CUDA"):
             dev["nvml"] = native.nvml_pcie(dev["pci_bus_id"])
         out.append(dev)

@@ -5,6 +5,7 @@ sequence with every position's logits; every position after the first of a
 chunk is scored (after the first `score_from`, with DAOP's prompt). With no
 gating policy this is stock llama.cpp's computation.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,11 @@ class ActivationCounter:
 def chunk_tokens(tokens: Sequence[int], ctx: int, bos: int | None) -> list[list[int]]:
     """Non-overlapping chunks of ctx tokens (BOS first when the model adds one)."""
     body = ctx - (1 if bos is not None else 0)
-    return [([bos] if bos is not None else []) + list(tokens[i:i + body])
-            for i in range(0, len(tokens) - 1, body) if len(tokens[i:i + body]) > 1]
+    return [
+        ([bos] if bos is not None else []) + list(tokens[i : i + body])
+        for i in range(0, len(tokens) - 1, body)
+        if len(tokens[i : i + body]) > 1
+    ]
 
 
 def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> float:
@@ -69,9 +73,16 @@ def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> float:
     return float((lse - x[np.arange(len(targets)), targets]).sum())
 
 
-def perplexity(engine: Engine, tokens: Sequence[int], *, ctx: int, policies: Sequence[RoutePolicy] = (),
-               max_chunks: int | None = None, progress: Callable[[int], None] | None = None,
-               score_from: int = 0) -> PerplexityResult:
+def perplexity(
+    engine: Engine,
+    tokens: Sequence[int],
+    *,
+    ctx: int,
+    policies: Sequence[RoutePolicy] = (),
+    max_chunks: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    score_from: int = 0,
+) -> PerplexityResult:
     """Mean NLL of the chunks' tokens. score_from: the logits of each chunk's first rows are not scored
     (the token at position score_from + 1 is the first scored)."""
     bos = engine.bos_token() if engine.adds_bos() else None
@@ -84,12 +95,18 @@ def perplexity(engine: Engine, tokens: Sequence[int], *, ctx: int, policies: Seq
             logits = np.stack(engine.eval_logits(c))
             if len(c) - 1 <= score_from:
                 continue
-            nll += log_softmax_nll(logits[score_from:-1], np.array(c[score_from + 1:]))
+            nll += log_softmax_nll(logits[score_from:-1], np.array(c[score_from + 1 :]))
             n += len(c) - 1 - score_from
             if progress:
                 progress(len(c))
     finally:
         engine.set_policies(None)
     mean = nll / max(n, 1)
-    return PerplexityResult(nll=mean, ppl=math.exp(mean), tokens=n, expert_activations=counter.kept,
-                            full_activations=counter.full, chunks=len(chunks))
+    return PerplexityResult(
+        nll=mean,
+        ppl=math.exp(mean),
+        tokens=n,
+        expert_activations=counter.kept,
+        full_activations=counter.full,
+        chunks=len(chunks),
+    )

@@ -7,6 +7,7 @@ logits kept. The residency is whatever the engine's expert cache holds (a static
 for both runs). The gain is the share of the CPU's expert executions (routed, outside the slots) that ran a
 layer early; the cost the NLL of the rows after the prompt and the top-1 agreement with the run without it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -20,8 +21,9 @@ from ..runtime.expert_cache import precalc_rates
 from .perplexity import chunk_tokens, log_softmax_nll
 
 
-def stepped_logits(engine: Engine, tokens: Sequence[int], prompt_tokens: int,
-                   after_prompt: Callable[[], None] | None = None) -> np.ndarray:
+def stepped_logits(
+    engine: Engine, tokens: Sequence[int], prompt_tokens: int, after_prompt: Callable[[], None] | None = None
+) -> np.ndarray:
     """Fresh sequence: the prompt in one ubatch, then one token per ubatch; (len(tokens), n_vocab) logits.
     after_prompt runs between the two."""
     engine.reset()
@@ -57,8 +59,16 @@ class PrecalcRun:
         return {**asdict(self), "nll_change": self.nll_change}
 
 
-def precalc_run(engine: Engine, tokens: Sequence[int], *, ctx: int, prompt_tokens: int, first_layer: int,
-                max_chunks: int | None = None, progress: Callable[[int], None] | None = None) -> PrecalcRun:
+def precalc_run(
+    engine: Engine,
+    tokens: Sequence[int],
+    *,
+    ctx: int,
+    prompt_tokens: int,
+    first_layer: int,
+    max_chunks: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> PrecalcRun:
     """Every chunk twice through the engine's expert cache: without the pre-calculation, then with it from
     first_layer on (decode steps only). Leaves it off."""
     if engine.cache is None:
@@ -71,7 +81,7 @@ def precalc_run(engine: Engine, tokens: Sequence[int], *, ctx: int, prompt_token
     stats: dict[str, Any] = {}
     try:
         for c in chunks:
-            targets = np.asarray(c[prompt_tokens + 1:])
+            targets = np.asarray(c[prompt_tokens + 1 :])
             cache.set_precalc(None)
             off = stepped_logits(engine, c, prompt_tokens)[prompt_tokens:-1]
             cache.set_precalc(first_layer)
@@ -89,7 +99,16 @@ def precalc_run(engine: Engine, tokens: Sequence[int], *, ctx: int, prompt_token
     finally:
         cache.set_precalc(None)
     stats = {k: stats.get(k, 0) for k in ("layers", "computed", "used", "late")}
-    stats |= {"first_layer": first_layer, **precalc_rates(stats),
-              "early_share_all": stats["used"] / cpu_decode if cpu_decode else None}
-    return PrecalcRun(tokens=n, nll=nll / max(n, 1), nll_off=nll_off / max(n, 1),
-                      top1_agreement=agree / max(n, 1), stats=stats, cpu_decode=cpu_decode)
+    stats |= {
+        "first_layer": first_layer,
+        **precalc_rates(stats),
+        "early_share_all": stats["used"] / cpu_decode if cpu_decode else None,
+    }
+    return PrecalcRun(
+        tokens=n,
+        nll=nll / max(n, 1),
+        nll_off=nll_off / max(n, 1),
+        top1_agreement=agree / max(n, 1),
+        stats=stats,
+        cpu_decode=cpu_decode,
+    )

@@ -1,4 +1,5 @@
 """Human-readable text for `edgemoe inspect` (the numbers come from edgemoe.gguf.info)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -28,41 +29,51 @@ def format_info(info: ModelInfo) -> str:
         ]
         first = info.expert_tensors[moe[0]]
         for t in first:
-            lines.append(f"  {t.name:<36} {t.qtype:<6} {'x'.join(map(str, t.shape)):<18} "
-                         f"{format_size(t.bytes_per_expert)}/expert")
+            lines.append(
+                f"  {t.name:<36} {t.qtype:<6} {'x'.join(map(str, t.shape)):<18} "
+                f"{format_size(t.bytes_per_expert)}/expert"
+            )
     total = info.total_tensor_bytes
     lines += [
         f"bytes        experts {format_size(info.expert_bytes_total)} "
         f"({100 * info.expert_bytes_total / max(total, 1):.1f}%), dense {format_size(info.dense_bytes)} "
         f"(shared experts {format_size(info.shared_expert_bytes)}), total {format_size(total)}",
-        "by type      " + ", ".join(f"{k} {format_size(v)}" for k, v in
-                                   sorted(info.bytes_by_type.items(), key=lambda kv: -kv[1])),
+        "by type      "
+        + ", ".join(
+            f"{k} {format_size(v)}" for k, v in sorted(info.bytes_by_type.items(), key=lambda kv: -kv[1])
+        ),
     ]
     return "\n".join(lines)
 
 
 def format_vram_plan(plan: VramPlan) -> str:
     reserve = f" + {format_size(plan.reserve_bytes)} compute reserve" if plan.reserve_bytes else ""
-    head = (f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
-            f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}){reserve}")
+    head = (
+        f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
+        f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}){reserve}"
+    )
     if not plan.dense_fits:
         return head + " -> does not fit; experts stay on the CPU"
     if plan.n_expert == 0:
         return head + " -> fits"
-    return (head + f" -> {format_size(plan.expert_budget_bytes)} for experts: {plan.experts_per_layer} of "
-            f"{plan.n_expert} experts per layer ({100 * plan.expert_fraction:.0f}%) in "
-            f"{plan.n_moe_layers} MoE layers")
+    return (
+        head + f" -> {format_size(plan.expert_budget_bytes)} for experts: {plan.experts_per_layer} of "
+        f"{plan.n_expert} experts per layer ({100 * plan.expert_fraction:.0f}%) in "
+        f"{plan.n_moe_layers} MoE layers"
+    )
 
 
 def plan_to_dict(plan: VramPlan) -> dict[str, Any]:
     d = asdict(plan)
-    d.update(dense_fits=plan.dense_fits, expert_fraction=plan.expert_fraction,
-             all_experts_fit=plan.all_experts_fit)
+    d.update(
+        dense_fits=plan.dense_fits, expert_fraction=plan.expert_fraction, all_experts_fit=plan.all_experts_fit
+    )
     return d
 
 
 def format_stats(d: dict[str, Any]) -> str:
     """Text table of TraceStats.to_dict() (plus its "trace" and "plots" entries)."""
+
     def row(name: str, vals: list[float] | None, offset: int = 0) -> str:
         if vals is None:
             return f"{name:<28} n/a"
@@ -70,24 +81,31 @@ def format_stats(d: dict[str, Any]) -> str:
         return f"{name:<28} " + " ".join(cells)
 
     t = d["trace"]
-    lines = [f"trace {t['path']}: {t['tokens']} tokens ({t['mode']}), {len(d['layers'])} MoE layers, "
-             f"{d['n_expert']} experts, top-{d['k']}"
-             + (f"; synthetic routing {t['routing']}" if t.get("routing") else ""),
-             f"{'MoE layer':<28} " + " ".join(f"{il:>6}" for il in d["layers"]),
-             row("normalised entropy", d["entropy"]), row("skew (hottest x E)", d["skew"]),
-             row("temporal locality", d["temporal_locality"]),
-             row(f"high-workload adj. (w={d['adjacency_window']})", d["high_workload_adjacency"]),
-             row("gate-input cos (l-1, l)", d["gate_input_cosine"], 1),
-             row("gate-reuse recall (l from l-1)", d["gate_reuse_recall"], 1),
-             row("prefill/decode similarity", d["prefill_decode_similarity"]),
-             row("reuse by the next token", d.get("reuse_next_per_layer")),
-             row("reuse within 8 tokens", d.get("reuse_within_8_per_layer"))]
+    lines = [
+        f"trace {t['path']}: {t['tokens']} tokens ({t['mode']}), {len(d['layers'])} MoE layers, "
+        f"{d['n_expert']} experts, top-{d['k']}"
+        + (f"; synthetic routing {t['routing']}" if t.get("routing") else ""),
+        f"{'MoE layer':<28} " + " ".join(f"{il:>6}" for il in d["layers"]),
+        row("normalised entropy", d["entropy"]),
+        row("skew (hottest x E)", d["skew"]),
+        row("temporal locality", d["temporal_locality"]),
+        row(f"high-workload adj. (w={d['adjacency_window']})", d["high_workload_adjacency"]),
+        row("gate-input cos (l-1, l)", d["gate_input_cosine"], 1),
+        row("gate-reuse recall (l from l-1)", d["gate_reuse_recall"], 1),
+        row("prefill/decode similarity", d["prefill_decode_similarity"]),
+        row("reuse by the next token", d.get("reuse_next_per_layer")),
+        row("reuse within 8 tokens", d.get("reuse_within_8_per_layer")),
+    ]
     if d.get("coverage_top40_in_prompt") is not None:
         other = d.get("coverage_top40_other_prompts")
-        lines.append(f"top 40% of experts cover {d['coverage_top40_in_prompt']:.3f} of a sequence's selections"
-                     + (f" (chosen on the other sequences: {other:.3f})" if other is not None else ""))
-    lines.append("LRU hit rate (mean over layers): " + ", ".join(
-        f"{s}: {h:.3f}" for s, h in zip(d["lru_sizes"], d["lru_hit_rate_mean"], strict=False)))
+        lines.append(
+            f"top 40% of experts cover {d['coverage_top40_in_prompt']:.3f} of a sequence's selections"
+            + (f" (chosen on the other sequences: {other:.3f})" if other is not None else "")
+        )
+    lines.append(
+        "LRU hit rate (mean over layers): "
+        + ", ".join(f"{s}: {h:.3f}" for s, h in zip(d["lru_sizes"], d["lru_hit_rate_mean"], strict=False))
+    )
     lines.append("means: " + ", ".join(f"{k} {v}" for k, v in d["mean"].items() if v is not None))
     if d.get("plots"):
         lines.append("plots: " + ", ".join(d["plots"]))

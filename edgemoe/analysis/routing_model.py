@@ -10,6 +10,7 @@ token keeps a Binomial draw of the previous token's experts (the reuse less what
 layer's popularity (expert ids permuted per layer). Expert weights are a sorted Dirichlet draw and
 carry no information (do not gate on them). Traces made here say so in their meta.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ QUANTILES = np.linspace(0.0, 1.0, 65)
 
 @dataclass(frozen=True)
 class RoutingStats:
-    mass: np.ndarray  # (L, len(QUANTILES)): share of routed slots taken by the most used q-fraction of experts
+    mass: (
+        np.ndarray
+    )  # (L, len(QUANTILES)): share of routed slots taken by the most used q-fraction of experts
     reuse: np.ndarray  # (L,): share of a token's experts the previous token of its sequence also used
     source: str = ""
 
@@ -52,8 +55,17 @@ def _shares(mass: np.ndarray, n_expert: int) -> np.ndarray:
     return np.maximum(np.diff(cum), 1e-12)
 
 
-def synthesize_trace(stats: RoutingStats, *, n_expert: int, k: int, n_layer: int, n_seq: int, prefill: int,
-                     decode: int, seed: int = 0) -> Trace:
+def synthesize_trace(
+    stats: RoutingStats,
+    *,
+    n_expert: int,
+    k: int,
+    n_layer: int,
+    n_seq: int,
+    prefill: int,
+    decode: int,
+    seed: int = 0,
+) -> Trace:
     """A trace of n_seq sequences (prefill then decode tokens) with the statistics' concentration and reuse;
     model MoE layer j follows stats layer j mod L."""
     if not 1 <= k <= n_expert:
@@ -86,8 +98,21 @@ def synthesize_trace(stats: RoutingStats, *, n_expert: int, k: int, n_layer: int
     weights = np.sort(rng.dirichlet(np.ones(k), size=(n, n_layer)), axis=-1)[..., ::-1].astype(np.float32)
     phase = np.tile(np.r_[np.full(prefill, PREFILL), np.full(decode, DECODE)], n_seq).astype(np.uint8)
     seq = np.repeat(np.arange(n_seq), per_seq).astype(np.int32)
-    meta = {"n_expert": n_expert, "n_expert_used": k, "mode": "decode", "synthetic_routing": True,
-            "calibrated_on": stats.source, "note": "routing drawn by edgemoe.analysis.routing_model: "
-            "concentration and token-to-token reuse of the source trace; weights carry no information"}
-    return Trace(tokens=np.zeros(n, np.int32), layers=np.arange(n_layer, dtype=np.int32), ids=ids,
-                 weights=np.ascontiguousarray(weights), phase=phase, seq=seq, meta=meta)
+    meta = {
+        "n_expert": n_expert,
+        "n_expert_used": k,
+        "mode": "decode",
+        "synthetic_routing": True,
+        "calibrated_on": stats.source,
+        "note": "routing drawn by edgemoe.analysis.routing_model: "
+        "concentration and token-to-token reuse of the source trace; weights carry no information",
+    }
+    return Trace(
+        tokens=np.zeros(n, np.int32),
+        layers=np.arange(n_layer, dtype=np.int32),
+        ids=ids,
+        weights=np.ascontiguousarray(weights),
+        phase=phase,
+        seq=seq,
+        meta=meta,
+    )

@@ -8,6 +8,7 @@ conditions to reproduce it under (`targets`; `evaluate_targets` replays them). `
 tiny trained fixture's routing (its concentration and next-token reuse, edgemoe.analysis.routing_model),
 kept as a toy: it is far less local than the real models'.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,19 +42,38 @@ class RoutingProfile:
     targets: tuple[dict[str, Any], ...] = ()
     doc: dict[str, Any] = field(default_factory=dict, compare=False)  # the whole file (sources, notes)
 
-    def synthesize(self, *, n_expert: int | None = None, k: int | None = None, n_layer: int | None = None,
-                   n_seq: int = 4, prefill: int = 256, decode: int = 256, seed: int = 0) -> Trace:
+    def synthesize(
+        self,
+        *,
+        n_expert: int | None = None,
+        k: int | None = None,
+        n_layer: int | None = None,
+        n_seq: int = 4,
+        prefill: int = 256,
+        decode: int = 256,
+        seed: int = 0,
+    ) -> Trace:
         """A trace of n_seq prompts (prefill then decode tokens each) with this routing, at the profile's
         shape or another one (expert count, top-k, MoE layers)."""
         e, kk, nl = n_expert or self.n_expert, k or self.k, n_layer or self.n_layer
         if not 1 <= kk <= e:
-            raise EdgeMoeError(f"top-{kk} of {e} experts is not a routing shape: give a top-k of 1..{e} "
-                               "(trace-synth --top-k) or more experts (--experts)")
+            raise EdgeMoeError(
+                f"top-{kk} of {e} experts is not a routing shape: give a top-k of 1..{e} "
+                "(trace-synth --top-k) or more experts (--experts)"
+            )
         if n_seq < 1 or prefill + decode < 1:
             raise EdgeMoeError("a synthetic trace needs at least one sequence of at least one token")
         if self.stats is not None:
-            tr = synthesize_trace(self.stats, n_expert=e, k=kk, n_layer=nl, n_seq=n_seq, prefill=prefill,
-                                  decode=decode, seed=seed)
+            tr = synthesize_trace(
+                self.stats,
+                n_expert=e,
+                k=kk,
+                n_layer=nl,
+                n_seq=n_seq,
+                prefill=prefill,
+                decode=decode,
+                seed=seed,
+            )
         else:
             assert self.params is not None
             per = prefill + decode
@@ -61,12 +81,22 @@ class RoutingProfile:
             rng = np.random.default_rng(seed + 1)
             weights = np.sort(rng.dirichlet(np.ones(kk), size=ids.shape[:2]), axis=-1)[..., ::-1]
             phase = np.tile(np.r_[np.full(prefill, PREFILL), np.full(decode, DECODE)], n_seq).astype(np.uint8)
-            tr = Trace(tokens=np.zeros(len(ids), np.int32), layers=np.arange(nl, dtype=np.int32), ids=ids,
-                       weights=np.ascontiguousarray(weights, np.float32), phase=phase,
-                       seq=np.repeat(np.arange(n_seq), per).astype(np.int32),
-                       meta={"n_expert": e, "n_expert_used": kk, "mode": "decode", "synthetic_routing": True,
-                             "note": "routing drawn by edgemoe.analysis.routing_temporal; weights carry no "
-                                     "information"})
+            tr = Trace(
+                tokens=np.zeros(len(ids), np.int32),
+                layers=np.arange(nl, dtype=np.int32),
+                ids=ids,
+                weights=np.ascontiguousarray(weights, np.float32),
+                phase=phase,
+                seq=np.repeat(np.arange(n_seq), per).astype(np.int32),
+                meta={
+                    "n_expert": e,
+                    "n_expert_used": kk,
+                    "mode": "decode",
+                    "synthetic_routing": True,
+                    "note": "routing drawn by edgemoe.analysis.routing_temporal; weights carry no "
+                    "information",
+                },
+            )
         tr.meta.update(routing=self.name, routing_label=self.label, routing_toy=self.toy, seed=seed)
         return tr
 
@@ -93,9 +123,18 @@ def load_routing_profile(name: str) -> RoutingProfile:
         stats = RoutingStats(mass=np.asarray(d["mass"]), reuse=np.asarray(d["reuse"]), source=d["name"])
     else:
         params = TemporalParams.from_dict(d["params"])
-    return RoutingProfile(name=d["name"], n_expert=int(d["n_expert"]), k=int(d["k"]), n_layer=int(d["n_layer"]),
-                          label=d["label"], toy=bool(d.get("toy", False)), params=params, stats=stats,
-                          targets=tuple(d.get("targets", ())), doc=d)
+    return RoutingProfile(
+        name=d["name"],
+        n_expert=int(d["n_expert"]),
+        k=int(d["k"]),
+        n_layer=int(d["n_layer"]),
+        label=d["label"],
+        toy=bool(d.get("toy", False)),
+        params=params,
+        stats=stats,
+        targets=tuple(d.get("targets", ())),
+        doc=d,
+    )
 
 
 def profile_for_shape(n_expert: int, k: int) -> tuple[RoutingProfile, bool]:
@@ -120,13 +159,26 @@ class ModelRouting:
 
     def describe(self) -> str:
         p = self.profile
-        how = "its shape" if self.exact else f"the nearest shape to the model's, {p.n_expert} experts top-{p.k}"
-        return (f"bundled routing profile {p.name} ({how}; {self.trace.n_tokens} tokens drawn at the model's "
-                f"{self.trace.n_expert} experts top-{self.trace.ids.shape[2]}, {len(self.trace.layers)} MoE layers)")
+        how = (
+            "its shape" if self.exact else f"the nearest shape to the model's, {p.n_expert} experts top-{p.k}"
+        )
+        return (
+            f"bundled routing profile {p.name} ({how}; {self.trace.n_tokens} tokens drawn at the model's "
+            f"{self.trace.n_expert} experts top-{self.trace.ids.shape[2]}, {len(self.trace.layers)} MoE layers)"
+        )
 
 
-def routing_for_model(n_expert: int, k: int, n_layer: int, *, name: str | None = None, n_seq: int = 4,
-                      prefill: int = 256, decode: int = 256, seed: int = 0) -> ModelRouting:
+def routing_for_model(
+    n_expert: int,
+    k: int,
+    n_layer: int,
+    *,
+    name: str | None = None,
+    n_seq: int = 4,
+    prefill: int = 256,
+    decode: int = 256,
+    seed: int = 0,
+) -> ModelRouting:
     """A trace of the model's routing shape from the profile `name`, else from the bundled real-model profile
     that matches the shape (profile_for_shape): what plan and simulate project with when given no trace."""
     if name is not None:
@@ -134,8 +186,9 @@ def routing_for_model(n_expert: int, k: int, n_layer: int, *, name: str | None =
         exact = prof.n_expert == n_expert and prof.k == k
     else:
         prof, exact = profile_for_shape(n_expert, k)
-    tr = prof.synthesize(n_expert=n_expert, k=k, n_layer=n_layer, n_seq=n_seq, prefill=prefill, decode=decode,
-                         seed=seed)
+    tr = prof.synthesize(
+        n_expert=n_expert, k=k, n_layer=n_layer, n_seq=n_seq, prefill=prefill, decode=decode, seed=seed
+    )
     return ModelRouting(tr, prof, exact)
 
 
@@ -170,22 +223,39 @@ def measure(trace: Trace, target: dict[str, Any]) -> float:
         top = round(float(target["share"]) * trace.n_expert)
         return float(np.mean(c[:, :top].sum(1) / c.sum(1)))
     if m == "lru_hit_rate":  # each sequence from a cold cache, counted from token `count_from`
-        rates = [lru_hit_rates(ids[seq == s], trace.n_expert, np.array([int(target["size"])]),
-                               int(target.get("count_from", 0))).mean() for s in np.unique(seq)]
+        rates = [
+            lru_hit_rates(
+                ids[seq == s],
+                trace.n_expert,
+                np.array([int(target["size"])]),
+                int(target.get("count_from", 0)),
+            ).mean()
+            for s in np.unique(seq)
+        ]
         return float(np.mean(rates))
     raise EdgeMoeError(f"unknown routing target metric {m!r}")
 
 
-def evaluate_targets(profile: RoutingProfile, *, n_layer: int | None = None, seed: int = 0) -> list[TargetCheck]:
+def evaluate_targets(
+    profile: RoutingProfile, *, n_layer: int | None = None, seed: int = 0
+) -> list[TargetCheck]:
     """Each published figure of the profile against the same figure on a trace the profile draws under the
     figure's conditions (n_seq prompts of seq_len tokens)."""
     out = []
     for t in profile.targets:
         layers = profile.n_layer if "layer" in t else n_layer or profile.n_layer
-        tr = profile.synthesize(n_layer=layers, n_seq=int(t.get("n_seq", 1)), prefill=0,
-                                decode=int(t["seq_len"]), seed=seed)
-        out.append(TargetCheck(metric=t["metric"] + (f"@{t['size']}" if "size" in t else "")
-                               + (f"[layer {t['layer']}]" if "layer" in t else ""),
-                               published=float(t["value"]), measured=measure(tr, t),
-                               tolerance=float(t["tolerance"]), source=str(t["source"])))
+        tr = profile.synthesize(
+            n_layer=layers, n_seq=int(t.get("n_seq", 1)), prefill=0, decode=int(t["seq_len"]), seed=seed
+        )
+        out.append(
+            TargetCheck(
+                metric=t["metric"]
+                + (f"@{t['size']}" if "size" in t else "")
+                + (f"[layer {t['layer']}]" if "layer" in t else ""),
+                published=float(t["value"]),
+                measured=measure(tr, t),
+                tolerance=float(t["tolerance"]),
+                source=str(t["source"]),
+            )
+        )
     return out

@@ -13,6 +13,7 @@ reuse by the next token and within 8 tokens; `concentration` and `drift` shape t
 Each parameter is a number, or a list of values at evenly spaced depths (first to last MoE layer) that
 layers in between interpolate (Mixtral's reuse peaks mid-depth). Pure numpy; no model needed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -37,8 +38,13 @@ class TemporalParams:
             v = d[key]
             return [float(x) for x in v] if isinstance(v, list) else float(v)  # type: ignore[arg-type]
 
-        return cls(concentration=p("concentration"), drift=p("drift"), copy=p("copy"), near=p("near"),
-                   window=int(d.get("window", 64)))  # type: ignore[call-overload]
+        return cls(
+            concentration=p("concentration"),
+            drift=p("drift"),
+            copy=p("copy"),
+            near=p("near"),
+            window=int(d.get("window", 64)),
+        )  # type: ignore[call-overload]
 
     def at(self, name: str, layer: int, n_layer: int) -> float:
         """The parameter's value at MoE layer `layer` of `n_layer` (depth-interpolated when a list)."""
@@ -50,8 +56,9 @@ class TemporalParams:
         return float(np.interp(depth, np.linspace(0.0, 1.0, len(pts)), pts))
 
 
-def _one_sequence(rng: np.random.Generator, logp: np.ndarray, n_tok: int, k: int, copy: float, near: float,
-                  window: int) -> np.ndarray:
+def _one_sequence(
+    rng: np.random.Generator, logp: np.ndarray, n_tok: int, k: int, copy: float, near: float, window: int
+) -> np.ndarray:
     """(n_tok, k) expert ids of one prompt at one layer."""
     e = logp.shape[0]
     keys = logp[None, :] + rng.gumbel(size=(n_tok, e))
@@ -78,8 +85,9 @@ def _one_sequence(rng: np.random.Generator, logp: np.ndarray, n_tok: int, k: int
     return out
 
 
-def draw_ids(params: TemporalParams, *, n_expert: int, k: int, n_layer: int, seq_lens: Sequence[int],
-             seed: int = 0) -> np.ndarray:
+def draw_ids(
+    params: TemporalParams, *, n_expert: int, k: int, n_layer: int, seq_lens: Sequence[int], seed: int = 0
+) -> np.ndarray:
     """(sum(seq_lens), n_layer, k) int32 expert ids, sequences one after the other, k distinct ids per row."""
     rng = np.random.default_rng(seed)
     n = int(sum(seq_lens))
@@ -93,6 +101,6 @@ def draw_ids(params: TemporalParams, *, n_expert: int, k: int, n_layer: int, seq
         start = 0
         for length in seq_lens:
             logp = base + drift * rng.standard_normal(n_expert)
-            ids[start:start + length, j] = _one_sequence(rng, logp, length, k, copy, near, params.window)
+            ids[start : start + length, j] = _one_sequence(rng, logp, length, k, copy, near, params.window)
             start += length
     return ids

@@ -1,6 +1,7 @@
 """Each MoE layer's weight rule as llama.cpp applies it (normalised, softmax over the selected, as is;
 times a scale), read from the routes of a one-token decode: the patch API reports what the graph
 does (llama.cpp's hyper-parameters and per-architecture code), never a guess from numbers."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -14,6 +14,7 @@
   the 40% most used on the other sequences cover of it (how far popularity drifts between prompts)
 - LRU: hit rate of a per-layer LRU expert cache of each size over the token order
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -47,29 +48,39 @@ class TraceStats:
     reuse_next: np.ndarray | None = None  # (L,) share of a token's experts the previous token used
     reuse_within_8: np.ndarray | None = None  # (L,) ... that one of the previous 8 tokens used
     coverage_in_prompt: float | None = None  # top-40% experts of a sequence: their share of its selections
-    coverage_other_prompts: float | None = None  # top-40% of the other sequences: their share (None: 1 sequence)
+    coverage_other_prompts: float | None = (
+        None  # top-40% of the other sequences: their share (None: 1 sequence)
+    )
 
     def to_dict(self) -> dict[str, object]:
         def f(a: np.ndarray | None) -> object:
             return None if a is None else np.round(a.astype(np.float64), 5).tolist()
 
         return {
-            "layers": self.layers, "n_expert": self.n_expert, "k": self.k,
-            "entropy": f(self.entropy), "skew": f(self.skew), "temporal_locality": f(self.temporal_locality),
+            "layers": self.layers,
+            "n_expert": self.n_expert,
+            "k": self.k,
+            "entropy": f(self.entropy),
+            "skew": f(self.skew),
+            "temporal_locality": f(self.temporal_locality),
             "adjacency_window": self.adjacency_window,
             "high_workload_adjacency": f(self.high_workload_adjacency),
             "gate_input_cosine": f(self.gate_input_cosine),
             "prefill_decode_similarity": f(self.prefill_decode_similarity),
             "gate_reuse_recall": f(self.gate_reuse_recall),
-            "lru_sizes": self.lru_sizes.tolist(), "lru_hit_rate": f(self.lru_hit_rate),
+            "lru_sizes": self.lru_sizes.tolist(),
+            "lru_hit_rate": f(self.lru_hit_rate),
             "lru_hit_rate_mean": f(self.lru_hit_rate.mean(0)),
-            "reuse_next": _mean(self.reuse_next), "reuse_within_8": _mean(self.reuse_within_8),
-            "reuse_next_per_layer": f(self.reuse_next), "reuse_within_8_per_layer": f(self.reuse_within_8),
+            "reuse_next": _mean(self.reuse_next),
+            "reuse_within_8": _mean(self.reuse_within_8),
+            "reuse_next_per_layer": f(self.reuse_next),
+            "reuse_within_8_per_layer": f(self.reuse_within_8),
             "coverage_top40_in_prompt": self.coverage_in_prompt,
             "coverage_top40_other_prompts": self.coverage_other_prompts,
             "frequency": f(self.frequency),
             "mean": {
-                "entropy": _mean(self.entropy), "skew": _mean(self.skew),
+                "entropy": _mean(self.entropy),
+                "skew": _mean(self.skew),
                 "temporal_locality": _mean(self.temporal_locality),
                 "high_workload_adjacency": _mean(self.high_workload_adjacency),
                 "gate_input_cosine": _mean(self.gate_input_cosine),
@@ -114,7 +125,7 @@ def workload_windows(ids: np.ndarray, n_expert: int, window: int) -> np.ndarray:
     n = T // window
     out = np.zeros((L, n, n_expert), np.int64)
     for w in range(n):
-        out[:, w] = expert_counts(ids[w * window:(w + 1) * window], n_expert)
+        out[:, w] = expert_counts(ids[w * window : (w + 1) * window], n_expert)
     return out
 
 
@@ -167,8 +178,9 @@ def router_probs(router: np.ndarray, x: np.ndarray) -> np.ndarray:
     return e / e.sum(1, keepdims=True)
 
 
-def gate_reuse_recall(ids: np.ndarray, gate_inputs: np.ndarray, routers: dict[int, np.ndarray],
-                      layers: list[int]) -> np.ndarray:
+def gate_reuse_recall(
+    ids: np.ndarray, gate_inputs: np.ndarray, routers: dict[int, np.ndarray], layers: list[int]
+) -> np.ndarray:
     """(L-1,) recall of layer j+1's top-k from its router applied to layer j's router input."""
     out = np.zeros(len(layers) - 1)
     for j in range(len(layers) - 1):
@@ -202,8 +214,9 @@ def reuse_within(dist: np.ndarray, seq: np.ndarray, window: int) -> np.ndarray:
     return (d <= window).mean(axis=(0, 2))
 
 
-def prompt_coverage(ids: np.ndarray, seq: np.ndarray, n_expert: int, share: float = 0.4
-                    ) -> tuple[float, float | None]:
+def prompt_coverage(
+    ids: np.ndarray, seq: np.ndarray, n_expert: int, share: float = 0.4
+) -> tuple[float, float | None]:
     """Mean over sequences and layers of the share of a sequence's selections taken by its own most used
     `share` of experts, and by the most used `share` of all the other sequences pooled (None: one sequence)."""
     top = max(1, round(share * n_expert))
@@ -242,8 +255,13 @@ def lru_hit_rates(ids: np.ndarray, n_expert: int, sizes: np.ndarray, count_from:
     return out
 
 
-def compute_stats(tr: Trace, *, routers: dict[int, np.ndarray] | None = None, window: int = 32,
-                  lru_sizes: Sequence[int] | None = None) -> TraceStats:
+def compute_stats(
+    tr: Trace,
+    *,
+    routers: dict[int, np.ndarray] | None = None,
+    window: int = 32,
+    lru_sizes: Sequence[int] | None = None,
+) -> TraceStats:
     """Every statistic above; `lru_sizes`: the LRU cache sizes (experts per layer) to replay (default: 8 sizes
     from k to n_expert)."""
     E, k = tr.n_expert, int(tr.ids.shape[2])
@@ -259,15 +277,28 @@ def compute_stats(tr: Trace, *, routers: dict[int, np.ndarray] | None = None, wi
     dist = reuse_distances(tr.ids, tr.seq)
     cov_own, cov_other = prompt_coverage(tr.ids, tr.seq, E)
     return TraceStats(
-        layers=[int(x) for x in tr.layers], n_expert=E, k=k, frequency=share, entropy=ent,
-        skew=share.max(1) * E, temporal_locality=temporal_locality(tr.ids, tr.seq, E),
-        adjacency_window=window, high_workload_adjacency=high_workload_adjacency(work, k),
-        workload_windows=work, adjacency_matrix=adjacency_matrix(work, k),
+        layers=[int(x) for x in tr.layers],
+        n_expert=E,
+        k=k,
+        frequency=share,
+        entropy=ent,
+        skew=share.max(1) * E,
+        temporal_locality=temporal_locality(tr.ids, tr.seq, E),
+        adjacency_window=window,
+        high_workload_adjacency=high_workload_adjacency(work, k),
+        workload_windows=work,
+        adjacency_matrix=adjacency_matrix(work, k),
         gate_input_cosine=gate_input_cosine(tr.gate_inputs) if tr.gate_inputs is not None else None,
         prefill_decode_similarity=prefill_decode_similarity(tr.ids, tr.phase, E),
-        gate_reuse_recall=(gate_reuse_recall(tr.ids, tr.gate_inputs, routers, list(tr.layers))
-                           if tr.gate_inputs is not None and routers else None),
-        lru_sizes=sizes, lru_hit_rate=lru_hit_rates(tr.ids, E, sizes),
-        reuse_next=reuse_within(dist, tr.seq, 1), reuse_within_8=reuse_within(dist, tr.seq, 8),
-        coverage_in_prompt=round(cov_own, 5), coverage_other_prompts=None if cov_other is None else round(cov_other, 5),
+        gate_reuse_recall=(
+            gate_reuse_recall(tr.ids, tr.gate_inputs, routers, list(tr.layers))
+            if tr.gate_inputs is not None and routers
+            else None
+        ),
+        lru_sizes=sizes,
+        lru_hit_rate=lru_hit_rates(tr.ids, E, sizes),
+        reuse_next=reuse_within(dist, tr.seq, 1),
+        reuse_within_8=reuse_within(dist, tr.seq, 8),
+        coverage_in_prompt=round(cov_own, 5),
+        coverage_other_prompts=None if cov_other is None else round(cov_other, 5),
     )

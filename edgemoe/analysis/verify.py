@@ -7,6 +7,7 @@
 3. swap: routing expert a's slots to expert b (and b's to a) in one layer equals stock
    llama.cpp on a copy of the GGUF whose expert a and b weights are swapped in that layer.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -22,8 +23,10 @@ from ..gguf.info import read_model_info
 from ..policies.route import RouteRecord, WeightRule
 from ..runtime.engine import Engine, LoadConfig
 
-PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is "
-          "the sun.\n\nThe list type is a mutable sequence.")
+PROMPT = (
+    "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is "
+    "the sun.\n\nThe list type is a mutable sequence."
+)
 N_CTX = 256
 
 
@@ -50,10 +53,19 @@ class FnPolicy:
         self.fn(route)
 
 
-def _logits(path: Path, tokens: list[int], policies: list[object] | None = None,
-            expert_used_count: int | None = None, threads: int = 0) -> np.ndarray:
-    with Engine(path, LoadConfig(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=threads,
-                                 expert_used_count=expert_used_count)) as eng:
+def _logits(
+    path: Path,
+    tokens: list[int],
+    policies: list[object] | None = None,
+    expert_used_count: int | None = None,
+    threads: int = 0,
+) -> np.ndarray:
+    with Engine(
+        path,
+        LoadConfig(
+            n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=threads, expert_used_count=expert_used_count
+        ),
+    ) as eng:
         if policies:
             eng.set_policies(policies)  # type: ignore[arg-type]
         return np.array(eng.eval_logits(tokens))
@@ -67,7 +79,7 @@ def _compare(name: str, got: np.ndarray, ref: np.ndarray, *, bitwise: bool, what
         return CheckResult(name, True, f"{what}: bitwise equal", diff)
     if bitwise:
         return CheckResult(name, False, f"{what}: differ (max |diff| {diff:.3g})", diff)
-    nmse = float(((got - ref) ** 2).mean() / max((ref ** 2).mean(), 1e-30))
+    nmse = float(((got - ref) ** 2).mean() / max((ref**2).mean(), 1e-30))
     agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
     ok = nmse < 1e-6 and agree == 1.0
     return CheckResult(name, ok, f"{what}: NMSE {nmse:.2e}, argmax agreement {agree:.3f}", diff)
@@ -94,7 +106,9 @@ def _drop_last(r: RouteRecord) -> None:
         total = np.maximum(kept.astype(np.float64).sum(1).astype(np.float32), np.float32(6.103515625e-5))
         r.weights[:, :-1] = kept / total[:, None]
     elif r.weight_rule is WeightRule.SOFTMAX and r.probs is not None:
-        logits = np.take_along_axis(r.probs, kept_ids, axis=1).astype(np.float64)  # the gating outputs are logits
+        logits = np.take_along_axis(r.probs, kept_ids, axis=1).astype(
+            np.float64
+        )  # the gating outputs are logits
         e = np.exp(logits - logits.max(1, keepdims=True))
         r.weights[:, :-1] = e / e.sum(1, keepdims=True)
     else:
@@ -115,9 +129,14 @@ def check_drop_last(path: Path, tokens: list[int], threads: int = 0) -> CheckRes
 
     got = _logits(path, tokens, [FnPolicy(drop, probs=True)], threads=threads)
     ref = _logits(path, tokens, expert_used_count=info.n_expert_used - 1, threads=threads)
-    return _compare("drop-last", got, ref, bitwise=False,
-                    what=f"drop expert {info.n_expert_used} of {info.n_expert_used} "
-                         f"(weights: {', '.join(sorted(rules))}) vs stock with k={info.n_expert_used - 1}")
+    return _compare(
+        "drop-last",
+        got,
+        ref,
+        bitwise=False,
+        what=f"drop expert {info.n_expert_used} of {info.n_expert_used} "
+        f"(weights: {', '.join(sorted(rules))}) vs stock with k={info.n_expert_used - 1}",
+    )
 
 
 def _swap_experts_in_file(src: Path, dst: Path, layer: int, a: int, b: int) -> None:
@@ -133,12 +152,14 @@ def _swap_experts_in_file(src: Path, dst: Path, layer: int, a: int, b: int) -> N
             if t.name not in names:
                 continue
             if int(t.shape[-1]) != info.n_expert:  # ggml order: the experts are the last dim
-                raise EdgeMoeError(f"{t.name} has shape {list(t.shape)}: its last dim is not the "
-                                   f"{info.n_expert} experts, so its experts cannot be swapped")
+                raise EdgeMoeError(
+                    f"{t.name} has shape {list(t.shape)}: its last dim is not the "
+                    f"{info.n_expert} experts, so its experts cannot be swapped"
+                )
             per = int(t.n_bytes) // info.n_expert
             off = int(t.data_offset)
-            ea = bytes(t.data.reshape(-1).view(np.uint8)[a * per:(a + 1) * per])
-            eb = bytes(t.data.reshape(-1).view(np.uint8)[b * per:(b + 1) * per])
+            ea = bytes(t.data.reshape(-1).view(np.uint8)[a * per : (a + 1) * per])
+            eb = bytes(t.data.reshape(-1).view(np.uint8)[b * per : (b + 1) * per])
             f.seek(off + a * per)
             f.write(eb)
             f.seek(off + b * per)
@@ -169,8 +190,13 @@ def check_swap(path: Path, tokens: list[int], threads: int = 0) -> CheckResult:
         swapped = Path(tmp) / "swapped.gguf"
         _swap_experts_in_file(path, swapped, layer, a, b)
         ref = _logits(swapped, tokens, threads=threads)
-    return _compare("swap", got, ref, bitwise=True,
-                    what=f"layer {layer}: experts {a}<->{b} by the hook vs swapped in the GGUF")
+    return _compare(
+        "swap",
+        got,
+        ref,
+        bitwise=True,
+        what=f"layer {layer}: experts {a}<->{b} by the hook vs swapped in the GGUF",
+    )
 
 
 def run_checks(path: Path, *, threads: int = 0) -> list[CheckResult]:
@@ -180,5 +206,8 @@ def run_checks(path: Path, *, threads: int = 0) -> list[CheckResult]:
     with Engine(path, LoadConfig(n_ctx=N_CTX, n_threads=threads)) as eng:
         tokens = eng.tokenize(PROMPT)[: N_CTX - 1]
     base = _logits(path, tokens, threads=threads)
-    return [check_identity(path, tokens, base, threads), check_drop_last(path, tokens, threads),
-            check_swap(path, tokens, threads)]
+    return [
+        check_identity(path, tokens, base, threads),
+        check_drop_last(path, tokens, threads),
+        check_swap(path, tokens, threads),
+    ]

@@ -8,6 +8,7 @@
 - corpus: the train / held-out split of a corpus file;
 - adaptive: the adaptive top-k gating policy built from a calibration directory.
 """
+
 from __future__ import annotations
 
 from .auto import STAGES_FOR, ensure_calibration

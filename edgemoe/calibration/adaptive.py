@@ -6,6 +6,7 @@ reduction is turned into a threshold on the calibration directory's
 validation tokens (never on the text being evaluated); the result is cached
 in the per-user cache (thresholds shipped in the directory's thresholds.json are read first).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,7 +39,8 @@ class GatingOptions:
         if self.mode not in MODES:
             raise EdgeMoeError(f"unknown --gating {self.mode!r}: use one of {', '.join(MODES)}")
         return {"off": GatingRule.OFF, "score": GatingRule.SCORE, "ser": GatingRule.SER}.get(
-            self.mode, GatingRule.SENSITIVITY)
+            self.mode, GatingRule.SENSITIVITY
+        )
 
 
 def default_calibration_dir(model: Path) -> Path | None:
@@ -58,8 +60,10 @@ def _need_calibration(opts: GatingOptions, what: str, model: Path | None) -> Pat
 
     if model is None:
         if opts.calibration is None or not opts.calibration.is_dir():
-            raise EdgeMoeError(f"{what} needs calibration data: run `edgemoe calibrate MODEL --corpus FILE` "
-                               "and pass --calibration DIR")
+            raise EdgeMoeError(
+                f"{what} needs calibration data: run `edgemoe calibrate MODEL --corpus FILE` "
+                "and pass --calibration DIR"
+            )
         return opts.calibration
     return ensure_calibration(model, STAGES_FOR["sensitivity"], what, given=opts.calibration)
 
@@ -95,8 +99,9 @@ def _read_thresholds(path: Path) -> dict:
         return {}
 
 
-def _threshold_for_target(engine: object, opts: GatingOptions, rule: GatingRule,
-                          sens: dict[int, float] | None, ctx: int) -> float:
+def _threshold_for_target(
+    engine: object, opts: GatingOptions, rule: GatingRule, sens: dict[int, float] | None, ctx: int
+) -> float:
     from ..analysis.perplexity import perplexity
 
     directory = _need_calibration(opts, "--target-reduction", getattr(engine, "path", None))
@@ -111,9 +116,11 @@ def _threshold_for_target(engine: object, opts: GatingOptions, rule: GatingRule,
         raise EdgeMoeError(f"{directory} has no {VALIDATION_TOKENS}; run `edgemoe calibrate` again")
     tokens = np.load(vpath).tolist()
     if len(tokens) < MIN_VALIDATION_TOKENS:
-        raise EdgeMoeError(f"{vpath} holds {len(tokens)} tokens, too few to find a threshold for a "
-                           f"{opts.target_reduction:.0%} reduction (at least {MIN_VALIDATION_TOKENS}): run "
-                           "`edgemoe calibrate` with a longer corpus, or give --threshold T")
+        raise EdgeMoeError(
+            f"{vpath} holds {len(tokens)} tokens, too few to find a threshold for a "
+            f"{opts.target_reduction:.0%} reduction (at least {MIN_VALIDATION_TOKENS}): run "
+            "`edgemoe calibrate` with a longer corpus, or give --threshold T"
+        )
 
     def reduction_at(t: float) -> float:
         pol = GatingPolicy(rule, t, sensitivity=sens, decode_only=False)

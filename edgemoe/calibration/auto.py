@@ -9,6 +9,7 @@ bar, and says what it does and how long it takes. A per-user calibration that la
 added (`calibrate --update`, with the corpora and settings its card names). An explicit or bundled
 directory is never written to: a missing stage there is an error that says how to add it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,6 +71,7 @@ def _timed_progress(echo: Echo) -> ProgressFactory:
                     told = True
                     left = (time.perf_counter() - t0) / done * (total - done)
                     echo(f"  {desc}: about {left:.0f} s more at this machine's speed")
+
             yield advance
 
     return factory
@@ -77,13 +79,20 @@ def _timed_progress(echo: Echo) -> ProgressFactory:
 
 # what each stage leaves in the directory: a directory made by hand (or by an older edgemoe) whose card
 # does not list a stage still counts as having it when the file is there
-STAGE_FILES = {"router_frequency": "router_frequency.npz", "routing": "routing_trace.npz",
-               "sensitivity": "sensitivity.json", "predictors": "predictors"}
+STAGE_FILES = {
+    "router_frequency": "router_frequency.npz",
+    "routing": "routing_trace.npz",
+    "sensitivity": "sensitivity.json",
+    "predictors": "predictors",
+}
 
 
 def _missing(cal: Calibration, stages: Sequence[str]) -> list[str]:
-    return [s for s in stages
-            if s not in cal.card and not (s in STAGE_FILES and (cal.path / STAGE_FILES[s]).exists())]
+    return [
+        s
+        for s in stages
+        if s not in cal.card and not (s in STAGE_FILES and (cal.path / STAGE_FILES[s]).exists())
+    ]
 
 
 def _same_dir(a: Path, b: Path) -> bool:
@@ -93,9 +102,17 @@ def _same_dir(a: Path, b: Path) -> bool:
         return False
 
 
-def ensure_calibration(model: str | os.PathLike[str], stages: Sequence[str], what: str, *,
-                       given: str | os.PathLike[str] | None = None, n_threads: int = 0,
-                       tokens: int = AUTO_TOKENS, ctx: int = AUTO_CTX, echo: Echo = _stderr) -> Path:
+def ensure_calibration(
+    model: str | os.PathLike[str],
+    stages: Sequence[str],
+    what: str,
+    *,
+    given: str | os.PathLike[str] | None = None,
+    n_threads: int = 0,
+    tokens: int = AUTO_TOKENS,
+    ctx: int = AUTO_CTX,
+    echo: Echo = _stderr,
+) -> Path:
     """A calibration directory of `model` holding `stages`, made or completed on first use.
 
     given: the directory the command was told to use (or found for the model); it is completed only
@@ -119,13 +136,16 @@ def ensure_calibration(model: str | os.PathLike[str], stages: Sequence[str], wha
             return cal.path
         if cal.source != "cache":
             stage_args = " ".join(f"--stage {s}" for s in missing)
-            raise CalibrationError(f"{what} needs the {', '.join(missing)} calibration, which {cal.path} does not "
-                                   f"have: run `edgemoe calibrate {model} --corpus FILE --out DIR` (or, with "
-                                   f"the corpora its card names, `--out {cal.path} --update {stage_args}`) and "
-                                   "pass --calibration DIR")
+            raise CalibrationError(
+                f"{what} needs the {', '.join(missing)} calibration, which {cal.path} does not "
+                f"have: run `edgemoe calibrate {model} --corpus FILE --out DIR` (or, with "
+                f"the corpora its card names, `--out {cal.path} --update {stage_args}`) and "
+                "pass --calibration DIR"
+            )
         return _complete(model, cal, missing, what, n_threads, echo)
-    cfg = CalibrationConfig(model=model, corpora=auto_corpora(), tokens=tokens, ctx=ctx,
-                            n_threads=n_threads, stages=tuple(stages))
+    cfg = CalibrationConfig(
+        model=model, corpora=auto_corpora(), tokens=tokens, ctx=ctx, n_threads=n_threads, stages=tuple(stages)
+    )
     _announce(model, what, cfg, cache, echo, "has no calibration data yet")
     t0 = time.perf_counter()
     path = run_calibration(cfg, cache, progress=_timed_progress(echo)).path
@@ -133,16 +153,27 @@ def ensure_calibration(model: str | os.PathLike[str], stages: Sequence[str], wha
     return path
 
 
-def _complete(model: Path, cal: Calibration, missing: list[str], what: str, n_threads: int, echo: Echo) -> Path:
+def _complete(
+    model: Path, cal: Calibration, missing: list[str], what: str, n_threads: int, echo: Echo
+) -> Path:
     card = cal.card
     corpora = tuple(Path(c["path"]) for c in card.get("corpus", []))
     absent = [str(p) for p in corpora if not p.is_file()]
     if absent or not corpora:
-        raise CalibrationError(f"{what} needs the {', '.join(missing)} calibration; {cal.path} lacks it and its "
-                               f"corpora are gone ({', '.join(absent) or 'none named'}): run `edgemoe calibrate "
-                               f"{model} --corpus FILE --force`")
-    cfg = CalibrationConfig(model=model, corpora=corpora, tokens=int(card["tokens"]), ctx=int(card["ctx"]),
-                            seed=int(card["seed"]), n_threads=n_threads, stages=tuple(missing))
+        raise CalibrationError(
+            f"{what} needs the {', '.join(missing)} calibration; {cal.path} lacks it and its "
+            f"corpora are gone ({', '.join(absent) or 'none named'}): run `edgemoe calibrate "
+            f"{model} --corpus FILE --force`"
+        )
+    cfg = CalibrationConfig(
+        model=model,
+        corpora=corpora,
+        tokens=int(card["tokens"]),
+        ctx=int(card["ctx"]),
+        seed=int(card["seed"]),
+        n_threads=n_threads,
+        stages=tuple(missing),
+    )
     _announce(model, what, cfg, cal.path, echo, f"has a calibration without {', '.join(missing)}")
     t0 = time.perf_counter()
     path = run_calibration(cfg, cal.path, update=True, progress=_timed_progress(echo)).path
@@ -152,7 +183,9 @@ def _complete(model: Path, cal: Calibration, missing: list[str], what: str, n_th
 
 def _announce(model: Path, what: str, cfg: CalibrationConfig, out: Path, echo: Echo, state: str) -> None:
     names = ", ".join(p.name for p in cfg.corpora)
-    echo(f"{what} needs calibration data and {model.name} {state}: calibrating it now, once "
-         f"(stages {', '.join(cfg.stages or ())}; {cfg.tokens} tokens of the train splits of {names}), "
-         f"into {out}; each stage shows the time it has left. `edgemoe calibrate` does the same with "
-         "more options")
+    echo(
+        f"{what} needs calibration data and {model.name} {state}: calibrating it now, once "
+        f"(stages {', '.join(cfg.stages or ())}; {cfg.tokens} tokens of the train splits of {names}), "
+        f"into {out}; each stage shows the time it has left. `edgemoe calibrate` does the same with "
+        "more options"
+    )

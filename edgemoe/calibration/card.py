@@ -5,6 +5,7 @@ Lookup for a model (find_calibration): an explicit --calibration DIR, then the b
 ``~/.cache/edgemoe/calibration/<model sha256[:16]>/`` (where `calibrate` writes by default).
 Also the JSON writer the stages use for their files (atomic, compact number lists).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -107,10 +108,23 @@ def edgemoe_commit() -> dict[str, Any]:
     if not (REPO_ROOT / ".git").exists():
         return {"version": __version__, "commit": None, "dirty": None}
     try:
-        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip() != ""
+        head = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(
+                ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+            != ""
+        )
     except (OSError, subprocess.SubprocessError):
         return {"version": __version__, "commit": None, "dirty": None}
     return {"version": __version__, "commit": head, "dirty": dirty}
@@ -129,19 +143,25 @@ class Calibration:
         try:
             card = json.loads((p / CARD).read_text())
         except FileNotFoundError:
-            raise CalibrationError(f"{p} is not a calibration directory (no {CARD}): run "
-                                   "`edgemoe calibrate MODEL --corpus FILE --out DIR`") from None
+            raise CalibrationError(
+                f"{p} is not a calibration directory (no {CARD}): run "
+                "`edgemoe calibrate MODEL --corpus FILE --out DIR`"
+            ) from None
         except (OSError, ValueError) as err:
             raise CalibrationError(f"cannot read {p / CARD}: {err}; run `edgemoe calibrate` again") from err
         if card.get("format") != FORMAT_VERSION:
-            raise CalibrationError(f"{p / CARD} has format {card.get('format')}, this edgemoe reads "
-                                   f"{FORMAT_VERSION}: run `edgemoe calibrate` again")
+            raise CalibrationError(
+                f"{p / CARD} has format {card.get('format')}, this edgemoe reads "
+                f"{FORMAT_VERSION}: run `edgemoe calibrate` again"
+            )
         return cls(path=p, card=card, source=source)
 
     def stage(self, name: str) -> Mapping[str, Any]:
         if name not in self.card:
-            raise CalibrationError(f"{self.path} has no {name!r} calibration (stages: {self.card.get('stages')}); "
-                                   f"run `edgemoe calibrate` with the {name} stage")
+            raise CalibrationError(
+                f"{self.path} has no {name!r} calibration (stages: {self.card.get('stages')}); "
+                f"run `edgemoe calibrate` with the {name} stage"
+            )
         return self.card[name]  # type: ignore[no-any-return]
 
     def check_model(self, model: str | os.PathLike[str]) -> None:
@@ -150,26 +170,42 @@ class Calibration:
 
         info = read_model_info(Path(model))
         m = self.card.get("model", {})
-        want = {"layers": list(info.moe_layers), "n_expert": info.n_expert, "n_expert_used": info.n_expert_used,
-                "n_embd": info.n_embd}
+        want = {
+            "layers": list(info.moe_layers),
+            "n_expert": info.n_expert,
+            "n_expert_used": info.n_expert_used,
+            "n_embd": info.n_embd,
+        }
         diff = {k: (m.get(k), v) for k, v in want.items() if m.get(k) != v}
         if diff:
-            raise CalibrationError(f"{self.path} was calibrated for another model ({m.get('file')}): "
-                                   f"{', '.join(f'{k} {a} != {b}' for k, (a, b) in diff.items())}; "
-                                   f"run `edgemoe calibrate {model}`")
+            raise CalibrationError(
+                f"{self.path} was calibrated for another model ({m.get('file')}): "
+                f"{', '.join(f'{k} {a} != {b}' for k, (a, b) in diff.items())}; "
+                f"run `edgemoe calibrate {model}`"
+            )
         if m.get("sha256") != model_sha256(model):
-            log.warning("%s was calibrated on %s (another file with the same shape); predictions may be off",
-                        self.path, m.get("file"))
+            log.warning(
+                "%s was calibrated on %s (another file with the same shape); predictions may be off",
+                self.path,
+                m.get("file"),
+            )
 
-    def predictors(self, model: str | os.PathLike[str], *, kinds: Sequence[str] | None = None,
-                   distances: Sequence[int] | None = None) -> list[Predictor]:
+    def predictors(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        kinds: Sequence[str] | None = None,
+        distances: Sequence[int] | None = None,
+    ) -> list[Predictor]:
         from ..predictors import load_predictors, spec_for_model
 
         entries = self.stage("predictors").get("files", [])
         return load_predictors(self.path, entries, spec_for_model(model), kinds=kinds, distances=distances)
 
 
-def find_calibration(model: str | os.PathLike[str], explicit: str | os.PathLike[str] | None = None) -> Calibration:
+def find_calibration(
+    model: str | os.PathLike[str], explicit: str | os.PathLike[str] | None = None
+) -> Calibration:
     """--calibration DIR, else the bundled calibrations/<stem>/ (same model file), else the per-user cache."""
     if explicit is not None:
         cal = Calibration.load(explicit, "explicit")
@@ -185,5 +221,7 @@ def find_calibration(model: str | os.PathLike[str], explicit: str | os.PathLike[
     cached = cache_dir() / "calibration" / sha[:16]
     if (cached / CARD).is_file():
         return Calibration.load(cached, "cache")
-    raise CalibrationError(f"no calibration data for {Path(model).name} (looked in {bundled} and {cached}): run "
-                           f"`edgemoe calibrate {model} --corpus FILE` or pass --calibration DIR")
+    raise CalibrationError(
+        f"no calibration data for {Path(model).name} (looked in {bundled} and {cached}): run "
+        f"`edgemoe calibrate {model} --corpus FILE` or pass --calibration DIR"
+    )

@@ -3,6 +3,7 @@
 The last 10% of each corpus file (by bytes, cut at the next line boundary) is
 held out: never train, calibrate or tune thresholds on it.
 """
+
 from __future__ import annotations
 
 import os

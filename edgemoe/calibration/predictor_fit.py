@@ -4,6 +4,7 @@ The trace's sequences are split 9:1 (ProMoE §4.3) into train and validation; ev
 fitted on the train part only (the MLPs and the first-layer gate stop early on the validation
 part) and scored on the validation part, which goes into card.json.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,8 +35,10 @@ def split_rows(trace: Trace, seed: int, val_fraction: float = VAL_FRACTION) -> t
     rows = eval_rows(trace)
     seqs = np.unique(trace.seq[rows])
     if len(seqs) < 2:
-        raise PredictorError(f"the calibration trace has {len(seqs)} sequence(s); a train/validation split needs "
-                             "at least 2: raise --tokens or lower --ctx")
+        raise PredictorError(
+            f"the calibration trace has {len(seqs)} sequence(s); a train/validation split needs "
+            "at least 2: raise --tokens or lower --ctx"
+        )
     rng = np.random.default_rng(seed)
     n_val = max(1, round(len(seqs) * val_fraction))
     val = rng.permutation(seqs)[:n_val]
@@ -49,15 +52,23 @@ def frequency(ids: np.ndarray, n_expert: int) -> np.ndarray:
     return (c / np.maximum(c.sum(1, keepdims=True), 1)).astype(np.float32)
 
 
-def fit_predictors(trace: Trace, spec: ModelSpec, *, cfg: TrainConfig, distances: Sequence[int] = DISTANCES,
-                   progress: Callable[[int], None] | None = None) -> tuple[list[Predictor], dict[str, Any]]:
+def fit_predictors(
+    trace: Trace,
+    spec: ModelSpec,
+    *,
+    cfg: TrainConfig,
+    distances: Sequence[int] = DISTANCES,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[Predictor], dict[str, Any]]:
     """Every kind at every distance, fitted on the train split; the report includes validation scores."""
     from ..predictors.train import TrainData, train_first_layer, train_mlp
 
     if trace.gate_inputs is None:
         raise PredictorError("the calibration trace has no gate inputs: record it with gate_inputs=True")
     if tuple(int(x) for x in trace.layers) != spec.layers:
-        raise PredictorError(f"the trace's MoE layers {list(trace.layers)} are not the model's {list(spec.layers)}")
+        raise PredictorError(
+            f"the trace's MoE layers {list(trace.layers)} are not the model's {list(spec.layers)}"
+        )
     bad = [d for d in distances if not 1 <= d < spec.n_layers]
     if bad:
         raise PredictorError(f"distances {bad} do not fit a model of {spec.n_layers} MoE layers")
@@ -72,17 +83,30 @@ def fit_predictors(trace: Trace, spec: ModelSpec, *, cfg: TrainConfig, distances
     for d in distances:
         mlp, training["mlp"][f"d{d}"] = train_mlp(spec, d, data, cfg, progress)
         first, training["first-layer"][f"d{d}"] = train_first_layer(spec, d, data, cfg, progress)
-        preds += [mlp, GatePredictor(spec, d), ResidualPredictor.fit(spec, d, g_train), first,
-                  PrevTokenPredictor(spec, d, freq),
-                  TokenIdPredictor(spec, d, token_id.vocab, token_id.top, token_id.frequency),
-                  RandomPredictor(spec, d, seed=cfg.seed)]
+        preds += [
+            mlp,
+            GatePredictor(spec, d),
+            ResidualPredictor.fit(spec, d, g_train),
+            first,
+            PrevTokenPredictor(spec, d, freq),
+            TokenIdPredictor(spec, d, token_id.vocab, token_id.top, token_id.frequency),
+            RandomPredictor(spec, d, seed=cfg.seed),
+        ]
     train_s = time.perf_counter() - t0
     validation = evaluation_to_json(evaluate(preds, trace, rows=val_rows))
     report = {
-        "distances": list(distances), "train_config": asdict(cfg),
-        "split": {"train_tokens": len(train_rows), "val_tokens": len(val_rows),
-                  "val_sequences": len(np.unique(trace.seq[val_rows])), "by": "sequence", "ratio": "9:1"},
-        "training": training, "train_s": round(train_s, 2), "validation": validation,
+        "distances": list(distances),
+        "train_config": asdict(cfg),
+        "split": {
+            "train_tokens": len(train_rows),
+            "val_tokens": len(val_rows),
+            "val_sequences": len(np.unique(trace.seq[val_rows])),
+            "by": "sequence",
+            "ratio": "9:1",
+        },
+        "training": training,
+        "train_s": round(train_s, 2),
+        "validation": validation,
     }
     return preds, report
 

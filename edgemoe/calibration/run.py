@@ -3,6 +3,7 @@
 The directory is built as DIR.tmp-<pid> and renamed into place only when every stage has
 finished, so an interrupted run never leaves a half-written DIR.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,8 +69,10 @@ def _building(out: Path, force: bool, *, keep: bool = False) -> Iterator[Path]:
     """Yield a fresh DIR.tmp-<pid> (a copy of DIR when `keep`); on success it replaces DIR, on any
     error it is removed."""
     if out.exists() and not (force or keep):
-        raise CalibrationError(f"{out} exists: pass --force to replace it (it is replaced only once the new "
-                               "calibration is complete)")
+        raise CalibrationError(
+            f"{out} exists: pass --force to replace it (it is replaced only once the new "
+            "calibration is complete)"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f"{out.name}.tmp-*"):  # left by a killed run
         pid = stale.name.rsplit("-", 1)[-1]
@@ -97,6 +100,7 @@ def _default_engine(cfg: CalibrationConfig) -> Callable[[], Engine]:
         from ..runtime.engine import Engine, LoadConfig
 
         return Engine(cfg.model, LoadConfig(n_ctx=cfg.ctx, n_threads=cfg.n_threads))
+
     return open_engine
 
 
@@ -106,41 +110,71 @@ def _model_entry(model: Path) -> dict[str, Any]:
     info = read_model_info(model)
     if not info.is_moe:
         raise CalibrationError(f"{model.name} is a dense model: there are no experts to calibrate")
-    return {"file": model.name, "sha256": model_sha256(model), "size": info.file_size,
-            "architecture": info.architecture, "layers": list(info.moe_layers), "n_expert": info.n_expert,
-            "n_expert_used": info.n_expert_used, "n_embd": info.n_embd}
+    return {
+        "file": model.name,
+        "sha256": model_sha256(model),
+        "size": info.file_size,
+        "architecture": info.architecture,
+        "layers": list(info.moe_layers),
+        "n_expert": info.n_expert,
+        "n_expert_used": info.n_expert_used,
+        "n_embd": info.n_embd,
+    }
 
 
 def _corpus_entry(tx: CorpusText) -> dict[str, Any]:
     size = tx.path.stat().st_size
-    return {"path": str(tx.path), "name": tx.path.name, "size": size,
-            "sha256": hashlib.sha256(tx.path.read_bytes()).hexdigest(),
-            "train_bytes": list(tx.byte_range), "heldout_bytes": [tx.byte_range[1], size]}
+    return {
+        "path": str(tx.path),
+        "name": tx.path.name,
+        "size": size,
+        "sha256": hashlib.sha256(tx.path.read_bytes()).hexdigest(),
+        "train_bytes": list(tx.byte_range),
+        "heldout_bytes": [tx.byte_range[1], size],
+    }
 
 
 def _updated_card(out_dir: Path, fresh: dict[str, Any], stages: Sequence[Stage]) -> dict[str, Any]:
     """The card of an existing calibration, checked against this run, to which `stages` are re-run."""
     card = dict(Calibration.load(out_dir).card)
-    same = {"model sha256": (card["model"].get("sha256"), fresh["model"]["sha256"]),
-            "corpora": ([c.get("sha256") for c in card.get("corpus", [])], [c["sha256"] for c in fresh["corpus"]]),
-            "--tokens": (card.get("tokens"), fresh["tokens"]), "--ctx": (card.get("ctx"), fresh["ctx"]),
-            "--seed": (card.get("seed"), fresh["seed"])}
+    same = {
+        "model sha256": (card["model"].get("sha256"), fresh["model"]["sha256"]),
+        "corpora": (
+            [c.get("sha256") for c in card.get("corpus", [])],
+            [c["sha256"] for c in fresh["corpus"]],
+        ),
+        "--tokens": (card.get("tokens"), fresh["tokens"]),
+        "--ctx": (card.get("ctx"), fresh["ctx"]),
+        "--seed": (card.get("seed"), fresh["seed"]),
+    }
     diff = [k for k, (a, b) in same.items() if a != b]
     if diff:
-        raise CalibrationError(f"--update must run with what made {out_dir}; these differ: {', '.join(diff)} "
-                               f"(see {out_dir / CARD}: tokens {card.get('tokens')}, ctx {card.get('ctx')}, "
-                               f"seed {card.get('seed')}, corpora {[c.get('name') for c in card.get('corpus', [])]})")
+        raise CalibrationError(
+            f"--update must run with what made {out_dir}; these differ: {', '.join(diff)} "
+            f"(see {out_dir / CARD}: tokens {card.get('tokens')}, ctx {card.get('ctx')}, "
+            f"seed {card.get('seed')}, corpora {[c.get('name') for c in card.get('corpus', [])]})"
+        )
     names = [s.name for s in stages]
     order = [s.name for s in all_stages()]
-    card["stages"] = sorted(set(card.get("stages", [])) | set(names), key=lambda n: order.index(n) if n in order else 99)
+    card["stages"] = sorted(
+        set(card.get("stages", [])) | set(names), key=lambda n: order.index(n) if n in order else 99
+    )
     card["elapsed_s"] = dict(card.get("elapsed_s", {}))
-    card.setdefault("updates", []).append({"at": fresh["created"], "stages": names, "edgemoe": fresh["edgemoe"]})
+    card.setdefault("updates", []).append(
+        {"at": fresh["created"], "stages": names, "edgemoe": fresh["edgemoe"]}
+    )
     return card
 
 
-def run_calibration(cfg: CalibrationConfig, out: str | os.PathLike[str] | None = None, *, force: bool = False,
-                    update: bool = False, progress: ProgressFactory = progress_bar,
-                    open_engine: Callable[[], Engine] | None = None) -> Calibration:
+def run_calibration(
+    cfg: CalibrationConfig,
+    out: str | os.PathLike[str] | None = None,
+    *,
+    force: bool = False,
+    update: bool = False,
+    progress: ProgressFactory = progress_bar,
+    open_engine: Callable[[], Engine] | None = None,
+) -> Calibration:
     """Run the selected stages into a temporary directory, write card.json, and move it to `out`
     (default: the per-user cache for this model).
 
@@ -156,9 +190,14 @@ def run_calibration(cfg: CalibrationConfig, out: str | os.PathLike[str] | None =
     card: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": _model_entry(model), "corpus": [_corpus_entry(t) for t in texts],
-        "tokens": cfg.tokens, "ctx": cfg.ctx, "seed": cfg.seed, "edgemoe": edgemoe_commit(),
-        "stages": [s.name for s in stages], "elapsed_s": {},
+        "model": _model_entry(model),
+        "corpus": [_corpus_entry(t) for t in texts],
+        "tokens": cfg.tokens,
+        "ctx": cfg.ctx,
+        "seed": cfg.seed,
+        "edgemoe": edgemoe_commit(),
+        "stages": [s.name for s in stages],
+        "elapsed_s": {},
     }
     if update:
         if cfg.stages is None:
@@ -168,10 +207,20 @@ def run_calibration(cfg: CalibrationConfig, out: str | os.PathLike[str] | None =
     artifacts: dict[str, Any] = {}
     with _building(out_dir, force, keep=update) as tmp:
         for st in stages:
-            sc = StageContext(model=model, open_engine=open_engine or _default_engine(cfg), texts=texts, out_dir=tmp,
-                              seed=cfg.seed, tokens=cfg.tokens, ctx=cfg.ctx, n_threads=cfg.n_threads,
-                              progress=progress, options=MappingProxyType(dict(cfg.options)),
-                              card=MappingProxyType(json.loads(json.dumps(card))), artifacts=artifacts)
+            sc = StageContext(
+                model=model,
+                open_engine=open_engine or _default_engine(cfg),
+                texts=texts,
+                out_dir=tmp,
+                seed=cfg.seed,
+                tokens=cfg.tokens,
+                ctx=cfg.ctx,
+                n_threads=cfg.n_threads,
+                progress=progress,
+                options=MappingProxyType(dict(cfg.options)),
+                card=MappingProxyType(json.loads(json.dumps(card))),
+                artifacts=artifacts,
+            )
             t0 = time.perf_counter()
             log.info("calibration stage %s", st.name)
             result = st.resolve()(sc)

@@ -12,6 +12,7 @@
 
 Both are stored as sensitivity.json in a calibration directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,10 @@ class Sensitivity:
     def of(self, kind: str) -> dict[int, float]:
         values = self.fisher if kind == "fisher" else self.empirical
         if values is None:
-            raise EdgeMoeError("this calibration has no Fisher sensitivity (the torch reference does not implement "
-                               "the architecture); use --gating empirical")
+            raise EdgeMoeError(
+                "this calibration has no Fisher sensitivity (the torch reference does not implement "
+                "the architecture); use --gating empirical"
+            )
         return values
 
     def save(self, directory: Path) -> Path:
@@ -58,11 +61,18 @@ class Sensitivity:
     def load(cls, directory: Path) -> Sensitivity:
         path = directory / FILE_NAME
         if not path.exists():
-            raise EdgeMoeError(f"{directory} has no {FILE_NAME}; run `edgemoe calibrate MODEL --corpus FILE ...`")
+            raise EdgeMoeError(
+                f"{directory} has no {FILE_NAME}; run `edgemoe calibrate MODEL --corpus FILE ...`"
+            )
         d = json.loads(path.read_text())
         to_map = lambda m: None if m is None else {int(k): float(v) for k, v in m.items()}  # noqa: E731
-        return cls(empirical=cast("dict[int, float]", to_map(d["empirical"])), fisher=to_map(d["fisher"]), base_nll=d["base_nll"],
-                   tokens=d["tokens"], spearman=d["spearman"])
+        return cls(
+            empirical=cast("dict[int, float]", to_map(d["empirical"])),
+            fisher=to_map(d["fisher"]),
+            base_nll=d["base_nll"],
+            tokens=d["tokens"],
+            spearman=d["spearman"],
+        )
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
@@ -88,6 +98,7 @@ def fisher_sensitivity(model_path: Path, chunks: Sequence[Sequence[int]]) -> dic
         def hook(module: object, inputs: object, output: tuple[torch.Tensor, object]) -> None:
             output[0].retain_grad()
             outs[i] = output[0]
+
         return hook
 
     handles = [b.moe.register_forward_hook(grab(i)) for i, b in enumerate(model.blocks)]
@@ -124,8 +135,9 @@ class Top1InLayer:
             route.weights[:, 0] = 1.0
 
 
-def empirical_sensitivity(engine: object, tokens: Sequence[int], *, ctx: int,
-                          progress: Callable[[int], None] | None = None) -> tuple[dict[int, float], float, int]:
+def empirical_sensitivity(
+    engine: object, tokens: Sequence[int], *, ctx: int, progress: Callable[[int], None] | None = None
+) -> tuple[dict[int, float], float, int]:
     """(layer -> NLL increase, base NLL, scored tokens) from each layer alone going top-1."""
     from ..analysis.perplexity import perplexity
 
@@ -139,8 +151,14 @@ def empirical_sensitivity(engine: object, tokens: Sequence[int], *, ctx: int,
     return out, base.nll, base.tokens
 
 
-def calibrate_sensitivity(model_path: Path, engine: object, tokens: Sequence[int], *, ctx: int = 256,
-                          progress: Callable[[int], None] | None = None) -> Sensitivity:
+def calibrate_sensitivity(
+    model_path: Path,
+    engine: object,
+    tokens: Sequence[int],
+    *,
+    ctx: int = 256,
+    progress: Callable[[int], None] | None = None,
+) -> Sensitivity:
     """Both sensitivities on calibration tokens (train split only)."""
     from ..analysis.perplexity import chunk_tokens
     from ..errors import UnsupportedArchitectureError
@@ -188,7 +206,13 @@ def sensitivity_stage(ctx: StageContext) -> dict[str, object]:
             sens = calibrate_sensitivity(ctx.model, eng, cal, ctx=chunk, progress=advance)
     sens.save(ctx.out_dir)
     save_validation_tokens(ctx.out_dir, val)
-    return {"files": [FILE_NAME, VALIDATION_TOKENS], "tokens": sens.tokens, "validation_tokens": len(val),
-            "ctx": chunk, "base_nll": sens.base_nll, "spearman_fisher_empirical": sens.spearman,
-            "fisher": {str(k): v for k, v in (sens.fisher or {}).items()} or None,
-            "empirical": {str(k): v for k, v in sens.empirical.items()}}
+    return {
+        "files": [FILE_NAME, VALIDATION_TOKENS],
+        "tokens": sens.tokens,
+        "validation_tokens": len(val),
+        "ctx": chunk,
+        "base_nll": sens.base_nll,
+        "spearman_fisher_empirical": sens.spearman,
+        "fisher": {str(k): v for k, v in (sens.fisher or {}).items()} or None,
+        "empirical": {str(k): v for k, v in sens.empirical.items()},
+    }

@@ -6,6 +6,7 @@ the selected ids, phase and sequence of each token, no gate inputs) so that DP a
 `plan_allocation` turns --alloc, --expert-slots / --vram and the policy into slots per MoE layer:
 ``dp`` when the calibration has a routing trace, else ``equal`` with a note saying why.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,9 +49,15 @@ def routing_stage(ctx: StageContext) -> dict[str, Any]:
     rows = np.isin(tr.seq, keep)
     ubatch = int(tr.meta.get("n_batch") or ctx.ctx)
     with (ctx.out_dir / ROUTING_TRACE).open("wb") as f:
-        np.savez_compressed(f, layers=tr.layers.astype(np.int32), ids=tr.ids[rows].astype(np.int16),
-                            phase=tr.phase[rows], seq=tr.seq[rows], ubatch=np.int32(ubatch),
-                            n_expert=np.int32(tr.n_expert))
+        np.savez_compressed(
+            f,
+            layers=tr.layers.astype(np.int32),
+            ids=tr.ids[rows].astype(np.int16),
+            phase=tr.phase[rows],
+            seq=tr.seq[rows],
+            ubatch=np.int32(ubatch),
+            n_expert=np.int32(tr.n_expert),
+        )
     return {"file": ROUTING_TRACE, "tokens": int(rows.sum()), "sequences": len(keep), "ubatch": ubatch}
 
 
@@ -69,18 +76,28 @@ class RoutingTrace:
     def load(cls, calibration: Path, *, info: ModelInfo | None = None) -> RoutingTrace:
         path = calibration / ROUTING_TRACE
         if not path.exists():
-            raise CalibrationError(f"{calibration} has no {ROUTING_TRACE}: run `edgemoe calibrate MODEL "
-                                   f"--corpus FILE` (or add it: `edgemoe calibrate MODEL --corpus FILE --out "
-                                   f"{calibration} --update --stage routing` with the card's corpora, "
-                                   "--tokens, --ctx and --seed)")
+            raise CalibrationError(
+                f"{calibration} has no {ROUTING_TRACE}: run `edgemoe calibrate MODEL "
+                f"--corpus FILE` (or add it: `edgemoe calibrate MODEL --corpus FILE --out "
+                f"{calibration} --update --stage routing` with the card's corpora, "
+                "--tokens, --ctx and --seed)"
+            )
         with np.load(path) as z:
-            tr = cls(layers=tuple(int(x) for x in z["layers"]), ids=z["ids"], phase=z["phase"], seq=z["seq"],
-                     ubatch=int(z["ubatch"]), n_expert=int(z["n_expert"]))
+            tr = cls(
+                layers=tuple(int(x) for x in z["layers"]),
+                ids=z["ids"],
+                phase=z["phase"],
+                seq=z["seq"],
+                ubatch=int(z["ubatch"]),
+                n_expert=int(z["n_expert"]),
+            )
         if info is not None and (tr.n_expert != info.n_expert or tr.layers != tuple(info.moe_layers)):
-            raise CalibrationError(f"{path} is of another model ({tr.n_expert} experts in MoE layers "
-                                   f"{list(tr.layers)}, the model has {info.n_expert} in "
-                                   f"{list(info.moe_layers)}): run `edgemoe calibrate MODEL --corpus FILE` "
-                                   "for this model, or pass its --calibration DIR")
+            raise CalibrationError(
+                f"{path} is of another model ({tr.n_expert} experts in MoE layers "
+                f"{list(tr.layers)}, the model has {info.n_expert} in "
+                f"{list(info.moe_layers)}): run `edgemoe calibrate MODEL --corpus FILE` "
+                "for this model, or pass its --calibration DIR"
+            )
         return tr
 
     def steps(self) -> dict[int, list[np.ndarray]]:
@@ -99,9 +116,17 @@ class AllocationPlan:
     note: str | None = None  # why dp was not used, when it was asked for or expected
 
 
-def plan_allocation(info: ModelInfo, *, alloc: str | None, policy: str, calibration: Path | None,
-                    slots_per_layer: int, budget_bytes: int | None = None, dali_window: int = DALI_WINDOW,
-                    dali_update: int | None = None) -> AllocationPlan:
+def plan_allocation(
+    info: ModelInfo,
+    *,
+    alloc: str | None,
+    policy: str,
+    calibration: Path | None,
+    slots_per_layer: int,
+    budget_bytes: int | None = None,
+    dali_window: int = DALI_WINDOW,
+    dali_update: int | None = None,
+) -> AllocationPlan:
     """Slots per MoE layer for --alloc `alloc` (None: dp when `calibration` has a routing trace).
 
     equal gives every MoE layer `slots_per_layer`. dp minimises the misses per decode token of
@@ -120,21 +145,30 @@ def plan_allocation(info: ModelInfo, *, alloc: str | None, policy: str, calibrat
     if alloc == "equal" or not layers:
         return equal
     if PolicyKind(policy) is PolicyKind.MANUAL:
-        return _fallback(equal, alloc, "the manual policy loads nothing by itself, so there is nothing for "
-                                       "dp to replay; equal allocation")
+        return _fallback(
+            equal,
+            alloc,
+            "the manual policy loads nothing by itself, so there is nothing for "
+            "dp to replay; equal allocation",
+        )
     if calibration is None:
         if alloc is None:
             return equal
-        return _fallback(equal, alloc, "--alloc dp needs a calibration with a routing trace: run `edgemoe "
-                                       "calibrate MODEL --corpus FILE` (or pass --calibration DIR); equal "
-                                       "allocation for now")
+        return _fallback(
+            equal,
+            alloc,
+            "--alloc dp needs a calibration with a routing trace: run `edgemoe "
+            "calibrate MODEL --corpus FILE` (or pass --calibration DIR); equal "
+            "allocation for now",
+        )
     try:
         trace = RoutingTrace.load(calibration, info=info)
     except CalibrationError as err:
         if "another model" in str(err):
             raise
-        return _fallback(equal, alloc, f"dp allocation needs a routing trace: {err}; equal allocation for "
-                                       "now")
+        return _fallback(
+            equal, alloc, f"dp allocation needs a routing trace: {err}; equal allocation for now"
+        )
     t0 = time.perf_counter()
     if PolicyKind(policy) is PolicyKind.PROMOE:
         # promoe's replacement is an LRU; its prefetches need router inputs, which the routing trace does not keep
@@ -143,19 +177,33 @@ def plan_allocation(info: ModelInfo, *, alloc: str | None, policy: str, calibrat
     curves = decode_curves(calibration, trace, info, policy, dali_window=dali_window, dali_update=dali_update)
     asked = slots_per_layer * len(layers)  # dp redistributes the slots equal allocation gives; it never adds
     if budget_bytes is not None:
-        slots = dp_allocate(curves, budget_bytes, bytes_per_expert=dict(info.bytes_per_expert_by_layer),
-                            max_total=asked)
+        slots = dp_allocate(
+            curves, budget_bytes, bytes_per_expert=dict(info.bytes_per_expert_by_layer), max_total=asked
+        )
         if total_cost(curves, slots) > total_cost(curves, equal.slots):  # the greedy trim can lose to equal
             slots = dict(equal.slots)
     else:
         slots = dp_allocate(curves, asked)
-    log.info("dp allocation for %s from %s (%d tokens) in %.2f s: %s", policy, calibration / ROUTING_TRACE,
-             trace.ids.shape[0], time.perf_counter() - t0, slots)
+    log.info(
+        "dp allocation for %s from %s (%d tokens) in %.2f s: %s",
+        policy,
+        calibration / ROUTING_TRACE,
+        trace.ids.shape[0],
+        time.perf_counter() - t0,
+        slots,
+    )
     return AllocationPlan("dp", slots)
 
 
-def decode_curves(calibration: Path, trace: RoutingTrace, info: ModelInfo, policy: str, *,
-                  dali_window: int = DALI_WINDOW, dali_update: int | None = None) -> dict[int, np.ndarray]:
+def decode_curves(
+    calibration: Path,
+    trace: RoutingTrace,
+    info: ModelInfo,
+    policy: str,
+    *,
+    dali_window: int = DALI_WINDOW,
+    dali_update: int | None = None,
+) -> dict[int, np.ndarray]:
     """f_i(t) of `policy` on the calibration's routing trace, misses per decode token, for t = 0..n_expert.
 
     Replaying every t of every layer takes about a minute on a 48-layer, 128-expert model, so the
@@ -165,11 +213,19 @@ def decode_curves(calibration: Path, trace: RoutingTrace, info: ModelInfo, polic
     frequency = None
     files = [calibration / ROUTING_TRACE]
     if PolicyKind(policy) in (PolicyKind.STATIC, PolicyKind.DAOP):  # daop: its decode-phase counts
-        frequency = load_frequency(calibration, n_expert=info.n_expert, layers=list(info.moe_layers),
-                                   phase="decode" if PolicyKind(policy) is PolicyKind.DAOP else "all")
+        frequency = load_frequency(
+            calibration,
+            n_expert=info.n_expert,
+            layers=list(info.moe_layers),
+            phase="decode" if PolicyKind(policy) is PolicyKind.DAOP else "all",
+        )
         files.append(calibration / "router_frequency.npz")
-    params: dict[str, Any] = {"format": CURVES_FORMAT, "policy": policy, "n_expert": info.n_expert,
-                              "counted": "decode"}
+    params: dict[str, Any] = {
+        "format": CURVES_FORMAT,
+        "policy": policy,
+        "n_expert": info.n_expert,
+        "counted": "decode",
+    }
     if PolicyKind(policy) is PolicyKind.DALI:
         dali_update = dali_default_update(info.n_expert) if dali_update is None else dali_update
         params.update(window=dali_window, update=dali_update)
@@ -182,8 +238,16 @@ def decode_curves(calibration: Path, trace: RoutingTrace, info: ModelInfo, polic
             return {int(il): z["curves"][i] for i, il in enumerate(z["layers"])}
     except (OSError, ValueError, KeyError):  # not cached yet (or unreadable): replay
         pass
-    curves = f_curves(trace.steps(), policy, info.n_expert, n_expert=info.n_expert, frequency=frequency,
-                      window=dali_window, update=dali_update, counted=trace.decode_mask())
+    curves = f_curves(
+        trace.steps(),
+        policy,
+        info.n_expert,
+        n_expert=info.n_expert,
+        frequency=frequency,
+        window=dali_window,
+        update=dali_update,
+        counted=trace.decode_mask(),
+    )
     layers = sorted(curves)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,5 +270,7 @@ def describe(plan: AllocationPlan) -> str:
     values = list(plan.slots.values())
     if plan.alloc == "equal" and len(set(values)) <= 1:
         return f"{values[0] if values else 0} slots per MoE layer"
-    return (f"{plan.alloc}: {sum(values)} slots over {len(values)} MoE layers, "
-            f"{min(values)}..{max(values)} per layer")
+    return (
+        f"{plan.alloc}: {sum(values)} slots over {len(values)} MoE layers, "
+        f"{min(values)}..{max(values)} per layer"
+    )

@@ -16,6 +16,7 @@ This module holds the stage interface (StageContext, Stage) and the registry; th
 are in edgemoe.calibration.traces, the runner in edgemoe.calibration.run, the card in
 edgemoe.calibration.card.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
     from ..analysis.trace import Trace
     from ..runtime.engine import Engine
 
-ProgressFactory = Callable[..., AbstractContextManager[Callable[[int], None]]]  # progress_bar(total, desc, unit=...)
+ProgressFactory = Callable[
+    ..., AbstractContextManager[Callable[[int], None]]
+]  # progress_bar(total, desc, unit=...)
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,18 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
     Stage("sensitivity", "edgemoe.calibration.sensitivity:sensitivity_stage"),
 )
 _registered: list[Stage] = []
-_RESERVED = {"format", "created", "model", "corpus", "tokens", "ctx", "seed", "edgemoe", "stages", "elapsed_s"}
+_RESERVED = {
+    "format",
+    "created",
+    "model",
+    "corpus",
+    "tokens",
+    "ctx",
+    "seed",
+    "edgemoe",
+    "stages",
+    "elapsed_s",
+}
 
 
 def register_stage(stage: Stage) -> None:

@@ -1,4 +1,5 @@
 """The built-in trace stages: record calibration traces on the train splits, and router frequencies."""
+
 from __future__ import annotations
 
 import logging
@@ -37,14 +38,22 @@ def eval_tokens(eng: Engine, text: str, *, ctx: int, max_tokens: int) -> list[in
     return [t for c in chunk_tokens(eng.tokenize(text, add_special=False), ctx, bos) for t in c][:max_tokens]
 
 
-def record_eval_trace(eng: Engine, text: str, *, ctx: int, max_tokens: int,
-                      progress: Callable[[int], None] | None = None) -> Trace:
+def record_eval_trace(
+    eng: Engine, text: str, *, ctx: int, max_tokens: int, progress: Callable[[int], None] | None = None
+) -> Trace:
     """`predict-eval`'s trace of `text`, gate inputs on: each chunk of eval_tokens 3/4 prefilled, 1/4 decoded,
     as the calibration traces are recorded."""
     from ..analysis.trace import record_trace
 
-    return record_trace(eng, eval_tokens(eng, text, ctx=ctx, max_tokens=max_tokens), ctx=ctx, mode=TRACE_MODE,
-                        gate_inputs=True, progress=progress, prefill_tokens=eval_prefill_tokens(ctx))
+    return record_trace(
+        eng,
+        eval_tokens(eng, text, ctx=ctx, max_tokens=max_tokens),
+        ctx=ctx,
+        mode=TRACE_MODE,
+        gate_inputs=True,
+        progress=progress,
+        prefill_tokens=eval_prefill_tokens(ctx),
+    )
 
 
 def _chunk(eng: Engine, data: bytes, start: int, ctx: int) -> tuple[list[int], int] | None:
@@ -63,7 +72,9 @@ def _chunk(eng: Engine, data: bytes, start: int, ctx: int) -> tuple[list[int], i
     return toks, start + covered
 
 
-def select_chunks(eng: Engine, texts: Sequence[CorpusText], tokens: int, ctx: int) -> tuple[list[int], list[list[list[int]]]]:
+def select_chunks(
+    eng: Engine, texts: Sequence[CorpusText], tokens: int, ctx: int
+) -> tuple[list[int], list[list[list[int]]]]:
     """Chunks of ctx tokens spread evenly over each train split (an equal share of `tokens` per corpus).
 
     Returns the flat token list (a multiple of ctx) and, per corpus, the file byte ranges used.
@@ -81,7 +92,9 @@ def select_chunks(eng: Engine, texts: Sequence[CorpusText], tokens: int, ctx: in
                 start = nl + 1 if 0 <= nl < len(tx.data) - 1 else start
             got = _chunk(eng, tx.data, start, ctx)
             if got is None:
-                log.warning("%s: too little text after byte %d for a chunk of %d tokens", tx.path.name, start, ctx)
+                log.warning(
+                    "%s: too little text after byte %d for a chunk of %d tokens", tx.path.name, start, ctx
+                )
                 continue
             toks, end = got
             flat += toks
@@ -99,16 +112,30 @@ def traces_stage(ctx: StageContext) -> dict[str, Any]:
     with ctx.open_engine() as eng:
         flat, ranges = select_chunks(eng, ctx.texts, ctx.tokens, ctx.ctx)
         if len(flat) < 2 * ctx.ctx:
-            raise CalibrationError(f"the corpora give {len(flat)} tokens, fewer than 2 chunks of --ctx {ctx.ctx}: "
-                                   "give more text or lower --ctx")
+            raise CalibrationError(
+                f"the corpora give {len(flat)} tokens, fewer than 2 chunks of --ctx {ctx.ctx}: "
+                "give more text or lower --ctx"
+            )
         with ctx.progress(len(flat), "traces", unit="tok") as bar:
-            tr = record_trace(eng, flat, ctx=ctx.ctx, mode=TRACE_MODE, prefill_tokens=prefill, gate_inputs=True,
-                              progress=bar)
+            tr = record_trace(
+                eng,
+                flat,
+                ctx=ctx.ctx,
+                mode=TRACE_MODE,
+                prefill_tokens=prefill,
+                gate_inputs=True,
+                progress=bar,
+            )
     ctx.artifacts["traces"] = tr
-    return {"mode": TRACE_MODE, "prefill_tokens": prefill, "ctx": ctx.ctx, "tokens": tr.n_tokens,
-            "sequences": len(np.unique(tr.seq)),
-            "gate_inputs_mib": round(tr.gate_inputs.nbytes / 2**20, 1) if tr.gate_inputs is not None else 0,
-            "ranges": {str(tx.path): r for tx, r in zip(ctx.texts, ranges, strict=False)}}
+    return {
+        "mode": TRACE_MODE,
+        "prefill_tokens": prefill,
+        "ctx": ctx.ctx,
+        "tokens": tr.n_tokens,
+        "sequences": len(np.unique(tr.seq)),
+        "gate_inputs_mib": round(tr.gate_inputs.nbytes / 2**20, 1) if tr.gate_inputs is not None else 0,
+        "ranges": {str(tx.path): r for tx, r in zip(ctx.texts, ranges, strict=False)},
+    }
 
 
 def router_frequency_stage(ctx: StageContext) -> dict[str, Any]:
@@ -124,11 +151,19 @@ def router_frequency_stage(ctx: StageContext) -> dict[str, Any]:
         entropy = -(np.where(share > 0, share * np.log(share), 0.0)).sum(1) / np.log(E)
     rel = "router_frequency.npz"
     with (ctx.out_dir / rel).open("wb") as f:
-        np.savez_compressed(f, layers=tr.layers, counts=counts,
-                            prefill_counts=expert_counts(tr.ids[tr.phase == PREFILL], E),
-                            decode_counts=expert_counts(tr.ids[tr.phase == DECODE], E),
-                            frequency=share.astype(np.float32))
+        np.savez_compressed(
+            f,
+            layers=tr.layers,
+            counts=counts,
+            prefill_counts=expert_counts(tr.ids[tr.phase == PREFILL], E),
+            decode_counts=expert_counts(tr.ids[tr.phase == DECODE], E),
+            frequency=share.astype(np.float32),
+        )
     sim = prefill_decode_similarity(tr.ids, tr.phase, E)
-    return {"file": rel, "tokens": tr.n_tokens, "entropy": np.round(entropy, 4).tolist(),
-            "skew": np.round(share.max(1) * E, 3).tolist(),
-            "prefill_decode_similarity": None if sim is None else np.round(sim, 4).tolist()}
+    return {
+        "file": rel,
+        "tokens": tr.n_tokens,
+        "entropy": np.round(entropy, 4).tolist(),
+        "skew": np.round(share.max(1) * E, 3).tolist(),
+        "prefill_decode_similarity": None if sim is None else np.round(sim, 4).tolist(),
+    }

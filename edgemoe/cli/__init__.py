@@ -5,6 +5,7 @@
 - calibrate: calibrate, predict-eval;  bench: bench;  serve: serve (the HTTP server in edgemoe.serve);
 - options, cache_options, types: options and parameter types shared by the groups.
 """
+
 from __future__ import annotations
 
 from .main import cli, main

@@ -1,4 +1,5 @@
 """edgemoe CLI, analysis commands: trace, trace-stats, verify, perplexity (registered by edgemoe.cli.main)."""
+
 from __future__ import annotations
 
 import json
@@ -14,24 +15,66 @@ from .types import THREADS, GGUFPath, IntList, OutputPath
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="text file to run through the model")
-@click.option("--out", "out_path", type=OutputPath(), required=True,
-              help="trace file to write (.npz); written only when complete")
+@click.option(
+    "--input",
+    "input_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+    help="text file to run through the model",
+)
+@click.option(
+    "--out",
+    "out_path",
+    type=OutputPath(),
+    required=True,
+    help="trace file to write (.npz); written only when complete",
+)
 @click.option("--heldout", is_flag=True, help="trace only the held-out split (the last 10%) of --input")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="trace at most this many tokens of the input")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=512, show_default=True,
-              help="tokens per sequence: the input is cut into chunks of this size")
-@click.option("--mode", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True,
-              help="prefill: each chunk in one prefill; decode: a short prefill, then one token per decode")
-@click.option("--prefill-tokens", type=click.IntRange(min=1), default=32, show_default=True,
-              help="with --mode decode: tokens prefilled before decoding starts")
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="trace at most this many tokens of the input",
+)
+@click.option(
+    "--ctx",
+    "n_ctx",
+    type=click.IntRange(min=16),
+    default=512,
+    show_default=True,
+    help="tokens per sequence: the input is cut into chunks of this size",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["prefill", "decode"]),
+    default="prefill",
+    show_default=True,
+    help="prefill: each chunk in one prefill; decode: a short prefill, then one token per decode",
+)
+@click.option(
+    "--prefill-tokens",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="with --mode decode: tokens prefilled before decoding starts",
+)
 @click.option("--gate-inputs", is_flag=True, help="also record the router inputs (hidden states, float16)")
 @click.option("--probs", is_flag=True, help="also record the full router probabilities")
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
-def trace(model: Path, input_path: Path, heldout: bool, out_path: Path, max_tokens: int, n_ctx: int,
-          mode: str, prefill_tokens: int, gate_inputs: bool, probs: bool, threads: int) -> None:
+def trace(
+    model: Path,
+    input_path: Path,
+    heldout: bool,
+    out_path: Path,
+    max_tokens: int,
+    n_ctx: int,
+    mode: str,
+    prefill_tokens: int,
+    gate_inputs: bool,
+    probs: bool,
+    threads: int,
+) -> None:
     """Record which experts every MoE layer picks for every token of a text."""
     from ..analysis.trace import record_trace
     from ..calibration.corpus import split_corpus
@@ -47,13 +90,24 @@ def trace(model: Path, input_path: Path, heldout: bool, out_path: Path, max_toke
             raise click.ClickException(f"{model.name} is a dense model: there are no experts to trace")
         tokens = eng.tokenize(text)[:max_tokens]
         with progress_bar(len(tokens), "trace", unit="tok") as bar:
-            tr = record_trace(eng, tokens, ctx=n_ctx, mode=mode, prefill_tokens=prefill_tokens,
-                              probs=probs, gate_inputs=gate_inputs, progress=bar)
+            tr = record_trace(
+                eng,
+                tokens,
+                ctx=n_ctx,
+                mode=mode,
+                prefill_tokens=prefill_tokens,
+                probs=probs,
+                gate_inputs=gate_inputs,
+                progress=bar,
+            )
     tr.meta["input"] = str(input_path)
     tr.meta["heldout"] = heldout
     tr.save(out_path)
-    click.echo(f"wrote {out_path}: {tr.n_tokens} tokens x {len(tr.layers)} MoE layers x top-{tr.ids.shape[2]} "
-               f"({mode})", err=True)
+    click.echo(
+        f"wrote {out_path}: {tr.n_tokens} tokens x {len(tr.layers)} MoE layers x top-{tr.ids.shape[2]} "
+        f"({mode})",
+        err=True,
+    )
 
 
 @click.command()
@@ -77,18 +131,43 @@ def verify(model: Path, threads: int, as_json: bool) -> None:
 
 @click.command("trace-stats")
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--model", type=GGUFPath(), default=None,
-              help="the GGUF the trace came from (default: the path in the trace), for gate-reuse accuracy")
-@click.option("--window", type=click.IntRange(min=2), default=32, show_default=True,
-              help="tokens per window for the high-workload adjacency")
+@click.option(
+    "--model",
+    type=GGUFPath(),
+    default=None,
+    help="the GGUF the trace came from (default: the path in the trace), for gate-reuse accuracy",
+)
+@click.option(
+    "--window",
+    type=click.IntRange(min=2),
+    default=32,
+    show_default=True,
+    help="tokens per window for the high-workload adjacency",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--plots", "plots_dir", type=OutputPath(directory=True), default=None,
-              help="write PNG figures into this directory")
-@click.option("--lru-sizes", type=IntList(), default=None, metavar="N,N,...",
-              help="LRU cache sizes (experts per MoE layer) to replay, e.g. 24,32,49 (default: 8 sizes from top-k "
-                   "to the expert count)")
-def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool, plots_dir: Path | None,
-                lru_sizes: list[int] | None) -> None:
+@click.option(
+    "--plots",
+    "plots_dir",
+    type=OutputPath(directory=True),
+    default=None,
+    help="write PNG figures into this directory",
+)
+@click.option(
+    "--lru-sizes",
+    type=IntList(),
+    default=None,
+    metavar="N,N,...",
+    help="LRU cache sizes (experts per MoE layer) to replay, e.g. 24,32,49 (default: 8 sizes from top-k "
+    "to the expert count)",
+)
+def trace_stats(
+    trace_path: Path,
+    model: Path | None,
+    window: int,
+    as_json: bool,
+    plots_dir: Path | None,
+    lru_sizes: list[int] | None,
+) -> None:
     """Routing statistics of a trace: frequency, locality, reuse over the next token and 8 tokens, prompt
     coverage, similarity, gate reuse, LRU hit rates (per layer and the mean, `lru_hit_rate_mean`)."""
     from ..analysis.report import format_stats
@@ -103,40 +182,81 @@ def trace_stats(trace_path: Path, model: Path | None, window: int, as_json: bool
         if src.is_file():
             routers = load_routers(str(src), [int(x) for x in tr.layers])
     if lru_sizes and max(lru_sizes) > tr.n_expert:
-        raise click.BadParameter(f"the trace routes {tr.n_expert} experts per layer: use sizes up to that",
-                                 param_hint="--lru-sizes")
+        raise click.BadParameter(
+            f"the trace routes {tr.n_expert} experts per layer: use sizes up to that",
+            param_hint="--lru-sizes",
+        )
     st = compute_stats(tr, routers=routers, window=window, lru_sizes=lru_sizes)
     d = st.to_dict()
-    d["trace"] = {"path": str(trace_path), "tokens": tr.n_tokens, "mode": tr.meta.get("mode"),
-                  "model": tr.meta.get("model"), "input": tr.meta.get("input"), "routing": tr.meta.get("routing")}
+    d["trace"] = {
+        "path": str(trace_path),
+        "tokens": tr.n_tokens,
+        "mode": tr.meta.get("mode"),
+        "model": tr.meta.get("model"),
+        "input": tr.meta.get("input"),
+        "routing": tr.meta.get("routing"),
+    }
     if plots_dir is not None:
         from ..analysis.trace_plots import write_plots
 
-        d["plots"] = [str(p) for p in write_plots(st, plots_dir, Path(str(tr.meta.get("model", "trace"))).stem)]
+        d["plots"] = [
+            str(p) for p in write_plots(st, plots_dir, Path(str(tr.meta.get("model", "trace"))).stem)
+        ]
     if as_json:
         click.echo(json.dumps(d))
         return
     click.echo(format_stats(d))
 
 
-
 @click.command("trace-synth")
-@click.option("--routing", type=click.Choice(routing_names()), required=True,
-              help="bundled routing profile: a real model's (calibrated on published traces) or fixture-qwen3moe "
-                   "(the tiny trained fixture's, a toy far less local than real models)")
-@click.option("--tokens", type=click.IntRange(min=1), required=True,
-              help="tokens to draw, rounded up to whole prompts of --seq-len")
+@click.option(
+    "--routing",
+    type=click.Choice(routing_names()),
+    required=True,
+    help="bundled routing profile: a real model's (calibrated on published traces) or fixture-qwen3moe "
+    "(the tiny trained fixture's, a toy far less local than real models)",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=1),
+    required=True,
+    help="tokens to draw, rounded up to whole prompts of --seq-len",
+)
 @click.option("--out", "out_path", type=OutputPath(), required=True, help="trace file to write (.npz)")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=1), default=512, show_default=True,
-              help="tokens per prompt (expert popularity drifts from one prompt to the next)")
-@click.option("--prefill-tokens", type=click.IntRange(min=0), default=None,
-              help="tokens of each prompt marked prefill, the rest decode (default: half of --seq-len)")
-@click.option("--experts", type=click.IntRange(min=1), default=None, help="routed experts (default: the profile's)")
-@click.option("--top-k", type=click.IntRange(min=1), default=None, help="experts per token (default: the profile's)")
-@click.option("--layers", type=click.IntRange(min=1), default=None, help="MoE layers (default: the profile's)")
-def trace_synth(routing: str, tokens: int, out_path: Path, seed: int, seq_len: int, prefill_tokens: int | None,
-                experts: int | None, top_k: int | None, layers: int | None) -> None:
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="tokens per prompt (expert popularity drifts from one prompt to the next)",
+)
+@click.option(
+    "--prefill-tokens",
+    type=click.IntRange(min=0),
+    default=None,
+    help="tokens of each prompt marked prefill, the rest decode (default: half of --seq-len)",
+)
+@click.option(
+    "--experts", type=click.IntRange(min=1), default=None, help="routed experts (default: the profile's)"
+)
+@click.option(
+    "--top-k", type=click.IntRange(min=1), default=None, help="experts per token (default: the profile's)"
+)
+@click.option(
+    "--layers", type=click.IntRange(min=1), default=None, help="MoE layers (default: the profile's)"
+)
+def trace_synth(
+    routing: str,
+    tokens: int,
+    out_path: Path,
+    seed: int,
+    seq_len: int,
+    prefill_tokens: int | None,
+    experts: int | None,
+    top_k: int | None,
+    layers: int | None,
+) -> None:
     """Write a synthetic routing trace drawn from a bundled routing profile (`trace-stats`, `simulate --trace`
     and `plan --trace` read it); the trace's meta names the routing. Expert weights carry no information."""
     from ..analysis.routing_profile import load_routing_profile
@@ -145,42 +265,91 @@ def trace_synth(routing: str, tokens: int, out_path: Path, seed: int, seq_len: i
     seq_len = min(seq_len, tokens)
     prefill = seq_len // 2 if prefill_tokens is None else min(prefill_tokens, seq_len)
     n_seq = -(-tokens // seq_len)
-    tr = prof.synthesize(n_expert=experts, k=top_k, n_layer=layers, n_seq=n_seq, prefill=prefill,
-                         decode=seq_len - prefill, seed=seed)
+    tr = prof.synthesize(
+        n_expert=experts,
+        k=top_k,
+        n_layer=layers,
+        n_seq=n_seq,
+        prefill=prefill,
+        decode=seq_len - prefill,
+        seed=seed,
+    )
     tr.save(out_path)
-    click.echo(f"wrote {out_path}: {tr.n_tokens} tokens ({n_seq} prompts of {seq_len}, {prefill} prefill) x "
-               f"{len(tr.layers)} MoE layers x top-{tr.ids.shape[2]} of {tr.n_expert}, routing {prof.name}"
-               + (" (TOY)" if prof.toy else ""), err=True)
+    click.echo(
+        f"wrote {out_path}: {tr.n_tokens} tokens ({n_seq} prompts of {seq_len}, {prefill} prefill) x "
+        f"{len(tr.layers)} MoE layers x top-{tr.ids.shape[2]} of {tr.n_expert}, routing {prof.name}"
+        + (" (TOY)" if prof.toy else ""),
+        err=True,
+    )
 
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="text to score (use held-out text)")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=512, show_default=True,
-              help="tokens per chunk; each chunk is a fresh sequence")
+@click.option(
+    "--input",
+    "input_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+    help="text to score (use held-out text)",
+)
+@click.option(
+    "--ctx",
+    "n_ctx",
+    type=click.IntRange(min=16),
+    default=512,
+    show_default=True,
+    help="tokens per chunk; each chunk is a fresh sequence",
+)
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="score at most this many tokens")
 @gating_options
-@click.option("--degrade", "degrade_ratio", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
-              help="DAOP's graceful degradation with ratio r: a token's non-resident expert (not its top-1) is "
-                   "replaced by a resident one it did not select whose router score is >= r times its own; the "
-                   "residency is DAOP's with --expert-slots per MoE layer, swapped by each chunk's prompt")
-@click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
-              help="DAOP's pre-calculation from MoE layer L on, as llama.cpp runs it: each chunk runs twice, its "
-                   "prompt in one ubatch and the rest one token at a time, without and with it, over an expert "
-                   "cache of --expert-slots per layer holding the calibration's most used decode experts (DAOP's "
-                   "placement, not swapped); reports both NLLs, their top-1 agreement and the share of the CPU's "
-                   "expert executions that ran a layer early")
-@click.option("--expert-slots", type=click.IntRange(min=0), default=None,
-              help="with --degrade or --precalc-from: DAOP's slots per MoE layer (the resident experts)")
-@click.option("--prompt-tokens", type=click.IntRange(min=0), default=None,
-              help="score each chunk only after its first P tokens (with --degrade: the prompt DAOP swaps by, "
-                   "never degraded; default 32 with --degrade, else 0); compare runs with the same P")
+@click.option(
+    "--degrade",
+    "degrade_ratio",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=None,
+    help="DAOP's graceful degradation with ratio r: a token's non-resident expert (not its top-1) is "
+    "replaced by a resident one it did not select whose router score is >= r times its own; the "
+    "residency is DAOP's with --expert-slots per MoE layer, swapped by each chunk's prompt",
+)
+@click.option(
+    "--precalc-from",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="L",
+    help="DAOP's pre-calculation from MoE layer L on, as llama.cpp runs it: each chunk runs twice, its "
+    "prompt in one ubatch and the rest one token at a time, without and with it, over an expert "
+    "cache of --expert-slots per layer holding the calibration's most used decode experts (DAOP's "
+    "placement, not swapped); reports both NLLs, their top-1 agreement and the share of the CPU's "
+    "expert executions that ran a layer early",
+)
+@click.option(
+    "--expert-slots",
+    type=click.IntRange(min=0),
+    default=None,
+    help="with --degrade or --precalc-from: DAOP's slots per MoE layer (the resident experts)",
+)
+@click.option(
+    "--prompt-tokens",
+    type=click.IntRange(min=0),
+    default=None,
+    help="score each chunk only after its first P tokens (with --degrade: the prompt DAOP swaps by, "
+    "never degraded; default 32 with --degrade, else 0); compare runs with the same P",
+)
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, gating: Any,
-               degrade_ratio: float | None, precalc_from: int | None, expert_slots: int | None,
-               prompt_tokens: int | None, threads: int, as_json: bool) -> None:
+def perplexity(
+    model: Path,
+    input_path: Path,
+    n_ctx: int,
+    max_tokens: int | None,
+    gating: Any,
+    degrade_ratio: float | None,
+    precalc_from: int | None,
+    expert_slots: int | None,
+    prompt_tokens: int | None,
+    threads: int,
+    as_json: bool,
+) -> None:
     """Held-out NLL and perplexity through edgemoe, and the expert activations computed.
 
     Gating and degradation apply to every scored token here (the text stands in for decode).
@@ -195,14 +364,27 @@ def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None
     calibration = gating.calibration
     if precalc_from is not None:
         if degrade_ratio is not None or expert_slots is None:
-            raise click.UsageError("--precalc-from takes --expert-slots (the experts outside the slots are "
-                                   "pre-calculated), not --degrade")
-        _precalc_perplexity(model, input_path, n_ctx, max_tokens, calibration, precalc_from, expert_slots,
-                            32 if prompt_tokens is None else prompt_tokens, threads, as_json)
+            raise click.UsageError(
+                "--precalc-from takes --expert-slots (the experts outside the slots are "
+                "pre-calculated), not --degrade"
+            )
+        _precalc_perplexity(
+            model,
+            input_path,
+            n_ctx,
+            max_tokens,
+            calibration,
+            precalc_from,
+            expert_slots,
+            32 if prompt_tokens is None else prompt_tokens,
+            threads,
+            as_json,
+        )
         return
     if (degrade_ratio is None) != (expert_slots is None):
-        raise click.UsageError("--degrade and --expert-slots go together (degradation routes to the experts "
-                               "DAOP's slots hold)")
+        raise click.UsageError(
+            "--degrade and --expert-slots go together (degradation routes to the experts DAOP's slots hold)"
+        )
     skip = prompt_tokens if prompt_tokens is not None else 32 if degrade_ratio is not None else 0
     if skip >= n_ctx - 1:
         raise click.UsageError(f"--prompt-tokens {skip} leaves nothing of a --ctx {n_ctx} chunk to score")
@@ -221,27 +403,48 @@ def perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None
 
             cal = calibration_for(model, ("daop",), None, calibration, n_threads=eng.n_threads)
             assert cal is not None  # calibrated on first use when missing
-            residency, deg = daop_degradation(eng, cal, slots=min(expert_slots, eng.info.n_expert),
-                                              ratio=degrade_ratio, prompt_tokens=skip)
+            residency, deg = daop_degradation(
+                eng, cal, slots=min(expert_slots, eng.info.n_expert), ratio=degrade_ratio, prompt_tokens=skip
+            )
             policies += [residency, deg]
         with progress_bar(len(tokens), "perplexity", unit="tok") as bar:
             res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar, score_from=skip)
-    d = {"model": str(model), "input": str(input_path), "gating": gating.mode,
-         "threshold": policy.threshold if policy is not None else None, "prompt_tokens": skip, **res.to_dict()}
+    d = {
+        "model": str(model),
+        "input": str(input_path),
+        "gating": gating.mode,
+        "threshold": policy.threshold if policy is not None else None,
+        "prompt_tokens": skip,
+        **res.to_dict(),
+    }
     if deg is not None:
         d["degrade"] = {**deg.report(), "expert_slots": expert_slots}
     if as_json:
         click.echo(json.dumps(d))
         return
-    click.echo(f"nll {res.nll:.4f}  ppl {res.ppl:.3f}  tokens {res.tokens}  expert activations "
-               f"{res.expert_activations} of {res.full_activations} (reduction {res.activation_reduction:.1%})")
+    click.echo(
+        f"nll {res.nll:.4f}  ppl {res.ppl:.3f}  tokens {res.tokens}  expert activations "
+        f"{res.expert_activations} of {res.full_activations} (reduction {res.activation_reduction:.1%})"
+    )
     if deg is not None:
-        click.echo(f"degradation r={degrade_ratio}: {deg.n_replaced} of {deg.n_cpu} CPU expert executions moved "
-                   f"to resident experts ({(deg.cpu_avoided or 0.0):.1%}), {expert_slots} slots per MoE layer")
+        click.echo(
+            f"degradation r={degrade_ratio}: {deg.n_replaced} of {deg.n_cpu} CPU expert executions moved "
+            f"to resident experts ({(deg.cpu_avoided or 0.0):.1%}), {expert_slots} slots per MoE layer"
+        )
 
 
-def _precalc_perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: int | None, calibration: Path | None,
-                        first_layer: int, expert_slots: int, prompt_tokens: int, threads: int, as_json: bool) -> None:
+def _precalc_perplexity(
+    model: Path,
+    input_path: Path,
+    n_ctx: int,
+    max_tokens: int | None,
+    calibration: Path | None,
+    first_layer: int,
+    expert_slots: int,
+    prompt_tokens: int,
+    threads: int,
+    as_json: bool,
+) -> None:
     """perplexity --precalc-from: edgemoe.analysis.precalc_run over DAOP's placement (static, not swapped)."""
     from ..analysis.precalc_run import precalc_run
     from ..placement import check_precalc_from, enable_static_placement
@@ -249,24 +452,41 @@ def _precalc_perplexity(model: Path, input_path: Path, n_ctx: int, max_tokens: i
     from ..runtime.engine import Engine, LoadConfig
 
     if prompt_tokens < 1 or prompt_tokens >= n_ctx - 1:
-        raise click.UsageError(f"--prompt-tokens {prompt_tokens}: use 1..{n_ctx - 2} with --precalc-from (the prompt "
-                               "runs in one ubatch, the rest token by token)")
+        raise click.UsageError(
+            f"--prompt-tokens {prompt_tokens}: use 1..{n_ctx - 2} with --precalc-from (the prompt "
+            "runs in one ubatch, the rest token by token)"
+        )
     text = input_path.read_text(encoding="utf-8", errors="replace")
     with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
         check_precalc_from(eng.info, first_layer)
         enable_static_placement(eng, model, expert_slots, calibration)
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
         with progress_bar(2 * len(tokens), "perplexity (without, with pre-calculation)", unit="tok") as bar:
-            run = precalc_run(eng, tokens, ctx=n_ctx, prompt_tokens=prompt_tokens, first_layer=first_layer,
-                              progress=lambda k: bar(2 * k))
-    d = {"model": str(model), "input": str(input_path), "prompt_tokens": prompt_tokens, "expert_slots": expert_slots,
-         "precalc": run.to_dict()}
+            run = precalc_run(
+                eng,
+                tokens,
+                ctx=n_ctx,
+                prompt_tokens=prompt_tokens,
+                first_layer=first_layer,
+                progress=lambda k: bar(2 * k),
+            )
+    d = {
+        "model": str(model),
+        "input": str(input_path),
+        "prompt_tokens": prompt_tokens,
+        "expert_slots": expert_slots,
+        "precalc": run.to_dict(),
+    }
     if as_json:
         click.echo(json.dumps(d))
         return
     st = run.stats
     share = st["early_share"]
-    click.echo(f"nll {run.nll:.4f} with pre-calculation from layer {first_layer}, {run.nll_off:.4f} without "
-               f"({run.nll_change:+.2%}), top-1 agreement {run.top1_agreement:.3f}, {run.tokens} tokens")
-    click.echo(f"pre-calculated {st['used']} of {st['used'] + st['late']} CPU expert executions "
-               f"({(share or 0.0):.1%}); {st['computed'] - st['used']} computed for nothing")
+    click.echo(
+        f"nll {run.nll:.4f} with pre-calculation from layer {first_layer}, {run.nll_off:.4f} without "
+        f"({run.nll_change:+.2%}), top-1 agreement {run.top1_agreement:.3f}, {run.tokens} tokens"
+    )
+    click.echo(
+        f"pre-calculated {st['used']} of {st['used'] + st['late']} CPU expert executions "
+        f"({(share or 0.0):.1%}); {st['computed'] - st['used']} computed for nothing"
+    )

@@ -1,4 +1,5 @@
 """`edgemoe bench`: stock placements vs the expert cache at one VRAM budget (edgemoe.perf.bench)."""
+
 from __future__ import annotations
 
 import json
@@ -13,38 +14,93 @@ from .types import THREADS, GGUFPath, OutputPath, Size
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--vram", type=Size(auto=True), default="8GiB", show_default=True,
-              help="GPU budget shared by every configuration (auto: this GPU's free memory)")
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True,
-              help="prompt length: prefill t/s and TTFT, and the TTFT of a second request on the same prefix "
-                   "('reuse ms': its KV state restored from host memory, as serve's prompt cache does)")
+@click.option(
+    "--vram",
+    type=Size(auto=True),
+    default="8GiB",
+    show_default=True,
+    help="GPU budget shared by every configuration (auto: this GPU's free memory)",
+)
+@click.option(
+    "--prompt-tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="prompt length: prefill t/s and TTFT, and the TTFT of a second request on the same prefix "
+    "('reuse ms': its KV state restored from host memory, as serve's prompt cache does)",
+)
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("-t", "--threads", type=THREADS, default=0, help="CPU threads (default: physical cores)")
-@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "dali", "static", "daop", "promoe"]),
-              default=("lru", "static"), show_default=True, help="edgemoe policies to run (repeatable)")
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    type=click.Choice(["lru", "dali", "static", "daop", "promoe"]),
+    default=("lru", "static"),
+    show_default=True,
+    help="edgemoe policies to run (repeatable)",
+)
 @click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP)
-@click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="calibration directory for the static policy and dp allocation (default: the model's)")
-@click.option("--profile", "profile_path", default=None,
-              help="machine profile for the projection printed beside each row (default: this machine's, "
-                   "if `edgemoe profile` has written one; 'none' turns projections off)")
-@click.option("--compare-overlap", is_flag=True,
-              help="also run each policy with CPU/GPU overlap off (rows ending in 'no-overlap')")
-@click.option("--assign", type=click.Choice(["ratio", "greedy"]), default=None,
-              help="also run lru and dali with this CPU/GPU assigner ('... +assign' rows; generate --assign), "
-                   "priced by --profile, which must have a GPU")
-@click.option("--device-prefill", type=click.IntRange(min=0), default=0, metavar="N",
-              help="also run each policy with prefill ubatches of N+ tokens on the GPU ('... +device prefill' rows; "
-                   "generate --device-prefill), its slots leaving room for the two prefill buffers")
-@click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
-              help="also run each policy with DAOP's pre-calculation from layer L ('... +precalc L' rows; generate "
-                   "--precalc-from), projected at the rates each row measures")
+@click.option(
+    "--calibration",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="calibration directory for the static policy and dp allocation (default: the model's)",
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    default=None,
+    help="machine profile for the projection printed beside each row (default: this machine's, "
+    "if `edgemoe profile` has written one; 'none' turns projections off)",
+)
+@click.option(
+    "--compare-overlap",
+    is_flag=True,
+    help="also run each policy with CPU/GPU overlap off (rows ending in 'no-overlap')",
+)
+@click.option(
+    "--assign",
+    type=click.Choice(["ratio", "greedy"]),
+    default=None,
+    help="also run lru and dali with this CPU/GPU assigner ('... +assign' rows; generate --assign), "
+    "priced by --profile, which must have a GPU",
+)
+@click.option(
+    "--device-prefill",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="also run each policy with prefill ubatches of N+ tokens on the GPU ('... +device prefill' rows; "
+    "generate --device-prefill), its slots leaving room for the two prefill buffers",
+)
+@click.option(
+    "--precalc-from",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="L",
+    help="also run each policy with DAOP's pre-calculation from layer L ('... +precalc L' rows; generate "
+    "--precalc-from), projected at the rates each row measures",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
-def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: int, policies: tuple[str, ...],
-          alloc: str | None, calibration: Path | None, profile_path: str | None, compare_overlap: bool,
-          assign: str | None, device_prefill: int, precalc_from: int | None, as_json: bool,
-          plot: Path | None) -> None:
+def bench(
+    model: Path,
+    vram: int,
+    prompt_tokens: int,
+    gen_tokens: int,
+    threads: int,
+    policies: tuple[str, ...],
+    alloc: str | None,
+    calibration: Path | None,
+    profile_path: str | None,
+    compare_overlap: bool,
+    assign: str | None,
+    device_prefill: int,
+    precalc_from: int | None,
+    as_json: bool,
+    plot: Path | None,
+) -> None:
     """Prefill/decode tokens/s, TTFT, TPOT and VRAM: stock -ot exps=CPU, the best --n-cpu-moe, edgemoe policies."""
     from ..perf.bench import BenchSpec, format_table, run_bench
     from ..perf.bench import plot as plot_png
@@ -58,10 +114,20 @@ def bench(model: Path, vram: int, prompt_tokens: int, gen_tokens: int, threads: 
         profile = default_profile_path() if default_profile_path().exists() else None
     else:
         profile = None if profile_path == "none" else Path(profile_path)
-    spec = BenchSpec(vram=vram, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, threads=threads,
-                     policies=policies, calibration=calibration_for(model, policies, alloc, calibration, n_threads=threads),
-                     alloc=alloc, profile=profile, compare_overlap=compare_overlap, assign=assign,
-                     device_prefill=device_prefill, precalc_from=precalc_from)
+    spec = BenchSpec(
+        vram=vram,
+        prompt_tokens=prompt_tokens,
+        gen_tokens=gen_tokens,
+        threads=threads,
+        policies=policies,
+        calibration=calibration_for(model, policies, alloc, calibration, n_threads=threads),
+        alloc=alloc,
+        profile=profile,
+        compare_overlap=compare_overlap,
+        assign=assign,
+        device_prefill=device_prefill,
+        precalc_from=precalc_from,
+    )
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:
         plot_png(res, plot)

@@ -1,5 +1,6 @@
 """The expert cache's options (--vram, --expert-slots, --policy, --alloc, ...) as one group: a command gets one
 checked edgemoe.placement.CacheRequest."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,89 +12,150 @@ from ..placement import POLICIES, CacheRequest, cache_request
 from .options import option_group
 from .types import Size
 
-POLICY_HELP = ("which experts the slots hold: lru (load misses for the next token), dali (DALI's "
-               "workload-aware replacement: every --dali-window tokens the most-used absent experts "
-               "replace the least-used resident ones; with --dali-prefetch also DALI's prefetcher, in the "
-               "routing hook), daop (DAOP: the calibration's "
-               "most used decode experts, swapped once per prompt by the prompt's routing), static (the calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer "
-               "the calibration's predictor names the experts of the layer --prefetch-distance ahead, which are "
-               "copied before it runs; an LRU otherwise; inside llama.cpp, the predictor in the graph, stopping at each "
-               "cached layer), manual (API only); lru, dali, daop, static and manual run inside llama.cpp's graph "
-               "without stopping. static, daop, promoe and dali with "
-               "--dali-prefetch calibrate a model without calibration data on first use. Default: static (projected "
-               "fastest on a GPU), or the policy the other options belong to: dali with --dali-window, "
-               "--dali-update or --dali-prefetch, promoe with --prefetch-distance or --prefetch-extra, lru with "
-               "--assign or --blocking-loads")
-ALLOC_HELP = ("slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
-              "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
-              "average). Default: dp when the calibration has a routing trace, else equal")
+POLICY_HELP = (
+    "which experts the slots hold: lru (load misses for the next token), dali (DALI's "
+    "workload-aware replacement: every --dali-window tokens the most-used absent experts "
+    "replace the least-used resident ones; with --dali-prefetch also DALI's prefetcher, in the "
+    "routing hook), daop (DAOP: the calibration's "
+    "most used decode experts, swapped once per prompt by the prompt's routing), static (the calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer "
+    "the calibration's predictor names the experts of the layer --prefetch-distance ahead, which are "
+    "copied before it runs; an LRU otherwise; inside llama.cpp, the predictor in the graph, stopping at each "
+    "cached layer), manual (API only); lru, dali, daop, static and manual run inside llama.cpp's graph "
+    "without stopping. static, daop, promoe and dali with "
+    "--dali-prefetch calibrate a model without calibration data on first use. Default: static (projected "
+    "fastest on a GPU), or the policy the other options belong to: dali with --dali-window, "
+    "--dali-update or --dali-prefetch, promoe with --prefetch-distance or --prefetch-extra, lru with "
+    "--assign or --blocking-loads"
+)
+ALLOC_HELP = (
+    "slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
+    "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
+    "average). Default: dp when the calibration has a routing trace, else equal"
+)
 
 
 def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The cache's options, given to the command as `cache`: a CacheRequest (not enabled without a budget)."""
     opts = [
-        click.option("--vram", type=Size(auto=True), default=None,
-                     help="GPU budget, e.g. 6GiB (auto: the GPU's free memory now): dense weights and KV cache "
-                          "first, the rest as expert slots (split over the MoE layers as --alloc says); a budget "
-                          "that holds the whole model runs it on the GPU as stock llama.cpp does, without an expert "
-                          "cache"),
-        click.option("--expert-slots", type=click.IntRange(min=0), default=None,
-                     help="expert slots per MoE layer (instead of --vram; with --alloc dp the average)"),
+        click.option(
+            "--vram",
+            type=Size(auto=True),
+            default=None,
+            help="GPU budget, e.g. 6GiB (auto: the GPU's free memory now): dense weights and KV cache "
+            "first, the rest as expert slots (split over the MoE layers as --alloc says); a budget "
+            "that holds the whole model runs it on the GPU as stock llama.cpp does, without an expert "
+            "cache",
+        ),
+        click.option(
+            "--expert-slots",
+            type=click.IntRange(min=0),
+            default=None,
+            help="expert slots per MoE layer (instead of --vram; with --alloc dp the average)",
+        ),
         click.option("--policy", type=click.Choice(POLICIES), default=None, help=POLICY_HELP),
         click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP),
-        click.option("--dali-window", type=click.IntRange(min=1), default=None,
-                     help="dali: tokens per window (the paper's w; default 4)"),
-        click.option("--dali-update", type=click.IntRange(min=1), default=None,
-                     help="dali: most experts replaced per window (the paper's u; default: experts per "
-                          "layer / 8, rounded up)"),
-        click.option("--dali-prefetch", type=click.IntRange(min=0), default=None,
-                     help="dali: also prefetch, at each MoE layer, the N experts of the next one that DALI's "
-                          "residual predictor expects most tokens to use (the paper's prefetch size: 1 for 8 "
-                          "experts, 4 for more; calibrates on first use; runs in the routing hook: a host sync "
-                          "per MoE layer). Default 0: replacement only, inside llama.cpp"),
-        click.option("--prefetch-distance", type=click.IntRange(min=1), default=None,
-                     help="promoe: predict the experts of the MoE layer this many layers ahead (default 2, "
-                          "ProMoE's stride; 1: the next layer)"),
-        click.option("--prefetch-extra", type=click.IntRange(min=0), default=None,
-                     help="promoe: prefetch the top k + M predicted experts (default 1)"),
-        click.option("--assign", type=click.Choice(["ratio", "greedy"]), default=None,
-                     help="lru, dali: at every MoE layer and step, load the misses a CPU/GPU assigner puts on "
-                          "the GPU before the layer runs (the others run on the CPU and load for the next "
-                          "step), minimising max(CPU time, GPU time + copies) by --profile's costs: ratio (the "
-                          "best cut, within 5% of the optimum) or greedy (DALI's). Runs in the routing hook: a "
-                          "host sync per MoE layer"),
-        click.option("--profile", default=None,
-                     help="--assign's machine profile: a bundled name (rtx4060-laptop, rtx4090-desktop, "
-                          "h100-server, and the backtest's machines: docs/research/performance-model.md) or a file; "
-                          "default: this machine's (`edgemoe profile`)"),
-        click.option("--degrade", type=click.FloatRange(0.0, 1.0, min_open=True), default=None, metavar="R",
-                     help="DAOP's graceful degradation: in decode, a token's expert that is not resident (not its "
-                          "best) is replaced by the best resident one it did not select whose router score is at "
-                          "least R times its own (e.g. 0.8). Fewer CPU experts for a small quality cost "
-                          "(docs/research/daop.md); changes the output; runs in the routing hook"),
-        click.option("--device-prefill", type=click.IntRange(min=0), default=0, metavar="N",
-                     help="prefill ubatches of N or more tokens (e.g. 32) also run each cached layer's other "
-                          "experts on the GPU, from two buffers of a whole layer's experts (taken from --vram) "
-                          "that the next cached layer's experts copy into while this one computes. Stops at "
-                          "each cached layer of a prefill ubatch. Default 0: off (they run on the CPU, or "
-                          "llama.cpp's op offload copies them)"),
-        click.option("--device-prefill-ahead", type=click.Choice(["all", "predicted", "routed"]), default="all",
-                     help="with --device-prefill, what copies one cached layer ahead: all (the next layer's "
-                          "experts outside its slots), predicted (those promoe's in-graph predictor names), routed "
-                          "(nothing: each layer copies what it routes, the GPU waiting)"),
-        click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
-                     help="DAOP's pre-calculation: in decode, each cached MoE layer from layer L on has its experts "
-                          "predicted at the layer before by its own router on that layer's input; the predicted "
-                          "ones outside its slots run on the CPU on that input while the GPU computes the layer's "
-                          "attention, and it takes their results (approximate: changes the output; the paper "
-                          "starts at a quarter of the depth; docs/research/daop.md). Projected slower than without "
-                          "it: 0.92-1.01x daop's decode from the last 3/8 of the layers, 0.77-0.98x from "
-                          "layer 1, on the bundled GPU profiles at 8 GiB (docs/research/performance-model.md). Needs "
-                          "the cache's tables: not with --degrade, --assign, --blocking-loads or "
-                          "--dali-prefetch. Default: off"),
-        click.option("--blocking-loads", is_flag=True,
-                     help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
-                          "it on the CPU (needs the routing callback: a host sync per MoE layer)"),
+        click.option(
+            "--dali-window",
+            type=click.IntRange(min=1),
+            default=None,
+            help="dali: tokens per window (the paper's w; default 4)",
+        ),
+        click.option(
+            "--dali-update",
+            type=click.IntRange(min=1),
+            default=None,
+            help="dali: most experts replaced per window (the paper's u; default: experts per "
+            "layer / 8, rounded up)",
+        ),
+        click.option(
+            "--dali-prefetch",
+            type=click.IntRange(min=0),
+            default=None,
+            help="dali: also prefetch, at each MoE layer, the N experts of the next one that DALI's "
+            "residual predictor expects most tokens to use (the paper's prefetch size: 1 for 8 "
+            "experts, 4 for more; calibrates on first use; runs in the routing hook: a host sync "
+            "per MoE layer). Default 0: replacement only, inside llama.cpp",
+        ),
+        click.option(
+            "--prefetch-distance",
+            type=click.IntRange(min=1),
+            default=None,
+            help="promoe: predict the experts of the MoE layer this many layers ahead (default 2, "
+            "ProMoE's stride; 1: the next layer)",
+        ),
+        click.option(
+            "--prefetch-extra",
+            type=click.IntRange(min=0),
+            default=None,
+            help="promoe: prefetch the top k + M predicted experts (default 1)",
+        ),
+        click.option(
+            "--assign",
+            type=click.Choice(["ratio", "greedy"]),
+            default=None,
+            help="lru, dali: at every MoE layer and step, load the misses a CPU/GPU assigner puts on "
+            "the GPU before the layer runs (the others run on the CPU and load for the next "
+            "step), minimising max(CPU time, GPU time + copies) by --profile's costs: ratio (the "
+            "best cut, within 5% of the optimum) or greedy (DALI's). Runs in the routing hook: a "
+            "host sync per MoE layer",
+        ),
+        click.option(
+            "--profile",
+            default=None,
+            help="--assign's machine profile: a bundled name (rtx4060-laptop, rtx4090-desktop, "
+            "h100-server, and the backtest's machines: docs/research/performance-model.md) or a file; "
+            "default: this machine's (`edgemoe profile`)",
+        ),
+        click.option(
+            "--degrade",
+            type=click.FloatRange(0.0, 1.0, min_open=True),
+            default=None,
+            metavar="R",
+            help="DAOP's graceful degradation: in decode, a token's expert that is not resident (not its "
+            "best) is replaced by the best resident one it did not select whose router score is at "
+            "least R times its own (e.g. 0.8). Fewer CPU experts for a small quality cost "
+            "(docs/research/daop.md); changes the output; runs in the routing hook",
+        ),
+        click.option(
+            "--device-prefill",
+            type=click.IntRange(min=0),
+            default=0,
+            metavar="N",
+            help="prefill ubatches of N or more tokens (e.g. 32) also run each cached layer's other "
+            "experts on the GPU, from two buffers of a whole layer's experts (taken from --vram) "
+            "that the next cached layer's experts copy into while this one computes. Stops at "
+            "each cached layer of a prefill ubatch. Default 0: off (they run on the CPU, or "
+            "llama.cpp's op offload copies them)",
+        ),
+        click.option(
+            "--device-prefill-ahead",
+            type=click.Choice(["all", "predicted", "routed"]),
+            default="all",
+            help="with --device-prefill, what copies one cached layer ahead: all (the next layer's "
+            "experts outside its slots), predicted (those promoe's in-graph predictor names), routed "
+            "(nothing: each layer copies what it routes, the GPU waiting)",
+        ),
+        click.option(
+            "--precalc-from",
+            type=click.IntRange(min=1),
+            default=None,
+            metavar="L",
+            help="DAOP's pre-calculation: in decode, each cached MoE layer from layer L on has its experts "
+            "predicted at the layer before by its own router on that layer's input; the predicted "
+            "ones outside its slots run on the CPU on that input while the GPU computes the layer's "
+            "attention, and it takes their results (approximate: changes the output; the paper "
+            "starts at a quarter of the depth; docs/research/daop.md). Projected slower than without "
+            "it: 0.92-1.01x daop's decode from the last 3/8 of the layers, 0.77-0.98x from "
+            "layer 1, on the bundled GPU profiles at 8 GiB (docs/research/performance-model.md). Needs "
+            "the cache's tables: not with --degrade, --assign, --blocking-loads or "
+            "--dali-prefetch. Default: off",
+        ),
+        click.option(
+            "--blocking-loads",
+            is_flag=True,
+            help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
+            "it on the CPU (needs the routing callback: a host sync per MoE layer)",
+        ),
     ]
     return option_group("cache", opts, _request)(f)
 

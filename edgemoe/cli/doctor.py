@@ -1,4 +1,5 @@
 """`edgemoe doctor`: the build, the devices, and a load + 4 greedy tokens on each, every step in a child process."""
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,26 @@ from .model import BUNDLED_MODEL
 
 
 @click.command()
-@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=BUNDLED_MODEL, show_default="the bundled fixture", help="GGUF to load in the checks")
-@click.option("--rpc", is_flag=True,
-              help="also check llama.cpp's RPC device on loopback (a GPU stand-in on a machine without one)")
-@click.option("--timeout", type=click.FloatRange(min=1.0), default=180.0, show_default=True,
-              help="seconds each step may take before it is killed and reported as a hang")
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=BUNDLED_MODEL,
+    show_default="the bundled fixture",
+    help="GGUF to load in the checks",
+)
+@click.option(
+    "--rpc",
+    is_flag=True,
+    help="also check llama.cpp's RPC device on loopback (a GPU stand-in on a machine without one)",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1.0),
+    default=180.0,
+    show_default=True,
+    help="seconds each step may take before it is killed and reported as a hang",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON (for tools and bug reports)")
 def doctor(model_path: Path, rpc: bool, timeout: float, as_json: bool) -> None:
     """Check this machine and build: what you run first, and what you paste into a bug report.

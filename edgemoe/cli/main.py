@@ -3,6 +3,7 @@
 The root group and the one place where every command group's commands are registered;
 the command modules (model, analysis, calibrate, bench) never import this module.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,19 +39,22 @@ class EdgeMoeGroup(click.Group):
                 raise
             raise click.ClickException(
                 f"unexpected {type(err).__name__}: {err} (run `edgemoe --debug ...` for the traceback "
-                "and please report it)") from err
+                "and please report it)"
+            ) from err
 
 
 @click.group(cls=EdgeMoeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="edgemoe")
-@click.option("--debug", is_flag=True, envvar="EDGEMOE_DEBUG",
-              help="show llama.cpp's log and full tracebacks")
+@click.option(
+    "--debug", is_flag=True, envvar="EDGEMOE_DEBUG", help="show llama.cpp's log and full tracebacks"
+)
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
     """edgemoe: run GGUF Mixture-of-Experts models fast on a CPU + GPU."""
     ctx.meta["edgemoe.debug"] = debug
-    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     if not debug:
         logging.getLogger("edgemoe.llama_cpp").setLevel(logging.CRITICAL)
     if debug:  # native aborts with ggml's backtrace; edgemoe.runtime.native reads this when it loads
@@ -60,10 +64,22 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 COMMANDS: tuple[click.Command, ...] = (
-    model.inspect, model.generate, model.chat, serve.serve,
-    analysis.trace, analysis.trace_stats, analysis.trace_synth, analysis.verify, analysis.perplexity,
-    calibrate.calibrate, calibrate.predict_eval,
-    bench.bench, perf.profile, perf.simulate, perf.plan, doctor.doctor,
+    model.inspect,
+    model.generate,
+    model.chat,
+    serve.serve,
+    analysis.trace,
+    analysis.trace_stats,
+    analysis.trace_synth,
+    analysis.verify,
+    analysis.perplexity,
+    calibrate.calibrate,
+    calibrate.predict_eval,
+    bench.bench,
+    perf.profile,
+    perf.simulate,
+    perf.plan,
+    doctor.doctor,
 )
 for _command in COMMANDS:
     cli.add_command(_command)

@@ -1,4 +1,5 @@
 """Commands on one model: inspect (header, VRAM plan), generate, chat."""
+
 from __future__ import annotations
 
 import io
@@ -28,17 +29,33 @@ def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None
     """edgemoe.placement.open_engine with the command's options, its notes on stderr."""
     from ..placement import open_engine
 
-    return open_engine(model, cache=cache, n_ctx=run.n_ctx, n_threads=run.threads, n_gpu_layers=run.gpu_layers,
-                       calibration=gating.calibration if gating is not None else None, gating=gating,
-                       notify=_notify)
+    return open_engine(
+        model,
+        cache=cache,
+        n_ctx=run.n_ctx,
+        n_threads=run.threads,
+        n_gpu_layers=run.gpu_layers,
+        calibration=gating.calibration if gating is not None else None,
+        gating=gating,
+        notify=_notify,
+    )
 
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--vram", type=Size(auto=True), default=None,
-              help="show what a GPU budget like 8GiB can hold (auto: this GPU's free memory)")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
-              help="context length for the KV-cache estimate (default: the model's, at most 4096)")
+@click.option(
+    "--vram",
+    type=Size(auto=True),
+    default=None,
+    help="show what a GPU budget like 8GiB can hold (auto: this GPU's free memory)",
+)
+@click.option(
+    "--ctx",
+    "n_ctx",
+    type=click.IntRange(min=0),
+    default=0,
+    help="context length for the KV-cache estimate (default: the model's, at most 4096)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
@@ -54,7 +71,9 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     if as_json:
         d = info_to_dict(info)
         if info.is_moe:
-            d["weight_rules"] = {str(il): {"rule": r.rule, "scale": r.scale} for il, r in sorted(rules.items())}
+            d["weight_rules"] = {
+                str(il): {"rule": r.rule, "scale": r.scale} for il, r in sorted(rules.items())
+            }
         if plan is not None:
             d["vram_plan"] = plan_to_dict(plan)
         click.echo(json.dumps(d, indent=1))
@@ -64,8 +83,10 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
         click.echo(f"{'weights':12} {describe_rules(rules)}  (as llama.cpp weights the selected experts)")
     if plan is not None and vram is not None:  # a plan is made only for a budget
         click.echo(format_vram_plan(plan))
-        click.echo(f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
-                   f"`{plan_command(model, vram, n_ctx)}`")
+        click.echo(
+            f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
+            f"`{plan_command(model, vram, n_ctx)}`"
+        )
 
 
 def plan_command(model: Path, vram: int, n_ctx: int) -> str:
@@ -76,7 +97,6 @@ def plan_command(model: Path, vram: int, n_ctx: int) -> str:
     return f"edgemoe plan {shlex.quote(str(model))} --vram {size_arg(vram)} --ctx {n_ctx}"
 
 
-
 @click.command()
 @click.argument("model", type=GGUFPath())
 @click.option("-p", "--prompt", required=True, help="prompt text ('-' reads it from stdin)")
@@ -84,9 +104,18 @@ def plan_command(model: Path, vram: int, n_ctx: int) -> str:
 @run_options
 @gating_options
 @cache_options
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object with ids, timings and cache counters")
-def generate(model: Path, prompt: str, max_tokens: int, run: RunOptions, gating: Any, cache: CacheRequest,
-             as_json: bool) -> None:
+@click.option(
+    "--json", "as_json", is_flag=True, help="print one JSON object with ids, timings and cache counters"
+)
+def generate(
+    model: Path,
+    prompt: str,
+    max_tokens: int,
+    run: RunOptions,
+    gating: Any,
+    cache: CacheRequest,
+    as_json: bool,
+) -> None:
     """Complete a prompt (plain text streamed to stdout, or --json)."""
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -94,19 +123,30 @@ def generate(model: Path, prompt: str, max_tokens: int, run: RunOptions, gating:
     with _open_engine(model, run, cache, gating) as engine:
         if as_json:
             g = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
-            out = {"model": str(model), "text": g.text, "prompt_tokens": g.prompt_tokens,
-                   "tokens": g.tokens, "stop_reason": g.stop_reason,
-                   "n_threads": engine.n_threads, "timings": g.timings.to_dict()}
+            out = {
+                "model": str(model),
+                "text": g.text,
+                "prompt_tokens": g.prompt_tokens,
+                "tokens": g.tokens,
+                "stop_reason": g.stop_reason,
+                "n_threads": engine.n_threads,
+                "timings": g.timings.to_dict(),
+            }
             if engine.cache is not None:
-                out["cache"] = dict(engine.cache.cache.stats(), policy=cache.policy, alloc=engine.cache.alloc,
-                                    **engine.cache.report())
+                out["cache"] = dict(
+                    engine.cache.cache.stats(),
+                    policy=cache.policy,
+                    alloc=engine.cache.alloc,
+                    **engine.cache.report(),
+                )
             gating_report = engine.gating_report()
             if gating_report is not None:
                 out["gating"] = gating_report
             control = engine.control_stats()
             # a decode ubatch is one token: the routing callback's host syncs per token in decode
-            control["host_syncs_per_ubatch"] = (control["n_host_syncs"] / control["n_ubatch"]
-                                                if control["n_ubatch"] else None)
+            control["host_syncs_per_ubatch"] = (
+                control["n_host_syncs"] / control["n_ubatch"] if control["n_ubatch"] else None
+            )
             out["control"] = dict(control, predictor_bytes=engine.predictor_bytes())
             click.echo(json.dumps(out))
             return
@@ -120,24 +160,35 @@ def _stats_line(t: Any, engine: Any = None) -> str:
     cache = ""
     if engine is not None and engine.cache is not None:
         st = engine.cache.cache.stats()  # since the cache was set up
-        cache = f" | expert cache hit rate {st['hit_rate']:.2f}, {st['bytes_uploaded'] / 2**20:.1f} MiB loaded"
+        cache = (
+            f" | expert cache hit rate {st['hit_rate']:.2f}, {st['bytes_uploaded'] / 2**20:.1f} MiB loaded"
+        )
     report = engine.gating_report() if engine is not None else None
     if report is not None and report["activation_reduction"] is not None:
         cache += f" | gating dropped {report['activation_reduction']:.0%} of gated experts"
-    return (f"[prompt {t.prompt_tokens} tok, {t.prompt_tps:.1f} tok/s | "
-            f"decode {t.decode_tokens} tok, {t.decode_tps:.1f} tok/s | ttft {t.ttft_s * 1000:.0f} ms{cache}]")
+    return (
+        f"[prompt {t.prompt_tokens} tok, {t.prompt_tps:.1f} tok/s | "
+        f"decode {t.decode_tokens} tok, {t.decode_tps:.1f} tok/s | ttft {t.ttft_s * 1000:.0f} ms{cache}]"
+    )
 
 
 @click.command()
 @click.argument("model", type=GGUFPath(), required=False)
 @click.option("--system", default=None, help="system prompt")
-@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
-              help="most tokens per reply")
+@click.option(
+    "-n",
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="most tokens per reply",
+)
 @run_options
 @gating_options
 @cache_options
-def chat(model: Path | None, system: str | None, max_tokens: int, run: RunOptions, gating: Any,
-         cache: CacheRequest) -> None:
+def chat(
+    model: Path | None, system: str | None, max_tokens: int, run: RunOptions, gating: Any, cache: CacheRequest
+) -> None:
     """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
 
     When stdin is not a terminal, each non-empty input line is one user message.
@@ -180,6 +231,9 @@ def chat(model: Path | None, system: str | None, max_tokens: int, run: RunOption
             click.echo()
             if session.dropped_turns > dropped:
                 n = session.dropped_turns - dropped
-                click.echo(f"({n} oldest turn{'s' if n > 1 else ''} dropped to fit the context of "
-                           f"{engine.n_ctx} tokens)", err=True)
+                click.echo(
+                    f"({n} oldest turn{'s' if n > 1 else ''} dropped to fit the context of "
+                    f"{engine.n_ctx} tokens)",
+                    err=True,
+                )
             click.echo(_stats_line(engine.last.timings, engine), err=True)

@@ -1,5 +1,6 @@
 """Options shared by several commands, each group given to the command as one object: adaptive top-k gating
 (--gating, --threshold, ...) and the run's sampling and load options (--temp, --threads, --ctx, ...)."""
+
 from __future__ import annotations
 
 import functools
@@ -17,6 +18,7 @@ Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 def option_group(dest: str, options: list[Decorator], build: Callable[..., Any]) -> Decorator:
     """Add `options` to a command and hand their values to it as one keyword, `dest` = build(**values)."""
+
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         names: list[str] = []
 
@@ -32,6 +34,7 @@ def option_group(dest: str, options: list[Decorator], build: Callable[..., Any])
             cmd = o(cmd)
         names.extend(p.name for p in cmd.__click_params__[before:])  # type: ignore[attr-defined]
         return cmd
+
     return decorate
 
 
@@ -39,25 +42,41 @@ def gating_options(f: Any) -> Any:
     """--gating, --threshold, --target-reduction and --calibration, given to the command as `gating`: a
     GatingOptions whose calibration is the one given (None: the model's, found where it is used)."""
     opts = [
-        click.option("--gating", type=click.Choice(["off", "fisher", "empirical", "score", "ser"]), default="off",
-                     show_default=True, help="adaptive top-k: drop experts a token does not need (docs/gating.md)"),
-        click.option("--threshold", type=Finite(0.0), default=None,
-                     help="the gating rule's threshold (finite, >= 0)"),
-        click.option("--target-reduction", type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
-                     default=None, help="find the threshold that drops this share of expert activations "
-                                        "(on the calibration's validation text), e.g. 0.25"),
-        click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
-                     help="calibration directory (default: the model's, see docs/predictors.md)"),
+        click.option(
+            "--gating",
+            type=click.Choice(["off", "fisher", "empirical", "score", "ser"]),
+            default="off",
+            show_default=True,
+            help="adaptive top-k: drop experts a token does not need (docs/gating.md)",
+        ),
+        click.option(
+            "--threshold", type=Finite(0.0), default=None, help="the gating rule's threshold (finite, >= 0)"
+        ),
+        click.option(
+            "--target-reduction",
+            type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+            default=None,
+            help="find the threshold that drops this share of expert activations "
+            "(on the calibration's validation text), e.g. 0.25",
+        ),
+        click.option(
+            "--calibration",
+            type=click.Path(file_okay=False, path_type=Path),
+            default=None,
+            help="calibration directory (default: the model's, see docs/predictors.md)",
+        ),
     ]
     return option_group("gating", opts, _gating)(f)
 
 
-def _gating(*, gating: str, threshold: float | None, target_reduction: float | None,
-            calibration: Path | None) -> Any:
+def _gating(
+    *, gating: str, threshold: float | None, target_reduction: float | None, calibration: Path | None
+) -> Any:
     from ..calibration.adaptive import GatingOptions
 
-    return GatingOptions(mode=gating, threshold=threshold, target_reduction=target_reduction,
-                         calibration=calibration)
+    return GatingOptions(
+        mode=gating, threshold=threshold, target_reduction=target_reduction, calibration=calibration
+    )
 
 
 @dataclass(frozen=True)
@@ -71,29 +90,68 @@ class RunOptions:
 def run_options(f: Any) -> Any:
     """Sampling (--temp, --top-k, ...) and load (--threads, --ctx, -ngl) options, given as `run`: RunOptions."""
     opts = [
-        click.option("--temp", "temperature", type=Finite(0.0), default=0.8, show_default=True,
-                     help="sampling temperature; 0 = greedy (identical to stock llama.cpp; with an expert cache the "
-                          "cached experts run other kernels and long outputs may differ, see docs/expert-cache.md)"),
+        click.option(
+            "--temp",
+            "temperature",
+            type=Finite(0.0),
+            default=0.8,
+            show_default=True,
+            help="sampling temperature; 0 = greedy (identical to stock llama.cpp; with an expert cache the "
+            "cached experts run other kernels and long outputs may differ, see docs/expert-cache.md)",
+        ),
         click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: off"),
         click.option("--top-p", type=Finite(0.0, 1.0), default=0.95, show_default=True),
         click.option("--min-p", type=Finite(0.0, 1.0), default=0.05, show_default=True),
         click.option("--repeat-penalty", type=Finite(0.0), default=1.0, show_default=True, help="1.0: off"),
         click.option("--seed", type=int, default=None, help="sampling seed (default: random)"),
-        click.option("-t", "--threads", type=THREADS, default=0,
-                     help="CPU threads (default: physical cores)", envvar="EDGEMOE_THREADS"),
-        click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=0,
-                     help="context length (default: the model's, at most 4096; llama.cpp rounds it up to a multiple "
-                          "of 256)"),
-        click.option("-ngl", "--gpu-layers", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="layers stock llama.cpp offloads whole to the GPU (CUDA builds)"),
+        click.option(
+            "-t",
+            "--threads",
+            type=THREADS,
+            default=0,
+            help="CPU threads (default: physical cores)",
+            envvar="EDGEMOE_THREADS",
+        ),
+        click.option(
+            "--ctx",
+            "n_ctx",
+            type=click.IntRange(min=0),
+            default=0,
+            help="context length (default: the model's, at most 4096; llama.cpp rounds it up to a multiple "
+            "of 256)",
+        ),
+        click.option(
+            "-ngl",
+            "--gpu-layers",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            help="layers stock llama.cpp offloads whole to the GPU (CUDA builds)",
+        ),
     ]
     return option_group("run", opts, _run)(f)
 
 
-def _run(*, temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None,
-         threads: int, n_ctx: int, gpu_layers: int) -> RunOptions:
+def _run(
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    repeat_penalty: float,
+    seed: int | None,
+    threads: int,
+    n_ctx: int,
+    gpu_layers: int,
+) -> RunOptions:
     from ..runtime.sampling import DEFAULT_SEED, SamplingParams
 
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              repeat_penalty=repeat_penalty, seed=DEFAULT_SEED if seed is None else seed)
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        seed=DEFAULT_SEED if seed is None else seed,
+    )
     return RunOptions(sampling, threads, n_ctx, gpu_layers)

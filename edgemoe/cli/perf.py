@@ -1,4 +1,5 @@
 """`edgemoe profile` and `edgemoe simulate`: the performance model (edgemoe.perf.profiling, .simulate)."""
+
 from __future__ import annotations
 
 import json
@@ -12,20 +13,35 @@ from ..analysis.routing_profile import routing_names
 from .types import THREADS, Finite, GGUFPath, OutputPath, Size
 
 
-def _routing_options(trace_help: str, routing_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _routing_options(
+    trace_help: str, routing_help: str
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """--trace PATH and --routing NAME (a bundled routing profile), the routing a projection replays."""
-    trace = click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                         default=None, help=trace_help)
+    trace = click.option(
+        "--trace",
+        "trace_path",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        default=None,
+        help=trace_help,
+    )
     routing = click.option("--routing", type=click.Choice(routing_names()), default=None, help=routing_help)
     return lambda f: trace(routing(f))
 
 
 @click.command()
-@click.option("--out", type=OutputPath(), default=None,
-              help="write the profile here (default: ~/.cache/edgemoe/profiles/this-machine.json)")
+@click.option(
+    "--out",
+    type=OutputPath(),
+    default=None,
+    help="write the profile here (default: ~/.cache/edgemoe/profiles/this-machine.json)",
+)
 @click.option("-t", "--threads", type=THREADS, default=0, help="CPU threads (default: physical cores)")
-@click.option("--model", type=GGUFPath(), default=None,
-              help="also measure the ggml types this model uses (default: Q4_K, Q5_K, Q6_K, Q8_0, F16, F32)")
+@click.option(
+    "--model",
+    type=GGUFPath(),
+    default=None,
+    help="also measure the ggml types this model uses (default: Q4_K, Q5_K, Q6_K, Q8_0, F16, F32)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the profile as JSON")
 def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -> None:
     """Measure this machine for the performance model: expert and matrix speeds per ggml type and token
@@ -49,55 +65,123 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@_routing_options("routing trace to replay (`edgemoe trace`, `edgemoe trace-synth`); another model's trace works if "
-                  "it has the same expert count and top-k (default: a trace drawn from the bundled routing profile of "
-                  "a real model with the model's expert count and top-k, else the nearest; see --routing)",
-                  "draw the trace from this bundled routing profile instead (at the model's shape)")
-@click.option("--profile", "profile_name", default=None,
-              help="profile file (`edgemoe profile`) or bundled name (rtx4060-laptop, rtx4090-desktop, "
-                   "h100-server, and the backtest's machines: docs/research/performance-model.md); default: this "
-                   "machine's measured profile")
+@_routing_options(
+    "routing trace to replay (`edgemoe trace`, `edgemoe trace-synth`); another model's trace works if "
+    "it has the same expert count and top-k (default: a trace drawn from the bundled routing profile of "
+    "a real model with the model's expert count and top-k, else the nearest; see --routing)",
+    "draw the trace from this bundled routing profile instead (at the model's shape)",
+)
+@click.option(
+    "--profile",
+    "profile_name",
+    default=None,
+    help="profile file (`edgemoe profile`) or bundled name (rtx4060-laptop, rtx4090-desktop, "
+    "h100-server, and the backtest's machines: docs/research/performance-model.md); default: this "
+    "machine's measured profile",
+)
 @click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget; 0: CPU only")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,
-              help="context the KV cache is planned for")
+@click.option(
+    "--ctx",
+    "n_ctx",
+    type=click.IntRange(min=16),
+    default=4096,
+    show_default=True,
+    help="context the KV cache is planned for",
+)
 @click.option("--ubatch", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--policy", "policies", multiple=True, type=click.Choice(["lru", "static", "dali", "daop"]),
-              default=("lru", "static"),
-              show_default=True, help="edgemoe cache policies to project (repeatable)")
-@click.option("--gating", type=click.Choice(["score", "ser"]), default=None,
-              help="add gated edgemoe configurations with this adaptive top-k rule (decode steps)")
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    type=click.Choice(["lru", "static", "dali", "daop"]),
+    default=("lru", "static"),
+    show_default=True,
+    help="edgemoe cache policies to project (repeatable)",
+)
+@click.option(
+    "--gating",
+    type=click.Choice(["score", "ser"]),
+    default=None,
+    help="add gated edgemoe configurations with this adaptive top-k rule (decode steps)",
+)
 @click.option("--threshold", type=Finite(0.0), default=None, help="the gating rule's threshold")
-@click.option("--blocking-loads", is_flag=True, help="cache misses wait for their copy instead of running on the CPU")
-@click.option("--overlap", is_flag=True,
-              help="project edgemoe's CPU/GPU overlap within a layer, as the build runs a cache on a GPU by "
-                   "default (without it: the two branches one after the other, as with CacheConfig(overlap=False); "
-                   "stock llama.cpp's configurations always run them in turn)")
-@click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="calibration directory for the static policy (default: placement from the trace's first half)")
-@click.option("--assign", type=click.Choice(["greedy", "ratio", "exact"]), default=None,
-              help="add edgemoe variants whose prefill ubatches split experts between CPU and GPU with this "
-                   "assigner (DALI's greedy, the ratio cut, the exact optimum; CPU and GPU run at once)")
-@click.option("--device-prefill", is_flag=True,
-              help="add edgemoe variants whose prefill ubatches run every routed expert on the GPU, those outside "
-                   "the slots copied into a prefill buffer one cached layer ahead (generate's --device-prefill)")
-@click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
-              help="add edgemoe variants whose decode steps pre-calculate each cached MoE layer's CPU experts from "
-                   "layer L on one layer early (generate's --precalc-from), at the rates below")
-@click.option("--precalc-recall", type=click.FloatRange(0.0, 1.0), default=0.78, show_default=True,
-              help="share of a target layer's CPU expert work computed early (generate --json's "
-                   "cache.precalc.early_share; the default is the fixtures' from layer 5, docs/research/daop.md)")
-@click.option("--precalc-precision", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.79,
-              show_default=True,
-              help="share of the early computations that are used (cache.precalc.precision; the fixtures' from "
-                   "layer 5)")
+@click.option(
+    "--blocking-loads", is_flag=True, help="cache misses wait for their copy instead of running on the CPU"
+)
+@click.option(
+    "--overlap",
+    is_flag=True,
+    help="project edgemoe's CPU/GPU overlap within a layer, as the build runs a cache on a GPU by "
+    "default (without it: the two branches one after the other, as with CacheConfig(overlap=False); "
+    "stock llama.cpp's configurations always run them in turn)",
+)
+@click.option(
+    "--calibration",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="calibration directory for the static policy (default: placement from the trace's first half)",
+)
+@click.option(
+    "--assign",
+    type=click.Choice(["greedy", "ratio", "exact"]),
+    default=None,
+    help="add edgemoe variants whose prefill ubatches split experts between CPU and GPU with this "
+    "assigner (DALI's greedy, the ratio cut, the exact optimum; CPU and GPU run at once)",
+)
+@click.option(
+    "--device-prefill",
+    is_flag=True,
+    help="add edgemoe variants whose prefill ubatches run every routed expert on the GPU, those outside "
+    "the slots copied into a prefill buffer one cached layer ahead (generate's --device-prefill)",
+)
+@click.option(
+    "--precalc-from",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="L",
+    help="add edgemoe variants whose decode steps pre-calculate each cached MoE layer's CPU experts from "
+    "layer L on one layer early (generate's --precalc-from), at the rates below",
+)
+@click.option(
+    "--precalc-recall",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.78,
+    show_default=True,
+    help="share of a target layer's CPU expert work computed early (generate --json's "
+    "cache.precalc.early_share; the default is the fixtures' from layer 5, docs/research/daop.md)",
+)
+@click.option(
+    "--precalc-precision",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=0.79,
+    show_default=True,
+    help="share of the early computations that are used (cache.precalc.precision; the fixtures' from "
+    "layer 5)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
-def simulate(model: Path, trace_path: Path | None, routing: str | None, profile_name: str | None, vram: int,
-             n_ctx: int, n_ubatch: int,
-             policies: tuple[str, ...], gating: str | None, threshold: float | None, blocking_loads: bool,
-             overlap: bool, calibration: Path | None, assign: str | None, device_prefill: bool,
-             precalc_from: int | None, precalc_recall: float, precalc_precision: float, as_json: bool,
-             plot: Path | None) -> None:
+def simulate(
+    model: Path,
+    trace_path: Path | None,
+    routing: str | None,
+    profile_name: str | None,
+    vram: int,
+    n_ctx: int,
+    n_ubatch: int,
+    policies: tuple[str, ...],
+    gating: str | None,
+    threshold: float | None,
+    blocking_loads: bool,
+    overlap: bool,
+    calibration: Path | None,
+    assign: str | None,
+    device_prefill: bool,
+    precalc_from: int | None,
+    precalc_recall: float,
+    precalc_precision: float,
+    as_json: bool,
+    plot: Path | None,
+) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
     from ..perf.profile import load_profile
@@ -111,24 +195,43 @@ def simulate(model: Path, trace_path: Path | None, routing: str | None, profile_
     if (gating is None) != (threshold is None):
         raise click.UsageError("--gating and --threshold go together")
     if precalc_from is not None and blocking_loads:
-        raise click.UsageError("--precalc-from needs the cache's tables in the graph, which --blocking-loads "
-                               "replaces with the routing hook: drop one")
+        raise click.UsageError(
+            "--precalc-from needs the cache's tables in the graph, which --blocking-loads "
+            "replaces with the routing hook: drop one"
+        )
     if profile_name is None:
         mine = default_profile_path()
         if not mine.exists():
-            raise click.UsageError(f"no profile of this machine at {mine}: run `edgemoe profile` first, or pass "
-                                   "--profile with a bundled name (rtx4060-laptop, rtx4090-desktop, h100-server)")
+            raise click.UsageError(
+                f"no profile of this machine at {mine}: run `edgemoe profile` first, or pass "
+                "--profile with a bundled name (rtx4060-laptop, rtx4090-desktop, h100-server)"
+            )
         profile_name = str(mine)
     prof = load_profile(profile_name)
-    gate = GatingSpec(GatingRule(gating), float(threshold)) if gating is not None and threshold is not None else None
-    spec = SimSpec(vram=vram, n_ctx=n_ctx, n_ubatch=n_ubatch, policies=policies, gated=gate is not None,
-                   blocking=blocking_loads, overlap=overlap, calibration=calibration, assign=assign,
-                   device_prefill=device_prefill,
-                   precalc=PrecalcSpec(precalc_from, precalc_recall, precalc_precision) if precalc_from else None)
+    gate = (
+        GatingSpec(GatingRule(gating), float(threshold))
+        if gating is not None and threshold is not None
+        else None
+    )
+    spec = SimSpec(
+        vram=vram,
+        n_ctx=n_ctx,
+        n_ubatch=n_ubatch,
+        policies=policies,
+        gated=gate is not None,
+        blocking=blocking_loads,
+        overlap=overlap,
+        calibration=calibration,
+        assign=assign,
+        device_prefill=device_prefill,
+        precalc=PrecalcSpec(precalc_from, precalc_recall, precalc_precision) if precalc_from else None,
+    )
     trace, where, profile_used = _routing_trace(model, trace_path, routing)
     if gate is not None and profile_used is not None:
-        raise click.UsageError("--gating needs router weights, which a drawn routing trace does not have: pass a "
-                               "recorded --trace (`edgemoe trace`)")
+        raise click.UsageError(
+            "--gating needs router weights, which a drawn routing trace does not have: pass a "
+            "recorded --trace (`edgemoe trace`)"
+        )
     res = run(model, trace, prof, spec, gating=gate)
     if plot is not None:
         plot_simulation(res, plot)
@@ -150,8 +253,12 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
             raise click.UsageError("give --trace or --routing, not both")
         tr = Trace.load(trace_path)
         name = tr.meta.get("routing")
-        return tr, f"{trace_path} ({tr.n_tokens} tokens" + (f", drawn from the {name} routing profile)" if name
-                                                              else ")"), name
+        return (
+            tr,
+            f"{trace_path} ({tr.n_tokens} tokens"
+            + (f", drawn from the {name} routing profile)" if name else ")"),
+            name,
+        )
     info = read_model_info(model)
     drawn = routing_for_model(info.n_expert, info.n_expert_used, len(info.moe_layers), name=routing)
     return drawn.trace, drawn.describe(), drawn.profile.name
@@ -159,22 +266,53 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
 
 @click.command()
 @click.argument("model", type=GGUFPath())
-@click.option("--vram", type=Size(auto=True), default=None, help="GPU budget, e.g. 8GiB (auto: this GPU's free memory)")
-@click.option("--expert-slots", type=click.IntRange(min=0), default=None,
-              help="expert slots per MoE layer instead of --vram (the budget that leaves them)")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,
-              help="context the KV cache is planned for")
-@click.option("--profile", "profile_name", default=None,
-              help="machine profile for projected speeds (file or bundled name; default: this machine's, if measured)")
-@_routing_options("routing trace for the expected figures (default: the calibration's routing trace, else a trace "
-                  "drawn from the bundled routing profile of a real model with the model's expert count and top-k, "
-                  "else the nearest; the plan names it)",
-                  "draw the expected figures' trace from this bundled routing profile instead")
-@click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="calibration directory (default: the model's)")
+@click.option(
+    "--vram", type=Size(auto=True), default=None, help="GPU budget, e.g. 8GiB (auto: this GPU's free memory)"
+)
+@click.option(
+    "--expert-slots",
+    type=click.IntRange(min=0),
+    default=None,
+    help="expert slots per MoE layer instead of --vram (the budget that leaves them)",
+)
+@click.option(
+    "--ctx",
+    "n_ctx",
+    type=click.IntRange(min=16),
+    default=4096,
+    show_default=True,
+    help="context the KV cache is planned for",
+)
+@click.option(
+    "--profile",
+    "profile_name",
+    default=None,
+    help="machine profile for projected speeds (file or bundled name; default: this machine's, if measured)",
+)
+@_routing_options(
+    "routing trace for the expected figures (default: the calibration's routing trace, else a trace "
+    "drawn from the bundled routing profile of a real model with the model's expert count and top-k, "
+    "else the nearest; the plan names it)",
+    "draw the expected figures' trace from this bundled routing profile instead",
+)
+@click.option(
+    "--calibration",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="calibration directory (default: the model's)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def plan(model: Path, vram: int | None, expert_slots: int | None, n_ctx: int, profile_name: str | None,
-         trace_path: Path | None, routing: str | None, calibration: Path | None, as_json: bool) -> None:
+def plan(
+    model: Path,
+    vram: int | None,
+    expert_slots: int | None,
+    n_ctx: int,
+    profile_name: str | None,
+    trace_path: Path | None,
+    routing: str | None,
+    calibration: Path | None,
+    as_json: bool,
+) -> None:
     """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
     hit rate of each policy and, with a GPU profile, projected decode/prefill speeds and the fastest
     configuration (edgemoe's, with the command that runs it, or stock's where stock is faster)."""
@@ -186,8 +324,10 @@ def plan(model: Path, vram: int | None, expert_slots: int | None, n_ctx: int, pr
     from ..perf.profiling import default_profile_path
 
     if vram is not None and expert_slots is not None:
-        raise click.UsageError("give --vram SIZE or --expert-slots N, not both (--expert-slots plans the budget "
-                               "that holds N slots per MoE layer)")
+        raise click.UsageError(
+            "give --vram SIZE or --expert-slots N, not both (--expert-slots plans the budget "
+            "that holds N slots per MoE layer)"
+        )
     if vram is None and expert_slots is None:
         raise click.UsageError("give --vram SIZE or --expert-slots N")
     if trace_path is not None and routing is not None:
@@ -199,6 +339,13 @@ def plan(model: Path, vram: int | None, expert_slots: int | None, n_ctx: int, pr
         profile_name = str(default_profile_path())
     prof = load_profile(profile_name) if profile_name else None
     cal = calibration or default_calibration_dir(model)
-    result = make_plan(model, vram=vram, n_ctx=n_ctx, trace=Trace.load(trace_path) if trace_path else None,
-                       calibration=cal if cal is not None and cal.exists() else None, profile=prof, routing=routing)
+    result = make_plan(
+        model,
+        vram=vram,
+        n_ctx=n_ctx,
+        trace=Trace.load(trace_path) if trace_path else None,
+        calibration=cal if cal is not None and cal.exists() else None,
+        profile=prof,
+        routing=routing,
+    )
     click.echo(json.dumps(result.to_dict(), indent=1) if as_json else format_plan(result))

@@ -1,5 +1,6 @@
 """edgemoe serve: the OpenAI- and Anthropic-compatible HTTP server (edgemoe.serve) behind the chat command's
 options."""
+
 from __future__ import annotations
 
 import json
@@ -27,41 +28,92 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as err:
         sock.close()
-        raise click.ClickException(f"cannot listen on {host}:{port}: {err.strerror}; "
-                                   "pick another --port (0 picks a free one)") from err
+        raise click.ClickException(
+            f"cannot listen on {host}:{port}: {err.strerror}; pick another --port (0 picks a free one)"
+        ) from err
     return sock
 
 
 @click.command()
 @click.argument("model", type=GGUFPath(), required=False)
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="address to listen on; the default accepts connections from this machine only "
-                   "(0.0.0.0 opens it to the network: set --api-key then)")
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
-              help="TCP port (0: a free one, printed at start)")
-@click.option("--api-key", "api_keys", envvar="EDGEMOE_API_KEY", multiple=True,
-              help="require this key on /v1/, as `Authorization: Bearer KEY` or `x-api-key: KEY` "
-                   "(repeatable: each key's cached prompts stay its own; env EDGEMOE_API_KEY, keys separated "
-                   "by spaces)")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="address to listen on; the default accepts connections from this machine only "
+    "(0.0.0.0 opens it to the network: set --api-key then)",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8080,
+    show_default=True,
+    help="TCP port (0: a free one, printed at start)",
+)
+@click.option(
+    "--api-key",
+    "api_keys",
+    envvar="EDGEMOE_API_KEY",
+    multiple=True,
+    help="require this key on /v1/, as `Authorization: Bearer KEY` or `x-api-key: KEY` "
+    "(repeatable: each key's cached prompts stay its own; env EDGEMOE_API_KEY, keys separated "
+    "by spaces)",
+)
 @click.option("--model-id", default=None, help="the model's name in /v1/models (default: the file name)")
-@click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
-              help="requests that may wait for the engine; more are answered 503 (Anthropic API: 529)")
-@click.option("--prompt-cache-mib", type=click.IntRange(min=0), default=None,
-              help="host memory for the KV states of recent prompts, reused by requests sharing their prefix "
-                   "[default: a quarter of the available memory, at most 8 GiB; 0: off]")
-@click.option("--max-body-mib", type=click.IntRange(min=1), default=8, show_default=True,
-              help="larger request bodies are answered 413")
-@click.option("--scripted-replies", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, hidden=True,
-              help="tests: a JSON list of replies given in order instead of sampled ones")
-@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
-              help="reply length when a request gives no max_tokens")
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="requests that may wait for the engine; more are answered 503 (Anthropic API: 529)",
+)
+@click.option(
+    "--prompt-cache-mib",
+    type=click.IntRange(min=0),
+    default=None,
+    help="host memory for the KV states of recent prompts, reused by requests sharing their prefix "
+    "[default: a quarter of the available memory, at most 8 GiB; 0: off]",
+)
+@click.option(
+    "--max-body-mib",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="larger request bodies are answered 413",
+)
+@click.option(
+    "--scripted-replies",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    hidden=True,
+    help="tests: a JSON list of replies given in order instead of sampled ones",
+)
+@click.option(
+    "-n",
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="reply length when a request gives no max_tokens",
+)
 @run_options
 @gating_options
 @cache_options
-def serve(model: Path | None, host: str, port: int, api_keys: tuple[str, ...], model_id: str | None,
-          max_queue: int, prompt_cache_mib: int | None, max_body_mib: int, scripted_replies: Path | None,
-          max_tokens: int, run: RunOptions, gating: Any, cache: CacheRequest) -> None:
+def serve(
+    model: Path | None,
+    host: str,
+    port: int,
+    api_keys: tuple[str, ...],
+    model_id: str | None,
+    max_queue: int,
+    prompt_cache_mib: int | None,
+    max_body_mib: int,
+    scripted_replies: Path | None,
+    max_tokens: int,
+    run: RunOptions,
+    gating: Any,
+    cache: CacheRequest,
+) -> None:
     """Serve a model over the OpenAI and Anthropic APIs (default: the bundled fixture; on localhost by default).
 
     Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (stream or
@@ -83,23 +135,37 @@ def serve(model: Path | None, host: str, port: int, api_keys: tuple[str, ...], m
         model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
     with _open_engine(model, run, cache, gating) as engine:
         keys = tuple(k for key in api_keys for k in key.split())
-        config = ServerConfig(model_id=model_id or model.name.removesuffix(".gguf"), sampling=run.sampling,
-                              max_tokens=max_tokens, api_keys=keys, max_body_bytes=max_body_mib << 20)
+        config = ServerConfig(
+            model_id=model_id or model.name.removesuffix(".gguf"),
+            sampling=run.sampling,
+            max_tokens=max_tokens,
+            api_keys=keys,
+            max_body_bytes=max_body_mib << 20,
+        )
         bos, eos = engine.template_tokens()
         template = load_template(engine.chat_template(), bos_token=bos, eos_token=eos)
         capacity = default_capacity() if prompt_cache_mib is None else prompt_cache_mib << 20
         store = PromptCache(capacity) if capacity else None
-        worker = EngineWorker(engine, max_queue, template=template, prompt_cache=store,
-                              scripted=_read_script(scripted_replies) if scripted_replies else None)
+        worker = EngineWorker(
+            engine,
+            max_queue,
+            template=template,
+            prompt_cache=store,
+            scripted=_read_script(scripted_replies) if scripted_replies else None,
+        )
         sock = _bind(host, port)
         bound = sock.getsockname()[1]
-        server: Any = uvicorn.Server(uvicorn.Config(create_app(worker, config), log_level="info",
-                                                    timeout_graceful_shutdown=5))
+        server: Any = uvicorn.Server(
+            uvicorn.Config(create_app(worker, config), log_level="info", timeout_graceful_shutdown=5)
+        )
         worker.start()
         tools = "tools" if template is not None and template.supports_tools else "no tools"
         prompts = f"prompt cache {capacity >> 20} MiB" if store else "no prompt cache"
-        click.echo(f"edgemoe serve: {config.model_id} (context {engine.n_ctx}, {tools}, {prompts}) on "
-                   f"http://{host}:{bound}/v1" + (" (API key required)" if keys else ""), err=True)
+        click.echo(
+            f"edgemoe serve: {config.model_id} (context {engine.n_ctx}, {tools}, {prompts}) on "
+            f"http://{host}:{bound}/v1" + (" (API key required)" if keys else ""),
+            err=True,
+        )
         try:
             server.run(sockets=[sock])
         finally:

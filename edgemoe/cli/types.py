@@ -1,4 +1,5 @@
 """click parameter types shared by the CLI modules."""
+
 from __future__ import annotations
 
 import math
@@ -59,8 +60,12 @@ class Size(click.ParamType):
 
         dev = native.gpu_device()
         if dev is None:
-            self.fail(f"{option} auto takes the GPU's free memory, and this build has no GPU (a CUDA build: make "
-                      "install EDGEMOE_CUDA=1); give a size such as 8GiB", param, ctx)
+            self.fail(
+                f"{option} auto takes the GPU's free memory, and this build has no GPU (a CUDA build: make "
+                "install EDGEMOE_CUDA=1); give a size such as 8GiB",
+                param,
+                ctx,
+            )
         free, _total = native.device_memory(dev)
         click.echo(f"{option} auto: {format_size(free)} free on {native.device_name(dev)}", err=True)
         return free

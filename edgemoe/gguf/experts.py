@@ -5,6 +5,7 @@ The experts of the architectures llama.cpp builds with separate gate, up and dow
 down_e(silu(gate_e x) * up_e x). Biases, per-expert scales and merged gate_up tensors (gpt-oss) are
 not handled: those layers are refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,13 +38,20 @@ def load_expert_layer(model_path: str | Path, layer: int) -> ExpertLayer:
     from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(str(model_path))
-    want = {f"blk.{layer}.{n}.weight": n for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_norm")}
-    refused = [t.name for t in reader.tensors if t.name.startswith(f"blk.{layer}.")
-               and any(s in t.name for s in ("gate_up_exps", "_exps.bias", "_exps.scale"))]
+    want = {
+        f"blk.{layer}.{n}.weight": n for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_norm")
+    }
+    refused = [
+        t.name
+        for t in reader.tensors
+        if t.name.startswith(f"blk.{layer}.")
+        and any(s in t.name for s in ("gate_up_exps", "_exps.bias", "_exps.scale"))
+    ]
     if refused:
         raise UnsupportedArchitectureError(
             f"{Path(model_path).name} layer {layer} has {', '.join(refused)}: the numpy expert reference "
-            "handles separate gate/up/down expert tensors without biases or scales only")
+            "handles separate gate/up/down expert tensors without biases or scales only"
+        )
     got: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         if t.name in want:
@@ -52,7 +60,13 @@ def load_expert_layer(model_path: str | Path, layer: int) -> ExpertLayer:
     if missing:
         raise UnsupportedArchitectureError(
             f"{Path(model_path).name} layer {layer} lacks {sorted(missing)}: not a routed-expert layer this "
-            "reference reads")
+            "reference reads"
+        )
     norm = got.get("ffn_norm")
-    return ExpertLayer(layer, got["ffn_gate_exps"], got["ffn_up_exps"], got["ffn_down_exps"],
-                       None if norm is None else norm.reshape(-1))
+    return ExpertLayer(
+        layer,
+        got["ffn_gate_exps"],
+        got["ffn_up_exps"],
+        got["ffn_down_exps"],
+        None if norm is None else norm.reshape(-1),
+    )

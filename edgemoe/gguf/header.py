@@ -4,6 +4,7 @@
 corrupt or unsupported file into one actionable `ModelLoadError` instead of a
 llama.cpp abort. It memory-maps the file and touches only the header pages.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -23,28 +24,158 @@ from ..errors import ModelLoadError, UnsupportedArchitectureError
 # vendor/llama.cpp/src/llama-arch.cpp of llama-cpp-python 0.3.36. Left out:
 # "clip" (a vision projector, "only used by llama-quantize") and "(unknown)".
 KNOWN_ARCHITECTURES: tuple[str, ...] = (
-    "llama", "llama4", "deci", "falcon", "grok", "gpt2", "gptj", "gptneox", "mpt",
-    "baichuan", "starcoder", "refact", "bert", "modern-bert", "nomic-bert",
-    "nomic-bert-moe", "neo-bert", "jina-bert-v2", "jina-bert-v3", "eurobert", "bloom",
-    "stablelm", "qwen", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe", "qwen3next",
-    "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen4exp", "phi2", "phi3", "phimoe",
-    "plamo", "plamo2", "plamo3", "codeshell", "orion", "internlm2", "minicpm", "minicpm3",
-    "gemma", "gemma2", "gemma3", "gemma3n", "gemma4", "gemma4-assistant",
-    "gemma-embedding", "starcoder2", "mamba", "mamba2", "maple", "jamba", "falcon-h1",
-    "xverse", "command-r", "cohere2", "cohere2moe", "dbrx", "olmo", "olmo2", "olmoe",
-    "muse-glimmer", "openelm", "arctic", "deepseek", "deepseek2", "deepseek2-ocr",
-    "deepseek32", "deepseek4", "chatglm", "glm4", "glm4moe", "glm-dsa", "bitnet", "t5",
-    "t5encoder", "jais", "jais2", "nemotron", "nemotron_h", "nemotron_h_moe", "exaone",
-    "exaone4", "exaone-moe", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "granite",
-    "granitemoe", "granitehybrid", "graniteswitch", "granite_swa", "chameleon",
-    "wavtokenizer-dec", "plm", "bailingmoe", "bailingmoe2", "bailingmoe3", "dots1",
-    "dots3note", "arcee", "afmoe", "laguna", "ernie4_5", "ernie4_5-moe", "hunyuan-moe",
-    "hunyuan-dense", "hunyuan_vl", "hy_v3", "hy_v4", "smollm3", "gpt-oss", "lfm2",
-    "lfm2moe", "dream", "smallthinker", "llada", "llada-moe", "seed_oss", "grovemoe",
-    "apertus", "minimax-01", "hrm_text", "minimax-m2", "minimax-m3", "cogvlm", "rnd1",
-    "pangu-embedded", "mistral3", "eagle3", "dflash", "mistral4", "paddleocr", "mimo2",
-    "step35", "spark2_5", "llama-embed", "maincoder", "kimi-linear", "kimi-k3",
-    "glm5-next", "talkie", "mellum", "nanbeige", "qwen3tts", "pockettts",
+    "llama",
+    "llama4",
+    "deci",
+    "falcon",
+    "grok",
+    "gpt2",
+    "gptj",
+    "gptneox",
+    "mpt",
+    "baichuan",
+    "starcoder",
+    "refact",
+    "bert",
+    "modern-bert",
+    "nomic-bert",
+    "nomic-bert-moe",
+    "neo-bert",
+    "jina-bert-v2",
+    "jina-bert-v3",
+    "eurobert",
+    "bloom",
+    "stablelm",
+    "qwen",
+    "qwen2",
+    "qwen2moe",
+    "qwen2vl",
+    "qwen3",
+    "qwen3moe",
+    "qwen3next",
+    "qwen3vl",
+    "qwen3vlmoe",
+    "qwen35",
+    "qwen35moe",
+    "qwen4exp",
+    "phi2",
+    "phi3",
+    "phimoe",
+    "plamo",
+    "plamo2",
+    "plamo3",
+    "codeshell",
+    "orion",
+    "internlm2",
+    "minicpm",
+    "minicpm3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3n",
+    "gemma4",
+    "gemma4-assistant",
+    "gemma-embedding",
+    "starcoder2",
+    "mamba",
+    "mamba2",
+    "maple",
+    "jamba",
+    "falcon-h1",
+    "xverse",
+    "command-r",
+    "cohere2",
+    "cohere2moe",
+    "dbrx",
+    "olmo",
+    "olmo2",
+    "olmoe",
+    "muse-glimmer",
+    "openelm",
+    "arctic",
+    "deepseek",
+    "deepseek2",
+    "deepseek2-ocr",
+    "deepseek32",
+    "deepseek4",
+    "chatglm",
+    "glm4",
+    "glm4moe",
+    "glm-dsa",
+    "bitnet",
+    "t5",
+    "t5encoder",
+    "jais",
+    "jais2",
+    "nemotron",
+    "nemotron_h",
+    "nemotron_h_moe",
+    "exaone",
+    "exaone4",
+    "exaone-moe",
+    "rwkv6",
+    "rwkv6qwen2",
+    "rwkv7",
+    "arwkv7",
+    "granite",
+    "granitemoe",
+    "granitehybrid",
+    "graniteswitch",
+    "granite_swa",
+    "chameleon",
+    "wavtokenizer-dec",
+    "plm",
+    "bailingmoe",
+    "bailingmoe2",
+    "bailingmoe3",
+    "dots1",
+    "dots3note",
+    "arcee",
+    "afmoe",
+    "laguna",
+    "ernie4_5",
+    "ernie4_5-moe",
+    "hunyuan-moe",
+    "hunyuan-dense",
+    "hunyuan_vl",
+    "hy_v3",
+    "hy_v4",
+    "smollm3",
+    "gpt-oss",
+    "lfm2",
+    "lfm2moe",
+    "dream",
+    "smallthinker",
+    "llada",
+    "llada-moe",
+    "seed_oss",
+    "grovemoe",
+    "apertus",
+    "minimax-01",
+    "hrm_text",
+    "minimax-m2",
+    "minimax-m3",
+    "cogvlm",
+    "rnd1",
+    "pangu-embedded",
+    "mistral3",
+    "eagle3",
+    "dflash",
+    "mistral4",
+    "paddleocr",
+    "mimo2",
+    "step35",
+    "spark2_5",
+    "llama-embed",
+    "maincoder",
+    "kimi-linear",
+    "kimi-k3",
+    "glm5-next",
+    "talkie",
+    "mellum",
+    "nanbeige",
+    "qwen3tts",
+    "pockettts",
 )
 
 _LLAMA_CPP_VERSION = "llama.cpp of llama-cpp-python 0.3.36"
@@ -97,10 +228,17 @@ class _Corrupt(Exception):
 
 
 _SCALAR_FORMATS: dict[int, str] = {
-    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.BOOL: "?",
-    GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
-    GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f",
-    GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
 }
 _MAX_KEPT_ARRAY = 4096  # per-layer arrays are kept; token scores and types are skipped
 
@@ -129,7 +267,7 @@ class _Cursor:
         start = self.pos
         self.skip(n)
         try:
-            return bytes(self.buf[start:self.pos]).decode("utf-8")
+            return bytes(self.buf[start : self.pos]).decode("utf-8")
         except UnicodeDecodeError as err:
             raise _Corrupt(f"a string at byte {start} is not valid UTF-8") from err
 
@@ -165,8 +303,10 @@ def _not_gguf_message(path: Path, head: bytes) -> str:
         return f"{path} is a Git LFS pointer, not the model: run `git lfs pull` or download the file itself"
     if head.lstrip()[:1] == b"<":
         return f"{path} looks like an HTML/XML page, not a GGUF (a failed download?): {_REDOWNLOAD}"
-    return (f"{path} is not a GGUF file (it starts with {head[:4]!r}, not b'GGUF'): pass a .gguf model "
-            "(convert safetensors with llama.cpp's convert_hf_to_gguf.py)")
+    return (
+        f"{path} is not a GGUF file (it starts with {head[:4]!r}, not b'GGUF'): pass a .gguf model "
+        "(convert safetensors with llama.cpp's convert_hf_to_gguf.py)"
+    )
 
 
 def check_gguf(path: str | Path) -> GgufHeader:
@@ -179,9 +319,13 @@ def check_gguf(path: str | Path) -> GgufHeader:
     if not path.exists():
         raise ModelLoadError(f"model file not found: {path} (check the path, or download the GGUF first)")
     if path.is_dir():
-        raise ModelLoadError(f"{path} is a directory, not a GGUF file: pass the path of the .gguf file inside it")
+        raise ModelLoadError(
+            f"{path} is a directory, not a GGUF file: pass the path of the .gguf file inside it"
+        )
     if not path.is_file():  # a FIFO or a device would block the read below, or never end
-        raise ModelLoadError(f"{path} is not a regular file (a pipe or a device?): pass the path of a .gguf file")
+        raise ModelLoadError(
+            f"{path} is not a regular file (a pipe or a device?): pass the path of a .gguf file"
+        )
     try:
         with path.open("rb") as f:
             head = f.read(64)
@@ -191,11 +335,14 @@ def check_gguf(path: str | Path) -> GgufHeader:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 header = _walk_header(path, _Cursor(buf, file_size))
     except OSError as err:
-        raise ModelLoadError(f"cannot read {path}: {err.strerror or err}; check the file's permissions") from err
+        raise ModelLoadError(
+            f"cannot read {path}: {err.strerror or err}; check the file's permissions"
+        ) from err
     if header.architecture not in KNOWN_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: architecture {header.architecture!r} is not supported by {_LLAMA_CPP_VERSION}; "
-            "use a GGUF of a supported architecture (e.g. qwen3moe, llama/mixtral, deepseek2, gpt-oss, olmoe)")
+            "use a GGUF of a supported architecture (e.g. qwen3moe, llama/mixtral, deepseek2, gpt-oss, olmoe)"
+        )
     return header
 
 
@@ -205,7 +352,8 @@ def _walk_header(path: Path, cur: _Cursor) -> GgufHeader:
     except _Truncated as err:
         raise ModelLoadError(
             f"{path} is truncated or corrupt: its header needs byte {err.needed} but the file has only "
-            f"{cur.size} bytes; {_REDOWNLOAD}") from None
+            f"{cur.size} bytes; {_REDOWNLOAD}"
+        ) from None
     except _Corrupt as err:
         raise ModelLoadError(f"{path} has corrupt metadata: {err}; {_REDOWNLOAD}") from None
 
@@ -240,10 +388,19 @@ def _parse_header(path: Path, cur: _Cursor) -> GgufHeader:
     if last is not None and data_end > cur.size:
         raise ModelLoadError(
             f"{path} is truncated: tensor {last.name!r} ends at byte {data_end} but the file has only "
-            f"{cur.size} bytes ({data_end - cur.size} missing); {_REDOWNLOAD}")
-    return GgufHeader(path=path, file_size=cur.size, version=version, architecture=architecture,
-                      alignment=alignment, data_offset=data_offset, data_end=data_end,
-                      metadata=MappingProxyType(metadata), tensors=tensors)
+            f"{cur.size} bytes ({data_end - cur.size} missing); {_REDOWNLOAD}"
+        )
+    return GgufHeader(
+        path=path,
+        file_size=cur.size,
+        version=version,
+        architecture=architecture,
+        alignment=alignment,
+        data_offset=data_offset,
+        data_end=data_end,
+        metadata=MappingProxyType(metadata),
+        tensors=tensors,
+    )
 
 
 def _tensor_record(cur: _Cursor, alignment: int) -> TensorRecord:
@@ -259,7 +416,9 @@ def _tensor_record(cur: _Cursor, alignment: int) -> TensorRecord:
         raise _Corrupt(f"tensor {name!r} has unknown ggml type id {type_id}") from None
     block, type_size = GGML_QUANT_SIZES[qtype]
     if ne[0] % block:
-        raise _Corrupt(f"tensor {name!r} row size ({ne[0]}) is not a multiple of {qtype.name} block size ({block})")
+        raise _Corrupt(
+            f"tensor {name!r} row size ({ne[0]}) is not a multiple of {qtype.name} block size ({block})"
+        )
     if offset % alignment:
         raise _Corrupt(f"tensor {name!r} starts at offset {offset}, not a multiple of {alignment}")
     n = 1

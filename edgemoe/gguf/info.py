@@ -8,6 +8,7 @@
 - `vram_plan(info, budget)`: how many expert slots per MoE layer fit a VRAM budget.
 - `parse_size("6GiB")`: sizes as typed on the command line.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,18 +25,36 @@ from ..errors import InvalidSizeError, ModelLoadError
 from .header import KNOWN_ARCHITECTURES, GgufArray, GgufHeader, TensorRecord, check_gguf
 
 __all__ = [
-    "KNOWN_ARCHITECTURES", "ExpertTensorInfo", "GgufHeader", "ModelInfo", "TensorRecord", "VramPlan",
-    "best_n_cpu_moe", "check_gguf", "estimate_kv_cache_bytes", "format_size", "info_to_dict",
-    "is_expert_tensor", "model_info", "parse_size", "read_model_info", "vram_plan",
+    "KNOWN_ARCHITECTURES",
+    "ExpertTensorInfo",
+    "GgufHeader",
+    "ModelInfo",
+    "TensorRecord",
+    "VramPlan",
+    "best_n_cpu_moe",
+    "check_gguf",
+    "estimate_kv_cache_bytes",
+    "format_size",
+    "info_to_dict",
+    "is_expert_tensor",
+    "model_info",
+    "parse_size",
+    "read_model_info",
+    "vram_plan",
 ]
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 # the stacked routed experts build_moe_ffn reads, with their biases and per-expert scales (last dim
 # n_expert); not arctic's ffn_norm_exps (the MoE branch's norm, [n_embd]) nor grovemoe's ffn_*_chexps
-_EXPERT_KINDS = (MODEL_TENSOR.FFN_GATE_UP_EXP, MODEL_TENSOR.FFN_UP_EXP, MODEL_TENSOR.FFN_GATE_EXP,
-                 MODEL_TENSOR.FFN_DOWN_EXP)
-_EXPERT_RE = re.compile(r"^blk\.\d+\.(?:{})\.".format(
-    "|".join(TENSOR_NAMES[k].removeprefix("blk.{bid}.") for k in _EXPERT_KINDS)))
+_EXPERT_KINDS = (
+    MODEL_TENSOR.FFN_GATE_UP_EXP,
+    MODEL_TENSOR.FFN_UP_EXP,
+    MODEL_TENSOR.FFN_GATE_EXP,
+    MODEL_TENSOR.FFN_DOWN_EXP,
+)
+_EXPERT_RE = re.compile(
+    r"^blk\.\d+\.(?:{})\.".format("|".join(TENSOR_NAMES[k].removeprefix("blk.{bid}.") for k in _EXPERT_KINDS))
+)
 _TOKEN_EMBD = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight"
 
 
@@ -172,9 +191,15 @@ def model_info(header: GgufHeader) -> ModelInfo:
             embd_rows = t.shape[-1]
         if is_expert_tensor(t.name):
             expert_total += t.nbytes
-            expert_tensors.setdefault(_layer_of(t.name), []).append(ExpertTensorInfo(
-                name=t.name, qtype=t.qtype.name, shape=t.shape, nbytes=t.nbytes,
-                bytes_per_expert=t.nbytes // max(1, t.shape[-1])))
+            expert_tensors.setdefault(_layer_of(t.name), []).append(
+                ExpertTensorInfo(
+                    name=t.name,
+                    qtype=t.qtype.name,
+                    shape=t.shape,
+                    nbytes=t.nbytes,
+                    bytes_per_expert=t.nbytes // max(1, t.shape[-1]),
+                )
+            )
         elif "_shexp" in t.name:
             shared_total += t.nbytes
 
@@ -270,8 +295,13 @@ def info_to_dict(info: ModelInfo) -> dict[str, Any]:
         "bytes_by_type": dict(info.bytes_by_type),
         "expert_tensors": {
             str(layer): [
-                {"name": t.name, "type": t.qtype, "shape": list(t.shape), "nbytes": t.nbytes,
-                 "bytes_per_expert": t.bytes_per_expert}
+                {
+                    "name": t.name,
+                    "type": t.qtype,
+                    "shape": list(t.shape),
+                    "nbytes": t.nbytes,
+                    "bytes_per_expert": t.bytes_per_expert,
+                }
                 for t in tensors
             ]
             for layer, tensors in info.expert_tensors.items()
@@ -313,8 +343,9 @@ def context_reserve_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = PLAN_UBAT
     return max(0, n_ctx - RESERVE_CTX) * n_ubatch * info.n_head * 4
 
 
-def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_bytes: int = 0,
-              predictor_bytes: int = 0) -> VramPlan:
+def vram_plan(
+    info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_bytes: int = 0, predictor_bytes: int = 0
+) -> VramPlan:
     """Split a VRAM budget: dense weights + KV cache (+ expert predictors) first, then equal expert slots per
     MoE layer.
 
@@ -323,8 +354,10 @@ def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_
     context_reserve_bytes past RESERVE_CTX tokens of context (the plan's reserve_bytes includes it).
     """
     if budget_bytes < 0 or n_ctx <= 0 or reserve_bytes < 0 or predictor_bytes < 0:
-        raise ValueError(f"budget ({budget_bytes}), n_ctx ({n_ctx}), reserve ({reserve_bytes}) and "
-                         f"predictors ({predictor_bytes}) must be positive")
+        raise ValueError(
+            f"budget ({budget_bytes}), n_ctx ({n_ctx}), reserve ({reserve_bytes}) and "
+            f"predictors ({predictor_bytes}) must be positive"
+        )
     if reserve_bytes:
         reserve_bytes += context_reserve_bytes(info, n_ctx)
     kv = estimate_kv_cache_bytes(info, n_ctx)
@@ -332,10 +365,18 @@ def vram_plan(info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_
     slot = sum(info.bytes_per_expert_by_layer.values())  # one expert in each MoE layer
     slots = min(info.n_expert, left // slot) if slot else 0
     return VramPlan(
-        budget_bytes=budget_bytes, n_ctx=n_ctx, dense_bytes=info.dense_bytes, kv_cache_bytes=kv,
-        reserve_bytes=reserve_bytes, expert_budget_bytes=left, slot_bytes=slot,
-        experts_per_layer=int(slots), n_moe_layers=len(info.moe_layers),
-        n_expert=info.n_expert if info.is_moe else 0, predictor_bytes=predictor_bytes)
+        budget_bytes=budget_bytes,
+        n_ctx=n_ctx,
+        dense_bytes=info.dense_bytes,
+        kv_cache_bytes=kv,
+        reserve_bytes=reserve_bytes,
+        expert_budget_bytes=left,
+        slot_bytes=slot,
+        experts_per_layer=int(slots),
+        n_moe_layers=len(info.moe_layers),
+        n_expert=info.n_expert if info.is_moe else 0,
+        predictor_bytes=predictor_bytes,
+    )
 
 
 def prefill_buffer_bytes(info: ModelInfo) -> int:
@@ -350,18 +391,26 @@ def vram_reserve(info: ModelInfo, device_prefill: bool = False) -> int:
     return VRAM_RESERVE + (prefill_buffer_bytes(info) if device_prefill else 0)
 
 
-def slots_beside_prefill_buffers(info: ModelInfo, slots_per_layer: Mapping[int, int], budget_bytes: int,
-                                  n_ctx: int) -> dict[int, int]:
+def slots_beside_prefill_buffers(
+    info: ModelInfo, slots_per_layer: Mapping[int, int], budget_bytes: int, n_ctx: int
+) -> dict[int, int]:
     """Slots per MoE layer once `--device-prefill`'s two buffers come out of the budget: the equal count the
     smaller budget leaves, an unequal (dp) allocation scaled by the same ratio."""
     equal = vram_plan(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer
-    fewer = vram_plan(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, True)).experts_per_layer
+    fewer = vram_plan(
+        info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, True)
+    ).experts_per_layer
     return {il: n * fewer // max(1, equal) for il, n in slots_per_layer.items()}
 
 
 def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:
     """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit; None: never fits."""
-    fixed = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE + context_reserve_bytes(info, n_ctx)
+    fixed = (
+        info.dense_bytes
+        + estimate_kv_cache_bytes(info, n_ctx)
+        + VRAM_RESERVE
+        + context_reserve_bytes(info, n_ctx)
+    )
     layers = sorted(info.moe_layers)
     per_layer = {il: info.bytes_per_expert_by_layer[il] * info.n_expert for il in layers}
     for n in range(len(layers) + 1):
@@ -374,11 +423,21 @@ def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 _UNITS: dict[str, int] = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
     # bare letters follow the binary convention of docker and ulimit
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 
 

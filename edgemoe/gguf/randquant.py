@@ -4,6 +4,7 @@ Quant bytes are uniform random; the per-block scale fields are set so that the
 dequantized weights have a std of about `TARGET_STD` (a typical init scale) and are
 always finite. Block layouts follow vendor/llama.cpp/ggml/src/ggml-common.h.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -40,7 +41,7 @@ def _scales(rng: np.random.Generator, n: int, base: float) -> np.ndarray:
 
 
 def _put_f16(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
-    blocks[:, offset:offset + 2] = values.astype("<f2").view(np.uint8).reshape(-1, 2)
+    blocks[:, offset : offset + 2] = values.astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
 def _q8_0(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -97,15 +98,21 @@ def _mxfp4(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 _BLOCK_MAKERS: dict[Q, Callable[[np.random.Generator, int], np.ndarray]] = {
-    Q.Q8_0: _q8_0, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
-    Q.Q6_K: _q6_k, Q.MXFP4: _mxfp4,
+    Q.Q8_0: _q8_0,
+    Q.Q5_0: _q5_0,
+    Q.Q5_1: _q5_1,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+    Q.MXFP4: _mxfp4,
 }
 _FLOATS: dict[Q, str] = {Q.F32: "<f4", Q.F16: "<f2"}
 SUPPORTED_TYPES: tuple[Q, ...] = tuple(_FLOATS) + tuple(_BLOCK_MAKERS)
 
 
-def iter_random_tensor(qtype: Q, n_elements: int, rng: np.random.Generator, *,
-                       chunk_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
+def iter_random_tensor(
+    qtype: Q, n_elements: int, rng: np.random.Generator, *, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[np.ndarray]:
     """Yield the tensor's bytes (uint8 arrays) in chunks of at most ~chunk_bytes."""
     block, type_size = GGML_QUANT_SIZES[qtype]
     if n_elements % block:
@@ -120,8 +127,10 @@ def iter_random_tensor(qtype: Q, n_elements: int, rng: np.random.Generator, *,
         elif qtype in _BLOCK_MAKERS:
             yield _BLOCK_MAKERS[qtype](rng, n).reshape(-1)
         else:
-            raise ValueError(f"random {qtype.name} weights are not implemented; use one of "
-                             + ", ".join(t.name for t in SUPPORTED_TYPES))
+            raise ValueError(
+                f"random {qtype.name} weights are not implemented; use one of "
+                + ", ".join(t.name for t in SUPPORTED_TYPES)
+            )
 
 
 def constant_f32(n_elements: int, value: float) -> np.ndarray:

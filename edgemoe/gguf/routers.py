@@ -1,4 +1,5 @@
 """Router weights (ffn_gate_inp) of the MoE layers, read from a GGUF file."""
+
 from __future__ import annotations
 
 import numpy as np

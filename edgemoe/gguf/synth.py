@@ -8,6 +8,7 @@ Tensors are generated block by block directly in the target quant type
 (`edgemoe.gguf.randquant`) and streamed to `OUT.tmp`, renamed to `OUT` at the end, so
 memory stays bounded and an interrupted run leaves no half file.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,16 +54,23 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _MERGES = ("Ġ t", "h e", "i n", "e r", "Ġ a", "o n", "l l", "Ġt he", "he ll", "hell o")
 
 _FILE_TYPES = {
-    "Q4_K": LlamaFileType.MOSTLY_Q4_K_M, "Q5_K": LlamaFileType.MOSTLY_Q5_K_M,
-    "Q6_K": LlamaFileType.MOSTLY_Q6_K, "Q8_0": LlamaFileType.MOSTLY_Q8_0,
-    "F16": LlamaFileType.MOSTLY_F16, "F32": LlamaFileType.ALL_F32,
+    "Q4_K": LlamaFileType.MOSTLY_Q4_K_M,
+    "Q5_K": LlamaFileType.MOSTLY_Q5_K_M,
+    "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+    "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "F16": LlamaFileType.MOSTLY_F16,
+    "F32": LlamaFileType.ALL_F32,
     "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (openai/gpt-2 encoder.py)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     mapping, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -171,9 +179,17 @@ def _tensor_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def write_synthetic(preset_name: str | SynthPreset, out_path: str | Path, *, layers: int | None = None,
-                    qtype: str = "Q4_K", seed: int = 0, progress: bool = True, expert_scales: bool = False,
-                    shape_only: bool = False) -> Path:
+def write_synthetic(
+    preset_name: str | SynthPreset,
+    out_path: str | Path,
+    *,
+    layers: int | None = None,
+    qtype: str = "Q4_K",
+    seed: int = 0,
+    progress: bool = True,
+    expert_scales: bool = False,
+    shape_only: bool = False,
+) -> Path:
     """Write a random-weight GGUF of `preset_name` to `out_path` and return the path.
 
     `layers` keeps only the first N blocks; `qtype` is the type of the large matrices
@@ -202,7 +218,9 @@ def write_synthetic(preset_name: str | SynthPreset, out_path: str | Path, *, lay
         w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
 
     total = sum(t.nbytes for t in plan)
-    logger.info("writing %s (%s, %d layers, %s): %.2f GB of tensors", out, preset.name, n_layer, q, total / 1e9)
+    logger.info(
+        "writing %s (%s, %d layers, %s): %.2f GB of tensors", out, preset.name, n_layer, q, total / 1e9
+    )
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -236,5 +254,13 @@ def write_synthetic(preset_name: str | SynthPreset, out_path: str | Path, *, lay
 
 def _progress_bar(total: int, *, enabled: bool, desc: str) -> tqdm[Any]:
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled,
-                file=sys.stderr, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=desc,
+        disable=not enabled,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )

@@ -9,6 +9,7 @@ the CPU (`miss: cpu`) or copied to the GPU before the layer runs (`miss: load`).
 CPU and GPU branches in turn, as llama.cpp's scheduler does. `tools/backtest.py` writes the table that
 docs/research/performance-model.md carries; tests/test_backtest.py checks that it regenerates.
 """
+
 from __future__ import annotations
 
 import json
@@ -76,8 +77,11 @@ class Projection:
 
 def load_published(path: str | Path | None = None) -> list[Published]:
     """The bundled measurements (or another file of the same format)."""
-    text = (Path(path).read_text() if path is not None else
-            (resources.files("edgemoe.perf") / "published" / "measurements.json").read_text())
+    text = (
+        Path(path).read_text()
+        if path is not None
+        else (resources.files("edgemoe.perf") / "published" / "measurements.json").read_text()
+    )
     return [Published(**r) for r in json.loads(text)["rows"]]
 
 
@@ -88,13 +92,20 @@ def _qtype(quant: str) -> str:
 
 
 def _config(row: Published, moe: tuple[int, ...]) -> Config:
-    gpu_layers = frozenset(moe[row.n_cpu_moe:])
+    gpu_layers = frozenset(moe[row.n_cpu_moe :])
     if row.kind == "stock":
         return Config(row.id, "stock", gpu_expert_layers=gpu_layers)
     cached = [il for il in moe if il not in gpu_layers]
-    return Config(row.id, "edgemoe", gpu_expert_layers=gpu_layers, policy=row.policy,
-                  slots={il: row.slots for il in cached}, blocking=row.miss == "load",
-                  pageable_loads=row.pageable_misses, host_routed=row.host_routed)
+    return Config(
+        row.id,
+        "edgemoe",
+        gpu_expert_layers=gpu_layers,
+        policy=row.policy,
+        slots={il: row.slots for il in cached},
+        blocking=row.miss == "load",
+        pageable_loads=row.pageable_misses,
+        host_routed=row.host_routed,
+    )
 
 
 def _decode_hit_rate(row: Published, cfg: Config, work: Workload, frequency: Any) -> float:
@@ -103,10 +114,14 @@ def _decode_hit_rate(row: Published, cfg: Config, work: Workload, frequency: Any
     from ..policies.residency import StaticPolicy
 
     slots = dict(cfg.slots)
-    policy = (StaticPolicy(frequency, slots) if row.policy == "static"
-              else make_policy(str(row.policy), slots, n_expert=work.n_expert))
-    steps = [[(il, s.ids[:, j, :]) for j, il in enumerate(work.moe_layers) if il in slots]
-             for s in work.steps]
+    policy = (
+        StaticPolicy(frequency, slots)
+        if row.policy == "static"
+        else make_policy(str(row.policy), slots, n_expert=work.n_expert)
+    )
+    steps = [
+        [(il, s.ids[:, j, :]) for j, il in enumerate(work.moe_layers) if il in slots] for s in work.steps
+    ]
     counted = [s.phase == DECODE and s.seq >= 1 for s in work.steps]
     return replay_residency(policy, steps, counted).hit_rate
 
@@ -115,13 +130,21 @@ def routing_trace(n_expert: int, k: int, n_layer: int, seed: int = 0) -> tuple[T
     """The replayed routing: N_SEQ prompts drawn from the bundled routing profile of this shape (else the
     nearest, marked with a "~"), and the profile's name."""
     prof, exact = profile_for_shape(n_expert, k)
-    trace = prof.synthesize(n_expert=n_expert, k=k, n_layer=n_layer, n_seq=N_SEQ, prefill=PROMPT_TOKENS,
-                            decode=DECODE_TOKENS, seed=seed)
+    trace = prof.synthesize(
+        n_expert=n_expert,
+        k=k,
+        n_layer=n_layer,
+        n_seq=N_SEQ,
+        prefill=PROMPT_TOKENS,
+        decode=DECODE_TOKENS,
+        seed=seed,
+    )
     return trace, prof.name if exact else f"~{prof.name}"
 
 
-def project(row: Published, *, shape_dir: Path, trace_cache: dict[tuple[int, int, int], tuple[Trace, str]]
-            ) -> Projection:
+def project(
+    row: Published, *, shape_dir: Path, trace_cache: dict[tuple[int, int, int], tuple[Trace, str]]
+) -> Projection:
     model = shape_file(row.model, _qtype(row.quant), shape_dir)
     shape = with_k_m_mix(ModelShape.read(model), row.quant)
     prof = load_profile(row.profile)
@@ -135,8 +158,9 @@ def project(row: Published, *, shape_dir: Path, trace_cache: dict[tuple[int, int
     # a static cache is placed from a profile of other text: the warm-up prompt's routing, replayed on the next
     placed = Workload(tuple(s for s in work.steps if s.seq < 1), work.moe_layers, work.n_expert)
     frequency = static_frequency(placed) if row.policy == "static" else None
-    res = run_config(cfg, work, shape, prof, estimate_graph_nodes(shape), on_gpu=True, frequency=frequency,
-                     warmup_seqs=1)
+    res = run_config(
+        cfg, work, shape, prof, estimate_graph_nodes(shape), on_gpu=True, frequency=frequency, warmup_seqs=1
+    )
     hit = _decode_hit_rate(row, cfg, work, frequency) if row.kind == "cache" else None
     return Projection(row, res.decode_tps, hit, routing, res.bottleneck)
 
@@ -152,9 +176,13 @@ def error_stats(projections: Sequence[Projection]) -> dict[str, dict[str, float]
     for kind in ("stock", "cache"):
         errs = [p.error for p in projections if p.row.kind == kind]
         if errs:
-            out[kind] = {"rows": len(errs), "median_abs_error": statistics.median(abs(e) for e in errs),
-                         "mean_abs_error": float(np.mean(np.abs(errs))), "worst_error": max(errs, key=abs),
-                         "target": TARGETS[kind]}
+            out[kind] = {
+                "rows": len(errs),
+                "median_abs_error": statistics.median(abs(e) for e in errs),
+                "mean_abs_error": float(np.mean(np.abs(errs))),
+                "worst_error": max(errs, key=abs),
+                "target": TARGETS[kind],
+            }
     return out
 
 
@@ -164,9 +192,13 @@ def _pct(x: float | None) -> str:
 
 def markdown(projections: Sequence[Projection]) -> str:
     """The docs' table: one line per row, then the error statistics per kind."""
-    lines = [("| row | GPU profile | model (quant) | configuration | published tok/s | projected | error | "
-              "hit rate published / projected | routing | source |"),
-             "| --- | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |"]
+    lines = [
+        (
+            "| row | GPU profile | model (quant) | configuration | published tok/s | projected | error | "
+            "hit rate published / projected | routing | source |"
+        ),
+        "| --- | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |",
+    ]
     for p in projections:
         r = p.row
         if r.kind == "stock":
@@ -175,12 +207,16 @@ def markdown(projections: Sequence[Projection]) -> str:
             miss = "on the CPU" if r.miss == "cpu" else "loaded"
             conf = f"{r.policy} cache, {r.slots} experts/layer, miss {miss}"
         hit = f"{_pct(r.published_hit_rate)} / {_pct(p.projected_hit_rate)}" if r.kind == "cache" else "-"
-        lines.append(f"| {r.id} | {r.profile} | {r.model} ({r.quant}) | {conf} | {r.published_tps:.1f} | "
-                     f"{p.projected_tps:.1f} | {100 * p.error:+.0f}% | {hit} | {p.routing} | {r.source} |")
+        lines.append(
+            f"| {r.id} | {r.profile} | {r.model} ({r.quant}) | {conf} | {r.published_tps:.1f} | "
+            f"{p.projected_tps:.1f} | {100 * p.error:+.0f}% | {hit} | {p.routing} | {r.source} |"
+        )
     lines.append("")
     for kind, s in error_stats(projections).items():
-        lines.append(f"- **{kind} rows** ({s['rows']:.0f}): median absolute error "
-                     f"{100 * s['median_abs_error']:.1f}% "
-                     f"(target {100 * s['target']:.0f}%), mean {100 * s['mean_abs_error']:.1f}%, worst "
-                     f"{100 * s['worst_error']:+.0f}%")
+        lines.append(
+            f"- **{kind} rows** ({s['rows']:.0f}): median absolute error "
+            f"{100 * s['median_abs_error']:.1f}% "
+            f"(target {100 * s['target']:.0f}%), mean {100 * s['mean_abs_error']:.1f}%, worst "
+            f"{100 * s['worst_error']:+.0f}%"
+        )
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ the GPU). edgemoe runs its policies with the slots the same budget leaves (split
 allocation when the calibration has a routing trace, or equally: BenchSpec.alloc). Every configuration
 gets the same prompt (fixed random token ids), the same threads and the same greedy decode.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,7 +71,9 @@ class BenchRow:
     note: str = ""
     ratio_decode: float | None = None  # vs the best stock configuration
     ratio_prefill: float | None = None
-    projected_decode_tps: float | None = None  # the performance model's projection from this machine's profile
+    projected_decode_tps: float | None = (
+        None  # the performance model's projection from this machine's profile
+    )
     projected_prefill_tps: float | None = None
     projection_error: float | None = None  # projected / measured decode - 1
     # TTFT of a second request sharing all but the prompt's last REUSE_QUESTION tokens, its KV state restored
@@ -111,14 +114,14 @@ def _reuse_ttft(eng: Engine, prompt: list[int]) -> float:
     question = [int(t) for t in rng.integers(16, max(prompt) + 1, min(REUSE_QUESTION, len(prompt) - 1))]
     t0 = time.perf_counter()
     eng.restore(snap)
-    second = prompt[:len(prompt) - len(question)] + question
+    second = prompt[: len(prompt) - len(question)] + question
     eng.generate(second, max_tokens=1, sampling=GREEDY, ignore_eog=True)
     return time.perf_counter() - t0
 
 
-def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
-             setup: Callable[[Engine], None] | None = None
-             ) -> tuple[float, float, float, float, int | None, Any, list[int], float]:
+def _measure(
+    path: Path, config: LoadConfig, prompt: list[int], gen: int, setup: Callable[[Engine], None] | None = None
+) -> tuple[float, float, float, float, int | None, Any, list[int], float]:
     dev = native.gpu_device()
     free0 = native.device_memory(dev)[0] if dev is not None else None
     with Engine(path, config) as eng:
@@ -132,9 +135,15 @@ def _measure(path: Path, config: LoadConfig, prompt: list[int], gen: int,
         g = eng.generate(prompt, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
         wall = time.perf_counter() - t0
         used = free0 - native.device_memory(dev)[0] if dev is not None and free0 is not None else None
-        cache = ({**eng.cache.cache.stats(), "prefill": eng.cache.cache.prefill_stats(),
-                  "precalc": eng.cache.cache.precalc_stats()}
-                 if eng.cache is not None else None)
+        cache = (
+            {
+                **eng.cache.cache.stats(),
+                "prefill": eng.cache.cache.prefill_stats(),
+                "precalc": eng.cache.cache.precalc_stats(),
+            }
+            if eng.cache is not None
+            else None
+        )
         reuse = _reuse_ttft(eng, prompt)
     t = g.timings
     tpot = 1.0 / t.decode_tps if t.decode_tps > 0 else wall
@@ -146,29 +155,51 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
     n_ctx = spec.n_ctx or int(np.ceil((spec.prompt_tokens + spec.gen_tokens + 16) / 256) * 256)
     dev = native.gpu_device()
     on_gpu = dev is not None
-    base = LoadConfig(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=spec.threads,
-                      n_gpu_layers=999 if on_gpu else 0)
+    base = LoadConfig(
+        n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=spec.threads, n_gpu_layers=999 if on_gpu else 0
+    )
     moe = tuple(info.moe_layers)
     cpu_moe = moe if on_gpu else None  # without a GPU everything is in CPU memory (and stock keeps repacking)
     vplan = vram_plan(info, spec.vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
     slots = vplan.experts_per_layer
     n_cpu = best_n_cpu_moe(info, spec.vram, n_ctx)
-    res = BenchResult(model=path.name, device=native.device_name(dev) if on_gpu else "CPU (no GPU in this build)",
-                      vram=spec.vram, threads=spec.threads, prompt_tokens=spec.prompt_tokens,
-                      gen_tokens=spec.gen_tokens, slots_per_layer=slots, n_cpu_moe=n_cpu)
+    res = BenchResult(
+        model=path.name,
+        device=native.device_name(dev) if on_gpu else "CPU (no GPU in this build)",
+        vram=spec.vram,
+        threads=spec.threads,
+        prompt_tokens=spec.prompt_tokens,
+        gen_tokens=spec.gen_tokens,
+        slots_per_layer=slots,
+        n_cpu_moe=n_cpu,
+    )
     prompt = _prompt(info, spec.prompt_tokens)
 
     configs: list[tuple[str, str, LoadConfig, Callable[[Engine], None] | None, str]] = [
-        ("stock -ot exps=CPU", "stock", replace(base, cpu_expert_layers=cpu_moe), None, "")]
+        ("stock -ot exps=CPU", "stock", replace(base, cpu_expert_layers=cpu_moe), None, "")
+    ]
     if on_gpu and n_cpu is not None and n_cpu < len(moe):
-        configs.append((f"stock --n-cpu-moe {n_cpu}", "stock",
-                        replace(base, cpu_expert_layers=moe[:n_cpu] or None), None, ""))
+        configs.append(
+            (
+                f"stock --n-cpu-moe {n_cpu}",
+                "stock",
+                replace(base, cpu_expert_layers=moe[:n_cpu] or None),
+                None,
+                "",
+            )
+        )
     cached = replace(base, cpu_expert_layers=cpu_moe)
     costs = _assign_costs(path, spec) if spec.assign else None
     for pol in spec.policies:
         try:
-            plan = plan_allocation(info, alloc=spec.alloc, policy=pol, calibration=spec.calibration,
-                                   slots_per_layer=slots, budget_bytes=vplan.expert_budget_bytes)
+            plan = plan_allocation(
+                info,
+                alloc=spec.alloc,
+                policy=pol,
+                calibration=spec.calibration,
+                slots_per_layer=slots,
+                budget_bytes=vplan.expert_budget_bytes,
+            )
         except EdgeMoeError as err:  # reported as the policy's row, skipped
 
             def fail(eng: Engine, err: EdgeMoeError = err) -> None:
@@ -176,8 +207,12 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
 
             configs.append((f"edgemoe {pol}", "edgemoe", cached, fail, ""))
             continue
-        cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=pol,
-                          calibration=spec.calibration, alloc=plan.alloc)
+        cfg = CacheConfig(
+            slots if plan.alloc == "equal" else plan.slots,
+            policy=pol,
+            calibration=spec.calibration,
+            alloc=plan.alloc,
+        )
         notes = ([] if on_gpu else ["cache on the CPU stand-in"]) + ([plan.note] if plan.note else [])
         name = f"edgemoe {pol}" + (" dp" if plan.alloc == "dp" else "")
         for overlap in (True, False) if spec.compare_overlap else (True,):
@@ -185,39 +220,70 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
             def setup(eng: Engine, cfg: CacheConfig = replace(cfg, overlap=overlap)) -> None:  # noqa: B008 - binds this loop's config
                 eng.enable_expert_cache(cfg, device=dev)
 
-            configs.append((name + ("" if overlap else " no-overlap"), "edgemoe", cached, setup, "; ".join(notes)))
+            configs.append(
+                (name + ("" if overlap else " no-overlap"), "edgemoe", cached, setup, "; ".join(notes))
+            )
         if costs is not None and pol in ("lru", "dali"):
 
-            def setup_assign(eng: Engine, cfg: CacheConfig = replace(cfg, assign=spec.assign, assign_costs=costs)) -> None:  # noqa: B008 - binds this loop's config
+            def setup_assign(
+                eng: Engine,
+                cfg: CacheConfig = replace(cfg, assign=spec.assign, assign_costs=costs),  # noqa: B008 - binds this loop's config
+            ) -> None:
                 eng.enable_expert_cache(cfg, device=dev)
 
-            configs.append((f"{name} +assign {spec.assign}", "edgemoe", cached, setup_assign,
-                            "; ".join(notes + ["in the routing hook"])))
+            configs.append(
+                (
+                    f"{name} +assign {spec.assign}",
+                    "edgemoe",
+                    cached,
+                    setup_assign,
+                    "; ".join(notes + ["in the routing hook"]),
+                )
+            )
         if spec.device_prefill:
             pf_slots = slots_beside_prefill_buffers(
-                info, {il: slots for il in moe} if plan.alloc == "equal" else plan.slots, spec.vram, n_ctx)
+                info, {il: slots for il in moe} if plan.alloc == "equal" else plan.slots, spec.vram, n_ctx
+            )
             pf_cfg = replace(cfg, slots_per_layer=pf_slots, prefill_min_tokens=spec.device_prefill)
 
             def setup_prefill(eng: Engine, cfg: CacheConfig = pf_cfg) -> None:
                 eng.enable_expert_cache(cfg, device=dev)
 
-            configs.append((f"{name} +device prefill", "edgemoe", cached, setup_prefill,
-                            "; ".join(notes + [f"{sum(pf_slots.values()) // max(1, len(pf_slots))} slots/layer beside the "
-                                              "prefill buffers"])))
+            configs.append(
+                (
+                    f"{name} +device prefill",
+                    "edgemoe",
+                    cached,
+                    setup_prefill,
+                    "; ".join(
+                        notes
+                        + [
+                            f"{sum(pf_slots.values()) // max(1, len(pf_slots))} slots/layer beside the "
+                            "prefill buffers"
+                        ]
+                    ),
+                )
+            )
         if spec.precalc_from is not None:
 
-            def setup_precalc(eng: Engine, cfg: CacheConfig = replace(cfg, precalc_from=spec.precalc_from)) -> None:  # noqa: B008 - binds this loop's config
+            def setup_precalc(
+                eng: Engine,
+                cfg: CacheConfig = replace(cfg, precalc_from=spec.precalc_from),  # noqa: B008 - binds this loop's config
+            ) -> None:
                 eng.enable_expert_cache(cfg, device=dev)
 
-            configs.append((f"{name} +precalc {spec.precalc_from}", "edgemoe", cached, setup_precalc,
-                            "; ".join(notes)))
+            configs.append(
+                (f"{name} +precalc {spec.precalc_from}", "edgemoe", cached, setup_precalc, "; ".join(notes))
+            )
 
     generated: list[int] = []
     for name, kind, cfg, setup_fn, note in configs:
         if progress:
             progress(name)
         try:
-            pre, dec, ttft, tpot, vram, cache, tokens, reuse = _measure(path, cfg, prompt, spec.gen_tokens, setup_fn)
+            pre, dec, ttft, tpot, vram, cache, tokens, reuse = _measure(
+                path, cfg, prompt, spec.gen_tokens, setup_fn
+            )
         except Exception as err:  # noqa: BLE001 - one configuration failing (no calibration...) is a row
             res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
             continue
@@ -245,8 +311,10 @@ def _assign_costs(path: Path, spec: BenchSpec) -> dict[int, Any]:
     from .profile import load_profile
 
     if spec.profile is None:
-        raise EdgeMoeError("bench --assign prices the assignment with --profile: give a GPU machine's profile "
-                           "(this machine's from `edgemoe profile` on a CUDA build, or a bundled one)")
+        raise EdgeMoeError(
+            "bench --assign prices the assignment with --profile: give a GPU machine's profile "
+            "(this machine's from `edgemoe profile` on a CUDA build, or a bundled one)"
+        )
     return expert_costs(ModelShape.read(path), load_profile(spec.profile))
 
 
@@ -258,13 +326,22 @@ def _sim_name(row: BenchRow, on_gpu: bool) -> str | None:
         return "stock-n-cpu-moe-" + row.name.rsplit(" ", 1)[1]
     if row.name.endswith(" no-overlap") or " +assign " in row.name or " +precalc " in row.name:
         return None  # the overlap is assumed; no per-token assignment; pre-calculation: at its measured rates below
-    if row.name.startswith("edgemoe ") and on_gpu and not row.name.endswith(" dp"):  # dp: equal slots only, so far
+    if (
+        row.name.startswith("edgemoe ") and on_gpu and not row.name.endswith(" dp")
+    ):  # dp: equal slots only, so far
         return "edgemoe-" + row.name.split(" ", 1)[1]
     return None
 
 
-def project(res: BenchResult, path: Path, spec: BenchSpec, base: LoadConfig, tokens: list[int], n_prompt: int,
-            on_gpu: bool) -> None:
+def project(
+    res: BenchResult,
+    path: Path,
+    spec: BenchSpec,
+    base: LoadConfig,
+    tokens: list[int],
+    n_prompt: int,
+    on_gpu: bool,
+) -> None:
     """Each row's projection from this machine's profile: the routing of the generated tokens recorded as a
     trace and replayed by edgemoe.perf.simulate with the same budget."""
     from ..analysis.trace import join_traces, record_trace
@@ -276,31 +353,62 @@ def project(res: BenchResult, path: Path, spec: BenchSpec, base: LoadConfig, tok
     with Engine(path, base) as eng:
         # the measured runs start after a warm-up, whose loads the cache keeps: replayed first, not counted
         warm = eng.generate(tokens[:WARMUP_PROMPT], max_tokens=2, sampling=GREEDY, ignore_eog=True).tokens
-        trace = join_traces([
-            record_trace(eng, tokens[:WARMUP_PROMPT] + warm[:1], ctx=base.n_ctx, mode="decode",
-                         prefill_tokens=WARMUP_PROMPT),
-            record_trace(eng, tokens, ctx=base.n_ctx, mode="decode", prefill_tokens=n_prompt)])
-    sim = simulate(path, trace, prof, SimSpec(vram=spec.vram if on_gpu else 0, n_ctx=base.n_ctx,
-                                              n_ubatch=base.n_ubatch, warmup_seqs=1,
-                                              # the performance model has no prefetcher: promoe is not projected
-                                              policies=tuple(p for p in spec.policies if p != "promoe"),
-                                              calibration=spec.calibration,
-                                              overlap=True))  # the edgemoe rows run overlapped
+        trace = join_traces(
+            [
+                record_trace(
+                    eng,
+                    tokens[:WARMUP_PROMPT] + warm[:1],
+                    ctx=base.n_ctx,
+                    mode="decode",
+                    prefill_tokens=WARMUP_PROMPT,
+                ),
+                record_trace(eng, tokens, ctx=base.n_ctx, mode="decode", prefill_tokens=n_prompt),
+            ]
+        )
+    sim = simulate(
+        path,
+        trace,
+        prof,
+        SimSpec(
+            vram=spec.vram if on_gpu else 0,
+            n_ctx=base.n_ctx,
+            n_ubatch=base.n_ubatch,
+            warmup_seqs=1,
+            # the performance model has no prefetcher: promoe is not projected
+            policies=tuple(p for p in spec.policies if p != "promoe"),
+            calibration=spec.calibration,
+            overlap=True,
+        ),
+    )  # the edgemoe rows run overlapped
     by_name = {c.name: c for c in sim.configs}
     for row in res.rows:
         key = _sim_name(row, on_gpu)
-        if key is None and on_gpu and spec.precalc_from is not None and row.name.endswith(f" +precalc {spec.precalc_from}"):
+        if (
+            key is None
+            and on_gpu
+            and spec.precalc_from is not None
+            and row.name.endswith(f" +precalc {spec.precalc_from}")
+        ):
             key = _project_precalc(row, path, trace, prof, spec, base, by_name)
         if key is None or key not in by_name or row.decode_tps <= 0:
             continue
         c = by_name[key]
         row.projected_decode_tps, row.projected_prefill_tps = c.decode_tps, c.prefill_tps
         row.projection_error = c.decode_tps / row.decode_tps - 1
-    res.projection_note = f"projected with profile {spec.profile}" + (f"; {sim.workload_note}" if sim.workload_note else "")
+    res.projection_note = f"projected with profile {spec.profile}" + (
+        f"; {sim.workload_note}" if sim.workload_note else ""
+    )
 
 
-def _project_precalc(row: BenchRow, path: Path, trace: Any, prof: Any, spec: BenchSpec, base: LoadConfig,
-                     by_name: dict[str, Any]) -> str | None:
+def _project_precalc(
+    row: BenchRow,
+    path: Path,
+    trace: Any,
+    prof: Any,
+    spec: BenchSpec,
+    base: LoadConfig,
+    by_name: dict[str, Any],
+) -> str | None:
     """A "+precalc L" row's projection at the rates it measured (cache.precalc's early_share and precision): adds
     the simulator's configuration to by_name and returns its name (None: no rates, or a dp row)."""
     from .simulate import PrecalcSpec, SimSpec, simulate
@@ -310,10 +418,21 @@ def _project_precalc(row: BenchRow, path: Path, trace: Any, prof: Any, spec: Ben
     if row.name.split(" ")[2] == "dp" or not pc.get("early_share") or not pc.get("precision"):
         return None
     assert spec.precalc_from is not None
-    sim = simulate(path, trace, prof, SimSpec(
-        vram=spec.vram, n_ctx=base.n_ctx, n_ubatch=base.n_ubatch, warmup_seqs=1, policies=(pol,),
-        calibration=spec.calibration, overlap=True,
-        precalc=PrecalcSpec(spec.precalc_from, float(pc["early_share"]), float(pc["precision"]))))
+    sim = simulate(
+        path,
+        trace,
+        prof,
+        SimSpec(
+            vram=spec.vram,
+            n_ctx=base.n_ctx,
+            n_ubatch=base.n_ubatch,
+            warmup_seqs=1,
+            policies=(pol,),
+            calibration=spec.calibration,
+            overlap=True,
+            precalc=PrecalcSpec(spec.precalc_from, float(pc["early_share"]), float(pc["precision"])),
+        ),
+    )
     key = f"edgemoe-{pol}-precalc"
     for c in sim.configs:  # the last config of that name
         if c.name == key:
@@ -322,11 +441,16 @@ def _project_precalc(row: BenchRow, path: Path, trace: Any, prof: Any, spec: Ben
 
 
 def format_table(res: BenchResult) -> str:
-    head = (f"{res.model} · {res.device} · budget {res.vram / 2**30:.1f} GiB · {res.slots_per_layer} slots/layer · "
-            f"{res.prompt_tokens} prompt + {res.gen_tokens} generated tokens")
-    lines = [head, f"{'configuration':<26} {'prefill t/s':>11} {'decode t/s':>10} {'TTFT ms':>8} {'reuse ms':>8} "
-                   f"{'TPOT ms':>8} "
-                   f"{'VRAM GiB':>8} {'decode x':>8} {'prefill x':>9} {'hit rate':>8} {'proj dec':>8} {'err':>6}  note"]
+    head = (
+        f"{res.model} · {res.device} · budget {res.vram / 2**30:.1f} GiB · {res.slots_per_layer} slots/layer · "
+        f"{res.prompt_tokens} prompt + {res.gen_tokens} generated tokens"
+    )
+    lines = [
+        head,
+        f"{'configuration':<26} {'prefill t/s':>11} {'decode t/s':>10} {'TTFT ms':>8} {'reuse ms':>8} "
+        f"{'TPOT ms':>8} "
+        f"{'VRAM GiB':>8} {'decode x':>8} {'prefill x':>9} {'hit rate':>8} {'proj dec':>8} {'err':>6}  note",
+    ]
     for r in res.rows:
         vram = f"{r.peak_vram_bytes / 2**30:.2f}" if r.peak_vram_bytes is not None else "-"
         ratio = f"{r.ratio_decode:.3f}" if r.ratio_decode is not None else "-"
@@ -335,14 +459,20 @@ def format_table(res: BenchResult) -> str:
         proj = f"{r.projected_decode_tps:.2f}" if r.projected_decode_tps is not None else "-"
         err = f"{r.projection_error:+.1%}" if r.projection_error is not None else "-"
         reuse = f"{r.reuse_ttft_s * 1e3:.0f}" if r.reuse_ttft_s is not None else "-"
-        lines.append(f"{r.name:<26} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} {reuse:>8} "
-                     f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8} {proj:>8} {err:>6}  {r.note}")
-    lines.append(f"reuse ms: TTFT of a second request on the same prefix with {REUSE_QUESTION} new tokens, its KV "
-                 "state restored from host memory (serve's prompt cache)")
+        lines.append(
+            f"{r.name:<26} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} {reuse:>8} "
+            f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8} {proj:>8} {err:>6}  {r.note}"
+        )
+    lines.append(
+        f"reuse ms: TTFT of a second request on the same prefix with {REUSE_QUESTION} new tokens, its KV "
+        "state restored from host memory (serve's prompt cache)"
+    )
     if res.projection_note:
         lines.append(f"proj dec: PROJECTED decode tok/s, {res.projection_note}")
     elif any(r.kind for r in res.rows):
-        lines.append("proj dec: no profile of this machine (run `edgemoe profile` to see projections next to measurements)")
+        lines.append(
+            "proj dec: no profile of this machine (run `edgemoe profile` to see projections next to measurements)"
+        )
     return "\n".join(lines)
 
 
@@ -354,9 +484,15 @@ def plot(res: BenchResult, out: Path) -> None:
 
     rows = [r for r in res.rows if r.decode_tps > 0]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key, label in ((axes[0], "decode_tps", "decode tokens/s"), (axes[1], "prefill_tps", "prefill tokens/s")):
-        ax.barh([r.name for r in rows], [getattr(r, key) for r in rows],
-                color=["#888" if r.kind == "stock" else "#2a7" for r in rows])
+    for ax, key, label in (
+        (axes[0], "decode_tps", "decode tokens/s"),
+        (axes[1], "prefill_tps", "prefill tokens/s"),
+    ):
+        ax.barh(
+            [r.name for r in rows],
+            [getattr(r, key) for r in rows],
+            color=["#888" if r.kind == "stock" else "#2a7" for r in rows],
+        )
         ax.set_xlabel(label)
     fig.suptitle(f"{res.model} · {res.device} · {res.vram / 2**30:.1f} GiB", fontsize=9)
     fig.tight_layout()

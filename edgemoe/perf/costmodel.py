@@ -5,6 +5,7 @@ per layer: the bytes and types of the matrices every token multiplies (attention
 experts, a dense FFN), the slices one routed expert occupies, the KV bytes and attention work per
 cached token, and the output head. `LayerCosts` turns them into seconds on one device.
 """
+
 from __future__ import annotations
 
 import re
@@ -30,7 +31,9 @@ class Weights:
 class LayerShape:
     il: int
     dense: tuple[Weights, ...]  # matrices every token of the layer multiplies
-    expert: tuple[Weights, ...]  # one routed expert's slices of the stacked *_exps matrices (empty: dense layer)
+    expert: tuple[
+        Weights, ...
+    ]  # one routed expert's slices of the stacked *_exps matrices (empty: dense layer)
     kv_bytes_per_token: int  # K and V (f16) one cached token adds
     attn_flops_per_pair: int  # flops of one (query, cached key) pair: QK^T and the V product
 
@@ -82,12 +85,22 @@ class ModelShape:
                 dense[il].append(Weights(t.qtype.name, t.nbytes))
         kv_token = estimate_kv_cache_bytes(info, 1) // max(1, info.n_layer)
         heads = info.n_head * (info.n_embd_head_k + info.n_embd_head_v)
-        layers = tuple(LayerShape(il, tuple(dense[il]), tuple(expert[il]), kv_token, 2 * heads)
-                       for il in range(info.n_layer))
+        layers = tuple(
+            LayerShape(il, tuple(dense[il]), tuple(expert[il]), kv_token, 2 * heads)
+            for il in range(info.n_layer)
+        )
         out = head or embd or Weights("F16", 2 * info.n_vocab * info.n_embd)
-        return cls(name=Path(path).name, architecture=info.architecture, n_vocab=info.n_vocab,
-                   n_expert=info.n_expert, n_expert_used=info.n_expert_used, layers=layers, head=out,
-                   total_bytes=info.total_tensor_bytes, info=info)
+        return cls(
+            name=Path(path).name,
+            architecture=info.architecture,
+            n_vocab=info.n_vocab,
+            n_expert=info.n_expert,
+            n_expert_used=info.n_expert_used,
+            layers=layers,
+            head=out,
+            total_bytes=info.total_tensor_bytes,
+            info=info,
+        )
 
 
 def _matmul_s(dev: DeviceProfile, ws: tuple[Weights, ...], tokens: int, hot: bool) -> float:
@@ -135,8 +148,11 @@ class LayerCosts:
         key = ("expert", il, tokens)
         if key not in self._memo:
             ws = self.shape.layers[il].expert
-            self._memo[key] = (sum(w.nbytes * _per_byte(self.dev.expert_curve(w.qtype), tokens, self.hot) for w in ws)
-                               if ws and tokens > 0 else 0.0)
+            self._memo[key] = (
+                sum(w.nbytes * _per_byte(self.dev.expert_curve(w.qtype), tokens, self.hot) for w in ws)
+                if ws and tokens > 0
+                else 0.0
+            )
         return self._memo[key]
 
     def expert_fixed(self, il: int, tokens: int) -> float:
@@ -174,7 +190,11 @@ class LayerCosts:
         k = self.shape.n_expert_used if experts_per_layer is None else experts_per_layer
         t = self.head(1)
         for ly in self.shape.layers:
-            t += self.dense(ly.il, 1) + self.attention(ly.il, 1, kv_len) + (self.experts(ly.il, [1] * k) if ly.expert else 0.0)
+            t += (
+                self.dense(ly.il, 1)
+                + self.attention(ly.il, 1, kv_len)
+                + (self.experts(ly.il, [1] * k) if ly.expert else 0.0)
+            )
         return t
 
 
@@ -184,21 +204,28 @@ def expert_costs(shape: ModelShape, prof: MachineProfile) -> dict[int, CostModel
     compute: llama.cpp runs a layer's cached experts after their loads), and a hand-off of the activations
     each way plus the CPU products' fixed cost when any expert of the layer runs on the CPU."""
     if prof.gpu is None or prof.link is None:
-        raise ProfileError(f"profile {prof.name!r} has no GPU: --assign weighs CPU against GPU time; give a "
-                           "GPU machine's profile (a bundled one, or `edgemoe profile` on a CUDA build)")
+        raise ProfileError(
+            f"profile {prof.name!r} has no GPU: --assign weighs CPU against GPU time; give a "
+            "GPU machine's profile (a bundled one, or `edgemoe profile` on a CUDA build)"
+        )
     cpu, gpu = LayerCosts.of(prof.cpu, shape), LayerCosts.of(prof.gpu, shape)
     return {il: layer_cost_model(cpu, gpu, prof.link, il) for il in shape.moe_layers}
 
 
-def layer_cost_model(cpu: LayerCosts, gpu: LayerCosts, link: LinkProfile, il: int, *,
-                     handoff_tokens: int = 1) -> CostModel:
+def layer_cost_model(
+    cpu: LayerCosts, gpu: LayerCosts, link: LinkProfile, il: int, *, handoff_tokens: int = 1
+) -> CostModel:
     """Layer il's assigner costs: an expert's CPU and GPU time over n tokens, its copy at the cache loader's
     rate then its compute (SERIAL), and a hand-off of two link latencies plus the CPU products' fixed cost at
     `handoff_tokens` (the most tokens an expert of the ubatch gets)."""
     copy = cpu.shape.expert_bytes(il) / link.loads_bw
-    return CostModel(cpu_s=lambda n: cpu.expert(il, n), gpu_s=lambda n: gpu.expert(il, n),
-                     transfer_s=lambda: copy, transfer_mode=TransferMode.SERIAL,
-                     cpu_handoff_s=2 * link.latency_s + cpu.expert_fixed(il, handoff_tokens))
+    return CostModel(
+        cpu_s=lambda n: cpu.expert(il, n),
+        gpu_s=lambda n: gpu.expert(il, n),
+        transfer_s=lambda: copy,
+        transfer_mode=TransferMode.SERIAL,
+        cpu_handoff_s=2 * link.latency_s + cpu.expert_fixed(il, handoff_tokens),
+    )
 
 
 def _per_byte(curve: Curve, tokens: int, hot: bool) -> float:

@@ -1,5 +1,6 @@
 """ggml contexts, tensors, graphs, buffers and backends through ctypes: the bindings of edgemoe.perf.measure's
 microbenchmarks, beside it (the runtime never builds ggml graphs itself)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -14,6 +15,7 @@ from ..runtime.native.loader import GgmlDevice, declare, ggml_base_lib, ggml_cpu
 GGML_STATUS_SUCCESS = 0
 # GGML_MAX_N_THREADS (config.MAX_THREADS): the size of ggml_threadpool_params.cpumask
 _GGML_MAX_N_THREADS = 512
+
 
 class GgmlInitParams(ctypes.Structure):
     """struct ggml_init_params { size_t mem_size; void * mem_buffer; bool no_alloc; }"""
@@ -45,8 +47,9 @@ _tensor_overhead = declare("ggml_tensor_overhead", [], _sz, ggml_base_lib)
 _graph_overhead_custom = declare("ggml_graph_overhead_custom", [_sz, ctypes.c_bool], _sz, ggml_base_lib)
 # struct ggml_tensor * ggml_new_tensor(struct ggml_context * ctx, enum ggml_type type, int n_dims,
 #                                      const int64_t * ne);
-_new_tensor = declare("ggml_new_tensor", [_vp, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_i64)], _vp,
-                       ggml_base_lib)
+_new_tensor = declare(
+    "ggml_new_tensor", [_vp, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_i64)], _vp, ggml_base_lib
+)
 # size_t ggml_nbytes(const struct ggml_tensor * tensor);
 _nbytes = declare("ggml_nbytes", [_vp], _sz, ggml_base_lib)
 # const char * ggml_get_name(const struct ggml_tensor * tensor);
@@ -56,12 +59,14 @@ _blck_size = declare("ggml_blck_size", [ctypes.c_int], _i64, ggml_base_lib)
 # size_t ggml_row_size(enum ggml_type type, int64_t ne);
 _row_size = declare("ggml_row_size", [ctypes.c_int, _i64], _sz, ggml_base_lib)
 # bool ggml_quantize_requires_imatrix(enum ggml_type type);
-_quantize_requires_imatrix = declare("ggml_quantize_requires_imatrix", [ctypes.c_int], ctypes.c_bool,
-                                      ggml_base_lib)
+_quantize_requires_imatrix = declare(
+    "ggml_quantize_requires_imatrix", [ctypes.c_int], ctypes.c_bool, ggml_base_lib
+)
 # size_t ggml_quantize_chunk(enum ggml_type type, const float * src, void * dst, int64_t start, int64_t nrows,
 #                            int64_t n_per_row, const float * imatrix);
-_quantize_chunk = declare("ggml_quantize_chunk", [ctypes.c_int, _vp, _vp, _i64, _i64, _i64, _vp], _sz,
-                           ggml_base_lib)
+_quantize_chunk = declare(
+    "ggml_quantize_chunk", [ctypes.c_int, _vp, _vp, _i64, _i64, _i64, _vp], _sz, ggml_base_lib
+)
 # struct ggml_tensor * ggml_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a,
 #                                   struct ggml_tensor * b);
 _mul_mat = declare("ggml_mul_mat", [_vp, _vp, _vp], _vp, ggml_base_lib)
@@ -84,8 +89,9 @@ _graph_n_nodes = declare("ggml_graph_n_nodes", [_vp], ctypes.c_int, ggml_base_li
 
 # ggml_backend_buffer_t ggml_backend_alloc_ctx_tensors_from_buft(struct ggml_context * ctx,
 #                                                                ggml_backend_buffer_type_t buft);
-_alloc_ctx_tensors_from_buft = declare("ggml_backend_alloc_ctx_tensors_from_buft", [_vp, _vp], _vp,
-                                        ggml_base_lib)
+_alloc_ctx_tensors_from_buft = declare(
+    "ggml_backend_alloc_ctx_tensors_from_buft", [_vp, _vp], _vp, ggml_base_lib
+)
 # ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size);
 _buft_alloc_buffer = declare("ggml_backend_buft_alloc_buffer", [_vp, _sz], _vp, ggml_base_lib)
 # const char * ggml_backend_buft_name(ggml_backend_buffer_type_t buft);
@@ -143,8 +149,9 @@ _cpu_set_n_threads = declare("ggml_backend_cpu_set_n_threads", [_vp, ctypes.c_in
 # void ggml_backend_cpu_set_threadpool(ggml_backend_t backend_cpu, ggml_threadpool_t threadpool);
 _cpu_set_threadpool = declare("ggml_backend_cpu_set_threadpool", [_vp, _vp], None, ggml_cpu_lib)
 # void ggml_threadpool_params_init(struct ggml_threadpool_params * p, int n_threads);
-_threadpool_params_init = declare("ggml_threadpool_params_init",
-                                   [ctypes.POINTER(ThreadpoolParams), ctypes.c_int], None, ggml_base_lib)
+_threadpool_params_init = declare(
+    "ggml_threadpool_params_init", [ctypes.POINTER(ThreadpoolParams), ctypes.c_int], None, ggml_base_lib
+)
 # struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params);
 _threadpool_new = declare("ggml_threadpool_new", [ctypes.POINTER(ThreadpoolParams)], _vp, ggml_cpu_lib)
 # void ggml_threadpool_free(struct ggml_threadpool * threadpool);
@@ -153,20 +160,64 @@ _threadpool_free = declare("ggml_threadpool_free", [_vp], None, ggml_cpu_lib)
 
 def _require(*fns: Any) -> None:
     if any(fn is None for fn in fns):
-        raise NativeLibraryError("the ggml libraries beside libllama lack a function edgemoe's "
-                                 "microbenchmarks call (a stock or partial build?): run `make install`")
+        raise NativeLibraryError(
+            "the ggml libraries beside libllama lack a function edgemoe's "
+            "microbenchmarks call (a stock or partial build?): run `make install`"
+        )
 
 
 def require_ggml() -> None:
     """Raise NativeLibraryError unless every ggml function the microbenchmarks call was found."""
-    _require(_ggml_init, _ggml_free, _tensor_overhead, _graph_overhead_custom, _new_tensor, _nbytes, _get_name,
-             _blck_size, _row_size, _quantize_requires_imatrix, _quantize_chunk, _mul_mat, _mul_mat_id,
-             _swiglu_split, _add, _scale, _new_graph_custom, _build_forward_expand, _graph_n_nodes,
-             _alloc_ctx_tensors_from_buft, _buft_alloc_buffer, _buft_name, _buft_is_host, _buffer_free,
-             _buffer_clear, _buffer_get_base, _tensor_alloc, _tensor_set, _tensor_get, _tensor_set_async, _backend_free, _backend_name, _backend_default_buft,
-             _graph_compute, _graph_node, _backend_synchronize, _dev_init, _dev_type, _dev_backend_reg, _dev_buft,
-             _dev_host_buft, _dev_supports_op, _cpu_init, _cpu_set_n_threads, _cpu_set_threadpool,
-             _threadpool_params_init, _threadpool_new, _threadpool_free)
+    _require(
+        _ggml_init,
+        _ggml_free,
+        _tensor_overhead,
+        _graph_overhead_custom,
+        _new_tensor,
+        _nbytes,
+        _get_name,
+        _blck_size,
+        _row_size,
+        _quantize_requires_imatrix,
+        _quantize_chunk,
+        _mul_mat,
+        _mul_mat_id,
+        _swiglu_split,
+        _add,
+        _scale,
+        _new_graph_custom,
+        _build_forward_expand,
+        _graph_n_nodes,
+        _alloc_ctx_tensors_from_buft,
+        _buft_alloc_buffer,
+        _buft_name,
+        _buft_is_host,
+        _buffer_free,
+        _buffer_clear,
+        _buffer_get_base,
+        _tensor_alloc,
+        _tensor_set,
+        _tensor_get,
+        _tensor_set_async,
+        _backend_free,
+        _backend_name,
+        _backend_default_buft,
+        _graph_compute,
+        _graph_node,
+        _backend_synchronize,
+        _dev_init,
+        _dev_type,
+        _dev_backend_reg,
+        _dev_buft,
+        _dev_host_buft,
+        _dev_supports_op,
+        _cpu_init,
+        _cpu_set_n_threads,
+        _cpu_set_threadpool,
+        _threadpool_params_init,
+        _threadpool_new,
+        _threadpool_free,
+    )
 
 
 def _ptr(value: int | None, what: str) -> int:
@@ -216,8 +267,9 @@ def ggml_quantize_requires_imatrix(type_id: int) -> bool:
     return bool(_quantize_requires_imatrix(type_id))
 
 
-def ggml_quantize_rows(type_id: int, src: int, dst: int, n_rows: int, n_per_row: int,
-                       imatrix: int | None = None) -> int:
+def ggml_quantize_rows(
+    type_id: int, src: int, dst: int, n_rows: int, n_per_row: int, imatrix: int | None = None
+) -> int:
     """Quantize n_rows float rows at address src into dst (imatrix: the address of n_per_row float
     importances, needed by the types ggml_quantize_requires_imatrix names); bytes written."""
     _require(_quantize_chunk)
@@ -407,8 +459,9 @@ def graph_compute(backend: int, graph: int) -> None:
     node back is answered only once the graph has run."""
     status = _graph_compute(backend, graph)
     if status != GGML_STATUS_SUCCESS:
-        raise NativeLibraryError(f"ggml_backend_graph_compute on {backend_name(backend)} failed "
-                                 f"(status {status})")
+        raise NativeLibraryError(
+            f"ggml_backend_graph_compute on {backend_name(backend)} failed (status {status})"
+        )
     _backend_synchronize(backend)
     probe = ctypes.c_float()
     _tensor_get(_graph_node(graph, -1), ctypes.byref(probe), 0, 4)

@@ -7,6 +7,7 @@ expert size: the other model then copies an expert in the same number of layer t
 does on that machine. That is how the tiny fixtures (experts of 35-128 KiB) are replayed as if they
 were Qwen3-30B-A3B (2.5 MiB experts) on an RTX 4060 laptop.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,8 +27,16 @@ class LinkTiming:
     label: str
 
 
-def profile_timing(prof: MachineProfile, reference: ModelShape, expert_bytes: float, *, name: str,
-                   kv_len: int = 512, pinned: bool = False, experts_on: str = "cpu") -> LinkTiming:
+def profile_timing(
+    prof: MachineProfile,
+    reference: ModelShape,
+    expert_bytes: float,
+    *,
+    name: str,
+    kv_len: int = 512,
+    pinned: bool = False,
+    experts_on: str = "cpu",
+) -> LinkTiming:
     """One decode MoE layer of `reference` on `prof` (dense matrices and attention on the GPU, the k routed
     experts on the CPU with a hand-off each way, or on the GPU: `experts_on`), and the link's pageable (this
     build copies from the mapped GGUF) or pinned bandwidth, scaled to experts of `expert_bytes`."""
@@ -46,7 +55,10 @@ def profile_timing(prof: MachineProfile, reference: ModelShape, expert_bytes: fl
     link = prof.link.h2d_pinned if pinned else prof.link.h2d_pageable
     ref_bytes = reference.expert_bytes(il)
     ratio = layer * link / ref_bytes
-    label = (f"{name}, {'pinned' if pinned else 'pageable'} {link / 1e9:.1f} GB/s, {reference.name} layer of "
-             f"{layer * 1e6:.0f} us (experts on the {experts_on.upper()}): {ratio:.2f} experts per layer time")
-    return LinkTiming(CopyTiming(bandwidth=ratio * expert_bytes / layer, layer_s=layer), ratio, layer, ref_bytes,
-                      label)
+    label = (
+        f"{name}, {'pinned' if pinned else 'pageable'} {link / 1e9:.1f} GB/s, {reference.name} layer of "
+        f"{layer * 1e6:.0f} us (experts on the {experts_on.upper()}): {ratio:.2f} experts per layer time"
+    )
+    return LinkTiming(
+        CopyTiming(bandwidth=ratio * expert_bytes / layer, layer_s=layer), ratio, layer, ref_bytes, label
+    )

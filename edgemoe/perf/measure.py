@@ -11,6 +11,7 @@ start (llama.cpp pays that once per whole-model graph, if at all: in an OpenMP b
 makes, OpenMP's persistent threads do the work with or without the threadpool, and the figures agree).
 The ctypes declarations are in edgemoe.runtime.native and, for ggml graphs, edgemoe.perf.ggml_graph.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,29 @@ log = logging.getLogger(__name__)
 # the weight types these benchmarks build (quantized from a few random rows, then tiled); the first
 # IQ1_*/IQ2_* weights of a process wait seconds for ggml to build its quantization grids
 QTYPES: tuple[str, ...] = (
-    "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "MXFP4",
-    "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q6_K",
+    "Q5_K",
+    "Q5_1",
+    "Q5_0",
+    "Q4_K",
+    "Q4_1",
+    "Q4_0",
+    "MXFP4",
+    "IQ4_XS",
+    "IQ4_NL",
+    "Q3_K",
+    "IQ3_S",
+    "IQ3_XXS",
+    "Q2_K",
+    "IQ2_S",
+    "IQ2_XS",
+    "IQ2_XXS",
+    "IQ1_M",
+    "IQ1_S",
 )
 POOL_CAP_BYTES = 1 << 30  # cold pools stop here, whatever the cache
 MAX_POOL = 4096  # weight sets in a cold pool (each a tensor and, for matmuls, a graph)
@@ -58,14 +80,17 @@ class KernelTimings(dict[int, float]):
     pool: int
     pool_bytes: int
 
-    def __init__(self, values: dict[int, float], *, buffer_type: str, backend: str, pool: int,
-                 pool_bytes: int) -> None:
+    def __init__(
+        self, values: dict[int, float], *, buffer_type: str, backend: str, pool: int, pool_bytes: int
+    ) -> None:
         super().__init__(values)
         self.buffer_type, self.backend, self.pool, self.pool_bytes = buffer_type, backend, pool, pool_bytes
 
     def __repr__(self) -> str:
-        return (f"KernelTimings({dict.__repr__(self)}, buffer_type={self.buffer_type!r}, backend={self.backend!r}, "
-                f"pool={self.pool}, pool_bytes={self.pool_bytes})")
+        return (
+            f"KernelTimings({dict.__repr__(self)}, buffer_type={self.buffer_type!r}, backend={self.backend!r}, "
+            f"pool={self.pool}, pool_bytes={self.pool_bytes})"
+        )
 
 
 def quant_types_supported() -> list[str]:
@@ -90,6 +115,7 @@ def last_level_cache_bytes() -> int:
 
 # -- argument checks --------------------------------------------------------------------------------------
 
+
 def _type_id(qtype: str) -> int:
     name = qtype.upper()
     if name not in QTYPES:
@@ -105,8 +131,10 @@ def _check_dims(qtype: str, type_id: int, rows: dict[str, int], other: dict[str,
     block = ggml_graph.ggml_block_size(type_id)
     for what, n in rows.items():
         if n % block:
-            raise EdgeMoeError(f"{what}={n} is not a multiple of {qtype}'s block of {block} values (the "
-                               f"length of a {qtype} weight row): pick a multiple of {block} or another type")
+            raise EdgeMoeError(
+                f"{what}={n} is not a multiple of {qtype}'s block of {block} values (the "
+                f"length of a {qtype} weight row): pick a multiple of {block} or another type"
+            )
 
 
 def _check_counts(token_counts: Sequence[int]) -> list[int]:
@@ -122,6 +150,7 @@ def _check_threads(threads: int) -> None:
 
 
 # -- backends, weights and timing ---------------------------------------------------------------------------
+
 
 @dataclass
 class _Backend:
@@ -151,8 +180,14 @@ def _open_backend(threads: int, device: int | None) -> Iterator[_Backend]:
         else:
             backend = ggml_graph.device_backend(device)
             stack.callback(ggml_graph.backend_free, backend)
-            yield _Backend(backend, ggml_graph.backend_default_buffer_type(backend),
-                           ggml_graph.device_buffer_type(device), device, False, ggml_graph.backend_name(backend))
+            yield _Backend(
+                backend,
+                ggml_graph.backend_default_buffer_type(backend),
+                ggml_graph.device_buffer_type(device),
+                device,
+                False,
+                ggml_graph.backend_name(backend),
+            )
 
 
 def _repack_buft() -> int | None:
@@ -178,7 +213,7 @@ def _fill_weight_rows(out: np.ndarray, type_id: int, n_per_row: int, n_rows: int
         imatrix = np.ones(n_per_row, np.float32)  # for the types that cannot do without one
         imatrix_ptr = imatrix.ctypes.data if ggml_graph.ggml_quantize_requires_imatrix(type_id) else None
         ggml_graph.ggml_quantize_rows(type_id, src.ctypes.data, block.ctypes.data, k, n_per_row, imatrix_ptr)
-    part = out[:(n_rows // k) * block.size]
+    part = out[: (n_rows // k) * block.size]
     part.reshape(n_rows // k, block.size)[:] = block  # broadcast: as fast as the pages can be written
     return part
 
@@ -190,8 +225,15 @@ class _Weights:
     nbytes: int
 
 
-def _make_weights(stack: ExitStack, be: _Backend, type_id: int, shapes: list[tuple[int, ...]], *,
-                  repack: bool, probe: Callable[[int, int, tuple[int, ...]], int]) -> _Weights:
+def _make_weights(
+    stack: ExitStack,
+    be: _Backend,
+    type_id: int,
+    shapes: list[tuple[int, ...]],
+    *,
+    repack: bool,
+    probe: Callable[[int, int, tuple[int, ...]], int],
+) -> _Weights:
     """Weight tensors of the shapes in one buffer: the CPU's repack buffer type when asked for and it takes
     every one of them (probe(ctx, w, shape) builds the op llama.cpp asks it about), else the backend's
     plain one. Contents set with ggml_backend_tensor_set (where the repack happens)."""
@@ -210,8 +252,10 @@ def _make_weights(stack: ExitStack, be: _Backend, type_id: int, shapes: list[tup
         ctx, tensors, buffer = allocate(rb)
         pctx = ggml_graph.ggml_context(8 * len(tensors))
         try:
-            ok = all(ggml_graph.device_supports_op(be.device, probe(pctx, w, shape))
-                     for w, shape in zip(tensors, shapes, strict=False))
+            ok = all(
+                ggml_graph.device_supports_op(be.device, probe(pctx, w, shape))
+                for w, shape in zip(tensors, shapes, strict=False)
+            )
         finally:
             ggml_graph.ggml_context_free(pctx)
         if ok:
@@ -283,6 +327,7 @@ def _f32(rng: np.random.Generator, n: int) -> np.ndarray:
 
 # -- the benchmarks -------------------------------------------------------------------------------------
 
+
 def _mul_mat_id_probe(ctx: int, w: int, shape: tuple[int, ...]) -> int:
     """llama.cpp's weight_buft_supported test for MUL_MAT_ID: [ne0, 1, 512] activations, ids [1, 512]."""
     x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (shape[0], 1, _PROBE_TOKENS))
@@ -296,9 +341,19 @@ def _mul_mat_probe(ctx: int, w: int, shape: tuple[int, ...]) -> int:
     return ggml_graph.ggml_mul_mat(ctx, w, x)
 
 
-def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[int], *, threads: int,
-                    repack: bool = True, cold: bool = True, device: int | None = None,
-                    min_seconds: float = 0.05, pool_bytes: int | None = None) -> KernelTimings:
+def time_expert_ffn(
+    qtype: str,
+    n_embd: int,
+    n_ff: int,
+    token_counts: Sequence[int],
+    *,
+    threads: int,
+    repack: bool = True,
+    cold: bool = True,
+    device: int | None = None,
+    min_seconds: float = 0.05,
+    pool_bytes: int | None = None,
+) -> KernelTimings:
     """Seconds for ONE expert's SwiGLU FFN over c tokens that all route to it, for each c in token_counts.
 
     Timed: one ggml_backend_graph_compute of ggml_mul_mat_id of the stacked gate [n_embd, n_ff, n_expert]
@@ -318,8 +373,10 @@ def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[i
     type_id = _type_id(qtype)
     _check_dims(qtype, type_id, {"n_embd": n_embd, "n_ff": n_ff}, {})
     counts = _check_counts(token_counts)
-    expert_bytes = (2 * ggml_graph.ggml_row_size(type_id, n_embd) * n_ff
-                    + ggml_graph.ggml_row_size(type_id, n_ff) * n_embd)
+    expert_bytes = (
+        2 * ggml_graph.ggml_row_size(type_id, n_embd) * n_ff
+        + ggml_graph.ggml_row_size(type_id, n_ff) * n_embd
+    )
     with ExitStack() as stack:
         be = stack.enter_context(_open_backend(threads, device))
         pool = _pool_size(expert_bytes, cold, be, pool_bytes)
@@ -336,8 +393,11 @@ def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[i
                 per.callback(ggml_graph.ggml_context_free, ctx)
                 x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (n_embd, 1, c))
                 ids = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_I32, (1, c))
-                h = ggml_graph.ggml_swiglu_split(ctx, ggml_graph.ggml_mul_mat_id(ctx, gate, x, ids),
-                                             ggml_graph.ggml_mul_mat_id(ctx, up, x, ids))
+                h = ggml_graph.ggml_swiglu_split(
+                    ctx,
+                    ggml_graph.ggml_mul_mat_id(ctx, gate, x, ids),
+                    ggml_graph.ggml_mul_mat_id(ctx, up, x, ids),
+                )
                 graph = ggml_graph.ggml_graph(ctx, [ggml_graph.ggml_mul_mat_id(ctx, down, h, ids)], 16)
                 per.callback(ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, be.compute_buft))
                 xs = _f32(rng, n_embd * c)
@@ -356,15 +416,30 @@ def time_expert_ffn(qtype: str, n_embd: int, n_ff: int, token_counts: Sequence[i
                     ggml_graph.graph_compute(be.handle, graph)
 
                 out[c] = _median_call(compute, prepare, min_seconds)
-        result = KernelTimings(out, buffer_type=ggml_graph.buft_name(weights.buft), backend=be.name, pool=pool,
-                         pool_bytes=pool * expert_bytes)
+        result = KernelTimings(
+            out,
+            buffer_type=ggml_graph.buft_name(weights.buft),
+            backend=be.name,
+            pool=pool,
+            pool_bytes=pool * expert_bytes,
+        )
     log.debug("expert FFN %s %dx%d: %r", qtype, n_embd, n_ff, result)
     return result
 
 
-def time_matmul(qtype: str, ne0: int, ne1: int, token_counts: Sequence[int], *, threads: int,
-                repack: bool = True, cold: bool = True, device: int | None = None, min_seconds: float = 0.05,
-                pool_bytes: int | None = None) -> KernelTimings:
+def time_matmul(
+    qtype: str,
+    ne0: int,
+    ne1: int,
+    token_counts: Sequence[int],
+    *,
+    threads: int,
+    repack: bool = True,
+    cold: bool = True,
+    device: int | None = None,
+    min_seconds: float = 0.05,
+    pool_bytes: int | None = None,
+) -> KernelTimings:
     """Seconds for ggml_mul_mat of a [ne0, ne1] weight (ne0 = input features, ggml order) by [ne0, c] F32
     activations, for each c in token_counts (a dense layer: attention projections, shared experts, output).
 
@@ -416,8 +491,13 @@ def time_matmul(qtype: str, ne0: int, ne1: int, token_counts: Sequence[int], *, 
                     ggml_graph.graph_compute(be.handle, current[0])
 
                 out[c] = _median_call(compute, prepare, min_seconds)
-        result = KernelTimings(out, buffer_type=ggml_graph.buft_name(weights.buft), backend=be.name, pool=pool,
-                         pool_bytes=pool * w_bytes)
+        result = KernelTimings(
+            out,
+            buffer_type=ggml_graph.buft_name(weights.buft),
+            backend=be.name,
+            pool=pool,
+            pool_bytes=pool * w_bytes,
+        )
     log.debug("matmul %s %dx%d: %r", qtype, ne0, ne1, result)
     return result
 
@@ -446,8 +526,9 @@ def _chain_graph_seconds(be: _Backend, n_nodes: int, stack: ExitStack) -> Callab
     return run
 
 
-def time_graph_node(*, threads: int, device: int | None = None, n_nodes: int = 256, runs: int = 15,
-                    max_seconds: float = 2.0) -> float:
+def time_graph_node(
+    *, threads: int, device: int | None = None, n_nodes: int = 256, runs: int = 15, max_seconds: float = 2.0
+) -> float:
     """Seconds each extra node costs in a graph: (t(2N) - t(N)) / N for chains of N and 2N trivial ops
     (ggml_add / ggml_scale on a 64-element F32 tensor), t the median of up to `runs` interleaved computes
     of each (at least 3; no more once max_seconds have passed): the per-op dispatch and thread-barrier
@@ -504,8 +585,9 @@ def _host_source(stack: ExitStack, device: int, nbytes: int, *, pinned: bool) ->
     return int(arr.ctypes.data)
 
 
-def h2d_bandwidth(device: int, *, pinned: bool, nbytes: int = 64 << 20,
-                  min_seconds: float = 0.05) -> float | None:
+def h2d_bandwidth(
+    device: int, *, pinned: bool, nbytes: int = 64 << 20, min_seconds: float = 0.05
+) -> float | None:
     """Bytes/s of ggml_backend_tensor_set of nbytes from host memory into a buffer on `device` (median of
     timed copies, at least 5 and min_seconds of them). pinned=True stages from the device's host buffer
     type (ggml_backend_dev_host_buffer_type: pinned memory on CUDA) and returns None when it has none;
@@ -520,7 +602,9 @@ def h2d_bandwidth(device: int, *, pinned: bool, nbytes: int = 64 << 20,
         ctx = ggml_graph.ggml_context(1)
         stack.callback(ggml_graph.ggml_context_free, ctx)
         t = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_I8, (nbytes,))
-        stack.callback(ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, ggml_graph.device_buffer_type(device)))
+        stack.callback(
+            ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, ggml_graph.device_buffer_type(device))
+        )
 
         def copy() -> None:
             ggml_graph.tensor_set(t, src, 0, nbytes)
@@ -529,8 +613,9 @@ def h2d_bandwidth(device: int, *, pinned: bool, nbytes: int = 64 << 20,
     return nbytes / seconds
 
 
-def h2d_load_bandwidth(device: int, *, chunk: int = 1 << 20, nbytes: int = 64 << 20,
-                       min_seconds: float = 0.05) -> float:
+def h2d_load_bandwidth(
+    device: int, *, chunk: int = 1 << 20, nbytes: int = 64 << 20, min_seconds: float = 0.05
+) -> float:
     """Bytes/s of the expert cache's loader path: nbytes sent as chunk-sized asynchronous copies on a backend
     of the device's own (a copy stream), synchronised once, as llama.cpp's loader sends an expert's chunks.
     The source is one of the device's host buffers when it has them (pinned on CUDA: the loader's staging
@@ -541,14 +626,18 @@ def h2d_load_bandwidth(device: int, *, chunk: int = 1 << 20, nbytes: int = 64 <<
     ggml_graph.require_ggml()
     n_chunks = nbytes // chunk
     with ExitStack() as stack:
-        src = _host_source(stack, device, chunk, pinned=True) or _host_source(stack, device, chunk, pinned=False)
+        src = _host_source(stack, device, chunk, pinned=True) or _host_source(
+            stack, device, chunk, pinned=False
+        )
         assert src is not None  # the unpinned source always exists
         backend = ggml_graph.device_backend(device)
         stack.callback(ggml_graph.backend_free, backend)
         ctx = ggml_graph.ggml_context(1)
         stack.callback(ggml_graph.ggml_context_free, ctx)
         t = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_I8, (n_chunks * chunk,))
-        stack.callback(ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, ggml_graph.device_buffer_type(device)))
+        stack.callback(
+            ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, ggml_graph.device_buffer_type(device))
+        )
         probe = np.zeros(4, np.uint8)
 
         def send() -> None:

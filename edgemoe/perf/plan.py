@@ -10,6 +10,7 @@ matches the model's expert count and top-k (or the nearest one), drawn at the mo
 (edgemoe.analysis.routing_profile). The plan names the routing it used (`routing`,
 `routing_profile`).
 """
+
 from __future__ import annotations
 
 import shlex
@@ -35,12 +36,18 @@ class Plan:
     n_ctx: int
     fits: dict[str, int]  # dense, kv_cache, reserve, experts (bytes)
     slot_bytes: int  # one expert in every MoE layer
-    slots_per_layer: dict[str, list[int] | None]  # equal / dp -> one entry per MoE layer (None: not available)
+    slots_per_layer: dict[
+        str, list[int] | None
+    ]  # equal / dp -> one entry per MoE layer (None: not available)
     n_cpu_moe: int | None  # stock llama.cpp's best --n-cpu-moe at this budget
     routing: str = ""  # where the expected figures' routing comes from
-    routing_profile: str | None = None  # the bundled routing profile the trace was drawn from (None: recorded)
+    routing_profile: str | None = (
+        None  # the bundled routing profile the trace was drawn from (None: recorded)
+    )
     profile: str = ""
-    expected: list[dict[str, Any]] = field(default_factory=list)  # per configuration: hit rate, projected speeds
+    expected: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # per configuration: hit rate, projected speeds
     # the fastest projected decode among edgemoe's rows against the best stock row, and the command that runs it
     # (None without projected speeds)
     suggestion: dict[str, Any] | None = None
@@ -59,33 +66,65 @@ def budget_for_slots(info: ModelInfo, slots: int, n_ctx: int) -> int:
 def _calibration_trace(calibration: Path, info: ModelInfo) -> Trace:
     rt = RoutingTrace.load(calibration, info=info)
     ids = rt.ids.astype(np.int32)
-    return Trace(tokens=np.zeros(len(ids), np.int32), layers=np.asarray(rt.layers, np.int32), ids=ids,
-                 weights=np.zeros(ids.shape, np.float32), phase=rt.phase.astype(np.uint8),
-                 seq=rt.seq.astype(np.int32), meta={"n_expert": rt.n_expert, "model": str(info.path)})
+    return Trace(
+        tokens=np.zeros(len(ids), np.int32),
+        layers=np.asarray(rt.layers, np.int32),
+        ids=ids,
+        weights=np.zeros(ids.shape, np.float32),
+        phase=rt.phase.astype(np.uint8),
+        seq=rt.seq.astype(np.int32),
+        meta={"n_expert": rt.n_expert, "model": str(info.path)},
+    )
 
 
-def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace | None = None,
-              calibration: Path | None = None, profile: MachineProfile | None = None,
-              policies: tuple[str, ...] = ("lru", "static", "dali", "daop"), routing: str | None = None) -> Plan:
+def make_plan(
+    model: str | Path,
+    *,
+    vram: int,
+    n_ctx: int = 4096,
+    trace: Trace | None = None,
+    calibration: Path | None = None,
+    profile: MachineProfile | None = None,
+    policies: tuple[str, ...] = ("lru", "static", "dali", "daop"),
+    routing: str | None = None,
+) -> Plan:
     """The plan of `model` at `vram` bytes; `routing`: a bundled routing profile to project with instead of the
     calibration's trace (the module docstring says which routing is used when)."""
     info = read_model_info(model)
     vp = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
     moe = list(info.moe_layers)
-    plan = Plan(model=Path(model).name, budget_bytes=vram, n_ctx=n_ctx,
-                fits={"dense": vp.dense_bytes, "kv_cache": vp.kv_cache_bytes, "reserve": vp.reserve_bytes,
-                      "experts": vp.experts_per_layer * vp.slot_bytes},
-                slot_bytes=vp.slot_bytes, slots_per_layer={"equal": [vp.experts_per_layer] * len(moe), "dp": None},
-                n_cpu_moe=best_n_cpu_moe(info, vram, n_ctx), profile=profile.name if profile else "")
+    plan = Plan(
+        model=Path(model).name,
+        budget_bytes=vram,
+        n_ctx=n_ctx,
+        fits={
+            "dense": vp.dense_bytes,
+            "kv_cache": vp.kv_cache_bytes,
+            "reserve": vp.reserve_bytes,
+            "experts": vp.experts_per_layer * vp.slot_bytes,
+        },
+        slot_bytes=vp.slot_bytes,
+        slots_per_layer={"equal": [vp.experts_per_layer] * len(moe), "dp": None},
+        n_cpu_moe=best_n_cpu_moe(info, vram, n_ctx),
+        profile=profile.name if profile else "",
+    )
     if not vp.dense_fits:
-        plan.notes.append(f"the dense weights, the KV cache of {n_ctx} tokens and the {vp.reserve_bytes >> 20} MiB "
-                          f"reserve need {(vp.dense_bytes + vp.kv_cache_bytes + vp.reserve_bytes) / 2**30:.2f} GiB: "
-                          "raise --vram or lower --ctx")
+        plan.notes.append(
+            f"the dense weights, the KV cache of {n_ctx} tokens and the {vp.reserve_bytes >> 20} MiB "
+            f"reserve need {(vp.dense_bytes + vp.kv_cache_bytes + vp.reserve_bytes) / 2**30:.2f} GiB: "
+            "raise --vram or lower --ctx"
+        )
         return plan
     dp: dict[str, dict[int, int]] = {}
     for pol in policies:
-        a = plan_allocation(info, alloc="dp", policy=pol, calibration=calibration,
-                            slots_per_layer=vp.experts_per_layer, budget_bytes=vp.expert_budget_bytes)
+        a = plan_allocation(
+            info,
+            alloc="dp",
+            policy=pol,
+            calibration=calibration,
+            slots_per_layer=vp.experts_per_layer,
+            budget_bytes=vp.expert_budget_bytes,
+        )
         if a.alloc == "dp":
             dp[pol] = a.slots
         elif a.note and a.note not in plan.notes:
@@ -94,9 +133,11 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
         plan.slots_per_layer["dp"] = [next(iter(dp.values()))[il] for il in moe]
     if trace is not None:
         plan.routing_profile = trace.meta.get("routing")
-        plan.routing = (f"a synthetic trace of the {plan.routing_profile} routing profile ({trace.n_tokens} tokens)"
-                        if plan.routing_profile else
-                        f"trace of {trace.meta.get('model', '?')} ({trace.n_tokens} tokens)")
+        plan.routing = (
+            f"a synthetic trace of the {plan.routing_profile} routing profile ({trace.n_tokens} tokens)"
+            if plan.routing_profile
+            else f"trace of {trace.meta.get('model', '?')} ({trace.n_tokens} tokens)"
+        )
     elif routing is None and calibration is not None:
         try:
             trace = _calibration_trace(calibration, info)
@@ -107,12 +148,16 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
         drawn = routing_for_model(info.n_expert, info.n_expert_used, len(moe), name=routing)
         trace, plan.routing, plan.routing_profile = drawn.trace, drawn.describe(), drawn.profile.name
         if drawn.profile.toy:
-            plan.notes.append(f"{drawn.profile.name} is a TOY routing (a tiny trained fixture's), far less local "
-                              "than real models'")
+            plan.notes.append(
+                f"{drawn.profile.name} is a TOY routing (a tiny trained fixture's), far less local "
+                "than real models'"
+            )
     speeds = profile is not None and profile.has_gpu
     if not speeds:
-        plan.notes.append("no GPU profile: hit rates only; pass --profile with a GPU machine's profile "
-                          "(`edgemoe profile` on it, or a bundled one: rtx4060-laptop, rtx4090-desktop, h100-server)")
+        plan.notes.append(
+            "no GPU profile: hit rates only; pass --profile with a GPU machine's profile "
+            "(`edgemoe profile` on it, or a bundled one: rtx4060-laptop, rtx4090-desktop, h100-server)"
+        )
         plan.profile = ""
     for alloc in ("equal", "dp"):
         for pol in policies:
@@ -120,27 +165,36 @@ def make_plan(model: str | Path, *, vram: int, n_ctx: int = 4096, trace: Trace |
             if alloc == "dp" and slots is None:
                 continue
             # overlap: what the build runs with the cache on a GPU (stock runs in turn either way)
-            spec = SimSpec(vram=vram, n_ctx=n_ctx, policies=(pol,), calibration=calibration, slots=slots,
-                           overlap=True)
+            spec = SimSpec(
+                vram=vram, n_ctx=n_ctx, policies=(pol,), calibration=calibration, slots=slots, overlap=True
+            )
             res = simulate(model, trace, profile if speeds and profile else _hit_rate_only(), spec)
             for c in res.configs:
                 if c.kind == "stock" and alloc == "dp":
                     continue
                 if c.kind == "stock" and any(r["config"] == c.name for r in plan.expected):
                     continue
-                row: dict[str, Any] = {"config": c.name, "allocation": alloc if c.kind == "edgemoe" else None,
-                                       "hit_rate": c.hit_rate, "decode_hit_rate": c.decode_hit_rate}
+                row: dict[str, Any] = {
+                    "config": c.name,
+                    "allocation": alloc if c.kind == "edgemoe" else None,
+                    "hit_rate": c.hit_rate,
+                    "decode_hit_rate": c.decode_hit_rate,
+                }
                 if speeds:
                     row.update(decode_tps=c.decode_tps, prefill_tps=c.prefill_tps, projected=True)
                 plan.expected.append(row)
             if res.workload_note and res.workload_note not in plan.notes:
                 plan.notes.append(res.workload_note)
     if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (placement.whole_model_fits)
-        plan.notes.append("this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
-                          "llama.cpp's -ngl 999 does, without an expert cache (the rows above are what one would do)")
+        plan.notes.append(
+            "this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
+            "llama.cpp's -ngl 999 does, without an expert cache (the rows above are what one would do)"
+        )
     else:
         plan.suggestion = suggest(plan.expected, model=str(model), vram=vram, n_ctx=n_ctx)
-    plan.notes.append("promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)")
+    plan.notes.append(
+        "promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)"
+    )
     return plan
 
 
@@ -156,12 +210,21 @@ def suggest(expected: list[dict[str, Any]], *, model: str, vram: int, n_ctx: int
     best = max(ours, key=lambda r: r["decode_tps"])
     base = max(stock, key=lambda r: r["decode_tps"])
     policy = best["config"].removeprefix("edgemoe-")
-    command = (f"edgemoe chat {shlex.quote(model)} --vram {size_arg(vram)} --ctx {n_ctx} --policy {policy} "
-               f"--alloc {best['allocation']}")
-    return {"config": best["config"], "allocation": best["allocation"], "decode_tps": best["decode_tps"],
-            "stock": base["config"], "stock_decode_tps": base["decode_tps"],
-            "vs_stock": best["decode_tps"] / base["decode_tps"],
-            "stock_faster": base["decode_tps"] >= best["decode_tps"], "command": command, "projected": True}
+    command = (
+        f"edgemoe chat {shlex.quote(model)} --vram {size_arg(vram)} --ctx {n_ctx} --policy {policy} "
+        f"--alloc {best['allocation']}"
+    )
+    return {
+        "config": best["config"],
+        "allocation": best["allocation"],
+        "decode_tps": best["decode_tps"],
+        "stock": base["config"],
+        "stock_decode_tps": base["decode_tps"],
+        "vs_stock": best["decode_tps"] / base["decode_tps"],
+        "stock_faster": base["decode_tps"] >= best["decode_tps"],
+        "command": command,
+        "projected": True,
+    }
 
 
 def _hit_rate_only() -> MachineProfile:
@@ -174,10 +237,12 @@ def _hit_rate_only() -> MachineProfile:
 def format_plan(plan: Plan) -> str:
     gib = 2**30
     f = plan.fits
-    lines = [f"{plan.model} at {plan.budget_bytes / gib:.2f} GiB ({plan.n_ctx}-token context):",
-             f"  dense {f['dense'] / gib:.2f} GiB + KV cache {f['kv_cache'] / gib:.2f} GiB + reserve "
-             f"{f['reserve'] / gib:.2f} GiB + experts {f['experts'] / gib:.2f} GiB "
-             f"({plan.slot_bytes / 2**20:.1f} MiB per slot across the MoE layers)"]
+    lines = [
+        f"{plan.model} at {plan.budget_bytes / gib:.2f} GiB ({plan.n_ctx}-token context):",
+        f"  dense {f['dense'] / gib:.2f} GiB + KV cache {f['kv_cache'] / gib:.2f} GiB + reserve "
+        f"{f['reserve'] / gib:.2f} GiB + experts {f['experts'] / gib:.2f} GiB "
+        f"({plan.slot_bytes / 2**20:.1f} MiB per slot across the MoE layers)",
+    ]
     for name, slots in plan.slots_per_layer.items():
         if slots:
             text = " ".join(str(s) for s in slots) if len(set(slots)) > 1 else f"{slots[0]} in each"
@@ -185,23 +250,31 @@ def format_plan(plan: Plan) -> str:
     if plan.n_cpu_moe is not None:
         lines.append(f"  stock llama.cpp at this budget: --n-cpu-moe {plan.n_cpu_moe}")
     if plan.expected:
-        lines.append(f"  expected on {plan.routing}" + (f", PROJECTED on profile {plan.profile}:" if plan.profile
-                                                        else ":"))
+        lines.append(
+            f"  expected on {plan.routing}"
+            + (f", PROJECTED on profile {plan.profile}:" if plan.profile else ":")
+        )
     for row in plan.expected:
         parts = []
         if row.get("hit_rate") is not None:
             dec = row.get("decode_hit_rate")
-            parts.append(f"hit rate {row['hit_rate']:.3f}" + (f" (decode {dec:.3f})" if dec is not None else ""))
+            parts.append(
+                f"hit rate {row['hit_rate']:.3f}" + (f" (decode {dec:.3f})" if dec is not None else "")
+            )
         if "decode_tps" in row:
             parts.append(f"decode {row['decode_tps']:.1f} tok/s, prefill {row['prefill_tps']:.0f} tok/s")
         alloc = f" [{row['allocation']}]" if row.get("allocation") else ""
         lines.append(f"    {row['config']}{alloc}: " + ", ".join(parts))
     sg = plan.suggestion
     if sg is not None and sg["stock_faster"]:
-        lines.append(f"  PROJECTED fastest decode: stock llama.cpp ({sg['stock']}, {sg['stock_decode_tps']:.1f} "
-                     f"tok/s); edgemoe's best here, {sg['config']} [{sg['allocation']}], is {sg['vs_stock']:.2f}x of it")
+        lines.append(
+            f"  PROJECTED fastest decode: stock llama.cpp ({sg['stock']}, {sg['stock_decode_tps']:.1f} "
+            f"tok/s); edgemoe's best here, {sg['config']} [{sg['allocation']}], is {sg['vs_stock']:.2f}x of it"
+        )
     elif sg is not None:
-        lines.append(f"  PROJECTED fastest decode: {sg['config']} [{sg['allocation']}], {sg['vs_stock']:.2f}x "
-                     f"{sg['stock']}: `{sg['command']}`")
+        lines.append(
+            f"  PROJECTED fastest decode: {sg['config']} [{sg['allocation']}], {sg['vs_stock']:.2f}x "
+            f"{sg['stock']}: `{sg['command']}`"
+        )
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

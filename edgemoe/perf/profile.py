@@ -10,6 +10,7 @@ memory (cold) and for weights that stay in the last-level cache (hot). A measure
 curves at token counts 1, 2, 4, ... 512; a specification holds a roofline (memory bandwidth,
 multiply-add throughput) from which curves are drawn.
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,8 +71,17 @@ class Curve:
         for lo, hi in zip(pts, pts[1:], strict=False):
             if lo.tokens <= c <= hi.tokens:
                 w = (math.log(c) - math.log(lo.tokens)) / (math.log(hi.tokens) - math.log(lo.tokens))
-                return RatePoint(c, *(a + w * (b - a) for a, b in (
-                    (lo.fixed_s, hi.fixed_s), (lo.s_per_byte, hi.s_per_byte), (lo.s_per_byte_hot, hi.s_per_byte_hot))))
+                return RatePoint(
+                    c,
+                    *(
+                        a + w * (b - a)
+                        for a, b in (
+                            (lo.fixed_s, hi.fixed_s),
+                            (lo.s_per_byte, hi.s_per_byte),
+                            (lo.s_per_byte_hot, hi.s_per_byte_hot),
+                        )
+                    ),
+                )
         raise AssertionError("unreachable")
 
     def seconds(self, nbytes: float, tokens: int, *, hot: bool = False) -> float:
@@ -94,8 +104,13 @@ class Roofline:
 
         def point(c: int) -> RatePoint:
             compute = 2.0 * c * wpb / self.flops
-            return RatePoint(c, self.fixed_s, max(1.0 / self.mem_bw, compute),
-                             max(1.0 / (self.cache_bw or self.mem_bw), compute))
+            return RatePoint(
+                c,
+                self.fixed_s,
+                max(1.0 / self.mem_bw, compute),
+                max(1.0 / (self.cache_bw or self.mem_bw), compute),
+            )
+
         return Curve(tuple(point(c) for c in TOKEN_GRID))
 
 
@@ -185,9 +200,20 @@ class MachineProfile:
 
 
 def _curve(d: Mapping[str, Any]) -> Curve:
-    pts = tuple(sorted((RatePoint(int(p["tokens"]), float(p["fixed_s"]), float(p["s_per_byte"]),
-                                  float(p.get("s_per_byte_hot", p["s_per_byte"]))) for p in d["points"]),
-                       key=lambda p: p.tokens))
+    pts = tuple(
+        sorted(
+            (
+                RatePoint(
+                    int(p["tokens"]),
+                    float(p["fixed_s"]),
+                    float(p["s_per_byte"]),
+                    float(p.get("s_per_byte_hot", p["s_per_byte"])),
+                )
+                for p in d["points"]
+            ),
+            key=lambda p: p.tokens,
+        )
+    )
     if not pts or any(p.tokens < 1 or p.s_per_byte <= 0 or p.fixed_s < 0 for p in pts):
         raise ValueError("a curve needs points with tokens >= 1, s_per_byte > 0 and fixed_s >= 0")
     return Curve(pts)
@@ -195,32 +221,57 @@ def _curve(d: Mapping[str, Any]) -> Curve:
 
 def _device(d: Mapping[str, Any]) -> DeviceProfile:
     r = d["roofline"]
-    roof = Roofline(float(r["mem_bw"]), float(r["flops"]), float(r.get("cache_bw", 0.0)), float(r.get("fixed_s", 0.0)))
+    roof = Roofline(
+        float(r["mem_bw"]), float(r["flops"]), float(r.get("cache_bw", 0.0)), float(r.get("fixed_s", 0.0))
+    )
     if roof.mem_bw <= 0 or roof.flops <= 0:
         raise ValueError("roofline mem_bw and flops must be positive")
-    return DeviceProfile(name=str(d["name"]), mem_bytes=int(d["mem_bytes"]), cache_bytes=int(d["cache_bytes"]),
-                         node_s=float(d["node_s"]), roofline=roof,
-                         matmul={q: _curve(c) for q, c in d.get("matmul", {}).items()},
-                         expert={q: _curve(c) for q, c in d.get("expert", {}).items()},
-                         threads=int(d.get("threads", 0)),
-                         attention=_curve(d["attention"]) if d.get("attention") else None,
-                         op_offload=bool(d.get("op_offload", True)))
+    return DeviceProfile(
+        name=str(d["name"]),
+        mem_bytes=int(d["mem_bytes"]),
+        cache_bytes=int(d["cache_bytes"]),
+        node_s=float(d["node_s"]),
+        roofline=roof,
+        matmul={q: _curve(c) for q, c in d.get("matmul", {}).items()},
+        expert={q: _curve(c) for q, c in d.get("expert", {}).items()},
+        threads=int(d.get("threads", 0)),
+        attention=_curve(d["attention"]) if d.get("attention") else None,
+        op_offload=bool(d.get("op_offload", True)),
+    )
 
 
 def profile_from_dict(d: Mapping[str, Any]) -> MachineProfile:
     if int(d.get("format", PROFILE_FORMAT)) != PROFILE_FORMAT:
-        raise ProfileError(f"profile format {d.get('format')} is not {PROFILE_FORMAT}: measure it again "
-                           "with `edgemoe profile`")
+        raise ProfileError(
+            f"profile format {d.get('format')} is not {PROFILE_FORMAT}: measure it again "
+            "with `edgemoe profile`"
+        )
     try:
         gpu = _device(d["gpu"]) if d.get("gpu") else None
-        link = (LinkProfile(**cast("dict[str, Any]", {k: float(v) if v is not None else None for k, v in d["link"].items()}))
-                if d.get("link") else None)
-        return MachineProfile(name=str(d["name"]), kind=str(d["kind"]), cpu=_device(d["cpu"]),
-                              host=HostProfile(**{k: float(v) for k, v in d["host"].items()}),
-                              gpu=gpu, link=link, sources=tuple(d.get("sources", ())), notes=str(d.get("notes", "")))
+        link = (
+            LinkProfile(
+                **cast(
+                    "dict[str, Any]", {k: float(v) if v is not None else None for k, v in d["link"].items()}
+                )
+            )
+            if d.get("link")
+            else None
+        )
+        return MachineProfile(
+            name=str(d["name"]),
+            kind=str(d["kind"]),
+            cpu=_device(d["cpu"]),
+            host=HostProfile(**{k: float(v) for k, v in d["host"].items()}),
+            gpu=gpu,
+            link=link,
+            sources=tuple(d.get("sources", ())),
+            notes=str(d.get("notes", "")),
+        )
     except (KeyError, TypeError, ValueError) as err:
-        raise ProfileError(f"not a valid edgemoe profile ({type(err).__name__}: {err}); measure one with "
-                           "`edgemoe profile --out FILE` or pick a bundled one (`edgemoe simulate --help`)") from err
+        raise ProfileError(
+            f"not a valid edgemoe profile ({type(err).__name__}: {err}); measure one with "
+            "`edgemoe profile --out FILE` or pick a bundled one (`edgemoe simulate --help`)"
+        ) from err
 
 
 def bundled_profiles() -> dict[str, Path]:
@@ -236,8 +287,10 @@ def load_profile(name_or_path: str | Path) -> MachineProfile:
     if not path.exists() and str(name_or_path) in bundled:
         path = bundled[str(name_or_path)]
     if not path.exists():
-        raise ProfileError(f"no profile {str(name_or_path)!r}: give a file written by `edgemoe profile` or one of "
-                           f"the bundled profiles: {', '.join(sorted(bundled))}")
+        raise ProfileError(
+            f"no profile {str(name_or_path)!r}: give a file written by `edgemoe profile` or one of "
+            f"the bundled profiles: {', '.join(sorted(bundled))}"
+        )
     try:
         d = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -10,6 +10,7 @@
    ``call_s + nodes * node_s + n_vocab * vocab_s``.
 3. On a CUDA build, the same curves on the GPU and the host-to-device link.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,7 +63,9 @@ def default_profile_path() -> Path:
     return cache_dir() / "profiles" / "this-machine.json"
 
 
-def _fit(small: dict[int, float], large: dict[int, float], b_small: int, b_large: int) -> list[tuple[int, float, float]]:
+def _fit(
+    small: dict[int, float], large: dict[int, float], b_small: int, b_large: int
+) -> list[tuple[int, float, float]]:
     """(tokens, fixed_s, s_per_byte) from the times of two weight sizes at each token count."""
     out = []
     for c in sorted(small):
@@ -72,27 +75,36 @@ def _fit(small: dict[int, float], large: dict[int, float], b_small: int, b_large
 
 
 def _curve(cold: list[tuple[int, float, float]], hot: list[tuple[int, float, float]]) -> Curve:
-    return Curve(tuple(RatePoint(c, min(f, fh), s, min(sh, s)) for (c, f, s), (_, fh, sh) in zip(cold, hot, strict=False)))
+    return Curve(
+        tuple(
+            RatePoint(c, min(f, fh), s, min(sh, s)) for (c, f, s), (_, fh, sh) in zip(cold, hot, strict=False)
+        )
+    )
 
 
 def _expert_bytes(qtype: str, n_embd: int, n_ff: int) -> int:
     return int(round(3 * n_embd * n_ff / weights_per_byte(qtype)))
 
 
-def measure_curves(qtypes: tuple[str, ...], *, kind: str, threads: int, device: int | None,
-                   tick: Callable[[], None]) -> dict[str, Curve]:
+def measure_curves(
+    qtypes: tuple[str, ...], *, kind: str, threads: int, device: int | None, tick: Callable[[], None]
+) -> dict[str, Curve]:
     """kind "expert": one expert's FFN; "matmul": one dense product. Two sizes, cold and hot."""
     curves: dict[str, Curve] = {}
     for q in qtypes:
         timed = {}
         for hot in (False, True):
             sizes = []
-            for a, b in (EXPERT_SHAPES if kind == "expert" else MATMUL_SHAPES):
+            for a, b in EXPERT_SHAPES if kind == "expert" else MATMUL_SHAPES:
                 timer = measure.time_expert_ffn if kind == "expert" else measure.time_matmul
                 # the least of two runs: on a shared machine noise only ever slows a run down
-                runs = [timer(q, a, b, TOKEN_GRID, threads=threads, cold=not hot, device=device) for _ in range(2)]
+                runs = [
+                    timer(q, a, b, TOKEN_GRID, threads=threads, cold=not hot, device=device) for _ in range(2)
+                ]
                 t = {c: min(r[c] for r in runs) for c in TOKEN_GRID}
-                nbytes = _expert_bytes(q, a, b) if kind == "expert" else int(round(a * b / weights_per_byte(q)))
+                nbytes = (
+                    _expert_bytes(q, a, b) if kind == "expert" else int(round(a * b / weights_per_byte(q)))
+                )
                 sizes.append((t, nbytes))
                 tick()
             (ts, bs), (tl, bl) = sizes
@@ -108,8 +120,12 @@ ATTENTION_ROWS = (256, 2048)  # cached tokens x heads of the two sizes
 def measure_attention(*, threads: int, device: int | None, tick: Callable[[], None]) -> Curve:
     """K^T q and V p as llama.cpp computes them without flash attention: F16 products with one head-sized row
     per (head, cached token); a curve per row, since short rows cost their dispatch more than their bytes."""
-    times = [measure.time_matmul("F16", ATTENTION_HEAD, rows, TOKEN_GRID, threads=threads, cold=False, device=device)
-             for rows in ATTENTION_ROWS]
+    times = [
+        measure.time_matmul(
+            "F16", ATTENTION_HEAD, rows, TOKEN_GRID, threads=threads, cold=False, device=device
+        )
+        for rows in ATTENTION_ROWS
+    ]
     tick()
     fit = _fit(times[0], times[1], *ATTENTION_ROWS)
     return Curve(tuple(RatePoint(c, f, s, s) for c, f, s in fit))
@@ -171,7 +187,9 @@ def _probe_run(path: Path, threads: int, reps: int = 3) -> ProbeRun:
         return ProbeRun(float(np.median(dec)), float(np.median(pre)), pp, tg, eng.n_vocab, eng.info.n_embd)
 
 
-def fit_host(cpu: DeviceProfile, threads: int, workdir: Path, tick: Callable[[], None]) -> tuple[HostProfile, float]:
+def fit_host(
+    cpu: DeviceProfile, threads: int, workdir: Path, tick: Callable[[], None]
+) -> tuple[HostProfile, float]:
     """call_s, vocab_s and node_s from the probes' decode: measured time = modelled products + host terms;
     node_elem_s from their prefill's remainder."""
     from ..gguf.synth import write_synthetic
@@ -190,24 +208,38 @@ def fit_host(cpu: DeviceProfile, threads: int, workdir: Path, tick: Callable[[],
         tick()
     call_s, node_s, vocab_s = (float(x) for x in np.linalg.solve(np.array(rows), np.array(rhs)))
     if min(call_s, node_s, vocab_s) < 0:  # noise on a busy machine: keep the microbenchmark's node cost
-        log.warning("probe fit gave negative host terms (%.3g, %.3g, %.3g); using the node microbenchmark",
-                    call_s, node_s, vocab_s)
+        log.warning(
+            "probe fit gave negative host terms (%.3g, %.3g, %.3g); using the node microbenchmark",
+            call_s,
+            node_s,
+            vocab_s,
+        )
         node_s = cpu.node_s
-        (call_s, vocab_s), *_ = np.linalg.lstsq(np.array([[r[0], r[2]] for r in rows]),
-                                               np.array([y - r[1] * node_s for r, y in zip(rows, rhs, strict=False)]), rcond=None)
+        (call_s, vocab_s), *_ = np.linalg.lstsq(
+            np.array([[r[0], r[2]] for r in rows]),
+            np.array([y - r[1] * node_s for r, y in zip(rows, rhs, strict=False)]),
+            rcond=None,
+        )
         call_s, vocab_s = max(float(call_s), 0.0), max(float(vocab_s), 0.0)
     # prefill: what the matrices, attention and per-node dispatch leave is elementwise work per node and token
     xs, ys = [], []
     for run, costs in runs:
-        rest = run.prefill_s - costs.prefill_ubatch(PROBE_PROMPT) - call_s - run.nodes_pp * node_s - vocab_s * run.n_vocab
+        rest = (
+            run.prefill_s
+            - costs.prefill_ubatch(PROBE_PROMPT)
+            - call_s
+            - run.nodes_pp * node_s
+            - vocab_s * run.n_vocab
+        )
         xs.append(run.nodes_pp * (PROBE_PROMPT - 1) * run.n_embd)
         ys.append(rest)
     node_elem_s = max(0.0, float(np.dot(xs, ys) / np.dot(xs, xs)))
     return HostProfile(call_s=call_s, vocab_s=vocab_s, node_elem_s=node_elem_s), node_s
 
 
-def measure_profile(*, threads: int = 0, model: str | Path | None = None,
-                    progress: Progress | None = None) -> MachineProfile:
+def measure_profile(
+    *, threads: int = 0, model: str | Path | None = None, progress: Progress | None = None
+) -> MachineProfile:
     """Measure this machine (about a minute on 2 cores)."""
     from ..runtime import native
 
@@ -219,7 +251,9 @@ def measure_profile(*, threads: int = 0, model: str | Path | None = None,
         info = read_model_info(model)
         used = {t.qtype for ts in info.expert_tensors.values() for t in ts}
         expert_types = tuple(sorted(set(expert_types) | (used & set(measure.quant_types_supported()))))
-        dense_types = tuple(sorted(set(dense_types) | (set(info.bytes_by_type) & set(measure.quant_types_supported()))))
+        dense_types = tuple(
+            sorted(set(dense_types) | (set(info.bytes_by_type) & set(measure.quant_types_supported())))
+        )
     gpu_dev = native.gpu_device()
     steps = 4 * (len(expert_types) + len(dense_types)) * (2 if gpu_dev else 1) + len(PROBES) + 3
     done = [0]
@@ -237,9 +271,17 @@ def measure_profile(*, threads: int = 0, model: str | Path | None = None,
     matmul = measure_curves(dense_types, kind="matmul", threads=threads, device=None, tick=tick)
     expert = measure_curves(expert_types, kind="expert", threads=threads, device=None, tick=tick)
     attention = measure_attention(threads=threads, device=None, tick=tick)
-    cpu = DeviceProfile(name=f"CPU ({threads} threads)", mem_bytes=_ram_bytes(), cache_bytes=_llc_bytes(),
-                        node_s=node_s, roofline=_roofline(mem_bw, {**matmul}, 0.0), matmul=matmul, expert=expert,
-                        threads=threads, attention=attention)
+    cpu = DeviceProfile(
+        name=f"CPU ({threads} threads)",
+        mem_bytes=_ram_bytes(),
+        cache_bytes=_llc_bytes(),
+        node_s=node_s,
+        roofline=_roofline(mem_bw, {**matmul}, 0.0),
+        matmul=matmul,
+        expert=expert,
+        threads=threads,
+        attention=attention,
+    )
     with tempfile.TemporaryDirectory(prefix="edgemoe-probe-") as tmp:
         host, fitted_node_s = fit_host(cpu, threads, Path(tmp), tick)
     cpu = dataclasses.replace(cpu, node_s=fitted_node_s)
@@ -248,19 +290,38 @@ def measure_profile(*, threads: int = 0, model: str | Path | None = None,
         gpu, link = _measure_gpu(gpu_dev, expert_types, dense_types, tick)
     tick()
     wall = time.perf_counter() - t0
-    others = max(0.0, (_cpu_busy_seconds() - busy0) - (_own_seconds() - own0)) / (wall * (os.cpu_count() or 1))
-    notes = [f"node cost: microbenchmark {node_s * 1e6:.2f} us, probe fit {fitted_node_s * 1e6:.2f} us",
-             f"other processes used {others:.0%} of the CPUs while profiling"]
+    others = max(0.0, (_cpu_busy_seconds() - busy0) - (_own_seconds() - own0)) / (
+        wall * (os.cpu_count() or 1)
+    )
+    notes = [
+        f"node cost: microbenchmark {node_s * 1e6:.2f} us, probe fit {fitted_node_s * 1e6:.2f} us",
+        f"other processes used {others:.0%} of the CPUs while profiling",
+    ]
     if others > BUSY_WARNING:
-        log.warning("other processes used %.0f%% of the CPUs while profiling: the figures are unreliable "
-                    "(threads waiting on each other); run `edgemoe profile` again on an idle machine", 100 * others)
-    sources = [f"measured by `edgemoe profile` in {wall:.0f} s on {os.uname().nodename}", native.system_info().strip()]
-    return MachineProfile(name="this machine (measured)", kind="measured", cpu=cpu, host=host, gpu=gpu, link=link,
-                          sources=tuple(sources), notes="; ".join(notes))
+        log.warning(
+            "other processes used %.0f%% of the CPUs while profiling: the figures are unreliable "
+            "(threads waiting on each other); run `edgemoe profile` again on an idle machine",
+            100 * others,
+        )
+    sources = [
+        f"measured by `edgemoe profile` in {wall:.0f} s on {os.uname().nodename}",
+        native.system_info().strip(),
+    ]
+    return MachineProfile(
+        name="this machine (measured)",
+        kind="measured",
+        cpu=cpu,
+        host=host,
+        gpu=gpu,
+        link=link,
+        sources=tuple(sources),
+        notes="; ".join(notes),
+    )
 
 
-def _measure_gpu(dev: GgmlDevice, expert_types: tuple[str, ...], dense_types: tuple[str, ...],
-                 tick: Callable[[], None]) -> tuple[DeviceProfile, LinkProfile]:
+def _measure_gpu(
+    dev: GgmlDevice, expert_types: tuple[str, ...], dense_types: tuple[str, ...], tick: Callable[[], None]
+) -> tuple[DeviceProfile, LinkProfile]:
     from ..runtime import native
 
     matmul = measure_curves(dense_types, kind="matmul", threads=1, device=dev, tick=tick)
@@ -271,14 +332,24 @@ def _measure_gpu(dev: GgmlDevice, expert_types: tuple[str, ...], dense_types: tu
     pinned = measure.h2d_bandwidth(dev, pinned=True) or pageable
     q4 = expert.get("Q4_K") or next(iter(expert.values()))
     mem_bw = 1.0 / q4.rate(1).s_per_byte
-    gpu = DeviceProfile(name=native.device_name(dev), mem_bytes=total, cache_bytes=0, node_s=node_s,
-                        roofline=_roofline(mem_bw, matmul, 0.0), matmul=matmul, expert=expert,
-                        op_offload=not native.device_name(dev).startswith("RPC"))  # ggml-rpc: no offload_op
+    gpu = DeviceProfile(
+        name=native.device_name(dev),
+        mem_bytes=total,
+        cache_bytes=0,
+        node_s=node_s,
+        roofline=_roofline(mem_bw, matmul, 0.0),
+        matmul=matmul,
+        expert=expert,
+        op_offload=not native.device_name(dev).startswith("RPC"),
+    )  # ggml-rpc: no offload_op
     small = measure.h2d_bandwidth(dev, pinned=False, nbytes=4096)
     latency = 4096 / small if small else 1e-5
-    loads = measure.h2d_load_bandwidth(dev)  # the cache loader's path: chunks in a stream, one synchronisation
-    return gpu, LinkProfile(h2d_pageable=pageable or 1e9, h2d_pinned=pinned or 1e9, latency_s=latency,
-                            h2d_loads=loads)
+    loads = measure.h2d_load_bandwidth(
+        dev
+    )  # the cache loader's path: chunks in a stream, one synchronisation
+    return gpu, LinkProfile(
+        h2d_pageable=pageable or 1e9, h2d_pinned=pinned or 1e9, latency_s=latency, h2d_loads=loads
+    )
 
 
 def _cpu_busy_seconds() -> float:
@@ -305,16 +376,20 @@ def _ram_bytes() -> int:
 
 def summary(prof: MachineProfile) -> str:
     cpu = prof.cpu
-    lines = [f"{prof.name}: {cpu.name}, last-level cache {cpu.cache_bytes / 2**20:.0f} MiB, "
-             f"memory {cpu.roofline.mem_bw / 1e9:.1f} GB/s (copy), graph node {cpu.node_s * 1e6:.2f} us, "
-             f"per call {prof.host.call_s * 1e6:.0f} us + {prof.host.vocab_s * 1e9:.2f} ns per vocabulary entry, "
-             f"elementwise {prof.host.node_elem_s * 1e12:.1f} ps per node, token and embedding element"]
+    lines = [
+        f"{prof.name}: {cpu.name}, last-level cache {cpu.cache_bytes / 2**20:.0f} MiB, "
+        f"memory {cpu.roofline.mem_bw / 1e9:.1f} GB/s (copy), graph node {cpu.node_s * 1e6:.2f} us, "
+        f"per call {prof.host.call_s * 1e6:.0f} us + {prof.host.vocab_s * 1e9:.2f} ns per vocabulary entry, "
+        f"elementwise {prof.host.node_elem_s * 1e12:.1f} ps per node, token and embedding element"
+    ]
     for q, c in sorted(cpu.expert.items()):
         nb = _expert_bytes(q, *EXPERT_SHAPES[1])
         ms = " ".join(f"{n}:{c.seconds(nb, n) * 1e3:.3f}" for n in (1, 8, 64, 512))
         lines.append(f"  expert {q:<5} {EXPERT_SHAPES[1][0]}x{EXPERT_SHAPES[1][1]} ms by tokens (cold) {ms}")
     if prof.gpu is not None and prof.link is not None:
-        lines.append(f"GPU {prof.gpu.name}: graph node {prof.gpu.node_s * 1e6:.2f} us; host-to-device "
-                     f"{prof.link.h2d_pageable / 1e9:.1f} GB/s pageable, {prof.link.h2d_pinned / 1e9:.1f} GB/s pinned, "
-                     f"{prof.link.loads_bw / 1e9:.1f} GB/s expert loads")
+        lines.append(
+            f"GPU {prof.gpu.name}: graph node {prof.gpu.node_s * 1e6:.2f} us; host-to-device "
+            f"{prof.link.h2d_pageable / 1e9:.1f} GB/s pageable, {prof.link.h2d_pinned / 1e9:.1f} GB/s pinned, "
+            f"{prof.link.loads_bw / 1e9:.1f} GB/s expert loads"
+        )
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 (edgemoe.gguf.presets), plus shapes of published models no preset covers, written once per (shape, type) into
 a directory and reused; and the tensor types of llama-quantize's *_K_M mixes, which the presets do not
 write."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -15,11 +16,24 @@ from .costmodel import ModelShape, Weights
 # top-8, one shared expert of 512, vocabulary 248,320, 16 query heads of 256 with 2 KV heads). Drawn as a
 # qwen2moe block: every layer gets full attention, where the real model has it on one layer in four (the other
 # three are Gated DeltaNet, whose weights are about as large and which keeps no growing KV cache).
-QWEN35_35B_A3B = SynthPreset("qwen3.5-35b-a3b", "qwen2moe",
-                             "Qwen/Qwen3.5-35B-A3B (stand-in: qwen2moe blocks)",
-                             n_layer=40, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256, n_vocab=248320,
-                             n_ctx_train=262144, n_ff=512, n_expert=256, n_expert_used=8, n_ff_exp=512,
-                             n_ff_shexp=512, rope_freq_base=1e7)
+QWEN35_35B_A3B = SynthPreset(
+    "qwen3.5-35b-a3b",
+    "qwen2moe",
+    "Qwen/Qwen3.5-35B-A3B (stand-in: qwen2moe blocks)",
+    n_layer=40,
+    n_embd=2048,
+    n_head=16,
+    n_head_kv=2,
+    head_dim=256,
+    n_vocab=248320,
+    n_ctx_train=262144,
+    n_ff=512,
+    n_expert=256,
+    n_expert_used=8,
+    n_ff_exp=512,
+    n_ff_shexp=512,
+    rope_freq_base=1e7,
+)
 EXTRA_SHAPES = {p.name: p for p in (QWEN35_35B_A3B,)}
 
 

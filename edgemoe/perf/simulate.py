@@ -14,6 +14,7 @@ for edgemoe's configurations: the CPU's experts start once the layer's dense par
 done and run while the GPU computes its experts; stock llama.cpp's always run the two one after the other. Host work per call (Python, sampling) and per graph node comes from the
 profile. Everything is a projection: docs/research/performance-model.md says how it was validated.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -58,9 +59,13 @@ class PrecalcSpec:
 
     def __post_init__(self) -> None:
         if self.first_layer < 1:
-            raise ValueError(f"pre-calculation needs a layer before its first target: first_layer {self.first_layer}")
+            raise ValueError(
+                f"pre-calculation needs a layer before its first target: first_layer {self.first_layer}"
+            )
         if not (0.0 <= self.recall <= 1.0 and 0.0 < self.precision <= 1.0):
-            raise ValueError(f"recall must be in [0, 1] and precision in (0, 1], not {self.recall}, {self.precision}")
+            raise ValueError(
+                f"recall must be in [0, 1] and precision in (0, 1], not {self.recall}, {self.precision}"
+            )
 
     @property
     def wasted(self) -> float:
@@ -77,7 +82,9 @@ class Config:
     slots: Mapping[int, int] = field(default_factory=dict)  # per MoE layer
     gated: bool = False
     blocking: bool = False
-    assign: str | None = None  # prefill ubatches: DALI's CPU/GPU assignment (edgemoe.policies.assignment) by name
+    assign: str | None = (
+        None  # prefill ubatches: DALI's CPU/GPU assignment (edgemoe.policies.assignment) by name
+    )
     # prefill ubatches run every routed expert on the GPU, the experts outside the slots copied into a prefill
     # buffer one cached layer ahead on the copy stream (--device-prefill, all ahead)
     device_prefill: bool = False
@@ -120,8 +127,17 @@ class _Acc:
 class _Run:
     """One configuration's replay: clock, copy stream, residency."""
 
-    def __init__(self, cfg: Config, shape: ModelShape, prof: MachineProfile, nodes: tuple[int, int],
-                 policy: ResidencyPolicy | None, *, overlap: bool, on_gpu: bool) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        shape: ModelShape,
+        prof: MachineProfile,
+        nodes: tuple[int, int],
+        policy: ResidencyPolicy | None,
+        *,
+        overlap: bool,
+        on_gpu: bool,
+    ) -> None:
         # the overlap is edgemoe's (with a cache): stock llama.cpp runs a layer's branches in turn
         self.cfg, self.shape, self.prof, self.overlap = cfg, shape, prof, overlap and cfg.policy is not None
         self.nodes_pp, self.nodes_tg = nodes
@@ -136,12 +152,20 @@ class _Run:
         # the caller sends the loads itself (no load worker on this device): they end the step that queued them
         self.caller_issues = self.on_gpu and prof.gpu is not None and not load_worker_default(prof.gpu.name)
         self.moe_index = {il: j for j, il in enumerate(shape.moe_layers)}  # model layer -> ids' second axis
-        self._prefill_issue: float | None = None  # --device-prefill: when the next layer's buffer copy was issued
+        self._prefill_issue: float | None = (
+            None  # --device-prefill: when the next layer's buffer copy was issued
+        )
         # the cached layers whose CPU experts a decode step pre-calculates a layer early (a layer without slots has no
         # cache, and no tables to take the early results with)
-        self.precalc_layers = frozenset(
-            il for il in precalc_targets(shape.moe_layers, cfg.precalc.first_layer) if cfg.slots.get(il, 0) > 0
-        ) if cfg.precalc is not None and policy is not None else frozenset()
+        self.precalc_layers = (
+            frozenset(
+                il
+                for il in precalc_targets(shape.moe_layers, cfg.precalc.first_layer)
+                if cfg.slots.get(il, 0) > 0
+            )
+            if cfg.precalc is not None and policy is not None
+            else frozenset()
+        )
         if policy is not None:
             self._queue(policy.initial_loads(), start=0.0)
             self.clock = self.link_free  # the initial placement is loaded before the first token
@@ -188,7 +212,11 @@ class _Run:
         main = self.gpu or self.cpu
         pending: list[Any] = []
         nodes = self._nodes(s)
-        launch = nodes / max(1, len(self.shape.layers)) * self.prof.gpu.node_s if self.gpu and self.prof.gpu else 0.0
+        launch = (
+            nodes / max(1, len(self.shape.layers)) * self.prof.gpu.node_s
+            if self.gpu and self.prof.gpu
+            else 0.0
+        )
         n_cpu_splits = 0
         for ly in self.shape.layers:
             d = main.dense(ly.il, n) + main.attention(ly.il, n, s.kv_len)
@@ -199,8 +227,11 @@ class _Run:
                 acc.cpu += c
                 t += d + c
                 continue
-            g, c, wait, early = (0.0, 0.0, 0.0, 0.0) if j is None else self._moe_layer(
-                ly.il, s.ids[:, j, :], s.counts(j), s, t, acc, pending, dense_s=d)
+            g, c, wait, early = (
+                (0.0, 0.0, 0.0, 0.0)
+                if j is None
+                else self._moe_layer(ly.il, s.ids[:, j, :], s.counts(j), s, t, acc, pending, dense_s=d)
+            )
             n_cpu_splits += bool(c) + bool(early)
             if self.cfg.host_routed and ly.il in self.cfg.slots and self.prof.link is not None:
                 wait += self.prof.link.latency_s  # the routing read back before the layer's experts
@@ -239,8 +270,17 @@ class _Run:
         else:
             acc.cpu += dt
 
-    def _moe_layer(self, il: int, ids: Any, counts: dict[int, int], s: Step, t: float, acc: _Acc,
-                   pending: list[Any], dense_s: float = 0.0) -> tuple[float, float, float, float]:
+    def _moe_layer(
+        self,
+        il: int,
+        ids: Any,
+        counts: dict[int, int],
+        s: Step,
+        t: float,
+        acc: _Acc,
+        pending: list[Any],
+        dense_s: float = 0.0,
+    ) -> tuple[float, float, float, float]:
         """(GPU time, CPU time with its hand-offs, wait for slots still loading, CPU time of the experts
         pre-calculated for this layer with its hand-off) of one MoE layer's experts."""
         assert self.gpu is not None and self.prof.link is not None
@@ -271,7 +311,12 @@ class _Run:
             return self._device_prefill(il, counts, t, dense_s, acc) + (wait, 0.0)
         g = self.gpu.experts(il, gpu_e)
         c = early = 0.0
-        if cpu_e and s.n_tokens >= OFFLOAD_MIN_TOKENS and self.prof.gpu is not None and self.prof.gpu.op_offload:
+        if (
+            cpu_e
+            and s.n_tokens >= OFFLOAD_MIN_TOKENS
+            and self.prof.gpu is not None
+            and self.prof.gpu.op_offload
+        ):
             nbytes = self.shape.expert_bytes(il) * len(cpu_e)  # op offload copies the used experts
             acc.pcie += nbytes
             g += nbytes / link.h2d_pageable + self.gpu.experts(il, cpu_e)
@@ -301,7 +346,9 @@ class _Run:
         wait = nbytes / self.prof.link.loads_bw + gpu
         f = split_share(cpu, wait, hand, gpu_busy)
         if not 0.0 < f < 1.0:
-            f = 1.0 if hand + cpu <= gpu_busy + wait else 0.0  # one side alone: the CPU, or the GPU after the copy
+            f = (
+                1.0 if hand + cpu <= gpu_busy + wait else 0.0
+            )  # one side alone: the CPU, or the GPU after the copy
         acc.cpu += f * cpu
         acc.gpu += (1.0 - f) * gpu
         acc.pcie += (1.0 - f) * nbytes
@@ -320,8 +367,9 @@ class _Run:
         acc.cpu += early + late
         return lat + early, 2 * lat + late
 
-    def _device_prefill(self, il: int, counts: dict[int, int], t: float, dense_s: float,
-                        acc: _Acc) -> tuple[float, float]:
+    def _device_prefill(
+        self, il: int, counts: dict[int, int], t: float, dense_s: float, acc: _Acc
+    ) -> tuple[float, float]:
         """A prefill ubatch's layer with --device-prefill: every routed expert on the GPU; the experts outside the
         slots were copied into the layer's prefill buffer on the copy stream from the previous cached layer's
         routing (the first layer's from the step's start), so the layer's experts wait for the end of that copy.
@@ -339,7 +387,9 @@ class _Run:
         acc.gpu += g
         return max(0.0, done - (t + dense_s)) + g, 0.0
 
-    def _assigned(self, il: int, counts: dict[int, int], resident: set[int], acc: _Acc) -> tuple[float, float]:
+    def _assigned(
+        self, il: int, counts: dict[int, int], resident: set[int], acc: _Acc
+    ) -> tuple[float, float]:
         """A prefill ubatch's experts split between the CPU and the GPU (copying some) by an assigner: (GPU time
         with the copies, CPU time with the hand-off); the two sides run at once."""
         from ..policies.assignment import make_assigner
@@ -366,8 +416,12 @@ class SimSpec:
     assign: str | None = None  # add edgemoe variants whose prefill ubatches use this CPU/GPU assigner
     device_prefill: bool = False  # add edgemoe variants whose prefill ubatches run on the GPU
     precalc: PrecalcSpec | None = None  # add edgemoe variants whose decode steps pre-calculate
-    decode_split: bool = False  # add edgemoe variants whose small steps split CPU experts with the GPU (not built)
-    slots: Mapping[int, int] | None = None  # edgemoe's slots per MoE layer (None: equal, what the budget leaves)
+    decode_split: bool = (
+        False  # add edgemoe variants whose small steps split CPU experts with the GPU (not built)
+    )
+    slots: Mapping[int, int] | None = (
+        None  # edgemoe's slots per MoE layer (None: equal, what the budget leaves)
+    )
     # the trace's first sequences only warm the cache (replayed, not counted), as `edgemoe bench` warms up
     warmup_seqs: int = 0
 
@@ -388,7 +442,9 @@ class SimResult:
         return d
 
 
-def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tuple[list[Config], int, int | None]:
+def plan_configs(
+    shape: ModelShape, prof: MachineProfile, spec: SimSpec
+) -> tuple[list[Config], int, int | None]:
     """Stock placements and edgemoe policies at the budget; CPU only (no GPU in the profile, or --vram 0):
     stock llama.cpp on the CPU and edgemoe on the CPU (its gate is the only difference)."""
     moe = shape.moe_layers
@@ -410,27 +466,77 @@ def plan_configs(shape: ModelShape, prof: MachineProfile, spec: SimSpec) -> tupl
         cfgs.append(Config(f"stock-n-cpu-moe-{n_cpu}", "stock", gpu_expert_layers=frozenset(moe[n_cpu:])))
     for pol in spec.policies:
         for gated in (False, True) if spec.gated else (False,):
-            cfgs.append(Config(f"edgemoe-{pol}" + ("-gated" if gated else ""), "edgemoe", policy=pol,
-                               slots=per_layer, gated=gated, blocking=spec.blocking))
+            cfgs.append(
+                Config(
+                    f"edgemoe-{pol}" + ("-gated" if gated else ""),
+                    "edgemoe",
+                    policy=pol,
+                    slots=per_layer,
+                    gated=gated,
+                    blocking=spec.blocking,
+                )
+            )
         if spec.assign is not None:
-            cfgs.append(Config(f"edgemoe-{pol}-{spec.assign}-assign", "edgemoe", policy=pol,
-                               slots=per_layer, blocking=spec.blocking, assign=spec.assign))
+            cfgs.append(
+                Config(
+                    f"edgemoe-{pol}-{spec.assign}-assign",
+                    "edgemoe",
+                    policy=pol,
+                    slots=per_layer,
+                    blocking=spec.blocking,
+                    assign=spec.assign,
+                )
+            )
         if spec.device_prefill:
-            cfgs.append(Config(f"edgemoe-{pol}-device-prefill", "edgemoe", policy=pol, slots=prefill_slots,
-                               blocking=spec.blocking, device_prefill=True))
+            cfgs.append(
+                Config(
+                    f"edgemoe-{pol}-device-prefill",
+                    "edgemoe",
+                    policy=pol,
+                    slots=prefill_slots,
+                    blocking=spec.blocking,
+                    device_prefill=True,
+                )
+            )
         if spec.precalc is not None:
-            cfgs.append(Config(f"edgemoe-{pol}-precalc", "edgemoe", policy=pol, slots=per_layer,
-                               blocking=spec.blocking, precalc=spec.precalc))
+            cfgs.append(
+                Config(
+                    f"edgemoe-{pol}-precalc",
+                    "edgemoe",
+                    policy=pol,
+                    slots=per_layer,
+                    blocking=spec.blocking,
+                    precalc=spec.precalc,
+                )
+            )
         if spec.decode_split:
-            cfgs.append(Config(f"edgemoe-{pol}-decode-split", "edgemoe", policy=pol, slots=per_layer,
-                               blocking=spec.blocking, decode_split=True))
+            cfgs.append(
+                Config(
+                    f"edgemoe-{pol}-decode-split",
+                    "edgemoe",
+                    policy=pol,
+                    slots=per_layer,
+                    blocking=spec.blocking,
+                    decode_split=True,
+                )
+            )
     return cfgs, slots, n_cpu
 
 
-def run_config(cfg: Config, work: Workload, shape: ModelShape, prof: MachineProfile, nodes: tuple[int, int], *,
-               on_gpu: bool, overlap: bool = False, calibration: Path | None = None,
-               frequency: Mapping[int, Any] | None = None, policy: ResidencyPolicy | None = None,
-               warmup_seqs: int = 0) -> ConfigResult:
+def run_config(
+    cfg: Config,
+    work: Workload,
+    shape: ModelShape,
+    prof: MachineProfile,
+    nodes: tuple[int, int],
+    *,
+    on_gpu: bool,
+    overlap: bool = False,
+    calibration: Path | None = None,
+    frequency: Mapping[int, Any] | None = None,
+    policy: ResidencyPolicy | None = None,
+    warmup_seqs: int = 0,
+) -> ConfigResult:
     """Replay the workload's steps in order through one configuration. `policy`: a fresh residency policy
     object to replay for cfg.policy instead of one built by name (e.g. with frequencies of another trace).
     Sequences below `warmup_seqs` run (their loads, the policy's state) but are not counted."""
@@ -440,8 +546,13 @@ def run_config(cfg: Config, work: Workload, shape: ModelShape, prof: MachineProf
         elif cfg.policy == "daop" and frequency is not None:
             policy = DaopPolicy(frequency, dict(cfg.slots), shape.n_expert, blocking=cfg.blocking)
         else:
-            policy = make_policy(cfg.policy, dict(cfg.slots), blocking=cfg.blocking, calibration=calibration,
-                                 n_expert=shape.n_expert)
+            policy = make_policy(
+                cfg.policy,
+                dict(cfg.slots),
+                blocking=cfg.blocking,
+                calibration=calibration,
+                n_expert=shape.n_expert,
+            )
     run = _Run(cfg, shape, prof, nodes, policy, overlap=overlap, on_gpu=on_gpu)
     pre, dec = _Acc(), _Acc()
     seq_pre: dict[int, float] = {}
@@ -459,15 +570,19 @@ def run_config(cfg: Config, work: Workload, shape: ModelShape, prof: MachineProf
     busy = {k: (getattr(dec, k) / dec.time if dec.time else 0.0) for k in ("gpu", "cpu", "host")}
     busy["pcie"] = (dec.pcie / prof.link.loads_bw / dec.time) if prof.link is not None and dec.time else 0.0
     return ConfigResult(
-        name=cfg.name, kind=cfg.kind,
+        name=cfg.name,
+        kind=cfg.kind,
         decode_tps=n_dec / dec.time if dec.time else 0.0,
         prefill_tps=n_pre / pre.time if pre.time else 0.0,
         ttft_s=sum(seq_pre.values()) / len(seq_pre) if seq_pre else 0.0,
         hit_rate=hits / slots if policy is not None and slots else None,
-        decode_hit_rate=dec.hits / (dec.hits + dec.misses) if policy is not None and dec.hits + dec.misses else None,
+        decode_hit_rate=dec.hits / (dec.hits + dec.misses)
+        if policy is not None and dec.hits + dec.misses
+        else None,
         pcie_bytes_per_token=dec.pcie / n_dec if n_dec else 0.0,
         bottleneck=max(busy, key=lambda k: busy[k]) if dec.time else "-",
-        busy=busy)
+        busy=busy,
+    )
 
 
 def estimate_graph_nodes(shape: ModelShape) -> tuple[int, int]:
@@ -482,20 +597,25 @@ def static_frequency(work: Workload) -> dict[int, Any]:
     import numpy as np
 
     ids = np.concatenate([s.ids for s in work.steps])  # (tokens, MoE layers, k)
-    return {il: np.bincount(ids[:, j][ids[:, j] >= 0], minlength=work.n_expert)
-            for j, il in enumerate(work.moe_layers)}
+    return {
+        il: np.bincount(ids[:, j][ids[:, j] >= 0], minlength=work.n_expert)
+        for j, il in enumerate(work.moe_layers)
+    }
 
 
-def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
-             gating: Any = None) -> SimResult:
+def simulate(
+    model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec, gating: Any = None
+) -> SimResult:
     """Replay `trace` (edgemoe.analysis.trace.Trace) on `model`'s shapes through every configuration."""
     from ..policies.residency import load_frequency
     from .workload import build_workload
 
     shape = ModelShape.read(model)
     if spec.precalc is not None and not precalc_targets(shape.moe_layers, spec.precalc.first_layer):
-        raise EdgeMoeError(f"no MoE layer from layer {spec.precalc.first_layer} on follows a MoE layer in "
-                           f"{shape.name} (MoE layers {list(shape.moe_layers)}): nothing to pre-calculate")
+        raise EdgeMoeError(
+            f"no MoE layer from layer {spec.precalc.first_layer} on follows a MoE layer in "
+            f"{shape.name} (MoE layers {list(shape.moe_layers)}): nothing to pre-calculate"
+        )
     cfgs, slots, n_cpu = plan_configs(shape, prof, spec)
     notes = []
     if not cfgs:
@@ -511,7 +631,9 @@ def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
     if any(c.policy in ("static", "daop") for c in cfgs):
         if spec.calibration is not None:
             frequency = load_frequency(spec.calibration, n_expert=n_exp, layers=list(moe))
-            decode_frequency = load_frequency(spec.calibration, n_expert=n_exp, layers=list(moe), phase="decode")
+            decode_frequency = load_frequency(
+                spec.calibration, n_expert=n_exp, layers=list(moe), phase="decode"
+            )
         else:  # place by the first half of the trace's sequences, replay the second half (for every config)
             seqs = sorted({int(x) for x in trace.seq if x >= spec.warmup_seqs})
             first_seq = seqs[len(seqs) // 2] if len(seqs) > 1 else 0
@@ -522,20 +644,42 @@ def simulate(model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec,
             decoded = tuple(s for s in placed if s.phase == DECODE) or placed
             decode_frequency = static_frequency(Workload(decoded, full.moe_layers, full.n_expert))
             if first_seq:
-                notes.append(f"static (daop) placement from the trace's sequences before {first_seq}; "
-                             "every configuration replays the rest")
+                notes.append(
+                    f"static (daop) placement from the trace's sequences before {first_seq}; "
+                    "every configuration replays the rest"
+                )
             else:
                 notes.append("static (daop) placement from the whole trace (one sequence only): optimistic")
     plain = build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, first_seq=first_seq)
-    gated = (build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, gating=gating, first_seq=first_seq)
-             if gating is not None else None)
+    gated = (
+        build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, gating=gating, first_seq=first_seq)
+        if gating is not None
+        else None
+    )
     if plain.note:
         notes.append(plain.note)
     on_gpu = prof.has_gpu and spec.vram > 0
-    results = [run_config(c, gated if c.gated and gated is not None else plain, shape, prof, nodes, on_gpu=on_gpu,
-                          overlap=spec.overlap, calibration=spec.calibration,
-                          frequency=decode_frequency if c.policy == "daop" else frequency,
-                          warmup_seqs=spec.warmup_seqs)
-               for c in cfgs]
-    return SimResult(model=shape.name, profile=prof.name, vram=spec.vram, slots_per_layer=slots, n_cpu_moe=n_cpu,
-                     workload_note="; ".join(notes), configs=results)
+    results = [
+        run_config(
+            c,
+            gated if c.gated and gated is not None else plain,
+            shape,
+            prof,
+            nodes,
+            on_gpu=on_gpu,
+            overlap=spec.overlap,
+            calibration=spec.calibration,
+            frequency=decode_frequency if c.policy == "daop" else frequency,
+            warmup_seqs=spec.warmup_seqs,
+        )
+        for c in cfgs
+    ]
+    return SimResult(
+        model=shape.name,
+        profile=prof.name,
+        vram=spec.vram,
+        slots_per_layer=slots,
+        n_cpu_moe=n_cpu,
+        workload_note="; ".join(notes),
+        configs=results,
+    )

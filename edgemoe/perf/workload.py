@@ -5,6 +5,7 @@ A trace may come from another model with the same routing shape (expert count, t
 fixture's trace projected onto a full-size model of that shape: its MoE layers are then reused in
 turn (model MoE layer j takes trace layer j mod L), and `Workload.note` says so.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -62,19 +63,34 @@ class Workload:
         return sum(s.n_tokens for s in self.phase(phase))
 
 
-def build_workload(trace: Trace, moe_layers: tuple[int, ...], n_expert: int, n_expert_used: int, *,
-                   n_ubatch: int = 512, gating: GatingSpec | None = None, first_seq: int = 0) -> Workload:
+def build_workload(
+    trace: Trace,
+    moe_layers: tuple[int, ...],
+    n_expert: int,
+    n_expert_used: int,
+    *,
+    n_ubatch: int = 512,
+    gating: GatingSpec | None = None,
+    first_seq: int = 0,
+) -> Workload:
     """Steps of every sequence from `first_seq` on: prefill tokens in ubatches of n_ubatch, then one
     step per decode token. Refuses a trace of another routing shape."""
     if trace.n_expert != n_expert or trace.ids.shape[2] != n_expert_used:
-        raise EdgeMoeError(f"the trace routes top-{trace.ids.shape[2]} of {trace.n_expert} experts, the model "
-                           f"top-{n_expert_used} of {n_expert}: record a trace of this model (`edgemoe trace`) "
-                           "or of one with the same expert count and top-k")
+        raise EdgeMoeError(
+            f"the trace routes top-{trace.ids.shape[2]} of {trace.n_expert} experts, the model "
+            f"top-{n_expert_used} of {n_expert}: record a trace of this model (`edgemoe trace`) "
+            "or of one with the same expert count and top-k"
+        )
     n_trace = len(trace.layers)
     pick = np.arange(len(moe_layers)) % n_trace
-    note = "" if n_trace == len(moe_layers) else (
-        f"the trace has {n_trace} MoE layers, the model {len(moe_layers)}: model MoE layer j replays trace layer "
-        f"j mod {n_trace}")
+    note = (
+        ""
+        if n_trace == len(moe_layers)
+        else (
+            f"the trace has {n_trace} MoE layers, the model {len(moe_layers)}: model MoE layer j replays trace layer "
+            f"j mod {n_trace}"
+        )
+    )
     ids = trace.ids[:, pick, :].astype(np.int32)
     if gating is not None:
         ids = _gate(ids, trace.weights[:, pick, :], trace.phase, gating)
@@ -85,10 +101,10 @@ def build_workload(trace: Trace, moe_layers: tuple[int, ...], n_expert: int, n_e
         rows = np.flatnonzero(trace.seq == seq)
         pre = rows[trace.phase[rows] == PREFILL]
         for start in range(0, len(pre), n_ubatch):
-            chunk = pre[start:start + n_ubatch]
+            chunk = pre[start : start + n_ubatch]
             steps.append(Step(PREFILL, int(seq), start, ids[chunk]))
         for i, row in enumerate(rows[trace.phase[rows] == DECODE]):
-            steps.append(Step(DECODE, int(seq), len(pre) + i, ids[row:row + 1]))
+            steps.append(Step(DECODE, int(seq), len(pre) + i, ids[row : row + 1]))
     if not steps:
         raise EdgeMoeError("the trace has no tokens to replay")
     return Workload(tuple(steps), moe_layers, n_expert, note)
@@ -107,4 +123,3 @@ def _gate(ids: np.ndarray, weights: np.ndarray, phase: np.ndarray, g: GatingSpec
         sub[~keep] = -1
         out[rows, j, :] = sub
     return out
-

@@ -1,5 +1,6 @@
 """Turn a CacheRequest into the engine's load config and its expert cache: slots from the budget, the whole-model
 case, first-use calibration, the allocation across layers, the assigner's costs."""
+
 from __future__ import annotations
 
 import logging
@@ -30,16 +31,19 @@ def check_precalc_from(info: ModelInfo, first_layer: int) -> None:
     """precalc_from must leave a MoE layer that follows a MoE layer (else it would do nothing)."""
     moe = list(info.moe_layers)
     if not precalc_targets(moe, first_layer):
-        raise PlacementError(f"--precalc-from {first_layer}: no MoE layer from there on follows a MoE layer "
-                             f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer")
+        raise PlacementError(
+            f"--precalc-from {first_layer}: no MoE layer from there on follows a MoE layer "
+            f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer"
+        )
 
 
 def slots_for(info: ModelInfo, req: CacheRequest, n_ctx: int) -> int:
     """Expert slots per MoE layer: the request's, or what its budget leaves after dense weights and KV cache."""
     if req.expert_slots is not None:
         return req.expert_slots
-    return vram_plan(info, req.vram or 0, n_ctx=n_ctx,
-                     reserve_bytes=vram_reserve(info, bool(req.device_prefill))).experts_per_layer
+    return vram_plan(
+        info, req.vram or 0, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, bool(req.device_prefill))
+    ).experts_per_layer
 
 
 def whole_model_fits(info: ModelInfo, req: CacheRequest, n_ctx: int) -> bool:
@@ -48,8 +52,9 @@ def whole_model_fits(info: ModelInfo, req: CacheRequest, n_ctx: int) -> bool:
     cache, whose slots would hold every expert and only add graph nodes (docs/research/performance-model.md: 0.85-1.0x)."""
     if req.vram is None or not info.is_moe:
         return False
-    return vram_plan(info, req.vram, n_ctx=planned_ctx(n_ctx, info.n_ctx_train),
-                     reserve_bytes=VRAM_RESERVE).all_experts_fit
+    return vram_plan(
+        info, req.vram, n_ctx=planned_ctx(n_ctx, info.n_ctx_train), reserve_bytes=VRAM_RESERVE
+    ).all_experts_fit
 
 
 def load_config(base: LoadConfig, req: CacheRequest | None, model: Path) -> LoadConfig:
@@ -63,8 +68,15 @@ def load_config(base: LoadConfig, req: CacheRequest | None, model: Path) -> Load
     return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))
 
 
-def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, given: Path | None, *,
-                    n_threads: int = 0, dali_prefetch: int | None = None) -> Path | None:
+def calibration_for(
+    model: Path,
+    policies: tuple[str, ...],
+    alloc: str | None,
+    given: Path | None,
+    *,
+    n_threads: int = 0,
+    dali_prefetch: int | None = None,
+) -> Path | None:
     """The given calibration directory, else the model's; calibrated on first use when a policy (static, daop:
     router frequencies; promoe, dali with a prefetcher: predictors) or alloc dp (a routing trace) needs it."""
     given = given or default_calibration_dir(model)
@@ -76,15 +88,18 @@ def calibration_for(model: Path, policies: tuple[str, ...], alloc: str | None, g
     if not needs:
         return given
     stages = tuple(dict.fromkeys(s for _, ss in needs for s in ss))
-    return auto.ensure_calibration(model, stages, " and ".join(w for w, _ in needs), given=given, n_threads=n_threads)
+    return auto.ensure_calibration(
+        model, stages, " and ".join(w for w, _ in needs), given=given, n_threads=n_threads
+    )
 
 
 def enable_static_placement(engine: Engine, model: Path, slots: int, calibration: Path | None) -> None:
     """An expert cache of `slots` per MoE layer holding the calibration's most used decode experts (DAOP's initial
     placement, never swapped: the static policy), calibrated on first use; for measuring against a fixed residency."""
     cal = calibration_for(model, ("static",), None, calibration, n_threads=engine.n_threads)
-    engine.enable_expert_cache(CacheConfig(min(slots, engine.info.n_expert), policy="static", calibration=cal,
-                                           alloc="equal"))
+    engine.enable_expert_cache(
+        CacheConfig(min(slots, engine.info.n_expert), policy="static", calibration=cal, alloc="equal")
+    )
 
 
 def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
@@ -95,49 +110,84 @@ def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
 
     if profile is None:
         if not default_profile_path().exists():
-            raise PlacementError("--assign needs a machine profile: measure this machine's with `edgemoe "
-                                 "profile`, or give --profile rtx4060-laptop (or another bundled one, or a file)")
+            raise PlacementError(
+                "--assign needs a machine profile: measure this machine's with `edgemoe "
+                "profile`, or give --profile rtx4060-laptop (or another bundled one, or a file)"
+            )
         profile = str(default_profile_path())
     return expert_costs(ModelShape.read(model), load_profile(profile))
 
 
-def install_cache(engine: Engine, model: Path, req: CacheRequest, calibration: Path | None, *,
-                  notify: Notify = log.info) -> None:
+def install_cache(
+    engine: Engine, model: Path, req: CacheRequest, calibration: Path | None, *, notify: Notify = log.info
+) -> None:
     """Give an open engine the expert cache the request asks for (nothing where the budget holds the model)."""
     if not req.enabled or not engine.info.is_moe:
         return
     if whole_model_fits(engine.info, req, engine.config.n_ctx):
-        where = "on the GPU" if native.gpu_device() is not None else "as stock llama.cpp does (no GPU in this build)"
-        notify(f"note: --vram {format_size(req.vram or 0)} holds the whole model (every expert of every MoE "
-               f"layer): it runs {where}, without an expert cache (--policy and the cache's options have "
-               "nothing to do); give --expert-slots N for a cache all the same")
+        where = (
+            "on the GPU"
+            if native.gpu_device() is not None
+            else "as stock llama.cpp does (no GPU in this build)"
+        )
+        notify(
+            f"note: --vram {format_size(req.vram or 0)} holds the whole model (every expert of every MoE "
+            f"layer): it runs {where}, without an expert cache (--policy and the cache's options have "
+            "nothing to do); give --expert-slots N for a cache all the same"
+        )
         return
     if req.precalc_from is not None:
         check_precalc_from(engine.info, req.precalc_from)
     slots = slots_for(engine.info, req, engine.n_ctx)
     CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # slots in range
-    calibration = calibration_for(model, (req.policy,), req.alloc, calibration, n_threads=engine.n_threads,
-                                  dali_prefetch=req.dali_prefetch)
+    calibration = calibration_for(
+        model,
+        (req.policy,),
+        req.alloc,
+        calibration,
+        n_threads=engine.n_threads,
+        dali_prefetch=req.dali_prefetch,
+    )
     budget = None
     if req.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
-        budget = vram_plan(engine.info, req.vram, n_ctx=engine.n_ctx,
-                           reserve_bytes=vram_reserve(engine.info, bool(req.device_prefill))).expert_budget_bytes
+        budget = vram_plan(
+            engine.info,
+            req.vram,
+            n_ctx=engine.n_ctx,
+            reserve_bytes=vram_reserve(engine.info, bool(req.device_prefill)),
+        ).expert_budget_bytes
     window = req.dali_window or DALI_WINDOW
-    plan = plan_allocation(engine.info, alloc=req.alloc, policy=req.policy, calibration=calibration,
-                           slots_per_layer=slots, budget_bytes=budget, dali_window=window,
-                           dali_update=req.dali_update)
+    plan = plan_allocation(
+        engine.info,
+        alloc=req.alloc,
+        policy=req.policy,
+        calibration=calibration,
+        slots_per_layer=slots,
+        budget_bytes=budget,
+        dali_window=window,
+        dali_update=req.dali_update,
+    )
     if plan.note:
         notify(f"note: {plan.note}")
     dev = native.gpu_device()
-    cfg = CacheConfig(slots if plan.alloc == "equal" else plan.slots, policy=req.policy,
-                      blocking=req.blocking, calibration=calibration, dali_window=window,
-                      dali_update=req.dali_update, alloc=plan.alloc,
-                      prefetch_distance=req.prefetch_distance or PROMOE_DISTANCE,
-                      prefetch_extra=PROMOE_EXTRA if req.prefetch_extra is None else req.prefetch_extra,
-                      dali_prefetch=req.dali_prefetch or 0, assign=req.assign,
-                      assign_costs=assign_costs(model, req.profile) if req.assign else None,
-                      degrade=req.degrade, prefill_min_tokens=req.device_prefill,
-                      prefill_ahead=req.device_prefill_ahead, precalc_from=req.precalc_from)
+    cfg = CacheConfig(
+        slots if plan.alloc == "equal" else plan.slots,
+        policy=req.policy,
+        blocking=req.blocking,
+        calibration=calibration,
+        dali_window=window,
+        dali_update=req.dali_update,
+        alloc=plan.alloc,
+        prefetch_distance=req.prefetch_distance or PROMOE_DISTANCE,
+        prefetch_extra=PROMOE_EXTRA if req.prefetch_extra is None else req.prefetch_extra,
+        dali_prefetch=req.dali_prefetch or 0,
+        assign=req.assign,
+        assign_costs=assign_costs(model, req.profile) if req.assign else None,
+        degrade=req.degrade,
+        prefill_min_tokens=req.device_prefill,
+        prefill_ahead=req.device_prefill_ahead,
+        precalc_from=req.precalc_from,
+    )
     engine.enable_expert_cache(cfg, device=dev)
     notify(_describe(engine, req, describe(plan), dev))
 
@@ -153,15 +203,20 @@ def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.Gg
     hook_reason = getattr(cache, "hook_reason", None)
     if hook_reason:
         lines.append(f"note: promoe runs in the routing hook (a Python call per MoE layer): {hook_reason}")
-    lines.append(f"expert cache: {allocation} on {where}, policy {req.policy}"
-                 + (f" (predictor {prefetch['predictor']}, top-k+{prefetch['extra']})" if prefetch else "")
-                 + (" (blocking loads)" if req.blocking else "")
-                 + (f" (misses placed by the {req.assign} assigner)" if req.assign else "")
-                 + (f" (graceful degradation r={req.degrade})" if req.degrade is not None else "")
-                 + (f" (prefill ubatches of {req.device_prefill}+ tokens on the device, "
-                    f"{req.device_prefill_ahead} ahead)" if req.device_prefill else "")
-                 + (f" (DAOP pre-calculation from layer {req.precalc_from})" if req.precalc_from is not None
-                    else ""))
+    lines.append(
+        f"expert cache: {allocation} on {where}, policy {req.policy}"
+        + (f" (predictor {prefetch['predictor']}, top-k+{prefetch['extra']})" if prefetch else "")
+        + (" (blocking loads)" if req.blocking else "")
+        + (f" (misses placed by the {req.assign} assigner)" if req.assign else "")
+        + (f" (graceful degradation r={req.degrade})" if req.degrade is not None else "")
+        + (
+            f" (prefill ubatches of {req.device_prefill}+ tokens on the device, "
+            f"{req.device_prefill_ahead} ahead)"
+            if req.device_prefill
+            else ""
+        )
+        + (f" (DAOP pre-calculation from layer {req.precalc_from})" if req.precalc_from is not None else "")
+    )
     return "\n".join(lines)
 
 
@@ -178,5 +233,7 @@ def install_gating(engine: Engine, opts: Any, *, notify: Notify = log.info) -> N
     if policy is not None:
         path = engine.set_gating(policy)
         where = "in the graph" if path == "graph" else "in the routing hook (blocking loads need it)"
-        notify(f"gating: {opts.mode}, threshold {policy.threshold:.4g}, {where}"
-               + (" (prefill at full top-k)" if opts.decode_only else ""))
+        notify(
+            f"gating: {opts.mode}, threshold {policy.threshold:.4g}, {where}"
+            + (" (prefill at full top-k)" if opts.decode_only else "")
+        )

@@ -1,4 +1,5 @@
 """open_engine: load a model with the expert cache a request asks for, as `edgemoe chat --vram ...` does."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,10 +11,20 @@ from .install import Notify, install_cache, install_gating, load_config, log
 from .request import CacheRequest, cache_request
 
 
-def open_engine(model: str | Path, *, vram: int | str | None = None, expert_slots: int | None = None,
-                policy: str | None = None, cache: CacheRequest | None = None, n_ctx: int = 0, n_threads: int = 0,
-                n_gpu_layers: int = 0, calibration: Path | None = None, gating: Any = None,
-                notify: Notify = log.info) -> Engine:
+def open_engine(
+    model: str | Path,
+    *,
+    vram: int | str | None = None,
+    expert_slots: int | None = None,
+    policy: str | None = None,
+    cache: CacheRequest | None = None,
+    n_ctx: int = 0,
+    n_threads: int = 0,
+    n_gpu_layers: int = 0,
+    calibration: Path | None = None,
+    gating: Any = None,
+    notify: Notify = log.info,
+) -> Engine:
     """An Engine of `model` with an expert cache of `vram` bytes (or a size such as "8GiB") or `expert_slots` per
     MoE layer, run by `policy` (None: the default for the other options); `cache` gives every option of the cache
     instead. With neither budget nor slots it loads as stock llama.cpp does. `gating`
@@ -31,11 +42,15 @@ def open_engine(model: str | Path, *, vram: int | str | None = None, expert_slot
     config = load_config(LoadConfig(n_threads=n_threads, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers), cache, path)
     engine = Engine(path, config)
     if n_ctx and engine.n_ctx != n_ctx:
-        notify(f"note: the context is {engine.n_ctx} tokens (llama.cpp sizes it in steps of 256; "
-               f"a context of {n_ctx} was asked)")
+        notify(
+            f"note: the context is {engine.n_ctx} tokens (llama.cpp sizes it in steps of 256; "
+            f"a context of {n_ctx} was asked)"
+        )
     if not engine.info.is_moe:
-        notify(f"note: {path.name} is a dense model (no routed experts); edgemoe's MoE "
-               "features are off and it runs as stock llama.cpp")
+        notify(
+            f"note: {path.name} is a dense model (no routed experts); edgemoe's MoE "
+            "features are off and it runs as stock llama.cpp"
+        )
     try:
         if engine.info.is_moe:
             install_cache(engine, path, cache, calibration, notify=notify)

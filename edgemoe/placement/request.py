@@ -1,5 +1,6 @@
 """What a user asks of the expert cache (budget or slots, policy and its options), the default policy, and every
 rule that refuses a combination, in one place."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,22 +31,33 @@ class CacheRequest:
     dali_update: int | None = None  # dali: experts replaced per window (None: the paper's for this model)
     prefetch_distance: int | None = None  # promoe: predict layer l+d at layer l (None: ProMoE's 2)
     prefetch_extra: int | None = None  # promoe: prefetch the top-(k+m) (None: m = 1)
-    dali_prefetch: int | None = None  # dali: next-layer experts prefetched per MoE layer (None, 0: none, native)
+    dali_prefetch: int | None = (
+        None  # dali: next-layer experts prefetched per MoE layer (None, 0: none, native)
+    )
     assign: str | None = None  # lru, dali: the CPU/GPU assigner of each route's loads (None: none)
     profile: str | None = None  # assign's machine profile (a bundled name or a file; None: this machine's)
     degrade: float | None = None  # DAOP's graceful degradation ratio (None: off)
     device_prefill: int = 0  # prefill ubatches of this many tokens or more run on the cache's device (0: off)
     device_prefill_ahead: str = "all"  # what they copy one cached layer ahead (PREFILL_AHEAD)
-    precalc_from: int | None = None  # DAOP's pre-calculation of the cached layers from this one on (None: off)
+    precalc_from: int | None = (
+        None  # DAOP's pre-calculation of the cached layers from this one on (None: off)
+    )
 
     @property
     def enabled(self) -> bool:
         return self.vram is not None or self.expert_slots is not None
 
 
-def default_policy(*, blocking: bool = False, assign: str | None = None, dali_window: int | None = None,
-                   dali_update: int | None = None, dali_prefetch: int | None = None,
-                   prefetch_distance: int | None = None, prefetch_extra: int | None = None) -> str:
+def default_policy(
+    *,
+    blocking: bool = False,
+    assign: str | None = None,
+    dali_window: int | None = None,
+    dali_update: int | None = None,
+    dali_prefetch: int | None = None,
+    prefetch_distance: int | None = None,
+    prefetch_extra: int | None = None,
+) -> str:
     """The policy when none is given: the one the other options belong to, else DEFAULT_POLICY."""
     if dali_window is not None or dali_update is not None or dali_prefetch:
         return "dali"
@@ -56,20 +68,54 @@ def default_policy(*, blocking: bool = False, assign: str | None = None, dali_wi
     return DEFAULT_POLICY
 
 
-def cache_request(*, vram: int | None = None, expert_slots: int | None = None, policy: str | None = None,
-                  blocking: bool = False, alloc: str | None = None, dali_window: int | None = None,
-                  dali_update: int | None = None, prefetch_distance: int | None = None,
-                  prefetch_extra: int | None = None, dali_prefetch: int | None = None, assign: str | None = None,
-                  profile: str | None = None, degrade: float | None = None, device_prefill: int = 0,
-                  device_prefill_ahead: str = "all", precalc_from: int | None = None) -> CacheRequest:
+def cache_request(
+    *,
+    vram: int | None = None,
+    expert_slots: int | None = None,
+    policy: str | None = None,
+    blocking: bool = False,
+    alloc: str | None = None,
+    dali_window: int | None = None,
+    dali_update: int | None = None,
+    prefetch_distance: int | None = None,
+    prefetch_extra: int | None = None,
+    dali_prefetch: int | None = None,
+    assign: str | None = None,
+    profile: str | None = None,
+    degrade: float | None = None,
+    device_prefill: int = 0,
+    device_prefill_ahead: str = "all",
+    precalc_from: int | None = None,
+) -> CacheRequest:
     """A checked CacheRequest; policy None picks default_policy(). Raises PlacementError."""
     if policy is None:
-        policy = default_policy(blocking=blocking, assign=assign, dali_window=dali_window, dali_update=dali_update,
-                                dali_prefetch=dali_prefetch, prefetch_distance=prefetch_distance,
-                                prefetch_extra=prefetch_extra)
-    req = CacheRequest(vram, expert_slots, policy, blocking, alloc, dali_window, dali_update, prefetch_distance,
-                       prefetch_extra, dali_prefetch, assign, profile, degrade, device_prefill,
-                       device_prefill_ahead, precalc_from)
+        policy = default_policy(
+            blocking=blocking,
+            assign=assign,
+            dali_window=dali_window,
+            dali_update=dali_update,
+            dali_prefetch=dali_prefetch,
+            prefetch_distance=prefetch_distance,
+            prefetch_extra=prefetch_extra,
+        )
+    req = CacheRequest(
+        vram,
+        expert_slots,
+        policy,
+        blocking,
+        alloc,
+        dali_window,
+        dali_update,
+        prefetch_distance,
+        prefetch_extra,
+        dali_prefetch,
+        assign,
+        profile,
+        degrade,
+        device_prefill,
+        device_prefill_ahead,
+        precalc_from,
+    )
     check_request(req)
     return req
 
@@ -83,8 +129,10 @@ def check_request(r: CacheRequest) -> None:
     if r.policy != "promoe" and (r.prefetch_distance is not None or r.prefetch_extra is not None):
         raise PlacementError("--prefetch-distance and --prefetch-extra are options of --policy promoe")
     if r.dali_prefetch and (r.policy != "dali" or r.blocking):
-        raise PlacementError("--dali-prefetch is an option of --policy dali without --blocking-loads "
-                             "(a missed expert runs on the CPU while the prefetcher loads the next layer's)")
+        raise PlacementError(
+            "--dali-prefetch is an option of --policy dali without --blocking-loads "
+            "(a missed expert runs on the CPU while the prefetcher loads the next layer's)"
+        )
     if r.assign is not None:
         refusal = assign_refusal(r.policy, blocking=r.blocking, prefetcher=bool(r.dali_prefetch))
         if refusal is not None:
@@ -94,18 +142,35 @@ def check_request(r: CacheRequest) -> None:
     if (r.assign is not None or r.degrade is not None) and not r.enabled:
         raise PlacementError("--assign and --degrade act on the expert cache: give --vram or --expert-slots")
     if r.device_prefill and not r.enabled:
-        raise PlacementError("--device-prefill runs prefill from the expert cache's device: give --vram or "
-                             "--expert-slots")
+        raise PlacementError(
+            "--device-prefill runs prefill from the expert cache's device: give --vram or --expert-slots"
+        )
     if r.device_prefill_ahead not in PREFILL_AHEAD:
-        raise PlacementError(f"--device-prefill-ahead {r.device_prefill_ahead!r}: one of {', '.join(PREFILL_AHEAD)}")
+        raise PlacementError(
+            f"--device-prefill-ahead {r.device_prefill_ahead!r}: one of {', '.join(PREFILL_AHEAD)}"
+        )
     if r.device_prefill_ahead != "all" and not r.device_prefill:
-        raise PlacementError("--device-prefill-ahead says what --device-prefill copies ahead: add --device-prefill N")
+        raise PlacementError(
+            "--device-prefill-ahead says what --device-prefill copies ahead: add --device-prefill N"
+        )
     if r.precalc_from is not None:
         if not r.enabled:
-            raise PlacementError("--precalc-from pre-calculates the experts outside the expert cache's slots: give "
-                                 "--vram or --expert-slots")
-        hook = [o for o, on in (("--degrade", r.degrade is not None), ("--assign", r.assign is not None),
-                                ("--blocking-loads", r.blocking), ("--dali-prefetch", bool(r.dali_prefetch))) if on]
+            raise PlacementError(
+                "--precalc-from pre-calculates the experts outside the expert cache's slots: give "
+                "--vram or --expert-slots"
+            )
+        hook = [
+            o
+            for o, on in (
+                ("--degrade", r.degrade is not None),
+                ("--assign", r.assign is not None),
+                ("--blocking-loads", r.blocking),
+                ("--dali-prefetch", bool(r.dali_prefetch)),
+            )
+            if on
+        ]
         if hook:
-            raise PlacementError(f"--precalc-from needs the cache's tables in the graph; {hook[0]} runs the cache "
-                                 "from the routing hook: leave one of the two out")
+            raise PlacementError(
+                f"--precalc-from needs the cache's tables in the graph; {hook[0]} runs the cache "
+                "from the routing hook: leave one of the two out"
+            )

@@ -33,6 +33,7 @@ decode tokens, the steps a DP for decoding counts), `replay_curve` replays one
 layer for every t (exact fast paths for lru and static, `replay_policy` per t for the others),
 `f_curves` builds the DP's input, `dp_allocate` and `equal_allocate` split a budget.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,15 +73,16 @@ def _step_bounds(phase: np.ndarray, seq: np.ndarray, ubatch: int) -> list[int]:
     bounds = [0]
     run = 0  # tokens in the current prefill ubatch
     for i in range(1, len(phase)):
-        new = (seq[i] != seq[i - 1] or phase[i] != phase[i - 1] or phase[i] == DECODE or run + 1 >= ubatch)
+        new = seq[i] != seq[i - 1] or phase[i] != phase[i - 1] or phase[i] == DECODE or run + 1 >= ubatch
         run = 0 if new else run + 1
         if new:
             bounds.append(i)
     return bounds + [len(phase)]
 
 
-def layer_steps(ids: np.ndarray, layers: Sequence[int], phase: np.ndarray, seq: np.ndarray, *,
-                ubatch: int) -> dict[int, list[np.ndarray]]:
+def layer_steps(
+    ids: np.ndarray, layers: Sequence[int], phase: np.ndarray, seq: np.ndarray, *, ubatch: int
+) -> dict[int, list[np.ndarray]]:
     """Each MoE layer's routes in the steps the engine ran: prefill runs of a sequence cut into
     ubatches of `ubatch` tokens, every decode token a step of its own.
 
@@ -88,11 +90,11 @@ def layer_steps(ids: np.ndarray, layers: Sequence[int], phase: np.ndarray, seq: 
     """
     ids = np.asarray(ids)
     if ids.ndim != 3 or ids.shape[1] != len(layers) or ids.shape[0] != len(phase):
-        raise EdgeMoeError(f"routing ids of shape {ids.shape}: expected ({len(phase)} tokens, "
-                           f"{len(layers)} layers, k)")
+        raise EdgeMoeError(
+            f"routing ids of shape {ids.shape}: expected ({len(phase)} tokens, {len(layers)} layers, k)"
+        )
     bounds = _step_bounds(phase, seq, ubatch)
-    return {int(il): [ids[a:b, j] for a, b in pairwise(bounds) if b > a]
-            for j, il in enumerate(layers)}
+    return {int(il): [ids[a:b, j] for a, b in pairwise(bounds) if b > a] for j, il in enumerate(layers)}
 
 
 def decode_steps(phase: np.ndarray, seq: np.ndarray, *, ubatch: int) -> np.ndarray:
@@ -135,9 +137,18 @@ class MissCurve:
     tokens: int
 
 
-def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_expert: int,
-                 frequency: np.ndarray | None = None, window: int = DALI_WINDOW, update: int | None = None,
-                 counted: Sequence[bool] | np.ndarray | None = None, fast: bool = True) -> MissCurve:
+def replay_curve(
+    steps: Sequence[np.ndarray],
+    kind: str,
+    max_slots: int,
+    *,
+    n_expert: int,
+    frequency: np.ndarray | None = None,
+    window: int = DALI_WINDOW,
+    update: int | None = None,
+    counted: Sequence[bool] | np.ndarray | None = None,
+    fast: bool = True,
+) -> MissCurve:
     """Replay one layer's steps through policy `kind` (non-blocking) with t = 0..max_slots slots.
 
     counted: one flag per step; only those steps' misses, loads, routed slots and tokens count
@@ -151,8 +162,9 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
     try:
         k = PolicyKind(kind)
     except ValueError:
-        raise AllocationError(f"unknown cache policy {kind!r}: use one of "
-                              f"{', '.join(p.value for p in PolicyKind)}") from None
+        raise AllocationError(
+            f"unknown cache policy {kind!r}: use one of {', '.join(p.value for p in PolicyKind)}"
+        ) from None
     if not 0 <= max_slots <= n_expert:
         raise AllocationError(f"max_slots {max_slots}: use 0..{n_expert} (the layer's experts)")
     steps = [np.asarray(s) for s in steps]
@@ -170,8 +182,14 @@ def replay_curve(steps: Sequence[np.ndarray], kind: str, max_slots: int, *, n_ex
     if fast and k is PolicyKind.LRU:
         misses, loads = _lru_all_sizes(steps, flags, max_slots, n_expert)
     elif fast and k is PolicyKind.DALI:
-        misses, loads = _dali_all_sizes(steps, flags, max_slots, n_expert, window,
-                                        dali_default_update(n_expert) if update is None else update)
+        misses, loads = _dali_all_sizes(
+            steps,
+            flags,
+            max_slots,
+            n_expert,
+            window,
+            dali_default_update(n_expert) if update is None else update,
+        )
     elif fast and k is PolicyKind.STATIC:
         misses, loads = _static_all_sizes(steps, flags, max_slots, n_expert, np.asarray(frequency))
     elif fast and k is PolicyKind.DAOP:
@@ -200,8 +218,9 @@ def _step_counts(steps: Sequence[np.ndarray], n_expert: int) -> list[tuple[np.nd
     return out
 
 
-def _lru_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int,
-                   n_expert: int) -> tuple[np.ndarray, np.ndarray]:
+def _lru_all_sizes(
+    steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int
+) -> tuple[np.ndarray, np.ndarray]:
     """LruPolicy for every size at once. Row t holds the t most recently touched experts, a step
     touching its hits (first-use order), then its misses (first-use order): exact while a step uses
     at most t experts (no hit is evicted then). Rows with fewer slots than the step uses experts
@@ -222,8 +241,10 @@ def _lru_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: in
         m = len(used)
         if count:
             misses += int(counts.sum()) - res @ counts
-        small = {t: _lru_step([int(e) for e in np.flatnonzero(res[t])[np.argsort(last[t, res[t]])]], used, t)
-                 for t in range(1, min(m, max_slots + 1))}
+        small = {
+            t: _lru_step([int(e) for e in np.flatnonzero(res[t])[np.argsort(last[t, res[t]])]], used, t)
+            for t in range(1, min(m, max_slots + 1))
+        }
         hit = res[:, u]
         last[:, u] = clock + np.arange(m) + np.where(hit, 0, m)
         order = np.argsort(-last, axis=1, kind="stable")
@@ -262,8 +283,9 @@ def _lru_step(lru_first: list[int], used: list[int], n: int) -> tuple[list[int],
     return list(lru), sum(1 for e, label in lru.items() if label != e)
 
 
-def _dali_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int,
-                    window: int, update: int) -> tuple[np.ndarray, np.ndarray]:
+def _dali_all_sizes(
+    steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int, window: int, update: int
+) -> tuple[np.ndarray, np.ndarray]:
     """DaliPolicy for every size at once: the scores and the window are the same in every row, only
     the resident sets differ."""
     rows = np.arange(max_slots + 1)[:, None]
@@ -308,23 +330,34 @@ def _first_true(mask: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return idx, np.take_along_axis(mask, idx, axis=1)
 
 
-def _static_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int,
-                      frequency: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _static_all_sizes(
+    steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int, frequency: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """StaticPolicy for every size: the top-t experts by frequency (ties: lower id), loaded once."""
     total = np.zeros(n_expert, np.int64)
     for (counts, _), count in zip(_step_counts(steps, n_expert), flags, strict=False):
         if count:
             total += counts
     top = np.argsort(-np.asarray(frequency, np.float64), kind="stable")
-    served = np.concatenate([[0], np.cumsum(total[top])])[:max_slots + 1]
+    served = np.concatenate([[0], np.cumsum(total[top])])[: max_slots + 1]
     return total.sum() - served, np.arange(max_slots + 1, dtype=np.int64)
 
 
-def f_curves(steps_by_layer: Mapping[int, Sequence[np.ndarray]], policy_kind: str, max_slots: int, *,
-             n_expert: int, measure: str = "misses", alpha: Mapping[int, float] | None = None,
-             beta: Mapping[int, float] | None = None, frequency: Mapping[int, np.ndarray] | None = None,
-             window: int = DALI_WINDOW, update: int | None = None, counted: Sequence[bool] | np.ndarray | None = None,
-             seed: int = 0) -> dict[int, np.ndarray]:
+def f_curves(
+    steps_by_layer: Mapping[int, Sequence[np.ndarray]],
+    policy_kind: str,
+    max_slots: int,
+    *,
+    n_expert: int,
+    measure: str = "misses",
+    alpha: Mapping[int, float] | None = None,
+    beta: Mapping[int, float] | None = None,
+    frequency: Mapping[int, np.ndarray] | None = None,
+    window: int = DALI_WINDOW,
+    update: int | None = None,
+    counted: Sequence[bool] | np.ndarray | None = None,
+    seed: int = 0,
+) -> dict[int, np.ndarray]:
     """AdapMoE's f_i(t) per layer for t = 0..max_slots: misses (or loads) per token of the replay.
 
     alpha: per layer, the share of tokens that keep one expert (applied to a full top-k trace);
@@ -337,9 +370,16 @@ def f_curves(steps_by_layer: Mapping[int, Sequence[np.ndarray]], policy_kind: st
     for il, steps in steps_by_layer.items():
         if alpha is not None and alpha.get(il, 0.0) > 0.0:
             steps = keep_top1(steps, alpha[il], seed=seed + il)
-        c = replay_curve(steps, policy_kind, max_slots, n_expert=n_expert,
-                         frequency=None if frequency is None else frequency[il], window=window, update=update,
-                         counted=counted)
+        c = replay_curve(
+            steps,
+            policy_kind,
+            max_slots,
+            n_expert=n_expert,
+            frequency=None if frequency is None else frequency[il],
+            window=window,
+            update=update,
+            counted=counted,
+        )
         f = (c.misses if measure == "misses" else c.loads) / max(c.tokens, 1)
         out[il] = f * (1.0 - (beta or {}).get(il, 0.0))
     return out
@@ -369,9 +409,14 @@ def _units(weights: Mapping[int, int], budget: int) -> tuple[dict[int, int], int
     return {il: -(-w // unit) for il, w in weights.items()}, budget // unit
 
 
-def dp_allocate(curves: Mapping[int, np.ndarray], budget: int, *,
-                bytes_per_expert: Mapping[int, int] | None = None, min_slots: int = 0,
-                max_total: int | None = None) -> dict[int, int]:
+def dp_allocate(
+    curves: Mapping[int, np.ndarray],
+    budget: int,
+    *,
+    bytes_per_expert: Mapping[int, int] | None = None,
+    min_slots: int = 0,
+    max_total: int | None = None,
+) -> dict[int, int]:
     """Slots per layer minimising sum_i curves[i][t_i] (AdapMoE eq. 16-19).
 
     budget: total slots (sum t_i <= budget), or with `bytes_per_expert` a byte budget
@@ -405,8 +450,10 @@ def dp_allocate(curves: Mapping[int, np.ndarray], budget: int, *,
         target = {il: each for il in layers}
     floor = sum(min_slots * w[il] for il in layers)
     if any(min_slots > len(f[il]) - 1 for il in layers) or floor > cap:
-        raise AllocationError(f"min_slots {min_slots} in each of {len(layers)} layers does not fit the "
-                              f"budget ({budget}{' bytes' if bytes_per_expert is not None else ' slots'})")
+        raise AllocationError(
+            f"min_slots {min_slots} in each of {len(layers)} layers does not fit the "
+            f"budget ({budget}{' bytes' if bytes_per_expert is not None else ' slots'})"
+        )
     tol = 1e-9 * max(1.0, max(float(np.abs(c).max()) for c in f.values()))
     cost = np.zeros(cap + 1)  # F[i][j]: best cost of the layers so far within j units
     dev = np.zeros(cap + 1)  # tie-break: squared distance to the equal allocation
@@ -420,8 +467,8 @@ def dp_allocate(curves: Mapping[int, np.ndarray], budget: int, *,
                 break
             c = np.full(cap + 1, np.inf)
             d = np.full(cap + 1, np.inf)
-            c[used:] = cost[:cap + 1 - used] + f[il][t]
-            d[used:] = dev[:cap + 1 - used] + (t - target[il]) ** 2
+            c[used:] = cost[: cap + 1 - used] + f[il][t]
+            d[used:] = dev[: cap + 1 - used] + (t - target[il]) ** 2
             better = (c < new_cost - tol) | ((c <= new_cost + tol) & (d < new_dev))
             new_cost = np.where(better, c, new_cost)
             new_dev = np.where(better, d, new_dev)
@@ -438,8 +485,9 @@ def dp_allocate(curves: Mapping[int, np.ndarray], budget: int, *,
     return dict(sorted(out.items()))
 
 
-def _dp_bytes_and_slots(curves: Mapping[int, np.ndarray], budget: int, nbytes: Mapping[int, int], min_slots: int,
-                        max_total: int) -> dict[int, int]:
+def _dp_bytes_and_slots(
+    curves: Mapping[int, np.ndarray], budget: int, nbytes: Mapping[int, int], min_slots: int, max_total: int
+) -> dict[int, int]:
     """dp_allocate under both a byte budget and at most max_total slots (see dp_allocate)."""
     by_bytes = dp_allocate(curves, budget, bytes_per_expert=nbytes, min_slots=min_slots)
     if sum(by_bytes.values()) <= max_total:
@@ -450,18 +498,24 @@ def _dp_bytes_and_slots(curves: Mapping[int, np.ndarray], budget: int, nbytes: M
     f = {il: np.asarray(curves[il], np.float64) for il in curves}
     out = dict(by_bytes)
     while sum(out.values()) > max_total:
-        il = min((il for il, t in out.items() if t > min_slots), key=lambda il: f[il][out[il] - 1] - f[il][out[il]])
+        il = min(
+            (il for il, t in out.items() if t > min_slots), key=lambda il: f[il][out[il] - 1] - f[il][out[il]]
+        )
         out[il] -= 1
     return out
 
 
-def _top_up(slots: dict[int, int], f: Mapping[int, np.ndarray], nbytes: Mapping[int, int], budget: int,
-            tol: float) -> None:
+def _top_up(
+    slots: dict[int, int], f: Mapping[int, np.ndarray], nbytes: Mapping[int, int], budget: int, tol: float
+) -> None:
     """Add slots, the largest cost decrease first, while they fit in the bytes left."""
     left = budget - sum(slots[il] * nbytes[il] for il in slots)
     while True:
-        gains = {il: f[il][t] - f[il][t + 1] for il, t in slots.items()
-                 if t + 1 < len(f[il]) and nbytes[il] <= left}
+        gains = {
+            il: f[il][t] - f[il][t + 1]
+            for il, t in slots.items()
+            if t + 1 < len(f[il]) and nbytes[il] <= left
+        }
         best = max(gains, key=lambda il: gains[il], default=None)
         if best is None or gains[best] <= tol:
             return

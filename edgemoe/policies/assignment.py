@@ -27,6 +27,7 @@ modelled: the caller passes only experts it has room to load.
 Pure Python and numpy. Costs come from any ``ExpertCosts`` (``CostModel`` here; a measured
 machine profile can implement the same protocol).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -83,30 +84,56 @@ class CostModel:
             if not (math.isfinite(v) and v >= 0.0):
                 raise AssignmentError(f"CostModel.{name} is {v}: give a finite time >= 0 in seconds")
         if not isinstance(self.transfer_mode, TransferMode):
-            raise AssignmentError(f"unknown transfer mode {self.transfer_mode!r}: use one of "
-                                  f"{', '.join(m.value for m in TransferMode)}")
+            raise AssignmentError(
+                f"unknown transfer mode {self.transfer_mode!r}: use one of "
+                f"{', '.join(m.value for m in TransferMode)}"
+            )
 
     @classmethod
-    def affine(cls, *, cpu_fixed_s: float, cpu_per_token_s: float, gpu_fixed_s: float,
-               gpu_per_token_s: float, transfer_s: float, cpu_handoff_s: float = 0.0,
-               transfer_mode: TransferMode = TransferMode.PIPELINED,
-               split_overhead_s: float = 0.0) -> CostModel:
+    def affine(
+        cls,
+        *,
+        cpu_fixed_s: float,
+        cpu_per_token_s: float,
+        gpu_fixed_s: float,
+        gpu_per_token_s: float,
+        transfer_s: float,
+        cpu_handoff_s: float = 0.0,
+        transfer_mode: TransferMode = TransferMode.PIPELINED,
+        split_overhead_s: float = 0.0,
+    ) -> CostModel:
         """cpu_s(n) = cpu_fixed_s + cpu_per_token_s * n, gpu_s likewise, a constant transfer."""
-        values = {"cpu_fixed_s": cpu_fixed_s, "cpu_per_token_s": cpu_per_token_s, "gpu_fixed_s": gpu_fixed_s,
-                  "gpu_per_token_s": gpu_per_token_s, "transfer_s": transfer_s}
+        values = {
+            "cpu_fixed_s": cpu_fixed_s,
+            "cpu_per_token_s": cpu_per_token_s,
+            "gpu_fixed_s": gpu_fixed_s,
+            "gpu_per_token_s": gpu_per_token_s,
+            "transfer_s": transfer_s,
+        }
         bad = {k: v for k, v in values.items() if not (math.isfinite(v) and v >= 0.0)}
         if bad:
             raise AssignmentError(f"CostModel.affine got {bad}: every time must be finite and >= 0 seconds")
-        return cls(cpu_s=lambda n: cpu_fixed_s + cpu_per_token_s * n,
-                   gpu_s=lambda n: gpu_fixed_s + gpu_per_token_s * n,
-                   transfer_s=lambda: transfer_s, cpu_handoff_s=cpu_handoff_s,
-                   transfer_mode=transfer_mode, split_overhead_s=split_overhead_s)
+        return cls(
+            cpu_s=lambda n: cpu_fixed_s + cpu_per_token_s * n,
+            gpu_s=lambda n: gpu_fixed_s + gpu_per_token_s * n,
+            transfer_s=lambda: transfer_s,
+            cpu_handoff_s=cpu_handoff_s,
+            transfer_mode=transfer_mode,
+            split_overhead_s=split_overhead_s,
+        )
 
     @classmethod
-    def from_table(cls, *, tokens: Sequence[int], cpu_s: Sequence[float], gpu_s: Sequence[float],
-                   transfer_s: float, cpu_handoff_s: float = 0.0,
-                   transfer_mode: TransferMode = TransferMode.PIPELINED,
-                   split_overhead_s: float = 0.0) -> CostModel:
+    def from_table(
+        cls,
+        *,
+        tokens: Sequence[int],
+        cpu_s: Sequence[float],
+        gpu_s: Sequence[float],
+        transfer_s: float,
+        cpu_handoff_s: float = 0.0,
+        transfer_mode: TransferMode = TransferMode.PIPELINED,
+        split_overhead_s: float = 0.0,
+    ) -> CostModel:
         """Times measured at a few token counts, interpolated linearly between them.
 
         Below the first count the first time holds; beyond the last, the last segment's slope
@@ -115,12 +142,15 @@ class CostModel:
         x = np.asarray(tokens, dtype=np.float64)
         cols = {"cpu_s": np.asarray(cpu_s, dtype=np.float64), "gpu_s": np.asarray(gpu_s, dtype=np.float64)}
         if x.ndim != 1 or x.size == 0 or np.any(x < 1) or np.any(np.diff(x) <= 0):
-            raise AssignmentError(f"cost table token counts {list(tokens)} must be >= 1 and strictly "
-                                  "increasing: measure at e.g. 1, 8, 64, 512 tokens")
+            raise AssignmentError(
+                f"cost table token counts {list(tokens)} must be >= 1 and strictly "
+                "increasing: measure at e.g. 1, 8, 64, 512 tokens"
+            )
         for name, y in cols.items():
             if y.shape != x.shape or not np.all(np.isfinite(y)) or np.any(y < 0):
-                raise AssignmentError(f"cost table {name} {list(y)} must hold one finite time >= 0 "
-                                      f"per token count ({x.size})")
+                raise AssignmentError(
+                    f"cost table {name} {list(y)} must hold one finite time >= 0 per token count ({x.size})"
+                )
         if not (math.isfinite(transfer_s) and transfer_s >= 0.0):
             raise AssignmentError(f"transfer_s is {transfer_s}: give a finite time >= 0 in seconds")
 
@@ -137,10 +167,17 @@ class CostModel:
                     return ys[0]
                 x0, y0, slope = segs[min(bisect.bisect_right(xs, n) - 1, len(segs) - 1)]
                 return y0 + slope * (n - x0)
+
             return at
 
-        return cls(cpu_s=interp(cols["cpu_s"]), gpu_s=interp(cols["gpu_s"]), transfer_s=lambda: transfer_s,
-                   cpu_handoff_s=cpu_handoff_s, transfer_mode=transfer_mode, split_overhead_s=split_overhead_s)
+        return cls(
+            cpu_s=interp(cols["cpu_s"]),
+            gpu_s=interp(cols["gpu_s"]),
+            transfer_s=lambda: transfer_s,
+            cpu_handoff_s=cpu_handoff_s,
+            transfer_mode=transfer_mode,
+            split_overhead_s=split_overhead_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -178,10 +215,19 @@ def _problem(workload: Mapping[int, int], resident: AbstractSet[int], cost: Expe
     c = tuple(float(cost.cpu_s(int(workload[e]))) for e in experts)
     gc = tuple(float(cost.gpu_s(int(workload[e]))) for e in experts)
     if not all(0.0 <= t < math.inf for t in (x, *c, *gc)):  # NaN fails too
-        bad_w = next(int(workload[e]) for e, ce, ge in zip(experts, c, gc, strict=False)
-                     if not (0.0 <= ce < math.inf and 0.0 <= ge < math.inf)) if experts else 0
-        raise AssignmentError(f"the cost model gave cpu_s({bad_w})={cost.cpu_s(bad_w)}, gpu_s({bad_w})="
-                              f"{cost.gpu_s(bad_w)}, transfer_s()={x}: every time must be finite and >= 0 seconds")
+        bad_w = (
+            next(
+                int(workload[e])
+                for e, ce, ge in zip(experts, c, gc, strict=False)
+                if not (0.0 <= ce < math.inf and 0.0 <= ge < math.inf)
+            )
+            if experts
+            else 0
+        )
+        raise AssignmentError(
+            f"the cost model gave cpu_s({bad_w})={cost.cpu_s(bad_w)}, gpu_s({bad_w})="
+            f"{cost.gpu_s(bad_w)}, transfer_s()={x}: every time must be finite and >= 0 seconds"
+        )
     loaded = tuple(e not in resident for e in experts)
     if cost.transfer_mode is TransferMode.PIPELINED:
         g = tuple(max(x, t) if miss else t for t, miss in zip(gc, loaded, strict=False))
@@ -197,7 +243,9 @@ def _assignment(p: _Problem, on_gpu: Sequence[bool]) -> Assignment:
     load = tuple(e for e, on, ld in zip(p.experts, on_gpu, p.loaded, strict=False) if on and ld)
     t_cpu = math.fsum([p.handoff] + [c for c, on in zip(p.c, on_gpu, strict=False) if not on]) if cpu else 0.0
     t_gpu = math.fsum(g for g, on in zip(p.g, on_gpu, strict=False) if on)
-    return Assignment(cpu=cpu, gpu=gpu, load=load, t_cpu=t_cpu, t_gpu=t_gpu, t_transfer=p.transfer * len(load))
+    return Assignment(
+        cpu=cpu, gpu=gpu, load=load, t_cpu=t_cpu, t_gpu=t_gpu, t_transfer=p.transfer * len(load)
+    )
 
 
 def workload_from_ids(ids: np.ndarray, n_expert: int | None = None) -> dict[int, int]:
@@ -243,7 +291,9 @@ def ratio_assign(workload: Mapping[int, int], resident: AbstractSet[int], cost: 
     """
     p = _problem(workload, resident, cost)
     n = len(p.experts)
-    order = sorted(range(n), key=lambda i: -p.c[i] / p.g[i] if p.g[i] > 0 else -math.inf)  # stable: ids ascend
+    order = sorted(
+        range(n), key=lambda i: -p.c[i] / p.g[i] if p.g[i] > 0 else -math.inf
+    )  # stable: ids ascend
     t_cpu = math.fsum(p.c)
     t_gpu = 0.0
     best_k, best = 0, (p.handoff + t_cpu if n else 0.0)
@@ -282,7 +332,8 @@ def optimal_assign(workload: Mapping[int, int], resident: AbstractSet[int], cost
     if n > MAX_BRUTE_FORCE_EXPERTS:
         raise AssignmentTooLargeError(
             f"optimal_assign enumerates 2^n placements and {n} experts are active (limit "
-            f"{MAX_BRUTE_FORCE_EXPERTS}): use exact_assign (up to {MAX_EXACT_EXPERTS}) or greedy_assign")
+            f"{MAX_BRUTE_FORCE_EXPERTS}): use exact_assign (up to {MAX_EXACT_EXPERTS}) or greedy_assign"
+        )
     t_gpu = _subset_sums(p.g)  # mask = the GPU set
     t_cpu = _subset_sums(p.c)[::-1] + p.handoff  # the CPU set is the complement: mask ^ full
     t_cpu[-1] = 0.0  # everything on the GPU: no hand-off
@@ -311,7 +362,8 @@ def exact_assign(workload: Mapping[int, int], resident: AbstractSet[int], cost: 
     if n > MAX_EXACT_EXPERTS:
         raise AssignmentTooLargeError(
             f"exact_assign enumerates 2^(n/2) placements per half and {n} experts are active "
-            f"(limit {MAX_EXACT_EXPERTS}): use greedy_assign")
+            f"(limit {MAX_EXACT_EXPERTS}): use greedy_assign"
+        )
     if n == 0:
         return _assignment(p, [])
     h = n // 2
@@ -365,8 +417,12 @@ def decode_miss_costs(tokens: int, cost: ExpertCosts) -> dict[MissAction, float]
     """
     if tokens < 1:
         raise AssignmentError(f"a decode miss needs >= 1 routed token, got {tokens}")
-    cpu, gpu, x, hand = (float(cost.cpu_s(tokens)), float(cost.gpu_s(tokens)), float(cost.transfer_s()),
-                         float(cost.cpu_handoff_s))
+    cpu, gpu, x, hand = (
+        float(cost.cpu_s(tokens)),
+        float(cost.gpu_s(tokens)),
+        float(cost.transfer_s()),
+        float(cost.cpu_handoff_s),
+    )
     t_cpu, t_wait = hand + cpu, x + gpu
     f = split_share(cpu, t_wait, hand)
     t_split = hand + f * cpu + float(cost.split_overhead_s) if 0.0 < f < 1.0 else math.inf
@@ -388,8 +444,11 @@ class AssignerKind(str, enum.Enum):
 
 Assigner = Callable[[Mapping[int, int], AbstractSet[int], ExpertCosts], Assignment]
 _ASSIGNERS: dict[AssignerKind, Assigner] = {
-    AssignerKind.GREEDY: greedy_assign, AssignerKind.RATIO: ratio_assign,
-    AssignerKind.EXACT: exact_assign, AssignerKind.BRUTE_FORCE: optimal_assign}
+    AssignerKind.GREEDY: greedy_assign,
+    AssignerKind.RATIO: ratio_assign,
+    AssignerKind.EXACT: exact_assign,
+    AssignerKind.BRUTE_FORCE: optimal_assign,
+}
 
 
 ASSIGNABLE_POLICIES = ("lru", "dali")
@@ -400,8 +459,10 @@ def assign_refusal(policy: str, *, blocking: bool, prefetcher: bool) -> str | No
     for edgemoe.placement's request check and the engine's."""
     if policy in ASSIGNABLE_POLICIES and not blocking and not prefetcher:
         return None
-    return ("--assign is an option of --policy lru or dali without --blocking-loads or --dali-prefetch (it "
-            "decides which of their misses to load before the layer runs)")
+    return (
+        "--assign is an option of --policy lru or dali without --blocking-loads or --dali-prefetch (it "
+        "decides which of their misses to load before the layer runs)"
+    )
 
 
 def make_assigner(kind: str) -> Assigner:
@@ -409,5 +470,6 @@ def make_assigner(kind: str) -> Assigner:
     try:
         return _ASSIGNERS[AssignerKind(kind)]
     except ValueError:
-        raise AssignmentError(f"unknown assigner {kind!r}: use one of "
-                              f"{', '.join(k.value for k in AssignerKind)}") from None
+        raise AssignmentError(
+            f"unknown assigner {kind!r}: use one of {', '.join(k.value for k in AssignerKind)}"
+        ) from None

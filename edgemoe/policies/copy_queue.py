@@ -21,6 +21,7 @@ where llama.cpp drops it, which leaves the slot in the same state.
 
 `CopyTiming` and `CopyStream` say how many chunks the copy stream moves while a layer computes.
 """
+
 from __future__ import annotations
 
 import math
@@ -117,10 +118,14 @@ class CacheModel:
     """Slots and copy queue of one expert cache; starts empty. `chunk_bytes`: layer -> bytes of each chunk
     of one expert (ExpertCache.chunk_bytes); layers left out have DEFAULT_CHUNKS."""
 
-    def __init__(self, n_slots: Mapping[int, int], chunk_bytes: Mapping[int, Sequence[int]] | None = None) -> None:
+    def __init__(
+        self, n_slots: Mapping[int, int], chunk_bytes: Mapping[int, Sequence[int]] | None = None
+    ) -> None:
         self.n_slots = {il: int(n) for il, n in n_slots.items()}
-        self.chunk_bytes = {il: tuple(int(b) for b in chunk_bytes.get(il, DEFAULT_CHUNKS)) if chunk_bytes
-                            else DEFAULT_CHUNKS for il in self.n_slots}
+        self.chunk_bytes = {
+            il: tuple(int(b) for b in chunk_bytes.get(il, DEFAULT_CHUNKS)) if chunk_bytes else DEFAULT_CHUNKS
+            for il in self.n_slots
+        }
         self._resident: dict[int, dict[int, Resident]] = {il: {} for il in self.n_slots}
         self.queue: list[Request] = []
         self._seq = 0
@@ -163,8 +168,15 @@ class CacheModel:
         self._ops.append(PrefetchOp(load, int(priority)))
         self._drop(lambda r: r.layer == load.layer and r.slot == load.slot)
         self._evict(load.layer, load.slot)
-        req = Request(load.layer, load.expert, load.slot, int(priority), self._seq, self.chunk_bytes[load.layer],
-                      tag=tag)
+        req = Request(
+            load.layer,
+            load.expert,
+            load.slot,
+            int(priority),
+            self._seq,
+            self.chunk_bytes[load.layer],
+            tag=tag,
+        )
         self.queue.append(req)
         self.queued.append(req)
         self._seq += 1
@@ -189,14 +201,26 @@ class CacheModel:
         res.pop(load.expert, None)
         res[load.expert] = Resident(load.slot, tag, self.counting)
         self.issued_bytes += sum(self.chunk_bytes[load.layer])
-        self.completed.append(Request(load.layer, load.expert, load.slot, Priority.PRECISE, -1,
-                                      self.chunk_bytes[load.layer], len(self.chunk_bytes[load.layer]), tag))
+        self.completed.append(
+            Request(
+                load.layer,
+                load.expert,
+                load.slot,
+                Priority.PRECISE,
+                -1,
+                self.chunk_bytes[load.layer],
+                len(self.chunk_bytes[load.layer]),
+                tag,
+            )
+        )
 
     def next_chunk(self) -> Request | None:
         """The load whose chunk issue() would send next (highest priority, then the oldest)."""
         best = None
         for r in self.queue:
-            if r.issued < len(r.chunks) and (best is None or (r.priority, -r.seq) > (best.priority, -best.seq)):
+            if r.issued < len(r.chunks) and (
+                best is None or (r.priority, -r.seq) > (best.priority, -best.seq)
+            ):
                 best = r
         return best
 
@@ -225,7 +249,7 @@ class CacheModel:
     def queued_bytes(self, priority: int = Priority.REFILL) -> int:
         """Bytes of the chunks still to send of loads at `priority` or above: what a load queued now at that
         priority waits for."""
-        return sum(sum(r.chunks[r.issued:]) for r in self.queue if r.priority >= priority)
+        return sum(sum(r.chunks[r.issued :]) for r in self.queue if r.priority >= priority)
 
     def issue_until(self, requests: Iterable[Request]) -> tuple[int, int]:
         """Send chunks in issue() order until `requests` are complete: (chunks, bytes) sent."""
@@ -282,8 +306,9 @@ class CacheModel:
     def _check(self, layer: int, slot: int, expert: int) -> None:
         n = self.n_slots.get(layer, 0)
         if not 0 <= slot < n or expert < -1:
-            raise CacheModelError(f"layer {layer}: slot {slot} / expert {expert} is not in the cache "
-                                  f"(the layer has {n} slots)")
+            raise CacheModelError(
+                f"layer {layer}: slot {slot} / expert {expert} is not in the cache (the layer has {n} slots)"
+            )
 
 
 @dataclass(frozen=True)
@@ -301,8 +326,10 @@ class CopyTiming:
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or not (math.isfinite(self.layer_s) and self.layer_s > 0):
-            raise EdgeMoeError(f"copy timing: bandwidth {self.bandwidth} B/s and layer time {self.layer_s} s "
-                               "must both be > 0 (the bandwidth may be infinite)")
+            raise EdgeMoeError(
+                f"copy timing: bandwidth {self.bandwidth} B/s and layer time {self.layer_s} s "
+                "must both be > 0 (the bandwidth may be infinite)"
+            )
 
     @property
     def infinite(self) -> bool:

@@ -22,6 +22,7 @@ router input h_l are known,
 Hit, load and GoodPred counters come from edgemoe.policies.replay.PolicyDriver, as for promoe; the engine runs
 it in the routing hook (edgemoe.runtime.prefetcher), where the router input is at hand.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -45,11 +46,23 @@ def dali_default_prefetch(n_expert: int) -> int:
 class DaliPrefetchPolicy(PromoePolicy):
     """DALI's workload-aware replacement with its residual-based prefetcher, per layer."""
 
-    def __init__(self, n_slots: Mapping[int, int], layers: Sequence[int], predictor: Predictor, n_expert: int, *,
-                 size: int, window: int = DALI_WINDOW, update: int = 1, timing: CopyTiming | None = None) -> None:
+    def __init__(
+        self,
+        n_slots: Mapping[int, int],
+        layers: Sequence[int],
+        predictor: Predictor,
+        n_expert: int,
+        *,
+        size: int,
+        window: int = DALI_WINDOW,
+        update: int = 1,
+        timing: CopyTiming | None = None,
+    ) -> None:
         super().__init__(n_slots, layers, predictor, extra=0, timing=timing)
         if size < 1 or window < 1 or update < 1:
-            raise PrefetchError(f"dali prefetch size {size}, window {window}, update {update}: each must be >= 1")
+            raise PrefetchError(
+                f"dali prefetch size {size}, window {window}, update {update}: each must be >= 1"
+            )
         self.n_expert = n_expert
         self.size = size
         self.window = window
@@ -81,8 +94,10 @@ class DaliPrefetchPolicy(PromoePolicy):
                 cache.cancel(layer, r.slot)
         free = [s for s in range(self.n_slots[layer]) if cache.occupant(layer, s) == (-1, None)]
         if free:  # warm-up: the misses fill the free slots, most routed first
-            misses = sorted((e for e in used if cache.state(layer, e) is LoadState.ABSENT),
-                            key=lambda e: (-counts[e], used.index(e)))
+            misses = sorted(
+                (e for e in used if cache.state(layer, e) is LoadState.ABSENT),
+                key=lambda e: (-counts[e], used.index(e)),
+            )
             for e, s in zip(misses, free, strict=False):
                 cache.prefetch(Load(layer, e, s), Priority.REFILL)
         self._tokens[layer] = self._tokens.get(layer, 0) + int(ids.shape[0])

@@ -25,6 +25,7 @@ Pre-calculation (§IV-C) is measured by edgemoe.analysis.daop_precalc; graceful 
 route policy edgemoe.policies.degrade.GracefulDegradation. PromptSwapResidency gives degradation
 DAOP's residency for text evaluated in one ubatch (`edgemoe perplexity`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,8 +47,10 @@ class DaopError(EdgeMoeError, ValueError):
 
 def check_threshold(threshold: float) -> float:
     if not threshold >= 1.0:
-        raise DaopError(f"DAOP swap threshold {threshold}: use a ratio >= 1 (the paper's SwapInOut is "
-                        f"{DAOP_SWAP_THRESHOLD}); below 1 a busier GPU expert could be swapped out")
+        raise DaopError(
+            f"DAOP swap threshold {threshold}: use a ratio >= 1 (the paper's SwapInOut is "
+            f"{DAOP_SWAP_THRESHOLD}); below 1 a busier GPU expert could be swapped out"
+        )
     return float(threshold)
 
 
@@ -57,9 +60,14 @@ def initial_placement(frequency: np.ndarray, n_slots: int) -> list[int]:
     return sorted(int(e) for e in np.argsort(-freq, kind="stable")[:n_slots])
 
 
-def swap_pairs(counts: np.ndarray, resident: Iterable[int], *,
-               threshold: float = DAOP_SWAP_THRESHOLD, max_pairs: int | None = None,
-               outside: Iterable[int] | None = None) -> list[tuple[int, int]]:
+def swap_pairs(
+    counts: np.ndarray,
+    resident: Iterable[int],
+    *,
+    threshold: float = DAOP_SWAP_THRESHOLD,
+    max_pairs: int | None = None,
+    outside: Iterable[int] | None = None,
+) -> list[tuple[int, int]]:
     """Algorithm 1's swaps for one layer: (CPU expert in, GPU expert out) pairs.
 
     counts (n_expert,): tokens the prompt routed to each expert. The most active CPU experts (ties: the
@@ -96,7 +104,9 @@ class DaopPolicy:
     n_prompts: int = 0  # prompts whose swaps were decided
     n_swaps: int = 0  # experts swapped in, all layers
     _resident: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> expert -> slot
-    _prompt: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> counts of the prompt, not yet applied
+    _prompt: dict[int, np.ndarray] = field(
+        default_factory=dict
+    )  # layer -> counts of the prompt, not yet applied
     _last_layer: int | None = None  # the layer of the previous route: a lower or equal one starts a step
     _prompt_step: bool = False  # is the current step a prompt step
 
@@ -107,9 +117,11 @@ class DaopPolicy:
                 continue
             freq = np.asarray(self.frequency[layer]) if layer in self.frequency else None
             if freq is None or freq.shape != (self.n_expert,):
-                raise DaopError(f"DAOP needs layer {layer}'s routing frequencies over {self.n_expert} experts "
-                                f"(got {None if freq is None else freq.shape}): run `edgemoe calibrate MODEL "
-                                "--corpus FILE` for this model, or pass its --calibration DIR")
+                raise DaopError(
+                    f"DAOP needs layer {layer}'s routing frequencies over {self.n_expert} experts "
+                    f"(got {None if freq is None else freq.shape}): run `edgemoe calibrate MODEL "
+                    "--corpus FILE` for this model, or pass its --calibration DIR"
+                )
             self._resident[layer] = {e: s for s, e in enumerate(initial_placement(freq, n))}
 
     def initial_loads(self) -> list[Load]:
@@ -148,8 +160,11 @@ class DaopPolicy:
 
     def reseed(self, slots: Mapping[int, Sequence[int]]) -> None:
         """Go on from what is resident (layer -> slot of each expert, -1: absent); a prompt under way is forgotten."""
-        self._resident = {layer: {e: s for e, s in enumerate(per) if s >= 0} for layer, per in slots.items()
-                          if self.n_slots.get(layer, 0) > 0}
+        self._resident = {
+            layer: {e: s for e, s in enumerate(per) if s >= 0}
+            for layer, per in slots.items()
+            if self.n_slots.get(layer, 0) > 0
+        }
         self._prompt.clear()
         self._last_layer = None
         self._prompt_step = False
@@ -178,15 +193,20 @@ class PromptSwapResidency:
     def __post_init__(self) -> None:
         check_threshold(self.threshold)
         if self.prompt_tokens < 1:
-            raise DaopError(f"prompt_tokens {self.prompt_tokens}: DAOP swaps by a prompt of at least one token")
-        self._initial = {layer: initial_placement(np.asarray(self.frequency[layer]), n)
-                         for layer, n in self.n_slots.items() if n > 0}
+            raise DaopError(
+                f"prompt_tokens {self.prompt_tokens}: DAOP swaps by a prompt of at least one token"
+            )
+        self._initial = {
+            layer: initial_placement(np.asarray(self.frequency[layer]), n)
+            for layer, n in self.n_slots.items()
+            if n > 0
+        }
 
     def on_route(self, route: RouteRecord) -> None:
         initial = self._initial.get(route.layer)
         if initial is None:
             return
-        flat = np.asarray(route.ids[:self.prompt_tokens]).reshape(-1)
+        flat = np.asarray(route.ids[: self.prompt_tokens]).reshape(-1)
         counts = np.bincount(flat[flat >= 0], minlength=self.n_expert)
         res = set(initial)
         for e_in, e_out in swap_pairs(counts, res, threshold=self.threshold):
@@ -198,8 +218,15 @@ class PromptSwapResidency:
         return set(self._resident.get(layer, self._initial.get(layer, ())))
 
 
-def replay_all_sizes(steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int,
-                     frequency: np.ndarray, *, threshold: float = DAOP_SWAP_THRESHOLD) -> tuple[np.ndarray, np.ndarray]:
+def replay_all_sizes(
+    steps: Sequence[np.ndarray],
+    flags: np.ndarray,
+    max_slots: int,
+    n_expert: int,
+    frequency: np.ndarray,
+    *,
+    threshold: float = DAOP_SWAP_THRESHOLD,
+) -> tuple[np.ndarray, np.ndarray]:
     """(misses, loads) of one layer's DaopPolicy (non-blocking) with t = 0..max_slots slots, for
     edgemoe.policies.allocation.replay_curve: every step is one route of this layer, `flags` the
     steps counted. The residency changes only at a swap, so each step costs one product for all t.

@@ -12,6 +12,7 @@ of a changed token are what the layer's weight rule gives the new selection (nor
 softmax over the selected), times its scale. Nothing else changes: a token whose selected experts are
 all resident, or that has no close resident alternative, keeps its routing bit for bit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ class Residency(Protocol):
 
 def check_ratio(ratio: float) -> float:
     if not 0.0 < ratio <= 1.0:
-        raise DegradeError(f"degradation ratio {ratio}: use 0 < r <= 1 (a resident expert replaces a CPU one "
-                           "when its router score is at least r times the CPU expert's; e.g. 0.9)")
+        raise DegradeError(
+            f"degradation ratio {ratio}: use 0 < r <= 1 (a resident expert replaces a CPU one "
+            "when its router score is at least r times the CPU expert's; e.g. 0.9)"
+        )
     return float(ratio)
 
 
@@ -44,8 +47,9 @@ def router_scores(route: RouteRecord) -> np.ndarray:
     """(n_tokens, n_expert) scores comparable across experts: the gating output (softmax or sigmoid
     probabilities); for a SOFTMAX-weighted layer (gpt-oss), whose gating output is the logits, their softmax."""
     if route.probs is None:
-        raise DegradeError("graceful degradation needs the router probabilities: its policy must set "
-                           "wants_probs = True")
+        raise DegradeError(
+            "graceful degradation needs the router probabilities: its policy must set wants_probs = True"
+        )
     p = np.asarray(route.probs, np.float64)
     if route.weight_rule is WeightRule.SOFTMAX:
         p = np.exp(p - p.max(1, keepdims=True))
@@ -53,8 +57,9 @@ def router_scores(route: RouteRecord) -> np.ndarray:
     return p
 
 
-def degrade(ids: np.ndarray, scores: np.ndarray, resident: np.ndarray, *, ratio: float,
-            keep_first: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def degrade(
+    ids: np.ndarray, scores: np.ndarray, resident: np.ndarray, *, ratio: float, keep_first: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """(new ids, replaced) for ids (T, k) (-1: a dropped slot), scores (T, n_expert), resident (n_expert,) bool.
 
     replaced (T, k) bool marks the slots that now name a resident expert instead of a non-resident one.
@@ -107,7 +112,9 @@ class GracefulDegradation:
 
     residency: Residency
     ratio: float = 0.9
-    keep_first: bool = True  # never replace the token's highest-scored expert (the paper replaces the lower one)
+    keep_first: bool = (
+        True  # never replace the token's highest-scored expert (the paper replaces the lower one)
+    )
     decode_only: bool = True
     skip_rows: int = 0
     wants_probs: bool = True
@@ -148,8 +155,13 @@ class GracefulDegradation:
 
     def report(self) -> dict[str, float | int | None]:
         """Its ratio and counters, as `generate --json` and `perplexity --json` print them."""
-        return {"ratio": self.ratio, "routed": self.n_routed, "cpu": self.n_cpu, "replaced": self.n_replaced,
-                "cpu_avoided": self.cpu_avoided}
+        return {
+            "ratio": self.ratio,
+            "routed": self.n_routed,
+            "cpu": self.n_cpu,
+            "replaced": self.n_replaced,
+            "cpu_avoided": self.cpu_avoided,
+        }
 
     @property
     def cpu_avoided(self) -> float | None:

@@ -20,6 +20,7 @@ experts) unless a Python routing hook or the expert cache needs the routing call
 GatingPolicy runs here, in the hook, with the same decisions and the same kept weights (the
 route record carries the layer's weight rule).
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,9 @@ def normalised(weights: np.ndarray, *, logits: bool = False) -> np.ndarray:
     return x / total
 
 
-def keep_mask(rule: GatingRule, weights: np.ndarray, threshold: float, sensitivity: float = 1.0, *,
-              logits: bool = False) -> np.ndarray:
+def keep_mask(
+    rule: GatingRule, weights: np.ndarray, threshold: float, sensitivity: float = 1.0, *, logits: bool = False
+) -> np.ndarray:
     """(n_tokens, k) bool: which slots to keep. weights: in the router's order (logits: before the softmax)."""
     t, k = weights.shape
     keep = np.ones((t, k), bool)
@@ -109,7 +111,11 @@ class GatingPolicy:
         return 1.0 if self.sensitivity is None else float(self.sensitivity.get(layer, 1.0))
 
     def on_route(self, route: RouteRecord) -> None:
-        if self.rule is GatingRule.OFF or (self.decode_only and route.n_tokens > 1) or route.n_expert_used < 2:
+        if (
+            self.rule is GatingRule.OFF
+            or (self.decode_only and route.n_tokens > 1)
+            or route.n_expert_used < 2
+        ):
             return
         keep = keep_mask(self.rule, route.weights, self.threshold, self.layer_sensitivity(route.layer))
         self.n_routed += keep.size
@@ -126,8 +132,16 @@ class GatingPolicy:
 _MORE_DROPS_WITH_HIGHER_T = {GatingRule.SCORE: False, GatingRule.SER: True, GatingRule.SENSITIVITY: True}
 
 
-def bisect_threshold(reduction_at: Callable[[float], float], target: float, lo: float, hi: float, *,
-                     increasing: bool, iters: int = 24, tol: float = 0.0025) -> tuple[float, float]:
+def bisect_threshold(
+    reduction_at: Callable[[float], float],
+    target: float,
+    lo: float,
+    hi: float,
+    *,
+    increasing: bool,
+    iters: int = 24,
+    tol: float = 0.0025,
+) -> tuple[float, float]:
     """(threshold, reduction) with reduction_at(threshold) closest to target, for a monotone reduction_at.
 
     increasing: reduction grows with the threshold. Stops early within tol of the target.
@@ -154,10 +168,16 @@ def threshold_range(rule: GatingRule, sensitivity: Mapping[int, float] | None) -
     return 0.0, 1.0
 
 
-def search_threshold(rule: GatingRule, target_reduction: float, reduction_at: Callable[[float], float],
-                     sensitivity: Mapping[int, float] | None = None) -> tuple[float, float]:
+def search_threshold(
+    rule: GatingRule,
+    target_reduction: float,
+    reduction_at: Callable[[float], float],
+    sensitivity: Mapping[int, float] | None = None,
+) -> tuple[float, float]:
     """Find the rule's threshold giving `target_reduction` of expert activations (on validation text)."""
     if not 0.0 < target_reduction < 1.0:
         raise EdgeMoeError(f"--target-reduction {target_reduction} must be between 0 and 1 (e.g. 0.25)")
     lo, hi = threshold_range(rule, sensitivity)
-    return bisect_threshold(reduction_at, target_reduction, lo, hi, increasing=_MORE_DROPS_WITH_HIGHER_T[rule])
+    return bisect_threshold(
+        reduction_at, target_reduction, lo, hi, increasing=_MORE_DROPS_WITH_HIGHER_T[rule]
+    )

@@ -1,6 +1,7 @@
 """What a residency policy answers with (a Load: copy expert e of layer l into slot s), and the experts a
 ubatch uses. A module of its own so that every residency policy module can import it without a circle
 (residency.make_policy builds them all)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

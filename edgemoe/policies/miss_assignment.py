@@ -14,6 +14,7 @@ assigner says (nothing moves a resident expert to the CPU), and only experts the
 loads at this route can be loaded now (the slots it frees are the only room; DALI's memory bound).
 Everything else is the inner policy's: its residency, its loads, its counters.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -35,7 +36,9 @@ class AssignedPolicy:
     assigner: Assigner
     name: str = "ratio"  # the assigner's name, for reports
     blocking: bool = False  # the loads not made now are the inner policy's, used from the layer's next run
-    load_now: set[int] = field(default_factory=set)  # experts of the last route's layer to load before it runs
+    load_now: set[int] = field(
+        default_factory=set
+    )  # experts of the last route's layer to load before it runs
     routes: int = 0  # routes with at least one miss the inner policy loads
     loaded_now: int = 0  # loads made before their layer ran
     deferred: int = 0  # loads left for the layer's next run (the miss computed on the CPU)
@@ -68,6 +71,9 @@ class AssignedPolicy:
         return loads
 
     def report(self) -> dict[str, Any]:
-        return {"assigner": self.name, "routes": self.routes, "loaded_now": self.loaded_now,
-                "deferred": self.deferred}
-
+        return {
+            "assigner": self.name,
+            "routes": self.routes,
+            "loaded_now": self.loaded_now,
+            "deferred": self.deferred,
+        }

@@ -33,6 +33,7 @@ missed expert runs on the CPU, not after its copy), the predictor's own latency 
 beside the layers), prediction of the first d MoE layers (the mlp and gate predictors predict
 within a token; those layers are cached as LRU does).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -82,16 +83,30 @@ class PromoePolicy:
 
     wants_gate_inp = True
 
-    def __init__(self, n_slots: Mapping[int, int], layers: Sequence[int], predictor: Predictor, *,
-                 extra: int = PROMOE_EXTRA, blocking: bool = False, timing: CopyTiming | None = None) -> None:
+    def __init__(
+        self,
+        n_slots: Mapping[int, int],
+        layers: Sequence[int],
+        predictor: Predictor,
+        *,
+        extra: int = PROMOE_EXTRA,
+        blocking: bool = False,
+        timing: CopyTiming | None = None,
+    ) -> None:
         if predictor.kind not in HIDDEN_KINDS:
-            raise PrefetchError(f"the {predictor.kind.value} predictor does not predict from the router input; "
-                                f"use one of {', '.join(k.value for k in HIDDEN_KINDS)}")
+            raise PrefetchError(
+                f"the {predictor.kind.value} predictor does not predict from the router input; "
+                f"use one of {', '.join(k.value for k in HIDDEN_KINDS)}"
+            )
         if extra < 0:
-            raise PrefetchError(f"prefetch extra {extra}: use >= 0 (ProMoE's k + m experts, m = {PROMOE_EXTRA})")
+            raise PrefetchError(
+                f"prefetch extra {extra}: use >= 0 (ProMoE's k + m experts, m = {PROMOE_EXTRA})"
+            )
         if tuple(layers) != tuple(predictor.spec.layers):
-            raise PrefetchError(f"the predictor is for MoE layers {list(predictor.spec.layers)}, the cache for "
-                                f"{list(layers)}: calibrate this model")
+            raise PrefetchError(
+                f"the predictor is for MoE layers {list(predictor.spec.layers)}, the cache for "
+                f"{list(layers)}: calibrate this model"
+            )
         self.n_slots = dict(n_slots)  # layer -> slots
         self.layers = tuple(layers)  # the MoE layers (il), in order
         self.predictor = predictor
@@ -164,10 +179,17 @@ class PromoePolicy:
             return
         h = np.asarray(hidden, dtype=np.float32)
         n = h.shape[0]
-        known = Known(target=t, distance=self.distance, hidden=h, tokens=np.zeros(n, np.int32),
-                      prev_ids=np.full((n, self.predictor.spec.k), -1, np.int32))
+        known = Known(
+            target=t,
+            distance=self.distance,
+            hidden=h,
+            tokens=np.zeros(n, np.int32),
+            prev_ids=np.full((n, self.predictor.spec.k), -1, np.int32),
+        )
         cap = self.prefetch_cap(n, n_slots)
-        pred = Prediction(target, layer, tuple(predicted_experts(self.predictor.scores(known), self.per_token, cap)))
+        pred = Prediction(
+            target, layer, tuple(predicted_experts(self.predictor.scores(known), self.per_token, cap))
+        )
         self._predictions[target] = pred
         pinned = set(pred.experts)
         for e in pred.experts:

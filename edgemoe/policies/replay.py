@@ -23,6 +23,7 @@ Counters (over the counted steps, e.g. decode tokens):
   / sum |P| (the share of predicted experts in the cache in time, prefetched or already there),
   GoodPred = Accuracy x FetchRate.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -66,7 +67,12 @@ class PrefetchCounts:
         return None if a is None or f is None else a * f
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "accuracy": self.accuracy, "fetch_rate": self.fetch_rate, "goodpred": self.goodpred}
+        return {
+            **asdict(self),
+            "accuracy": self.accuracy,
+            "fetch_rate": self.fetch_rate,
+            "goodpred": self.goodpred,
+        }
 
 
 @dataclass
@@ -98,8 +104,13 @@ class ReplayResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "prefetch"}
-        d.update(hit_rate=self.hit_rate, loads_per_token=self.loads_per_token, bytes_per_token=self.bytes_per_token,
-                 useful_share=self.useful_share, prefetch=self.prefetch.to_dict() if self.prefetch else None)
+        d.update(
+            hit_rate=self.hit_rate,
+            loads_per_token=self.loads_per_token,
+            bytes_per_token=self.bytes_per_token,
+            useful_share=self.useful_share,
+            prefetch=self.prefetch.to_dict() if self.prefetch else None,
+        )
         return d
 
 
@@ -206,9 +217,14 @@ class PolicyDriver:
 Route = tuple[int, np.ndarray] | tuple[int, np.ndarray, np.ndarray | None]  # (layer, ids[, router input])
 
 
-def replay(policy: AnyPolicy, steps: Iterable[Sequence[Route]], *, timing: CopyTiming | None = None,
-           chunk_bytes: Mapping[int, Sequence[int]] | None = None,
-           counted: Iterable[bool] | None = None) -> ReplayResult:
+def replay(
+    policy: AnyPolicy,
+    steps: Iterable[Sequence[Route]],
+    *,
+    timing: CopyTiming | None = None,
+    chunk_bytes: Mapping[int, Sequence[int]] | None = None,
+    counted: Iterable[bool] | None = None,
+) -> ReplayResult:
     """Replay steps (each a list of routes in layer order: (layer, ids) or (layer, ids, router input))
     as the engine runs them, with the copy `timing` (default: infinite bandwidth) and the chunk bytes
     of each layer's experts (ExpertCache.chunk_bytes / expert_chunk_bytes; default three 1-byte chunks).
@@ -223,4 +239,3 @@ def replay(policy: AnyPolicy, steps: Iterable[Sequence[Route]], *, timing: CopyT
         for route in step:
             driver.on_route(route[0], route[1], route[2] if len(route) > 2 else None)  # type: ignore[misc]
     return driver.result
-

@@ -19,6 +19,7 @@ A policy answers with loads: copy expert e of layer l into slot s.
 - ``manual``: no loads of its own (tests, external prefetchers).
 - ``promoe``: ProMoE's prefetcher, in edgemoe.policies.prefetch (it needs a predictor and the router inputs).
 """
+
 from __future__ import annotations
 
 import enum
@@ -72,7 +73,9 @@ class LruPolicy:
 
     n_slots: Mapping[int, int]  # layer -> slots
     blocking: bool = False  # load misses before the layer runs (True) or for the next step (False)
-    _resident: dict[int, OrderedDict[int, int]] = field(default_factory=dict)  # layer -> expert -> slot, LRU first
+    _resident: dict[int, OrderedDict[int, int]] = field(
+        default_factory=dict
+    )  # layer -> expert -> slot, LRU first
 
     def initial_loads(self) -> list[Load]:
         return []
@@ -103,9 +106,10 @@ class LruPolicy:
 
     def reseed(self, slots: Mapping[int, Sequence[int]]) -> None:
         """Start over from what is resident: layer -> slot of each expert (-1: absent); LRU order = slot order."""
-        self._resident = {layer: OrderedDict(sorted(((e, s) for e, s in enumerate(per) if s >= 0),
-                                                    key=lambda es: es[1]))
-                          for layer, per in slots.items()}
+        self._resident = {
+            layer: OrderedDict(sorted(((e, s) for e, s in enumerate(per) if s >= 0), key=lambda es: es[1]))
+            for layer, per in slots.items()
+        }
 
 
 DALI_WINDOW = 4  # w_size: tokens per window (the paper's choice for every model it runs)
@@ -144,8 +148,10 @@ class DaliPolicy:
     def __post_init__(self) -> None:
         if self.window < 1 or self.update < 1:
             paper = f"window {DALI_WINDOW}, update {dali_default_update(self.n_expert)}"
-            raise EdgeMoeError(f"dali window {self.window} and update {self.update}: both must be >= 1 "
-                               f"(the paper uses {paper})")
+            raise EdgeMoeError(
+                f"dali window {self.window} and update {self.update}: both must be >= 1 "
+                f"(the paper uses {paper})"
+            )
 
     def initial_loads(self) -> list[Load]:
         return []
@@ -210,43 +216,61 @@ class ManualPolicy:
 ResidencyPolicy = StaticPolicy | LruPolicy | DaliPolicy | DaopPolicy | ManualPolicy
 
 
-def load_frequency(calibration: Path, *, n_expert: int | None = None,
-                   layers: Sequence[int] | None = None, phase: str = "all") -> dict[int, np.ndarray]:
+def load_frequency(
+    calibration: Path, *, n_expert: int | None = None, layers: Sequence[int] | None = None, phase: str = "all"
+) -> dict[int, np.ndarray]:
     """Per-layer routing counts from a calibration's router_frequency.npz; with n_expert / layers,
     refuses counts of another model (another expert count, or MoE layers it lacks). phase "decode":
     the calibration's decode-phase counts (DAOP's placement), or all counts where it has none."""
     path = calibration / "router_frequency.npz"
     if not path.exists():
-        raise EdgeMoeError(f"{path} is missing: run `edgemoe calibrate MODEL --stage router_frequency` "
-                           "(the static and daop policies place the most frequent experts)")
+        raise EdgeMoeError(
+            f"{path} is missing: run `edgemoe calibrate MODEL --stage router_frequency` "
+            "(the static and daop policies place the most frequent experts)"
+        )
     d = np.load(path)
     key = "decode_counts" if phase == "decode" and "decode_counts" in d.files else "counts"
     freq = {int(layer): d[key][i] for i, layer in enumerate(d["layers"])}
     width = {int(c.shape[-1]) for c in freq.values()}
     missing = sorted(set(layers or ()) - set(freq))
     if (n_expert is not None and width != {n_expert}) or missing:
-        what = (f"counts for {sorted(width)} experts per layer, the model has {n_expert}"
-                if n_expert is not None and width != {n_expert} else f"no counts for MoE layers {missing}")
-        raise EdgeMoeError(f"{path} is of another model ({what}): run `edgemoe calibrate MODEL --corpus FILE` "
-                           "for this model, or pass its --calibration DIR")
+        what = (
+            f"counts for {sorted(width)} experts per layer, the model has {n_expert}"
+            if n_expert is not None and width != {n_expert}
+            else f"no counts for MoE layers {missing}"
+        )
+        raise EdgeMoeError(
+            f"{path} is of another model ({what}): run `edgemoe calibrate MODEL --corpus FILE` "
+            "for this model, or pass its --calibration DIR"
+        )
     return freq
 
 
-def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False,
-                calibration: Path | None = None, n_expert: int | None = None,
-                window: int = DALI_WINDOW, update: int | None = None,
-                swap_threshold: float = DAOP_SWAP_THRESHOLD) -> ResidencyPolicy:
+def make_policy(
+    kind: str,
+    n_slots: Mapping[int, int],
+    *,
+    blocking: bool = False,
+    calibration: Path | None = None,
+    n_expert: int | None = None,
+    window: int = DALI_WINDOW,
+    update: int | None = None,
+    swap_threshold: float = DAOP_SWAP_THRESHOLD,
+) -> ResidencyPolicy:
     """The policy named `kind` over `n_slots` (layer -> slots). static and daop read `calibration`'s
     router frequencies (daop: of the decode phase, and it needs `n_expert`; `swap_threshold` is its
     SwapInOut); dali needs `n_expert` and takes its window / update (None: dali_default_update)."""
     try:
         k = PolicyKind(kind)
     except ValueError:
-        raise EdgeMoeError(f"unknown cache policy {kind!r}: use one of "
-                           f"{', '.join(p.value for p in PolicyKind)}") from None
+        raise EdgeMoeError(
+            f"unknown cache policy {kind!r}: use one of {', '.join(p.value for p in PolicyKind)}"
+        ) from None
     if k is PolicyKind.PROMOE:
-        raise EdgeMoeError("the promoe policy needs an expert predictor: build edgemoe.policies.prefetch.PromoePolicy "
-                           "(the engine does so from CacheConfig(policy='promoe', calibration=DIR))")
+        raise EdgeMoeError(
+            "the promoe policy needs an expert predictor: build edgemoe.policies.prefetch.PromoePolicy "
+            "(the engine does so from CacheConfig(policy='promoe', calibration=DIR))"
+        )
     if k is PolicyKind.LRU:
         return LruPolicy(dict(n_slots), blocking=blocking)
     if k is PolicyKind.MANUAL:
@@ -254,12 +278,19 @@ def make_policy(kind: str, n_slots: Mapping[int, int], *, blocking: bool = False
     if k is PolicyKind.DALI:
         if n_expert is None:
             raise EdgeMoeError("the dali policy needs the model's expert count (n_expert)")
-        return DaliPolicy(dict(n_slots), n_expert, window=window, blocking=blocking,
-                          update=dali_default_update(n_expert) if update is None else update)
+        return DaliPolicy(
+            dict(n_slots),
+            n_expert,
+            window=window,
+            blocking=blocking,
+            update=dali_default_update(n_expert) if update is None else update,
+        )
     if calibration is None:
-        raise EdgeMoeError(f"the {k.value} policy needs a calibration with router frequencies: pass "
-                           "calibration=edgemoe.calibration.ensure_calibration(MODEL, STAGES_FOR['static'], ...) "
-                           "(made on first use), or run `edgemoe calibrate MODEL --corpus FILE`")
+        raise EdgeMoeError(
+            f"the {k.value} policy needs a calibration with router frequencies: pass "
+            "calibration=edgemoe.calibration.ensure_calibration(MODEL, STAGES_FOR['static'], ...) "
+            "(made on first use), or run `edgemoe calibrate MODEL --corpus FILE`"
+        )
     if k is PolicyKind.DAOP:
         if n_expert is None:
             raise EdgeMoeError("the daop policy needs the model's expert count (n_expert)")
@@ -279,8 +310,11 @@ class ReplayResult:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
 
-def replay_policy(policy: ResidencyPolicy, steps: Iterable[Sequence[tuple[int, np.ndarray]]],
-             counted: Iterable[bool] | None = None) -> ReplayResult:
+def replay_policy(
+    policy: ResidencyPolicy,
+    steps: Iterable[Sequence[tuple[int, np.ndarray]]],
+    counted: Iterable[bool] | None = None,
+) -> ReplayResult:
     """Replay steps (each a list of (layer, ids) in layer order) as the engine runs them.
 
     Counts hits per routed slot against the residency the experts run with: a blocking

@@ -3,6 +3,7 @@
 Pure data and a protocol, with no native code: the runtime (edgemoe.runtime.hooks) builds the
 records from llama.cpp's callback, and traces (edgemoe.analysis.trace) replay them offline.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

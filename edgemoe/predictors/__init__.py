@@ -8,6 +8,7 @@ calibration stage edgemoe.calibration.predictor_fit. See docs/predictors.md.
 
 Importing this package does not import torch.
 """
+
 from __future__ import annotations
 
 from .base import Known, ModelSpec, Predictor, PredictorError, PredictorKind, parse_kind, source_of, topk_ids

@@ -12,6 +12,7 @@ scores per token (higher = more likely selected; only the ranking matters).
 Learned predictors are trained by edgemoe.predictors.train (torch) and stored as
 numpy arrays, so run-time inference needs numpy only.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -59,8 +60,9 @@ def source_of(target: int, distance: int, n_layers: int) -> tuple[int, int]:
     Offset 0 is the current token, -1 the previous one (when target < distance).
     """
     if distance < 1 or not 0 <= target < n_layers:
-        raise PredictorError(f"no source for target layer {target} at distance {distance} "
-                             f"in a model of {n_layers} MoE layers")
+        raise PredictorError(
+            f"no source for target layer {target} at distance {distance} in a model of {n_layers} MoE layers"
+        )
     src = target - distance
     return (0, src) if src >= 0 else (-1, n_layers + src)
 
@@ -81,8 +83,10 @@ class ModelSpec:
 
     def router(self, target: int) -> np.ndarray:
         if self.routers is None or target not in self.routers:
-            raise PredictorError(f"the router of MoE layer {target} is not loaded: build the ModelSpec with "
-                                 "routers=load_routers(model, layers) (edgemoe.gguf.routers)")
+            raise PredictorError(
+                f"the router of MoE layer {target} is not loaded: build the ModelSpec with "
+                "routers=load_routers(model, layers) (edgemoe.gguf.routers)"
+            )
         return self.routers[target]
 
 
@@ -140,8 +144,11 @@ class Predictor(ABC):
         return n // max(covered, 1)
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "distance": self.distance,
-                "targets": [t for t in range(self.spec.n_layers) if self.covers(t)]}
+        return {
+            "kind": self.kind.value,
+            "distance": self.distance,
+            "targets": [t for t in range(self.spec.n_layers) if self.covers(t)],
+        }
 
 
 def topk_ids(scores: np.ndarray, n: int) -> np.ndarray:

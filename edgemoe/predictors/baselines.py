@@ -5,6 +5,7 @@ uniform random scores (chance level).
 All three predict from the start of a token's forward pass, so they score the same at every
 distance. Ties are broken by the calibration router frequency when it is known.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -20,8 +21,10 @@ def _frequency(spec: ModelSpec, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
     if f is None:
         return np.zeros((spec.n_layers, spec.n_expert), np.float32)
     if f.shape != (spec.n_layers, spec.n_expert):
-        raise PredictorError(f"frequency table is {f.shape}, the model has ({spec.n_layers}, {spec.n_expert}) "
-                             "MoE layers x experts: calibrate again for this model")
+        raise PredictorError(
+            f"frequency table is {f.shape}, the model has ({spec.n_layers}, {spec.n_expert}) "
+            "MoE layers x experts: calibrate again for this model"
+        )
     return f.astype(np.float32)
 
 
@@ -55,8 +58,9 @@ class PrevTokenPredictor(Predictor):
         return 0
 
     @classmethod
-    def from_arrays(cls, spec: ModelSpec, distance: int,
-                    arrays: Mapping[str, np.ndarray]) -> PrevTokenPredictor:
+    def from_arrays(
+        cls, spec: ModelSpec, distance: int, arrays: Mapping[str, np.ndarray]
+    ) -> PrevTokenPredictor:
         return cls(spec, distance, arrays.get("frequency"))
 
 
@@ -67,19 +71,23 @@ class TokenIdPredictor(Predictor):
     distance_free = True
     trained = True
 
-    def __init__(self, spec: ModelSpec, distance: int, vocab: np.ndarray, top: np.ndarray,
-                 frequency: np.ndarray) -> None:
+    def __init__(
+        self, spec: ModelSpec, distance: int, vocab: np.ndarray, top: np.ndarray, frequency: np.ndarray
+    ) -> None:
         super().__init__(spec, distance)
         if top.ndim != 3 or top.shape[:2] != (vocab.shape[0], spec.n_layers):
-            raise PredictorError(f"token-id table {top.shape} does not fit {vocab.shape[0]} ids x "
-                                 f"{spec.n_layers} layers: calibrate again for this model")
+            raise PredictorError(
+                f"token-id table {top.shape} does not fit {vocab.shape[0]} ids x "
+                f"{spec.n_layers} layers: calibrate again for this model"
+            )
         self.vocab = vocab.astype(np.int32)  # (U,) sorted token ids seen in calibration
         self.top = top.astype(np.int16)  # (U, L, R) most used experts, best first; -1 pads
         self.frequency = frequency.astype(np.float32)  # (L, E)
 
     @classmethod
-    def fit(cls, spec: ModelSpec, distance: int, tokens: np.ndarray, ids: np.ndarray,
-            frequency: np.ndarray) -> TokenIdPredictor:
+    def fit(
+        cls, spec: ModelSpec, distance: int, tokens: np.ndarray, ids: np.ndarray, frequency: np.ndarray
+    ) -> TokenIdPredictor:
         """tokens (T,), ids (T, L, k) of the calibration trace -> the per-token ranking table."""
         vocab, inv = np.unique(tokens, return_inverse=True)
         ranked = min(spec.n_expert, 2 * spec.k)
@@ -119,8 +127,9 @@ class TokenIdPredictor(Predictor):
         return int(self.top[:, 0].size)
 
     @classmethod
-    def from_arrays(cls, spec: ModelSpec, distance: int,
-                    arrays: Mapping[str, np.ndarray]) -> TokenIdPredictor:
+    def from_arrays(
+        cls, spec: ModelSpec, distance: int, arrays: Mapping[str, np.ndarray]
+    ) -> TokenIdPredictor:
         try:
             return cls(spec, distance, arrays["vocab"], arrays["top"], _frequency(spec, arrays))
         except KeyError as err:

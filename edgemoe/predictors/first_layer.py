@@ -6,6 +6,7 @@ With distance d it covers the targets 0..d-1, each from the previous token's lay
 (d = 1: layer 0 from layer L-1, exactly the paper's gate). Parameters: n_embd x n_expert per
 target, no bias, initialised from the target layer's own router.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -24,7 +25,9 @@ class FirstLayerPredictor(Predictor):
         super().__init__(spec, distance)
         want = (min(distance, spec.n_layers), spec.n_expert, spec.n_embd)
         if w.shape != want:
-            raise PredictorError(f"first-layer gate is {w.shape}, expected {want}: calibrate again for this model")
+            raise PredictorError(
+                f"first-layer gate is {w.shape}, expected {want}: calibrate again for this model"
+            )
         self.w = w.astype(np.float32)  # (d, E, n_embd): row `target`
 
     def covers(self, target: int) -> bool:
@@ -37,8 +40,9 @@ class FirstLayerPredictor(Predictor):
         return {"w": self.w}
 
     @classmethod
-    def from_arrays(cls, spec: ModelSpec, distance: int,
-                    arrays: Mapping[str, np.ndarray]) -> FirstLayerPredictor:
+    def from_arrays(
+        cls, spec: ModelSpec, distance: int, arrays: Mapping[str, np.ndarray]
+    ) -> FirstLayerPredictor:
         if "w" not in arrays:
             raise PredictorError(f"first-layer d={distance} artifact lacks its weight: calibrate again")
         return cls(spec, distance, arrays["w"])

@@ -5,6 +5,7 @@ h_{l+d} - h_l over the calibration tokens.
 Both score with router logits; the fixtures' routers are softmax-then-top-k, so the logit
 ranking is the probability ranking.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -30,8 +31,10 @@ class ResidualPredictor(Predictor):
     def __init__(self, spec: ModelSpec, distance: int, res_vec: np.ndarray | None = None) -> None:
         super().__init__(spec, distance)
         if res_vec is None or res_vec.shape != (spec.n_layers, spec.n_embd):
-            raise PredictorError(f"residual predictor: res_vec must be ({spec.n_layers}, {spec.n_embd}); "
-                                 "run `edgemoe calibrate` again for this model")
+            raise PredictorError(
+                f"residual predictor: res_vec must be ({spec.n_layers}, {spec.n_embd}); "
+                "run `edgemoe calibrate` again for this model"
+            )
         self.res_vec = res_vec.astype(np.float32)  # (L, n_embd): row `target`, zeros where not covered
 
     @classmethod
@@ -53,6 +56,7 @@ class ResidualPredictor(Predictor):
         return self.spec.n_embd  # one vector per covered layer
 
     @classmethod
-    def from_arrays(cls, spec: ModelSpec, distance: int,
-                    arrays: Mapping[str, np.ndarray]) -> ResidualPredictor:
+    def from_arrays(
+        cls, spec: ModelSpec, distance: int, arrays: Mapping[str, np.ndarray]
+    ) -> ResidualPredictor:
         return cls(spec, distance, arrays.get("res_vec"))

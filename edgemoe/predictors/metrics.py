@@ -10,6 +10,7 @@
 - GoodPred (ProMoE §4.1) = Accuracy x FetchRate: FetchRate needs the runtime's copy timing
   (a later issue), so it is a placeholder here.
 """
+
 from __future__ import annotations
 
 from math import comb
@@ -50,7 +51,7 @@ def windows(seq: np.ndarray, window: int) -> np.ndarray:
         idx = np.nonzero(seq == s)[0]
         n = len(idx) // window
         if n:
-            out.append(idx[:n * window].reshape(n, window))
+            out.append(idx[: n * window].reshape(n, window))
     return np.concatenate(out) if out else np.zeros((0, window), np.int64)
 
 
@@ -76,7 +77,7 @@ def high_workload_recall(scores: np.ndarray, true: np.ndarray, *, top: int) -> f
     pw = workload(pred, E, np.broadcast_to(rank_w, pred.shape))  # (B, E)
     tw = workload(true, E)  # (B, E)
     pred_top = np.argsort(-pw, axis=1, kind="stable")[:, :top]
-    thresh = -np.sort(-tw, axis=1)[:, top - 1:top]  # the top-th largest true workload
+    thresh = -np.sort(-tw, axis=1)[:, top - 1 : top]  # the top-th largest true workload
     got = np.take_along_axis(tw, pred_top, 1)
     hit = (got >= thresh) & (got > 0)
     return float(hit.sum(1).mean() / top)
@@ -84,8 +85,11 @@ def high_workload_recall(scores: np.ndarray, true: np.ndarray, *, top: int) -> f
 
 def chance(n_expert: int, k: int, m: int) -> dict[str, float]:
     """What uniform random scores achieve in expectation."""
-    return {"recall": k / n_expert, "recall_km": min(k + m, n_expert) / n_expert,
-            "exact": 1.0 / comb(n_expert, k)}
+    return {
+        "recall": k / n_expert,
+        "recall_km": min(k + m, n_expert) / n_expert,
+        "exact": 1.0 / comb(n_expert, k),
+    }
 
 
 def goodpred(accuracy: float, fetch_rate: float | None) -> float | None:

@@ -8,6 +8,7 @@ correction on top of it, which keeps it close to gate reuse on text unlike its c
 data. The input standardisation of training is folded into W1/b1. Weights are stored as
 float16 (the artifact) and run in float32 numpy.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -36,18 +37,35 @@ _NAMES = ("w1", "b1", "w2", "b2", "skip")
 class MLPPredictor(Predictor):
     trained = True
 
-    def __init__(self, spec: ModelSpec, distance: int, w1: np.ndarray, b1: np.ndarray, w2: np.ndarray,
-                 b2: np.ndarray, skip: np.ndarray) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        distance: int,
+        w1: np.ndarray,
+        b1: np.ndarray,
+        w2: np.ndarray,
+        b2: np.ndarray,
+        skip: np.ndarray,
+    ) -> None:
         super().__init__(spec, distance)
         P = spec.n_layers - distance
-        want = {"w1": (P, spec.n_embd, None), "b1": (P, None), "w2": (P, None, spec.n_expert),
-                "b2": (P, spec.n_expert), "skip": (P, spec.n_embd, spec.n_expert)}
+        want = {
+            "w1": (P, spec.n_embd, None),
+            "b1": (P, None),
+            "w2": (P, None, spec.n_expert),
+            "b2": (P, spec.n_expert),
+            "skip": (P, spec.n_embd, spec.n_expert),
+        }
         got = {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "skip": skip}
         for name, shape in want.items():
             a = got[name]
-            if a.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, a.shape, strict=False)):
-                raise PredictorError(f"mlp d={distance}: {name} is {a.shape}, expected {shape} for this model "
-                                     "(None = any): calibrate again for this model")
+            if a.ndim != len(shape) or any(
+                s is not None and s != n for s, n in zip(shape, a.shape, strict=False)
+            ):
+                raise PredictorError(
+                    f"mlp d={distance}: {name} is {a.shape}, expected {shape} for this model "
+                    "(None = any): calibrate again for this model"
+                )
         self._stored = {n: a for n, a in got.items()}  # as stored (float16 weights)
         # (P, ...) float32 copies for inference; index p = target - distance
         self.w1, self.b1, self.w2, self.b2, self.skip = (got[n].astype(np.float32) for n in _NAMES)

@@ -1,5 +1,6 @@
 """Predictor artifacts: one .npz of plain arrays per (kind, distance) in a calibration directory's
 `predictors/` folder, listed in card.json; loading needs numpy and the model's routers only."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,9 @@ def spec_for_model(model_path: str | os.PathLike[str], *, routers: bool = True) 
     if routers:
         by_il = load_routers(str(model_path), list(layers))
         R = {j: by_il[il] for j, il in enumerate(layers)}
-    return ModelSpec(layers=layers, n_expert=info.n_expert, k=info.n_expert_used, n_embd=info.n_embd, routers=R)
+    return ModelSpec(
+        layers=layers, n_expert=info.n_expert, k=info.n_expert_used, n_embd=info.n_embd, routers=R
+    )
 
 
 def artifact_name(pred: Predictor) -> str:
@@ -61,11 +64,19 @@ def _read(path: Path) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except (OSError, ValueError, EOFError) as err:
-        raise PredictorError(f"cannot read predictor artifact {path}: {err}; run `edgemoe calibrate` again") from err
+        raise PredictorError(
+            f"cannot read predictor artifact {path}: {err}; run `edgemoe calibrate` again"
+        ) from err
 
 
-def load_predictors(calib_dir: Path, entries: Iterable[Mapping[str, Any]], spec: ModelSpec, *,
-                    kinds: Iterable[str] | None = None, distances: Iterable[int] | None = None) -> list[Predictor]:
+def load_predictors(
+    calib_dir: Path,
+    entries: Iterable[Mapping[str, Any]],
+    spec: ModelSpec,
+    *,
+    kinds: Iterable[str] | None = None,
+    distances: Iterable[int] | None = None,
+) -> list[Predictor]:
     """Predictors from card entries ({kind, distance, file}); optionally only some kinds / distances."""
     want_kinds = None if kinds is None else {parse_kind(k) for k in kinds}
     want_d = None if distances is None else set(distances)
@@ -83,7 +94,9 @@ def load_predictors(calib_dir: Path, entries: Iterable[Mapping[str, Any]], spec:
                 cache[rel] = _read(calib_dir / rel)
             arrays = cache[rel]
         elif predictor_class(kind).trained:
-            raise PredictorError(f"{calib_dir}/card.json lists {kind.value} d={d} without a file: calibrate again")
+            raise PredictorError(
+                f"{calib_dir}/card.json lists {kind.value} d={d} without a file: calibrate again"
+            )
         out.append(create_predictor(kind, spec, d, arrays))
     return out
 

@@ -9,6 +9,7 @@ validation split's top-k recall; the weights of the best epoch are kept, and epo
 initialisation: gate reuse) counts, so a learned predictor is never worse on validation than
 what it starts from.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,7 +35,9 @@ class TrainConfig:
     patience: int = 4  # epochs without a better validation recall before a layer stops improving
     batch: int = 256  # tokens per step
     lr: float = 1e-3  # AdamW, MLPs
-    gate_lr: float = 1e-2  # AdamW, the first-layer linear gate (starts from a router; a larger step is stable)
+    gate_lr: float = (
+        1e-2  # AdamW, the first-layer linear gate (starts from a router; a larger step is stable)
+    )
     weight_decay: float = 1e-2
     hidden: int | None = None  # MLP width; None = mlp_hidden(n_embd)
     seed: int = 0
@@ -71,8 +74,17 @@ class _BatchedMLP(torch.nn.Module):
     mu: torch.Tensor
     sd: torch.Tensor
 
-    def __init__(self, P: int, n: int, H: int, E: int, skip: torch.Tensor, mu: torch.Tensor, sd: torch.Tensor,
-                 gen: torch.Generator) -> None:
+    def __init__(
+        self,
+        P: int,
+        n: int,
+        H: int,
+        E: int,
+        skip: torch.Tensor,
+        mu: torch.Tensor,
+        sd: torch.Tensor,
+        gen: torch.Generator,
+    ) -> None:
         super().__init__()
         bound = 1.0 / math.sqrt(n)
         self.w1 = torch.nn.Parameter((torch.rand(P, n, H, generator=gen) * 2 - 1) * bound)
@@ -99,9 +111,15 @@ class _BatchedLinear(torch.nn.Module):
         return torch.einsum("bpn,pen->bpe", x, self.w)
 
 
-def _fit(model: torch.nn.Module, batch_fn: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-         data: TrainData, cfg: TrainConfig, gen: torch.Generator,
-         progress: Callable[[int], None] | None, lr: float) -> dict[str, Any]:
+def _fit(
+    model: torch.nn.Module,
+    batch_fn: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    data: TrainData,
+    cfg: TrainConfig,
+    gen: torch.Generator,
+    progress: Callable[[int], None] | None,
+    lr: float,
+) -> dict[str, Any]:
     """Train with KL to the teacher; per-slice (dim 0 of every parameter) early stopping on val recall."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
@@ -109,8 +127,10 @@ def _fit(model: torch.nn.Module, batch_fn: Callable[[np.ndarray], tuple[torch.Te
     def val_recall() -> torch.Tensor:
         model.eval()
         with torch.no_grad():
-            parts = [batch_fn(data.val_rows[i:i + 2048]) for i in range(0, len(data.val_rows), 2048)]
-            return torch.stack([_recall(model(x), ids) * len(ids) for x, _, ids in parts]).sum(0) / len(data.val_rows)
+            parts = [batch_fn(data.val_rows[i : i + 2048]) for i in range(0, len(data.val_rows), 2048)]
+            return torch.stack([_recall(model(x), ids) * len(ids) for x, _, ids in parts]).sum(0) / len(
+                data.val_rows
+            )
 
     best = val_recall()
     best_state = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -122,7 +142,7 @@ def _fit(model: torch.nn.Module, batch_fn: Callable[[np.ndarray], tuple[torch.Te
         model.train()
         order = data.train_rows[torch.randperm(len(data.train_rows), generator=gen).numpy()]
         for i in range(0, len(order), cfg.batch):
-            x, teacher, _ = batch_fn(order[i:i + cfg.batch])
+            x, teacher, _ = batch_fn(order[i : i + cfg.batch])
             loss = -(teacher * torch.log_softmax(model(x), dim=-1)).sum(-1).mean(0).sum()
             opt.zero_grad()
             loss.backward()
@@ -144,16 +164,19 @@ def _fit(model: torch.nn.Module, batch_fn: Callable[[np.ndarray], tuple[torch.Te
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(best_state[n])
-    return {"epochs_run": epoch, "best_epoch": best_epoch.tolist(),
-            "val_recall_init": [round(float(x), 5) for x in start],
-            "val_recall": [round(float(x), 5) for x in best]}
+    return {
+        "epochs_run": epoch,
+        "best_epoch": best_epoch.tolist(),
+        "val_recall_init": [round(float(x), 5) for x in start],
+        "val_recall": [round(float(x), 5) for x in best],
+    }
 
 
 def _standardisation(g: np.ndarray, rows: np.ndarray, layers: slice) -> tuple[np.ndarray, np.ndarray]:
     """Mean and std (P, n) of g[rows, layers], accumulated in float64 chunks."""
     s = s2 = 0.0
     for i in range(0, len(rows), 4096):
-        x = g[rows[i:i + 4096], layers].astype(np.float64)
+        x = g[rows[i : i + 4096], layers].astype(np.float64)
         s = s + x.sum(0)
         s2 = s2 + (x * x).sum(0)
     mu = np.asarray(s / len(rows))  # s is an array once a batch is summed
@@ -168,8 +191,13 @@ def _set_threads(n: int) -> int:
     return old
 
 
-def train_mlp(spec: ModelSpec, distance: int, data: TrainData, cfg: TrainConfig,
-              progress: Callable[[int], None] | None = None) -> tuple[MLPPredictor, dict[str, Any]]:
+def train_mlp(
+    spec: ModelSpec,
+    distance: int,
+    data: TrainData,
+    cfg: TrainConfig,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[MLPPredictor, dict[str, Any]]:
     """All target layers d..L-1 of one distance; returns the numpy predictor (float16 weights) and a report."""
     t0 = time.perf_counter()
     old = _set_threads(cfg.threads)
@@ -179,7 +207,9 @@ def train_mlp(spec: ModelSpec, distance: int, data: TrainData, cfg: TrainConfig,
         gen = torch.Generator().manual_seed(cfg.seed * 1000 + distance)
         routers = torch.tensor(np.stack([spec.router(t) for t in range(distance, L)]))  # (P, E, n)
         mu, sd = _standardisation(data.gate_inputs, data.train_rows, slice(0, P))
-        model = _BatchedMLP(P, n, H, E, routers.transpose(1, 2).contiguous(), torch.tensor(mu), torch.tensor(sd), gen)
+        model = _BatchedMLP(
+            P, n, H, E, routers.transpose(1, 2).contiguous(), torch.tensor(mu), torch.tensor(sd), gen
+        )
 
         def batch(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             g = torch.from_numpy(data.gate_inputs[np.sort(rows)].astype(np.float32))  # (B, L, n)
@@ -190,10 +220,13 @@ def train_mlp(spec: ModelSpec, distance: int, data: TrainData, cfg: TrainConfig,
         with torch.no_grad():  # fold the standardisation into the first layer
             w1 = model.w1 / model.sd[:, :, None]
             b1 = model.b1 - torch.einsum("pn,pnh->ph", model.mu / model.sd, model.w1)
-        arrays = {"w1": w1.numpy().astype(np.float16), "b1": b1.numpy().astype(np.float32),
-                  "w2": model.w2.detach().numpy().astype(np.float16),
-                  "b2": model.b2.detach().numpy().astype(np.float32),
-                  "skip": model.skip.numpy().astype(np.float16)}
+        arrays = {
+            "w1": w1.numpy().astype(np.float16),
+            "b1": b1.numpy().astype(np.float32),
+            "w2": model.w2.detach().numpy().astype(np.float16),
+            "b2": model.b2.detach().numpy().astype(np.float32),
+            "skip": model.skip.numpy().astype(np.float16),
+        }
         if not all(np.isfinite(a).all() for a in arrays.values()):
             raise FloatingPointError("mlp weights overflow float16; lower --lr or check the gate inputs")
     finally:
@@ -203,8 +236,13 @@ def train_mlp(spec: ModelSpec, distance: int, data: TrainData, cfg: TrainConfig,
     return pred, report
 
 
-def train_first_layer(spec: ModelSpec, distance: int, data: TrainData, cfg: TrainConfig,
-                      progress: Callable[[int], None] | None = None) -> tuple[FirstLayerPredictor, dict[str, Any]]:
+def train_first_layer(
+    spec: ModelSpec,
+    distance: int,
+    data: TrainData,
+    cfg: TrainConfig,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[FirstLayerPredictor, dict[str, Any]]:
     """Targets 0..d-1 from the previous token's layers L-d..L-1 (AdapMoE eq. 9 for d = 1)."""
     t0 = time.perf_counter()
     old = _set_threads(cfg.threads)

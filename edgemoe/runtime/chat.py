@@ -2,6 +2,7 @@
 
 ChatMixin is a part of Engine (edgemoe.runtime.engine); ChatSession keeps a conversation on one.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -44,15 +45,17 @@ class ChatMixin:
                 continue
             buf = ctypes.create_string_buffer(256)
             n = lib.llama_token_to_piece(vocab, tok, buf, len(buf), 0, True)
-            out.append(buf.raw[:max(n, 0)].decode("utf-8", errors="replace"))
+            out.append(buf.raw[: max(n, 0)].decode("utf-8", errors="replace"))
         return out[0], out[1]
 
     def format_chat(self, messages: Sequence[ChatMessage], *, add_assistant: bool = True) -> str:
         """Apply the model's chat template (llama.cpp's built-in template engine)."""
         tmpl = self.chat_template()
         if tmpl is None:
-            raise EdgeMoeError(f"{self.path.name} has no chat template in its metadata; use "
-                               "`edgemoe generate` for plain completion")
+            raise EdgeMoeError(
+                f"{self.path.name} has no chat template in its metadata; use "
+                "`edgemoe generate` for plain completion"
+            )
         arr = (lib.llama_chat_message * len(messages))()
         keep = []  # keep the encoded strings alive during the call
         for i, m in enumerate(messages):
@@ -66,8 +69,10 @@ class ChatMixin:
             buf = ctypes.create_string_buffer(n)
             n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, n)  # pyright: ignore[reportArgumentType]  # as above
         if n < 0:
-            raise EdgeMoeError(f"llama.cpp does not recognise the chat template of {self.path.name}; "
-                               "use `edgemoe generate` for plain completion")
+            raise EdgeMoeError(
+                f"llama.cpp does not recognise the chat template of {self.path.name}; "
+                "use `edgemoe generate` for plain completion"
+            )
         return buf.raw[:n].decode("utf-8")
 
 
@@ -80,8 +85,14 @@ class ChatEngine(Protocol):
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
 
-    def stream(self, prompt: str, *, max_tokens: int = ..., sampling: SamplingParams | None = None,
-               parse_special: bool = False) -> Iterator[tuple[int, str]]: ...
+    def stream(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = ...,
+        sampling: SamplingParams | None = None,
+        parse_special: bool = False,
+    ) -> Iterator[tuple[int, str]]: ...
 
 
 @dataclass
@@ -126,14 +137,16 @@ class ChatSession:
             if len(kept) <= 1:  # the new message alone does not fit
                 raise ContextOverflowError(
                     f"this message is {n} tokens with the chat template and the context holds "
-                    f"{self.engine.n_ctx}, {room} of them kept for the reply: shorten it or raise --ctx")
+                    f"{self.engine.n_ctx}, {room} of them kept for the reply: shorten it or raise --ctx"
+                )
             del kept[0]  # the oldest user message and the reply to it
             if kept and kept[0].role == "assistant":
                 del kept[0]
             dropped += 1
 
-    def send(self, user_text: str, *, max_tokens: int = 256,
-             sampling: SamplingParams | None = None) -> Iterator[str]:
+    def send(
+        self, user_text: str, *, max_tokens: int = 256, sampling: SamplingParams | None = None
+    ) -> Iterator[str]:
         """Stream the assistant's reply to user_text; the full Generation is in engine.last.
 
         Raises ContextOverflowError (and leaves the history as it was) when the message alone
@@ -143,8 +156,9 @@ class ChatSession:
         reply: list[str] = []
         try:
             prompt = self.fit_prompt(max_tokens)
-            for _, piece in self.engine.stream(prompt, max_tokens=max_tokens, sampling=sampling,
-                                               parse_special=True):
+            for _, piece in self.engine.stream(
+                prompt, max_tokens=max_tokens, sampling=sampling, parse_special=True
+            ):
                 reply.append(piece)
                 yield piece
         except BaseException:

@@ -1,4 +1,5 @@
 """How a model is loaded: LoadConfig (llama.cpp model and context parameters) and the thread default."""
+
 from __future__ import annotations
 
 import os
@@ -51,15 +52,21 @@ class LoadConfig:
         llama.cpp's graph can sum that many experts is `edgemoe.gguf.validate.validate_hparams`'s.
         """
         if not 0 <= self.n_threads <= MAX_THREADS:
-            raise InvalidConfigError(f"{self.n_threads} threads: use 1..{MAX_THREADS} "
-                                     "(0 picks the physical cores)")
+            raise InvalidConfigError(
+                f"{self.n_threads} threads: use 1..{MAX_THREADS} (0 picks the physical cores)"
+            )
         if self.n_ctx < 0 or self.n_batch < 1 or self.n_ubatch < 1:
-            raise InvalidConfigError(f"context {self.n_ctx}, batch {self.n_batch}, ubatch {self.n_ubatch}: "
-                                     "the context must be >= 0 (0: the model's) and the batches >= 1")
+            raise InvalidConfigError(
+                f"context {self.n_ctx}, batch {self.n_batch}, ubatch {self.n_ubatch}: "
+                "the context must be >= 0 (0: the model's) and the batches >= 1"
+            )
         k = self.expert_used_count
         if k is not None and n_expert == 0:
-            raise InvalidConfigError("expert_used_count is set but the model has no routed experts: "
-                                     "leave it unset")
+            raise InvalidConfigError(
+                "expert_used_count is set but the model has no routed experts: leave it unset"
+            )
         if k is not None and not 1 <= k <= n_expert:
-            raise InvalidConfigError(f"expert_used_count {k}: use 1..{n_expert} (the model routes to "
-                                     f"{n_expert_used} of {n_expert} experts per token)")
+            raise InvalidConfigError(
+                f"expert_used_count {k}: use 1..{n_expert} (the model routes to "
+                f"{n_expert_used} of {n_expert} experts per token)"
+            )

@@ -9,6 +9,7 @@ generation loop (generation.py), chat templates (chat.py) and the routing hook /
 routing (routing.py), expert predictors in the graph (prediction.py), KV state snapshots (prompt_cache.py);
 LoadConfig is in config.py.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -54,7 +55,6 @@ __all__ = ["ChatMessage", "ChatSession", "Engine", "Generation", "LoadConfig", "
 log = logging.getLogger(__name__)
 
 
-
 _GRAPH_LINE = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = (\d+)(?: / (\d+))?")
 
 
@@ -89,15 +89,19 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         self._buft_overrides = None
         if self.config.cpu_expert_layers:
             layers = "|".join(str(i) for i in sorted(self.config.cpu_expert_layers))
-            self._buft_overrides = native.cpu_overrides([rf"^blk\.({layers})\.ffn_(gate_up|up|gate|down)_exps"])
+            self._buft_overrides = native.cpu_overrides(
+                [rf"^blk\.({layers})\.ffn_(gate_up|up|gate|down)_exps"]
+            )
             mparams.tensor_buft_overrides = ctypes.cast(self._buft_overrides, ctypes.c_void_p)  # pyright: ignore[reportAttributeAccessIssue]  # a pointer field the stub types as an array
         if self._kv_overrides is not None:
             mparams.kv_overrides = self._kv_overrides
         mark = native.log_mark()
         self._model_p = lib.llama_model_load_from_file(os.fsencode(self.path), mparams)  # any file name bytes
         if not self._model_p:
-            raise ModelLoadError(f"llama.cpp could not load {self.path}: {native.recent_error(mark)[-400:]}"
-                                 " (run with --debug for the full log)")
+            raise ModelLoadError(
+                f"llama.cpp could not load {self.path}: {native.recent_error(mark)[-400:]}"
+                " (run with --debug for the full log)"
+            )
         self._vocab_p = lib.llama_model_get_vocab(self._model_p)
         assert self._vocab_p is not None  # a loaded model always has one
         # a GGUF without a tokenizer (tokenizer.ggml.model "none") loads, but llama.cpp aborts on any text
@@ -112,16 +116,21 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         cparams.n_ubatch = min(self.config.n_ubatch, cparams.n_batch)
         cparams.n_threads = self.n_threads
         cparams.n_threads_batch = self.n_threads
-        cparams.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.config.flash_attn
-                                   else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.flash_attn_type = (
+            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if self.config.flash_attn
+            else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         cparams.op_offload = self.config.op_offload
         mark = native.log_mark()
         self._ctx_p = lib.llama_init_from_model(self._model_p, cparams)
         if not self._ctx_p:
             lib.llama_model_free(self._model_p)
             self._model_p = None
-            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}: "
-                                 f"{native.recent_error(mark)[-300:]}; try a smaller --ctx")
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}: "
+                f"{native.recent_error(mark)[-300:]}; try a smaller --ctx"
+            )
         self.n_ctx = lib.llama_n_ctx(self._ctx)
         self.n_batch = cparams.n_batch
         self.graph_nodes = graph_nodes_logged(native.recent_log().splitlines())
@@ -156,8 +165,10 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         me = threading.get_ident()
         with Engine._guard:
             if self._user not in (None, me):
-                raise EngineBusyError(f"this Engine of {self.path.name} is generating for another thread: use "
-                                      "one Engine per thread, or serialize the calls with a lock")
+                raise EngineBusyError(
+                    f"this Engine of {self.path.name} is generating for another thread: use "
+                    "one Engine per thread, or serialize the calls with a lock"
+                )
             self._user, self._depth, self._decoding = me, self._depth + 1, self._decoding + native
         try:
             yield
@@ -173,8 +184,10 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         with Engine._guard:
             busy = self._decoding or self._user not in (None, threading.get_ident())
         if busy:
-            raise EngineBusyError(f"this Engine of {self.path.name} is decoding (close() came from a routing "
-                                  "hook or another thread): close it after the call returns")
+            raise EngineBusyError(
+                f"this Engine of {self.path.name} is decoding (close() came from a routing "
+                "hook or another thread): close it after the call returns"
+            )
         if getattr(self, "_ctx_p", None) and self.cache is not None:
             self.cache.cache.close()
             self.cache = None
@@ -217,23 +230,31 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
 
     def _require_tokenizer(self) -> None:
         if not self._has_tokenizer:
-            raise EdgeMoeError(f"{self.path.name} has no tokenizer (tokenizer.ggml.model none or no_vocab): "
-                               "it cannot turn text into tokens or back; pass token ids, or use a GGUF with "
-                               "a vocabulary")
+            raise EdgeMoeError(
+                f"{self.path.name} has no tokenizer (tokenizer.ggml.model none or no_vocab): "
+                "it cannot turn text into tokens or back; pass token ids, or use a GGUF with "
+                "a vocabulary"
+            )
 
     def _check_spm_bytes(self, text: str) -> None:
         """Refuse text llama.cpp's SentencePiece tokenizer would terminate the process on."""
         if lib.llama_vocab_type(self._vocab) != lib.LLAMA_VOCAB_TYPE_SPM:
             return
         if self._spm_guard is None:
-            self._spm_guard = SpmByteGuard(lib.llama_vocab_get_text(self._vocab, i) for i in range(self.n_vocab))
+            self._spm_guard = SpmByteGuard(
+                lib.llama_vocab_get_text(self._vocab, i) for i in range(self.n_vocab)
+            )
         bad = self._spm_guard.unencodable(text)
         if bad:
-            shown = ", ".join(repr(c) for c in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            raise EdgeMoeError(f"{self.path.name}'s SentencePiece vocabulary has no token for {shown} and no "
-                               f"byte tokens (<0x00>..<0xFF>) to spell it with ({len(self._spm_guard.missing_bytes)}"
-                               " of 256 missing), so llama.cpp cannot tokenize this text: use a GGUF converted "
-                               "with byte fallback, or pass token ids")
+            shown = ", ".join(repr(c) for c in bad[:5]) + (
+                f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+            )
+            raise EdgeMoeError(
+                f"{self.path.name}'s SentencePiece vocabulary has no token for {shown} and no "
+                f"byte tokens (<0x00>..<0xFF>) to spell it with ({len(self._spm_guard.missing_bytes)}"
+                " of 256 missing), so llama.cpp cannot tokenize this text: use a GGUF converted "
+                "with byte fallback, or pass token ids"
+            )
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Text -> ids; add_special adds BOS/EOS as the model's metadata says."""
@@ -251,8 +272,9 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
 
     def token_piece(self, token: int, *, special: bool = False) -> bytes:
         if not 0 <= token < self.n_vocab:
-            raise EdgeMoeError(f"token id {token} is not in the vocabulary of {self.path.name} "
-                               f"(0..{self.n_vocab - 1})")
+            raise EdgeMoeError(
+                f"token id {token} is not in the vocabulary of {self.path.name} (0..{self.n_vocab - 1})"
+            )
         self._require_tokenizer()
         buf = ctypes.create_string_buffer(64)
         n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
@@ -284,9 +306,16 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         """Append tokens to the sequence, n_batch at a time; logits of the last (or every) token."""
         mem = lib.llama_get_memory(self._ctx)
         for start in range(0, len(tokens), self.n_batch):
-            with self._exclusive(native=True), deferred_interrupts():  # Ctrl-C during the decode is raised after it, never in a hook
-                self._decode_chunk(mem, tokens[start:start + self.n_batch], all_logits,
-                                   last=start + self.n_batch >= len(tokens))
+            with (
+                self._exclusive(native=True),
+                deferred_interrupts(),
+            ):  # Ctrl-C during the decode is raised after it, never in a hook
+                self._decode_chunk(
+                    mem,
+                    tokens[start : start + self.n_batch],
+                    all_logits,
+                    last=start + self.n_batch >= len(tokens),
+                )
 
     def _decode_chunk(self, mem: Any, chunk: Sequence[int], all_logits: bool, *, last: bool) -> None:
         """One llama_decode of at most n_batch tokens; on failure the KV cache is as before it."""
@@ -320,7 +349,8 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         """
         if len(self._kv) + len(tokens) > self.n_ctx:
             raise ContextOverflowError(
-                f"{len(self._kv)} + {len(tokens)} tokens do not fit the context of {self.n_ctx}; raise --ctx")
+                f"{len(self._kv)} + {len(tokens)} tokens do not fit the context of {self.n_ctx}; raise --ctx"
+            )
         self._decode(list(tokens), all_logits=all_logits)
 
     def _prefill(self, tokens: list[int]) -> int:
@@ -328,7 +358,8 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         if len(tokens) >= self.n_ctx:
             raise ContextOverflowError(
                 f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx}; "
-                "shorten the prompt or raise --ctx")
+                "shorten the prompt or raise --ctx"
+            )
         keep = 0
         for a, b in zip(self._kv, tokens, strict=False):
             if a != b:
@@ -351,7 +382,8 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
             raise NonFiniteLogitsError(
                 f"llama.cpp computed {bad} logits over the vocabulary after {len(self._kv)} tokens of "
                 f"{self.path.name}: its weights are not finite numbers (a corrupt or badly converted file?), "
-                "or a routing hook wrote bad weights; re-download or re-convert the model")
+                "or a routing hook wrote bad weights; re-download or re-convert the model"
+            )
 
     def logits(self, idx: int = -1) -> ctypes.Array[ctypes.c_float]:
         """Logits of the idx-th output of the last decode (a float array of n_vocab)."""
@@ -363,7 +395,7 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         self.reset()
         out = []
         for start in range(0, len(tokens), self.n_batch):
-            chunk = list(tokens[start:start + self.n_batch])
+            chunk = list(tokens[start : start + self.n_batch])
             self._decode(chunk, all_logits=True)
             for i in range(len(chunk)):
                 self.check_logits(i)

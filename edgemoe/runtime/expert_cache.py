@@ -5,6 +5,7 @@ residency policy (edgemoe.policies.residency): inside llama.cpp's graph with the
 tables, or as a route policy in the hook that applies its loads now (blocking) or
 after the step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -71,7 +72,9 @@ class CacheConfig:
     # dali: experts of the next MoE layer its residual predictor prefetches per layer (DALI's prefetch size,
     # edgemoe.policies.dali_prefetch); 0: replacement only, which runs natively
     dali_prefetch: int = 0
-    daop_threshold: float = DAOP_SWAP_THRESHOLD  # daop: SwapInOut, a prompt's expert swaps in above this ratio
+    daop_threshold: float = (
+        DAOP_SWAP_THRESHOLD  # daop: SwapInOut, a prompt's expert swaps in above this ratio
+    )
     # on a device: compute the cached experts there while the CPU computes the others (llama_moe_cache_set_overlap);
     # False runs the two one after the other, as llama.cpp's scheduler does
     overlap: bool = True
@@ -113,7 +116,9 @@ class CacheConfig:
     @property
     def prefetcher(self) -> bool:
         """Does a prefetcher run this cache from the routing hook (promoe, dali with dali_prefetch)?"""
-        return self.policy == PolicyKind.PROMOE.value or (self.policy == PolicyKind.DALI.value and self.dali_prefetch > 0)
+        return self.policy == PolicyKind.PROMOE.value or (
+            self.policy == PolicyKind.DALI.value and self.dali_prefetch > 0
+        )
 
     def overlap_on(self, environ: Mapping[str, str]) -> bool:
         """Whether to overlap the device's experts with the CPU's: not with GGML_CUDA_GRAPH_OPT=1, llama.cpp's
@@ -138,25 +143,40 @@ class CacheConfig:
             per = {il: int(self.slots_per_layer.get(il, 0)) for il in moe_layers}
             extra = sorted(set(self.slots_per_layer) - set(moe_layers))
             if extra:
-                raise ExpertCacheError(f"slots for layers {extra}, which are not MoE layers of this model "
-                                       f"(its MoE layers: {list(moe_layers)})")
+                raise ExpertCacheError(
+                    f"slots for layers {extra}, which are not MoE layers of this model "
+                    f"(its MoE layers: {list(moe_layers)})"
+                )
         bad = {il: n for il, n in per.items() if not 0 <= n <= n_expert}
         if bad:
             il, n = next(iter(bad.items()))
             where = "" if isinstance(self.slots_per_layer, int) else f" (layer {il})"
-            raise ExpertCacheError(f"--expert-slots {n}{where}: use 0..{n_expert} (the model has "
-                                   f"{n_expert} experts per layer)")
+            raise ExpertCacheError(
+                f"--expert-slots {n}{where}: use 0..{n_expert} (the model has {n_expert} experts per layer)"
+            )
         return per
 
 
-_STATE_NAMES = {native.MOE_CACHE_ABSENT: "absent", native.MOE_CACHE_QUEUED: "queued",
-                native.MOE_CACHE_COPYING: "copying", native.MOE_CACHE_RESIDENT: "resident"}
+_STATE_NAMES = {
+    native.MOE_CACHE_ABSENT: "absent",
+    native.MOE_CACHE_QUEUED: "queued",
+    native.MOE_CACHE_COPYING: "copying",
+    native.MOE_CACHE_RESIDENT: "resident",
+}
 # the GGUF names (blk.{il}. + name) of a layer's stacked expert tensors in llama_moe_cache_set_source's
 # order: the weights, their biases (gpt-oss), the per-expert scales
 EXPERT_TENSORS = (
-    "ffn_gate_up_exps.weight", "ffn_up_exps.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight",
-    "ffn_gate_up_exps.bias", "ffn_up_exps.bias", "ffn_gate_exps.bias", "ffn_down_exps.bias",
-    "ffn_up_exps.scale", "ffn_gate_exps.scale", "ffn_down_exps.scale",
+    "ffn_gate_up_exps.weight",
+    "ffn_up_exps.weight",
+    "ffn_gate_exps.weight",
+    "ffn_down_exps.weight",
+    "ffn_gate_up_exps.bias",
+    "ffn_up_exps.bias",
+    "ffn_gate_exps.bias",
+    "ffn_down_exps.bias",
+    "ffn_up_exps.scale",
+    "ffn_gate_exps.scale",
+    "ffn_down_exps.scale",
 )
 
 
@@ -175,8 +195,10 @@ def expert_chunk_bytes(path: Path, layers: Sequence[int]) -> dict[int, tuple[int
 def precalc_rates(st: Mapping[str, int]) -> dict[str, float | None]:
     """precision (used / computed) and early_share (used / (used + late)) of pre-calculation counters."""
     cpu = st["used"] + st["late"]
-    return {"precision": st["used"] / st["computed"] if st["computed"] else None,
-            "early_share": st["used"] / cpu if cpu else None}
+    return {
+        "precision": st["used"] / st["computed"] if st["computed"] else None,
+        "early_share": st["used"] / cpu if cpu else None,
+    }
 
 
 class ExpertCache:
@@ -186,10 +208,20 @@ class ExpertCache:
     expert tensors may be repacked for the CPU or live anywhere.
     """
 
-    def __init__(self, ctx: Any, model_path: Path, moe_layers: list[int], n_layer: int, n_expert: int,
-                 slots_per_layer: int | Mapping[int, int], device: Any = None) -> None:
+    def __init__(
+        self,
+        ctx: Any,
+        model_path: Path,
+        moe_layers: list[int],
+        n_layer: int,
+        n_expert: int,
+        slots_per_layer: int | Mapping[int, int],
+        device: Any = None,
+    ) -> None:
         self._ctx = ctx
-        self._marks: tuple[tuple[int, int], tuple[int, int]] | None = None  # (hits, misses) at prefill start, end
+        self._marks: tuple[tuple[int, int], tuple[int, int]] | None = (
+            None  # (hits, misses) at prefill start, end
+        )
         self.prefill_min_tokens = 0  # set_prefill
         self.precalc: tuple[int, int] | None = None  # set_precalc: (first layer, most tokens)
         self.n_expert = n_expert
@@ -198,7 +230,8 @@ class ExpertCache:
         rc = native.moe_cache_init(ctx, per_layer, device)
         if rc != 0:
             raise ExpertCacheError(
-                f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}")
+                f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}"
+            )
         self._map = self._set_sources(model_path, [il for il, n in self.n_slots.items() if n > 0])
         self.chunk_bytes = expert_chunk_bytes(model_path, [il for il, n in self.n_slots.items() if n > 0])
 
@@ -210,21 +243,29 @@ class ExpertCache:
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
         base = mapped.ctypes.data
         for il in layers:
-            ptrs = [base + where[f"blk.{il}.{name}"] if f"blk.{il}.{name}" in where else None
-                    for name in EXPERT_TENSORS]
+            ptrs = [
+                base + where[f"blk.{il}.{name}"] if f"blk.{il}.{name}" in where else None
+                for name in EXPERT_TENSORS
+            ]
             if not native.moe_cache_set_source(self._ctx, il, ptrs):
-                raise ExpertCacheError(f"layer {il}: the GGUF's expert tensors do not match the model's "
-                                       f"({native.recent_log()[-200:].strip()})")
+                raise ExpertCacheError(
+                    f"layer {il}: the GGUF's expert tensors do not match the model's "
+                    f"({native.recent_log()[-200:].strip()})"
+                )
         return mapped
 
     def load(self, ld: Load) -> None:
         if not native.moe_cache_load(self._ctx, ld.layer, ld.expert, ld.slot):
-            raise ExpertCacheError(f"loading expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed")
+            raise ExpertCacheError(
+                f"loading expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed"
+            )
 
     def prefetch(self, ld: Load, priority: int = 0) -> None:
         """Queue ld; it is copied as issue() sends its chunks and used once its layer runs after that."""
         if not native.moe_cache_prefetch(self._ctx, ld.layer, ld.expert, ld.slot, priority):
-            raise ExpertCacheError(f"prefetching expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed")
+            raise ExpertCacheError(
+                f"prefetching expert {ld.expert} into slot {ld.slot} of layer {ld.layer} failed"
+            )
 
     def cancel(self, layer: int, slot: int) -> None:
         """Drop the loads queued into the slot and empty it (llama_moe_cache_load with expert -1: the native
@@ -268,6 +309,7 @@ class ExpertCache:
 
         def rate(h: int, m: int) -> float | None:
             return h / (h + m) if h + m else None
+
         return {"prefill_hit_rate": rate(h1 - h0, m1 - m0), "decode_hit_rate": rate(h2 - h1, m2 - m1)}
 
     def stats(self) -> dict[str, Any]:
@@ -275,41 +317,55 @@ class ExpertCache:
         st = native.moe_cache_stats(self._ctx)
         routed = st.hits + st.misses
         share = st.hits / routed if routed else 0.0
-        return {"hits": int(st.hits), "misses": int(st.misses), "hit_rate": share,
-                **self._phase_rates(int(st.hits), int(st.misses)),
-                "loads": int(st.loads), "bytes_uploaded": int(st.bytes_loaded),
-                "prefetches": int(st.prefetches), "chunks": int(st.chunks), "preempted": int(st.preempted),
-                "blocked_s": st.us_blocked / 1e6,
-                # host time queueing copies (on the CPU stand-in the copies, which the compute waits for), and
-                # the loads the compute stream was ordered to wait for at the start of a ubatch
-                "issue_s": st.us_issue / 1e6, "load_waits": int(st.load_waits),
-                # the chunks llama.cpp's load worker issued, the ubatches whose routes its policy step processed
-                # (hits counted, the native lru/dali/daop run), and the time the caller waited for its chunk or step
-                "worker_chunks": int(st.chunks_async), "worker_policy_steps": int(st.routes_async),
-                "worker_wait_s": st.us_worker / 1e6,
-                # of the load waits, those the worker timed, and their summed time from the ubatch's start to
-                # the copies' end: an upper bound on how long the compute stalled on loads (None: not timed)
-                "load_waits_timed": int(st.waits_timed),
-                "load_wait_s": st.us_load_wait / 1e6 if st.waits_timed else None,
-                # the chunks sent from a staging buffer in the device's host memory (pinned on CUDA)
-                "staged_chunks": int(st.chunks_staged),
-                # routed expert slots computed from the cache (the GPU) among those of cached layers
-                # (layers given no slots are left out of every counter)
-                "gpu_expert_share": share,
-                "slots_per_layer": dict(self.n_slots), "slots_total": sum(self.n_slots.values())}
+        return {
+            "hits": int(st.hits),
+            "misses": int(st.misses),
+            "hit_rate": share,
+            **self._phase_rates(int(st.hits), int(st.misses)),
+            "loads": int(st.loads),
+            "bytes_uploaded": int(st.bytes_loaded),
+            "prefetches": int(st.prefetches),
+            "chunks": int(st.chunks),
+            "preempted": int(st.preempted),
+            "blocked_s": st.us_blocked / 1e6,
+            # host time queueing copies (on the CPU stand-in the copies, which the compute waits for), and
+            # the loads the compute stream was ordered to wait for at the start of a ubatch
+            "issue_s": st.us_issue / 1e6,
+            "load_waits": int(st.load_waits),
+            # the chunks llama.cpp's load worker issued, the ubatches whose routes its policy step processed
+            # (hits counted, the native lru/dali/daop run), and the time the caller waited for its chunk or step
+            "worker_chunks": int(st.chunks_async),
+            "worker_policy_steps": int(st.routes_async),
+            "worker_wait_s": st.us_worker / 1e6,
+            # of the load waits, those the worker timed, and their summed time from the ubatch's start to
+            # the copies' end: an upper bound on how long the compute stalled on loads (None: not timed)
+            "load_waits_timed": int(st.waits_timed),
+            "load_wait_s": st.us_load_wait / 1e6 if st.waits_timed else None,
+            # the chunks sent from a staging buffer in the device's host memory (pinned on CUDA)
+            "staged_chunks": int(st.chunks_staged),
+            # routed expert slots computed from the cache (the GPU) among those of cached layers
+            # (layers given no slots are left out of every counter)
+            "gpu_expert_share": share,
+            "slots_per_layer": dict(self.n_slots),
+            "slots_total": sum(self.n_slots.values()),
+        }
 
     def set_prefill(self, min_tokens: int, ahead: str = "all") -> None:
         """Run prefill ubatches of min_tokens+ tokens on the cache's device from two prefill buffers, copied one
         cached layer ahead (0: off)."""
         if ahead not in native.MOE_PREFILL_AHEAD:
-            raise ExpertCacheError(f"prefill ahead {ahead!r}: use one of {', '.join(native.MOE_PREFILL_AHEAD)}")
+            raise ExpertCacheError(
+                f"prefill ahead {ahead!r}: use one of {', '.join(native.MOE_PREFILL_AHEAD)}"
+            )
         if min_tokens < 0:
             raise ExpertCacheError(f"prefill from {min_tokens} tokens: use 0 (off) or a positive token count")
         rc = native.moe_cache_set_prefill(self._ctx, min_tokens, native.MOE_PREFILL_AHEAD[ahead])
         if rc != 0:
-            raise ExpertCacheError(f"llama.cpp could not allocate the two prefill buffers ({rc}): "
-                                   f"{native.recent_log()[-200:].strip()}; lower --vram/--expert-slots or leave "
-                                   "--device-prefill off")
+            raise ExpertCacheError(
+                f"llama.cpp could not allocate the two prefill buffers ({rc}): "
+                f"{native.recent_log()[-200:].strip()}; lower --vram/--expert-slots or leave "
+                "--device-prefill off"
+            )
         self.prefill_min_tokens = min_tokens
 
     def prefill_stats(self) -> dict[str, Any] | None:
@@ -321,21 +377,30 @@ class ExpertCache:
         lib.llama_synchronize(self._ctx)
         st = native.moe_cache_prefill_stats(self._ctx)
         ahead = st["ahead"]
-        return {**st, "min_tokens": self.prefill_min_tokens,
-                "ahead_precision": st["ahead_used"] / ahead if ahead else None,
-                "late_share": st["late"] / st["needed"] if st["needed"] else None}
+        return {
+            **st,
+            "min_tokens": self.prefill_min_tokens,
+            "ahead_precision": st["ahead_used"] / ahead if ahead else None,
+            "late_share": st["late"] / st["needed"] if st["needed"] else None,
+        }
 
     def set_precalc(self, first_layer: int | None, max_tokens: int = 1) -> None:
         """DAOP's pre-calculation for the cached layers from first_layer on, in ubatches of at most max_tokens
         tokens (None: off)."""
         if first_layer is not None and first_layer < 1:
-            raise ExpertCacheError(f"pre-calculation from layer {first_layer}: use a layer >= 1 (the first target "
-                                   "layer; its experts are computed at the MoE layer before it)")
+            raise ExpertCacheError(
+                f"pre-calculation from layer {first_layer}: use a layer >= 1 (the first target "
+                "layer; its experts are computed at the MoE layer before it)"
+            )
         if max_tokens < 1:
-            raise ExpertCacheError(f"pre-calculation in ubatches of at most {max_tokens} tokens: use 1 or more")
+            raise ExpertCacheError(
+                f"pre-calculation in ubatches of at most {max_tokens} tokens: use 1 or more"
+            )
         on = first_layer is not None
         if native.moe_cache_set_precalc(self._ctx, first_layer if on else -1, max_tokens if on else 0) != 0:
-            raise ExpertCacheError(f"llama.cpp refused the pre-calculation: {native.recent_log()[-200:].strip()}")
+            raise ExpertCacheError(
+                f"llama.cpp refused the pre-calculation: {native.recent_log()[-200:].strip()}"
+            )
         self.precalc = (first_layer, max_tokens) if first_layer is not None else None
 
     def precalc_stats(self) -> dict[str, Any] | None:
@@ -381,8 +446,13 @@ class CacheController:
     wants_gate_inp = False
     issues_own_loads = False  # the hook's prefetchers issue the chunks themselves (no load worker)
 
-    def __init__(self, cache: ExpertCache, policy: ResidencyPolicy | AssignedPolicy | PromoePolicy, *,
-                 alloc: str = "equal") -> None:
+    def __init__(
+        self,
+        cache: ExpertCache,
+        policy: ResidencyPolicy | AssignedPolicy | PromoePolicy,
+        *,
+        alloc: str = "equal",
+    ) -> None:
         self.cache = cache
         self.policy = policy
         self.alloc = alloc  # how the slots per layer were chosen
@@ -408,7 +478,9 @@ class CacheController:
             return native.MOE_CACHE_POLICY_DALI
         if isinstance(self.policy, DaopPolicy) and not self.policy.blocking:
             return native.MOE_CACHE_POLICY_DAOP
-        return native.MOE_CACHE_POLICY_CALLBACK  # a Python policy with blocking loads, run in the routing hook
+        return (
+            native.MOE_CACHE_POLICY_CALLBACK
+        )  # a Python policy with blocking loads, run in the routing hook
 
     def set_mode(self, policy: int) -> None:
         """Hand the policy to llama.cpp (policy != CALLBACK) or take it back into the hook."""
@@ -418,16 +490,24 @@ class CacheController:
             assert isinstance(self.policy, DaliPolicy)
             dali = self.policy
             if native.moe_cache_set_window_replacement(self.cache._ctx, dali.window, dali.update) != 0:
-                raise ExpertCacheError(f"llama.cpp refused dali window {self.policy.window} / update "
-                                       f"{self.policy.update}: {native.recent_log()[-200:].strip()}")
+                raise ExpertCacheError(
+                    f"llama.cpp refused dali window {self.policy.window} / update "
+                    f"{self.policy.update}: {native.recent_log()[-200:].strip()}"
+                )
         if policy == native.MOE_CACHE_POLICY_DAOP:
             assert isinstance(self.policy, DaopPolicy)
             if native.moe_cache_set_prompt_swap(self.cache._ctx, self.policy.threshold) != 0:
-                raise ExpertCacheError(f"llama.cpp refused the daop threshold {self.policy.threshold}: "
-                                       f"{native.recent_log()[-200:].strip()}")
+                raise ExpertCacheError(
+                    f"llama.cpp refused the daop threshold {self.policy.threshold}: "
+                    f"{native.recent_log()[-200:].strip()}"
+                )
         if native.moe_cache_set_policy(self.cache._ctx, policy) != 0:
-            raise ExpertCacheError(f"llama.cpp refused cache policy {policy}: {native.recent_log()[-200:].strip()}")
-        if policy == native.MOE_CACHE_POLICY_CALLBACK and isinstance(self.policy, (LruPolicy, DaliPolicy, DaopPolicy)):
+            raise ExpertCacheError(
+                f"llama.cpp refused cache policy {policy}: {native.recent_log()[-200:].strip()}"
+            )
+        if policy == native.MOE_CACHE_POLICY_CALLBACK and isinstance(
+            self.policy, (LruPolicy, DaliPolicy, DaopPolicy)
+        ):
             # the Python LRU (DALI, DAOP) goes on from what is resident (the native one did the same the other way)
             self.cache.sync()
             self.policy.reseed({il: self.cache.slots(il) or [] for il in self.cache.n_slots})
@@ -442,7 +522,9 @@ class CacheController:
 
     def report(self) -> dict[str, Any]:
         """What the controller adds to the cache's stats (the assigner's, the prefetcher's counters)."""
-        out: dict[str, Any] = {"assign": self.policy.report()} if isinstance(self.policy, AssignedPolicy) else {}
+        out: dict[str, Any] = (
+            {"assign": self.policy.report()} if isinstance(self.policy, AssignedPolicy) else {}
+        )
         if self.degradation is not None:
             out["degrade"] = self.degradation.report()
         prefill = self.cache.prefill_stats()

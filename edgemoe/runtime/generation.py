@@ -3,6 +3,7 @@
 GenerationMixin is a part of Engine (edgemoe.runtime.engine), kept apart from loading and
 the hook wiring; it uses the engine's tokenizer, _prefill/_decode and llama.cpp context.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,9 +35,15 @@ class Timings:
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, float]:
-        return {"prompt_tokens": self.prompt_tokens, "prompt_s": self.prompt_s,
-                "prompt_tps": self.prompt_tps, "decode_tokens": self.decode_tokens,
-                "decode_s": self.decode_s, "decode_tps": self.decode_tps, "ttft_s": self.ttft_s}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_s": self.prompt_s,
+            "prompt_tps": self.prompt_tps,
+            "decode_tokens": self.decode_tokens,
+            "decode_s": self.decode_s,
+            "decode_tps": self.decode_tps,
+            "ttft_s": self.ttft_s,
+        }
 
 
 @dataclass
@@ -82,8 +89,11 @@ class GenerationMixin:
     last: Generation | None
 
     if TYPE_CHECKING:  # Engine's methods, which this part uses
+
         def _exclusive(self, *, native: bool = False) -> AbstractContextManager[None]: ...
-        def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
+        def tokenize(
+            self, text: str, *, add_special: bool = True, parse_special: bool = False
+        ) -> list[int]: ...
         def token_piece(self, token: int, *, special: bool = False) -> bytes: ...
         def detokenize(self, tokens: Sequence[int]) -> str: ...
         def is_eog(self, token: int) -> bool: ...
@@ -92,9 +102,15 @@ class GenerationMixin:
         def _decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None: ...
 
     # -- generation ---------------------------------------------------------------------
-    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
-               sampling: SamplingParams | None = None, parse_special: bool = False,
-               ignore_eog: bool = False) -> Iterator[tuple[int, str]]:
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        parse_special: bool = False,
+        ignore_eog: bool = False,
+    ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text piece) as they are generated; the Generation is then in self.last.
 
         The id is -1 for a final piece flushed from an incomplete UTF-8 sequence.
@@ -108,17 +124,34 @@ class GenerationMixin:
             except StopIteration as stop:
                 self.last = stop.value
 
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
-                 sampling: SamplingParams | None = None, parse_special: bool = False,
-                 ignore_eog: bool = False) -> Generation:
-        for _ in self.stream(prompt, max_tokens=max_tokens, sampling=sampling, parse_special=parse_special,
-                             ignore_eog=ignore_eog):
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        parse_special: bool = False,
+        ignore_eog: bool = False,
+    ) -> Generation:
+        for _ in self.stream(
+            prompt,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            parse_special=parse_special,
+            ignore_eog=ignore_eog,
+        ):
             pass
         assert self.last is not None
         return self.last
 
-    def _run(self, prompt: str | Sequence[int], max_tokens: int, sampling: SamplingParams,
-             parse_special: bool, ignore_eog: bool) -> Generator[tuple[int, str], None, Generation]:
+    def _run(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        parse_special: bool,
+        ignore_eog: bool,
+    ) -> Generator[tuple[int, str], None, Generation]:
         t0 = time.perf_counter()
         ids = self.tokenize(prompt, parse_special=parse_special) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -158,7 +191,13 @@ class GenerationMixin:
             yield -1, tail
         t_end = time.perf_counter()
         gen_ids = [t for t in out if not self.is_eog(t)]
-        timings = Timings(prompt_tokens=n_eval, prompt_s=t_prefill - t0, decode_tokens=len(out),
-                          decode_s=t_end - t_first, ttft_s=t_first - t0)
-        return Generation(text=self.detokenize(gen_ids), prompt_tokens=ids, tokens=out,
-                          stop_reason=stop, timings=timings)
+        timings = Timings(
+            prompt_tokens=n_eval,
+            prompt_s=t_prefill - t0,
+            decode_tokens=len(out),
+            decode_s=t_end - t_first,
+            ttft_s=t_first - t0,
+        )
+        return Generation(
+            text=self.detokenize(gen_ids), prompt_tokens=ids, tokens=out, stop_reason=stop, timings=timings
+        )

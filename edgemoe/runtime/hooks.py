@@ -10,6 +10,7 @@ driven from recorded traces without the native library.
 An exception raised by a policy never unwinds through C: the hook returns
 false, llama.cpp aborts the decode, and the Engine re-raises the exception.
 """
+
 from __future__ import annotations
 
 import ctypes

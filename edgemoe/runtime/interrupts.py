@@ -7,6 +7,7 @@ happened. Around native calls the main thread's default handler is replaced by o
 records the signal; callbacks ask `pending()` and stop the decode, and the interrupt is raised when
 the native call is over.
 """
+
 from __future__ import annotations
 
 import signal
@@ -33,8 +34,10 @@ def deferred_interrupts() -> Iterator[None]:
     Only on the main thread with Python's default SIGINT handler in place (a server or an
     application with a handler of its own keeps it); nesting is fine.
     """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     _pending.clear()

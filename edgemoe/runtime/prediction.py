@@ -10,6 +10,7 @@ The kinds that predict from the current token's router input of an earlier layer
 graph; the others (first-layer, which reads the previous token, and the token-level baselines)
 cannot, and set_predictors says so.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -72,7 +73,8 @@ def native_predictors(predictors: Sequence[Predictor], *, n_out: int) -> list[Na
             raise EdgeMoeError(
                 f"the {pred.kind.value} predictor cannot run inside llama.cpp's graph: only mlp, gate "
                 "and residual predict from the same token's router input of an earlier layer (first-layer "
-                "reads the previous token's, the baselines no router input); use its numpy scores() instead")
+                "reads the previous token's, the baselines no router input); use its numpy scores() instead"
+            )
         spec, d = pred.spec, pred.distance
         if not 1 <= n_out <= spec.n_expert:
             raise EdgeMoeError(f"n_out {n_out}: predict between 1 and {spec.n_expert} experts per token")
@@ -81,12 +83,22 @@ def native_predictors(predictors: Sequence[Predictor], *, n_out: int) -> list[Na
                 continue
             src_il, target_il = spec.layers[target - d], spec.layers[target]
             if target_il in out:
-                raise EdgeMoeError(f"two predictors for layer {target_il} (MoE layer {target}): llama.cpp "
-                                   "runs one per target layer; pass predictors of one distance")
+                raise EdgeMoeError(
+                    f"two predictors for layer {target_il} (MoE layer {target}): llama.cpp "
+                    "runs one per target layer; pass predictors of one distance"
+                )
             if isinstance(pred, MLPPredictor):
                 p = target - d
-                native_pred = NativePredictor(src_il, target_il, n_out, _f32(pred.w1[p].T), _f32(pred.b1[p]),
-                                              _f32(pred.w2[p].T), _f32(pred.b2[p]), _f32(pred.skip[p].T))
+                native_pred = NativePredictor(
+                    src_il,
+                    target_il,
+                    n_out,
+                    _f32(pred.w1[p].T),
+                    _f32(pred.b1[p]),
+                    _f32(pred.w2[p].T),
+                    _f32(pred.b2[p]),
+                    _f32(pred.skip[p].T),
+                )
             elif isinstance(pred, ResidualPredictor):
                 # R (h + r) = R h + R r: the router where it is, and a bias
                 bias = _f32(spec.router(target) @ pred.res_vec[target])
@@ -110,8 +122,9 @@ class PredictionMixin:
     info: ModelInfo
     _pred_n_out: dict[int, int]
 
-    def set_predictors(self, predictors: Sequence[Predictor] | None, *, n_out: int | None = None,
-                       weights: str = "f32") -> list[int]:
+    def set_predictors(
+        self, predictors: Sequence[Predictor] | None, *, n_out: int | None = None, weights: str = "f32"
+    ) -> list[int]:
         """Run these predictors inside llama.cpp's graph (None or []: none); returns their target layers (il).
 
         n_out: ids per token and target, best first (default top-(k+m), default_n_out); weights: how the
@@ -130,15 +143,30 @@ class PredictionMixin:
         nps = native_predictors(predictors, n_out=n_out if n_out is not None else default_n_out(k))
         for p in nps:
             mark = native.log_mark()
-            rc = native.moe_set_predictor(self._ctx, p.il_src, p.il_target, p.n_out, WEIGHT_TYPES[weights],
-                                          p.w1, p.b1, p.w2, p.b2, p.skip)
+            rc = native.moe_set_predictor(
+                self._ctx,
+                p.il_src,
+                p.il_target,
+                p.n_out,
+                WEIGHT_TYPES[weights],
+                p.w1,
+                p.b1,
+                p.w2,
+                p.b2,
+                p.skip,
+            )
             if rc != 0:
                 native.moe_clear_predictors(self._ctx)
                 self._pred_n_out = {}
-                why = ("out of device memory: use weights='f16' or 'q8_0', or fewer target layers" if rc == -2
-                       else native.recent_error(mark))
-                raise EdgeMoeError(f"llama.cpp refused the predictor of layer {p.il_target} from layer "
-                                   f"{p.il_src} ({weights} weights): {why}")
+                why = (
+                    "out of device memory: use weights='f16' or 'q8_0', or fewer target layers"
+                    if rc == -2
+                    else native.recent_error(mark)
+                )
+                raise EdgeMoeError(
+                    f"llama.cpp refused the predictor of layer {p.il_target} from layer "
+                    f"{p.il_src} ({weights} weights): {why}"
+                )
             self._pred_n_out[p.il_target] = p.n_out
         return sorted(self._pred_n_out)
 
@@ -147,9 +175,11 @@ class PredictionMixin:
         mine = (tuple(info.moe_layers), info.n_expert, info.n_embd)
         theirs = (tuple(spec.layers), spec.n_expert, spec.n_embd)
         if mine != theirs:
-            raise EdgeMoeError(f"the {pred.kind.value} predictor was made for another model shape (MoE "
-                               f"layers, experts, width: {theirs} vs {self.path.name}'s {mine}): load it "
-                               "for this model (Calibration.predictors or spec_for_model)")
+            raise EdgeMoeError(
+                f"the {pred.kind.value} predictor was made for another model shape (MoE "
+                f"layers, experts, width: {theirs} vs {self.path.name}'s {mine}): load it "
+                "for this model (Calibration.predictors or spec_for_model)"
+            )
 
     @property
     def predictor_targets(self) -> list[int]:
@@ -165,8 +195,10 @@ class PredictionMixin:
         ids = native.moe_get_predictions(self._ctx, target_il, n_out) if n_out is not None else None
         if ids is None:
             have = ", ".join(map(str, self.predictor_targets)) or "none"
-            raise EdgeMoeError(f"layer {target_il} has no predictor in the graph (layers with one: {have}); "
-                               "call set_predictors first")
+            raise EdgeMoeError(
+                f"layer {target_il} has no predictor in the graph (layers with one: {have}); "
+                "call set_predictors first"
+            )
         return ids
 
     def predictor_bytes(self) -> int:

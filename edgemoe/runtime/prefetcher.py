@@ -15,6 +15,7 @@ Python call, as dali's hook). `NativePromoeController` runs promoe inside llama.
 llama.cpp hands its ids to the loader and makes PromoePolicy's decisions itself, with no Python call;
 `CacheConfig.prefetch_native` chooses (default: native where it can run).
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,9 @@ from .expert_cache import CacheConfig, CacheController, ExpertCache, ExpertCache
 log = logging.getLogger(__name__)
 
 
-def prefetch_predictor(model: Path, calibration: Path | None, kind: str, distance: int,
-                       policy: str = "promoe") -> tuple[Predictor, str | None]:
+def prefetch_predictor(
+    model: Path, calibration: Path | None, kind: str, distance: int, policy: str = "promoe"
+) -> tuple[Predictor, str | None]:
     """The calibration's predictor of `kind` at `distance`, else gate reuse (it needs only the GGUF's routers);
     the second value says why it fell back (None when it did not)."""
     spec = spec_for_model(model)
@@ -53,18 +55,29 @@ def prefetch_predictor(model: Path, calibration: Path | None, kind: str, distanc
     return GatePredictor(spec, distance), (
         f"{why}: {policy} predicts with the gate predictor (layer l+{distance}'s router on layer l's router input, "
         f"less accurate: docs/predictors.md); `edgemoe calibrate {model.name} --corpus FILE` trains the {kind} "
-        "predictor")
+        "predictor"
+    )
 
 
-def prefetch_report(policy: PromoePolicy, config: CacheConfig, pc: PrefetchCounts, **where: Any) -> dict[str, Any]:
+def prefetch_report(
+    policy: PromoePolicy, config: CacheConfig, pc: PrefetchCounts, **where: Any
+) -> dict[str, Any]:
     """The `prefetch` object of the cache's report: the counters, the policy's settings, where it runs."""
     timing = config.copy_timing
-    return {"issued": pc.issued, "useful": pc.useful, "preempted": pc.preempted,
-            "goodpred": pc.goodpred, "accuracy": pc.accuracy, "fetch_rate": pc.fetch_rate,
-            "predictor": f"{policy.predictor.kind.value}-d{policy.distance}",
-            "extra": policy.extra, "per_layer_cap": policy.prefetch_cap(1, 1 << 30),
-            "admission": policy.timing is not None,
-            "timing": timing.describe() if timing is not None else "every queued chunk at once", **where}
+    return {
+        "issued": pc.issued,
+        "useful": pc.useful,
+        "preempted": pc.preempted,
+        "goodpred": pc.goodpred,
+        "accuracy": pc.accuracy,
+        "fetch_rate": pc.fetch_rate,
+        "predictor": f"{policy.predictor.kind.value}-d{policy.distance}",
+        "extra": policy.extra,
+        "per_layer_cap": policy.prefetch_cap(1, 1 << 30),
+        "admission": policy.timing is not None,
+        "timing": timing.describe() if timing is not None else "every queued chunk at once",
+        **where,
+    }
 
 
 class PrefetchController(CacheController):
@@ -73,8 +86,15 @@ class PrefetchController(CacheController):
     wants_gate_inp = True
     issues_own_loads = True  # its model of the copy queue counts the chunks it issues
 
-    def __init__(self, cache: ExpertCache, policy: PromoePolicy, config: CacheConfig, *, alloc: str = "equal",
-                 note: str | None = None) -> None:
+    def __init__(
+        self,
+        cache: ExpertCache,
+        policy: PromoePolicy,
+        config: CacheConfig,
+        *,
+        alloc: str = "equal",
+        note: str | None = None,
+    ) -> None:
         super().__init__(cache, policy, alloc=alloc)
         self.driver = PolicyDriver(policy, CacheModel(cache.n_slots, cache.chunk_bytes), config.copy_timing)
         self.config = config
@@ -107,8 +127,10 @@ class PrefetchController(CacheController):
         elif isinstance(op, IssueOp):
             sent = c.issue(op.chunks)
             if sent != op.chunks:
-                raise ExpertCacheError(f"llama.cpp issued {sent} chunks where the prefetcher's model of its queue "
-                                       f"expected {op.chunks}: they no longer agree (a bug; please report it)")
+                raise ExpertCacheError(
+                    f"llama.cpp issued {sent} chunks where the prefetcher's model of its queue "
+                    f"expected {op.chunks}: they no longer agree (a bug; please report it)"
+                )
         elif isinstance(op, SyncOp):
             c.sync()
         elif isinstance(op, Load):
@@ -128,8 +150,15 @@ class NativePromoeController(CacheController):
     graph: the same decisions at the same routing callbacks, no Python per layer. The engine sets the predictor
     (set_predictors) and takes it out with the cache."""
 
-    def __init__(self, cache: ExpertCache, policy: PromoePolicy, config: CacheConfig, *, alloc: str = "equal",
-                 note: str | None = None) -> None:
+    def __init__(
+        self,
+        cache: ExpertCache,
+        policy: PromoePolicy,
+        config: CacheConfig,
+        *,
+        alloc: str = "equal",
+        note: str | None = None,
+    ) -> None:
         super().__init__(cache, policy, alloc=alloc)
         self.config = config
         self.note = note  # why the predictor is not the one asked for (None: it is)
@@ -155,9 +184,17 @@ class NativePromoeController(CacheController):
     def report(self) -> dict[str, Any]:
         assert isinstance(self.policy, PromoePolicy)
         pc = PrefetchCounts(**native.moe_cache_prefetch_stats(self.cache._ctx))
-        return {**super().report(), "prefetch": prefetch_report(
-            self.policy, self.config, pc, path="native", weights=self.config.predictor_weights,
-            predictor_bytes=native.moe_predictor_bytes(self.cache._ctx))}
+        return {
+            **super().report(),
+            "prefetch": prefetch_report(
+                self.policy,
+                self.config,
+                pc,
+                path="native",
+                weights=self.config.predictor_weights,
+                predictor_bytes=native.moe_predictor_bytes(self.cache._ctx),
+            ),
+        }
 
 
 def native_promoe_refusal(config: CacheConfig, policy: PromoePolicy, info: ModelInfo) -> str | None:
@@ -184,16 +221,32 @@ def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: 
         if note:
             log.info("%s", note)
         update = dali_default_update(info.n_expert) if config.dali_update is None else config.dali_update
-        dali = DaliPrefetchPolicy(cache.n_slots, list(info.moe_layers), pred, info.n_expert, size=config.dali_prefetch,
-                                  window=config.dali_window, update=update, timing=timing)
+        dali = DaliPrefetchPolicy(
+            cache.n_slots,
+            list(info.moe_layers),
+            pred,
+            info.n_expert,
+            size=config.dali_prefetch,
+            window=config.dali_window,
+            update=update,
+            timing=timing,
+        )
         return PrefetchController(cache, dali, config, alloc=config.alloc, note=note)
     if config.prefetch_distance < 1:
         raise EdgeMoeError(f"--prefetch-distance {config.prefetch_distance}: use >= 1 (ProMoE's stride is 2)")
-    pred, note = prefetch_predictor(model, config.calibration, config.prefetch_predictor, config.prefetch_distance)
+    pred, note = prefetch_predictor(
+        model, config.calibration, config.prefetch_predictor, config.prefetch_distance
+    )
     if note:
         log.info("%s", note)
-    policy = PromoePolicy(cache.n_slots, list(info.moe_layers), pred, extra=config.prefetch_extra,
-                          blocking=config.blocking, timing=timing)
+    policy = PromoePolicy(
+        cache.n_slots,
+        list(info.moe_layers),
+        pred,
+        extra=config.prefetch_extra,
+        blocking=config.blocking,
+        timing=timing,
+    )
     why = native_promoe_refusal(config, policy, info)
     if why is None:
         return NativePromoeController(cache, policy, config, alloc=config.alloc, note=note)

@@ -6,6 +6,7 @@
   restores one (llama_state_seq_set_data), so that the engine's prefix reuse then trims it to what the
   next prompt shares.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -95,8 +96,9 @@ class PromptCache:
     def scoped(self, scope: str) -> Iterator[KVSnapshot]:
         return (snap for (s, _), snap in self._entries.items() if s == scope)
 
-    def lookup(self, scope: str, tokens: Sequence[int], *,
-               longer_than: int = 0) -> tuple[KVSnapshot | None, int]:
+    def lookup(
+        self, scope: str, tokens: Sequence[int], *, longer_than: int = 0
+    ) -> tuple[KVSnapshot | None, int]:
         """(the scope's snapshot sharing the longest prefix with tokens, that length); (None, 0) when none
         shares min_prefix tokens and more than longer_than. A hit becomes the most recently used."""
         best, best_n = None, 0
@@ -122,8 +124,11 @@ class PromptCache:
         if snap.nbytes > self.capacity_bytes or len(snap.tokens) < self.min_prefix:
             return False
         n = len(snap.tokens)
-        for key in [k for k, s in self._entries.items()
-                    if k[0] == scope and len(s.tokens) <= n and snap.tokens[:len(s.tokens)] == s.tokens]:
+        for key in [
+            k
+            for k, s in self._entries.items()
+            if k[0] == scope and len(s.tokens) <= n and snap.tokens[: len(s.tokens)] == s.tokens
+        ]:
             self._drop(key)
         while self._entries and self.bytes + snap.nbytes > self.capacity_bytes:
             self._drop(next(iter(self._entries)))
@@ -141,8 +146,15 @@ class PromptCache:
         self.bytes = 0
 
     def stats(self) -> PromptCacheStats:
-        return PromptCacheStats(len(self._entries), self.bytes, self.capacity_bytes, self.stored, self.hits,
-                                self.misses, self.evicted)
+        return PromptCacheStats(
+            len(self._entries),
+            self.bytes,
+            self.capacity_bytes,
+            self.stored,
+            self.hits,
+            self.misses,
+            self.evicted,
+        )
 
 
 class StateMixin:
@@ -176,6 +188,8 @@ class StateMixin:
             self._kv = []
             n = lib.llama_state_seq_set_data(self._ctx, snap.data, snap.nbytes, lib.llama_seq_id(0))
         if n == 0:
-            raise EdgeMoeError(f"llama.cpp could not restore a KV state of {len(snap.tokens)} tokens "
-                               f"({snap.nbytes} bytes): the cache was cleared instead")
+            raise EdgeMoeError(
+                f"llama.cpp could not restore a KV state of {len(snap.tokens)} tokens "
+                f"({snap.nbytes} bytes): the cache was cleared instead"
+            )
         self._kv = list(snap.tokens)

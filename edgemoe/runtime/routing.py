@@ -7,6 +7,7 @@ blocking loads, promoe, dali's prefetcher) needs it: then gating runs first in t
 user's policies, then the expert-cache controller when its residency policy needs the routes; one
 HookChain serves all.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,12 +42,18 @@ def check_assign(config: CacheConfig) -> Assigner | None:
     if refusal is not None:
         raise InvalidConfigError(refusal)
     if not config.assign_costs:
-        raise EdgeMoeError("--assign needs a cost model: a machine profile with a GPU (--profile NAME or FILE; "
-                           "`edgemoe profile` measures this machine's)")
+        raise EdgeMoeError(
+            "--assign needs a cost model: a machine profile with a GPU (--profile NAME or FILE; "
+            "`edgemoe profile` measures this machine's)"
+        )
     return make_assigner(config.assign)
 
-_NATIVE_RULE = {GatingRule.SCORE: native.MOE_GATING_SCORE, GatingRule.SER: native.MOE_GATING_SER,
-                GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY}
+
+_NATIVE_RULE = {
+    GatingRule.SCORE: native.MOE_GATING_SCORE,
+    GatingRule.SER: native.MOE_GATING_SER,
+    GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY,
+}
 
 
 class RoutingMixin:
@@ -69,8 +76,12 @@ class RoutingMixin:
             self.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK if callback else self.cache.native_policy)
         hook_gating = self._gating is not None and callback
         degrade = self.cache.degradation if self.cache is not None else None
-        chain = (([self._gating] if hook_gating and self._gating is not None else []) + self._policies + ([degrade] if degrade else [])
-                 + ([self.cache] if callback and self.cache is not None and self.cache.needs_routes else []))
+        chain = (
+            ([self._gating] if hook_gating and self._gating is not None else [])
+            + self._policies
+            + ([degrade] if degrade else [])
+            + ([self.cache] if callback and self.cache is not None and self.cache.needs_routes else [])
+        )
         self._set_native_gating(None if hook_gating else self._gating)
         if chain:
             hooks = HookChain(chain)
@@ -86,9 +97,14 @@ class RoutingMixin:
         in it (blocking loads, dali)?"""
         # native promoe maps the cached layers' ids in the callback, where gating must run too (the graph's
         # gating leaves layers the callback maps alone)
-        return bool(self._policies) or (self.cache is not None and (
-            self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK or self.cache.degradation is not None
-            or (self._gating is not None and self.cache.native_policy == native.MOE_CACHE_POLICY_PROMOE)))
+        return bool(self._policies) or (
+            self.cache is not None
+            and (
+                self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK
+                or self.cache.degradation is not None
+                or (self._gating is not None and self.cache.native_policy == native.MOE_CACHE_POLICY_PROMOE)
+            )
+        )
 
     def _set_native_gating(self, policy: GatingPolicy | None) -> None:
         """The gating llama.cpp applies in the graph (None: none; an unchanged setting keeps the graph)."""
@@ -96,9 +112,16 @@ class RoutingMixin:
             native.moe_set_gating(self._ctx, native.MOE_GATING_NONE, 0.0, None, True)
             return
         sens = [policy.layer_sensitivity(il) for il in range(self.info.n_layer)]
-        if native.moe_set_gating(self._ctx, _NATIVE_RULE[policy.rule], policy.threshold, sens, policy.decode_only) != 0:
-            raise EdgeMoeError(f"llama.cpp refused the gating rule {policy.rule.value} with threshold "
-                               f"{policy.threshold}: {native.recent_log()[-200:].strip()}")
+        if (
+            native.moe_set_gating(
+                self._ctx, _NATIVE_RULE[policy.rule], policy.threshold, sens, policy.decode_only
+            )
+            != 0
+        ):
+            raise EdgeMoeError(
+                f"llama.cpp refused the gating rule {policy.rule.value} with threshold "
+                f"{policy.threshold}: {native.recent_log()[-200:].strip()}"
+            )
 
     @property
     def gating_path(self) -> str | None:
@@ -129,8 +152,12 @@ class RoutingMixin:
             reduction = st["n_dropped"] / st["n_routed"] if st["n_routed"] else None
         else:
             reduction = g.activation_reduction
-        return {"rule": g.rule.value, "threshold": g.threshold, "path": self.gating_path,
-                "activation_reduction": reduction}
+        return {
+            "rule": g.rule.value,
+            "threshold": g.threshold,
+            "path": self.gating_path,
+            "activation_reduction": reduction,
+        }
 
     def control_stats(self) -> dict[str, int]:
         """What the MoE control path did: ubatches, host syncs of the routing callback, slots gated in the graph,
@@ -159,33 +186,59 @@ class RoutingMixin:
             assigner = check_assign(config)
             slots = config.slots(list(self.info.moe_layers), self.info.n_expert)
             prefetch = config.prefetcher
-            policy = None if prefetch else make_policy(
-                config.policy, slots, blocking=config.blocking, calibration=config.calibration,
-                n_expert=self.info.n_expert, window=config.dali_window, update=config.dali_update,
-                swap_threshold=config.daop_threshold)
+            policy = (
+                None
+                if prefetch
+                else make_policy(
+                    config.policy,
+                    slots,
+                    blocking=config.blocking,
+                    calibration=config.calibration,
+                    n_expert=self.info.n_expert,
+                    window=config.dali_window,
+                    update=config.dali_update,
+                    swap_threshold=config.daop_threshold,
+                )
+            )
             if assigner is not None and config.assign_costs:
                 policy = AssignedPolicy(policy, dict(config.assign_costs), assigner, name=str(config.assign))
-            cache = ExpertCache(self._ctx, self.path, list(self.info.moe_layers), self.info.n_layer,
-                                self.info.n_expert, slots, device)
+            cache = ExpertCache(
+                self._ctx,
+                self.path,
+                list(self.info.moe_layers),
+                self.info.n_layer,
+                self.info.n_expert,
+                slots,
+                device,
+            )
             overlap = config.overlap_on(os.environ)
             if config.overlap and not overlap:
-                log.warning("GGML_CUDA_GRAPH_OPT=1: the expert cache's CPU/GPU overlap is off (llama.cpp's concurrent "
-                            "streams are not verified with it); unset the variable to overlap")
+                log.warning(
+                    "GGML_CUDA_GRAPH_OPT=1: the expert cache's CPU/GPU overlap is off (llama.cpp's concurrent "
+                    "streams are not verified with it); unset the variable to overlap"
+                )
             native.moe_cache_set_overlap(self._ctx, overlap)
             try:
                 if config.prefill_min_tokens:
                     cache.set_prefill(config.prefill_min_tokens, config.prefill_ahead)
                 if config.precalc_from is not None:
                     cache.set_precalc(config.precalc_from, config.precalc_max_tokens)
-                self.cache = (make_prefetcher(cache, config, self.path, self.info) if policy is None
-                              else CacheController(cache, policy, alloc=config.alloc))
-                native.moe_cache_set_async(self._ctx, config.loads_async(device) and not self.cache.issues_own_loads)
+                self.cache = (
+                    make_prefetcher(cache, config, self.path, self.info)
+                    if policy is None
+                    else CacheController(cache, policy, alloc=config.alloc)
+                )
+                native.moe_cache_set_async(
+                    self._ctx, config.loads_async(device) and not self.cache.issues_own_loads
+                )
                 if config.degrade is not None:
                     self.cache.degradation = GracefulDegradation(CacheResidency(cache), ratio=config.degrade)
                 if isinstance(self.cache, NativePromoeController):
                     pol = self.cache.policy
                     assert isinstance(pol, PromoePolicy)
-                    self.set_predictors([pol.predictor], n_out=pol.per_token, weights=config.predictor_weights)
+                    self.set_predictors(
+                        [pol.predictor], n_out=pol.per_token, weights=config.predictor_weights
+                    )
             except BaseException:
                 cache.close()
                 self.cache = None  # no controller over a closed cache: the engine runs as without one
@@ -193,6 +246,8 @@ class RoutingMixin:
                 raise
         self.set_policies(self._policies)
         if config is not None and config.precalc_from is not None and self._needs_callback():
-            log.warning("DAOP's pre-calculation runs only where the cache splits the ids in the graph: with the "
-                        "routing callback (a Python policy, --degrade, --blocking-loads) it does nothing")
+            log.warning(
+                "DAOP's pre-calculation runs only where the cache splits the ids in the graph: with the "
+                "routing callback (a Python policy, --degrade, --blocking-loads) it does nothing"
+            )
         return self.cache.cache if self.cache is not None else None

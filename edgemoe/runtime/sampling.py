@@ -4,6 +4,7 @@ temperature <= 0 means greedy (argmax), exactly like stock llama.cpp. Otherwise
 the chain is llama.cpp's usual order: penalties -> top-k -> top-p -> min-p ->
 temperature -> seeded draw.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,7 +41,11 @@ class Sampler:
         self._chain = chain = lib.llama_sampler_chain_init(chain_params)
         add = lambda s: lib.llama_sampler_chain_add(chain, s)  # noqa: E731
         if params.repeat_penalty != 1.0:
-            add(lib.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
+            add(
+                lib.llama_sampler_init_penalties(
+                    n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0
+                )
+            )
         if params.greedy:
             add(lib.llama_sampler_init_greedy())
             return

@@ -11,4 +11,5 @@
 Needs the optional extra (pip install 'edgemoe[serve]'); the command itself is edgemoe.cli.serve.
 Nothing here imports fastapi at package import time except app and errors.
 """
+
 from __future__ import annotations

@@ -5,6 +5,7 @@ first "system" message, `tool_use` blocks an assistant's "tool_calls", `tool_res
 messages. Unknown fields are accepted and ignored; content the server cannot honour (images,
 documents) is refused with a 400; server tools (web search...) are left out, client tools go to the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,13 @@ class Block(_Lenient):
             return self.text or ""
         if self.type in ("thinking", "redacted_thinking"):
             return ""  # earlier turns' thinking is not part of the prompt
-        raise APIError(400, f"{param}: content blocks of type {self.type!r} are not supported here (text, "
-                            "tool_use and tool_result are)", param=param, code="unsupported_content")
+        raise APIError(
+            400,
+            f"{param}: content blocks of type {self.type!r} are not supported here (text, "
+            "tool_use and tool_result are)",
+            param=param,
+            code="unsupported_content",
+        )
 
 
 class AnthropicMessage(_Lenient):
@@ -69,8 +75,11 @@ class CountTokensRequest(_Lenient):
     def chat_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self.system:
-            system = self.system if isinstance(self.system, str) else \
-                "".join(b.plain(f"system.{i}") for i, b in enumerate(self.system))
+            system = (
+                self.system
+                if isinstance(self.system, str)
+                else "".join(b.plain(f"system.{i}") for i, b in enumerate(self.system))
+            )
             out.append({"role": "system", "content": system})
         for i, m in enumerate(self.messages):
             out += _to_template(m, f"messages.{i}.content")
@@ -82,9 +91,18 @@ class CountTokensRequest(_Lenient):
         server_tools = [t.name for t in self.tools if t.type not in (None, "custom")]
         if server_tools:  # web search, code execution...: Anthropic runs those; a local model cannot
             log.info("ignoring server tools %s (only client tools reach the model)", ", ".join(server_tools))
-        return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                  "parameters": t.input_schema}}
-                for t in self.tools if t.type in (None, "custom")] or None
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": t.input_schema,
+                },
+            }
+            for t in self.tools
+            if t.type in (None, "custom")
+        ] or None
 
 
 def _to_template(m: AnthropicMessage, param: str) -> list[dict[str, Any]]:
@@ -97,11 +115,19 @@ def _to_template(m: AnthropicMessage, param: str) -> list[dict[str, Any]]:
     for j, b in enumerate(m.content):
         where = f"{param}.{j}"
         if b.type == "tool_use" and m.role == "assistant":
-            calls.append({"id": b.id or "", "type": "function",
-                          "function": {"name": b.name or "", "arguments": b.input or {}}})
+            calls.append(
+                {
+                    "id": b.id or "",
+                    "type": "function",
+                    "function": {"name": b.name or "", "arguments": b.input or {}},
+                }
+            )
         elif b.type == "tool_result" and m.role == "user":
-            body = b.content if isinstance(b.content, str) or b.content is None else \
-                "".join(c.plain(f"{where}.content") for c in b.content)
+            body = (
+                b.content
+                if isinstance(b.content, str) or b.content is None
+                else "".join(c.plain(f"{where}.content") for c in b.content)
+            )
             results.append({"role": "tool", "tool_call_id": b.tool_use_id or "", "content": body or ""})
         else:
             text.append(b.plain(where))
@@ -130,8 +156,12 @@ class MessagesRequest(CountTokensRequest):
         return tuple(self.stop_sequences or ())
 
 
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
-                 "cancelled": "end_turn"}
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "cancelled": "end_turn",
+}
 
 
 def stop_reason(out: Outcome) -> str:
@@ -140,8 +170,12 @@ def stop_reason(out: Outcome) -> str:
 
 def usage(out: Outcome) -> dict[str, int]:
     """Anthropic counts cache reads apart: input_tokens are the prompt tokens evaluated."""
-    return {"input_tokens": out.prompt_tokens - out.cached_tokens, "output_tokens": out.completion_tokens,
-            "cache_read_input_tokens": out.cached_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": out.prompt_tokens - out.cached_tokens,
+        "output_tokens": out.completion_tokens,
+        "cache_read_input_tokens": out.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 class MessageReply:
@@ -162,16 +196,35 @@ class MessageReply:
                 content[-1]["text"] += p
             else:
                 content.append({"type": "text", "text": p})
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": stop_reason(out), "stop_sequence": out.stop_sequence,
-                "usage": usage(out), "edgemoe": out.extension}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason(out),
+            "stop_sequence": out.stop_sequence,
+            "usage": usage(out),
+            "edgemoe": out.extension,
+        }
 
     # -- streaming ----------------------------------------------------------------------
     def start(self, prompt_tokens: int, cached: int) -> str:
-        msg = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-               "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": prompt_tokens - cached, "output_tokens": 0,
-                         "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}}
+        msg = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": prompt_tokens - cached,
+                "output_tokens": 0,
+                "cache_read_input_tokens": cached,
+                "cache_creation_input_tokens": 0,
+            },
+        }
         return event("message_start", {"type": "message_start", "message": msg})
 
     def _close(self) -> str:
@@ -184,25 +237,41 @@ class MessageReply:
         out = self._close()
         self.index += 1
         self.open = block["type"]
-        return out + event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                   "content_block": block})
+        return out + event(
+            "content_block_start",
+            {"type": "content_block_start", "index": self.index, "content_block": block},
+        )
 
     def text(self, piece: str) -> str:
         out = "" if self.open == "text" else self._begin({"type": "text", "text": ""})
-        return out + event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                   "delta": {"type": "text_delta", "text": piece}})
+        return out + event(
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": {"type": "text_delta", "text": piece},
+            },
+        )
 
     def tool_use(self, call: ToolCall) -> str:
         out = self._begin({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-        out += event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                             "delta": {"type": "input_json_delta",
-                                                       "partial_json": call.arguments_json}})
+        out += event(
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": {"type": "input_json_delta", "partial_json": call.arguments_json},
+            },
+        )
         return out + self._close()
 
     def end(self, out: Outcome) -> str:
-        delta = {"type": "message_delta", "delta": {"stop_reason": stop_reason(out),
-                                                    "stop_sequence": out.stop_sequence},
-                 "usage": usage(out), "edgemoe": out.extension}
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(out), "stop_sequence": out.stop_sequence},
+            "usage": usage(out),
+            "edgemoe": out.extension,
+        }
         return self._close() + event("message_delta", delta) + event("message_stop", {"type": "message_stop"})
 
 

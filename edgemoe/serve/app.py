@@ -6,6 +6,7 @@ cancels its job: a streamed reply notices when the SSE stream is torn down, a wh
 task that waits for the connection's http.disconnect. While a streamed prompt is evaluated, pings
 (an SSE comment for OpenAI, a `ping` event for Anthropic) keep clients from timing out.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -97,8 +98,9 @@ class GuardMiddleware:
             key = self._key(headers)
             if key is None:
                 how = "x-api-key: KEY" if is_anthropic(path) else "Authorization: Bearer KEY"
-                await APIError(401, f"invalid or missing API key (send {how})",
-                               code="invalid_api_key").response(path)(scope, receive, send)
+                await APIError(
+                    401, f"invalid or missing API key (send {how})", code="invalid_api_key"
+                ).response(path)(scope, receive, send)
                 return
             scope[SCOPE_KEY] = key_scope(key.decode())
         length = headers.get(b"content-length")
@@ -130,8 +132,12 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
     def _too_large(self, path: str) -> APIError:
-        return APIError(413, f"the request body is larger than {self.max_body >> 20} MiB; send less (or "
-                             "start the server with a larger --max-body-mib)", code="request_too_large")
+        return APIError(
+            413,
+            f"the request body is larger than {self.max_body >> 20} MiB; send less (or "
+            "start the server with a larger --max-body-mib)",
+            code="request_too_large",
+        )
 
 
 class Routes:
@@ -143,26 +149,48 @@ class Routes:
     def model_card(self) -> dict[str, Any]:
         """One card both clients read: OpenAI's fields and Anthropic's."""
         created = datetime.fromtimestamp(self.started, timezone.utc).isoformat().replace("+00:00", "Z")
-        return {"id": self.config.model_id, "object": "model", "created": self.started, "owned_by": "edgemoe",
-                "type": "model", "display_name": self.config.model_id, "created_at": created}
+        return {
+            "id": self.config.model_id,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "edgemoe",
+            "type": "model",
+            "display_name": self.config.model_id,
+            "created_at": created,
+        }
 
     def check_model(self, model: str) -> None:
         if model != self.config.model_id:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.config.model_id!r}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.config.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     async def health(self) -> dict[str, Any]:
         w = self.worker
-        out = {"status": "ok", "model": self.config.model_id, "busy": w.busy, "queued": w.queued,
-               "max_queue": w.max_queue, "served": w.served}
+        out = {
+            "status": "ok",
+            "model": self.config.model_id,
+            "busy": w.busy,
+            "queued": w.queued,
+            "max_queue": w.max_queue,
+            "served": w.served,
+        }
         if w.reuse.store is not None:
             out["prompt_cache"] = w.reuse.store.stats().to_dict()
         return out
 
     async def models(self) -> dict[str, Any]:
         card = self.model_card()
-        return {"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
-                "last_id": card["id"]}
+        return {
+            "object": "list",
+            "data": [card],
+            "has_more": False,
+            "first_id": card["id"],
+            "last_id": card["id"],
+        }
 
     async def model(self, model_id: str) -> dict[str, Any]:
         self.check_model(model_id)
@@ -171,25 +199,43 @@ class Routes:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
         body.check()
-        job = self._job(request, body.limit(self.config.max_tokens), body.sampling(self.config.sampling),
-                        body.stops(), messages=body.chat_messages(), tools=body.template_tools())
+        job = self._job(
+            request,
+            body.limit(self.config.max_tokens),
+            body.sampling(self.config.sampling),
+            body.stops(),
+            messages=body.chat_messages(),
+            tools=body.template_tools(),
+        )
         return await self._openai(request, job, Reply("chat", self.config.model_id), body)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
         body.check()
-        job = self._job(request, body.limit(self.config.max_tokens), body.sampling(self.config.sampling),
-                        body.stops(), prompt=body.text())
+        job = self._job(
+            request,
+            body.limit(self.config.max_tokens),
+            body.sampling(self.config.sampling),
+            body.stops(),
+            prompt=body.text(),
+        )
         return await self._openai(request, job, Reply("text", self.config.model_id), body)
 
     async def messages(self, body: ant.MessagesRequest, request: Request) -> Any:
         self.check_model(body.model)
-        job = self._job(request, body.max_tokens, body.sampling(self.config.sampling), body.stops(),
-                        messages=body.chat_messages(), tools=body.template_tools())
+        job = self._job(
+            request,
+            body.max_tokens,
+            body.sampling(self.config.sampling),
+            body.stops(),
+            messages=body.chat_messages(),
+            tools=body.template_tools(),
+        )
         reply = ant.MessageReply(self.config.model_id)
         if body.stream:
-            return await self._start_stream(request, job,
-                                            lambda start: self._anthropic_events(job, reply, start))
+            return await self._start_stream(
+                request, job, lambda start: self._anthropic_events(job, reply, start)
+            )
         parts: list[str | ToolCall] = []
         out = await self._whole(request, job, parts)
         return JSONResponse(reply.whole(parts, out))
@@ -201,15 +247,25 @@ class Routes:
         return {"input_tokens": len(ids)}
 
     # -- running a job ------------------------------------------------------------------
-    def _job(self, request: Request, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
-             **what: Any) -> Job:
-        job = Job(asyncio.get_running_loop(), max_tokens, sampling, stop,
-                  scope=request.scope.get(SCOPE_KEY, ""), **what)
+    def _job(
+        self, request: Request, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...], **what: Any
+    ) -> Job:
+        job = Job(
+            asyncio.get_running_loop(),
+            max_tokens,
+            sampling,
+            stop,
+            scope=request.scope.get(SCOPE_KEY, ""),
+            **what,
+        )
         try:
             self.worker.submit(job)
         except QueueFullError:
-            raise APIError(503, f"the server is busy: {self.worker.max_queue} requests wait already; "
-                                "retry later", code="queue_full") from None
+            raise APIError(
+                503,
+                f"the server is busy: {self.worker.max_queue} requests wait already; retry later",
+                code="queue_full",
+            ) from None
         return job
 
     async def _begin(self, request: Request, job: Job) -> tuple[int, int]:
@@ -224,11 +280,15 @@ class Routes:
         finally:
             watcher.cancel()
 
-    async def _start_stream(self, request: Request, job: Job,
-                            events: Callable[[tuple[int, int]], AsyncIterator[str]]) -> StreamingResponse:
+    async def _start_stream(
+        self, request: Request, job: Job, events: Callable[[tuple[int, int]], AsyncIterator[str]]
+    ) -> StreamingResponse:
         start = await self._begin(request, job)
-        return StreamingResponse(events(start), media_type="text/event-stream",  # it watches the connection
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(start),
+            media_type="text/event-stream",  # it watches the connection
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def _whole(self, request: Request, job: Job, parts: list[str | ToolCall]) -> Outcome:
         """Run a job to its end, collecting text pieces and tool calls; the client leaving cancels it."""
@@ -246,8 +306,9 @@ class Routes:
 
     async def _openai(self, request: Request, job: Job, reply: Reply, body: GenerationRequest) -> Any:
         if body.stream:
-            return await self._start_stream(request, job,
-                                             lambda _: self._openai_events(job, reply, body.include_usage))
+            return await self._start_stream(
+                request, job, lambda _: self._openai_events(job, reply, body.include_usage)
+            )
         parts: list[str | ToolCall] = []
         out = await self._whole(request, job, parts)
         text = "".join(p for p in parts if isinstance(p, str))
@@ -273,8 +334,12 @@ class Routes:
                     n_calls += 1
                 else:
                     out: Outcome = value
-                    yield _sse({**reply.chunk(None if reply.kind == "chat" else "", out.finish_reason),
-                                "edgemoe": out.extension})
+                    yield _sse(
+                        {
+                            **reply.chunk(None if reply.kind == "chat" else "", out.finish_reason),
+                            "edgemoe": out.extension,
+                        }
+                    )
                     if include_usage:
                         yield _sse(reply.usage_chunk(out))
                     break
@@ -282,8 +347,9 @@ class Routes:
         finally:
             job.cancel()  # the client went away mid-stream (or we are done): free the engine
 
-    async def _anthropic_events(self, job: Job, reply: ant.MessageReply,
-                                start: tuple[int, int]) -> AsyncIterator[str]:
+    async def _anthropic_events(
+        self, job: Job, reply: ant.MessageReply, start: tuple[int, int]
+    ) -> AsyncIterator[str]:
         try:
             yield reply.start(*start)
             yield ant.PING
@@ -307,8 +373,13 @@ class Routes:
 
 
 def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="edgemoe", summary="OpenAI- and Anthropic-compatible API over one edgemoe Engine",
-                  openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="edgemoe",
+        summary="OpenAI- and Anthropic-compatible API over one edgemoe Engine",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     install_handlers(app)
     app.add_middleware(GuardMiddleware, keys=config.api_keys, max_body=config.max_body_bytes)
     r = Routes(worker, config)

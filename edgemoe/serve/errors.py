@@ -3,6 +3,7 @@
 OpenAI (every path but /v1/messages): {"error": {"message", "type", "param", "code"}};
 Anthropic (/v1/messages...): {"type": "error", "error": {"type", "message"}}, and 529 where OpenAI's is 503.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,11 +16,25 @@ from starlette.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded"}
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "server_overloaded",
+}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def is_anthropic(path: str) -> bool:
@@ -30,8 +45,15 @@ def is_anthropic(path: str) -> bool:
 class APIError(Exception):
     """An error answered to the client as one JSON error object."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:  # noqa: A002 - the field's name in the API
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:  # noqa: A002 - the field's name in the API
         super().__init__(message)
         self.status = status
         self.message = message
@@ -60,16 +82,24 @@ def from_validation(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('msg', '')}",
-                        code="json_invalid")
+        return APIError(
+            400, f"the request body is not valid JSON: {first.get('msg', '')}", code="json_invalid"
+        )
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
-        return APIError(400, "the request body must be a JSON object (send Content-Type: application/json)",
-                        code="invalid_body")
+        return APIError(
+            400,
+            "the request body must be a JSON object (send Content-Type: application/json)",
+            code="invalid_body",
+        )
     msg = first.get("msg", "invalid request")
-    return APIError(400, f"{param}: {msg}" if param else f"the request body is invalid: {msg}", param=param,
-                    code="missing_field" if first.get("type") == "missing" else "invalid_value")
+    return APIError(
+        400,
+        f"{param}: {msg}" if param else f"the request body is invalid: {msg}",
+        param=param,
+        code="missing_field" if first.get("type") == "missing" else "invalid_value",
+    )
 
 
 def install_handlers(app: FastAPI) -> None:

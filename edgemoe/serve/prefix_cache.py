@@ -11,6 +11,7 @@ Before a prompt is evaluated, PrefixReuse.prepare:
 
 The engine's prefill then evaluates only what follows the shared prefix.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,5 +60,9 @@ class PrefixReuse:
             return
         snap = self.engine.snapshot()
         if not store.put(self.owner, snap):
-            log.info("prompt cache: a state of %d tokens (%d bytes) does not fit %d bytes; not kept",
-                     len(live), snap.nbytes, store.capacity_bytes)
+            log.info(
+                "prompt cache: a state of %d tokens (%d bytes) does not fit %d bytes; not kept",
+                len(live),
+                snap.nbytes,
+                store.capacity_bytes,
+            )

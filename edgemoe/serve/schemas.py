@@ -4,6 +4,7 @@ Fields the server does not use (frequency_penalty, user, ...) are accepted and i
 other local servers do; fields it cannot honour (n > 1, logprobs) are refused with a 400.
 Chat messages become the OpenAI-shaped dicts the chat template reads (template.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -62,14 +63,19 @@ class Message(_Lenient):
         if self.content is None or isinstance(self.content, str):
             text = self.content or ""
         elif any(p.type != "text" or p.text is None for p in self.content):
-            raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content",
-                           code="unsupported_content")
+            raise APIError(
+                400,
+                "only text content parts are supported",
+                param=f"messages.{i}.content",
+                code="unsupported_content",
+            )
         else:
             text = "".join(p.text or "" for p in self.content)
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
-            out["tool_calls"] = [_call_to_template(c, f"messages.{i}.tool_calls.{j}")
-                                 for j, c in enumerate(self.tool_calls)]
+            out["tool_calls"] = [
+                _call_to_template(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(self.tool_calls)
+            ]
         if self.role == "tool":
             out["tool_call_id"] = self.tool_call_id or ""
             if self.name:
@@ -83,10 +89,17 @@ def _call_to_template(call: ToolCallIn, param: str) -> dict[str, Any]:
         try:
             args = json.loads(args or "{}")
         except json.JSONDecodeError:
-            raise APIError(400, f"{param}.function.arguments is not a JSON object: {args[:80]!r}",
-                           param=param, code="invalid_value") from None
-    return {"id": call.id or "", "type": "function",
-            "function": {"name": call.function.name, "arguments": args}}
+            raise APIError(
+                400,
+                f"{param}.function.arguments is not a JSON object: {args[:80]!r}",
+                param=param,
+                code="invalid_value",
+            ) from None
+    return {
+        "id": call.id or "",
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": args},
+    }
 
 
 class StreamOptions(_Lenient):
@@ -113,8 +126,9 @@ class GenerationRequest(_Lenient):
 
     def check(self) -> None:
         if self.n != 1:
-            raise APIError(400, "only n = 1 is supported (one engine, one sequence)", param="n",
-                           code="unsupported_value")
+            raise APIError(
+                400, "only n = 1 is supported (one engine, one sequence)", param="n", code="unsupported_value"
+            )
         if self.logprobs not in (None, False, 0):
             raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
 
@@ -180,15 +194,22 @@ class Reply:
 
     @staticmethod
     def usage(out: Outcome) -> dict[str, Any]:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+        return {
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+        }
 
     @staticmethod
     def tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
         head = {} if index is None else {"index": index}
-        return {**head, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments_json}}
+        return {
+            **head,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments_json},
+        }
 
     def whole(self, text: str, out: Outcome, calls: list[ToolCall] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
@@ -198,11 +219,16 @@ class Reply:
                 choice["message"]["tool_calls"] = [self.tool_call(c) for c in calls]
         else:
             choice["text"] = text
-        return {**self._head(self.object), "choices": [choice], "usage": self.usage(out),
-                "edgemoe": out.extension}
+        return {
+            **self._head(self.object),
+            "choices": [choice],
+            "usage": self.usage(out),
+            "edgemoe": out.extension,
+        }
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *,
-              first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, *, first: bool = False
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -214,8 +240,12 @@ class Reply:
         return {**self._head("text_completion"), "choices": [choice]}
 
     def tool_chunk(self, call: ToolCall, index: int) -> dict[str, Any]:
-        choice = {"index": 0, "finish_reason": None, "logprobs": None,
-                  "delta": {"tool_calls": [self.tool_call(call, index)]}}
+        choice = {
+            "index": 0,
+            "finish_reason": None,
+            "logprobs": None,
+            "delta": {"tool_calls": [self.tool_call(call, index)]},
+        }
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, out: Outcome) -> dict[str, Any]:

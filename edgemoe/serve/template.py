@@ -5,6 +5,7 @@ assistant turns with "tool_calls" ([{"id", "type": "function", "function": {"nam
 tool results as {"role": "tool", "tool_call_id", "name", "content"}; tools as
 [{"type": "function", "function": {"name", "description", "parameters"}}].
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ def _raise(message: str) -> None:
     raise TemplateRefusal(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
+) -> str:
     # transformers' tojson: no HTML escaping (jinja2's own escapes <, > and &, which changes the prompt)
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
@@ -43,8 +45,9 @@ class ChatTemplate:
     """One model's chat template, compiled once."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         self.source = source
@@ -57,25 +60,46 @@ class ChatTemplate:
         """Does the template read the `tools` variable (render the tools it is given)?"""
         return "tools" in self._names
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
-               add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> str:
         """The prompt text; APIError 400 when the template refuses the messages or has no tool support."""
         if tools and not self.supports_tools:
-            raise APIError(400, "this model's chat template does not render tools (it has no `tools` "
-                                "variable), so it cannot call them: send the request without tools, or "
-                                "serve a GGUF whose chat template supports tool calling", param="tools",
-                           code="tools_unsupported")
+            raise APIError(
+                400,
+                "this model's chat template does not render tools (it has no `tools` "
+                "variable), so it cannot call them: send the request without tools, or "
+                "serve a GGUF whose chat template supports tool calling",
+                param="tools",
+                code="tools_unsupported",
+            )
         try:
-            return self._template.render(messages=messages, tools=tools or None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+            return self._template.render(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
         except TemplateRefusal as err:
-            raise APIError(400, f"the model's chat template refuses these messages: {err}", param="messages",
-                           code="template_refused") from None
+            raise APIError(
+                400,
+                f"the model's chat template refuses these messages: {err}",
+                param="messages",
+                code="template_refused",
+            ) from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as err:
-            raise APIError(400, f"the model's chat template failed on these messages ({type(err).__name__}: "
-                                f"{err}); check the roles and content types", param="messages",
-                           code="template_error") from None
+            raise APIError(
+                400,
+                f"the model's chat template failed on these messages ({type(err).__name__}: "
+                f"{err}); check the roles and content types",
+                param="messages",
+                code="template_error",
+            ) from None
 
 
 def load_template(source: str | None, *, bos_token: str = "", eos_token: str = "") -> ChatTemplate | None:
@@ -86,6 +110,9 @@ def load_template(source: str | None, *, bos_token: str = "", eos_token: str = "
     try:
         return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token)
     except jinja2.TemplateError as err:
-        log.warning("the chat template does not compile with jinja2 (%s): using llama.cpp's built-in "
-                    "templates, without tool calls", err)
+        log.warning(
+            "the chat template does not compile with jinja2 (%s): using llama.cpp's built-in "
+            "templates, without tool calls",
+            err,
+        )
         return None

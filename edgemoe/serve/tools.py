@@ -4,6 +4,7 @@ The model writes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (whi
 allowed); ToolCallScanner turns a stream of text pieces into text events and ToolCall events, holding
 back a tail that may begin a tag. A call whose JSON does not parse is given back as text.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,17 +66,17 @@ class ToolCallScanner:
                 i = self.buf.find(OPEN)
                 if i < 0:
                     keep = _held(self.buf, OPEN)
-                    text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                    text, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
                     if text:
                         out.append(text)
                     return out
                 if i:
                     out.append(self.buf[:i])
-                self.buf, self.inside = self.buf[i + len(OPEN):], True
+                self.buf, self.inside = self.buf[i + len(OPEN) :], True
             j = self.buf.find(CLOSE)
             if j < 0:
                 return out
-            body, self.buf, self.inside = self.buf[:j], self.buf[j + len(CLOSE):], False
+            body, self.buf, self.inside = self.buf[:j], self.buf[j + len(CLOSE) :], False
             call = parse_call(body.strip())
             out.append(call if call is not None else OPEN + body + CLOSE)
 

@@ -11,6 +11,7 @@ Prompt caching (prefix_cache.py): before a prompt is evaluated, the live KV stat
 host-memory store when the prompt would throw part of it away, and a stored state sharing a longer
 prefix with the prompt is restored; states are scoped by API key.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,9 +58,13 @@ class StopScanner:
             return out, True
         hold = 0
         for s in self.stops:
-            hold = max(hold, next((k for k in range(min(len(s) - 1, len(self.buf)), 0, -1)
-                                   if self.buf.endswith(s[:k])), 0))
-        out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+            hold = max(
+                hold,
+                next(
+                    (k for k in range(min(len(s) - 1, len(self.buf)), 0, -1) if self.buf.endswith(s[:k])), 0
+                ),
+            )
+        out, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold :]
         return out, False
 
     def flush(self) -> str:
@@ -112,8 +117,15 @@ class EngineWorker:
     scripted: replies to give in order instead of sampling (tests of the tool-call path).
     """
 
-    def __init__(self, engine: Any, max_queue: int, *, template: ChatTemplate | None = None,
-                 prompt_cache: PromptCache | None = None, scripted: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        max_queue: int,
+        *,
+        template: ChatTemplate | None = None,
+        prompt_cache: PromptCache | None = None,
+        scripted: list[str] | None = None,
+    ) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.template = template
@@ -181,34 +193,52 @@ class EngineWorker:
         if self.template is not None:
             return self.template.render(messages, tools)
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-            raise APIError(400, "this model's chat template cannot be rendered with jinja2, so the server "
-                                "has no tool support for it: send the request without tools", param="tools",
-                           code="tools_unsupported")
+            raise APIError(
+                400,
+                "this model's chat template cannot be rendered with jinja2, so the server "
+                "has no tool support for it: send the request without tools",
+                param="tools",
+                code="tools_unsupported",
+            )
         try:
             return self.engine.format_chat([ChatMessage(m["role"], m.get("content") or "") for m in messages])
         except EdgeMoeError as err:  # no (known) chat template
             raise APIError(400, str(err), param="messages", code="no_chat_template") from err
 
-    def prompt_ids(self, *, messages: list[dict[str, Any]] | None = None,
-                   tools: list[dict[str, Any]] | None = None, prompt: str | None = None,
-                   fit: bool = True) -> list[int]:
+    def prompt_ids(
+        self,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        fit: bool = True,
+    ) -> list[int]:
         """The prompt's token ids (thread-safe); APIError 400 when it is empty, or (fit) longer than the
         context."""
         eng = self.engine
         chat = messages is not None
         text = self.render(messages, tools) if messages is not None else prompt or ""
         add_special = True
-        if chat and eng.adds_bos() and self.template is not None and self.template.bos_token \
-                and text.startswith(self.template.bos_token):
+        if (
+            chat
+            and eng.adds_bos()
+            and self.template is not None
+            and self.template.bos_token
+            and text.startswith(self.template.bos_token)
+        ):
             add_special = False  # the template wrote BOS itself
         ids = eng.tokenize(text, add_special=add_special, parse_special=chat)
         param = "messages" if chat else "prompt"
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param=param)
         if fit and len(ids) >= eng.n_ctx:
-            raise APIError(400, f"the prompt is {len(ids)} tokens but the context holds {eng.n_ctx}; "
-                                "shorten it or start the server with a larger --ctx",
-                           param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt is {len(ids)} tokens but the context holds {eng.n_ctx}; "
+                "shorten it or start the server with a larger --ctx",
+                param=param,
+                code="context_length_exceeded",
+            )
         return ids
 
     def _run(self, job: Job) -> None:
@@ -238,8 +268,11 @@ class EngineWorker:
         n_out = 0
         t_first: float | None = None
         scripted = self.scripted is not None
-        gen = self._scripted(ids, job.max_tokens) if scripted else \
-            eng.stream(ids, max_tokens=job.max_tokens, sampling=job.sampling)
+        gen = (
+            self._scripted(ids, job.max_tokens)
+            if scripted
+            else eng.stream(ids, max_tokens=job.max_tokens, sampling=job.sampling)
+        )
         try:
             for tok, piece in gen:
                 if job.cancelled.is_set():
@@ -263,8 +296,11 @@ class EngineWorker:
         else:  # cut short here: the engine's Generation was not completed
             if finish == "stop":
                 emit("", final=True)
-            timings = {"decode_tokens": n_out, "ttft_s": (t_first or t_end) - t_start,
-                       "decode_s": t_end - (t_first or t_end)}
+            timings = {
+                "decode_tokens": n_out,
+                "ttft_s": (t_first or t_end) - t_start,
+                "decode_s": t_end - (t_first or t_end),
+            }
         if n_calls and finish == "stop" and stops.hit is None:
             finish = "tool_calls"
         ext = self._extension(job, timings, t_start, t_end)
@@ -282,14 +318,19 @@ class EngineWorker:
         for tok in reply[:max_tokens]:
             yield tok, eng.detokenize([tok])
         stop = "eog" if len(reply) <= max_tokens else "length"
-        self._script_last = Generation(eng.detokenize(reply[:max_tokens]), ids, reply[:max_tokens], stop,
-                                       first.timings)
+        self._script_last = Generation(
+            eng.detokenize(reply[:max_tokens]), ids, reply[:max_tokens], stop, first.timings
+        )
 
     def _extension(self, job: Job, timings: dict[str, Any], t_start: float, t_end: float) -> dict[str, Any]:
         eng = self.engine
-        ext: dict[str, Any] = {"timings": timings, "queue_s": t_start - job.submitted,
-                               "run_s": t_end - t_start, "gating": eng.gating_report(),
-                               "control": eng.control_stats()}
+        ext: dict[str, Any] = {
+            "timings": timings,
+            "queue_s": t_start - job.submitted,
+            "run_s": t_end - t_start,
+            "gating": eng.gating_report(),
+            "control": eng.control_stats(),
+        }
         if eng.cache is not None:
             ext["cache"] = eng.cache.cache.stats()
         if self.reuse.store is not None:

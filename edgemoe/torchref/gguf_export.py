@@ -3,6 +3,7 @@
 Weights go out as F32 (exact); quantize afterwards with llama.cpp's own
 quantizer (``llama_model_quantize``). Metadata keys come from gguf.constants.Keys.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -80,8 +81,10 @@ def tensor_map(model: MoEModel) -> list[tuple[str, torch.Tensor]]:
             (p + "attn_output.weight", b.attn.wo.weight),
         ]
         if cfg.qk_norm:
-            out += [(p + "attn_q_norm.weight", b.attn.q_norm.weight),
-                    (p + "attn_k_norm.weight", b.attn.k_norm.weight)]
+            out += [
+                (p + "attn_q_norm.weight", b.attn.q_norm.weight),
+                (p + "attn_k_norm.weight", b.attn.k_norm.weight),
+            ]
         out += [
             (p + "ffn_norm.weight", b.ffn_norm.weight),
             (p + "ffn_gate_inp.weight", b.moe.router.weight),  # (E, D)

@@ -3,6 +3,7 @@
 The inverse of gguf_export: the fixtures (and any qwen3moe / Mixtral-style llama
 GGUF whose tensors gguf-py can dequantize) become an MoEModel, for gradients.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,23 +42,33 @@ def config_from_gguf(reader: gguf.GGUFReader) -> MoEConfig:
     if arch not in SUPPORTED or n_expert == 0:
         raise UnsupportedArchitectureError(
             f"the torch reference implements MoE {', '.join(SUPPORTED)} models, not {arch!r}"
-            f"{' without experts' if n_expert == 0 else ''}; use the empirical sensitivity instead")
+            f"{' without experts' if n_expert == 0 else ''}; use the empirical sensitivity instead"
+        )
     k = gguf.Keys.LLM
     n_embd = int(_field(reader, k.EMBEDDING_LENGTH.format(arch=arch)))
     n_head = int(_field(reader, gguf.Keys.Attention.HEAD_COUNT.format(arch=arch)))
     head_dim = int(_field(reader, gguf.Keys.Attention.KEY_LENGTH.format(arch=arch), n_embd // n_head))
-    n_ff_exp = (int(_field(reader, k.EXPERT_FEED_FORWARD_LENGTH.format(arch=arch))) if arch == "qwen3moe"
-                else int(_field(reader, k.FEED_FORWARD_LENGTH.format(arch=arch))))
+    n_ff_exp = (
+        int(_field(reader, k.EXPERT_FEED_FORWARD_LENGTH.format(arch=arch)))
+        if arch == "qwen3moe"
+        else int(_field(reader, k.FEED_FORWARD_LENGTH.format(arch=arch)))
+    )
     tokens = _required(reader, gguf.Keys.Tokenizer.LIST)
     return MoEConfig(
-        arch=arch, n_vocab=len(tokens.data), n_embd=n_embd,
-        n_layer=int(_field(reader, k.BLOCK_COUNT.format(arch=arch))), n_head=n_head,
+        arch=arch,
+        n_vocab=len(tokens.data),
+        n_embd=n_embd,
+        n_layer=int(_field(reader, k.BLOCK_COUNT.format(arch=arch))),
+        n_head=n_head,
         n_head_kv=int(_field(reader, gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_head)),
-        head_dim=head_dim, n_expert=n_expert,
-        n_expert_used=int(_field(reader, k.EXPERT_USED_COUNT.format(arch=arch))), n_ff_exp=n_ff_exp,
+        head_dim=head_dim,
+        n_expert=n_expert,
+        n_expert_used=int(_field(reader, k.EXPERT_USED_COUNT.format(arch=arch))),
+        n_ff_exp=n_ff_exp,
         rope_base=float(_field(reader, gguf.Keys.Rope.FREQ_BASE.format(arch=arch), 10000.0)),
         rms_eps=float(_field(reader, gguf.Keys.Attention.LAYERNORM_RMS_EPS.format(arch=arch), 1e-6)),
-        n_ctx_train=int(_field(reader, k.CONTEXT_LENGTH.format(arch=arch), 2048)))
+        n_ctx_train=int(_field(reader, k.CONTEXT_LENGTH.format(arch=arch), 2048)),
+    )
 
 
 def load_gguf_model(path: str | Path) -> MoEModel:

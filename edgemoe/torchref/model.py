@@ -13,6 +13,7 @@ Expert weights are stacked like GGUF stores them, so export is a transpose-free
 copy: gate/up (n_expert, n_ff, n_embd), down (n_expert, n_embd, n_ff).
 Used for training fixtures and, later, for gradients (Fisher sensitivity).
 """
+
 from __future__ import annotations
 
 import math
@@ -144,7 +145,7 @@ class MoE(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            sel = order[start:start + n]
+            sel = order[start : start + n]
             start += n
             tok = sel // self.cfg.n_expert_used
             xe = x[tok]

@@ -11,6 +11,7 @@ j-1's ffn_norm) or, with `renorm`, layer j's ffn_norm applied to layer j-1's res
 attention (the hidden state DAOP hands over, normalised as layer j would). Everything else is
 MoEModel.forward's arithmetic, so `enabled=False` gives the reference's own logits.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,9 +33,17 @@ class PrecalcCounts:
 
 
 @torch.no_grad()
-def forward_precalc(model: MoEModel, tokens: torch.Tensor, residency: Residency, *, start: int,
-                    first_target: int = 1, renorm: bool = True, enabled: bool = True,
-                    counts: PrecalcCounts | None = None) -> torch.Tensor:
+def forward_precalc(
+    model: MoEModel,
+    tokens: torch.Tensor,
+    residency: Residency,
+    *,
+    start: int,
+    first_target: int = 1,
+    renorm: bool = True,
+    enabled: bool = True,
+    counts: PrecalcCounts | None = None,
+) -> torch.Tensor:
     """tokens (T,) -> logits (T, n_vocab) of one sequence with DAOP's pre-calculation (module docstring)."""
     cfg = model.cfg
     T = int(tokens.shape[0])

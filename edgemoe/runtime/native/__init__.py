@@ -7,6 +7,7 @@
 
 The microbenchmarks' ggml graph bindings live beside them, in edgemoe.perf.ggml_graph. Callers use
 `from edgemoe.runtime import native` and `native.NAME`; tests monkeypatch the same names."""
+
 from __future__ import annotations
 
 from .cuda import cuda_versions, nvml_pcie  # noqa: F401

@@ -1,4 +1,5 @@
 """The CUDA runtime and the NVIDIA driver as `edgemoe doctor` reports them: versions and the GPU's PCIe link."""
+
 from __future__ import annotations
 
 import ctypes
@@ -51,10 +52,12 @@ def nvml_pcie(pci_bus_id: str) -> dict[str, object] | None:
     handle = ctypes.c_void_p()
     out: dict[str, object] = {"driver": version.value.decode()}
     if nvml.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id.encode(), ctypes.byref(handle)) == 0:
-        for key, fn in (("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
-                        ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth"),
-                        ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
-                        ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth")):
+        for key, fn in (
+            ("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
+            ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth"),
+            ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
+            ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth"),
+        ):
             value = ctypes.c_uint(0)
             if getattr(nvml, fn)(handle, ctypes.byref(value)) == 0:
                 out[key] = int(value.value)

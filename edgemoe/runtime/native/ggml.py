@@ -1,4 +1,5 @@
 """ggml's devices, buffer types, type ids and the RPC stand-in device, from the ggml libraries libllama loaded."""
+
 from __future__ import annotations
 
 import ctypes
@@ -18,8 +19,12 @@ _dev_by_type = declare("ggml_backend_dev_by_type", [ctypes.c_int], ctypes.c_void
 # const char * ggml_backend_dev_name(ggml_backend_dev_t device);
 _dev_name = declare("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p, ggml_lib)
 # void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
-_dev_memory = declare("ggml_backend_dev_memory", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
-                                                   ctypes.POINTER(ctypes.c_size_t)], None, ggml_lib)
+_dev_memory = declare(
+    "ggml_backend_dev_memory",
+    [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
+    None,
+    ggml_lib,
+)
 # ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
 _cpu_buft = declare("ggml_backend_cpu_buffer_type", [], ctypes.c_void_p, ggml_cpu_lib)
 
@@ -60,18 +65,23 @@ def device_memory(dev: GgmlDevice) -> tuple[int, int]:
 # ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
 _reg_by_name = declare("ggml_backend_reg_by_name", [ctypes.c_char_p], ctypes.c_void_p, ggml_lib)
 # void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
-_reg_proc = declare("ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p, ggml_lib)
+_reg_proc = declare(
+    "ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p, ggml_lib
+)
 # void ggml_backend_register(ggml_backend_reg_t reg);
 _register = declare("ggml_backend_register", [ctypes.c_void_p], None, ggml_lib)
 # ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
-_reg_dev_get = declare("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p, ggml_lib)
+_reg_dev_get = declare(
+    "ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p, ggml_lib
+)
 # size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
 _reg_dev_count = declare("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t, ggml_lib)
 
 # void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads,
 #                                    size_t n_devices, ggml_backend_dev_t * devices);
-_RpcStartServer = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
-                                   ctypes.POINTER(ctypes.c_void_p))
+_RpcStartServer = ctypes.CFUNCTYPE(
+    None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)
+)
 # ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
 _RpcAddServer = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
 
@@ -117,7 +127,9 @@ class TensorBuftOverride(ctypes.Structure):
 def cpu_overrides(patterns: list[str]) -> ctypes.Array[TensorBuftOverride]:
     """A NULL-terminated override list putting tensors matching the regexes in plain CPU buffers."""
     if _cpu_buft is None:
-        raise NativeLibraryError("libggml-cpu does not export ggml_backend_cpu_buffer_type: run `make install`")
+        raise NativeLibraryError(
+            "libggml-cpu does not export ggml_backend_cpu_buffer_type: run `make install`"
+        )
     arr = (TensorBuftOverride * (len(patterns) + 1))()
     for i, p in enumerate(patterns):
         arr[i].pattern = p.encode()
@@ -125,13 +137,34 @@ def cpu_overrides(patterns: list[str]) -> ctypes.Array[TensorBuftOverride]:
     return arr
 
 
-
 # -- ggml contexts, graphs, buffers and backends (edgemoe.perf.measure's microbenchmarks) -----------------
 # enum ggml_type (ggml/include/ggml.h): the ids of the types the microbenchmarks build weights of
 GGML_TYPES = {
-    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
-    "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20,
-    "IQ3_S": 21, "IQ2_S": 22, "IQ4_XS": 23, "I8": 24, "I32": 26, "IQ1_M": 29, "BF16": 30, "MXFP4": 39,
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q2_K": 10,
+    "Q3_K": 11,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+    "IQ2_XXS": 16,
+    "IQ2_XS": 17,
+    "IQ3_XXS": 18,
+    "IQ1_S": 19,
+    "IQ4_NL": 20,
+    "IQ3_S": 21,
+    "IQ2_S": 22,
+    "IQ4_XS": 23,
+    "I8": 24,
+    "I32": 26,
+    "IQ1_M": 29,
+    "BF16": 30,
+    "MXFP4": 39,
 }
 GGML_TYPE_F32 = GGML_TYPES["F32"]
 GGML_TYPE_I32 = GGML_TYPES["I32"]
@@ -142,16 +175,27 @@ GGML_TYPE_I8 = GGML_TYPES["I8"]
 class DevCaps(ctypes.Structure):
     """struct ggml_backend_dev_caps"""
 
-    _fields_ = [("async_", ctypes.c_bool), ("host_buffer", ctypes.c_bool),
-                ("buffer_from_host_ptr", ctypes.c_bool), ("events", ctypes.c_bool), ("mmap_support", ctypes.c_bool)]
+    _fields_ = [
+        ("async_", ctypes.c_bool),
+        ("host_buffer", ctypes.c_bool),
+        ("buffer_from_host_ptr", ctypes.c_bool),
+        ("events", ctypes.c_bool),
+        ("mmap_support", ctypes.c_bool),
+    ]
 
 
 class DevProps(ctypes.Structure):
     """struct ggml_backend_dev_props"""
 
-    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p), ("memory_free", ctypes.c_size_t),
-                ("memory_total", ctypes.c_size_t), ("type", ctypes.c_int), ("device_id", ctypes.c_char_p),
-                ("caps", DevCaps)]
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("description", ctypes.c_char_p),
+        ("memory_free", ctypes.c_size_t),
+        ("memory_total", ctypes.c_size_t),
+        ("type", ctypes.c_int),
+        ("device_id", ctypes.c_char_p),
+        ("caps", DevCaps),
+    ]
 
 
 class BackendFeature(ctypes.Structure):
@@ -175,16 +219,19 @@ _dev_count = declare("ggml_backend_dev_count", [], ctypes.c_size_t, ggml_lib)
 # ggml_backend_dev_t ggml_backend_dev_get(size_t index);
 _dev_get = declare("ggml_backend_dev_get", [ctypes.c_size_t], ctypes.c_void_p, ggml_lib)
 # void ggml_backend_dev_get_props(ggml_backend_dev_t device, struct ggml_backend_dev_props * props);
-_dev_get_props = declare("ggml_backend_dev_get_props", [ctypes.c_void_p, ctypes.POINTER(DevProps)], None,
-                          ggml_base_lib)
+_dev_get_props = declare(
+    "ggml_backend_dev_get_props", [ctypes.c_void_p, ctypes.POINTER(DevProps)], None, ggml_base_lib
+)
 # typedef struct ggml_backend_feature * (*ggml_backend_get_features_t)(ggml_backend_reg_t reg);
 _GetFeatures = ctypes.CFUNCTYPE(ctypes.POINTER(BackendFeature), ctypes.c_void_p)
 
 
 def _require_doctor(*fns: Any) -> None:
     if any(fn is None for fn in fns):
-        raise NativeLibraryError("the ggml libraries beside libllama lack a function `edgemoe doctor` calls (a "
-                                 "stock or partial build?): run `make install`")
+        raise NativeLibraryError(
+            "the ggml libraries beside libllama lack a function `edgemoe doctor` calls (a "
+            "stock or partial build?): run `make install`"
+        )
 
 
 def ggml_version() -> tuple[str, str]:

@@ -1,4 +1,5 @@
 """The llama_moe_* C API the patch series adds (include/llama.h), each binding under its C prototype."""
+
 from __future__ import annotations
 
 import ctypes
@@ -35,7 +36,9 @@ class MoeRoute(ctypes.Structure):
 MoeHookFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.POINTER(MoeRoute), ctypes.c_void_p)
 
 # void llama_moe_set_hook(struct llama_context * ctx, llama_moe_hook_fn fn, void * user_data, uint32_t flags);
-_moe_set_hook = declare("llama_moe_set_hook", [ctypes.c_void_p, MoeHookFn, ctypes.c_void_p, ctypes.c_uint32], None)
+_moe_set_hook = declare(
+    "llama_moe_set_hook", [ctypes.c_void_p, MoeHookFn, ctypes.c_void_p, ctypes.c_uint32], None
+)
 
 
 def moe_set_hook(ctx: LlamaContext, fn: Any | None, flags: int) -> None:
@@ -64,7 +67,10 @@ class MoeCacheStats(ctypes.Structure):
         ("chunks_staged", ctypes.c_uint64),  # of the chunks, those sent from a staging buffer
         ("routes_async", ctypes.c_uint64),  # ubatches whose routes the worker's policy step processed
         ("waits_timed", ctypes.c_uint64),  # of the load waits, those the worker timed
-        ("us_load_wait", ctypes.c_uint64),  # their time from the compute's wait to the copies' end: an upper bound
+        (
+            "us_load_wait",
+            ctypes.c_uint64,
+        ),  # their time from the compute's wait to the copies' end: an upper bound
     ]
 
 
@@ -73,30 +79,41 @@ MOE_CACHE_ABSENT, MOE_CACHE_QUEUED, MOE_CACHE_COPYING, MOE_CACHE_RESIDENT = 0, 1
 
 
 # int32_t llama_moe_cache_init(struct llama_context * ctx, ggml_backend_dev_t dev, const int32_t * n_slots);
-_moe_cache_init = declare("llama_moe_cache_init", [ctypes.c_void_p, ctypes.c_void_p,
-                                                    ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32)
+_moe_cache_init = declare(
+    "llama_moe_cache_init", [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32
+)
 # bool llama_moe_cache_set_source(struct llama_context * ctx, int32_t il, const void * const * data);
 # data: LLAMA_MOE_CACHE_N_SOURCES pointers (include/llama.h lists their order)
 MOE_CACHE_N_SOURCES = 11
-_moe_cache_set_source = declare("llama_moe_cache_set_source", [ctypes.c_void_p, ctypes.c_int32,
-                                                                ctypes.POINTER(ctypes.c_void_p)], ctypes.c_bool)
+_moe_cache_set_source = declare(
+    "llama_moe_cache_set_source",
+    [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p)],
+    ctypes.c_bool,
+)
 # bool llama_moe_cache_load(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot);
-_moe_cache_load = declare("llama_moe_cache_load", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
-                                                    ctypes.c_int32], ctypes.c_bool)
+_moe_cache_load = declare(
+    "llama_moe_cache_load", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32], ctypes.c_bool
+)
 # const int32_t * llama_moe_cache_slots(const struct llama_context * ctx, int32_t il);
-_moe_cache_slots = declare("llama_moe_cache_slots", [ctypes.c_void_p, ctypes.c_int32],
-                            ctypes.POINTER(ctypes.c_int32))
+_moe_cache_slots = declare(
+    "llama_moe_cache_slots", [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_int32)
+)
 # bool llama_moe_cache_prefetch(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot, int32_t priority);
-_moe_cache_prefetch = declare("llama_moe_cache_prefetch", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
-                                                            ctypes.c_int32, ctypes.c_int32], ctypes.c_bool)
+_moe_cache_prefetch = declare(
+    "llama_moe_cache_prefetch",
+    [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
+    ctypes.c_bool,
+)
 # int32_t llama_moe_cache_issue_loads(struct llama_context * ctx, int32_t max_chunks);
-_moe_cache_issue_loads = declare("llama_moe_cache_issue_loads", [ctypes.c_void_p, ctypes.c_int32],
-                                 ctypes.c_int32)
+_moe_cache_issue_loads = declare(
+    "llama_moe_cache_issue_loads", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32
+)
 # void llama_moe_cache_sync(struct llama_context * ctx);
 _moe_cache_sync = declare("llama_moe_cache_sync", [ctypes.c_void_p], None)
 # enum llama_moe_cache_state llama_moe_cache_get_state(const struct llama_context * ctx, int32_t il, int32_t expert);
-_moe_cache_get_state = declare("llama_moe_cache_get_state", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
-                                ctypes.c_int)
+_moe_cache_get_state = declare(
+    "llama_moe_cache_get_state", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int
+)
 # struct llama_moe_cache_stats llama_moe_cache_get_stats(const struct llama_context * ctx);
 _moe_cache_get_stats = declare("llama_moe_cache_get_stats", [ctypes.c_void_p], MoeCacheStats)
 # void llama_moe_cache_reset_stats(struct llama_context * ctx);
@@ -124,16 +141,20 @@ class MoeStats(ctypes.Structure):
 
 # int32_t llama_moe_set_gating(struct llama_context * ctx, enum llama_moe_gating_rule rule, double threshold,
 #                              const double * sensitivity, bool decode_only);
-_moe_set_gating = declare("llama_moe_set_gating", [ctypes.c_void_p, ctypes.c_int, ctypes.c_double,
-                                                    ctypes.POINTER(ctypes.c_double), ctypes.c_bool], ctypes.c_int32)
+_moe_set_gating = declare(
+    "llama_moe_set_gating",
+    [ctypes.c_void_p, ctypes.c_int, ctypes.c_double, ctypes.POINTER(ctypes.c_double), ctypes.c_bool],
+    ctypes.c_int32,
+)
 # struct llama_moe_stats llama_moe_get_stats(struct llama_context * ctx);
 _moe_get_stats = declare("llama_moe_get_stats", [ctypes.c_void_p], MoeStats)
 # void llama_moe_reset_stats(struct llama_context * ctx);
 _moe_reset_stats = declare("llama_moe_reset_stats", [ctypes.c_void_p], None)
 
 
-def moe_set_gating(ctx: LlamaContext, rule: int, threshold: float, sensitivity: list[float] | None,
-                   decode_only: bool) -> int:
+def moe_set_gating(
+    ctx: LlamaContext, rule: int, threshold: float, sensitivity: list[float] | None, decode_only: bool
+) -> int:
     """Adaptive top-k inside the graph (rule MOE_GATING_NONE turns it off); 0 on success."""
     if _moe_set_gating is None:
         missing_native()
@@ -153,15 +174,20 @@ def moe_reset_stats(ctx: LlamaContext) -> None:
 # int32_t llama_moe_set_predictor(struct llama_context * ctx, int32_t il_src, int32_t il_target,
 #                                 int32_t n_out, int32_t n_hidden, enum ggml_type type, const float * w1,
 #                                 const float * b1, const float * w2, const float * b2, const float * skip);
-_moe_set_predictor = declare("llama_moe_set_predictor", [ctypes.c_void_p] + [ctypes.c_int32] * 4
-                              + [ctypes.c_int] + [ctypes.c_void_p] * 5, ctypes.c_int32)
+_moe_set_predictor = declare(
+    "llama_moe_set_predictor",
+    [ctypes.c_void_p] + [ctypes.c_int32] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 5,
+    ctypes.c_int32,
+)
 # void llama_moe_clear_predictors(struct llama_context * ctx);
 _moe_clear_predictors = declare("llama_moe_clear_predictors", [ctypes.c_void_p], None)
 # int32_t llama_moe_get_predictions(struct llama_context * ctx, int32_t il_target, int32_t * ids,
 #                                   int32_t n_max);
-_moe_get_predictions = declare("llama_moe_get_predictions",
-                                [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32],
-                                ctypes.c_int32)
+_moe_get_predictions = declare(
+    "llama_moe_get_predictions",
+    [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32],
+    ctypes.c_int32,
+)
 # size_t llama_moe_predictor_bytes(const struct llama_context * ctx);
 _moe_predictor_bytes = declare("llama_moe_predictor_bytes", [ctypes.c_void_p], ctypes.c_size_t)
 
@@ -171,14 +197,25 @@ def _f32_ptr(a: np.ndarray | None) -> int | None:
     if a is None:
         return None
     if a.dtype != np.float32 or not a.flags["C_CONTIGUOUS"]:
-        raise ValueError(f"llama_moe_set_predictor takes C-contiguous float32 arrays, got {a.dtype} "
-                         f"{'contiguous' if a.flags['C_CONTIGUOUS'] else 'strided'}")
+        raise ValueError(
+            f"llama_moe_set_predictor takes C-contiguous float32 arrays, got {a.dtype} "
+            f"{'contiguous' if a.flags['C_CONTIGUOUS'] else 'strided'}"
+        )
     return int(a.ctypes.data)
 
 
-def moe_set_predictor(ctx: LlamaContext, il_src: int, il_target: int, n_out: int, type_id: int, w1: np.ndarray | None,
-                      b1: np.ndarray | None, w2: np.ndarray | None, b2: np.ndarray | None,
-                      skip: np.ndarray | None) -> int:
+def moe_set_predictor(
+    ctx: LlamaContext,
+    il_src: int,
+    il_target: int,
+    n_out: int,
+    type_id: int,
+    w1: np.ndarray | None,
+    b1: np.ndarray | None,
+    w2: np.ndarray | None,
+    b2: np.ndarray | None,
+    skip: np.ndarray | None,
+) -> int:
     """Predict layer il_target's top-n_out experts from il_src's router input in the graph (0 on success).
 
     Row-major float32 arrays in the C layout (None: absent): w1 (n_hidden, n_embd), b1 (n_hidden,),
@@ -187,8 +224,21 @@ def moe_set_predictor(ctx: LlamaContext, il_src: int, il_target: int, n_out: int
     if _moe_set_predictor is None:
         missing_native()
     n_hidden = int(w1.shape[0]) if w1 is not None else 0
-    return int(_moe_set_predictor(ctx, il_src, il_target, n_out, n_hidden, type_id, _f32_ptr(w1),
-                                  _f32_ptr(b1), _f32_ptr(w2), _f32_ptr(b2), _f32_ptr(skip)))
+    return int(
+        _moe_set_predictor(
+            ctx,
+            il_src,
+            il_target,
+            n_out,
+            n_hidden,
+            type_id,
+            _f32_ptr(w1),
+            _f32_ptr(b1),
+            _f32_ptr(w2),
+            _f32_ptr(b2),
+            _f32_ptr(skip),
+        )
+    )
 
 
 def moe_clear_predictors(ctx: LlamaContext) -> None:
@@ -240,8 +290,11 @@ def moe_cache_set_overlap(ctx: LlamaContext, overlap: bool) -> None:
 
 
 # int32_t llama_moe_cache_set_window_replacement(struct llama_context * ctx, int32_t window, int32_t update);
-_moe_cache_set_window_replacement = declare("llama_moe_cache_set_window_replacement",
-                                            [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
+_moe_cache_set_window_replacement = declare(
+    "llama_moe_cache_set_window_replacement",
+    [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+    ctypes.c_int32,
+)
 
 
 def moe_cache_set_window_replacement(ctx: LlamaContext, window: int, update: int) -> int:
@@ -251,8 +304,9 @@ def moe_cache_set_window_replacement(ctx: LlamaContext, window: int, update: int
 
 
 # int32_t llama_moe_cache_set_prompt_swap(struct llama_context * ctx, double threshold);
-_moe_cache_set_prompt_swap = declare("llama_moe_cache_set_prompt_swap", [ctypes.c_void_p, ctypes.c_double],
-                                     ctypes.c_int32)
+_moe_cache_set_prompt_swap = declare(
+    "llama_moe_cache_set_prompt_swap", [ctypes.c_void_p, ctypes.c_double], ctypes.c_int32
+)
 
 
 def moe_cache_set_prompt_swap(ctx: LlamaContext, threshold: float) -> int:
@@ -262,8 +316,11 @@ def moe_cache_set_prompt_swap(ctx: LlamaContext, threshold: float) -> int:
 
 # int32_t llama_moe_cache_set_predicted_prefetch(struct llama_context * ctx, bool blocking,
 #                                                double admit_bytes);
-_moe_cache_set_predicted_prefetch = declare("llama_moe_cache_set_predicted_prefetch",
-                                            [ctypes.c_void_p, ctypes.c_bool, ctypes.c_double], ctypes.c_int32)
+_moe_cache_set_predicted_prefetch = declare(
+    "llama_moe_cache_set_predicted_prefetch",
+    [ctypes.c_void_p, ctypes.c_bool, ctypes.c_double],
+    ctypes.c_int32,
+)
 
 
 def moe_cache_set_predicted_prefetch(ctx: LlamaContext, blocking: bool, admit_bytes: float) -> int:
@@ -287,7 +344,9 @@ class MoePrefetchStats(ctypes.Structure):
 
 
 # struct llama_moe_prefetch_stats llama_moe_cache_get_prefetch_stats(const struct llama_context * ctx);
-_moe_cache_get_prefetch_stats = declare("llama_moe_cache_get_prefetch_stats", [ctypes.c_void_p], MoePrefetchStats)
+_moe_cache_get_prefetch_stats = declare(
+    "llama_moe_cache_get_prefetch_stats", [ctypes.c_void_p], MoePrefetchStats
+)
 
 
 def moe_cache_prefetch_stats(ctx: LlamaContext) -> dict[str, int]:
@@ -296,8 +355,9 @@ def moe_cache_prefetch_stats(ctx: LlamaContext) -> dict[str, int]:
 
 
 # int32_t llama_moe_cache_set_staging(struct llama_context * ctx, int32_t n_buffers, bool any_host);
-_moe_cache_set_staging = declare("llama_moe_cache_set_staging", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool],
-                                  ctypes.c_int32)
+_moe_cache_set_staging = declare(
+    "llama_moe_cache_set_staging", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool], ctypes.c_int32
+)
 
 
 def moe_cache_set_staging(ctx: LlamaContext, n_buffers: int, any_host: bool = False) -> int:
@@ -318,7 +378,10 @@ class MoePrefillStats(ctypes.Structure):
     """struct llama_moe_prefill_stats: the prefill buffers' counters."""
 
     _fields_ = [
-        ("ubatches", ctypes.c_uint64),  # ubatches that ran their cached layers' other experts from the buffers
+        (
+            "ubatches",
+            ctypes.c_uint64,
+        ),  # ubatches that ran their cached layers' other experts from the buffers
         ("layers", ctypes.c_uint64),  # cached layers that ran so
         ("needed", ctypes.c_uint64),  # experts those layers ran from the buffers (routed, outside the slots)
         ("ahead", ctypes.c_uint64),  # experts copied one cached layer ahead
@@ -330,10 +393,13 @@ class MoePrefillStats(ctypes.Structure):
 
 
 # int32_t llama_moe_cache_set_prefill(struct llama_context * ctx, int32_t n_min_tokens, enum llama_moe_prefill_ahead ahead);
-_moe_cache_set_prefill = declare("llama_moe_cache_set_prefill", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int],
-                                  ctypes.c_int32)
+_moe_cache_set_prefill = declare(
+    "llama_moe_cache_set_prefill", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int], ctypes.c_int32
+)
 # struct llama_moe_prefill_stats llama_moe_cache_get_prefill_stats(const struct llama_context * ctx);
-_moe_cache_get_prefill_stats = declare("llama_moe_cache_get_prefill_stats", [ctypes.c_void_p], MoePrefillStats)
+_moe_cache_get_prefill_stats = declare(
+    "llama_moe_cache_get_prefill_stats", [ctypes.c_void_p], MoePrefillStats
+)
 
 
 def moe_cache_set_prefill(ctx: LlamaContext, n_min_tokens: int, ahead: int = MOE_PREFILL_ALL) -> int:
@@ -360,10 +426,13 @@ class MoePrecalcStats(ctypes.Structure):
 
 
 # int32_t llama_moe_cache_set_precalc(struct llama_context * ctx, int32_t il_first, int32_t n_max_tokens);
-_moe_cache_set_precalc = declare("llama_moe_cache_set_precalc", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
-                                  ctypes.c_int32)
+_moe_cache_set_precalc = declare(
+    "llama_moe_cache_set_precalc", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32
+)
 # struct llama_moe_precalc_stats llama_moe_cache_get_precalc_stats(const struct llama_context * ctx);
-_moe_cache_get_precalc_stats = declare("llama_moe_cache_get_precalc_stats", [ctypes.c_void_p], MoePrecalcStats)
+_moe_cache_get_precalc_stats = declare(
+    "llama_moe_cache_get_precalc_stats", [ctypes.c_void_p], MoePrecalcStats
+)
 
 
 def moe_cache_set_precalc(ctx: LlamaContext, il_first: int, n_max_tokens: int) -> int:
@@ -441,5 +510,3 @@ def moe_cache_stats(ctx: LlamaContext) -> MoeCacheStats:
 
 def moe_cache_reset_stats(ctx: LlamaContext) -> None:
     _moe_cache_reset_stats(ctx)
-
-

@@ -1,5 +1,6 @@
 """Loading libllama (llama-cpp-python's copy) and its ggml siblings once, the patch-level handshake, and
 llama.cpp's logs and aborts routed to Python."""
+
 from __future__ import annotations
 
 import ctypes
@@ -21,7 +22,8 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only on a broken install
     raise NativeLibraryError(
         f"llama-cpp-python is not importable ({err}); run `make install` to build the patched "
-        "llama.cpp into .venv") from err
+        "llama.cpp into .venv"
+    ) from err
 
 _cdll: ctypes.CDLL = lib._lib
 
@@ -71,14 +73,16 @@ def require_patched() -> None:
         where = getattr(_cdll, "_name", "libllama")
         raise NativeLibraryError(
             f"{where} is stock llama.cpp (edgemoe patch level {level}, need >= {REQUIRED_PATCH_LEVEL}); "
-            "run `make install` (or `python tools/build_llama.py`) to build the patched library")
+            "run `make install` (or `python tools/build_llama.py`) to build the patched library"
+        )
 
 
 def missing_native() -> NoReturn:
     """Raise for a patched function the loaded libllama lacks (NativeLibraryError of require_patched on stock)."""
     require_patched()
-    raise NativeLibraryError("the loaded libllama lacks a function of edgemoe's patch series: run `make install` "
-                             "to rebuild it")
+    raise NativeLibraryError(
+        "the loaded libllama lacks a function of edgemoe's patch series: run `make install` to rebuild it"
+    )
 
 
 def supports_gpu_offload() -> bool:
@@ -128,8 +132,11 @@ _backtrace_env_set = [False]
 @_AbortCallback
 def _on_native_abort(message: bytes | None) -> None:  # pragma: no cover - runs in a dying process
     text = (message or b"").decode("utf-8", errors="replace").strip()
-    os.write(2, f"edgemoe: llama.cpp stopped on an internal error: {text} (a bug: please report it with the "
-                "command; `edgemoe --debug` shows a native backtrace)\n".encode())
+    os.write(
+        2,
+        f"edgemoe: llama.cpp stopped on an internal error: {text} (a bug: please report it with the "
+        "command; `edgemoe --debug` shows a native backtrace)\n".encode(),
+    )
 
 
 def set_native_debug(debug: bool) -> None:
@@ -174,4 +181,3 @@ def recent_error(since: int = 0) -> str:
     errors = [line for n, line in _errors if n > since]
     line = errors[0] if errors else (_recent[-1] if _recent else "")
     return " ".join(line.split())
-
