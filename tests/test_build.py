@@ -104,7 +104,7 @@ def test_each_patch_has_the_project_as_author_and_a_body_naming_its_test() -> No
 
 
 def test_patch_level_is_set_once_to_what_the_python_side_requires() -> None:
-    native_src = (ROOT / "edgemoe" / "runtime" / "native.py").read_text()
+    native_src = (ROOT / "edgemoe" / "runtime" / "native" / "loader.py").read_text()
     required = int(re.search(r"^REQUIRED_PATCH_LEVEL = (\d+)$", native_src, re.M).group(1))
     setters = {p.name: re.findall(r"^\+int32_t llama_edgemoe_patch_level\(void\) \{\n\+    return (\d+);",
                                   p.read_text(), re.M)
