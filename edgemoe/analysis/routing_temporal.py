@@ -43,8 +43,8 @@ class TemporalParams:
             drift=p("drift"),
             copy=p("copy"),
             near=p("near"),
-            window=int(d.get("window", 64)),
-        )  # type: ignore[call-overload]
+            window=int(d.get("window", 64)),  # type: ignore[call-overload]  # a JSON number
+        )
 
     def at(self, name: str, layer: int, n_layer: int) -> float:
         """The parameter's value at MoE layer `layer` of `n_layer` (depth-interpolated when a list)."""
