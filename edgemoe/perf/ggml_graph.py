@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import NativeLibraryError
 from ..runtime.native.ggml import GGML_BACKEND_DEVICE_TYPE_CPU, device_by_type, device_name, reg_proc_address
 from ..runtime.native.ggml import cpu_buffer_type as _cpu_buffer_type
-from ..runtime.native.loader import GgmlDevice, declare, ggml_base_lib, ggml_cpu_lib
+from ..runtime.native.loader import GgmlDevice, declare, ggml_base_lib, ggml_cpu_lib, require_ggml_functions
 
 # enum ggml_status
 GGML_STATUS_SUCCESS = 0
@@ -159,11 +159,7 @@ _threadpool_free = declare("ggml_threadpool_free", [_vp], None, ggml_cpu_lib)
 
 
 def _require(*fns: Any) -> None:
-    if any(fn is None for fn in fns):
-        raise NativeLibraryError(
-            "the ggml libraries beside libllama lack a function edgemoe's "
-            "microbenchmarks call (a stock or partial build?): run `make install`"
-        )
+    require_ggml_functions(*fns, caller="edgemoe's microbenchmarks")
 
 
 def require_ggml() -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from ..gguf.info import parse_size
 from ..runtime.engine import Engine, LoadConfig
-from .install import Notify, install_cache, install_gating, load_config, log
+from .install import Notify, install_cache, install_gating, load_config
 from .request import CacheRequest, cache_request
+
+log = logging.getLogger(__name__)
 
 
 def open_engine(

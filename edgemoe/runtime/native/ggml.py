@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 from ...errors import NativeLibraryError
-from .loader import GgmlBufferType, GgmlDevice, declare, ggml_base_lib, ggml_cpu_lib, ggml_lib
+from .loader import (
+    GgmlBufferType,
+    GgmlDevice,
+    declare,
+    ggml_base_lib,
+    ggml_cpu_lib,
+    ggml_lib,
+    require_ggml_functions,
+)
 
 # -- ggml device and buffer-type lookups (libggml / libggml-cpu beside libllama) ------------------------
 # enum ggml_backend_dev_type (ACCEL 2, IGPU 3)
@@ -226,14 +233,6 @@ _dev_get_props = declare(
 _GetFeatures = ctypes.CFUNCTYPE(ctypes.POINTER(BackendFeature), ctypes.c_void_p)
 
 
-def _require_doctor(*fns: Any) -> None:
-    if any(fn is None for fn in fns):
-        raise NativeLibraryError(
-            "the ggml libraries beside libllama lack a function `edgemoe doctor` calls (a "
-            "stock or partial build?): run `make install`"
-        )
-
-
 def ggml_version() -> tuple[str, str]:
     """(ggml's version, the commit it was built from: "unknown" for a source tree without git)."""
     version = _ggml_version().decode() if _ggml_version is not None else "?"
@@ -243,7 +242,7 @@ def ggml_version() -> tuple[str, str]:
 
 def backend_registries() -> list[tuple[str, dict[str, str]]]:
     """Each registered ggml backend's name with its build features (CPU: AVX2, ...; CUDA: ARCHS, ...)."""
-    _require_doctor(_reg_count, _reg_get, _reg_name, _reg_proc)
+    require_ggml_functions(_reg_count, _reg_get, _reg_name, _reg_proc, caller="`edgemoe doctor`")
     out: list[tuple[str, dict[str, str]]] = []
     for i in range(_reg_count()):
         reg = _reg_get(i)
@@ -261,7 +260,7 @@ def backend_registries() -> list[tuple[str, dict[str, str]]]:
 
 def devices() -> list[tuple[int, DevProps]]:
     """Every device ggml sees (handle, properties with free and total memory), CPU included."""
-    _require_doctor(_dev_count, _dev_get, _dev_get_props)
+    require_ggml_functions(_dev_count, _dev_get, _dev_get_props, caller="`edgemoe doctor`")
     out: list[tuple[int, DevProps]] = []
     for i in range(_dev_count()):
         dev = _dev_get(i)

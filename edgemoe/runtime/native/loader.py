@@ -77,6 +77,16 @@ def require_patched() -> None:
         )
 
 
+def require_ggml_functions(*fns: Any, caller: str) -> None:
+    """Raise NativeLibraryError unless every declared ggml function was found (declare() gives None for one the
+    libraries beside libllama lack); `caller` names what needs them."""
+    if any(fn is None for fn in fns):
+        raise NativeLibraryError(
+            f"the ggml libraries beside libllama lack a function {caller} calls (a stock or partial build?): "
+            "run `make install`"
+        )
+
+
 def missing_native() -> NoReturn:
     """Raise for a patched function the loaded libllama lacks (NativeLibraryError of require_patched on stock)."""
     require_patched()
