@@ -22,6 +22,7 @@ average before and after, and the CMake arguments are written to ``.build/<varia
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -57,12 +58,47 @@ def log(msg: str) -> None:
     print(f"[build-native-tree] {msg}", flush=True)
 
 
+def file_stamps(root: Path) -> dict[str, tuple[str, int]]:
+    """(sha256, mtime_ns) of every file under root, by relative path; {} when root does not exist."""
+    stamps: dict[str, tuple[str, int]] = {}
+    if not root.exists():
+        return stamps
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink() and ".git" not in path.relative_to(root).parts:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            stamps[str(path.relative_to(root))] = (digest, path.stat().st_mtime_ns)
+    return stamps
+
+
+def keep_unchanged_mtimes(root: Path, before: dict[str, tuple[str, int]]) -> int:
+    """Give every file whose bytes equal the previous tree's its previous mtime back, so that ninja rebuilds
+    only what the series changed (a fresh `git am` stamps every patched file, ggml.h included, and ggml.h
+    alone would recompile every CUDA kernel). Returns how many files kept their mtime."""
+    kept = 0
+    for rel, (digest, old_mtime) in before.items():
+        path = root / rel
+        if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest:
+            os.utime(path, ns=(old_mtime, old_mtime))
+            kept += 1
+    return kept
+
+
 def patched_source(variant: str) -> Path:
-    """A fresh patched source tree for this variant, from the pinned sdist."""
+    """A fresh patched source tree for this variant, from the pinned sdist; files whose bytes did not change
+    since the last run keep their mtimes (the build directory is reused)."""
     tarball = bl.fetch_sdist(BUILD_ROOT / "sdist", sys.executable)
+    llama_rel = Path(bl.SDIST_NAME) / "vendor" / "llama.cpp"
+    before = file_stamps(BUILD_ROOT / f"src-{variant}" / llama_rel)
     src = bl.unpack(tarball, BUILD_ROOT / f"src-{variant}")
     bl.apply_series(src, bl.read_series(bl.ROOT / "patches"))
-    return src / "vendor" / "llama.cpp"
+    llama_dir = src / "vendor" / "llama.cpp"
+    if before:
+        after = file_stamps(llama_dir)
+        changed = sorted(rel for rel, (digest, _) in after.items() if before.get(rel, ("",))[0] != digest)
+        kept = keep_unchanged_mtimes(llama_dir, before)
+        log(f"{kept} files unchanged since the last {variant} tree; {len(changed)} changed or new: "
+            + ", ".join(changed[:12]) + (" ..." if len(changed) > 12 else ""))
+    return llama_dir
 
 
 def cuda_wheels_root(python: str) -> Path:
