@@ -114,3 +114,29 @@ def test_patch_level_is_set_once_to_what_the_python_side_requires() -> None:
     assert touching == {first: [str(required)]}
     later = [p.name for p in bl.read_series(ROOT / "patches")[1:] if "edgemoe_patch_level" in p.read_text()]
     assert later == []
+
+
+def added_lines_per_file(patch: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    current = ""
+    for line in patch.read_text().split("\n"):
+        if line.startswith("diff --git "):
+            current = line.split(" b/", 1)[1]
+        elif line.startswith("+") and not line.startswith("+++"):
+            counts[current] = counts.get(current, 0) + 1
+    return counts
+
+
+def test_moe_code_lives_in_its_own_files() -> None:
+    """The series keeps llama_context's files to call sites: the hook and the cache are classes of their own
+    (src/llama-moe-hook.*, src/llama-moe-cache.*), so an upgrade meets few hunks in upstream's busiest files."""
+    total: dict[str, int] = {}
+    for p in bl.read_series(ROOT / "patches"):
+        for name, n in added_lines_per_file(p).items():
+            total[name] = total.get(name, 0) + n
+    assert total["src/llama-context.cpp"] < 100 and total["src/llama-context.h"] < 30, total
+    for name in ("src/llama-moe-hook.h", "src/llama-moe-hook.cpp", "src/llama-moe-cache.h", "src/llama-moe-cache.cpp"):
+        assert total.get(name, 0) > 50, f"{name} is not written by the series"
+    # no llama_context member of the MoE code is defined outside the new files
+    context_hunks = "".join(p.read_text() for p in bl.read_series(ROOT / "patches"))
+    assert not re.search(r"^\+[^\n]*\bllama_context::(moe_\w+|set_moe_hook)\(", context_hunks, re.M)
