@@ -150,6 +150,16 @@ def test_gpu_skipped_ids_op_test_passes() -> None:
     assert "OK   CUDA0" in out.stdout
 
 
+def test_gpu_backend_ops_cases_of_the_series_pass() -> None:
+    """llama.cpp's test-backend-ops with the series' cases (skipped ids, moe_gate): CUDA against the CPU."""
+    import tempfile
+
+    from test_ops import LLAMA_SRC, build_native, run_backend_ops
+
+    exe = build_native("test-backend-ops", Path(tempfile.mkdtemp()), LLAMA_SRC / "tests" / "test-backend-ops.cpp")
+    run_backend_ops(exe, "CUDA0")
+
+
 def test_native_promoe_on_gpu(fixture_model: Path) -> None:
     """Patches 0023, 0024 on CUDA: promoe inside llama.cpp, the predictor in the graph on the GPU, the load worker issuing
     the predictions' chunks while the later layers compute; the logits within the cache's tolerance of the

@@ -1,7 +1,8 @@
-"""Op-level tests of the patched ggml (tests/native/*.cpp), built against the installed libggml.
+"""Op-level tests of the patched ggml, built against the installed libggml.
 
-test_mmid_skip.cpp checks patch 0003 (mul_mat_id / add_id skip slots with id < 0) on every
-backend the library has: CPU, the CPU repack buffer, and CUDA when built with it.
+tests/native/test_mmid_skip.cpp checks skipped ids (mul_mat_id / add_id skip slots with id < 0) on every
+backend the library has: CPU, the CPU repack buffer, and CUDA when built with it. The series also adds
+the ops' cases to llama.cpp's own tests/test-backend-ops.cpp, which compares a backend with the CPU.
 """
 from __future__ import annotations
 
@@ -16,20 +17,36 @@ import llama_cpp
 
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "tests" / "native"
-GGML_INCLUDE = ROOT / ".build" / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "ggml" / "include"
+LLAMA_SRC = ROOT / ".build" / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+GGML_INCLUDE = LLAMA_SRC / "ggml" / "include"
+# the series' cases in llama.cpp's test-backend-ops (op name -> how many cases it registers)
+BACKEND_OPS_CASES = {"MUL_MAT_ID_SKIP": 36, "ADD_ID_SKIP": 4, "MOE_GATE": 36}
 LIB_DIR = Path(llama_cpp.__file__).parent / "lib"
 
 
-def build_native(name: str, out_dir: Path) -> Path:
-    """Compile tests/native/<name>.cpp against the patched headers and the venv's libggml."""
+def build_native(name: str, out_dir: Path, source: Path | None = None) -> Path:
+    """Compile tests/native/<name>.cpp (or source) against the patched headers and the venv's libggml."""
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed for the op tests"
     assert (GGML_INCLUDE / "ggml.h").exists(), f"{GGML_INCLUDE} missing: run `make install` first"
     exe = out_dir / name
-    cmd = [cxx, "-std=c++17", "-O1", "-Wall", str(NATIVE / f"{name}.cpp"), f"-I{GGML_INCLUDE}",
+    src = source or NATIVE / f"{name}.cpp"
+    cmd = [cxx, "-std=c++17", "-O1", "-Wall", str(src), f"-I{GGML_INCLUDE}",
            f"-L{LIB_DIR}", "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{LIB_DIR}", "-o", str(exe)]
     subprocess.run(cmd, check=True)
     return exe
+
+
+def run_backend_ops(exe: Path, backend: str) -> str:
+    """test-backend-ops on one backend, the series' cases only; its output (asserted to pass)."""
+    ops = ",".join(BACKEND_OPS_CASES)
+    proc = subprocess.run([str(exe), "-b", backend, "-o", ops], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    n_cases = sum(BACKEND_OPS_CASES.values())
+    assert f"{n_cases}/{n_cases} tests passed" in proc.stdout, proc.stdout[-3000:]
+    for op in BACKEND_OPS_CASES:
+        assert f"  {op}(" in proc.stdout, op
+    return proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +64,15 @@ def test_mul_mat_id_and_add_id_skip_negative_ids(mmid_skip: Path, threads: int) 
     # 6 types x 4 token counts x 3 skip rates + 2 on the plain CPU buffer alone
     assert int(m.group(1)) >= 74
     assert "OK   CPU [type=q4_K" in proc.stdout and "p_skip=1.00" in proc.stdout
+
+
+def test_backend_ops_cases_of_the_series_run_on_the_cpu(tmp_path: Path) -> None:
+    """The series' test-backend-ops cases (patches 0002, 0003) build against the installed library and run.
+
+    On the CPU they compare the CPU backend with itself, so what they can catch here is a crash, a NaN, a write
+    outside an output (test-backend-ops' sentinels) or a missing case; the comparison that matters runs on a
+    CUDA build (tests/test_gpu.py). The properties the CPU comparison cannot see (skipped rows exactly 0,
+    decisions equal to the Python rules) are the standalone programs' above.
+    """
+    exe = build_native("test-backend-ops", tmp_path, LLAMA_SRC / "tests" / "test-backend-ops.cpp")
+    run_backend_ops(exe, "CPU")
