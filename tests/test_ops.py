@@ -67,7 +67,7 @@ def test_mul_mat_id_and_add_id_skip_negative_ids(mmid_skip: Path, threads: int) 
 
 
 def test_backend_ops_cases_of_the_series_run_on_the_cpu(tmp_path: Path) -> None:
-    """The series' test-backend-ops cases (patches 0002, 0003) build against the installed library and run.
+    """The series' test-backend-ops cases (skipped ids, moe_gate) build against the installed library and run.
 
     On the CPU they compare the CPU backend with itself, so what they can catch here is a crash, a NaN, a write
     outside an output (test-backend-ops' sentinels) or a missing case; the comparison that matters runs on a
