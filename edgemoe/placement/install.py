@@ -12,7 +12,7 @@ from typing import Any
 from ..calibration import auto
 from ..calibration.adaptive import default_calibration_dir
 from ..calibration.slot_plan import describe, plan_allocation
-from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, read_model_info, vram_plan, vram_reserve
+from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, vram_plan, vram_reserve
 from ..policies.daop import precalc_targets
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
 from ..policies.residency import DALI_WINDOW
@@ -67,12 +67,12 @@ def whole_model_fits(info: ModelInfo, req: CacheRequest, n_ctx: int) -> bool:
     ).all_experts_fit
 
 
-def load_config(base: LoadConfig, req: CacheRequest | None, model: Path) -> LoadConfig:
+def load_config(base: LoadConfig, req: CacheRequest | None, info: ModelInfo) -> LoadConfig:
     """The engine's LoadConfig with the cache's needs: on a GPU build, experts in CPU memory and the rest on the
-    GPU; every layer on the GPU where the budget holds the whole model."""
+    GPU; every layer on the GPU where the budget holds the whole model. `info`: the model's (model_info of the
+    header the engine is given)."""
     if req is None or not req.enabled or native.gpu_device() is None:
         return base
-    info = read_model_info(model)
     if whole_model_fits(info, req, base.n_ctx):
         return replace(base, n_gpu_layers=999)
     return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))

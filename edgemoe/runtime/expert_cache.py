@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..gguf.header import check_gguf
+from ..gguf.header import GgufHeader, check_gguf
 from ..policies.daop import DaopPolicy
 from ..policies.degrade import GracefulDegradation
 from ..policies.loads import split_loads
@@ -56,10 +56,10 @@ EXPERT_TENSORS = (
 )
 
 
-def expert_chunk_bytes(path: Path, layers: Sequence[int]) -> dict[int, tuple[int, ...]]:
+def expert_chunk_bytes(model: Path | GgufHeader, layers: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """Bytes of each chunk of one expert per MoE layer, in the order llama.cpp copies them (EXPERT_TENSORS):
-    a stacked tensor's bytes over its experts."""
-    header = check_gguf(path)
+    a stacked tensor's bytes over its experts. `model`: a GGUF's path or its parsed header."""
+    header = model if isinstance(model, GgufHeader) else check_gguf(model)
     by_name = {t.name: t for t in header.tensors}
     out = {}
     for il in layers:
@@ -87,7 +87,7 @@ class ExpertCache:
     def __init__(
         self,
         ctx: Any,
-        model_path: Path,
+        header: GgufHeader,
         moe_layers: list[int],
         n_layer: int,
         n_expert: int,
@@ -108,15 +108,15 @@ class ExpertCache:
             raise ExpertCacheError(
                 f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}"
             )
-        self._map = self._set_sources(model_path, [il for il, n in self.n_slots.items() if n > 0])
-        self.chunk_bytes = expert_chunk_bytes(model_path, [il for il, n in self.n_slots.items() if n > 0])
+        cached = [il for il, n in self.n_slots.items() if n > 0]
+        self._map = self._set_sources(header, cached)
+        self.chunk_bytes = expert_chunk_bytes(header, cached)
 
-    def _set_sources(self, path: Path, layers: list[int]) -> np.memmap | None:
+    def _set_sources(self, header: GgufHeader, layers: list[int]) -> np.memmap | None:
         if not layers:
             return None
-        header = check_gguf(path)
         where = {t.name: header.data_offset + t.offset for t in header.tensors}
-        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        mapped = np.memmap(header.path, dtype=np.uint8, mode="r")
         base = mapped.ctypes.data
         for il in layers:
             ptrs = [

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EdgeMoeError
+from ..gguf.header import GgufHeader
 from ..gguf.info import ModelInfo
 from ..policies.assignment import make_assigner
 from ..policies.degrade import GracefulDegradation
@@ -97,6 +98,7 @@ class RoutingMixin:
 
     _ctx: Any
     path: Path
+    header: GgufHeader
     info: ModelInfo
     _hooks: HookChain | None
     _policies: list[RoutePolicy]
@@ -227,7 +229,7 @@ class RoutingMixin:
             )
             cache = ExpertCache(
                 self._ctx,
-                self.path,
+                self.header,
                 list(self.info.moe_layers),
                 self.info.n_layer,
                 self.info.n_expert,
