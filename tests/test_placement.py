@@ -73,3 +73,14 @@ def test_open_engine_parses_the_header_once(monkeypatch: pytest.MonkeyPatch) -> 
         assert eng.cache is not None and eng.cache.cache.n_slots  # a cache, not the whole model on the GPU
     assert parses == [MODEL]
 
+
+def test_gating_calibration_defaults_to_the_models(tmp_path: Path) -> None:
+    """gating_for: the one place --gating's calibration directory defaults (install_gating, perplexity)."""
+    from edgemoe.calibration.adaptive import GatingOptions, default_calibration_dir
+    from edgemoe.placement import gating_for
+
+    opts = GatingOptions(mode="score", threshold=0.5)
+    assert gating_for(opts, MODEL) == GatingOptions(mode="score", threshold=0.5,
+                                                    calibration=default_calibration_dir(MODEL))
+    given = GatingOptions(mode="score", threshold=0.5, calibration=tmp_path)
+    assert gating_for(given, MODEL) is given

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..calibration import auto
-from ..calibration.adaptive import default_calibration_dir
+from ..calibration.adaptive import GatingOptions, default_calibration_dir
 from ..calibration.slot_plan import describe, plan_allocation
 from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, vram_plan, vram_reserve
 from ..policies.daop import precalc_targets
@@ -252,15 +252,22 @@ def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.Gg
     return "\n".join(lines)
 
 
-def install_gating(engine: Engine, opts: Any, *, notify: Notify = log.info) -> None:
-    """Adaptive top-k as `opts` (calibration.adaptive.GatingOptions) asks, calibrated on first use; its
-    calibration directory defaults to the model's."""
+def gating_for(opts: GatingOptions, model: Path) -> GatingOptions:
+    """`opts` with its calibration directory resolved: the one given, else the model's (default_calibration_dir).
+    The one place that default is decided, for install_gating and `edgemoe perplexity`."""
+    if opts.calibration is not None:
+        return opts
+    return replace(opts, calibration=default_calibration_dir(model))
+
+
+def install_gating(engine: Engine, opts: GatingOptions | None, *, notify: Notify = log.info) -> None:
+    """Adaptive top-k as `opts` asks, calibrated on first use; its calibration directory defaults to the
+    model's (gating_for)."""
     from ..calibration.adaptive import build_gating
 
     if opts is None:
         return
-    if opts.calibration is None:
-        opts = replace(opts, calibration=default_calibration_dir(engine.path))
+    opts = gating_for(opts, engine.path)
     policy = build_gating(engine, opts)
     if policy is not None:
         path = engine.set_gating(policy)
