@@ -63,7 +63,23 @@ class LruConfig:
 
 
 @dataclass(frozen=True)
-class DaliConfig:
+class _CopyQueue:
+    """The options of a prefetcher's model of the copy queue (promoe, dali's prefetcher)."""
+
+    # how many chunks the copy queue issues after each MoE layer (None: every queued chunk, as a copy stream
+    # that keeps up); a model of a slower stream for the stand-in, whose copies are instant
+    copy_timing: CopyTiming | None = None
+    # with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
+    admission: bool = True
+
+    @property
+    def admitted_timing(self) -> CopyTiming | None:
+        """The timing the prefetcher admits its loads by (None: every prediction)."""
+        return self.copy_timing if self.admission else None
+
+
+@dataclass(frozen=True)
+class DaliConfig(_CopyQueue):
     """DALI's workload-aware replacement (residency.DaliPolicy), optionally with its residual prefetcher."""
 
     name: ClassVar[str] = PolicyKind.DALI.value
@@ -76,8 +92,6 @@ class DaliConfig:
     assign: str | None = None  # as LruConfig.assign (not with the prefetcher)
     assign_costs: Mapping[int, Any] | None = None
     calibration: Path | None = None  # the prefetcher's residual predictor (gate reuse without one)
-    copy_timing: CopyTiming | None = None  # the prefetcher: as PromoeConfig.copy_timing
-    admission: bool = True  # the prefetcher: as PromoeConfig.admission
 
     def __post_init__(self) -> None:
         if self.prefetch:
@@ -98,7 +112,7 @@ class DaopConfig:
 
 
 @dataclass(frozen=True)
-class PromoeConfig:
+class PromoeConfig(_CopyQueue):
     """ProMoE's prefetcher over an LRU (policies.prefetch.PromoePolicy)."""
 
     name: ClassVar[str] = PolicyKind.PROMOE.value
@@ -107,11 +121,6 @@ class PromoeConfig:
     extra: int = PROMOE_EXTRA  # prefetch the top-(k+m) predicted experts
     predictor: str = "mlp"  # the calibration's predictor kind (gate when it has none)
     blocking: bool = False  # load a missed expert before its layer runs instead of after the step
-    # how many chunks the copy queue issues after each MoE layer (None: every queued chunk, as a copy stream
-    # that keeps up); a model of a slower stream for the stand-in, whose copies are instant
-    copy_timing: CopyTiming | None = None
-    # with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
-    admission: bool = True
     # inside llama.cpp (the in-graph predictor's ids drive the loads, no Python per layer) or in the routing
     # hook (False); None: inside where it can run (no copy_timing pacing the stand-in, at most n_expert/2
     # experts per token), else the hook; True: inside or an error

@@ -219,16 +219,10 @@ def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: 
         return _dali_prefetcher(cache, p, config.alloc, model, info)
     if not isinstance(p, PromoeConfig):
         raise EdgeMoeError(f"the {p.name} policy has no prefetcher: use promoe, or dali with a prefetch size")
-    pred, note = prefetch_predictor(model, p.calibration, p.predictor, p.distance)
-    if note:
-        log.info("%s", note)
+    pred, note = _logged_predictor(model, p.calibration, p.predictor, p.distance, "promoe")
+    layers = list(info.moe_layers)
     policy = PromoePolicy(
-        cache.n_slots,
-        list(info.moe_layers),
-        pred,
-        extra=p.extra,
-        blocking=p.blocking,
-        timing=p.copy_timing if p.admission else None,
+        cache.n_slots, layers, pred, extra=p.extra, blocking=p.blocking, timing=p.admitted_timing
     )
     why = native_promoe_refusal(p, policy, info)
     if why is None:
@@ -245,9 +239,7 @@ def _dali_prefetcher(
     cache: ExpertCache, p: DaliConfig, alloc: str, model: Path, info: ModelInfo
 ) -> PrefetchController:
     """dali with its residual prefetcher (DaliConfig refuses it with blocking loads)."""
-    pred, note = prefetch_predictor(model, p.calibration, "residual", DALI_PREFETCH_DISTANCE, "dali")
-    if note:
-        log.info("%s", note)
+    pred, note = _logged_predictor(model, p.calibration, "residual", DALI_PREFETCH_DISTANCE, "dali")
     dali = DaliPrefetchPolicy(
         cache.n_slots,
         list(info.moe_layers),
@@ -256,6 +248,16 @@ def _dali_prefetcher(
         size=p.prefetch,
         window=p.window,
         update=dali_default_update(info.n_expert) if p.update is None else p.update,
-        timing=p.copy_timing if p.admission else None,
+        timing=p.admitted_timing,
     )
     return PrefetchController(cache, dali, p, alloc=alloc, note=note)
+
+
+def _logged_predictor(
+    model: Path, calibration: Path | None, kind: str, distance: int, policy: str
+) -> tuple[Predictor, str | None]:
+    """prefetch_predictor, its fallback note logged."""
+    pred, note = prefetch_predictor(model, calibration, kind, distance, policy)
+    if note:
+        log.info("%s", note)
+    return pred, note
