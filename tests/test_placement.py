@@ -84,3 +84,13 @@ def test_gating_calibration_defaults_to_the_models(tmp_path: Path) -> None:
                                                     calibration=default_calibration_dir(MODEL))
     given = GatingOptions(mode="score", threshold=0.5, calibration=tmp_path)
     assert gating_for(given, MODEL) is given
+
+
+def test_an_engine_refuses_another_files_header() -> None:
+    from edgemoe.errors import InvalidConfigError
+    from edgemoe.gguf.header import check_gguf
+    from edgemoe.runtime.engine import Engine
+
+    other = MODEL.with_name("edgemoe-tiny-mixtral.Q4_K_M.gguf")
+    with pytest.raises(InvalidConfigError, match="not .*edgemoe-tiny-qwen3moe"):
+        Engine(MODEL, header=check_gguf(other))

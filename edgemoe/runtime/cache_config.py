@@ -184,6 +184,9 @@ def calibrated_config(name: str, calibration: Path | None, **options: Any) -> Po
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """An expert cache for Engine.enable_expert_cache: its slots, its policy (one of the records above) and what
+    every policy shares."""
+
     # expert slots of every MoE layer (equal allocation), or layer -> slots (e.g. from
     # edgemoe.policies.allocation's dp_allocate; MoE layers left out get none)
     slots_per_layer: int | Mapping[int, int]
