@@ -128,15 +128,17 @@ def check_gating_top1(path: Path) -> dict:
 
 
 def _cache_run(path: Path, toks: list[int], n_decode: int, slots: int | None, policy: str = "lru",
-               calibration: Path | None = None, **config: object) -> tuple[np.ndarray, dict | None]:
-    """Logits of a prefill and n_decode single-token steps with the cache (slots None: none); `config`: more
-    CacheConfig fields."""
+               calibration: Path | None = None, degrade: float | None = None,
+               **options: object) -> tuple[np.ndarray, dict | None]:
+    """Logits of a prefill and n_decode single-token steps with the cache (slots None: none); `options`: the
+    policy's (edgemoe.runtime.cache_config.policy_config)."""
     from edgemoe import Engine, LoadConfig
-    from edgemoe.runtime.expert_cache import CacheConfig
+    from edgemoe.runtime.cache_config import CacheConfig, calibrated_config
 
     with Engine(path, LoadConfig(**PLAIN)) as eng:
-        cache = (eng.enable_expert_cache(CacheConfig(slots, policy=policy, calibration=calibration, **config))
-                 if slots is not None else None)
+        cfg = CacheConfig(slots or 0, policy=calibrated_config(policy, calibration, **options),
+                          degrade=degrade)
+        cache = eng.enable_expert_cache(cfg) if slots is not None else None
         rows = list(eng.eval_logits(toks[:-n_decode]))
         for tok in toks[-n_decode:]:
             eng.feed([tok])
@@ -216,7 +218,7 @@ def check_cache_dali(path: Path) -> dict:
     toks = _tokens(info.n_vocab, 48)
     ref, _ = _cache_run(path, toks, 12, None)
     slots = max(1, info.n_expert // 2)
-    got, st = _cache_run(path, toks, 12, slots, policy="dali", dali_window=2)
+    got, st = _cache_run(path, toks, 12, slots, policy="dali", window=2)
     assert st is not None
     used = f"{slots} slot(s): hits {st['hits']}, misses {st['misses']}, loads {st['loads']}"
     if not np.array_equal(got, ref):
@@ -279,12 +281,12 @@ def check_cache_promoe(path: Path) -> dict:
     def acted(st: dict, info: Any) -> str | None:
         return _prefetched(st, info) or (None if st["prefetch"].get("path") == "native" else "ran in the hook")
 
-    return _hook_check(path, "promoe", acted, policy="promoe", prefetch_distance=1)
+    return _hook_check(path, "promoe", acted, policy="promoe", distance=1)
 
 
 def check_cache_dali_prefetch(path: Path) -> dict:
     """dali with its residual-based prefetcher, prefetch size 1, a window of 2 tokens."""
-    return _hook_check(path, "dali-prefetch", _prefetched, policy="dali", dali_prefetch=1, dali_window=2)
+    return _hook_check(path, "dali-prefetch", _prefetched, policy="dali", prefetch=1, window=2)
 
 
 def check_cache_assign(path: Path) -> dict:
@@ -310,10 +312,10 @@ def _precalc_run(path: Path, toks: list[int], n_decode: int, resident: int) -> t
     every MoE layer are loaded, pre-calculating from layer 1 on, and the pre-calculation's counters."""
     from edgemoe import Engine, LoadConfig
     from edgemoe.policies.loads import Load
-    from edgemoe.runtime.expert_cache import CacheConfig
+    from edgemoe.runtime.cache_config import CacheConfig, ManualConfig
 
     with Engine(path, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(max(resident, 1), policy="manual", precalc_from=1))
+        cache = eng.enable_expert_cache(CacheConfig(max(resident, 1), policy=ManualConfig(), precalc_from=1))
         assert cache is not None
         for il in eng.info.moe_layers:
             for e in range(resident):

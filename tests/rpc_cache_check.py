@@ -17,7 +17,7 @@ import numpy as np
 
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig, PromoeConfig
 from edgemoe.policies.residency import Load
 from edgemoe.runtime.sampling import GREEDY
 
@@ -59,7 +59,7 @@ def main(path: Path) -> dict[str, object]:
     rng = np.random.default_rng(0)
 
     with Engine(path, CFG) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="manual"), device=dev)
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=ManualConfig()), device=dev)
 
         def shuffle() -> None:
             for il in layers:
@@ -83,7 +83,7 @@ def main(path: Path) -> dict[str, object]:
         out["async_stats"] = cache.stats()
 
     with Engine(path, CFG) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru"), device=dev)
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=LruConfig()), device=dev)
         gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         out["lru_generate_equal"] = gen == ref_gen
         out["lru_stats"] = cache.stats()
@@ -94,7 +94,7 @@ def main(path: Path) -> dict[str, object]:
     with Engine(path, gpu_layout) as eng:
         stock_layout = run(eng, toks)
     with Engine(path, gpu_layout) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru"), device=dev)
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=LruConfig()), device=dev)
         got = run(eng, toks)
         out["gpu_layout_stats"] = cache.stats()
     out["gpu_layout_equal"] = same(got, stock_layout)
@@ -104,7 +104,8 @@ def main(path: Path) -> dict[str, object]:
     for name, cfg, want in (("standin", CFG, ref), ("gpu_layout", gpu_layout, stock_layout)):
         for overlap in (True, False):
             with Engine(path, cfg) as eng:
-                eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru", overlap=overlap), device=dev)
+                eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=LruConfig(),
+                                                    overlap=overlap), device=dev)
                 eng.reset_control_stats()
                 got = run(eng, toks)
                 out[f"overlap_{name}_{overlap}"] = {"equal": same(got, want), **eng.control_stats()}
@@ -114,7 +115,8 @@ def main(path: Path) -> dict[str, object]:
     # waits for loads
     for async_loads in (True, False):
         with Engine(path, gpu_layout) as eng:
-            cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru", async_loads=async_loads),
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=LruConfig(),
+                                                        async_loads=async_loads),
                                             device=dev)
             eng.reset_control_stats()
             got = run(eng, toks, lambda: time.sleep(0.02))
@@ -131,7 +133,8 @@ def main(path: Path) -> dict[str, object]:
     # every chunk goes through one, with one buffer (each send waited for before the next copy) and with four
     for n_staging in (0, 1, 4):
         with Engine(path, gpu_layout) as eng:
-            cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru", async_loads=True), device=dev)
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=LruConfig(),
+                                                        async_loads=True), device=dev)
             if n_staging:
                 assert native.moe_cache_set_staging(eng._ctx, n_staging, True) == 0
             got = run(eng, toks)
@@ -140,7 +143,8 @@ def main(path: Path) -> dict[str, object]:
     # the caller's cache calls racing the worker: random loads, prefetches (some into slots being copied),
     # partial issues and state queries between tokens; afterwards every load is resident or gone
     with Engine(path, gpu_layout) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="manual", async_loads=True), device=dev)
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=ManualConfig(),
+                                                    async_loads=True), device=dev)
         assert native.moe_cache_set_staging(eng._ctx, 2, True) == 0  # two staging buffers, reused all the time
 
         def churn() -> None:
@@ -173,7 +177,7 @@ def main(path: Path) -> dict[str, object]:
     cal = default_calibration_dir(path)
     for async_loads in (True, False):
         with Engine(path, gpu_layout) as eng:
-            eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="promoe", calibration=cal,
+            eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=PromoeConfig(calibration=cal),
                                                 async_loads=async_loads), device=dev)
             eng.reset_control_stats()
             got = run(eng, toks)
@@ -186,7 +190,8 @@ def main(path: Path) -> dict[str, object]:
                                                    "n_ubatch": ctl["n_ubatch"]}
     # 0024: with the callback's stops, the device's experts still overlap the CPU's; off: none
     with Engine(path, gpu_layout) as eng:
-        eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="promoe", calibration=cal, overlap=False), device=dev)
+        eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=PromoeConfig(calibration=cal),
+                                            overlap=False), device=dev)
         eng.reset_control_stats()
         got = run(eng, toks)
         out["promoe_no_overlap"] = {"equal": same(got, stock_layout), **eng.control_stats()}
@@ -195,15 +200,16 @@ def main(path: Path) -> dict[str, object]:
     # from the two prefill buffers, copied one cached layer ahead (all, or nothing ahead), by the worker or the caller
     for ahead, async_loads in (("all", True), ("all", False), ("routed", True)):
         with Engine(path, gpu_layout) as eng:
-            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="lru", async_loads=async_loads,
-                                                        prefill_min_tokens=8, prefill_ahead=ahead), device=dev)
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=LruConfig(),
+                                                        async_loads=async_loads, prefill_min_tokens=8,
+                                                        prefill_ahead=ahead), device=dev)
             eng.reset_control_stats()
             got = run(eng, toks)
             out[f"prefill_{ahead}_{async_loads}"] = {"equal": same(got, stock_layout), **eng.control_stats(),
                                                      **cache.stats(), "prefill": cache.prefill_stats()}
     with Engine(path, gpu_layout) as eng:  # promoe's predictor names what copies ahead
-        eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="promoe", calibration=cal, prefill_min_tokens=8,
-                                            prefill_ahead="predicted"), device=dev)
+        eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=PromoeConfig(calibration=cal),
+                                            prefill_min_tokens=8, prefill_ahead="predicted"), device=dev)
         got = run(eng, toks)
         out["prefill_promoe_predicted"] = {"equal": same(got, stock_layout),
                                            "prefill": eng.cache.cache.prefill_stats()}
@@ -212,7 +218,8 @@ def main(path: Path) -> dict[str, object]:
     # the device, the early experts and the two ops run on the CPU; the CPU stand-in's logits and counters
     def precalc(layout: LoadConfig, device: object, first: int | None) -> tuple[tuple[np.ndarray, list[np.ndarray]], dict]:
         with Engine(path, layout) as eng:
-            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="manual", precalc_from=first),
+            cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=ManualConfig(),
+                                                        precalc_from=first),
                                             device=device)
             for il in layers:
                 for e in range(n_expert // 4):
@@ -233,7 +240,7 @@ def main(path: Path) -> dict[str, object]:
     for cache_on in (False, True):
         with Engine(path, gpu_layout) as eng:
             if cache_on:
-                eng.enable_expert_cache(CacheConfig(n_expert // 2, policy="lru"), device=dev)
+                eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=LruConfig()), device=dev)
             eng.set_gating(GatingPolicy(GatingRule.SER, 0.4))
             eng.reset_control_stats()
             gated.append((run(eng, toks), eng.control_stats()))

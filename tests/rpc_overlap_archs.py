@@ -18,7 +18,7 @@ import numpy as np
 
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 
 CFG = LoadConfig(n_ctx=128, n_batch=32, n_ubatch=32, n_threads=2, use_extra_bufts=False, op_offload=False)
 
@@ -41,7 +41,7 @@ def check(path: Path, dev: object) -> dict[str, object]:
     res: dict[str, object] = {"n_moe_layers": n_moe}
     for overlap in (True, False):
         with Engine(path, CFG) as eng:
-            eng.enable_expert_cache(CacheConfig(slots, policy="lru", overlap=overlap), device=dev)
+            eng.enable_expert_cache(CacheConfig(slots, policy=LruConfig(), overlap=overlap), device=dev)
             eng.reset_control_stats()
             got = run(eng, toks)
             st = eng.control_stats()
@@ -51,7 +51,8 @@ def check(path: Path, dev: object) -> dict[str, object]:
         res["n_ubatch"] = st["n_ubatch"]
     # prefill on the device (patch 0025): the 16-token prompt from the prefill buffers, the decode steps as before
     with Engine(path, CFG) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(slots, policy="lru", prefill_min_tokens=8), device=dev)
+        cache = eng.enable_expert_cache(CacheConfig(slots, policy=LruConfig(),
+                                                    prefill_min_tokens=8), device=dev)
         got = run(eng, toks)
         pf = cache.prefill_stats()
     res["equal_prefill"] = all(np.array_equal(a, b) for a, b in zip(got, ref))

@@ -27,7 +27,8 @@ from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.policies.residency import Load
 from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import EXPERT_TENSORS, CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
+from edgemoe.runtime.expert_cache import EXPERT_TENSORS
 from edgemoe.runtime.sampling import GREEDY
 
 pytest_plugins = ["conftest_synth"]
@@ -89,7 +90,7 @@ def test_random_residency_with_biases_and_scales_equals_stock(name: str, model_p
     ref_pre, ref_steps, _ = _run(path, toks)
     for blocking in (False, True):
         for slots in (1, n_expert // 2, n_expert):
-            cfg = CacheConfig(slots, policy="lru", blocking=blocking)
+            cfg = CacheConfig(slots, policy=LruConfig(blocking=blocking))
             pre, steps, st = _run(path, toks, cache=cfg, rng=rng)
             what = f"{name}: {slots} slots, {'callback' if blocking else 'tables'}"
             assert np.array_equal(pre, ref_pre), f"{what}: prefill"
@@ -107,7 +108,7 @@ def test_lru_with_biases_and_scales_generates_as_stock(name: str, model_path: Mo
     for blocking in (False, True):
         for slots in (1, n_expert // 2):
             with Engine(path, LoadConfig(**PLAIN)) as eng:
-                cache = eng.enable_expert_cache(CacheConfig(slots, policy="lru", blocking=blocking))
+                cache = eng.enable_expert_cache(CacheConfig(slots, policy=LruConfig(blocking=blocking)))
                 got = eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True).tokens
                 st = cache.stats()
                 control = eng.control_stats()
@@ -126,7 +127,7 @@ def test_bias_rows_and_scales_load_with_their_expert(name: str, model_path: Mode
         layer, n_expert = eng.info.moe_layers[0], eng.info.n_expert
         sizes = {t.name: t.nbytes // n_expert for t in header.tensors
                  if t.name.removeprefix(f"blk.{layer}.") in EXPERT_TENSORS}
-        cache = eng.enable_expert_cache(CacheConfig(2, policy="manual"))
+        cache = eng.enable_expert_cache(CacheConfig(2, policy=ManualConfig()))
         cache.prefetch(Load(layer, 3, 1))
         assert cache.issue() == len(sizes) == 6  # gate, up, down and their 3 biases or 3 scales
         cache.sync()
@@ -167,7 +168,7 @@ def test_scales_with_dropped_slots(model_path: ModelPath) -> None:
         eng.set_policies([FnPolicy(drop_last)])
         ref = np.array(eng.eval_logits(toks))
     with Engine(path, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(4, policy="lru", blocking=True))
+        cache = eng.enable_expert_cache(CacheConfig(4, policy=LruConfig(blocking=True)))
         eng.set_policies([FnPolicy(drop_last)])
         got = np.array(eng.eval_logits(toks))
         assert cache.stats()["hits"] > 0
@@ -183,7 +184,7 @@ def test_cache_with_biases_and_scales_beside_repacked_cpu_experts(name: str, mod
         ref = np.array(eng.eval_logits(toks))
         ref_gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
     with Engine(path, LoadConfig(n_ctx=256)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 2, policy="lru", blocking=True))
+        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 2, policy=LruConfig(blocking=True)))
         got = np.array(eng.eval_logits(toks))
         got_gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         assert cache.stats()["hits"] > 0
@@ -220,12 +221,12 @@ def test_gpt_oss_20b_shaped_mxfp4_cache_equals_stock(tmp_path: Path) -> None:
         toks = (eng.tokenize(TEXT) * 2)[:72]
         ref = eng.generate(TEXT[:40], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
     with Engine(path, cfg) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(8, policy="lru"))
+        cache = eng.enable_expert_cache(CacheConfig(8, policy=LruConfig()))
         got = eng.generate(TEXT[:40], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         assert cache.stats()["hits"] > 0
     assert got == ref
     ref_pre, ref_steps, _ = _run(path, toks, decode_steps=8)
-    pre, steps, st = _run(path, toks, cache=CacheConfig(8, policy="lru"), rng=np.random.default_rng(0),
+    pre, steps, st = _run(path, toks, cache=CacheConfig(8, policy=LruConfig()), rng=np.random.default_rng(0),
                           decode_steps=8)
     assert np.array_equal(pre, ref_pre)
     assert all(np.array_equal(a, b) for a, b in zip(steps, ref_steps))

@@ -17,7 +17,7 @@ from edgemoe.analysis.verify import FnPolicy
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.policies.residency import LruPolicy, make_policy, replay_policy
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, DaliConfig, LruConfig, ManualConfig, calibrated_config
 from edgemoe.runtime.sampling import GREEDY
 
 pytest_plugins = ["conftest_synth"]
@@ -47,7 +47,7 @@ def test_native_lru_generates_as_stock_without_host_syncs(preset: str, fixture_m
     with Engine(path, LoadConfig(**PLAIN)) as eng:
         n_expert, n_moe = eng.info.n_expert, len(eng.info.moe_layers)
     for slots in (1, n_expert // 2, n_expert):
-        got, st, control, _ = _generate(path, CacheConfig(slots, policy="lru"))
+        got, st, control, _ = _generate(path, CacheConfig(slots, policy=LruConfig()))
         assert got == ref, f"{path.name}, {slots} slots"
         assert control["n_host_syncs"] == 0 and control["n_ubatch"] > 0
         assert st["hits"] > 0 and st["loads"] > 0
@@ -66,10 +66,10 @@ def test_native_dali_generates_as_stock_without_host_syncs(preset: str, fixture_
     with Engine(path, LoadConfig(**PLAIN)) as eng:
         n_expert = eng.info.n_expert
     for slots in (1, n_expert // 2, n_expert):
-        got, st, control, _ = _generate(path, CacheConfig(slots, policy="dali"))
+        got, st, control, _ = _generate(path, CacheConfig(slots, policy=DaliConfig()))
         assert got == ref, f"{path.name}, {slots} slots"
         assert control["n_host_syncs"] == 0 and st["hits"] > 0 and st["loads"] > 0
-    got, st, control, _ = _generate(path, CacheConfig(n_expert // 2, policy="dali", blocking=True))
+    got, st, control, _ = _generate(path, CacheConfig(n_expert // 2, policy=DaliConfig(blocking=True)))
     assert got == ref and control["n_host_syncs"] > 0 and st["hits"] > 0
 
 
@@ -85,7 +85,7 @@ def test_native_dali_decides_as_the_python_policy(window: int, update: int, fixt
         n_slots = {il: 5 for il in eng.info.moe_layers}
         n_expert = eng.info.n_expert
     with Engine(fixture_model, LoadConfig(**config)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(5, policy="dali", dali_window=window, dali_update=update))
+        cache = eng.enable_expert_cache(CacheConfig(5, policy=DaliConfig(window=window, update=update)))
         got = eng.generate(TEXT[:120], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
         cache.sync()
         st = cache.stats()
@@ -100,7 +100,7 @@ def test_native_settings_refuse_what_they_cannot_use(fixture_model: Path) -> Non
     from edgemoe.runtime import native
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        eng.enable_expert_cache(CacheConfig(4, policy="manual"))
+        eng.enable_expert_cache(CacheConfig(4, policy=ManualConfig()))
         assert native.moe_cache_set_window_replacement(eng._ctx, 0, 1) == -1
         assert native.moe_cache_set_window_replacement(eng._ctx, 4, 0) == -1
         assert native.moe_cache_set_window_replacement(eng._ctx, 4, 2) == 0
@@ -120,7 +120,7 @@ def test_uneven_slots_per_layer_generate_as_stock_and_as_replayed(policy: str, f
         moe, n_expert = list(eng.info.moe_layers), eng.info.n_expert
     slots = {il: [0, 1, n_expert // 2, n_expert][i % 4] for i, il in enumerate(moe)}
     cal = default_calibration_dir(fixture_model)
-    got, st, control, _ = _generate(fixture_model, CacheConfig(slots, policy=policy, calibration=cal))
+    got, st, control, _ = _generate(fixture_model, CacheConfig(slots, policy=calibrated_config(policy, cal)))
     assert got == ref and st["slots_per_layer"] == slots and st["slots_total"] == sum(slots.values())
     assert control["n_host_syncs"] == 0
     sim = replay_policy(make_policy(policy, slots, calibration=cal, n_expert=n_expert), recorder.steps)
@@ -132,7 +132,7 @@ def test_native_lru_decides_as_the_python_policy(fixture_model: Path) -> None:
     recorder = StepRecorder()
 
     ref, _, _, _ = _generate(fixture_model, None, policies=[recorder])  # the routes (hook, no cache)
-    got, st, control, _ = _generate(fixture_model, CacheConfig(6, policy="lru"))
+    got, st, control, _ = _generate(fixture_model, CacheConfig(6, policy=LruConfig()))
     assert got == ref and control["n_host_syncs"] == 0
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         n_slots = {il: 6 for il in eng.info.moe_layers}
@@ -144,7 +144,7 @@ def test_native_lru_decides_as_the_python_policy(fixture_model: Path) -> None:
 def test_gating_and_native_lru_together(fixture_model: Path) -> None:
     gate = GatingPolicy(GatingRule.SER, 0.5)
     no_cache, _, _, _ = _generate(fixture_model, None, gating=GatingPolicy(GatingRule.SER, 0.5))
-    got, st, control, path = _generate(fixture_model, CacheConfig(4, policy="lru"), gating=gate)
+    got, st, control, path = _generate(fixture_model, CacheConfig(4, policy=LruConfig()), gating=gate)
     assert path == "graph" and got == no_cache
     assert control["n_host_syncs"] == 0 and control["n_dropped"] > 0 and st["hits"] > 0
 
@@ -152,13 +152,13 @@ def test_gating_and_native_lru_together(fixture_model: Path) -> None:
 def test_a_python_policy_takes_the_cache_back_into_the_hook(fixture_model: Path) -> None:
     ref, _, _, _ = _generate(fixture_model, None)
     seen: list[int] = []
-    got, st, control, _ = _generate(fixture_model, CacheConfig(4, policy="lru"),
+    got, st, control, _ = _generate(fixture_model, CacheConfig(4, policy=LruConfig()),
                                     policies=[FnPolicy(lambda r: seen.append(r.layer))])
     assert got == ref and st["hits"] > 0
     assert control["n_host_syncs"] == len(seen) > 0  # one stop per cached MoE layer and ubatch
     # and back: without the policy the same engine runs the cache in the graph again
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        eng.enable_expert_cache(CacheConfig(4, policy="lru"))
+        eng.enable_expert_cache(CacheConfig(4, policy=LruConfig()))
         eng.set_policies([FnPolicy(lambda r: None)])
         first = eng.generate(TEXT[:80], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         eng.set_policies(None)
@@ -180,7 +180,7 @@ def test_tables_across_ubatches_of_one_decode(fixture_model: Path) -> None:
         ref = np.array(eng.eval_logits(toks))
         n_slots = {il: 5 for il in eng.info.moe_layers}
     with Engine(fixture_model, LoadConfig(**config)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(5, policy="lru"))
+        cache = eng.enable_expert_cache(CacheConfig(5, policy=LruConfig()))
         got = np.array(eng.eval_logits(toks))  # 56 tokens: ubatches of 16, 16, 16, 8
         cache.sync()
         st = cache.stats()

@@ -16,7 +16,7 @@ from edgemoe.policies.degrade import DegradeError, GracefulDegradation, degrade,
 from edgemoe.policies.residency import Load, make_policy, replay_policy
 from edgemoe.policies.route import RouteRecord, WeightRule
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, DaopConfig, ManualConfig
 from edgemoe.runtime.sampling import GREEDY
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
@@ -198,8 +198,8 @@ def test_daop_generates_as_stock_and_its_counters_equal_the_replay(fixture_model
         n_expert = eng.info.n_expert
     recorder = StepRecorder()
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="daop", blocking=blocking,
-                                                    calibration=cal))
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 4,
+                                                    policy=DaopConfig(blocking=blocking, calibration=cal)))
         assert cache is not None and isinstance(eng.cache.policy, DaopPolicy)
         eng.set_policies([recorder])  # runs before the cache controller, sees the same ids
         got = eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True).tokens
@@ -231,8 +231,8 @@ def test_native_daop_decides_as_the_python_policy(fixture_model: Path, n_ubatch:
         ref = [eng.generate(p, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens for p in prompts]
         n_expert, layers = eng.info.n_expert, list(eng.info.moe_layers)
     with Engine(fixture_model, LoadConfig(**config)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="daop", calibration=cal,
-                                                    daop_threshold=threshold))
+        cache = eng.enable_expert_cache(CacheConfig(n_expert // 4,
+                                                    policy=DaopConfig(calibration=cal, threshold=threshold)))
         assert cache is not None
         got = [eng.generate(p, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens for p in prompts]
         cache.sync()
@@ -250,7 +250,7 @@ def test_native_daop_refuses_a_threshold_below_one(fixture_model: Path) -> None:
     from edgemoe.runtime import native
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        eng.enable_expert_cache(CacheConfig(2, policy="manual"))
+        eng.enable_expert_cache(CacheConfig(2, policy=ManualConfig()))
         assert native.moe_cache_set_prompt_swap(eng._ctx, 0.99) == -1
         assert native.moe_cache_set_prompt_swap(eng._ctx, 1.0) == 0
 
@@ -269,7 +269,7 @@ def test_degradation_in_a_generation_changes_only_non_resident_picks(fixture_mod
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         n_expert = eng.info.n_expert
-        eng.enable_expert_cache(CacheConfig(n_expert // 4, policy="daop", calibration=cal))
+        eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=DaopConfig(calibration=cal)))
         deg = GracefulDegradation(eng.cache.policy, ratio=0.5)
         eng.set_policies([before, Snapshot(), deg, after])
         eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True)

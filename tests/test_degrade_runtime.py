@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from edgemoe.cli.main import cli
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.sampling import GREEDY
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
@@ -29,9 +29,9 @@ def test_degradation_moves_cpu_experts_to_resident_ones(fixture_model: Path) -> 
     replaces some of the decode tokens' CPU experts by resident ones: more of the routed slots hit the
     cache, and the report counts what it avoided."""
     stock, _ = _run(fixture_model, None)
-    same, st1 = _run(fixture_model, CacheConfig(8, policy="lru", degrade=1.0))
+    same, st1 = _run(fixture_model, CacheConfig(8, policy=LruConfig(), degrade=1.0))
     assert same == stock and st1 is not None and st1["degrade"]["replaced"] == 0 < st1["degrade"]["cpu"]
-    _, st = _run(fixture_model, CacheConfig(8, policy="lru", degrade=0.5))
+    _, st = _run(fixture_model, CacheConfig(8, policy=LruConfig(), degrade=0.5))
     assert st is not None
     d = st["degrade"]
     assert 0 < d["replaced"] <= d["cpu"] <= d["routed"] and d["cpu_avoided"] == d["replaced"] / d["cpu"]

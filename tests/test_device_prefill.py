@@ -20,7 +20,8 @@ from edgemoe.cli.main import cli
 from edgemoe.gguf.info import prefill_buffer_bytes, read_model_info
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig, ExpertCacheError
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
+from edgemoe.runtime.expert_cache import ExpertCacheError
 from edgemoe.runtime.sampling import GREEDY
 
 pytest_plugins = ["conftest_synth"]
@@ -71,11 +72,12 @@ def _check_equal_to_stock(path: Path) -> None:
     # the last layer of a ubatch with no output routes no token in most graphs (not counted; gpt-oss's does route)
     layers = range(n_ub * n_moe - n_silent * (info.n_layer - 1 in info.moe_layers), n_ub * n_moe + 1)
     ref_logits, ref_gen, _, _ = _run(path, None)
-    for policy, blocking, slots in (("lru", False, info.n_expert // 4), ("lru", True, info.n_expert // 2),
-                                    ("manual", False, 1)):
-        cfg = CacheConfig(max(1, slots), policy=policy, blocking=blocking, prefill_min_tokens=8)
+    for policy, blocking, slots in ((LruConfig(), False, info.n_expert // 4),
+                                    (LruConfig(blocking=True), True, info.n_expert // 2),
+                                    (ManualConfig(), False, 1)):
+        cfg = CacheConfig(max(1, slots), policy=policy, prefill_min_tokens=8)
         logits, gen, st, control = _run(path, cfg)
-        where = (path.name, policy, blocking)
+        where = (path.name, policy.name, blocking)
         assert np.array_equal(logits, ref_logits) and gen == ref_gen, where
         assert st is not None and st["ubatches"] == n_ub >= 1 and st["layers"] in layers, (where, st)  # the prompt
         assert st["needed"] == st["ahead_used"] + st["late"] > 0 and st["bytes"] > 0, (where, st)
@@ -93,14 +95,17 @@ def test_what_is_copied_ahead(fixture_model: Path) -> None:
     info = read_model_info(fixture_model)
     n_moe = len(info.moe_layers)
     ref_logits, ref_gen, _, _ = _run(fixture_model, None)
-    logits, gen, st, _ = _run(fixture_model, CacheConfig(4, policy="lru", prefill_min_tokens=8, prefill_ahead="all"))
+    logits, gen, st, _ = _run(fixture_model, CacheConfig(4, policy=LruConfig(), prefill_min_tokens=8,
+                                                         prefill_ahead="all"))
     assert np.array_equal(logits, ref_logits) and gen == ref_gen
     # the lru's slots hold the first run's experts; all outside them are copied, and more than are needed
     assert st["late"] == 0 and st["needed"] <= st["ahead"] <= n_moe * info.n_expert, st
-    logits, gen, st, _ = _run(fixture_model, CacheConfig(4, policy="lru", prefill_min_tokens=8, prefill_ahead="routed"))
+    logits, gen, st, _ = _run(fixture_model, CacheConfig(4, policy=LruConfig(), prefill_min_tokens=8,
+                                                         prefill_ahead="routed"))
     assert np.array_equal(logits, ref_logits) and gen == ref_gen
     assert st["ahead"] == 0 and st["late"] == st["needed"] > 0 and st["late_share"] == 1.0, st
-    logits, gen, st, control = _run(fixture_model, CacheConfig(4, policy="lru", prefill_min_tokens=1000))
+    logits, gen, st, control = _run(fixture_model, CacheConfig(4, policy=LruConfig(),
+                                                               prefill_min_tokens=1000))
     assert np.array_equal(logits, ref_logits) and gen == ref_gen
     assert st["ubatches"] == 0 and st["bytes"] == 0 and control["n_host_syncs"] == 0, (st, control)
 
@@ -108,7 +113,7 @@ def test_what_is_copied_ahead(fixture_model: Path) -> None:
 def test_refusals(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         assert native.moe_cache_set_prefill(eng._ctx, 8) == -1  # no cache
-        c = eng.enable_expert_cache(CacheConfig(2, policy="lru"))
+        c = eng.enable_expert_cache(CacheConfig(2, policy=LruConfig()))
         assert native.moe_cache_set_prefill(eng._ctx, -1) == -1
         with pytest.raises(ExpertCacheError, match="ahead"):
             c.set_prefill(8, "sometimes")

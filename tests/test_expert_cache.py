@@ -12,8 +12,9 @@ import pytest
 from conftest import StepRecorder
 
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.errors import EdgeMoeError
-from edgemoe.runtime.expert_cache import CacheConfig, ExpertCacheError
+from edgemoe.errors import EdgeMoeError, InvalidConfigError
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig, calibrated_config, policy_config
+from edgemoe.runtime.expert_cache import ExpertCacheError
 from edgemoe.policies.route import RouteRecord
 from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, make_policy, replay_policy, used_experts
 from edgemoe.runtime.sampling import GREEDY
@@ -64,21 +65,22 @@ def test_random_residency_equals_stock(make_tiny_gguf) -> None:  # type: ignore[
             n_expert = eng.info.n_expert
         ref_pre, ref_steps, _ = _run(path, toks)
         for slots in (1, n_expert // 2, n_expert):
-            pre, steps, st = _run(path, toks, cache=CacheConfig(slots, policy="lru"), rng=rng)
+            pre, steps, st = _run(path, toks, cache=CacheConfig(slots, policy=LruConfig()), rng=rng)
             assert np.array_equal(pre, ref_pre), f"{path.name}: prefill, {slots} slots"
             for i, (a, b) in enumerate(zip(steps, ref_steps)):
                 assert np.array_equal(a, b), f"{path.name}: decode step {i}, {slots} slots"
             assert st is not None and st["hits"] > 0 and st["loads"] > 0
 
 
-@pytest.mark.parametrize("policy,blocking", [("lru", False), ("lru", True), ("static", False),
+@pytest.mark.parametrize("policy,blocking", [("lru", False), ("lru", True), ("static", None),
                                              ("dali", False), ("dali", True)])
-def test_every_policy_generates_as_stock(fixture_model: Path, policy: str, blocking: bool) -> None:
+def test_every_policy_generates_as_stock(fixture_model: Path, policy: str, blocking: bool | None) -> None:
     from edgemoe.calibration.adaptive import default_calibration_dir
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         ref = eng.generate(TEXT[:60], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
-    cfg = CacheConfig(4, policy=policy, blocking=blocking, calibration=default_calibration_dir(fixture_model))
+    options = {} if blocking is None else {"blocking": blocking}  # static never loads after the start
+    cfg = CacheConfig(4, policy=calibrated_config(policy, default_calibration_dir(fixture_model), **options))
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         cache = eng.enable_expert_cache(cfg)
         got = eng.generate(TEXT[:60], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
@@ -95,7 +97,7 @@ def test_native_counters_equal_the_policy_replayed_on_the_trace(fixture_model: P
     recorder = StepRecorder()
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(6, policy=policy, blocking=blocking))
+        cache = eng.enable_expert_cache(CacheConfig(6, policy=policy_config(policy, blocking=blocking)))
         eng.set_policies([recorder])  # runs before the cache controller, sees the same ids
         eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True)
         cache.sync()  # the last step's prefetches complete (the simulation applies them after the step)
@@ -147,7 +149,7 @@ def test_cache_beside_repacked_cpu_experts(fixture_model: Path) -> None:
         ref = np.array(eng.eval_logits(toks))
         ref_gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
     with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 2, policy="lru", blocking=True))
+        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 2, policy=LruConfig(blocking=True)))
         got = np.array(eng.eval_logits(toks))
         got_gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         st = cache.stats()
@@ -165,7 +167,7 @@ def test_long_greedy_run_equals_stock_with_the_same_cpu_kernels(fixture_model: P
     with Engine(fixture_model, cfg) as eng:
         ref = eng.generate("ROMEO:", max_tokens=600, sampling=GREEDY, ignore_eog=True).tokens
     with Engine(fixture_model, cfg) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(4, policy="lru"))
+        cache = eng.enable_expert_cache(CacheConfig(4, policy=LruConfig()))
         got = eng.generate("ROMEO:", max_tokens=600, sampling=GREEDY, ignore_eog=True).tokens
         st = cache.stats()
     assert got == ref
@@ -176,13 +178,15 @@ def test_cache_errors(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(n_ctx=128)) as eng:
         with pytest.raises(ExpertCacheError, match="--expert-slots"):
             eng.enable_expert_cache(CacheConfig(eng.info.n_expert + 1))
-        with pytest.raises(EdgeMoeError, match="unknown cache policy"):
-            eng.enable_expert_cache(CacheConfig(2, policy="fifo"))
+        with pytest.raises(InvalidConfigError, match="unknown cache policy"):
+            policy_config("fifo")
+        with pytest.raises(InvalidConfigError, match="the static policy has no option 'blocking'"):
+            policy_config("static", blocking=True)
         with pytest.raises(ExpertCacheError, match=r"--expert-slots 99 \(layer 3\)"):
             eng.enable_expert_cache(CacheConfig({3: 99}))
         with pytest.raises(ExpertCacheError, match="not MoE layers"):
             eng.enable_expert_cache(CacheConfig({eng.info.n_layer + 4: 1}))
-        cache = eng.enable_expert_cache(CacheConfig(2, policy="manual"))
+        cache = eng.enable_expert_cache(CacheConfig(2, policy=ManualConfig()))
         with pytest.raises(ExpertCacheError, match="slot 5"):
             cache.load(Load(eng.info.moe_layers[0], 1, 5))
 
@@ -198,7 +202,7 @@ def test_cache_with_dropped_experts_equals_drops_alone(fixture_model: Path) -> N
         eng.set_policies([FnPolicy(drop_last)])
         ref = np.array(eng.eval_logits(toks))
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert, policy="lru", blocking=True))
+        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert, policy=LruConfig(blocking=True)))
         eng.set_policies([FnPolicy(drop_last)])
         got = np.array(eng.eval_logits(toks))
         st = cache.stats()
@@ -209,7 +213,7 @@ def test_cache_with_dropped_experts_equals_drops_alone(fixture_model: Path) -> N
 
 def test_prefetch_is_used_only_after_its_copy_and_its_layer(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(2, policy="manual"))
+        cache = eng.enable_expert_cache(CacheConfig(2, policy=ManualConfig()))
         toks = eng.tokenize(TEXT)[:8]
         eng.feed(toks[:4])
         layer = eng.info.moe_layers[1]
@@ -242,7 +246,7 @@ def partial_copy_run(path: Path, rng: np.random.Generator, max_chunks: int
             eng.feed([tok], all_logits=True)
             ref.append(np.array(eng.logits(-1)))
     with Engine(path, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert, policy="manual"))
+        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert, policy=ManualConfig()))
         n = eng.info.n_expert
         for il in eng.info.moe_layers:  # half the experts resident ...
             for e in range(0, n, 2):
@@ -273,10 +277,10 @@ def test_partial_copies_are_never_computed(make_tiny_gguf) -> None:  # type: ign
 def test_overlap_is_off_with_llama_cpps_concurrent_streams(fixture_model: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     """GGML_CUDA_GRAPH_OPT=1 (llama.cpp's opt-in concurrent CUDA streams) could fork inside an overlapped split:
     the cache then runs its two branches one after the other, says so, and the tokens stay stock's."""
-    cfg = CacheConfig(4, policy="lru")
+    cfg = CacheConfig(4, policy=LruConfig())
     assert cfg.overlap_on({}) and cfg.overlap_on({"GGML_CUDA_GRAPH_OPT": "0"})
     assert not cfg.overlap_on({"GGML_CUDA_GRAPH_OPT": "1"})
-    assert not CacheConfig(4, policy="lru", overlap=False).overlap_on({})
+    assert not CacheConfig(4, policy=LruConfig(), overlap=False).overlap_on({})
     with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
         want = eng.generate("ROMEO:", max_tokens=8, sampling=GREEDY).tokens
     with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING"):

@@ -21,7 +21,7 @@ import pytest
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.policies.gating import GatingPolicy, GatingRule, keep_mask
 from edgemoe.policies.route import RouteRecord
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from test_ops import build_native
 
 pytest_plugins = ["conftest_synth"]
@@ -217,12 +217,12 @@ def test_set_gating_off_and_with_the_expert_cache() -> None:
         assert eng.generate("ROMEO:", max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens == plain
         assert eng.control_stats()["n_routed"] == 0
         # with the expert cache's tables in the graph, gating stays there
-        eng.enable_expert_cache(CacheConfig(slots_per_layer=8, policy="lru"))
+        eng.enable_expert_cache(CacheConfig(policy=LruConfig(), slots_per_layer=8))
         assert eng.set_gating(GatingPolicy(GatingRule.SER, 0.9)) == "graph"
         eng.reset()
         assert eng.generate("ROMEO:", max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens == gated
         # blocking loads need the routing callback: gating runs there, with the same decisions
-        eng.enable_expert_cache(CacheConfig(slots_per_layer=8, policy="lru", blocking=True))
+        eng.enable_expert_cache(CacheConfig(policy=LruConfig(blocking=True), slots_per_layer=8))
         assert eng.gating_path == "hook"
         eng.reset()
         assert eng.generate("ROMEO:", max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens == gated

@@ -207,10 +207,11 @@ def test_used_count_that_overflows_the_graph() -> None:
     """Every expert of every layer, with and without the expert cache (a second expert FFN per layer):
     llama.cpp's graph budget used to count tensors only and aborted from 31 of 32 (patch 0013)."""
     code = ("import sys; from edgemoe.runtime.engine import Engine, LoadConfig; "
-            "from edgemoe.runtime.expert_cache import CacheConfig; from edgemoe.runtime.sampling import GREEDY\n"
+            "from edgemoe.runtime.cache_config import CacheConfig, LruConfig\n"
+            "from edgemoe.runtime.sampling import GREEDY\n"
             "for cache in (False, True):\n"
             "    with Engine(sys.argv[1], LoadConfig(n_ctx=256, n_threads=1, expert_used_count=32)) as eng:\n"
-            "        if cache: eng.enable_expert_cache(CacheConfig(4, policy='lru'))\n"
+            "        if cache: eng.enable_expert_cache(CacheConfig(4, policy=LruConfig()))\n"
             "        assert len(eng.generate('hi', max_tokens=4, sampling=GREEDY, ignore_eog=True).tokens) == 4\n")
     r = subprocess.run([sys.executable, "-c", code, str(QWEN)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "GGML_NO_BACKTRACE": "1"}, cwd=ROOT)

@@ -63,7 +63,7 @@ def _nmse(a: np.ndarray, b: np.ndarray) -> float:
 def test_cache_on_gpu_close_to_experts_on_cpu(fixture_model: Path, slots: int, policy: str) -> None:
     """Experts split between the GPU cache and the CPU: NMSE vs all experts on the CPU (-ot exps=CPU)."""
     from edgemoe.calibration.adaptive import default_calibration_dir
-    from edgemoe.runtime.expert_cache import CacheConfig
+    from edgemoe.runtime.cache_config import CacheConfig, calibrated_config
 
     with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_gpu_layers=999)) as eng:
         moe = tuple(eng.info.moe_layers)
@@ -73,8 +73,8 @@ def test_cache_on_gpu_close_to_experts_on_cpu(fixture_model: Path, slots: int, p
         ref = np.array(eng.eval_logits(toks))
         steps_ref = _steps(eng, toks[-8:])
     with Engine(fixture_model, cfg) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(slots, policy=policy,
-                                                    calibration=default_calibration_dir(fixture_model)),
+        cal = default_calibration_dir(fixture_model)
+        cache = eng.enable_expert_cache(CacheConfig(slots, policy=calibrated_config(policy, cal)),
                                         device=native.gpu_device())
         got = np.array(eng.eval_logits(toks))  # prefill: ubatch of 60 (MMQ / MMF paths)
         steps = _steps(eng, toks[-8:])  # ubatch 1 (MMVQ)
@@ -104,11 +104,12 @@ def test_overlap_on_gpu_equals_serial(fixture_model: Path) -> None:
     """Patch 0016 on CUDA: the cached experts run while the CPU computes the others; the logits are the
     serial order's up to where the two halves are added (the device or the CPU), one overlapped split per
     MoE layer and ubatch."""
-    from edgemoe.runtime.expert_cache import CacheConfig
+    from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 
     with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
         n_moe, n_expert = len(eng.info.moe_layers), eng.info.n_expert
-    runs = {o: _gpu_cache_run(fixture_model, CacheConfig(n_expert // 2, policy="lru", overlap=o)) for o in (True, False)}
+    runs = {o: _gpu_cache_run(fixture_model, CacheConfig(n_expert // 2, policy=LruConfig(), overlap=o))
+            for o in (True, False)}
     (on, _, st_on), (off, _, st_off) = runs[True], runs[False]
     for a, b in zip(on, off):
         assert _nmse(a, b) < 1e-9
@@ -120,11 +121,11 @@ def test_load_worker_on_gpu(fixture_model: Path) -> None:
     """Patches 0018, 0020 and 0022 on CUDA: the load worker issues every chunk of the native LRU (on by default on
     a GPU) through pinned staging buffers and times the compute's waits for them, the logits stay within the
     cache's tolerance of the caller-issued run, and no host sync per layer."""
-    from edgemoe.runtime.expert_cache import CacheConfig
+    from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 
     with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
         n_expert = eng.info.n_expert
-    runs = {a: _gpu_cache_run(fixture_model, CacheConfig(n_expert // 4, policy="lru", async_loads=a))
+    runs = {a: _gpu_cache_run(fixture_model, CacheConfig(n_expert // 4, policy=LruConfig(), async_loads=a))
             for a in (None, False)}
     (on, cs_on, st_on), (off, cs_off, _) = runs[None], runs[False]
     for a, b in zip(on, off):
@@ -165,12 +166,12 @@ def test_native_promoe_on_gpu(fixture_model: Path) -> None:
     the predictions' chunks while the later layers compute; the logits within the cache's tolerance of the
     experts-on-CPU layout's, predictions issued and some in time, no Python hook."""
     from edgemoe.calibration.adaptive import default_calibration_dir
-    from edgemoe.runtime.expert_cache import CacheConfig
+    from edgemoe.runtime.cache_config import CacheConfig, ManualConfig, PromoeConfig
 
     with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
         n_expert = eng.info.n_expert
-    ref, _, _ = _gpu_cache_run(fixture_model, CacheConfig(0, policy="manual"))
-    cfg = CacheConfig(n_expert // 4, policy="promoe", calibration=default_calibration_dir(fixture_model))
+    ref, _, _ = _gpu_cache_run(fixture_model, CacheConfig(0, policy=ManualConfig()))
+    cfg = CacheConfig(n_expert // 4, policy=PromoeConfig(calibration=default_calibration_dir(fixture_model)))
     got, cs, st = _gpu_cache_run(fixture_model, cfg)
     for a, b in zip(got, ref):
         assert _nmse(a, b) < 1e-4
@@ -183,12 +184,12 @@ def test_device_prefill_on_gpu(fixture_model: Path, ahead: str) -> None:
     """Patch 0025 on CUDA: the prompt's ubatch runs the experts outside the slots on the GPU from the prefill buffers,
     copied one cached layer ahead by the load worker (or at each layer, routed); logits within the cache's tolerance
     of the experts-on-CPU layout's, every layer's experts copied, nothing late with all ahead."""
-    from edgemoe.runtime.expert_cache import CacheConfig
+    from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
 
     with Engine(fixture_model, LoadConfig(n_ctx=256)) as eng:
         n_expert = eng.info.n_expert
-    ref, _, _ = _gpu_cache_run(fixture_model, CacheConfig(0, policy="manual"))
-    cfg = CacheConfig(n_expert // 4, policy="lru", prefill_min_tokens=8, prefill_ahead=ahead)
+    ref, _, _ = _gpu_cache_run(fixture_model, CacheConfig(0, policy=ManualConfig()))
+    cfg = CacheConfig(n_expert // 4, policy=LruConfig(), prefill_min_tokens=8, prefill_ahead=ahead)
     got, cs, st = _gpu_cache_run(fixture_model, cfg)
     for a, b in zip(got, ref):
         assert _nmse(a, b) < 1e-4
@@ -201,12 +202,12 @@ def test_precalc_on_gpu(fixture_model: Path) -> None:
     early; the two CPU ops run beside a graph whose router and tables are on the GPU."""
     from edgemoe.analysis.precalc_run import stepped_logits
     from edgemoe.policies.loads import Load
-    from edgemoe.runtime.expert_cache import CacheConfig
+    from edgemoe.runtime.cache_config import CacheConfig, ManualConfig
 
     def run(device: object, layout: dict) -> tuple[np.ndarray, dict]:
         with Engine(fixture_model, LoadConfig(**layout)) as eng:
             n_resident = eng.info.n_expert // 4
-            cache = eng.enable_expert_cache(CacheConfig(n_resident, policy="manual", precalc_from=2),
+            cache = eng.enable_expert_cache(CacheConfig(n_resident, policy=ManualConfig(), precalc_from=2),
                                             device=device)
             assert cache is not None
             for il in eng.info.moe_layers:

@@ -19,7 +19,7 @@ from edgemoe.policies.miss_assignment import AssignedPolicy
 from edgemoe.policies.assignment import CostModel, make_assigner
 from edgemoe.policies.residency import DaliPolicy, LruPolicy, replay_policy
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig, policy_config
 from edgemoe.runtime.sampling import GREEDY
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
@@ -92,7 +92,7 @@ def test_engine_runs_the_assignment_as_stock_and_as_replayed(fixture_model: Path
     costs = expert_costs(ModelShape.read(fixture_model), load_profile("rtx4060-laptop"))
     recorder = StepRecorder()
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(6, policy="lru", assign="ratio", assign_costs=costs))
+        cache = eng.enable_expert_cache(CacheConfig(6, policy=LruConfig(assign="ratio", assign_costs=costs)))
         eng.set_policies([recorder])
         got = eng.generate(TEXT[:80], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
         cache.sync()
@@ -108,12 +108,15 @@ def test_engine_runs_the_assignment_as_stock_and_as_replayed(fixture_model: Path
 def test_assignment_is_refused_where_it_cannot_act(fixture_model: Path) -> None:
     costs = {0: CostModel.affine(cpu_fixed_s=0, cpu_per_token_s=1, gpu_fixed_s=0, gpu_per_token_s=1, transfer_s=1)}
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        with pytest.raises(EdgeMoeError, match="--policy lru or dali"):
-            eng.enable_expert_cache(CacheConfig(4, policy="static", assign="ratio", assign_costs=costs))
+        with pytest.raises(EdgeMoeError, match="the static policy has no option 'assign'"):
+            eng.enable_expert_cache(CacheConfig(4,
+                                                policy=policy_config("static", assign="ratio",
+                                                                     assign_costs=costs)))
         with pytest.raises(EdgeMoeError, match="blocking"):
-            eng.enable_expert_cache(CacheConfig(4, policy="lru", blocking=True, assign="ratio", assign_costs=costs))
+            eng.enable_expert_cache(CacheConfig(4, policy=LruConfig(blocking=True, assign="ratio",
+                                                                    assign_costs=costs)))
         with pytest.raises(EdgeMoeError, match="cost model"):
-            eng.enable_expert_cache(CacheConfig(4, policy="lru", assign="ratio"))
+            eng.enable_expert_cache(CacheConfig(4, policy=LruConfig(assign="ratio")))
     with pytest.raises(EdgeMoeError, match="no GPU"):
         expert_costs(ModelShape.read(fixture_model), load_profile(str(_cpu_profile())))
 

@@ -17,7 +17,7 @@ from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.analysis.verify import run_checks
 from edgemoe.gguf.synth import get_preset, write_synthetic
 from edgemoe.policies.gating import GatingPolicy, GatingRule
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 
 PROMPT = "hello there, one expert"
 PLAIN = dict(n_ctx=128, n_threads=1, use_extra_bufts=False)
@@ -56,7 +56,7 @@ def test_gating_and_the_cache_equal_stock(one_expert: Path) -> None:
         assert eng.set_gating(GatingPolicy(GatingRule.SER, 0.9, decode_only=False)) == "graph"
         assert np.array_equal(_run(eng, toks), ref)  # slot 0 is never dropped
     with Engine(one_expert, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(1, policy="lru"))
+        cache = eng.enable_expert_cache(CacheConfig(1, policy=LruConfig()))
         got = _run(eng, toks)
         st = cache.stats()
     assert np.array_equal(got, ref), "the one-slot cache changed the logits"

@@ -51,3 +51,46 @@ def test_open_engine_parses_a_size_and_refuses_two_ways_of_asking() -> None:
     assert any("holds the whole model" in n for n in notes), notes
     with pytest.raises(TypeError, match="not both"):
         open_engine(MODEL, cache=cache_request(expert_slots=2), policy="lru")
+
+
+def test_open_engine_parses_the_header_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One open with a --vram budget that leaves a cache reads the GGUF header once: the load config, the engine
+    and the expert cache share it."""
+    from edgemoe.gguf import header
+    from edgemoe.gguf.info import read_model_info
+    from edgemoe.perf.plan import budget_for_slots
+
+    budget = budget_for_slots(read_model_info(MODEL), 2, 256)
+    parses: list[Path] = []
+    parse = header._parse_header
+
+    def counted(path: Path, cur: object) -> header.GgufHeader:
+        parses.append(path)
+        return parse(path, cur)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(header, "_parse_header", counted)
+    with open_engine(MODEL, vram=budget, policy="lru", n_ctx=256) as eng:
+        assert eng.cache is not None and eng.cache.cache.n_slots  # a cache, not the whole model on the GPU
+    assert parses == [MODEL]
+
+
+def test_gating_calibration_defaults_to_the_models(tmp_path: Path) -> None:
+    """gating_for: the one place --gating's calibration directory defaults (install_gating, perplexity)."""
+    from edgemoe.calibration.adaptive import GatingOptions, default_calibration_dir
+    from edgemoe.placement import gating_for
+
+    opts = GatingOptions(mode="score", threshold=0.5)
+    assert gating_for(opts, MODEL) == GatingOptions(mode="score", threshold=0.5,
+                                                    calibration=default_calibration_dir(MODEL))
+    given = GatingOptions(mode="score", threshold=0.5, calibration=tmp_path)
+    assert gating_for(given, MODEL) is given
+
+
+def test_an_engine_refuses_another_files_header() -> None:
+    from edgemoe.errors import InvalidConfigError
+    from edgemoe.gguf.header import check_gguf
+    from edgemoe.runtime.engine import Engine
+
+    other = MODEL.with_name("edgemoe-tiny-mixtral.Q4_K_M.gguf")
+    with pytest.raises(InvalidConfigError, match="not .*edgemoe-tiny-qwen3moe"):
+        Engine(MODEL, header=check_gguf(other))

@@ -22,7 +22,8 @@ from edgemoe.gguf.info import read_model_info
 from edgemoe.policies.loads import Load
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig, ExpertCacheError
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
+from edgemoe.runtime.expert_cache import ExpertCacheError
 
 pytest_plugins = ["conftest_synth"]
 
@@ -33,7 +34,7 @@ PROMPT = 12  # tokens in the prompt ubatch; the rest are decode steps
 
 def _manual(eng: Engine, resident: int) -> None:
     """A manual cache whose slots s < resident hold expert s of every MoE layer (a fixed residency)."""
-    c = eng.enable_expert_cache(CacheConfig(max(resident, 1), policy="manual"))
+    c = eng.enable_expert_cache(CacheConfig(max(resident, 1), policy=ManualConfig()))
     assert c is not None
     for il in eng.info.moe_layers:
         for e in range(resident):
@@ -129,7 +130,7 @@ def test_precalc_on_random_architectures(preset: str, make_tiny_gguf) -> None:
 def test_refusals_and_report(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         assert native.moe_cache_set_precalc(eng._ctx, 1, 1) == -1  # no cache
-        c = eng.enable_expert_cache(CacheConfig(2, policy="lru", precalc_from=3))
+        c = eng.enable_expert_cache(CacheConfig(2, policy=LruConfig(), precalc_from=3))
         assert c is not None and c.precalc == (3, 1)
         assert native.moe_cache_set_precalc(eng._ctx, 1, -1) == -1
         with pytest.raises(ExpertCacheError, match="layer >= 1"):

@@ -19,7 +19,7 @@ from edgemoe.policies.route import RouteRecord
 from edgemoe.predictors import Known, Predictor, topk_ids
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.gguf.info import read_model_info, vram_plan
 from edgemoe.runtime.prediction import default_n_out, device_bytes
 
@@ -121,7 +121,7 @@ def test_predictors_leave_the_logits_bitwise(fixture_model: Path, cache: bool) -
     preds = _predictors(fixture_model, "mlp", 2)
     with Engine(fixture_model, LoadConfig(**PLAIN, use_extra_bufts=False)) as eng:
         if cache:
-            eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 2, policy="lru"))
+            eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 2, policy=LruConfig()))
         prompt = eng.tokenize(TEXT)
         ref = _logits(eng, prompt)
         targets = eng.set_predictors(preds)

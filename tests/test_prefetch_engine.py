@@ -24,7 +24,7 @@ from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.policies.prefetch import PromoePolicy
 from edgemoe.policies.replay import replay
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, DaliConfig, PromoeConfig
 from edgemoe.runtime.prefetcher import prefetch_predictor
 from edgemoe.runtime.sampling import GREEDY
 
@@ -84,8 +84,9 @@ def test_promoe_generates_as_stock(fixture_model: Path, gated: bool) -> None:
     cal = default_calibration_dir(fixture_model)
     for slots, timing, blocking in ((n_expert // 4, None, False), (n_expert // 2, _slow(fixture_model), False),
                                     (n_expert // 4, _slow(fixture_model), True)):
-        got, out = _generate(fixture_model, CacheConfig(slots, policy="promoe", calibration=cal, copy_timing=timing,
-                                                        blocking=blocking), gating=gate())
+        got, out = _generate(fixture_model, CacheConfig(slots,
+                                                        policy=PromoeConfig(calibration=cal, copy_timing=timing,
+                                                                            blocking=blocking)), gating=gate())
         assert got == ref, (slots, timing, blocking)
         st, rep = out[0], out[1]  # type: ignore[index]
         assert st["hits"] > 0 and rep["prefetch"]["issued"] > 0 and rep["prefetch"]["predictor"] == "mlp-d2"
@@ -104,9 +105,12 @@ def test_live_counters_equal_the_replay(fixture_model: Path, slow: bool, blockin
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         slots = eng.info.n_expert // 4
     rec = RouteRecorder()
-    _, out = _generate(fixture_model, CacheConfig(slots, policy="promoe", calibration=cal, copy_timing=timing,
-                                                  blocking=blocking, prefetch_admission=admission,
-                                                  prefetch_native=native, predictor_weights="f32"), recorder=rec)
+    _, out = _generate(fixture_model, CacheConfig(slots, policy=PromoeConfig(calibration=cal,
+                                                                             copy_timing=timing,
+                                                                             blocking=blocking,
+                                                                             admission=admission,
+                                                                             native=native,
+                                                                             weights="f32")), recorder=rec)
     st, rep, n_slots, chunks, layers = out  # type: ignore[misc]
     assert (rep["prefetch"].get("path") == "native") == (not slow and native is not False)
     pred, note = prefetch_predictor(fixture_model, cal, "mlp", 2)
@@ -142,7 +146,8 @@ def test_dali_with_its_prefetcher_generates_as_stock_and_as_replayed(fixture_mod
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         n_expert = eng.info.n_expert
     rec = RouteRecorder()
-    got, out = _generate(fixture_model, CacheConfig(n_expert // 4, policy="dali", calibration=cal, dali_prefetch=2),
+    got, out = _generate(fixture_model, CacheConfig(n_expert // 4,
+                                                    policy=DaliConfig(calibration=cal, prefetch=2)),
                          gating=gate(), recorder=rec)
     assert got == ref
     st, rep, n_slots, chunks, layers = out  # type: ignore[misc]

@@ -17,7 +17,7 @@ from edgemoe.errors import EdgeMoeError
 from edgemoe.policies.copy_queue import CopyTiming
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, PromoeConfig
 from edgemoe.runtime.sampling import GREEDY
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type"
@@ -33,7 +33,8 @@ def test_native_promoe_runs_without_a_python_hook(fixture_model: Path) -> None:
     ref = _stock(fixture_model)
     cal = default_calibration_dir(fixture_model)
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy="promoe", calibration=cal))
+        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4,
+                                                    policy=PromoeConfig(calibration=cal)))
         assert cache is not None and eng._hooks is None  # nothing calls back into Python
         # the calibration's mlp predictor of layer l+2 runs in the graph on layer l's router input
         layers = list(eng.info.moe_layers)
@@ -54,8 +55,9 @@ def test_native_promoe_with_other_predictor_weights(weights: str) -> None:
     path = FIXTURE_MODELS[0]
     ref = _stock(path)
     with Engine(path, LoadConfig(**PLAIN)) as eng:
-        eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy="promoe",
-                                            calibration=default_calibration_dir(path), predictor_weights=weights))
+        eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4,
+                                            policy=PromoeConfig(calibration=default_calibration_dir(path),
+                                                                weights=weights)))
         toks = eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         pf = eng.cache.report()["prefetch"]
     assert toks == ref and pf["weights"] == weights and pf["issued"] > 0 and pf["goodpred"] > 0.3
@@ -69,7 +71,8 @@ def test_admission_by_bytes_queues_nothing_that_cannot_arrive(fixture_model: Pat
     issued = {}
     for admit in (1.0, 1e12, 0.0):
         with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-            cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy="promoe", calibration=cal))
+            cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4,
+                                                        policy=PromoeConfig(calibration=cal)))
             assert cache is not None
             assert native.moe_cache_set_predicted_prefetch(eng._ctx, False, admit) == 0
             toks = eng.generate(PROMPT, max_tokens=12, sampling=GREEDY, ignore_eog=True).tokens
@@ -88,16 +91,16 @@ def test_promoe_falls_back_to_the_hook_where_it_cannot_run_natively(fixture_mode
         n, layers = eng.info.n_expert // 4, list(eng.info.moe_layers)
         # a copy timing paces the stand-in's copies: only the hook's model of the queue does that
         with caplog.at_level("INFO", logger="edgemoe.runtime.prefetcher"):
-            eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal, copy_timing=slow))
+            eng.enable_expert_cache(CacheConfig(n, policy=PromoeConfig(calibration=cal, copy_timing=slow)))
         assert eng._hooks is not None and "copy timing" in caplog.text and eng.predictor_targets == []
         assert "copy timing" in str(eng.cache.hook_reason) and eng.cache.report()["prefetch"]["path"] == "hook"
         with pytest.raises(EdgeMoeError, match="cannot run inside llama.cpp here: a copy timing"):
-            eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal, copy_timing=slow,
-                                                prefetch_native=True))
-        eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal, prefetch_native=False))
+            eng.enable_expert_cache(CacheConfig(n, policy=PromoeConfig(calibration=cal, copy_timing=slow,
+                                                                       native=True)))
+        eng.enable_expert_cache(CacheConfig(n, policy=PromoeConfig(calibration=cal, native=False)))
         assert eng._hooks is not None and eng.cache.hook_reason is not None and eng.predictor_targets == []
         # native again, then no cache: the predictors leave the graph with it
-        eng.enable_expert_cache(CacheConfig(n, policy="promoe", calibration=cal))
+        eng.enable_expert_cache(CacheConfig(n, policy=PromoeConfig(calibration=cal)))
         assert eng._hooks is None and eng.predictor_targets
         eng.enable_expert_cache(None)
         assert eng.predictor_targets == [] and eng.cache is None
@@ -121,8 +124,8 @@ def test_layers_without_slots_still_predict(fixture_model: Path) -> None:
         with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
             layers, n = list(eng.info.moe_layers), eng.info.n_expert // 4
             slots = {il: (0 if j < 2 or j == 5 else n) for j, il in enumerate(layers)}  # sources 0, 1, 5 empty
-            cache = eng.enable_expert_cache(CacheConfig(slots, policy="promoe", calibration=cal,
-                                                        predictor_weights="f32"))
+            cache = eng.enable_expert_cache(CacheConfig(slots,
+                                                        policy=PromoeConfig(calibration=cal, weights="f32")))
             assert cache is not None and eng._hooks is None
             if record:
                 eng.set_policies([rec])  # a routing hook at every layer, before llama.cpp's promoe step
@@ -143,7 +146,8 @@ def test_a_refused_predictor_leaves_no_cache_behind() -> None:
     ref = _stock(path)
     with Engine(path, LoadConfig(**PLAIN)) as eng:
         with pytest.raises(EdgeMoeError, match="predictor weights 'f8'"):
-            eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy="promoe",
-                                                calibration=default_calibration_dir(path), predictor_weights="f8"))
+            eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4,
+                                                policy=PromoeConfig(calibration=default_calibration_dir(path),
+                                                                    weights="f8")))
         assert eng.cache is None and eng._hooks is None and eng.predictor_targets == []
         assert eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens == ref

@@ -14,7 +14,7 @@ from conftest import FIXTURE_MODELS
 
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.expert_cache import CacheConfig
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def _setup(eng: Engine, mode: str) -> None:
     elif mode == "gating-hook":  # the Python route hook runs at every MoE layer of every token
         eng.set_policies([GatingPolicy(GatingRule.SER, 0.4)])
     elif mode == "cache-lru":
-        eng.enable_expert_cache(CacheConfig(4, policy="lru"))
+        eng.enable_expert_cache(CacheConfig(4, policy=LruConfig()))
 
 
 @pytest.mark.parametrize("mode", MODES)

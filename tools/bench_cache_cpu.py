@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from edgemoe.analysis.verify import FnPolicy  # noqa: E402
 from edgemoe.runtime import native  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.runtime.expert_cache import CacheConfig  # noqa: E402
+from edgemoe.runtime.cache_config import CacheConfig, policy_config  # noqa: E402
 from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
@@ -50,8 +50,8 @@ def decode_tps(path: Path, variant: str, gen: int, threads: int, slots: int) -> 
     with Engine(path, LoadConfig(n_ctx=512, n_threads=threads, use_extra_bufts=not plain)) as eng:
         if variant != "stock" and variant != "stock-plain":
             policy = "manual" if variant.startswith("empty") else variant.removesuffix("-hook")
-            native_promoe = None if policy != "promoe" else variant == "promoe"
-            eng.enable_expert_cache(CacheConfig(slots, policy=policy, prefetch_native=native_promoe))
+            options = {"native": variant == "promoe"} if policy == "promoe" else {}
+            eng.enable_expert_cache(CacheConfig(slots, policy=policy_config(policy, **options)))
         if variant == "empty-callback":
             assert eng.cache is not None
             eng.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK)

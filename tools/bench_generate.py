@@ -29,7 +29,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +41,10 @@ from edgemoe import GREEDY, Engine, LoadConfig  # noqa: E402
 from edgemoe.analysis.perplexity import ActivationCounter  # noqa: E402
 from edgemoe.analysis.trace import TraceRecorder  # noqa: E402
 from edgemoe.analysis.verify import FnPolicy  # noqa: E402
-from edgemoe.calibration.adaptive import MODES, GatingOptions, build_gating, default_calibration_dir  # noqa: E402
+from edgemoe.calibration.adaptive import MODES, GatingOptions, build_gating  # noqa: E402
 from edgemoe.calibration.corpus import default_corpus_dir, split_corpus  # noqa: E402
 from edgemoe.gguf.info import read_model_info  # noqa: E402
+from edgemoe.placement import gating_for  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 REDUCTION: dict[str, float | None] = {}  # variant -> decode activation reduction of its last run
@@ -91,7 +91,7 @@ def configure(eng: Engine, path: Path, variant: str, gating: GatingOptions | Non
     eng.set_gating(None)
     eng.set_policies(None)
     if variant in ("gate", "gate_hook") and gating is not None:
-        opts = replace(gating, calibration=gating.calibration or default_calibration_dir(path))
+        opts = gating_for(gating, path)
         policy = build_gating(eng, opts)
         if variant == "gate":
             assert eng.set_gating(policy) == "graph"

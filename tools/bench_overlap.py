@@ -45,7 +45,7 @@ from edgemoe.gguf.info import read_model_info  # noqa: E402
 from edgemoe.policies.residency import Load  # noqa: E402
 from edgemoe.runtime import native  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.runtime.expert_cache import CacheConfig  # noqa: E402
+from edgemoe.runtime.cache_config import CacheConfig, ManualConfig  # noqa: E402
 from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
@@ -57,7 +57,8 @@ def decode(path: Path, cfg: LoadConfig, config: str, slots: int, gen: int, dev: 
     with Engine(path, replace(cfg, expert_used_count=1) if config == "stock_k1" else cfg) as eng:
         hit_rate = 0.0
         if not config.startswith("stock"):
-            cache = eng.enable_expert_cache(CacheConfig(slots, policy="manual", overlap=config == "overlap"),
+            cache = eng.enable_expert_cache(CacheConfig(slots, policy=ManualConfig(),
+                                                        overlap=config == "overlap"),
                                             device=dev)
             assert cache is not None
             for il in eng.info.moe_layers:

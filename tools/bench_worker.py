@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from edgemoe.gguf.info import read_model_info  # noqa: E402
 from edgemoe.runtime import native  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.runtime.expert_cache import CacheConfig  # noqa: E402
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig  # noqa: E402
 from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
@@ -45,7 +45,8 @@ def decode(path: Path, cfg: LoadConfig, config: str, slots: int, gen: int, dev: 
     with Engine(path, cfg) as eng:
         cache = None
         if config != "stock":
-            cache = eng.enable_expert_cache(CacheConfig(slots, policy="lru", async_loads=config == "worker"),
+            cache = eng.enable_expert_cache(CacheConfig(slots, policy=LruConfig(),
+                                                        async_loads=config == "worker"),
                                             device=dev)
         g = eng.generate(PROMPT, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
         out = {"decode_tps": g.timings.decode_tps}

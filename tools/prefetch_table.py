@@ -45,7 +45,8 @@ from edgemoe.policies.prefetch import PromoePolicy  # noqa: E402
 from edgemoe.policies.replay import ReplayResult, replay  # noqa: E402
 from edgemoe.policies.residency import dali_default_update, make_policy  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.runtime.expert_cache import CacheConfig, expert_chunk_bytes  # noqa: E402
+from edgemoe.runtime.cache_config import CacheConfig, PromoeConfig  # noqa: E402
+from edgemoe.runtime.expert_cache import expert_chunk_bytes
 from edgemoe.runtime.prefetcher import prefetch_predictor  # noqa: E402
 
 MODELS = [ROOT / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf", ROOT / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"]
@@ -122,7 +123,8 @@ def live(model: Path, cal: Path, text: str, slots: int, lt: LinkTiming, max_toke
     hits = misses = 0
     t0 = time.perf_counter()
     with Engine(model, LoadConfig(n_ctx=CTX, n_threads=threads)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(slots, policy="promoe", calibration=cal, copy_timing=lt.timing))
+        cache = eng.enable_expert_cache(CacheConfig(slots, policy=PromoeConfig(calibration=cal,
+                                                                               copy_timing=lt.timing)))
         ctl = eng.cache
         eng.set_policies([rec])
         toks = eval_tokens(eng, text, ctx=CTX, max_tokens=max_tokens)

@@ -357,7 +357,8 @@ def perplexity(
     from dataclasses import replace
 
     from ..analysis.perplexity import perplexity as run_ppl
-    from ..calibration.adaptive import build_gating, default_calibration_dir
+    from ..calibration.adaptive import build_gating
+    from ..placement import gating_for
     from ..progress import progress_bar
     from ..runtime.engine import Engine, LoadConfig
 
@@ -390,7 +391,7 @@ def perplexity(
         raise click.UsageError(f"--prompt-tokens {skip} leaves nothing of a --ctx {n_ctx} chunk to score")
     if degrade_ratio is not None and skip < 1:
         raise click.UsageError("--degrade needs --prompt-tokens >= 1 (the prompt DAOP swaps by)")
-    gate = replace(gating, calibration=calibration or default_calibration_dir(model), decode_only=False)
+    gate = replace(gating_for(gating, model), decode_only=False)
     text = input_path.read_text(encoding="utf-8", errors="replace")
     with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]

@@ -29,8 +29,8 @@ from ..gguf.info import (
     vram_plan,
 )
 from ..runtime import native
+from ..runtime.cache_config import CacheConfig, calibrated_config
 from ..runtime.engine import Engine, LoadConfig
-from ..runtime.expert_cache import CacheConfig
 from ..runtime.sampling import GREEDY
 
 WARMUP_PROMPT = 16  # tokens of the prompt each configuration's warm-up generation (2 tokens) starts from
@@ -209,8 +209,7 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
             continue
         cfg = CacheConfig(
             slots if plan.alloc == "equal" else plan.slots,
-            policy=pol,
-            calibration=spec.calibration,
+            policy=calibrated_config(pol, spec.calibration),
             alloc=plan.alloc,
         )
         notes = ([] if on_gpu else ["cache on the CPU stand-in"]) + ([plan.note] if plan.note else [])
@@ -224,10 +223,11 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
                 (name + ("" if overlap else " no-overlap"), "edgemoe", cached, setup, "; ".join(notes))
             )
         if costs is not None and pol in ("lru", "dali"):
+            assigned = calibrated_config(pol, spec.calibration, assign=spec.assign, assign_costs=costs)
 
             def setup_assign(
                 eng: Engine,
-                cfg: CacheConfig = replace(cfg, assign=spec.assign, assign_costs=costs),  # noqa: B008 - binds this loop's config
+                cfg: CacheConfig = replace(cfg, policy=assigned),  # noqa: B008 - binds this loop's config
             ) -> None:
                 eng.enable_expert_cache(cfg, device=dev)
 

@@ -10,16 +10,26 @@ from pathlib import Path
 from typing import Any
 
 from ..calibration import auto
-from ..calibration.adaptive import default_calibration_dir
+from ..calibration.adaptive import GatingOptions, default_calibration_dir
 from ..calibration.slot_plan import describe, plan_allocation
-from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, read_model_info, vram_plan, vram_reserve
+from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, vram_plan, vram_reserve
 from ..policies.daop import precalc_targets
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
 from ..policies.residency import DALI_WINDOW
 from ..runtime import native
+from ..runtime.cache_config import (
+    CacheConfig,
+    DaliConfig,
+    DaopConfig,
+    LruConfig,
+    ManualConfig,
+    PolicyConfig,
+    PromoeConfig,
+    StaticConfig,
+    checked_slots,
+)
 from ..runtime.config import planned_ctx
 from ..runtime.engine import Engine, LoadConfig
-from ..runtime.expert_cache import CacheConfig
 from .request import CacheRequest, PlacementError
 
 log = logging.getLogger(__name__)
@@ -57,12 +67,12 @@ def whole_model_fits(info: ModelInfo, req: CacheRequest, n_ctx: int) -> bool:
     ).all_experts_fit
 
 
-def load_config(base: LoadConfig, req: CacheRequest | None, model: Path) -> LoadConfig:
+def load_config(base: LoadConfig, req: CacheRequest | None, info: ModelInfo) -> LoadConfig:
     """The engine's LoadConfig with the cache's needs: on a GPU build, experts in CPU memory and the rest on the
-    GPU; every layer on the GPU where the budget holds the whole model."""
+    GPU; every layer on the GPU where the budget holds the whole model. `info`: the model's (model_info of the
+    header the engine is given)."""
     if req is None or not req.enabled or native.gpu_device() is None:
         return base
-    info = read_model_info(model)
     if whole_model_fits(info, req, base.n_ctx):
         return replace(base, n_gpu_layers=999)
     return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))
@@ -98,7 +108,7 @@ def enable_static_placement(engine: Engine, model: Path, slots: int, calibration
     placement, never swapped: the static policy), calibrated on first use; for measuring against a fixed residency."""
     cal = calibration_for(model, ("static",), None, calibration, n_threads=engine.n_threads)
     engine.enable_expert_cache(
-        CacheConfig(min(slots, engine.info.n_expert), policy="static", calibration=cal, alloc="equal")
+        CacheConfig(min(slots, engine.info.n_expert), policy=StaticConfig(calibration=cal), alloc="equal")
     )
 
 
@@ -116,6 +126,37 @@ def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
             )
         profile = str(default_profile_path())
     return expert_costs(ModelShape.read(model), load_profile(profile))
+
+
+def policy_config_for(
+    req: CacheRequest, calibration: Path | None, costs: dict[int, Any] | None
+) -> PolicyConfig:
+    """The config record of the request's policy from its options (check_request refused those of another
+    policy; --blocking-loads and the dali window of a policy without them do nothing, as before)."""
+    if req.policy == "lru":
+        return LruConfig(blocking=req.blocking, assign=req.assign, assign_costs=costs)
+    if req.policy == "dali":
+        return DaliConfig(
+            window=req.dali_window or DALI_WINDOW,
+            update=req.dali_update,
+            prefetch=req.dali_prefetch or 0,
+            blocking=req.blocking,
+            assign=req.assign,
+            assign_costs=costs,
+            calibration=calibration,
+        )
+    if req.policy == "daop":
+        return DaopConfig(calibration=calibration, blocking=req.blocking)
+    if req.policy == "promoe":
+        return PromoeConfig(
+            calibration=calibration,
+            distance=req.prefetch_distance or PROMOE_DISTANCE,
+            extra=PROMOE_EXTRA if req.prefetch_extra is None else req.prefetch_extra,
+            blocking=req.blocking,
+        )
+    if req.policy == "static":
+        return StaticConfig(calibration=calibration)
+    return ManualConfig()
 
 
 def install_cache(
@@ -139,7 +180,7 @@ def install_cache(
     if req.precalc_from is not None:
         check_precalc_from(engine.info, req.precalc_from)
     slots = slots_for(engine.info, req, engine.n_ctx)
-    CacheConfig(slots).slots(list(engine.info.moe_layers), engine.info.n_expert)  # slots in range
+    checked_slots(slots, list(engine.info.moe_layers), engine.info.n_expert)  # slots in range
     calibration = calibration_for(
         model,
         (req.policy,),
@@ -172,17 +213,8 @@ def install_cache(
     dev = native.gpu_device()
     cfg = CacheConfig(
         slots if plan.alloc == "equal" else plan.slots,
-        policy=req.policy,
-        blocking=req.blocking,
-        calibration=calibration,
-        dali_window=window,
-        dali_update=req.dali_update,
+        policy=policy_config_for(req, calibration, assign_costs(model, req.profile) if req.assign else None),
         alloc=plan.alloc,
-        prefetch_distance=req.prefetch_distance or PROMOE_DISTANCE,
-        prefetch_extra=PROMOE_EXTRA if req.prefetch_extra is None else req.prefetch_extra,
-        dali_prefetch=req.dali_prefetch or 0,
-        assign=req.assign,
-        assign_costs=assign_costs(model, req.profile) if req.assign else None,
         degrade=req.degrade,
         prefill_min_tokens=req.device_prefill,
         prefill_ahead=req.device_prefill_ahead,
@@ -220,15 +252,22 @@ def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.Gg
     return "\n".join(lines)
 
 
-def install_gating(engine: Engine, opts: Any, *, notify: Notify = log.info) -> None:
-    """Adaptive top-k as `opts` (calibration.adaptive.GatingOptions) asks, calibrated on first use; its
-    calibration directory defaults to the model's."""
+def gating_for(opts: GatingOptions, model: Path) -> GatingOptions:
+    """`opts` with its calibration directory resolved: the one given, else the model's (default_calibration_dir).
+    The one place that default is decided, for install_gating and `edgemoe perplexity`."""
+    if opts.calibration is not None:
+        return opts
+    return replace(opts, calibration=default_calibration_dir(model))
+
+
+def install_gating(engine: Engine, opts: GatingOptions | None, *, notify: Notify = log.info) -> None:
+    """Adaptive top-k as `opts` asks, calibrated on first use; its calibration directory defaults to the
+    model's (gating_for)."""
     from ..calibration.adaptive import build_gating
 
     if opts is None:
         return
-    if opts.calibration is None:
-        opts = replace(opts, calibration=default_calibration_dir(engine.path))
+    opts = gating_for(opts, engine.path)
     policy = build_gating(engine, opts)
     if policy is not None:
         path = engine.set_gating(policy)

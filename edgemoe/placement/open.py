@@ -6,7 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..gguf.info import parse_size
+from ..gguf.header import check_gguf
+from ..gguf.info import model_info, parse_size
 from ..runtime.engine import Engine, LoadConfig
 from .install import Notify, install_cache, install_gating, load_config
 from .request import CacheRequest, cache_request
@@ -42,8 +43,9 @@ def open_engine(
         cache = cache_request(vram=size, expert_slots=expert_slots, policy=policy)
     elif vram is not None or expert_slots is not None or policy is not None:
         raise TypeError("give the cache's options in `cache` or as vram/expert_slots/policy, not both")
-    config = load_config(LoadConfig(n_threads=n_threads, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers), cache, path)
-    engine = Engine(path, config)
+    header = check_gguf(path)  # once: the load config and the engine (and its expert cache) share it
+    base = LoadConfig(n_threads=n_threads, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
+    engine = Engine(path, load_config(base, cache, model_info(header)), header=header)
     if n_ctx and engine.n_ctx != n_ctx:
         notify(
             f"note: the context is {engine.n_ctx} tokens (llama.cpp sizes it in steps of 256; "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidConfigError
 from ..policies.assignment import assign_refusal
+from ..policies.dali_prefetch import dali_prefetch_refusal
 
 POLICIES = ("lru", "dali", "daop", "static", "promoe", "manual")
 # the default policy: static. On the bundled routing profiles of real models at 8 GiB (tools/default_policy.py,
@@ -129,11 +130,9 @@ def check_request(r: CacheRequest) -> None:
         raise PlacementError("give --vram or --expert-slots, not both")
     if r.policy != "promoe" and (r.prefetch_distance is not None or r.prefetch_extra is not None):
         raise PlacementError("--prefetch-distance and --prefetch-extra are options of --policy promoe")
-    if r.dali_prefetch and (r.policy != "dali" or r.blocking):
-        raise PlacementError(
-            "--dali-prefetch is an option of --policy dali without --blocking-loads "
-            "(a missed expert runs on the CPU while the prefetcher loads the next layer's)"
-        )
+    refusal = dali_prefetch_refusal(r.policy, blocking=r.blocking) if r.dali_prefetch else None
+    if refusal is not None:
+        raise PlacementError(refusal)
     if r.assign is not None:
         refusal = assign_refusal(r.policy, blocking=r.blocking, prefetcher=bool(r.dali_prefetch))
         if refusal is not None:

@@ -38,6 +38,18 @@ from .residency import DALI_WINDOW, Load, used_experts
 DALI_PREFETCH_DISTANCE = 1  # DALI predicts the next MoE layer
 
 
+def dali_prefetch_refusal(policy: str, *, blocking: bool) -> str | None:
+    """Why dali's prefetcher cannot run with this residency policy (None: it can): it is dali's, and a missed expert
+    runs on the CPU while it loads the next layer's. The one statement of the rule, for edgemoe.placement's request
+    check and the engine's config."""
+    if policy == "dali" and not blocking:
+        return None
+    return (
+        "--dali-prefetch is an option of --policy dali without --blocking-loads "
+        "(a missed expert runs on the CPU while the prefetcher loads the next layer's)"
+    )
+
+
 def dali_default_prefetch(n_expert: int) -> int:
     """The paper's prefetch size for a model with n_expert experts per layer: 1 for Mixtral's 8, 4 for more."""
     return 1 if n_expert <= 8 else 4

@@ -269,7 +269,7 @@ def make_policy(
     if k is PolicyKind.PROMOE:
         raise EdgeMoeError(
             "the promoe policy needs an expert predictor: build edgemoe.policies.prefetch.PromoePolicy "
-            "(the engine does so from CacheConfig(policy='promoe', calibration=DIR))"
+            "(the engine does so from CacheConfig(slots, policy=PromoeConfig(calibration=DIR)))"
         )
     if k is PolicyKind.LRU:
         return LruPolicy(dict(n_slots), blocking=blocking)

@@ -30,9 +30,11 @@ from ..errors import (
     EdgeMoeError,
     EngineBusyError,
     EngineClosedError,
+    InvalidConfigError,
     ModelLoadError,
     NonFiniteLogitsError,
 )
+from ..gguf.header import GgufHeader
 from ..gguf.info import ModelInfo, check_gguf, model_info
 from ..gguf.validate import validate_hparams
 from ..policies.gating import GatingPolicy
@@ -70,10 +72,24 @@ def graph_nodes_logged(lines: list[str]) -> tuple[int, int] | None:
 class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMixin):
     """A loaded model with one context. Use as a context manager or call close()."""
 
-    def __init__(self, model_path: str | os.PathLike[str], config: LoadConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        config: LoadConfig | None = None,
+        *,
+        header: GgufHeader | None = None,
+    ) -> None:
+        """`header`: the file's check_gguf(), where the caller has it already (edgemoe.open_engine); else it is
+        read here."""
         self.path = Path(model_path)
         self.config = config or LoadConfig()
-        header = check_gguf(self.path)  # typed, actionable errors before llama.cpp sees the file
+        # typed, actionable errors before llama.cpp sees the file; the expert cache reads its tensors' offsets
+        header = check_gguf(self.path) if header is None else header
+        if header.path != self.path:
+            raise InvalidConfigError(
+                f"the header given is {header.path}'s, not {self.path}'s: give the model's own"
+            )
+        self.header = header
         native.require_patched()
         native.route_logs_to_python()
         self.info: ModelInfo = model_info(header)

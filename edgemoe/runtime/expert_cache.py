@@ -9,153 +9,29 @@ after the step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import EdgeMoeError
-from ..gguf.header import check_gguf
-from ..policies.copy_queue import CopyTiming, load_worker_default
-from ..policies.daop import DAOP_SWAP_THRESHOLD, DaopPolicy
+from ..gguf.header import GgufHeader, check_gguf
+from ..policies.daop import DaopPolicy
 from ..policies.degrade import GracefulDegradation
 from ..policies.loads import split_loads
 from ..policies.miss_assignment import AssignedPolicy
-from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy
+from ..policies.prefetch import PromoePolicy
 from ..policies.residency import (
-    DALI_WINDOW,
     DaliPolicy,
     Load,
     LruPolicy,
     ManualPolicy,
-    PolicyKind,
     ResidencyPolicy,
     StaticPolicy,
 )
 from ..policies.route import RouteRecord
 from . import native
+from .cache_config import ExpertCacheError, checked_slots
 from .native import lib
-
-
-class ExpertCacheError(EdgeMoeError):
-    """The expert cache cannot be set up for this model or configuration."""
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    # expert slots of every MoE layer (equal allocation), or layer -> slots (e.g. from
-    # edgemoe.policies.allocation's dp_allocate; MoE layers left out get none)
-    slots_per_layer: int | Mapping[int, int]
-    policy: str = "lru"  # edgemoe.policies.residency.PolicyKind
-    blocking: bool = False  # lru, dali: load a missed expert before its layer runs instead of after the step
-    calibration: Path | None = None  # static: where router_frequency.npz is
-    dali_window: int = DALI_WINDOW  # dali: tokens per window (w)
-    dali_update: int | None = None  # dali: experts replaced per window (u); None: the paper's for the model
-    alloc: str = "equal"  # how the slots per layer were chosen ("equal", "dp"): reported, not acted on
-    prefetch_distance: int = PROMOE_DISTANCE  # promoe: predict MoE layer l+d at layer l
-    prefetch_extra: int = PROMOE_EXTRA  # promoe: prefetch the top-(k+m) predicted experts
-    prefetch_predictor: str = "mlp"  # promoe: the calibration's predictor kind (gate when it has none)
-    # promoe: how many chunks the copy queue issues after each MoE layer (None: every queued chunk, as a
-    # copy stream that keeps up); a model of a slower stream for the stand-in, whose copies are instant
-    copy_timing: CopyTiming | None = None
-    # promoe with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
-    prefetch_admission: bool = True
-    # promoe inside llama.cpp (the in-graph predictor's ids drive the loads, no Python per layer) or in
-    # the routing hook (False); None: inside where it can run (no copy_timing pacing the stand-in, at most
-    # n_expert/2 experts per token), else the hook; True: inside or an error
-    prefetch_native: bool | None = None
-    # promoe inside llama.cpp: how the predictor's matrices are stored in the graph (edgemoe.runtime.prediction's
-    # WEIGHT_TYPES: "f32" computes as the numpy predictor does; "f16" holds a calibration's float16 weights
-    # exactly, with the router input rounded to f16; "q8_0" takes about half of f16's bytes)
-    predictor_weights: str = "f16"
-    # dali: experts of the next MoE layer its residual predictor prefetches per layer (DALI's prefetch size,
-    # edgemoe.policies.dali_prefetch); 0: replacement only, which runs natively
-    dali_prefetch: int = 0
-    daop_threshold: float = (
-        DAOP_SWAP_THRESHOLD  # daop: SwapInOut, a prompt's expert swaps in above this ratio
-    )
-    # on a device: compute the cached experts there while the CPU computes the others (llama_moe_cache_set_overlap);
-    # False runs the two one after the other, as llama.cpp's scheduler does
-    overlap: bool = True
-    # on a device: llama.cpp's load worker thread issues the queued loads while the caller computes
-    # (llama_moe_cache_set_async); False issues them on the caller's thread. None: the worker, except on
-    # llama.cpp's RPC device, whose one connection carries the copies and the graph runs in one FIFO, so a
-    # worker overlaps nothing there and only competes for the CPU (tools/bench_worker.py). promoe always issues
-    # its own loads (its model of the copy queue counts the chunks)
-    async_loads: bool | None = None
-    # lru, dali: per route, a CPU/GPU assigner (edgemoe.policies.assignment: "ratio", "greedy") decides which of
-    # the policy's loads to make before the layer runs (computed on the GPU this step) rather than for its next
-    # run (the miss on the CPU); needs assign_costs (edgemoe.perf.costmodel.expert_costs from a profile).
-    # Runs in the routing hook: a host sync per MoE layer
-    assign: str | None = None
-    assign_costs: Mapping[int, Any] | None = None  # MoE layer -> edgemoe.policies.assignment.ExpertCosts
-    # prefill on the device: a ubatch of at least this many tokens runs each cached layer's other
-    # experts (routed, outside the slots) on the cache's device too, from two buffers of a whole layer's experts
-    # (their bytes come out of the budget: prefill_buffer_bytes), copied one cached layer ahead on the copy stream
-    # while the layer before computes; 0: off (they run on the CPU, or llama.cpp's op offload copies them)
-    prefill_min_tokens: int = 0
-    # what a prefill layer copies ahead for the next cached layer: "all" (its experts outside the slots),
-    # "predicted" (those the in-graph predictor from this layer names: promoe's), "routed" (nothing ahead: each
-    # layer copies what it routes at its routing callback, the compute waiting)
-    prefill_ahead: str = "all"
-    # DAOP's pre-calculation: in ubatches of at most precalc_max_tokens tokens (decode), each cached
-    # MoE layer from this index on has its experts predicted at the MoE layer before by its own router on that
-    # layer's input (gate reuse); the predicted ones outside its slots run on that input, on the CPU, while the
-    # device computes the layer's attention and routing, and it takes their results instead of running them (an
-    # approximation: the output changes; docs/research/daop.md).
-    # Needs the cache's tables in the graph (no routing hook: --degrade, --assign, --blocking-loads, Python
-    # policies turn it off). None: off
-    precalc_from: int | None = None
-    precalc_max_tokens: int = 1
-    # DAOP's graceful degradation (edgemoe.policies.degrade): in decode, a token's non-resident expert (not
-    # its best) is replaced by the best resident one it did not select whose router score is at least this
-    # ratio of the replaced one's (0 < r <= 1; None: off). Changes the routing; runs in the routing hook
-    degrade: float | None = None
-
-    @property
-    def prefetcher(self) -> bool:
-        """Does a prefetcher run this cache from the routing hook (promoe, dali with dali_prefetch)?"""
-        return self.policy == PolicyKind.PROMOE.value or (
-            self.policy == PolicyKind.DALI.value and self.dali_prefetch > 0
-        )
-
-    def overlap_on(self, environ: Mapping[str, str]) -> bool:
-        """Whether to overlap the device's experts with the CPU's: not with GGML_CUDA_GRAPH_OPT=1, llama.cpp's
-        opt-in concurrent streams, which could fork in the first part of an overlapped split and join in its
-        second (unverified either way: off is the safe order)."""
-        return self.overlap and environ.get("GGML_CUDA_GRAPH_OPT", "0") != "1"
-
-    def loads_async(self, device: Any) -> bool:
-        """Whether the load worker may issue this cache's loads on device (None: the CPU stand-in, which has none);
-        a controller that issues its own (the hook's prefetchers: CacheController.issues_own_loads) turns it off."""
-        if device is None:
-            return False
-        if self.async_loads is not None:
-            return self.async_loads
-        return load_worker_default(native.device_name(device))
-
-    def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:
-        """Slots of each MoE layer, checked: 0..n_expert each, and only MoE layers named."""
-        if isinstance(self.slots_per_layer, int):
-            per = {il: self.slots_per_layer for il in moe_layers}
-        else:
-            per = {il: int(self.slots_per_layer.get(il, 0)) for il in moe_layers}
-            extra = sorted(set(self.slots_per_layer) - set(moe_layers))
-            if extra:
-                raise ExpertCacheError(
-                    f"slots for layers {extra}, which are not MoE layers of this model "
-                    f"(its MoE layers: {list(moe_layers)})"
-                )
-        bad = {il: n for il, n in per.items() if not 0 <= n <= n_expert}
-        if bad:
-            il, n = next(iter(bad.items()))
-            where = "" if isinstance(self.slots_per_layer, int) else f" (layer {il})"
-            raise ExpertCacheError(
-                f"--expert-slots {n}{where}: use 0..{n_expert} (the model has {n_expert} experts per layer)"
-            )
-        return per
-
 
 _STATE_NAMES = {
     native.MOE_CACHE_ABSENT: "absent",
@@ -180,10 +56,10 @@ EXPERT_TENSORS = (
 )
 
 
-def expert_chunk_bytes(path: Path, layers: Sequence[int]) -> dict[int, tuple[int, ...]]:
+def expert_chunk_bytes(model: Path | GgufHeader, layers: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """Bytes of each chunk of one expert per MoE layer, in the order llama.cpp copies them (EXPERT_TENSORS):
-    a stacked tensor's bytes over its experts."""
-    header = check_gguf(path)
+    a stacked tensor's bytes over its experts. `model`: a GGUF's path or its parsed header."""
+    header = model if isinstance(model, GgufHeader) else check_gguf(model)
     by_name = {t.name: t for t in header.tensors}
     out = {}
     for il in layers:
@@ -211,7 +87,7 @@ class ExpertCache:
     def __init__(
         self,
         ctx: Any,
-        model_path: Path,
+        header: GgufHeader,
         moe_layers: list[int],
         n_layer: int,
         n_expert: int,
@@ -225,22 +101,22 @@ class ExpertCache:
         self.prefill_min_tokens = 0  # set_prefill
         self.precalc: tuple[int, int] | None = None  # set_precalc: (first layer, most tokens)
         self.n_expert = n_expert
-        self.n_slots = CacheConfig(slots_per_layer).slots(moe_layers, n_expert)
+        self.n_slots = checked_slots(slots_per_layer, moe_layers, n_expert)
         per_layer = [self.n_slots.get(il, 0) for il in range(n_layer)]
         rc = native.moe_cache_init(ctx, per_layer, device)
         if rc != 0:
             raise ExpertCacheError(
                 f"the expert cache could not be set up (code {rc}): {native.recent_log()[-300:].strip()}"
             )
-        self._map = self._set_sources(model_path, [il for il, n in self.n_slots.items() if n > 0])
-        self.chunk_bytes = expert_chunk_bytes(model_path, [il for il, n in self.n_slots.items() if n > 0])
+        cached = [il for il, n in self.n_slots.items() if n > 0]
+        self._map = self._set_sources(header, cached)
+        self.chunk_bytes = expert_chunk_bytes(header, cached)
 
-    def _set_sources(self, path: Path, layers: list[int]) -> np.memmap | None:
+    def _set_sources(self, header: GgufHeader, layers: list[int]) -> np.memmap | None:
         if not layers:
             return None
-        header = check_gguf(path)
         where = {t.name: header.data_offset + t.offset for t in header.tensors}
-        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        mapped = np.memmap(header.path, dtype=np.uint8, mode="r")
         base = mapped.ctypes.data
         for il in layers:
             ptrs = [

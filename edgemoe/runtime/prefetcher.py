@@ -13,7 +13,7 @@ gives the same numbers.
 In the hook the predictor runs in numpy on the host, once per MoE layer (a host sync per layer and a
 Python call, as dali's hook). `NativePromoeController` runs promoe inside llama.cpp instead: the predictor runs in the graph and, at each cached layer's routing callback,
 llama.cpp hands its ids to the loader and makes PromoePolicy's decisions itself, with no Python call;
-`CacheConfig.prefetch_native` chooses (default: native where it can run).
+`PromoeConfig.native` chooses (default: native where it can run).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from ..predictors.base import Predictor
 from ..predictors.gate import GatePredictor
 from ..predictors.store import load_calibrated, spec_for_model
 from . import native
-from .expert_cache import CacheConfig, CacheController, ExpertCache, ExpertCacheError
+from .cache_config import CacheConfig, DaliConfig, PromoeConfig
+from .expert_cache import CacheController, ExpertCache, ExpertCacheError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def prefetch_predictor(
 
 
 def prefetch_report(
-    policy: PromoePolicy, config: CacheConfig, pc: PrefetchCounts, **where: Any
+    policy: PromoePolicy, config: DaliConfig | PromoeConfig, pc: PrefetchCounts, **where: Any
 ) -> dict[str, Any]:
     """The `prefetch` object of the cache's report: the counters, the policy's settings, where it runs."""
     timing = config.copy_timing
@@ -90,7 +91,7 @@ class PrefetchController(CacheController):
         self,
         cache: ExpertCache,
         policy: PromoePolicy,
-        config: CacheConfig,
+        config: DaliConfig | PromoeConfig,
         *,
         alloc: str = "equal",
         note: str | None = None,
@@ -154,7 +155,7 @@ class NativePromoeController(CacheController):
         self,
         cache: ExpertCache,
         policy: PromoePolicy,
-        config: CacheConfig,
+        config: PromoeConfig,
         *,
         alloc: str = "equal",
         note: str | None = None,
@@ -191,16 +192,16 @@ class NativePromoeController(CacheController):
                 self.config,
                 pc,
                 path="native",
-                weights=self.config.predictor_weights,
+                weights=self.config.weights,
                 predictor_bytes=native.moe_predictor_bytes(self.cache._ctx),
             ),
         }
 
 
-def native_promoe_refusal(config: CacheConfig, policy: PromoePolicy, info: ModelInfo) -> str | None:
+def native_promoe_refusal(config: PromoeConfig, policy: PromoePolicy, info: ModelInfo) -> str | None:
     """Why promoe cannot run inside llama.cpp with this configuration (None: it can)."""
-    if config.prefetch_native is False:
-        return "asked for the routing hook (prefetch_native=False)"
+    if config.native is False:
+        return "asked for the routing hook (native=False)"
     timing = config.copy_timing
     if timing is not None and not timing.infinite:
         return "a copy timing paces the stand-in's copies, which only the hook's model of the queue does"
@@ -213,46 +214,50 @@ def native_promoe_refusal(config: CacheConfig, policy: PromoePolicy, info: Model
 def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: ModelInfo) -> CacheController:
     """The promoe (or dali with its prefetcher) controller over `cache`: the calibration's predictor (gate reuse
     without one)."""
-    timing = config.copy_timing if config.prefetch_admission else None
-    if config.policy == "dali":
-        if config.blocking:
-            raise EdgeMoeError("dali's prefetcher runs a missed expert on the CPU: drop --blocking-loads")
-        pred, note = prefetch_predictor(model, config.calibration, "residual", DALI_PREFETCH_DISTANCE, "dali")
-        if note:
-            log.info("%s", note)
-        update = dali_default_update(info.n_expert) if config.dali_update is None else config.dali_update
-        dali = DaliPrefetchPolicy(
-            cache.n_slots,
-            list(info.moe_layers),
-            pred,
-            info.n_expert,
-            size=config.dali_prefetch,
-            window=config.dali_window,
-            update=update,
-            timing=timing,
-        )
-        return PrefetchController(cache, dali, config, alloc=config.alloc, note=note)
-    if config.prefetch_distance < 1:
-        raise EdgeMoeError(f"--prefetch-distance {config.prefetch_distance}: use >= 1 (ProMoE's stride is 2)")
-    pred, note = prefetch_predictor(
-        model, config.calibration, config.prefetch_predictor, config.prefetch_distance
-    )
-    if note:
-        log.info("%s", note)
+    p = config.policy
+    if isinstance(p, DaliConfig):
+        return _dali_prefetcher(cache, p, config.alloc, model, info)
+    if not isinstance(p, PromoeConfig):
+        raise EdgeMoeError(f"the {p.name} policy has no prefetcher: use promoe, or dali with a prefetch size")
+    pred, note = _logged_predictor(model, p.calibration, p.predictor, p.distance, "promoe")
+    layers = list(info.moe_layers)
     policy = PromoePolicy(
+        cache.n_slots, layers, pred, extra=p.extra, blocking=p.blocking, timing=p.admitted_timing
+    )
+    why = native_promoe_refusal(p, policy, info)
+    if why is None:
+        return NativePromoeController(cache, policy, p, alloc=config.alloc, note=note)
+    if p.native:
+        raise EdgeMoeError(f"promoe cannot run inside llama.cpp here: {why}")
+    log.info("promoe runs in the routing hook: %s", why)
+    ctl = PrefetchController(cache, policy, p, alloc=config.alloc, note=note)
+    ctl.hook_reason = why
+    return ctl
+
+
+def _dali_prefetcher(
+    cache: ExpertCache, p: DaliConfig, alloc: str, model: Path, info: ModelInfo
+) -> PrefetchController:
+    """dali with its residual prefetcher (DaliConfig refuses it with blocking loads)."""
+    pred, note = _logged_predictor(model, p.calibration, "residual", DALI_PREFETCH_DISTANCE, "dali")
+    dali = DaliPrefetchPolicy(
         cache.n_slots,
         list(info.moe_layers),
         pred,
-        extra=config.prefetch_extra,
-        blocking=config.blocking,
-        timing=timing,
+        info.n_expert,
+        size=p.prefetch,
+        window=p.window,
+        update=dali_default_update(info.n_expert) if p.update is None else p.update,
+        timing=p.admitted_timing,
     )
-    why = native_promoe_refusal(config, policy, info)
-    if why is None:
-        return NativePromoeController(cache, policy, config, alloc=config.alloc, note=note)
-    if config.prefetch_native:
-        raise EdgeMoeError(f"promoe cannot run inside llama.cpp here: {why}")
-    log.info("promoe runs in the routing hook: %s", why)
-    ctl = PrefetchController(cache, policy, config, alloc=config.alloc, note=note)
-    ctl.hook_reason = why
-    return ctl
+    return PrefetchController(cache, dali, p, alloc=alloc, note=note)
+
+
+def _logged_predictor(
+    model: Path, calibration: Path | None, kind: str, distance: int, policy: str
+) -> tuple[Predictor, str | None]:
+    """prefetch_predictor, its fallback note logged."""
+    pred, note = prefetch_predictor(model, calibration, kind, distance, policy)
+    if note:
+        log.info("%s", note)
+    return pred, note

@@ -16,37 +16,74 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import EdgeMoeError, InvalidConfigError
+from ..errors import EdgeMoeError
+from ..gguf.header import GgufHeader
 from ..gguf.info import ModelInfo
-from ..policies.assignment import Assigner, assign_refusal, make_assigner
+from ..policies.assignment import make_assigner
 from ..policies.degrade import GracefulDegradation
 from ..policies.gating import GatingPolicy, GatingRule
 from ..policies.miss_assignment import AssignedPolicy
 from ..policies.prefetch import PromoePolicy
-from ..policies.residency import make_policy
+from ..policies.residency import ResidencyPolicy, make_policy
 from ..policies.route import RoutePolicy
 from . import native
-from .expert_cache import CacheConfig, CacheController, CacheResidency, ExpertCache
+from .cache_config import (
+    CacheConfig,
+    DaliConfig,
+    DaopConfig,
+    LruConfig,
+    PolicyConfig,
+    PromoeConfig,
+    StaticConfig,
+)
+from .expert_cache import CacheController, CacheResidency, ExpertCache
 from .hooks import HookChain
 from .prefetcher import NativePromoeController, make_prefetcher
 
 log = logging.getLogger(__name__)
 
 
-def check_assign(config: CacheConfig) -> Assigner | None:
-    """config.assign's assigner (None: none); an assignment the policy cannot act on is refused before anything
-    is built."""
-    if config.assign is None:
-        return None
-    refusal = assign_refusal(config.policy, blocking=config.blocking, prefetcher=bool(config.prefetcher))
-    if refusal is not None:
-        raise InvalidConfigError(refusal)
+def assigned(policy: ResidencyPolicy, config: PolicyConfig) -> ResidencyPolicy | AssignedPolicy:
+    """`policy` under the CPU/GPU assigner `config` names (unchanged without one); the config records refuse the
+    policies an assigner cannot act on."""
+    if not isinstance(config, (LruConfig, DaliConfig)) or config.assign is None:
+        return policy
     if not config.assign_costs:
         raise EdgeMoeError(
             "--assign needs a cost model: a machine profile with a GPU (--profile NAME or FILE; "
             "`edgemoe profile` measures this machine's)"
         )
-    return make_assigner(config.assign)
+    return AssignedPolicy(policy, dict(config.assign_costs), make_assigner(config.assign), name=config.assign)
+
+
+def residency_policy(config: PolicyConfig, slots: dict[int, int], n_expert: int) -> ResidencyPolicy:
+    """The residency policy `config` describes over `slots` (layer -> slots); the prefetchers are built by
+    edgemoe.runtime.prefetcher instead."""
+    if isinstance(config, LruConfig):
+        return make_policy(config.name, slots, blocking=config.blocking, n_expert=n_expert)
+    if isinstance(config, DaliConfig):
+        return make_policy(
+            config.name,
+            slots,
+            blocking=config.blocking,
+            n_expert=n_expert,
+            window=config.window,
+            update=config.update,
+        )
+    if isinstance(config, DaopConfig):
+        return make_policy(
+            config.name,
+            slots,
+            blocking=config.blocking,
+            calibration=config.calibration,
+            n_expert=n_expert,
+            swap_threshold=config.threshold,
+        )
+    if isinstance(config, StaticConfig):
+        return make_policy(config.name, slots, calibration=config.calibration, n_expert=n_expert)
+    return make_policy(
+        config.name, slots, n_expert=n_expert
+    )  # manual (promoe: an error that says what to do)
 
 
 _NATIVE_RULE = {
@@ -61,6 +98,7 @@ class RoutingMixin:
 
     _ctx: Any
     path: Path
+    header: GgufHeader
     info: ModelInfo
     _hooks: HookChain | None
     _policies: list[RoutePolicy]
@@ -183,28 +221,15 @@ class RoutingMixin:
             self.cache.cache.close()
             self.cache = None
         if config is not None:
-            assigner = check_assign(config)
             slots = config.slots(list(self.info.moe_layers), self.info.n_expert)
-            prefetch = config.prefetcher
             policy = (
                 None
-                if prefetch
-                else make_policy(
-                    config.policy,
-                    slots,
-                    blocking=config.blocking,
-                    calibration=config.calibration,
-                    n_expert=self.info.n_expert,
-                    window=config.dali_window,
-                    update=config.dali_update,
-                    swap_threshold=config.daop_threshold,
-                )
+                if config.prefetcher
+                else assigned(residency_policy(config.policy, slots, self.info.n_expert), config.policy)
             )
-            if assigner is not None and config.assign_costs:
-                policy = AssignedPolicy(policy, dict(config.assign_costs), assigner, name=str(config.assign))
             cache = ExpertCache(
                 self._ctx,
-                self.path,
+                self.header,
                 list(self.info.moe_layers),
                 self.info.n_layer,
                 self.info.n_expert,
@@ -236,9 +261,8 @@ class RoutingMixin:
                 if isinstance(self.cache, NativePromoeController):
                     pol = self.cache.policy
                     assert isinstance(pol, PromoePolicy)
-                    self.set_predictors(
-                        [pol.predictor], n_out=pol.per_token, weights=config.predictor_weights
-                    )
+                    assert isinstance(config.policy, PromoeConfig)
+                    self.set_predictors([pol.predictor], n_out=pol.per_token, weights=config.policy.weights)
             except BaseException:
                 cache.close()
                 self.cache = None  # no controller over a closed cache: the engine runs as without one
