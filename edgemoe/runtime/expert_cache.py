@@ -351,9 +351,9 @@ class CacheController:
         if isinstance(self.policy, (StaticPolicy, ManualPolicy)):
             return native.MOE_CACHE_POLICY_MANUAL
         if isinstance(self.policy, DaliPolicy) and not self.policy.blocking:
-            return native.MOE_CACHE_POLICY_DALI
+            return native.MOE_CACHE_POLICY_WINDOW_REPLACEMENT
         if isinstance(self.policy, DaopPolicy) and not self.policy.blocking:
-            return native.MOE_CACHE_POLICY_DAOP
+            return native.MOE_CACHE_POLICY_PROMPT_SWAP
         return (
             native.MOE_CACHE_POLICY_CALLBACK
         )  # a Python policy with blocking loads, run in the routing hook
@@ -362,7 +362,7 @@ class CacheController:
         """Hand the policy to llama.cpp (policy != CALLBACK) or take it back into the hook."""
         if policy == self.mode:
             return
-        if policy == native.MOE_CACHE_POLICY_DALI:
+        if policy == native.MOE_CACHE_POLICY_WINDOW_REPLACEMENT:
             assert isinstance(self.policy, DaliPolicy)
             dali = self.policy
             if native.moe_cache_set_window_replacement(self.cache._ctx, dali.window, dali.update) != 0:
@@ -370,7 +370,7 @@ class CacheController:
                     f"llama.cpp refused dali window {self.policy.window} / update "
                     f"{self.policy.update}: {native.recent_log()[-200:].strip()}"
                 )
-        if policy == native.MOE_CACHE_POLICY_DAOP:
+        if policy == native.MOE_CACHE_POLICY_PROMPT_SWAP:
             assert isinstance(self.policy, DaopPolicy)
             if native.moe_cache_set_prompt_swap(self.cache._ctx, self.policy.threshold) != 0:
                 raise ExpertCacheError(

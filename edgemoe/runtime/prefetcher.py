@@ -170,17 +170,17 @@ class NativePromoeController(CacheController):
 
     @property
     def native_policy(self) -> int:
-        return native.MOE_CACHE_POLICY_PROMOE
+        return native.MOE_CACHE_POLICY_PREDICTED_PREFETCH
 
     def set_mode(self, policy: int) -> None:
         """Always native: a routing hook (gating, the user's policies) runs before it in the same callback. Every
         load is admitted (admit_bytes 0): llama.cpp can refuse the loads that cannot arrive in time, but that needs
         a copy stream's measured bandwidth and layer time, which only a GPU gives (and copy_timing, the stand-in's
         model of one, runs in the hook)."""
-        if self.mode == native.MOE_CACHE_POLICY_PROMOE:
+        if self.mode == native.MOE_CACHE_POLICY_PREDICTED_PREFETCH:
             return
         native.moe_cache_set_predicted_prefetch(self.cache._ctx, self.policy.blocking, 0.0)
-        super().set_mode(native.MOE_CACHE_POLICY_PROMOE)
+        super().set_mode(native.MOE_CACHE_POLICY_PREDICTED_PREFETCH)
 
     def report(self) -> dict[str, Any]:
         assert isinstance(self.policy, PromoePolicy)

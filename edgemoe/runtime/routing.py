@@ -140,7 +140,10 @@ class RoutingMixin:
             and (
                 self.cache.native_policy == native.MOE_CACHE_POLICY_CALLBACK
                 or self.cache.degradation is not None
-                or (self._gating is not None and self.cache.native_policy == native.MOE_CACHE_POLICY_PROMOE)
+                or (
+                    self._gating is not None
+                    and self.cache.native_policy == native.MOE_CACHE_POLICY_PREDICTED_PREFETCH
+                )
             )
         )
 

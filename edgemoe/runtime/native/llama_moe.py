@@ -268,9 +268,13 @@ def moe_predictor_bytes(ctx: LlamaContext) -> int:
 MOE_CACHE_POLICY_CALLBACK = 0  # the routing callback maps each cached layer's ids (a host sync per layer)
 MOE_CACHE_POLICY_MANUAL = 1  # expert-to-slot tables in the graph; only load/prefetch change them
 MOE_CACHE_POLICY_LRU = 2  # tables in the graph; a native per-layer LRU after each ubatch
-MOE_CACHE_POLICY_DALI = 3  # tables in the graph; DALI's workload-aware replacement after each ubatch
-MOE_CACHE_POLICY_DAOP = 4  # tables in the graph; DAOP's swap after each prompt
-MOE_CACHE_POLICY_PROMOE = 5  # the routing callback; ProMoE's prefetcher fed by the in-graph predictors
+MOE_CACHE_POLICY_WINDOW_REPLACEMENT = (
+    3  # tables in the graph; DALI's workload-aware replacement after each ubatch
+)
+MOE_CACHE_POLICY_PROMPT_SWAP = 4  # tables in the graph; DAOP's swap after each prompt
+MOE_CACHE_POLICY_PREDICTED_PREFETCH = (
+    5  # the routing callback; ProMoE's prefetcher fed by the in-graph predictors
+)
 
 # int32_t llama_moe_cache_set_policy(struct llama_context * ctx, enum llama_moe_cache_policy policy);
 _moe_cache_set_policy = declare("llama_moe_cache_set_policy", [ctypes.c_void_p, ctypes.c_int], ctypes.c_int32)
