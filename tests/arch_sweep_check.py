@@ -17,7 +17,7 @@ Checks, each against stock llama.cpp on the same GGUF:
   bitwise, with hits.
 - cache-daop: the daop policy the same way (DAOP's placement, a swap after the prompt, run natively: patch
   0021), with no host sync.
-- cache-dali: DALI's workload-aware replacement run natively (patch 0019; half the experts per layer, at
+- cache-dali: DALI's workload-aware replacement run natively (half the experts per layer, at
   least one, a window of 2 tokens) == stock logits bitwise, with hits and loads and no host sync.
 - cache-dali-prefetch: dali with its residual-based prefetcher (gate reuse without a calibration), one slot
   per layer, == stock logits bitwise (on the .k1 copies, as cache-promoe).
@@ -27,7 +27,7 @@ Checks, each against stock llama.cpp on the same GGUF:
   shapes), one slot per layer, == stock logits bitwise, with routes weighed (on the .k1 copies).
 - cache-degrade: DAOP's graceful degradation at r = 1 (exact ties only), one slot per layer, == stock
   logits bitwise, with every decode route's router probabilities read (on the .k1 copies).
-- cache-precalc: DAOP's pre-calculation (patch 0026) from layer 1 on, no expert resident: the prompt's rows
+- cache-precalc: DAOP's pre-calculation from layer 1 on, no expert resident: the prompt's rows
   == stock bitwise, the decode rows finite, every MoE layer after a MoE layer taking experts early in every
   decode step (with k = 2 of 2 experts the prediction names every routed expert: none late); with every
   expert resident nothing is computed early and the logits are stock's bitwise.
@@ -276,7 +276,7 @@ def _prefetched(st: dict, info: Any) -> str | None:
 
 
 def check_cache_promoe(path: Path) -> dict:
-    """ProMoE's prefetcher (no calibration: gate reuse one layer ahead) inside llama.cpp (patch 0023): the
+    """ProMoE's prefetcher (no calibration: gate reuse one layer ahead) inside llama.cpp: the
     in-graph predictor's ids drive the loads."""
     def acted(st: dict, info: Any) -> str | None:
         return _prefetched(st, info) or (None if st["prefetch"].get("path") == "native" else "ran in the hook")

@@ -110,7 +110,7 @@ def main(path: Path) -> dict[str, object]:
                 got = run(eng, toks)
                 out[f"overlap_{name}_{overlap}"] = {"equal": same(got, want), **eng.control_stats()}
 
-    # the load worker (patches 0018, 0022): llama.cpp's worker thread issues the chunks, runs the native LRU on
+    # the load worker (policies on the load worker): llama.cpp's worker thread issues the chunks, runs the native LRU on
     # the routes that arrived while the caller is away (here: a pause between tokens) and times the compute's
     # waits for loads
     for async_loads in (True, False):
@@ -129,7 +129,7 @@ def main(path: Path) -> dict[str, object]:
             out[f"worker_{async_loads}"] = {"equal": same(got, stock_layout), **stats,
                                             "n_host_syncs": eng.control_stats()["n_host_syncs"]}
 
-    # staging buffers (patch 0020): none by default on RPC (no host buffer type); forced into plain host memory,
+    # staging buffers: none by default on RPC (no host buffer type); forced into plain host memory,
     # every chunk goes through one, with one buffer (each send waited for before the next copy) and with four
     for n_staging in (0, 1, 4):
         with Engine(path, gpu_layout) as eng:
@@ -170,7 +170,7 @@ def main(path: Path) -> dict[str, object]:
         states = {cache.state(il, e) for il in layers for e in range(n_expert)}
         out["worker_churn"] = {"equal": same(got, stock_layout), "states": sorted(states), **cache.stats()}
 
-    # promoe inside llama.cpp (patch 0023) on the device: the in-graph predictor's ids queue loads at each cached
+    # promoe inside llama.cpp (predicted prefetch) on the device: the in-graph predictor's ids queue loads at each cached
     # layer's routing callback, issued by the caller or by the load worker while the later layers compute
     from edgemoe.calibration.adaptive import default_calibration_dir
 
@@ -196,7 +196,7 @@ def main(path: Path) -> dict[str, object]:
         got = run(eng, toks)
         out["promoe_no_overlap"] = {"equal": same(got, stock_layout), **eng.control_stats()}
 
-    # prefill on the device (patch 0025): the prompt's ubatch runs each cached layer's other experts on the device
+    # prefill on the device: the prompt's ubatch runs each cached layer's other experts on the device
     # from the two prefill buffers, copied one cached layer ahead (all, or nothing ahead), by the worker or the caller
     for ahead, async_loads in (("all", True), ("all", False), ("routed", True)):
         with Engine(path, gpu_layout) as eng:
@@ -214,7 +214,7 @@ def main(path: Path) -> dict[str, object]:
         out["prefill_promoe_predicted"] = {"equal": same(got, stock_layout),
                                            "prefill": eng.cache.cache.prefill_stats()}
 
-    # DAOP's pre-calculation (patch 0026) with the cache on the device: its tables and the predicted ids come from
+    # DAOP's pre-calculation with the cache on the device: its tables and the predicted ids come from
     # the device, the early experts and the two ops run on the CPU; the CPU stand-in's logits and counters
     def precalc(layout: LoadConfig, device: object, first: int | None) -> tuple[tuple[np.ndarray, list[np.ndarray]], dict]:
         with Engine(path, layout) as eng:

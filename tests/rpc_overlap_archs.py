@@ -1,12 +1,12 @@
 """Run by tests/test_cache_rpc.py in a process of its own: the overlap of the cache's device experts with the
-CPU's (patch 0016) on every MoE architecture's random-weight model, on llama.cpp's RPC backend.
+CPU's (the CPU/GPU overlap) on every MoE architecture's random-weight model, on llama.cpp's RPC backend.
 
 For each model (argv[2:]): stock logits, then the lru expert cache (half the experts, at least one slot) on the
 RPC device with overlap on and off: a prompt ubatch and four decode steps must equal stock bitwise, with one
 overlapped device split per cached MoE layer and ubatch when on and none when off. Writes one JSON object
 {file: result} to the file named by argv[1]; a result is {"equal_on", "equal_off", "n_overlap_on",
 "n_overlap_off", "n_ubatch", "n_moe_layers", "equal_prefill", "prefill_layers"} or {"error": "..."}; prefill: the
-same cache with the prompt's experts outside the slots run on the device from the prefill buffers (patch 0025).
+same cache with the prompt's experts outside the slots run on the device from the prefill buffers.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def check(path: Path, dev: object) -> dict[str, object]:
         res[f"equal_{tag}"] = all(np.array_equal(a, b) for a, b in zip(got, ref))
         res[f"n_overlap_{tag}"] = st["n_overlap"]
         res["n_ubatch"] = st["n_ubatch"]
-    # prefill on the device (patch 0025): the 16-token prompt from the prefill buffers, the decode steps as before
+    # prefill on the device: the 16-token prompt from the prefill buffers, the decode steps as before
     with Engine(path, CFG) as eng:
         cache = eng.enable_expert_cache(CacheConfig(slots, policy=LruConfig(),
                                                     prefill_min_tokens=8), device=dev)

@@ -12,12 +12,12 @@ have (arch_models.rewrite_gguf). Per architecture:
 - cache: the lru expert cache on the CPU stand-in device == stock logits, bitwise.
 - cache-static: the static expert cache, calibrated on first use (edgemoe.calibration.auto), == stock
   logits, bitwise.
-- cache-daop: the daop policy, calibrated on first use, run natively (patch 0021) == stock logits, bitwise.
-- cache-dali: DALI's replacement run natively (patch 0019) == stock logits, bitwise, no host sync.
+- cache-daop: the daop policy, calibrated on first use, run natively (prompt swap) == stock logits, bitwise.
+- cache-dali: DALI's replacement run natively == stock logits, bitwise, no host sync.
 - cache-promoe (on the .k1 copies): ProMoE's prefetcher with one slot == stock logits, bitwise, with
   prefetches issued; cache-dali-prefetch the same for dali with its prefetcher; cache-assign for lru with
   the CPU/GPU assigner (routes weighed), cache-degrade for graceful degradation at r = 1 (routes read).
-- cache-precalc (also on the .k1 and .scaled copies): DAOP's pre-calculation (patch 0026) from layer 1 with
+- cache-precalc (also on the .k1 and .scaled copies): DAOP's pre-calculation from layer 1 with
   no expert resident: the prompt's rows == stock bitwise, finite decode rows, every MoE layer that follows a
   MoE layer taking experts early at every decode step; every expert resident == stock bitwise. The output
   changes by design, so its arithmetic is checked against the torch reference on the fixtures
@@ -83,7 +83,7 @@ XFAIL: dict[tuple[str, str], str] = {
 # only where k >= 2 (the .k1 copies have nothing to drop: verify skips drop-last, gating-top1 is skipped)
 _GROVE_K = ("grovemoe calls build_moe_ffn twice per layer (src/models/grovemoe.cpp): its experts ffn_*_exps "
             "with top-k, then its chunk experts ffn_*_chexps with top-min(k, n_chunk_expert) of the same "
-            "logits; the hook and the gating act on the experts' call only (patch 0014), the chunk call runs "
+            "logits; the hook and the gating act on the experts' call only, the chunk call runs "
             "as stock with top-min(k, n_chunk_expert), but stock with a smaller k also lowers the chunk "
             "call's top-k (here n_chunk_expert = 2 = k), so the chunk experts differ")
 XFAIL_SMALLER_K: dict[tuple[str, str], str] = {

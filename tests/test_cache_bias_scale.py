@@ -1,4 +1,4 @@
-"""The expert cache with expert biases (gpt-oss) and per-expert scales (patch 0012) against stock.
+"""The expert cache with expert biases (gpt-oss) and per-expert scales against stock.
 
 As in test_expert_cache.py: the cache is the CPU buffer that stands in for a GPU and both sides load with
 use_extra_bufts=False, so they run the same CPU kernels and equality is bitwise. Without 0012 the cache

@@ -48,7 +48,7 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
             assert on["n_overlap"] == on["n_ubatch"] * out["n_moe_layers"], (path.name, layout, on)
             assert off["n_overlap"] == 0, (path.name, layout, off)
             assert on["n_host_syncs"] == 0 == off["n_host_syncs"], (path.name, layout, on, off)
-        # the load worker (0018): with it every chunk of the native LRU is issued by llama.cpp's worker thread,
+        # the load worker: with it every chunk of the native LRU is issued by llama.cpp's worker thread,
         # without it none; the same logits, no host sync either way
         on, off = out["worker_True"], out["worker_False"]
         assert on["equal"] and off["equal"], (path.name, on, off)
@@ -62,7 +62,7 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         assert on["n_host_syncs"] == 0 == off["n_host_syncs"], (on, off)
         # by default not on the RPC device, whose one connection carries copies and graph runs in one FIFO
         assert out["lru_stats"]["worker_chunks"] == 0 < out["lru_stats"]["chunks"], out["lru_stats"]
-        # staging (0020): none where the device has no host buffer type, every chunk through one when forced
+        # staging (staging buffers): none where the device has no host buffer type, every chunk through one when forced
         assert out["staging_0"]["equal"] and out["staging_0"]["staged_chunks"] == 0, out["staging_0"]
         for n in (1, 4):
             st = out[f"staging_{n}"]
@@ -70,7 +70,7 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         churn = out["worker_churn"]
         assert churn["equal"] and churn["states"] == ["absent", "resident"], churn
         assert churn["worker_chunks"] > 0 and churn["preempted"] > 0 and churn["staged_chunks"] > 0, churn
-        # native promoe on the device (0023): stock logits, predictions queued and used, no Python hook (the
+        # native promoe on the device (predicted prefetch): stock logits, predictions queued and used, no Python hook (the
         # context's own callback stops at each cached layer), the worker issuing the chunks when on
         for async_loads in (True, False):
             pm = out[f"promoe_worker_{async_loads}"]
@@ -82,7 +82,7 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
             assert pm["n_overlap"] == pm["n_ubatch"] * out["n_moe_layers"], pm
         off = out["promoe_no_overlap"]
         assert off["equal"] and off["n_overlap"] == 0, off
-        # prefill on the device (0025): stock logits; the prompt's ubatch (48 tokens) stops at each cached layer and
+        # prefill on the device: stock logits; the prompt's ubatch (48 tokens) stops at each cached layer and
         # runs its other experts on the device (no CPU split to overlap), the 8 decode tokens as before
         n_moe = out["n_moe_layers"]
         for key in ("prefill_all_True", "prefill_all_False", "prefill_routed_True"):
@@ -100,7 +100,7 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         assert out["prefill_promoe_predicted"]["equal"] and st["needed"] == st["ahead_used"] + st["late"] > 0, st
         # at most all (a 48-token ubatch's predictions name nearly every expert of these small layers)
         assert 0 < st["ahead"] <= out["prefill_all_True"]["prefill"]["ahead"], st
-        # pre-calculation (0026) with the cache on the device: the CPU stand-in's logits (layers on the device here, on
+        # pre-calculation with the cache on the device: the CPU stand-in's logits (layers on the device here, on
         # the CPU there) and the same experts taken early in the 8 decode steps
         pc = out["precalc"]
         dev_st = {k: v for k, v in pc["stats_device"].items() if k != "n_overlap"}
@@ -120,7 +120,7 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
 
 
 def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
-    """Patch 0016 on each architecture's random-weight model (test-llama-archs' writer), cache on the RPC
+    """The CPU/GPU overlap on each architecture's random-weight model (test-llama-archs' writer), cache on the RPC
     device: logits bitwise = stock with overlap on and off, an overlapped device split at least for every
     cached layer and ubatch when on (deepseek4 has more device-to-CPU hand-overs), none when off."""
     try:
@@ -137,7 +137,7 @@ def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
     for name, r in out.items():
         assert "error" not in r, (name, r)
         assert r["equal_on"] and r["equal_off"] and r["n_overlap_off"] == 0, (name, r)
-        assert r["equal_prefill"], (name, r)  # patch 0025: the prompt's other experts from the prefill buffers
+        assert r["equal_prefill"], (name, r)  # device prefill: the prompt's other experts from the prefill buffers
         if name.removesuffix(".gguf") in NO_MOE_GRAPH:
             assert r["n_overlap_on"] == 0 == r["prefill_layers"], (name, r)
         else:

@@ -1,4 +1,4 @@
-"""Expert-to-slot tables in the graph (patch 0011): the expert cache with no host sync per MoE layer.
+"""Expert-to-slot tables in the graph: the expert cache with no host sync per MoE layer.
 
 With no Python policy set, the cached layers split their routed ids with two table lookups inside
 the graph, and lru runs natively after each ubatch. Checked against stock (bitwise, same CPU kernels
@@ -59,7 +59,7 @@ def test_native_lru_generates_as_stock_without_host_syncs(preset: str, fixture_m
 
 @pytest.mark.parametrize("preset", ["fixture", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe"])
 def test_native_dali_generates_as_stock_without_host_syncs(preset: str, fixture_model: Path, make_tiny_gguf) -> None:
-    """dali's native twin (patch 0019) runs after each ubatch, like the native LRU; with blocking loads it
+    """dali's native twin (window replacement) runs after each ubatch, like the native LRU; with blocking loads it
     runs in the routing callback (a host sync per MoE layer and ubatch)."""
     path = fixture_model if preset == "fixture" else make_tiny_gguf(preset)
     ref, _, _, _ = _generate(path, None)

@@ -246,7 +246,7 @@ def test_alloc_dp_is_the_default_with_a_routing_trace(tmp_path: Path) -> None:
     res = run(*args, "--policy", "dali", "--dali-window", "16", "--dali-update", "1")
     dali = json.loads(res.stdout.splitlines()[-1])
     assert dali["cache"]["policy"] == "dali" and dali["cache"]["alloc"] == "dp" and dali["cache"]["hits"] > 0
-    assert dali["control"]["n_host_syncs"] == 0  # dali runs inside llama.cpp (patch 0019)
+    assert dali["control"]["n_host_syncs"] == 0  # dali runs inside llama.cpp (window replacement)
     res = run(*args, "--policy", "dali", "--dali-prefetch", "1")
     pre = json.loads(res.stdout.splitlines()[-1])
     assert pre["cache"]["prefetch"]["predictor"] == "residual-d1" and pre["cache"]["prefetch"]["issued"] > 0

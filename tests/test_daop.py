@@ -217,7 +217,7 @@ def test_daop_generates_as_stock_and_its_counters_equal_the_replay(fixture_model
 
 @pytest.mark.parametrize("n_ubatch,threshold", [(64, 1.05), (16, 1.05), (16, 2.0)])
 def test_native_daop_decides_as_the_python_policy(fixture_model: Path, n_ubatch: int, threshold: float) -> None:
-    """Patch 0021: DAOP's swap inside llama.cpp (no routing callback) = DaopPolicy replayed on the routes of
+    """Prompt swap: DAOP's swap inside llama.cpp (no routing callback) = DaopPolicy replayed on the routes of
     the same two generations (a prompt of one ubatch or several, then decode; the second prompt swaps again)."""
     from edgemoe.policies.daop import DaopPolicy as Daop
     from edgemoe.policies.residency import load_frequency
@@ -298,7 +298,7 @@ def test_cli_policy_daop(fixture_model: Path) -> None:
     res = CliRunner().invoke(cli, [*args, "--expert-slots", "2", "--policy", "daop"], catch_exceptions=False)
     out = json.loads(res.stdout.splitlines()[-1])
     assert out["cache"]["policy"] == "daop" and out["cache"]["hits"] > 0 and out["tokens"] == plain["tokens"]
-    assert out["control"]["n_host_syncs"] == 0  # daop runs inside llama.cpp (patch 0021)
+    assert out["control"]["n_host_syncs"] == 0  # daop runs inside llama.cpp (prompt swap)
     res = CliRunner().invoke(cli, [*args, "--expert-slots", "2", "--policy", "daop", "--blocking-loads"],
                              catch_exceptions=False)
     out = json.loads(res.stdout.splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Prefill on the cache's device (patch 0025), on the CPU stand-in.
+"""Prefill on the cache's device, on the CPU stand-in.
 
 A prompt ubatch of at least `prefill_min_tokens` tokens runs each cached layer's experts that are outside
 its slots from one of two prefill buffers that hold a whole layer's experts, filled at the layer's routing

@@ -1,4 +1,4 @@
-"""Expert cache and split execution (patch 0005) against stock, on the CPU stand-in cache device.
+"""Expert cache and split execution against stock, on the CPU stand-in cache device.
 
 Stock here is the same library with no hook and no cache (the graph llama.cpp builds), loaded with
 use_extra_bufts=False like the cached engine, so both use the same CPU kernels: equality is bitwise.

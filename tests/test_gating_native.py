@@ -1,4 +1,4 @@
-"""Adaptive top-k inside llama.cpp's graph (patches 0008 ggml_moe_gate, 0009 llama_moe_set_gating).
+"""Adaptive top-k inside llama.cpp's graph (ggml_moe_gate, llama_moe_set_gating).
 
 - The op's decisions equal edgemoe.policies.gating's rules exactly, on routes recorded from the
   fixtures (k = 2, 4, 8), every rule, logits (softmax-weighted models) and threshold ties, on every

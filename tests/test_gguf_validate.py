@@ -205,7 +205,7 @@ def test_the_override_replaces_the_files_value(tmp_path: Path) -> None:
 
 def test_used_count_that_overflows_the_graph() -> None:
     """Every expert of every layer, with and without the expert cache (a second expert FFN per layer):
-    llama.cpp's graph budget used to count tensors only and aborted from 31 of 32 (patch 0013)."""
+    llama.cpp's graph budget used to count tensors only and aborted from 31 of 32."""
     code = ("import sys; from edgemoe.runtime.engine import Engine, LoadConfig; "
             "from edgemoe.runtime.cache_config import CacheConfig, LruConfig\n"
             "from edgemoe.runtime.sampling import GREEDY\n"

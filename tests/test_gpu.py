@@ -43,7 +43,7 @@ def test_gpu_logits_close_to_cpu(fixture_model: Path) -> None:
     assert nmse < 1e-3, nmse
 
 
-# -- expert cache on CUDA (patches 0003-0006): the CPU-only suite checks the same on the stand-in ----------
+# -- expert cache on CUDA (skipped ids, the cache and its asynchronous loads): the CPU-only suite checks the same on the stand-in ----------
 CACHE_PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False, n_gpu_layers=999)
 
 
@@ -101,7 +101,7 @@ def _gpu_cache_run(path: Path, config: object) -> tuple[list[np.ndarray], dict, 
 
 
 def test_overlap_on_gpu_equals_serial(fixture_model: Path) -> None:
-    """Patch 0016 on CUDA: the cached experts run while the CPU computes the others; the logits are the
+    """The CPU/GPU overlap on CUDA: the cached experts run while the CPU computes the others; the logits are the
     serial order's up to where the two halves are added (the device or the CPU), one overlapped split per
     MoE layer and ubatch."""
     from edgemoe.runtime.cache_config import CacheConfig, LruConfig
@@ -118,7 +118,7 @@ def test_overlap_on_gpu_equals_serial(fixture_model: Path) -> None:
 
 
 def test_load_worker_on_gpu(fixture_model: Path) -> None:
-    """Patches 0018, 0020 and 0022 on CUDA: the load worker issues every chunk of the native LRU (on by default on
+    """The load worker, staging buffers, policies on the load worker on CUDA: the load worker issues every chunk of the native LRU (on by default on
     a GPU) through pinned staging buffers and times the compute's waits for them, the logits stay within the
     cache's tolerance of the caller-issued run, and no host sync per layer."""
     from edgemoe.runtime.cache_config import CacheConfig, LruConfig
@@ -131,10 +131,10 @@ def test_load_worker_on_gpu(fixture_model: Path) -> None:
     for a, b in zip(on, off):
         assert _nmse(a, b) < 1e-4
     assert cs_on["worker_chunks"] == cs_on["chunks"] > 0 and cs_off["worker_chunks"] == 0, (cs_on, cs_off)
-    # patch 0020: every chunk goes through a pinned staging buffer (CUDA has a host buffer type)
+    # staging buffers: every chunk goes through a pinned staging buffer (CUDA has a host buffer type)
     assert cs_on["staged_chunks"] == cs_on["chunks"] and cs_off["staged_chunks"] == cs_off["chunks"], (cs_on, cs_off)
     assert st_on["n_host_syncs"] == 0
-    # patch 0022: the worker times the compute stream's waits for the loads (CUDA events), none without it
+    # policies on the load worker: the worker times the compute stream's waits for the loads (CUDA events), none without it
     assert 0 < cs_on["load_waits_timed"] <= cs_on["load_waits"] and cs_off["load_waits_timed"] == 0, (cs_on, cs_off)
     assert cs_on["hits"] + cs_on["misses"] == cs_off["hits"] + cs_off["misses"], (cs_on, cs_off)
 
@@ -162,7 +162,7 @@ def test_gpu_backend_ops_cases_of_the_series_pass() -> None:
 
 
 def test_native_promoe_on_gpu(fixture_model: Path) -> None:
-    """Patches 0023, 0024 on CUDA: promoe inside llama.cpp, the predictor in the graph on the GPU, the load worker issuing
+    """Predicted prefetch, overlap with an eval callback on CUDA: promoe inside llama.cpp, the predictor in the graph on the GPU, the load worker issuing
     the predictions' chunks while the later layers compute; the logits within the cache's tolerance of the
     experts-on-CPU layout's, predictions issued and some in time, no Python hook."""
     from edgemoe.calibration.adaptive import default_calibration_dir
@@ -176,12 +176,12 @@ def test_native_promoe_on_gpu(fixture_model: Path) -> None:
     for a, b in zip(got, ref):
         assert _nmse(a, b) < 1e-4
     assert cs["worker_chunks"] > 0 and cs["hits"] > 0 and st["n_host_syncs"] > 0, (cs, st)
-    assert st["n_overlap"] > 0, st  # patch 0024: the device's experts run beside the CPU's after each stop
+    assert st["n_overlap"] > 0, st  # overlap with an eval callback: the device's experts run beside the CPU's after each stop
 
 
 @pytest.mark.parametrize("ahead", ["all", "routed"])
 def test_device_prefill_on_gpu(fixture_model: Path, ahead: str) -> None:
-    """Patch 0025 on CUDA: the prompt's ubatch runs the experts outside the slots on the GPU from the prefill buffers,
+    """Device prefill on CUDA: the prompt's ubatch runs the experts outside the slots on the GPU from the prefill buffers,
     copied one cached layer ahead by the load worker (or at each layer, routed); logits within the cache's tolerance
     of the experts-on-CPU layout's, every layer's experts copied, nothing late with all ahead."""
     from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
@@ -197,7 +197,7 @@ def test_device_prefill_on_gpu(fixture_model: Path, ahead: str) -> None:
 
 
 def test_precalc_on_gpu(fixture_model: Path) -> None:
-    """Patch 0026 with the cache on CUDA: DAOP's pre-calculation from layer 2 (a quarter of the experts resident, the
+    """Pre-calculation with the cache on CUDA: DAOP's pre-calculation from layer 2 (a quarter of the experts resident, the
     rest on the CPU) gives the CPU stand-in's logits within the cache's tolerance and takes about as many experts
     early; the two CPU ops run beside a graph whose router and tables are on the GPU."""
     from edgemoe.analysis.precalc_run import stepped_logits

@@ -1,4 +1,4 @@
-"""The MoE hook (patch 0002) against stock llama.cpp: identity, drops, edits, traces, errors."""
+"""The MoE hook against stock llama.cpp: identity, drops, edits, traces, errors."""
 from __future__ import annotations
 
 from pathlib import Path

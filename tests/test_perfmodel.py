@@ -390,7 +390,7 @@ def test_overlapped_cpu_experts_wait_for_the_layers_dense_part() -> None:
 
 
 def test_device_prefill_copies_one_layer_ahead_of_its_experts() -> None:
-    """--device-prefill (patch 0025) projected: a prefill ubatch runs every routed expert on the GPU after a copy of
+    """--device-prefill projected: a prefill ubatch runs every routed expert on the GPU after a copy of
     the layer's experts outside the slots, issued at the previous cached layer's routing. With a free link the layer
     is its GPU experts only (faster than the CPU's misses); with a link 1000x slower the copies dominate; decode
     steps (one token) run as without it; the variant's slots leave room for the two buffers."""
@@ -416,7 +416,7 @@ def test_device_prefill_copies_one_layer_ahead_of_its_experts() -> None:
 
 
 def test_precalc_hides_cpu_experts_under_the_target_layers_attention_only_with_the_overlap(tmp_path: Path) -> None:
-    """DAOP's pre-calculation (patch 0026) projected: with the GPU's attention slow (2 ms a layer), the CPU's experts
+    """DAOP's pre-calculation projected: with the GPU's attention slow (2 ms a layer), the CPU's experts
     shorter than it, and no host or launch costs, a perfect prediction moves a decode step's CPU experts of every target layer under that
     attention, so decode is faster with the overlap; without it the early split runs in turn and adds its
     hand-off and fixed cost; wasted predictions (precision < 1) or none used (recall 0) cost CPU time. Prefill

@@ -37,7 +37,7 @@ def test_plan_splits_the_budget_and_allocates_dp_slots_within_it() -> None:
     assert all(0.0 < r["hit_rate"] <= 1.0 for r in plan.expected if r["allocation"])
     assert all(r["decode_tps"] > 0 and r["projected"] for r in plan.expected)
     assert "in-sample" in plan.routing
-    # the edgemoe rows are projected as the build runs them with a cache on a GPU: branches overlapped (0016)
+    # the edgemoe rows are projected as the build runs them with a cache on a GPU: branches overlapped
     ref = simulate(QWEN, _calibration_trace_of(QWEN), load_profile("rtx4060-laptop"),
                    SimSpec(vram=vram, n_ctx=512, policies=("lru",), calibration=default_calibration_dir(QWEN),
                            overlap=True))

@@ -1,4 +1,4 @@
-"""DAOP's pre-calculation in llama.cpp's graph (patch 0026), on the CPU stand-in.
+"""DAOP's pre-calculation in llama.cpp's graph, on the CPU stand-in.
 
 In a decode ubatch, each cached layer from `precalc_from` on has its experts predicted at the MoE layer before
 by its own router on that layer's input; the predicted ones outside its slots run there, on that input, and

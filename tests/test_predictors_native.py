@@ -1,4 +1,4 @@
-"""Expert predictors inside llama.cpp's graph (patch 0015): the ids equal the numpy predictors'.
+"""Expert predictors inside llama.cpp's graph: the ids equal the numpy predictors'.
 
 For every covered target layer, the native top-n_out ids of a ubatch are compared with the numpy
 predictor's top-n_out on the router inputs a routing hook recorded in the same decode (float32, the

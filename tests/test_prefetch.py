@@ -43,7 +43,7 @@ def policy(slots: int = 4, **kw: object) -> PromoePolicy:
     return PromoePolicy({il: slots for il in LAYERS}, LAYERS, oracle(kw.pop("distance", 2)), **kw)  # type: ignore[arg-type]
 
 
-# -- the cache model (patch 0006's rules) ----------------------------------------------------------------
+# -- the cache model (the asynchronous loads' rules) ----------------------------------------------------------------
 def test_cache_model_follows_the_native_queue() -> None:
     m = CacheModel({0: 2}, {0: (10, 20, 30)})
     assert m.prefetch(Load(0, 5, 0), Priority.SPECULATIVE) and m.state(0, 5) is LoadState.QUEUED

@@ -98,7 +98,7 @@ def test_promoe_generates_as_stock(fixture_model: Path, gated: bool) -> None:
     ids=["instant-native", "instant-hook", "instant-blocking-native", "slow", "slow-no-admission", "slow-blocking"])
 def test_live_counters_equal_the_replay(fixture_model: Path, slow: bool, blocking: bool, admission: bool,
                                         native: bool | None) -> None:
-    """Native promoe (patch 0023: the in-graph predictor's ids, llama.cpp's decisions) and the hook's promoe both
+    """Native promoe (predicted prefetch: the in-graph predictor's ids, llama.cpp's decisions) and the hook's promoe both
     count what PromoePolicy replayed on the same routes and router inputs counts (the numpy predictor)."""
     cal = default_calibration_dir(fixture_model)
     timing = _slow(fixture_model) if slow else None

@@ -1,4 +1,4 @@
-"""promoe inside llama.cpp (patch 0023) on the CPU stand-in: no Python per MoE layer, the in-graph predictor's
+"""promoe inside llama.cpp (predicted prefetch) on the CPU stand-in: no Python per MoE layer, the in-graph predictor's
 ids drive the loads, admission by bytes, and when the engine falls back to the routing hook.
 
 The counters against PromoePolicy replayed are in test_prefetch_engine.py (test_live_counters_equal_the_replay,
@@ -108,7 +108,7 @@ def test_promoe_falls_back_to_the_hook_where_it_cannot_run_natively(fixture_mode
 
 def test_layers_without_slots_still_predict(fixture_model: Path) -> None:
     """Slots per layer as --alloc dp may give them: layers with none route as stock, but llama.cpp still stops at
-    those that predict a later layer (patch 0023 hands their routing to its callback) and queues the predictions;
+    those that predict a later layer (predicted prefetch hands their routing to its callback) and queues the predictions;
     the counters equal PromoePolicy replayed, which predicts from every layer."""
     from test_prefetch_engine import RouteRecorder
 

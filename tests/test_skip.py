@@ -1,4 +1,4 @@
-"""Dropped experts (id -1 from the hook) are skipped by the expert matmuls (patches 0003/0004).
+"""Dropped experts (id -1 from the hook) are skipped by the expert matmuls (dropped slots as skipped ids).
 
 Two checks beside the op tests (test_ops.py): the expert outputs of a dropped slot, read through
 llama.cpp's own eval callback, are exactly zero (a computed expert never gives an all-zero row);

@@ -9,7 +9,7 @@ Decode tokens/s (median of --reps, runs interleaved) for:
   stock-plain      the same without repacking (what the cache needs: experts copied from plain tensors)
   empty-callback   --slots slots per layer, nothing loaded (manual policy), ids mapped by the C routing
                    callback at every MoE layer (a scheduler stop each), every expert on the CPU branch
-  empty-cache      the same with the expert-to-slot tables in the graph (patch 0011, no stop)
+  empty-cache      the same with the expert-to-slot tables in the graph (no stop)
   lru-hook         --slots slots, lru run by the Python policy in the routing hook (a stop and a Python
                    call per MoE layer; the stand-in cache computes on the CPU)
   lru              --slots slots, lru in the graph (tables; native LRU after each step)
@@ -17,7 +17,7 @@ Decode tokens/s (median of --reps, runs interleaved) for:
   dali             --slots slots, DALI's replacement in the graph (tables; native DALI after each step, 0019)
   promoe-hook      --slots slots, ProMoE's prefetcher run by the Python PromoePolicy in the routing hook (the
                    calibration's predictor in numpy; gate reuse without one)
-  promoe           --slots slots, ProMoE's prefetcher inside llama.cpp (0023: the predictor in the graph, a
+  promoe           --slots slots, ProMoE's prefetcher inside llama.cpp (the predictor in the graph, a
                    stop per cached layer, no Python)
 (--variants picks some; stock always runs.)
 Ratios are against `stock`. On a CPU-only build the cache device is a CPU buffer: no speedup is possible,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decode cost of expert predictors inside llama.cpp's graph (patch 0015), measured in one process.
+"""Decode cost of expert predictors inside llama.cpp's graph, measured in one process.
 
   .venv/bin/python tools/bench_predictor.py MODEL [--gen 64] [--reps 5] [--threads 2] [--distance 2]
       [--n-out N] [--hidden H] [--weights f32 f16 q8_0] [--no-gate] [--json]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Who issues the expert cache's loads: the caller's thread or llama.cpp's load worker (patch 0018).
+"""Who issues the expert cache's loads: the caller's thread or llama.cpp's load worker.
 
   .venv/bin/python tools/bench_worker.py MODEL [--gen 32] [--reps 3] [--slots N] [--threads 1]
                                          [--server-threads 1] [--layout gpu|standin] [--json OUT]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""DAOP's pre-calculation run inside llama.cpp (patch 0026) on held-out text: its NLL cost and the share of the
+"""DAOP's pre-calculation run inside llama.cpp on held-out text: its NLL cost and the share of the
 CPU's expert executions it starts one layer early, for both fixtures (docs/research/daop.md, "Pre-calculation (§IV-C)").
 
   nice -n 10 .venv/bin/python tools/precalc_eval.py [--max-tokens 4096] [--json docs/figures/daop-precalc-run.json]

@@ -133,7 +133,7 @@ def project_policies(out: Path, gib: int) -> None:
 
 
 def project_device_prefill(out: Path, gib: int) -> None:
-    """Prefill with --device-prefill (patch 0025) against the best stock configuration and edgemoe without it,
+    """Prefill with --device-prefill against the best stock configuration and edgemoe without it,
     overlap on: every routed expert on the GPU, the experts outside the slots copied one cached layer ahead."""
     rows = []
     print(f"PROJECTED, {gib} GiB, tok/s, x best stock\n")
@@ -176,7 +176,7 @@ def precalc_rules(fixture: str, n_layer: int, run: dict) -> dict[str, tuple[Prec
 
 
 def project_precalc(out: Path, gib: int) -> None:
-    """DAOP's pre-calculation (patch 0026) at one budget, overlap on: daop's decode without it, with it on the last
+    """DAOP's pre-calculation at one budget, overlap on: daop's decode without it, with it on the last
     3/8 of the layers and from layer 1, at the rates and with the NLL cost measured through llama.cpp on the fixture
     whose routing the shape replays (docs/figures/daop-precalc-run.json)."""
     run = json.loads(PRECALC_RUN.read_text())
@@ -266,10 +266,10 @@ def main() -> None:
                          "profile, CPU/GPU overlap on, to this file and print its table, and stop")
     ap.add_argument("--policies-gib", type=int, default=8)
     ap.add_argument("--device-prefill", type=Path, default=None, metavar="JSON",
-                    help="write prefill with and without --device-prefill (patch 0025) at --policies-gib on each "
+                    help="write prefill with and without --device-prefill at --policies-gib on each "
                          "bundled profile to this file and print its table, and stop")
     ap.add_argument("--precalc", type=Path, default=None, metavar="JSON",
-                    help="write daop's decode with and without DAOP's pre-calculation (patch 0026) at --policies-gib "
+                    help="write daop's decode with and without DAOP's pre-calculation at --policies-gib "
                          "on each bundled profile to this file and print its table, and stop")
     ap.add_argument("--decode-split", type=Path, default=None, metavar="JSON",
                     help="write static's decode with and without the FreeToken-style decode split (not built) at "
@@ -307,7 +307,7 @@ def main() -> None:
                 res = simulate(model, trace, prof, SimSpec(vram=gib * 2**30, n_ctx=4096, gated=gated),
                                gating=GATE if gated else None)
                 for ov in (False, True):
-                    if ov:  # CPU/GPU overlap (patch 0016) and DALI-style prefill assignment (issue 12, not built)
+                    if ov:  # CPU/GPU overlap and DALI-style prefill assignment (issue 12, not built)
                         extra = simulate(model, trace, prof, SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True,
                                                                      policies=("static",), assign="ratio"))
                         rows = [c for c in extra.configs if c.kind == "edgemoe"]
