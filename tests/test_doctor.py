@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from click.testing import CliRunner
 
 from conftest import stock_greedy
 from edgemoe.analysis import doctor_child
-from edgemoe.analysis.doctor import format_report, run_doctor
+from edgemoe.analysis.doctor import format_report, run_doctor, sanitizer_signal
 from edgemoe.cli.main import cli
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
@@ -43,7 +44,10 @@ def test_crash_in_a_child_is_that_steps_failure_in_json(monkeypatch: pytest.Monk
     out = json.loads(res.output)
     assert set(out) == {"ok", "first_failure", "system", "steps"}
     assert out["ok"] is False
-    assert out["first_failure"] == {"step": "cpu", "error": "crashed with SIGSEGV during load"}
+    expected = "crashed with SIGSEGV during load"
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):  # make asan-test: ASan catches the signal, the child exits
+        expected = "crashed with a fatal signal (AddressSanitizer) during load"
+    assert out["first_failure"] == {"step": "cpu", "error": expected}
     steps = {s["name"]: s for s in out["steps"]}
     assert steps["build"]["ok"] and steps["devices"]["ok"]
     assert set(steps["cpu"]) == {"name", "ok", "seconds", "error", "phase", "data"}
@@ -58,3 +62,10 @@ def test_hang_in_a_child_is_killed_after_the_timeout(monkeypatch: pytest.MonkeyP
     assert first.error == "no answer after 20 s during query (a hang): killed"
     assert report.step("cpu") is not None  # the later steps still ran
     assert "result   first failure: devices: no answer" in format_report(report)
+
+
+def test_a_signal_a_sanitizer_caught_is_a_crash() -> None:
+    """Under a sanitizer a crashing child exits with an error instead of dying by the signal."""
+    assert sanitizer_signal("==1==ERROR: AddressSanitizer: SEGV on unknown address 0x0") == "SIGSEGV"
+    assert sanitizer_signal("AddressSanitizer:DEADLYSIGNAL\n") == "a fatal signal (AddressSanitizer)"
+    assert sanitizer_signal("RuntimeError: no model") is None

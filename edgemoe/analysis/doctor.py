@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,15 @@ def _one_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def sanitizer_signal(err: str) -> str | None:
+    """The fatal signal a sanitizer caught in a child (the child then exits instead of dying by it), None: none."""
+    m = re.search(r"AddressSanitizer: (SEGV|BUS|FPE|ILL|ABRT) ", err)
+    if m:
+        return "SIG" + m.group(1)
+    # with ASAN_OPTIONS=log_path the report goes to a file and stderr keeps this line only
+    return "a fatal signal (AddressSanitizer)" if "AddressSanitizer:DEADLYSIGNAL" in err else None
+
+
 def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
     """Run one step in a child process; a crash, a non-zero exit or the timeout is the step's failure."""
     with tempfile.TemporaryDirectory(prefix="edgemoe-doctor-") as tmp:
@@ -115,8 +125,8 @@ def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
     phase = phases[-1] if phases else None
     if timed_out:
         error = f"no answer after {timeout:.0f} s during {phase or 'start-up'} (a hang): killed"
-    elif proc.returncode < 0:
-        sig = signal.Signals(-proc.returncode).name
+    elif proc.returncode < 0 or (proc.returncode != 0 and sanitizer_signal(err)):
+        sig = signal.Signals(-proc.returncode).name if proc.returncode < 0 else sanitizer_signal(err)
         error = f"crashed with {sig} during {phase or 'start-up'}" + (
             f": {_one_line(err)}" if _one_line(err) else ""
         )
