@@ -127,9 +127,9 @@ def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
         error = f"no answer after {timeout:.0f} s during {phase or 'start-up'} (a hang): killed"
     elif proc.returncode < 0 or (proc.returncode != 0 and sanitizer_signal(err)):
         sig = signal.Signals(-proc.returncode).name if proc.returncode < 0 else sanitizer_signal(err)
-        error = f"crashed with {sig} during {phase or 'start-up'}" + (
-            f": {_one_line(err)}" if _one_line(err) else ""
-        )
+        last = _one_line(err)
+        last = "" if "AddressSanitizer" in last else last  # the report's own line says no more than sig
+        error = f"crashed with {sig} during {phase or 'start-up'}" + (f": {last}" if last else "")
     elif proc.returncode != 0 or result is None:
         error = f"failed during {phase or 'start-up'}: {_one_line(err) or f'exit status {proc.returncode}'}"
     else:
