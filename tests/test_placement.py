@@ -72,6 +72,12 @@ def test_open_engine_parses_the_header_once(monkeypatch: pytest.MonkeyPatch) -> 
     with open_engine(MODEL, vram=budget, policy="lru", n_ctx=256) as eng:
         assert eng.cache is not None and eng.cache.cache.n_slots  # a cache, not the whole model on the GPU
     assert parses == [MODEL]
+    # --assign's cost model reads the shape from the same header
+    parses.clear()
+    req = cache_request(vram=budget, policy="lru", assign="ratio", profile="rtx4060-laptop")
+    with open_engine(MODEL, cache=req, n_ctx=256) as eng:
+        assert eng.cache is not None
+    assert parses == [MODEL]
 
 
 def test_gating_calibration_defaults_to_the_models(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..gguf.header import check_gguf
+from ..gguf.header import GgufHeader, check_gguf
 from ..gguf.info import ModelInfo, estimate_kv_cache_bytes, is_expert_tensor, model_info
 from ..policies.assignment import CostModel, TransferMode
 from .profile import Curve, DeviceProfile, LinkProfile, MachineProfile, ProfileError
@@ -62,7 +62,12 @@ class ModelShape:
 
     @classmethod
     def read(cls, path: str | Path) -> ModelShape:
-        header = check_gguf(path)
+        return cls.from_header(check_gguf(path))
+
+    @classmethod
+    def from_header(cls, header: GgufHeader) -> ModelShape:
+        """The shape from a header already parsed (an open Engine's `header`)."""
+        path = header.path
         info = model_info(header)
         dense: dict[int, list[Weights]] = {il: [] for il in range(info.n_layer)}
         expert: dict[int, list[Weights]] = {il: [] for il in range(info.n_layer)}

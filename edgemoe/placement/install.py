@@ -12,6 +12,7 @@ from typing import Any
 from ..calibration import auto
 from ..calibration.adaptive import GatingOptions, default_calibration_dir
 from ..calibration.slot_plan import describe, plan_allocation
+from ..gguf.header import GgufHeader
 from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, vram_plan, vram_reserve
 from ..policies.daop import precalc_targets
 from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
@@ -112,8 +113,9 @@ def enable_static_placement(engine: Engine, model: Path, slots: int, calibration
     )
 
 
-def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
-    """The assigner's cost model per MoE layer, from a profile (a bundled name or a file) or this machine's."""
+def assign_costs(header: GgufHeader, profile: str | None) -> dict[int, Any]:
+    """The assigner's cost model per MoE layer (from the model's parsed header), from a profile (a bundled name
+    or a file) or this machine's."""
     from ..perf.costmodel import ModelShape, expert_costs
     from ..perf.profile import load_profile
     from ..perf.profiling import default_profile_path
@@ -125,7 +127,7 @@ def assign_costs(model: Path, profile: str | None) -> dict[int, Any]:
                 "profile`, or give --profile rtx4060-laptop (or another bundled one, or a file)"
             )
         profile = str(default_profile_path())
-    return expert_costs(ModelShape.read(model), load_profile(profile))
+    return expert_costs(ModelShape.from_header(header), load_profile(profile))
 
 
 def policy_config_for(
@@ -213,7 +215,9 @@ def install_cache(
     dev = native.gpu_device()
     cfg = CacheConfig(
         slots if plan.alloc == "equal" else plan.slots,
-        policy=policy_config_for(req, calibration, assign_costs(model, req.profile) if req.assign else None),
+        policy=policy_config_for(
+            req, calibration, assign_costs(engine.header, req.profile) if req.assign else None
+        ),
         alloc=plan.alloc,
         degrade=req.degrade,
         prefill_min_tokens=req.device_prefill,
