@@ -140,3 +140,24 @@ def test_moe_code_lives_in_its_own_files() -> None:
     # no llama_context member of the MoE code is defined outside the new files
     context_hunks = "".join(p.read_text() for p in bl.read_series(ROOT / "patches"))
     assert not re.search(r"^\+[^\n]*\bllama_context::(moe_\w+|set_moe_hook)\(", context_hunks, re.M)
+
+
+def test_native_tree_rebuild_keeps_unchanged_files_mtimes(tmp_path: Path) -> None:
+    """tools/build_native_tree.py reuses its build directory: a fresh tree whose file did not change keeps the old
+    mtime (ninja skips it), a changed or new file keeps its new one."""
+    import os
+
+    import build_native_tree as bnt
+
+    (tmp_path / "a.h").write_text("same")
+    (tmp_path / "b.cu").write_text("old")
+    os.utime(tmp_path / "a.h", ns=(10**18, 10**18))
+    before = bnt.file_stamps(tmp_path)
+    # a fresh unpack and patch: every file rewritten now
+    (tmp_path / "a.h").write_text("same")
+    (tmp_path / "b.cu").write_text("new")
+    (tmp_path / "c.cpp").write_text("added")
+    assert bnt.keep_unchanged_mtimes(tmp_path, before) == 1
+    assert (tmp_path / "a.h").stat().st_mtime_ns == 10**18
+    assert (tmp_path / "b.cu").stat().st_mtime_ns > 10**18 and (tmp_path / "c.cpp").stat().st_mtime_ns > 10**18
+    assert bnt.file_stamps(tmp_path / "missing") == {}
