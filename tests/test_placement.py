@@ -22,6 +22,11 @@ MODEL = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-qwen3moe.
     ({"expert_slots": 2, "device_prefill_ahead": "routed"}, "add --device-prefill N"),
     ({"expert_slots": 2, "precalc_from": 2, "degrade": 0.8}, "--degrade runs the cache from the routing hook"),
     ({"expert_slots": 2, "policy": "nope"}, "unknown policy"),
+    ({"expert_slots": 2, "policy": "static", "blocking": True}, "--policy static loads no miss"),
+    ({"expert_slots": 2, "policy": "manual", "blocking": True}, "--policy manual loads no miss"),
+    ({"expert_slots": 2, "policy": "lru", "dali_window": 8}, "options of --policy dali"),
+    ({"expert_slots": 2, "policy": "promoe", "prefetch_distance": 0}, "--prefetch-distance 0: at least 1"),
+    ({"expert_slots": 2, "policy": "dali", "dali_window": 0}, "--dali-window 0: at least 1"),
 ])
 def test_each_refused_combination_names_what_to_change(given: dict, words: str) -> None:
     with pytest.raises(PlacementError, match=words):

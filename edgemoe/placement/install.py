@@ -134,12 +134,12 @@ def policy_config_for(
     req: CacheRequest, calibration: Path | None, costs: dict[int, Any] | None
 ) -> PolicyConfig:
     """The config record of the request's policy from its options (check_request refused those of another
-    policy; --blocking-loads and the dali window of a policy without them do nothing, as before)."""
+    policy, and --blocking-loads with a policy that loads no miss)."""
     if req.policy == "lru":
         return LruConfig(blocking=req.blocking, assign=req.assign, assign_costs=costs)
     if req.policy == "dali":
         return DaliConfig(
-            window=req.dali_window or DALI_WINDOW,
+            window=DALI_WINDOW if req.dali_window is None else req.dali_window,
             update=req.dali_update,
             prefetch=req.dali_prefetch or 0,
             blocking=req.blocking,
@@ -152,7 +152,7 @@ def policy_config_for(
     if req.policy == "promoe":
         return PromoeConfig(
             calibration=calibration,
-            distance=req.prefetch_distance or PROMOE_DISTANCE,
+            distance=PROMOE_DISTANCE if req.prefetch_distance is None else req.prefetch_distance,
             extra=PROMOE_EXTRA if req.prefetch_extra is None else req.prefetch_extra,
             blocking=req.blocking,
         )
@@ -199,7 +199,7 @@ def install_cache(
             n_ctx=engine.n_ctx,
             reserve_bytes=vram_reserve(engine.info, bool(req.device_prefill)),
         ).expert_budget_bytes
-    window = req.dali_window or DALI_WINDOW
+    window = DALI_WINDOW if req.dali_window is None else req.dali_window
     plan = plan_allocation(
         engine.info,
         alloc=req.alloc,

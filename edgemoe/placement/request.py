@@ -130,6 +130,20 @@ def check_request(r: CacheRequest) -> None:
         raise PlacementError("give --vram or --expert-slots, not both")
     if r.policy != "promoe" and (r.prefetch_distance is not None or r.prefetch_extra is not None):
         raise PlacementError("--prefetch-distance and --prefetch-extra are options of --policy promoe")
+    if r.policy != "dali" and (r.dali_window is not None or r.dali_update is not None):
+        raise PlacementError("--dali-window and --dali-update are options of --policy dali")
+    for option, value in (
+        ("--prefetch-distance", r.prefetch_distance),
+        ("--dali-window", r.dali_window),
+        ("--dali-update", r.dali_update),
+    ):
+        if value is not None and value < 1:
+            raise PlacementError(f"{option} {value}: at least 1")
+    if r.blocking and r.policy in ("static", "manual"):
+        raise PlacementError(
+            f"--blocking-loads loads a miss before its layer runs; --policy {r.policy} loads no miss "
+            "(static keeps its placement, manual makes only your loads): leave it out"
+        )
     refusal = dali_prefetch_refusal(r.policy, blocking=r.blocking) if r.dali_prefetch else None
     if refusal is not None:
         raise PlacementError(refusal)
