@@ -154,8 +154,9 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--blocking-loads",
             is_flag=True,
-            help="lru, dali, promoe: load a missed expert before its layer runs instead of running "
-            "it on the CPU (needs the routing callback: a host sync per MoE layer)",
+            help="lru, dali, daop, promoe: load a missed expert before its layer runs instead of running "
+            "it on the CPU (needs the routing callback: a host sync per MoE layer); static and manual load "
+            "no miss and refuse it",
         ),
     ]
     return option_group("cache", opts, _request)(f)
