@@ -25,7 +25,7 @@ MODEL = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-qwen3moe.
     ({"expert_slots": 2, "policy": "static", "blocking": True}, "--policy static loads no miss"),
     ({"expert_slots": 2, "policy": "manual", "blocking": True}, "--policy manual loads no miss"),
     ({"expert_slots": 2, "policy": "lru", "dali_window": 8}, "options of --policy dali"),
-    ({"expert_slots": 2, "policy": "promoe", "prefetch_distance": 0}, "--prefetch-distance 0: at least 1"),
+    ({"expert_slots": 2, "policy": "promoe", "prefetch_distance": 0}, "--prefetch-distance 0: use >= 1"),
     ({"expert_slots": 2, "policy": "dali", "dali_window": 0}, "--dali-window 0: at least 1"),
 ])
 def test_each_refused_combination_names_what_to_change(given: dict, words: str) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..errors import InvalidConfigError
 from ..policies.assignment import assign_refusal
 from ..policies.dali_prefetch import dali_prefetch_refusal
+from ..policies.prefetch import distance_refusal
 
 POLICIES = ("lru", "dali", "daop", "static", "promoe", "manual")
 # the default policy: static. On the bundled routing profiles of real models at 8 GiB (tools/default_policy.py,
@@ -132,11 +133,10 @@ def check_request(r: CacheRequest) -> None:
         raise PlacementError("--prefetch-distance and --prefetch-extra are options of --policy promoe")
     if r.policy != "dali" and (r.dali_window is not None or r.dali_update is not None):
         raise PlacementError("--dali-window and --dali-update are options of --policy dali")
-    for option, value in (
-        ("--prefetch-distance", r.prefetch_distance),
-        ("--dali-window", r.dali_window),
-        ("--dali-update", r.dali_update),
-    ):
+    refusal = distance_refusal(r.prefetch_distance) if r.prefetch_distance is not None else None
+    if refusal is not None:
+        raise PlacementError(refusal)
+    for option, value in (("--dali-window", r.dali_window), ("--dali-update", r.dali_update)):
         if value is not None and value < 1:
             raise PlacementError(f"{option} {value}: at least 1")
     if r.blocking and r.policy in ("static", "manual"):

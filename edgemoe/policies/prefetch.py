@@ -51,6 +51,11 @@ PROMOE_EXTRA = 1  # m: prefetch the top-(k+m) predicted experts
 HIDDEN_KINDS = (PredictorKind.MLP, PredictorKind.GATE, PredictorKind.RESIDUAL)  # predict from h_l alone
 
 
+def distance_refusal(distance: int) -> str | None:
+    """Why promoe cannot predict `distance` MoE layers ahead (None: it can)."""
+    return None if distance >= 1 else f"--prefetch-distance {distance}: use >= 1 (ProMoE's stride is 2)"
+
+
 class PrefetchError(EdgeMoeError):
     """A prefetch policy was set up with a predictor or parameters it cannot use."""
 

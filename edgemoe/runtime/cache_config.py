@@ -14,7 +14,7 @@ from ..policies.assignment import assign_refusal
 from ..policies.copy_queue import CopyTiming, load_worker_default
 from ..policies.dali_prefetch import dali_prefetch_refusal
 from ..policies.daop import DAOP_SWAP_THRESHOLD
-from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
+from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, distance_refusal
 from ..policies.residency import DALI_WINDOW, PolicyKind
 from . import native
 
@@ -131,8 +131,9 @@ class PromoeConfig(_CopyQueue):
     weights: str = "f16"
 
     def __post_init__(self) -> None:
-        if self.distance < 1:
-            raise InvalidConfigError(f"--prefetch-distance {self.distance}: use >= 1 (ProMoE's stride is 2)")
+        refusal = distance_refusal(self.distance)
+        if refusal is not None:
+            raise InvalidConfigError(refusal)
 
 
 PolicyConfig = StaticConfig | ManualConfig | LruConfig | DaliConfig | DaopConfig | PromoeConfig
