@@ -123,10 +123,11 @@ def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
     # native threads print to the same stdout: a marker may follow their text on a line
     phases = [ln[ln.index("PHASE ") + 6 :] for ln in out.splitlines() if "PHASE " in ln]
     phase = phases[-1] if phases else None
+    sanitized = sanitizer_signal(err) if proc.returncode > 0 else None
     if timed_out:
         error = f"no answer after {timeout:.0f} s during {phase or 'start-up'} (a hang): killed"
-    elif proc.returncode < 0 or (proc.returncode != 0 and sanitizer_signal(err)):
-        sig = signal.Signals(-proc.returncode).name if proc.returncode < 0 else sanitizer_signal(err)
+    elif proc.returncode < 0 or sanitized:
+        sig = signal.Signals(-proc.returncode).name if proc.returncode < 0 else sanitized
         last = _one_line(err)
         last = "" if "AddressSanitizer" in last else last  # the report's own line says no more than sig
         error = f"crashed with {sig} during {phase or 'start-up'}" + (f": {last}" if last else "")
