@@ -157,7 +157,7 @@ def test_native_tree_rebuild_keeps_unchanged_files_mtimes(tmp_path: Path) -> Non
     (tmp_path / "a.h").write_text("same")
     (tmp_path / "b.cu").write_text("new")
     (tmp_path / "c.cpp").write_text("added")
-    assert bnt.keep_unchanged_mtimes(tmp_path, before) == 1
+    assert bnt.keep_unchanged_mtimes(tmp_path, before, bnt.file_stamps(tmp_path)) == 1
     assert (tmp_path / "a.h").stat().st_mtime_ns == 10**18
     assert (tmp_path / "b.cu").stat().st_mtime_ns > 10**18 and (tmp_path / "c.cpp").stat().st_mtime_ns > 10**18
     assert bnt.file_stamps(tmp_path / "missing") == {}

@@ -70,15 +70,15 @@ def file_stamps(root: Path) -> dict[str, tuple[str, int]]:
     return stamps
 
 
-def keep_unchanged_mtimes(root: Path, before: dict[str, tuple[str, int]]) -> int:
-    """Give every file whose bytes equal the previous tree's its previous mtime back, so that ninja rebuilds
-    only what the series changed (a fresh `git am` stamps every patched file, ggml.h included, and ggml.h
-    alone would recompile every CUDA kernel). Returns how many files kept their mtime."""
+def keep_unchanged_mtimes(root: Path, before: dict[str, tuple[str, int]], after: dict[str, tuple[str, int]]) -> int:
+    """Give every file whose bytes equal the previous tree's (`before`, `after`: file_stamps of the two trees) its
+    previous mtime back, so that ninja rebuilds only what the series changed (a fresh `git am` stamps every
+    patched file, ggml.h included, and ggml.h alone would recompile every CUDA kernel). Returns how many files
+    kept their mtime."""
     kept = 0
     for rel, (digest, old_mtime) in before.items():
-        path = root / rel
-        if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest:
-            os.utime(path, ns=(old_mtime, old_mtime))
+        if rel in after and after[rel][0] == digest:
+            os.utime(root / rel, ns=(old_mtime, old_mtime))
             kept += 1
     return kept
 
@@ -95,7 +95,7 @@ def patched_source(variant: str) -> Path:
     if before:
         after = file_stamps(llama_dir)
         changed = sorted(rel for rel, (digest, _) in after.items() if before.get(rel, ("",))[0] != digest)
-        kept = keep_unchanged_mtimes(llama_dir, before)
+        kept = keep_unchanged_mtimes(llama_dir, before, after)
         log(f"{kept} files unchanged since the last {variant} tree; {len(changed)} changed or new: "
             + ", ".join(changed[:12]) + (" ..." if len(changed) > 12 else ""))
     return llama_dir
