@@ -37,8 +37,10 @@ def build_native(name: str, out_dir: Path, source: Path | None = None) -> Path:
     return exe
 
 
-def run_backend_ops(exe: Path, backend: str) -> str:
-    """test-backend-ops on one backend, the series' cases only; its output (asserted to pass)."""
+def run_backend_ops(out_dir: Path, backend: str) -> str:
+    """llama.cpp's test-backend-ops from the patched tree, built into out_dir and run on one backend with the
+    series' cases only; its output (asserted to pass)."""
+    exe = build_native("test-backend-ops", out_dir, LLAMA_SRC / "tests" / "test-backend-ops.cpp")
     ops = ",".join(BACKEND_OPS_CASES)
     proc = subprocess.run([str(exe), "-b", backend, "-o", ops], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -74,5 +76,4 @@ def test_backend_ops_cases_of_the_series_run_on_the_cpu(tmp_path: Path) -> None:
     CUDA build (tests/test_gpu.py). The properties the CPU comparison cannot see (skipped rows exactly 0,
     decisions equal to the Python rules) are the standalone programs' above.
     """
-    exe = build_native("test-backend-ops", tmp_path, LLAMA_SRC / "tests" / "test-backend-ops.cpp")
-    run_backend_ops(exe, "CPU")
+    run_backend_ops(tmp_path, "CPU")
