@@ -130,6 +130,11 @@ def assign_costs(header: GgufHeader, profile: str | None) -> dict[int, Any]:
     return expert_costs(ModelShape.from_header(header), load_profile(profile))
 
 
+def dali_window(req: CacheRequest) -> int:
+    """DALI's tokens per window: the request's, else the paper's."""
+    return DALI_WINDOW if req.dali_window is None else req.dali_window
+
+
 def policy_config_for(
     req: CacheRequest, calibration: Path | None, costs: dict[int, Any] | None
 ) -> PolicyConfig:
@@ -139,7 +144,7 @@ def policy_config_for(
         return LruConfig(blocking=req.blocking, assign=req.assign, assign_costs=costs)
     if req.policy == "dali":
         return DaliConfig(
-            window=DALI_WINDOW if req.dali_window is None else req.dali_window,
+            window=dali_window(req),
             update=req.dali_update,
             prefetch=req.dali_prefetch or 0,
             blocking=req.blocking,
@@ -199,7 +204,6 @@ def install_cache(
             n_ctx=engine.n_ctx,
             reserve_bytes=vram_reserve(engine.info, bool(req.device_prefill)),
         ).expert_budget_bytes
-    window = DALI_WINDOW if req.dali_window is None else req.dali_window
     plan = plan_allocation(
         engine.info,
         alloc=req.alloc,
@@ -207,7 +211,7 @@ def install_cache(
         calibration=calibration,
         slots_per_layer=slots,
         budget_bytes=budget,
-        dali_window=window,
+        dali_window=dali_window(req),
         dali_update=req.dali_update,
     )
     if plan.note:
