@@ -15,7 +15,6 @@ from ..calibration.slot_plan import describe, plan_allocation
 from ..gguf.header import GgufHeader
 from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, vram_plan, vram_reserve
 from ..policies.daop import precalc_targets
-from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA
 from ..policies.residency import DALI_WINDOW
 from ..runtime import native
 from ..runtime.cache_config import (
@@ -25,9 +24,9 @@ from ..runtime.cache_config import (
     LruConfig,
     ManualConfig,
     PolicyConfig,
-    PromoeConfig,
     StaticConfig,
     checked_slots,
+    policy_config,
 )
 from ..runtime.config import planned_ctx
 from ..runtime.engine import Engine, LoadConfig
@@ -155,11 +154,12 @@ def policy_config_for(
     if req.policy == "daop":
         return DaopConfig(calibration=calibration, blocking=req.blocking)
     if req.policy == "promoe":
-        return PromoeConfig(
+        given = {"distance": req.prefetch_distance, "extra": req.prefetch_extra}  # None: the record's default
+        return policy_config(
+            "promoe",
             calibration=calibration,
-            distance=PROMOE_DISTANCE if req.prefetch_distance is None else req.prefetch_distance,
-            extra=PROMOE_EXTRA if req.prefetch_extra is None else req.prefetch_extra,
             blocking=req.blocking,
+            **{k: v for k, v in given.items() if v is not None},
         )
     if req.policy == "static":
         return StaticConfig(calibration=calibration)

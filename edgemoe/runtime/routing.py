@@ -81,9 +81,8 @@ def residency_policy(config: PolicyConfig, slots: dict[int, int], n_expert: int)
         )
     if isinstance(config, StaticConfig):
         return make_policy(config.name, slots, calibration=config.calibration, n_expert=n_expert)
-    return make_policy(
-        config.name, slots, n_expert=n_expert
-    )  # manual (promoe: an error that says what to do)
+    # manual (promoe: an error that says what to do)
+    return make_policy(config.name, slots, n_expert=n_expert)
 
 
 _NATIVE_RULE = {
