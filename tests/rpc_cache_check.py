@@ -7,6 +7,8 @@ CPU's: results must equal stock bitwise. Writes one JSON object to the file name
 """
 from __future__ import annotations
 
+import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
 import json
 import sys
 import time
@@ -24,6 +26,27 @@ from edgemoe.runtime.sampling import GREEDY
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 CFG = LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, use_extra_bufts=False, op_offload=False)
 
+
+# EDGEMOE_CHECK_IDS=1 (every Engine checks the id rows it hands a device): each closed engine's counts, summed in main
+_ID_CHECKS: list[dict[str, int | str]] = []
+_engine_close = Engine.close
+
+
+def _close_counting(self: Engine) -> None:
+    if getattr(self, "_ctx_p", None):
+        _ID_CHECKS.append(self.ids_check())
+    _engine_close(self)
+
+
+Engine.close = _close_counting  # type: ignore[method-assign]
+
+
+def id_checks() -> dict[str, object]:
+    """The checker's counts over every engine of this run, with the first failing row of any."""
+    total: dict[str, object] = {k: sum(int(c[k]) for c in _ID_CHECKS) for k in
+                                ("n_nodes", "n_rows", "n_negative", "n_range", "n_repeat")}
+    total["first"] = next((c["first"] for c in _ID_CHECKS if c["first"]), "")
+    return total
 
 def run(eng: Engine, toks: list[int], between: object = None) -> tuple[np.ndarray, list[np.ndarray]]:
     pre = np.array(eng.eval_logits(toks[:-8]))
@@ -258,6 +281,7 @@ def main(path: Path) -> dict[str, object]:
                                     compare_overlap=True))
     out["bench_rows"] = [(r.name, r.decode_tps > 0, r.note) for r in res.rows]
     out["bench_n_cpu_moe"] = res.n_cpu_moe
+    out["ids_check"] = id_checks()
     return out
 
 

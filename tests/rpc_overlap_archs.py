@@ -5,10 +5,13 @@ For each model (argv[2:]): stock logits, then the lru expert cache (half the exp
 RPC device with overlap on and off: a prompt ubatch and four decode steps must equal stock bitwise, with one
 overlapped device split per cached MoE layer and ubatch when on and none when off. Writes one JSON object
 {file: result} to the file named by argv[1]; a result is {"equal_on", "equal_off", "n_overlap_on",
-"n_overlap_off", "n_ubatch", "n_moe_layers", "equal_prefill", "prefill_layers"} or {"error": "..."}; prefill: the
-same cache with the prompt's experts outside the slots run on the device from the prefill buffers.
+"n_overlap_off", "n_ubatch", "n_moe_layers", "equal_prefill", "prefill_layers", "ids_check", "equal_checked"} or
+{"error": "..."}; prefill: the same cache with the prompt's experts outside the slots run on the device from the
+prefill buffers; ids_check: the checker's counts (llama_moe_set_ids_check) over that run, made once more with it on.
 """
 from __future__ import annotations
+
+import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
 
 import json
 import sys
@@ -57,6 +60,13 @@ def check(path: Path, dev: object) -> dict[str, object]:
         pf = cache.prefill_stats()
     res["equal_prefill"] = all(np.array_equal(a, b) for a, b in zip(got, ref))
     res["prefill_layers"] = pf["layers"] if pf else 0
+    # the id rows handed to the device, checked: the prompt's from the prefill buffers, the decode steps' from the slots
+    with Engine(path, CFG) as eng:
+        eng.set_ids_check(True)
+        eng.enable_expert_cache(CacheConfig(slots, policy=LruConfig(), prefill_min_tokens=8), device=dev)
+        got = run(eng, toks)
+        res["ids_check"] = eng.ids_check()
+    res["equal_checked"] = all(np.array_equal(a, b) for a, b in zip(got, ref))
     return res
 
 

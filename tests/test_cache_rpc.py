@@ -6,6 +6,7 @@ loaded afterwards in the process.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,27 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         assert all(ok for _, ok, _ in out["bench_rows"]), out["bench_rows"]
 
 
+def test_every_cache_path_hands_the_device_valid_ids(tmp_path: Path) -> None:
+    """rpc_cache_check.py once more with the id-row checker on in every engine (EDGEMOE_CHECK_IDS=1, tests/
+    test_ids_check.py): manual loads, lru, the CLI's GPU layout, staging, ProMoE's predictor and prefetch, device
+    prefill, pre-calculation and gating in the graph hand the RPC device only valid, distinct ids, and every run
+    still equals its reference (the checker stops the graph at every device MUL_MAT_ID, so the counts of host
+    syncs and overlapped splits are left to the test above)."""
+    path = FIXTURE_MODELS[0]
+    result = tmp_path / "checked.json"
+    proc = subprocess.run([sys.executable, str(HERE / "rpc_cache_check.py"), str(path), str(result)],
+                          capture_output=True, text=True, timeout=900, cwd=HERE,
+                          env={**os.environ, "EDGEMOE_CHECK_IDS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(result.read_text())
+    ids = out["ids_check"]
+    assert ids["n_nodes"] > 0 and ids["n_rows"] > 0, ids
+    assert ids["n_negative"] == ids["n_range"] == ids["n_repeat"] == 0 and ids["first"] == "", ids
+    equal = {k: v for k, v in out.items() if k.endswith("_equal")}
+    equal |= {k: v["equal"] for k, v in out.items() if isinstance(v, dict) and "equal" in v}
+    assert len(equal) > 10 and all(equal.values()), equal
+    assert out["precalc"]["nmse"] < 1e-9, out["precalc"]
+
 def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
     """The CPU/GPU overlap on each architecture's random-weight model (test-llama-archs' writer), cache on the RPC
     device: logits bitwise = stock with overlap on and off, an overlapped device split at least for every
@@ -138,8 +160,11 @@ def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
         assert "error" not in r, (name, r)
         assert r["equal_on"] and r["equal_off"] and r["n_overlap_off"] == 0, (name, r)
         assert r["equal_prefill"], (name, r)  # device prefill: the prompt's other experts from the prefill buffers
+        # every id row handed to the device valid and distinct (tests/test_ids_check.py)
+        ids = r["ids_check"]
+        assert r["equal_checked"] and ids["n_negative"] == ids["n_range"] == ids["n_repeat"] == 0, (name, ids)
         if name.removesuffix(".gguf") in NO_MOE_GRAPH:
             assert r["n_overlap_on"] == 0 == r["prefill_layers"], (name, r)
         else:
             assert r["n_overlap_on"] >= r["n_ubatch"] * r["n_moe_layers"], (name, r)
-            assert r["prefill_layers"] > 0, (name, r)
+            assert r["prefill_layers"] > 0 and ids["n_nodes"] > 0, (name, r)

@@ -148,6 +148,8 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
                 f"{native.recent_error(mark)[-300:]}; try a smaller --ctx"
             )
         self.n_ctx = lib.llama_n_ctx(self._ctx)
+        if os.environ.get("EDGEMOE_CHECK_IDS", "") not in ("", "0"):
+            native.moe_set_ids_check(self._ctx, True)  # doctor, the GPU check: every device id row checked
         self.n_batch = cparams.n_batch
         self.graph_nodes = graph_nodes_logged(native.recent_log().splitlines())
         self._kv: list[int] = []  # tokens whose K/V are in the cache, in order

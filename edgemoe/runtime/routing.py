@@ -204,6 +204,17 @@ class RoutingMixin:
         device splits overlapped with the CPU."""
         return native.moe_stats(self._ctx)
 
+    def set_ids_check(self, on: bool = True) -> None:
+        """Check every id row this engine hands a device's mul_mat_id / add_id (a GPU's, or the RPC stand-in's):
+        only valid, distinct ids per token (docs/architecture.md, "Id rows on a device"). Slow: tests and doctor;
+        EDGEMOE_CHECK_IDS=1 turns it on for every Engine."""
+        native.moe_set_ids_check(self._ctx, on)
+
+    def ids_check(self) -> dict[str, int | str]:
+        """The checker's counts since set_ids_check(): nodes and rows checked, rows with a negative, out-of-range or
+        repeated id, and the first failing node and row."""
+        return native.moe_ids_check(self._ctx)
+
     def reset_control_stats(self) -> None:
         """Zero control_stats() and the gating counters (the graph is kept)."""
         native.moe_reset_stats(self._ctx)

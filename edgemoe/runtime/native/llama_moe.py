@@ -171,6 +171,42 @@ def moe_reset_stats(ctx: LlamaContext) -> None:
     _moe_reset_stats(ctx)
 
 
+
+class MoeIdsCheck(ctypes.Structure):
+    """struct llama_moe_ids_check: rows of ids that a device's mul_mat_id / add_id would misread."""
+
+    _fields_ = [
+        ("n_nodes", ctypes.c_uint64),  # MUL_MAT_ID / ADD_ID nodes on a non-CPU backend checked
+        ("n_rows", ctypes.c_uint64),  # id rows (one per token and node) checked
+        ("n_negative", ctypes.c_uint64),  # rows with an id < 0
+        ("n_range", ctypes.c_uint64),  # rows with an id past the stacked tensor's last expert (slot)
+        ("n_repeat", ctypes.c_uint64),  # rows with an id twice
+        ("first", ctypes.c_char * 128),  # the first failing node and row, "" when none
+    ]
+
+
+# void llama_moe_set_ids_check(struct llama_context * ctx, bool on);
+_moe_set_ids_check = declare("llama_moe_set_ids_check", [ctypes.c_void_p, ctypes.c_bool], None)
+# struct llama_moe_ids_check llama_moe_get_ids_check(const struct llama_context * ctx);
+_moe_get_ids_check = declare("llama_moe_get_ids_check", [ctypes.c_void_p], MoeIdsCheck)
+
+
+def moe_set_ids_check(ctx: LlamaContext, on: bool) -> None:
+    """Check every id row handed to a device's mul_mat_id / add_id from now on (counts reset); slow: tests, doctor."""
+    if _moe_set_ids_check is None:
+        missing_native()
+    _moe_set_ids_check(ctx, on)
+
+
+def moe_ids_check(ctx: LlamaContext) -> dict[str, int | str]:
+    """The checker's counts since it was switched on; "first" names the first failing node and its row."""
+    if _moe_get_ids_check is None:
+        missing_native()
+    s = _moe_get_ids_check(ctx)
+    out: dict[str, int | str] = {name: int(getattr(s, name)) for name, *_ in MoeIdsCheck._fields_[:-1]}
+    out["first"] = bytes(s.first).split(b"\0", 1)[0].decode("utf-8", errors="replace")
+    return out
+
 # int32_t llama_moe_set_predictor(struct llama_context * ctx, int32_t il_src, int32_t il_target,
 #                                 int32_t n_out, int32_t n_hidden, enum ggml_type type, const float * w1,
 #                                 const float * b1, const float * w2, const float * b2, const float * skip);

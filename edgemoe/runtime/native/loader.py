@@ -13,7 +13,7 @@ from ...errors import NativeLibraryError
 
 # The patch level this edgemoe needs: set once by the series' first patch (patches/README.md); raise it with
 # the C side when the API these bindings use changes.
-REQUIRED_PATCH_LEVEL = 25
+REQUIRED_PATCH_LEVEL = 26
 
 log = logging.getLogger(__name__)
 
