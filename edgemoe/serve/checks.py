@@ -56,6 +56,7 @@ def refuse_lone_surrogates(data: Any) -> Any:
     if found is None:
         return data
     where, i = found
+    where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold the surrogate itself
     raise PydanticCustomError(
         LONE_SURROGATE,
         "{param}: the string holds a lone UTF-16 surrogate at character {index}, which is not text; "
