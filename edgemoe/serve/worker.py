@@ -162,8 +162,7 @@ class EngineWorker:
         return self._current is not None
 
     def start(self) -> None:
-        if self.template is not None:  # llama.cpp's built-in templates render on the engine's side
-            self.guard = SpecialGuard(control_texts(self.engine))
+        self.guard = SpecialGuard(control_texts(self.engine))
         self._thread.start()
 
     def shutdown(self) -> None:
