@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,8 +52,23 @@ class Server:
         return anthropic.Anthropic(base_url=f"http://127.0.0.1:{self.port}", api_key=api_key, max_retries=0,
                                    **kw)
 
-    def health(self) -> dict[str, object]:
-        return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).json()
+    def health(self, api_key: str | None = API_KEY) -> dict[str, object]:
+        """/health as a key holder sees it (queue, the key's prompt-cache figures); None: as anyone does."""
+        headers = {"x-api-key": api_key} if api_key is not None else {}
+        return httpx.get(f"http://127.0.0.1:{self.port}/health", headers=headers, timeout=5).json()
+
+    def raw(self, request: bytes, *, timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+        """Send request bytes on a fresh connection; (status, headers, body) of the answer, read until the
+        server closes the connection (socket.timeout after timeout seconds of silence)."""
+        out = b""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
+            sock.sendall(request)
+            while chunk := sock.recv(1 << 16):
+                out += chunk
+        head, _, body = out.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        return int(status_line.split()[1]), headers, body
 
     def rss_kib(self) -> int:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()

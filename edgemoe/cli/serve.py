@@ -82,6 +82,14 @@ def _bind(host: str, port: int) -> socket.socket:
     help="larger request bodies are answered 413",
 )
 @click.option(
+    "--read-timeout",
+    "read_timeout_s",
+    type=click.FloatRange(min=0.1),
+    default=600.0,
+    show_default=True,
+    help="seconds a request body may take to arrive (llama-server's default); slower ones are answered 408",
+)
+@click.option(
     "--scripted-replies",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
@@ -108,6 +116,7 @@ def serve(
     max_queue: int,
     prompt_cache_mib: int | None,
     max_body_mib: int,
+    read_timeout_s: float,
     scripted_replies: Path | None,
     max_tokens: int,
     run: RunOptions,
@@ -125,7 +134,7 @@ def serve(
         import uvicorn
 
         from ..runtime.prompt_cache import PromptCache, default_capacity
-        from ..serve.app import ServerConfig, create_app
+        from ..serve.app import DrainingServer, ServerConfig, create_app
         from ..serve.template import load_template
         from ..serve.worker import EngineWorker
     except ImportError as err:
@@ -141,6 +150,7 @@ def serve(
             max_tokens=max_tokens,
             api_keys=keys,
             max_body_bytes=max_body_mib << 20,
+            read_timeout_s=read_timeout_s,
         )
         bos, eos = engine.template_tokens()
         template = load_template(engine.chat_template(), bos_token=bos, eos_token=eos)
@@ -155,12 +165,12 @@ def serve(
         )
         sock = _bind(host, port)
         bound = sock.getsockname()[1]
-        server: Any = uvicorn.Server(
-            uvicorn.Config(create_app(worker, config), log_level="info", timeout_graceful_shutdown=5)
+        server: Any = DrainingServer(
+            uvicorn.Config(create_app(worker, config), log_level="info", timeout_graceful_shutdown=5), worker
         )
         worker.start()
         tools = "tools" if template is not None and template.supports_tools else "no tools"
-        prompts = f"prompt cache {capacity >> 20} MiB" if store else "no prompt cache"
+        prompts = f"prompt cache {capacity >> 20} MiB" if store is not None else "no prompt cache"
         click.echo(
             f"edgemoe serve: {config.model_id} (context {engine.n_ctx}, {tools}, {prompts}) on "
             f"http://{host}:{bound}/v1" + (" (API key required)" if keys else ""),

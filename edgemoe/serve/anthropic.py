@@ -14,9 +14,10 @@ import uuid
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from ..runtime.sampling import SamplingParams
+from .checks import check_object_schema, check_tool_name, refuse_lone_surrogates
 from .errors import APIError
 from .tools import ToolCall
 from .worker import Outcome
@@ -36,7 +37,7 @@ class Block(_Lenient):
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None  # tool_result
     content: str | list[Block] | None = None
-    is_error: bool | None = None
+    is_error: StrictBool | None = None
 
     def plain(self, param: str) -> str:
         """The text of a text block (or of a tool_result's content)."""
@@ -65,12 +66,42 @@ class Tool(_Lenient):
     type: str | None = None  # "custom" or none; server tools are refused
 
 
+class ToolChoice(_Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # of type "tool"
+    disable_parallel_tool_use: StrictBool | None = None
+
+
 class CountTokensRequest(_Lenient):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        return refuse_lone_surrogates(data)
+
+    def check(self) -> None:
+        """400 for what the Messages API refuses: bad tool names or schemas, an undeclared tool_choice,
+        a tool_result that answers no tool_use of the message before it."""
+        names = set()
+        for i, t in enumerate(self.tools or []):
+            check_tool_name(t.name, f"tools.{i}.name")
+            if t.type in (None, "custom"):
+                check_object_schema(t.input_schema, f"tools.{i}.input_schema")
+            names.add(t.name)
+        choice = self.tool_choice
+        if choice is not None and choice.type == "tool" and choice.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names the tool {str(choice.name)[:80]!r}, which is not in tools: "
+                "declare it there, or choose another",
+                param="tool_choice",
+            )
+        _check_tool_results(self.messages)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -86,7 +117,7 @@ class CountTokensRequest(_Lenient):
         return out
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        if not self.tools or (self.tool_choice or {}).get("type") == "none":
+        if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
             return None
         server_tools = [t.name for t in self.tools if t.type not in (None, "custom")]
         if server_tools:  # web search, code execution...: Anthropic runs those; a local model cannot
@@ -103,6 +134,23 @@ class CountTokensRequest(_Lenient):
             for t in self.tools
             if t.type in (None, "custom")
         ] or None
+
+
+def _check_tool_results(messages: list[AnthropicMessage]) -> None:
+    """Each tool_result must answer a tool_use of the message just before it (as the Messages API says)."""
+    asked: set[str] = set()
+    for i, m in enumerate(messages):
+        blocks = [] if isinstance(m.content, str) else m.content
+        for j, b in enumerate(blocks):
+            if b.type == "tool_result" and (b.tool_use_id is None or b.tool_use_id not in asked):
+                raise APIError(
+                    400,
+                    f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                    f"{str(b.tool_use_id)[:80]}. Each `tool_result` block must have a corresponding "
+                    "`tool_use` block in the previous message.",
+                    param=f"messages.{i}.content.{j}.tool_use_id",
+                )
+        asked = {b.id for b in blocks if b.type == "tool_use" and b.id is not None}
 
 
 def _to_template(m: AnthropicMessage, param: str) -> list[dict[str, Any]]:
@@ -146,7 +194,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    stream: bool = False
+    stream: StrictBool = False
 
     def sampling(self, default: SamplingParams) -> SamplingParams:
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
@@ -160,8 +208,7 @@ _STOP_REASONS = {
     "stop": "end_turn",
     "length": "max_tokens",
     "tool_calls": "tool_use",
-    "cancelled": "end_turn",
-}
+}  # a reply cut short ("cancelled") never gets a stop reason: it ends with an error event
 
 
 def stop_reason(out: Outcome) -> str:

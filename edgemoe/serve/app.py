@@ -10,27 +10,27 @@ task that waits for the connection's http.disconnect. While a streamed prompt is
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..runtime.sampling import SamplingParams
 from . import anthropic as ant
-from .errors import APIError, install_handlers, is_anthropic
+from .errors import APIError, install_handlers
+from .guard import SCOPE_KEY, GuardMiddleware
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, Reply
 from .tools import ToolCall
-from .worker import EngineWorker, Job, Outcome, QueueFullError
-
-SCOPE_KEY = "edgemoe.scope"  # the ASGI scope entry naming the request's API key (its prompt-cache scope)
+from .worker import SHUTTING_DOWN, EngineWorker, Job, Outcome, QueueFullError, ShuttingDownError
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,9 @@ class ServerConfig:
     max_tokens: int  # reply length when a request gives none
     api_keys: tuple[str, ...] = ()  # any of them is accepted; none: no key is asked
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    read_timeout_s: float = 600.0  # a request body must arrive within it (llama-server's default), else 408
     ping_s: float = 5.0  # a streamed reply's keep-alive interval while the prompt is evaluated
+    count_concurrency: int = 1  # count_tokens requests tokenized at once (max_queue more may wait)
 
 
 def _sse(obj: dict[str, Any] | str) -> str:
@@ -67,77 +69,33 @@ async def _next(job: Job, timeout: float | None = None) -> tuple[str, Any]:
     return kind, value
 
 
-def key_scope(key: str) -> str:
-    """The prompt-cache scope of an API key (its digest: the key itself is not kept around)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+def _busy(worker: EngineWorker) -> APIError:
+    return APIError(
+        503, f"the server is busy: {worker.max_queue} requests wait already; retry later", code="queue_full"
+    )
 
 
-class GuardMiddleware:
-    """Before a /v1/ request's body is read: 401 without one of the API keys (`Authorization: Bearer KEY` or
-    `x-api-key: KEY`), 413 for a body over the limit; errors in the shape of the path's API."""
+class Gate:
+    """At most `running` holders at once and `waiting` more waiting; beyond that QueueFullError."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...], max_body: int) -> None:
-        self.app = app
-        self.keys = [k.encode() for k in keys]
-        self.max_body = max_body
+    def __init__(self, running: int, waiting: int) -> None:
+        self._free = asyncio.Semaphore(running)
+        self.max_waiting = waiting
+        self.waiting = 0
 
-    def _key(self, headers: dict[bytes, bytes]) -> bytes | None:
-        auth = headers.get(b"authorization", b"")
-        given = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"").strip()
-        # compare with every key (no early exit: the time taken does not tell which one is near)
-        match = [k for k in self.keys if secrets.compare_digest(given, k)]
-        return match[0] if match else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        headers = dict(scope["headers"])
-        if self.keys:
-            key = self._key(headers)
-            if key is None:
-                how = "x-api-key: KEY" if is_anthropic(path) else "Authorization: Bearer KEY"
-                await APIError(
-                    401, f"invalid or missing API key (send {how})", code="invalid_api_key"
-                ).response(path)(scope, receive, send)
-                return
-            scope[SCOPE_KEY] = key_scope(key.decode())
-        length = headers.get(b"content-length")
-        if length is not None:  # the HTTP server holds the body to its announced length
-            if length.isdigit() and int(length) > self.max_body:
-                await self._too_large(path).response(path)(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
-            return
-        # a chunked body: read it here, up to the limit, and hand it on whole
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body:
-                await self._too_large(path).response(path)(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        first: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-        async def replay() -> Message:
-            return first.pop() if first else await receive()
-
-        await self.app(scope, replay, send)
-
-    def _too_large(self, path: str) -> APIError:
-        return APIError(
-            413,
-            f"the request body is larger than {self.max_body >> 20} MiB; send less (or "
-            "start the server with a larger --max-body-mib)",
-            code="request_too_large",
-        )
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._free.locked() and self.waiting >= self.max_waiting:
+            raise QueueFullError
+        self.waiting += 1
+        try:
+            await self._free.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            self._free.release()
 
 
 class Routes:
@@ -145,6 +103,7 @@ class Routes:
         self.worker = worker
         self.config = config
         self.started = int(time.time())
+        self.counting = Gate(config.count_concurrency, worker.max_queue)
 
     def model_card(self) -> dict[str, Any]:
         """One card both clients read: OpenAI's fields and Anthropic's."""
@@ -168,7 +127,12 @@ class Routes:
                 code="model_not_found",
             )
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self, request: Request) -> dict[str, Any]:
+        """Without a valid key (when the server asks for one) only that the server is up; with one the queue
+        and that key's prompt-cache figures."""
+        scope = request.scope.get(SCOPE_KEY)
+        if scope is None:
+            return {"status": "ok"}
         w = self.worker
         out = {
             "status": "ok",
@@ -179,7 +143,7 @@ class Routes:
             "served": w.served,
         }
         if w.reuse.store is not None:
-            out["prompt_cache"] = w.reuse.store.stats().to_dict()
+            out["prompt_cache"] = w.reuse.stats(scope)
         return out
 
     async def models(self) -> dict[str, Any]:
@@ -223,6 +187,7 @@ class Routes:
 
     async def messages(self, body: ant.MessagesRequest, request: Request) -> Any:
         self.check_model(body.model)
+        body.check()
         job = self._job(
             request,
             body.max_tokens,
@@ -241,9 +206,18 @@ class Routes:
         return JSONResponse(reply.whole(parts, out))
 
     async def count_tokens(self, body: ant.CountTokensRequest) -> dict[str, int]:
+        """Tokenized off the engine thread, but bounded like generation: count_concurrency at a time,
+        max_queue waiting, more refused with 529."""
         self.check_model(body.model)
+        body.check()
         messages, tools = body.chat_messages(), body.template_tools()
-        ids = await asyncio.to_thread(self.worker.prompt_ids, messages=messages, tools=tools, fit=False)
+        try:
+            async with self.counting.slot():
+                ids = await asyncio.to_thread(
+                    self.worker.prompt_ids, messages=messages, tools=tools, fit=False
+                )
+        except QueueFullError:
+            raise _busy(self.worker) from None
         return {"input_tokens": len(ids)}
 
     # -- running a job ------------------------------------------------------------------
@@ -261,11 +235,9 @@ class Routes:
         try:
             self.worker.submit(job)
         except QueueFullError:
-            raise APIError(
-                503,
-                f"the server is busy: {self.worker.max_queue} requests wait already; retry later",
-                code="queue_full",
-            ) from None
+            raise _busy(self.worker) from None
+        except ShuttingDownError:
+            raise APIError(503, SHUTTING_DOWN, code="shutting_down") from None
         return job
 
     async def _begin(self, request: Request, job: Job) -> tuple[int, int]:
@@ -322,9 +294,9 @@ class Routes:
             while True:
                 try:
                     event, value = await _next(job, self.config.ping_s)
-                except APIError as err:  # after the headers: the error goes in the stream
+                except APIError as err:  # after the headers: the error goes in the stream, no [DONE]
                     yield _sse(err.body())
-                    break
+                    return
                 if event == "ping":
                     yield ": ping\n\n"
                 elif event == "delta":
@@ -381,7 +353,12 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         redoc_url=None,
     )
     install_handlers(app)
-    app.add_middleware(GuardMiddleware, keys=config.api_keys, max_body=config.max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        keys=config.api_keys,
+        max_body=config.max_body_bytes,
+        read_timeout_s=config.read_timeout_s,
+    )
     r = Routes(worker, config)
     app.add_api_route("/health", r.health, methods=["GET"])
     app.add_api_route("/v1/models", r.models, methods=["GET"])
@@ -391,3 +368,17 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     app.add_api_route("/v1/messages", r.messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", r.count_tokens, methods=["POST"])
     return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that, on SIGINT / SIGTERM, first ends the engine's jobs with a 503 (a stream with an
+    error event), so that no client takes a reply cut by the shutdown for a whole one."""
+
+    def __init__(self, config: uvicorn.Config, worker: EngineWorker) -> None:
+        super().__init__(config)
+        self.worker = worker
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # from a thread: the signal may have interrupted the loop while it held the queue's lock
+        threading.Thread(target=self.worker.shutdown, name="edgemoe-shutdown", daemon=True).start()
+        super().handle_exit(sig, frame)

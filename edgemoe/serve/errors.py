@@ -6,7 +6,9 @@ Anthropic (/v1/messages...): {"type": "error", "error": {"type", "message"}}, an
 
 from __future__ import annotations
 
+import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +23,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     503: "server_overloaded",
 }
@@ -30,11 +33,20 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
     529: "overloaded_error",
 }
+RETRY_AFTER_S = 2  # what a 503 / 529 asks a client to wait before it retries
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped: a lone surrogate echoed back cannot break the encoding."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def is_anthropic(path: str) -> bool:
@@ -68,13 +80,26 @@ class APIError(Exception):
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
+    def headers(self) -> dict[str, str]:
+        if self.status == 401:
+            return {"WWW-Authenticate": "Bearer"}
+        if self.status == 503:
+            return {"Retry-After": str(RETRY_AFTER_S)}
+        return {}
+
     def response(self, path: str = "") -> JSONResponse:
         """The JSON response, in the shape of the API that path belongs to."""
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         if is_anthropic(path):
             status = 529 if self.status == 503 else self.status
-            return JSONResponse(self.anthropic_body(), status_code=status, headers=headers)
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+            return SafeJSONResponse(self.anthropic_body(), status_code=status, headers=self.headers())
+        return SafeJSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+
+def internal_error(exc: BaseException) -> APIError:
+    """A 500 that names an incident id, never the exception's text; the traceback goes to the log."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("internal error %s while serving a request", incident, exc_info=exc)
+    return APIError(500, f"internal server error (incident {incident}; the server log has the details)")
 
 
 def from_validation(exc: RequestValidationError) -> APIError:
@@ -85,6 +110,9 @@ def from_validation(exc: RequestValidationError) -> APIError:
         return APIError(
             400, f"the request body is not valid JSON: {first.get('msg', '')}", code="json_invalid"
         )
+    if first.get("type") == "lone_surrogate":  # checks.refuse_lone_surrogates
+        param = str(first.get("ctx", {}).get("param", "")) or None
+        return APIError(400, first.get("msg", "invalid text"), param=param, code="invalid_unicode")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
@@ -118,8 +146,7 @@ def install_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error while serving a request")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response(request.url.path)
+        return internal_error(exc).response(request.url.path)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation)

@@ -15,6 +15,7 @@ The engine's prefill then evaluates only what follows the shared prefix.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 from ..errors import EdgeMoeError
@@ -28,6 +29,31 @@ class PrefixReuse:
         self.engine = engine
         self.store = store
         self.owner: str | None = None  # the scope of the live state
+        # per scope: what one API key may see of the store (never another key's figures)
+        self.hits: Counter[str] = Counter()
+        self.misses: Counter[str] = Counter()
+        self.stored: Counter[str] = Counter()
+        self._held: dict[str, tuple[int, int]] = {}  # scope -> (entries, bytes), as prepare() left them
+
+    def stats(self, scope: str) -> dict[str, int]:
+        """The store's figures for one scope: its entries and bytes, its lookups' hits and misses (any thread:
+        it reads what the engine thread published)."""
+        entries, nbytes = self._held.get(scope, (0, 0))
+        return {
+            "entries": entries,
+            "bytes": nbytes,
+            "capacity_bytes": self.store.capacity_bytes if self.store is not None else 0,
+            "stored": self.stored[scope],
+            "hits": self.hits[scope],
+            "misses": self.misses[scope],
+        }
+
+    def _publish(self) -> None:
+        held: dict[str, tuple[int, int]] = {}
+        for scope in set(self.stored) | set(self.hits) | set(self.misses):
+            snaps = list(self.store.scoped(scope)) if self.store is not None else []
+            held[scope] = (len(snaps), sum(s.nbytes for s in snaps))
+        self._held = held  # one assignment: readers see the old figures or the new ones
 
     def prepare(self, scope: str, ids: list[int]) -> int:
         """Set up the KV cache for the prompt ids of scope; returns the prompt tokens it holds already."""
@@ -44,11 +70,13 @@ class PrefixReuse:
             self._keep(live)
         if self.store is not None:
             snap, _ = self.store.lookup(scope, ids, longer_than=shared)
+            (self.misses if snap is None else self.hits)[scope] += 1
             if snap is not None:
                 try:
                     eng.restore(snap)
                 except EdgeMoeError as err:  # the prompt is then evaluated in full
                     log.warning("prompt cache: %s", err)
+            self._publish()
         return eng.cached_prefix(ids)
 
     def _keep(self, live: tuple[int, ...]) -> None:
@@ -59,7 +87,9 @@ class PrefixReuse:
         if store.covers(self.owner, live):
             return
         snap = self.engine.snapshot()
-        if not store.put(self.owner, snap):
+        if store.put(self.owner, snap):
+            self.stored[self.owner] += 1
+        else:
             log.info(
                 "prompt cache: a state of %d tokens (%d bytes) does not fit %d bytes; not kept",
                 len(live),

@@ -13,9 +13,10 @@ import uuid
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from ..runtime.sampling import SamplingParams
+from .checks import check_object_schema, check_tool_name, refuse_lone_surrogates
 from .errors import APIError
 from .tools import ToolCall
 from .worker import Outcome
@@ -47,13 +48,25 @@ class FunctionDef(_Lenient):
     parameters: dict[str, Any] | None = None
 
 
+class ChosenFunction(_Lenient):
+    name: str
+
+
+class ToolChoice(_Lenient):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
 class ToolDef(_Lenient):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class Message(_Lenient):
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -77,7 +90,15 @@ class Message(_Lenient):
                 _call_to_template(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(self.tool_calls)
             ]
         if self.role == "tool":
-            out["tool_call_id"] = self.tool_call_id or ""
+            if not self.tool_call_id:
+                raise APIError(
+                    400,
+                    f"messages.{i}.tool_call_id is missing: a tool message answers the tool call of "
+                    "that id (the assistant message's tool_calls[].id)",
+                    param=f"messages.{i}.tool_call_id",
+                    code="missing_required_parameter",
+                )
+            out["tool_call_id"] = self.tool_call_id
             if self.name:
                 out["name"] = self.name
         return out
@@ -103,11 +124,16 @@ def _call_to_template(call: ToolCallIn, param: str) -> dict[str, Any]:
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class GenerationRequest(_Lenient):
     """The fields chat and text completions share."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        return refuse_lone_surrogates(data)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -120,7 +146,7 @@ class GenerationRequest(_Lenient):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
 
@@ -151,7 +177,24 @@ class GenerationRequest(_Lenient):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolDef] | None = None
-    tool_choice: str | dict[str, Any] | None = None  # "none" drops the tools; others are left to the model
+    # "none" drops the tools; "auto", "required" and a named function are left to the model
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+
+    def check(self) -> None:
+        super().check()
+        names = set()
+        for i, t in enumerate(self.tools or []):
+            check_tool_name(t.function.name, f"tools.{i}.function.name")
+            check_object_schema(t.function.parameters or {}, f"tools.{i}.function.parameters")
+            names.add(t.function.name)
+        if isinstance(self.tool_choice, ToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names the function {self.tool_choice.function.name[:80]!r}, which is not "
+                "in tools: declare it there, or choose another",
+                param="tool_choice",
+                code="invalid_value",
+            )
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.to_template(i) for i, m in enumerate(self.messages)]
@@ -164,7 +207,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
-    echo: bool = False
+    echo: StrictBool = False
 
     def text(self) -> str:
         if self.echo:

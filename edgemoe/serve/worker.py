@@ -28,8 +28,9 @@ from ..runtime.chat import ChatMessage
 from ..runtime.generation import Generation
 from ..runtime.prompt_cache import PromptCache
 from ..runtime.sampling import GREEDY, SamplingParams
-from .errors import APIError
+from .errors import APIError, internal_error
 from .prefix_cache import PrefixReuse
+from .specials import SpecialGuard, control_texts
 from .template import ChatTemplate
 from .tools import ToolCall, ToolCallScanner
 
@@ -38,6 +39,13 @@ log = logging.getLogger(__name__)
 
 class QueueFullError(Exception):
     """The wait queue holds max_queue requests already."""
+
+
+class ShuttingDownError(Exception):
+    """The server is shutting down: it takes no more requests."""
+
+
+SHUTTING_DOWN = "the server is shutting down; the reply was cut short: retry on a running server"
 
 
 class StopScanner:
@@ -74,7 +82,7 @@ class StopScanner:
 
 @dataclass
 class Outcome:
-    finish_reason: str  # "stop" | "length" | "tool_calls" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "tool_calls" (a cancelled job ends with an error instead)
     prompt_tokens: int
     completion_tokens: int
     extension: dict[str, Any]  # the response's "edgemoe" object
@@ -97,9 +105,16 @@ class Job:
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    reason: APIError | None = None  # why the server cancelled it (None: its client left)
 
-    def cancel(self) -> None:
+    def cancel(self, reason: APIError | None = None) -> None:
+        if reason is not None and not self.cancelled.is_set():
+            self.reason = reason
         self.cancelled.set()
+
+    def cut_short(self) -> APIError:
+        """The error a cancelled job ends with (no client may take a cut reply for a whole one)."""
+        return self.reason or APIError(499, "the client closed the request", type="cancelled")
 
     def emit(self, kind: str, value: Any) -> None:
         """From the worker thread: hand an event to the request's event loop."""
@@ -135,6 +150,8 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._main, name="edgemoe-engine", daemon=True)
         self._current: Job | None = None
         self.served = 0
+        self.closing = False  # set by shutdown(): no more jobs
+        self.guard = SpecialGuard(())  # the vocabulary's control tokens, read by start()
 
     @property
     def queued(self) -> int:
@@ -145,24 +162,34 @@ class EngineWorker:
         return self._current is not None
 
     def start(self) -> None:
+        self.guard = SpecialGuard(control_texts(self.engine))
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Cancel the running job and everything queued; the thread ends (the engine stays open)."""
+    def shutdown(self) -> None:
+        """Take no more jobs; end the running one and those queued with a 503 (a signal handler may call
+        it: it only sets flags and hands events to the loop)."""
+        self.closing = True
+        err = APIError(503, SHUTTING_DOWN, code="shutting_down")
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                job.cancel()
-                job.emit("error", APIError(503, "the server is shutting down"))
-        if self._current is not None:
-            self._current.cancel()
+                job.cancel(err)
+                job.emit("error", err)
+        if (current := self._current) is not None:
+            current.cancel(err)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """shutdown(), then the thread ends (the engine stays open)."""
+        self.shutdown()
         self._queue.put(None)
         self._thread.join(timeout)
 
     def submit(self, job: Job) -> Job:
+        if self.closing:
+            raise ShuttingDownError
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -172,18 +199,15 @@ class EngineWorker:
     def _main(self) -> None:
         while (job := self._queue.get()) is not None:
             if job.cancelled.is_set():  # its client left while it waited: end its handler too
-                job.emit("error", APIError(499, "the client closed the request", type="cancelled"))
+                job.emit("error", job.cut_short())
                 continue
             self._current = job
             try:
                 self._run(job)
             except APIError as err:
                 job.emit("error", err)
-            except EdgeMoeError as err:
-                job.emit("error", APIError(500, str(err), type="server_error"))
             except Exception as err:  # noqa: BLE001 - one bad request must not end the worker
-                log.exception("generation failed")
-                job.emit("error", APIError(500, f"internal error: {type(err).__name__}: {err}"))
+                job.emit("error", internal_error(err))
             finally:
                 self._current = None
                 self.served += 1
@@ -217,18 +241,11 @@ class EngineWorker:
         context."""
         eng = self.engine
         chat = messages is not None
-        text = self.render(messages, tools) if messages is not None else prompt or ""
-        add_special = True
-        if (
-            chat
-            and eng.adds_bos()
-            and self.template is not None
-            and self.template.bos_token
-            and text.startswith(self.template.bos_token)
-        ):
-            add_special = False  # the template wrote BOS itself
-        ids = eng.tokenize(text, add_special=add_special, parse_special=chat)
         param = "messages" if chat else "prompt"
+        if messages is not None:
+            ids = self._chat_ids(messages, tools)
+        else:
+            ids = eng.tokenize(_text(prompt or "", param), add_special=True, parse_special=False)
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param=param)
         if fit and len(ids) >= eng.n_ctx:
@@ -240,6 +257,14 @@ class EngineWorker:
                 code="context_length_exceeded",
             )
         return ids
+
+    def _chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """A chat's prompt ids: the template's control tokens parsed, the client's text as plain text."""
+        (messages, tools), swapped = self.guard.neutralize([messages, tools])
+        text = _text(self.render(messages, tools), "messages")
+        bos = self.template.bos_token if self.template is not None else ""
+        add_bos = not (self.engine.adds_bos() and bos and text.startswith(bos))  # the template wrote BOS
+        return self.guard.tokenize(self.engine, text, add_bos=add_bos, swapped=swapped)
 
     def _run(self, job: Job) -> None:
         eng = self.engine
@@ -287,15 +312,17 @@ class EngineWorker:
                     break
         finally:
             gen.close()
+        if finish == "cancelled":
+            job.emit("error", job.cut_short())
+            return
         t_end = time.perf_counter()
         if finish is None:  # the engine ended it: eog, max_tokens or a full context
             g: Generation = self._script_last if scripted else eng.last
             finish = "stop" if g.stop_reason == "eog" else "length"
             emit(stops.flush(), final=True)
             n_out, timings = len(g.tokens), g.timings.to_dict()
-        else:  # cut short here: the engine's Generation was not completed
-            if finish == "stop":
-                emit("", final=True)
+        else:  # a stop string: the engine's Generation was not completed
+            emit("", final=True)
             timings = {
                 "decode_tokens": n_out,
                 "ttft_s": (t_first or t_end) - t_start,
@@ -334,5 +361,19 @@ class EngineWorker:
         if eng.cache is not None:
             ext["cache"] = eng.cache.cache.stats()
         if self.reuse.store is not None:
-            ext["prompt_cache"] = self.reuse.store.stats().to_dict()
+            ext["prompt_cache"] = self.reuse.stats(job.scope)
         return ext
+
+
+def _text(text: str, param: str) -> str:
+    """text, when UTF-8 can encode it (a lone surrogate slipped past the request checks gives a 400)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(
+            400,
+            f"the {param} hold a lone UTF-16 surrogate, which is not text: send valid Unicode",
+            param=param,
+            code="invalid_unicode",
+        ) from None
+    return text
