@@ -1,10 +1,12 @@
-"""The C++ runtime check (edgemoe/runtime/native/elf.py), where the builds run it.
+"""The C++ runtime check (edgemoe/runtime/native/elf.py), where the builds run it, and the loader's guard.
 
 The device's defect, rebuilt here with g++: a shared library with a static libstdc++ linked in and exported
 (no libstdc++.so.6 among its NEEDED entries, thousands of exported std:: symbols)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -210,3 +212,68 @@ def test_cuda_link_report_names_the_directory_ld_takes_libstdcxx_from(tmp_path: 
     link_txt.write_text("/usr/bin/g++ -fPIC -shared -o bin/libggml-cuda.so.0 a.cu.o\n")
     assert "ld takes -lstdc++ from" in (shared := cxx_runtime.cuda_link_report(tmp_path))
     assert shared.rstrip().endswith(": shared")
+
+
+# -- the loader's guard -----------------------------------------------------------------------------------
+GUARD_CHILD = """
+import ctypes, json, sys
+opened = []
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "ctypes.dlopen" else None)
+from edgemoe.runtime.native import loader
+g = loader.cxx_runtime_guard
+# what crashed on the GPU: a library carrying its own runtime in the global scope; which copy does a lookup get?
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+class DlInfo(ctypes.Structure):
+    _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p), ("sname", ctypes.c_char_p),
+                ("saddr", ctypes.c_void_p)]
+addr = ctypes.cast(getattr(ctypes.CDLL(None), "_ZNSt6locale7classicEv"), ctypes.c_void_p).value
+info = DlInfo()
+ctypes.CDLL(None).dladdr(ctypes.c_void_p(addr), ctypes.byref(info))
+print(json.dumps({"offenders": list(g.offenders), "preloaded": g.preloaded, "too_late": g.too_late,
+                  "opened": opened, "locale_from": info.fname.decode()}))
+"""
+
+
+def run_guard_child(lib_dir: Path, bad: Path) -> dict:
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(lib_dir), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", GUARD_CHILD, str(bad)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def lib_dir_copy(tmp: Path, extra: Path | None) -> Path:
+    """The installed libraries (symlinked), and extra beside them."""
+    tmp.mkdir()
+    for p in installed_lib_dir().glob("lib*.so*"):
+        (tmp / p.name).symlink_to(p)
+    if extra is not None:
+        shutil.copy(extra, tmp / "libggml-cuda.so.0")
+    return tmp
+
+
+def test_guard_preloads_the_system_runtime_before_libllama(tmp_path: Path, libs: dict[str, Path]) -> None:
+    out = run_guard_child(lib_dir_copy(tmp_path / "lib", libs["bad"]), libs["bad"])
+    assert out["offenders"] == ["libggml-cuda.so.0"] and not out["too_late"]
+    assert Path(out["preloaded"]).name.startswith("libstdc++.so.6")
+    opened = out["opened"]
+    llama = next(i for i, name in enumerate(opened) if name.endswith("libllama.so"))
+    assert opened.index("libstdc++.so.6") < llama, opened
+    # the global scope resolves std:: to the system runtime, not to the copy loaded globally after it
+    assert Path(out["locale_from"]).name.startswith("libstdc++.so.6"), out
+
+
+def test_guard_does_nothing_on_clean_libraries(tmp_path: Path, libs: dict[str, Path]) -> None:
+    out = run_guard_child(lib_dir_copy(tmp_path / "lib", None), libs["bad"])
+    assert out["offenders"] == [] and out["preloaded"] is None
+    assert "libstdc++.so.6" not in out["opened"]
+    # without the guard, the copy a library exports globally is what a lookup gets (the device's crash)
+    assert Path(out["locale_from"]).name == libs["bad"].name, out
+
+
+def test_guard_record_of_this_process() -> None:
+    from edgemoe.runtime.native import loader
+
+    assert loader.guard_cxx_runtime(None) == loader.CxxRuntimeGuard(None, (), None, True)
+    guard = loader.cxx_runtime_guard
+    assert guard.lib_dir == installed_lib_dir() and guard.offenders == () and guard.preloaded is None
