@@ -164,6 +164,9 @@ def test_cuda_check_build_runs_the_check(tmp_path: Path, libs: dict[str, Path],
     with pytest.raises(bl.BuildError, match=r"(?s)C\+\+ runtime check failed.*libggml-cuda\.so\.0 defines"):
         bnt.run_build("cuda-check", [], 1)
     assert "C++ runtime of the CUDA link" in (tmp_path / "build-cuda-check.log").read_text()
+    monkeypatch.setenv("EDGEMOE_CXX_RUNTIME_CHECK", "warn")  # goes on, says why
+    assert "WARNING" in cxx_runtime.check_build(build_dir / "bin")
+    monkeypatch.delenv("EDGEMOE_CXX_RUNTIME_CHECK")
     shutil.copy(libs["good"], build_dir / "bin" / "libggml-cuda.so.0")
     assert bnt.run_build("cuda-check", [], 1)["libs"] == ["libggml-cuda.so.0"]
 
