@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cxx_runtime  # noqa: E402
 import llama_git  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,6 +87,9 @@ class BuildOptions:
             args.append("-DGGML_CUDA=ON")
             if self.cuda_arch:
                 args.append(f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}")
+            # one C++ compiler and the shared libstdc++ for the CUDA link too (docs/build.md, "The C++ runtime")
+            host, link_flags = cxx_runtime.cuda_host_args(self.extra_cmake.split())
+            args += host + ([f"-DCMAKE_SHARED_LINKER_FLAGS={link_flags}"] if link_flags else [])
         if self.extra_cmake:
             args.extend(self.extra_cmake.split())
         return args
@@ -195,6 +199,21 @@ def installed_ok(python: str) -> bool:
     return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
 
 
+def check_cxx_runtime(python: str, opts: BuildOptions, build_dir: Path | None) -> None:
+    """The C++ runtime check over the installed llama_cpp/lib (docs/build.md, "The C++ runtime"); build_dir:
+    the CUDA build's, whose link is reported into the build log first."""
+    code = "import importlib.util as u; print(list(u.find_spec('llama_cpp').submodule_search_locations)[0])"
+    found = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if found.returncode != 0:
+        raise BuildError(f"llama_cpp is not installed in {python}'s environment: {found.stderr.strip()[-300:]}")
+    logfile = ROOT / ".build" / f"build-{opts.variant}.log"
+    try:
+        log(cxx_runtime.check_build(Path(found.stdout.strip()) / "lib", logfile=logfile,
+                                    cuda_build_dir=build_dir if opts.cuda else None))
+    except cxx_runtime.CxxRuntimeError as err:
+        raise BuildError(f"{err}\nrebuild with `python tools/build_llama.py --force` once the cause is fixed") from None
+
+
 def build(opts: BuildOptions, venv: Path, force: bool) -> None:
     python = str(venv / "bin" / "python")
     if not Path(python).exists():
@@ -204,6 +223,7 @@ def build(opts: BuildOptions, venv: Path, force: bool) -> None:
     stamp = venv / STAMP_NAME
     if not force and stamp.exists() and json.loads(stamp.read_text()) == key and installed_ok(python):
         log("patched llama-cpp-python is up to date (sdist, patches and options unchanged)")
+        check_cxx_runtime(python, opts, None)
         return
     build_root = ROOT / ".build"
     tarball = fetch_sdist(build_root / "sdist", python)
@@ -230,6 +250,7 @@ def build(opts: BuildOptions, venv: Path, force: bool) -> None:
     if not installed_ok(python):
         raise BuildError("the installed llama_cpp does not export llama_edgemoe_patch_level; "
                          "the patch series was not compiled in")
+    check_cxx_runtime(python, opts, build_dir)
     stamp.write_text(json.dumps(key, indent=1))
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import build_llama as bl  # noqa: E402
+import cxx_runtime  # noqa: E402
 
 BUILD_ROOT = bl.ROOT / ".build"
 # llama.cpp's own switches; everything else of the normal build's trimming applies unchanged
@@ -156,7 +157,10 @@ def cuda_args(nvcc: str, arch: str, nvidia: Path) -> list[str]:
     if not (cudart and cublas and cublaslt and stub.exists()):
         raise bl.BuildError(f"missing CUDA libraries: cudart {cudart}, cublas {cublas}, cublasLt {cublaslt}, "
                             f"stub libcuda {stub}")
-    return [
+    # one C++ compiler and the shared libstdc++ for the CUDA link too (docs/build.md, "The C++ runtime")
+    host, runtime_dir = cxx_runtime.cuda_host_args()
+    link_flags = " ".join(filter(None, [runtime_dir, f"-L{rt_lib}", f"-L{blas_lib}", f"-L{stub.parent}"]))
+    return [*host,
         "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
         f"-DCMAKE_C_FLAGS={bl.NO_AMX_FLAGS}",
         "-DGGML_CUDA=ON", "-DGGML_CUDA_FA=OFF", "-DGGML_CUDA_NCCL=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={arch}",
@@ -164,7 +168,7 @@ def cuda_args(nvcc: str, arch: str, nvidia: Path) -> list[str]:
         # the runtime and cuBLAS the binary links are the wheels' (what a pip install ships), not the toolkit's
         f"-DCUDA_cudart_LIBRARY={cudart[-1]}", f"-DCUDA_cublas_LIBRARY={cublas[-1]}",
         f"-DCUDA_cublasLt_LIBRARY={cublaslt[-1]}", f"-DCUDA_cuda_driver_LIBRARY={stub}",
-        f"-DCMAKE_SHARED_LINKER_FLAGS=-L{rt_lib} -L{blas_lib} -L{stub.parent} -Wl,--no-undefined",
+        f"-DCMAKE_SHARED_LINKER_FLAGS={link_flags} -Wl,--no-undefined",
         # cuBLAS's headers come with its wheel (the toolkit here has the compiler and the runtime only)
         f"-DCMAKE_CUDA_FLAGS=-I{blas_inc}", f"-DCMAKE_CXX_FLAGS={bl.NO_AMX_FLAGS} -I{blas_inc}",
     ]
@@ -191,7 +195,17 @@ def run_build(variant: str, extra: list[str], jobs: int) -> dict:
               "libs": sorted(p.name for p in (build_dir / "bin").glob("lib*.so*"))}
     (BUILD_ROOT / f"{variant}-report.json").write_text(json.dumps(report, indent=1))
     log(f"{variant}: built in {report['wall_s']:.0f} s with -j{jobs}; libraries in {build_dir / 'bin'}")
+    check_built_libraries(build_dir, logfile, cuda=variant == "cuda-check")
     return report
+
+
+def check_built_libraries(build_dir: Path, logfile: Path, *, cuda: bool) -> None:
+    """The C++ runtime check over build_dir/bin's libraries (docs/build.md, "The C++ runtime"); for a CUDA
+    tree the ggml-cuda link is reported into the log first."""
+    try:
+        log(cxx_runtime.check_build(build_dir / "bin", logfile=logfile, cuda_build_dir=build_dir if cuda else None))
+    except cxx_runtime.CxxRuntimeError as err:
+        raise bl.BuildError(str(err)) from None
 
 
 def check_cuda_link(build_dir: Path) -> None:

@@ -1,6 +1,8 @@
 """The native boundary: libllama as llama-cpp-python loads it, and the C API of edgemoe's patch series.
 
-- loader: the library, its ggml siblings (each loaded once, by soname), the patch-level handshake, logs and aborts;
+- loader: the library, its ggml siblings (each loaded once, by soname), the patch-level handshake, logs and aborts,
+  and the C++ runtime guard run before them;
+- elf: a library's dynamic table and the C++ runtime check (no edgemoe import: the build tools load it by path);
 - llama_moe: the llama_moe_* functions (include/llama.h of the patched tree), each under its C prototype;
 - ggml: devices, buffer types, type ids, the RPC stand-in device, the registries and versions doctor reports;
 - cuda: the CUDA runtime's and driver's versions and the GPU's PCIe link (doctor).

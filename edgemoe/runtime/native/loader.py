@@ -1,21 +1,99 @@
 """Loading libllama (llama-cpp-python's copy) and its ggml siblings once, the patch-level handshake, and
-llama.cpp's logs and aborts routed to Python."""
+llama.cpp's logs and aborts routed to Python.
+
+Before libllama is loaded, the C++ runtime guard reads the libraries beside it: if one carries its own copy of
+the C++ runtime, the system libstdc++.so.6 is loaded globally first (`cxx_runtime_guard` records what it did,
+for doctor)."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
+import sys
 from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NewType, NoReturn
 
 from ...errors import NativeLibraryError
+from . import elf
 
 # The patch level this edgemoe needs: set once by the series' first patch (patches/README.md); raise it with
 # the C side when the API these bindings use changes.
 REQUIRED_PATCH_LEVEL = 26
 
 log = logging.getLogger(__name__)
+
+
+# -- the C++ runtime guard (docs/build.md, "The C++ runtime") ------------------------------------------
+@dataclass(frozen=True)
+class CxxRuntimeGuard:
+    """What the guard found before libllama was loaded (doctor reports it)."""
+
+    # llama_cpp's library directory (LLAMA_CPP_LIB_PATH or the package's lib/); None: not found
+    lib_dir: Path | None
+    offenders: tuple[str, ...]  # libraries there that define and export a copy of the C++ runtime
+    preloaded: str | None  # the system libstdc++.so.6 loaded globally because of them (its path when known)
+    too_late: bool  # llama_cpp's bindings were imported before the guard ran: a preload could not help
+
+
+def llama_lib_dir() -> Path | None:
+    """The directory llama-cpp-python loads libllama from, found without importing its bindings."""
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if override:
+        return Path(override)
+    spec = importlib.util.find_spec("llama_cpp")  # the package's location; nothing of it is executed
+    locations = spec.submodule_search_locations if spec is not None else None
+    return Path(next(iter(locations))) / "lib" if locations else None
+
+
+def _mapped_path(soname: str) -> str | None:
+    """The file of a loaded library whose name starts with soname, from /proc/self/maps (None elsewhere)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    return next((ln.split()[-1] for ln in lines if Path(ln.split()[-1]).name.startswith(soname)), None)
+
+
+def guard_cxx_runtime(lib_dir: Path | None) -> CxxRuntimeGuard:
+    """If a library in lib_dir exports its own copy of the C++ runtime (a static libstdc++ linked into a CUDA
+    build), load the system libstdc++.so.6 globally first, so that libllama and the ggml libraries bind to it
+    rather than to that copy (which crashed every model load on a GPU). A few ms: only the dynamic symbols
+    that can be the runtime's are decoded."""
+    too_late = "llama_cpp.llama_cpp" in sys.modules
+    offenders: list[str] = []
+    for path in elf.library_files(lib_dir) if lib_dir is not None and lib_dir.is_dir() else []:
+        try:
+            if elf.exported_runtime(path):
+                offenders.append(path.name)
+        except (elf.ElfError, OSError) as err:
+            log.debug("C++ runtime guard: cannot read %s: %s", path, err)
+    if not offenders:
+        return CxxRuntimeGuard(lib_dir, (), None, too_late)
+    preloaded = None
+    try:
+        ctypes.CDLL(elf.CXX_RUNTIME_SONAME, mode=ctypes.RTLD_GLOBAL)
+        preloaded = _mapped_path(elf.CXX_RUNTIME_SONAME) or elf.CXX_RUNTIME_SONAME
+        done = f"loaded {preloaded} globally first, so that libllama binds to it"
+    except OSError as err:
+        done = f"could not load {elf.CXX_RUNTIME_SONAME} globally first ({err})"
+    log.warning(
+        "%s in %s define%s and export%s a copy of the C++ runtime; %s%s. Rebuild to fix it: `make install` "
+        "(EDGEMOE_CUDA=1 for CUDA), docs/build.md 'The C++ runtime'",
+        ", ".join(offenders),
+        lib_dir,
+        *(("s", "s") if len(offenders) == 1 else ("", "")),
+        done,
+        " (too late: llama_cpp was imported before edgemoe)" if too_late else "",
+    )
+    return CxxRuntimeGuard(lib_dir, tuple(offenders), preloaded, too_late)
+
+
+# before the import below loads libllama and its ggml libraries
+cxx_runtime_guard = guard_cxx_runtime(llama_lib_dir())
 
 try:
     import llama_cpp.llama_cpp as lib  # low-level bindings; we never use the high-level Llama class
