@@ -33,6 +33,8 @@
 #
 # Environment: PYTHON (default python3, whose environment receives the build), CUDA_ARCH (default 90),
 # BENCH_VRAM (default 8GiB), BENCH_MODEL (default /tmp/qwen3-30b-a3b.Q4_K.gguf), TEST_JOBS (default 8),
+# BENCH_EXTRA (more bench options, e.g. "--compare-overlap --device-prefill 32 --precalc-from 30": each adds rows
+# and time, so give BENCH_CAP more seconds and run it as `bench` alone or in a `warm` call),
 # GPU_CHECK_PRELOAD_LIBSTDCXX (default 1: LD_PRELOAD the system libstdc++.so.6 into everything after the
 # build, the workaround for libggml-cuda's static C++ runtime of issue 37; set 0 once the link fix is in),
 # GPU_CHECK_DRY=1 (the same as dry-run).
@@ -66,7 +68,7 @@ else
     SYNTH_OUT=$BENCH_MODEL
     SYNTH_PRESET=qwen3-30b-a3b
     BENCH_ARGS=(--prompt-tokens 512 --gen-tokens 32)
-    CAP_BUILD=285 CAP_SYNTH=15 CAP_CHECKS=75 CAP_BENCH=80 CAP_PROFILE=60
+    CAP_BUILD=285 CAP_SYNTH=15 CAP_CHECKS=75 CAP_BENCH=${BENCH_CAP:-80} CAP_PROFILE=60
     SANITIZER=(compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20)
     OPS_BACKEND=CUDA0
 fi
@@ -213,7 +215,8 @@ EOF
 step_bench() {
     local t0=$SECONDS
     timeout "$CAP_BENCH" "$PY" -m edgemoe.cli bench "$BENCH_MODEL" --vram "${BENCH_VRAM:-8GiB}" "${BENCH_ARGS[@]}" \
-        --policy lru --policy static --policy daop --profile none --json > "$WORK/bench.json" 2> "$LOGS/bench.err"
+        --policy lru --policy static --policy daop --profile none ${BENCH_EXTRA:-} --json \
+        > "$WORK/bench.json" 2> "$LOGS/bench.err"
     local rc=$?
     record bench "$(status_of $rc)" $((SECONDS - t0)) "$CAP_BENCH"
     "$PY" - "$WORK/bench.json" <<'EOF'
@@ -308,7 +311,7 @@ case "$MODE" in
     build) step_build; finish ;;
     doctor) runtime_env; check_doctor; summarize_doctor ;;
     tests) runtime_env; check_tests; cat "$WORK/gpu-tests.txt" ;;
-    bench) runtime_env; start_synth; wait_synth; step_bench; finish ;;
+    bench) runtime_env; CAP_SYNTH=${SYNTH_CAP:-240}; start_synth; wait_synth; step_bench; finish ;;
     profile) runtime_env; step_profile; finish ;;
     diag) runtime_env; step_diag ;;
     pack) finish ;;  # GPU_CHECK_WORK=<a run's work folder>: its logs into $OUT again
