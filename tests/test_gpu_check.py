@@ -54,7 +54,7 @@ def test_dry_run_runs_every_step_and_returns_at_most_8_files(tmp_path: Path) -> 
     assert sum(n.startswith("logs/tests/") and n.endswith(".log") for n in names) == 2
     assert "76/76 tests passed" in (work / "logs" / "backend-ops.log").read_text()
     assert (work / "tiny-qwen3moe.gguf").stat().st_size > 0  # written in the background beside the build
-    assert seconds < 120, seconds
+    assert seconds < 180, seconds  # about 45 s on an idle 2-core machine
 
 
 @pytest.mark.parametrize("extra", [3, 4])
