@@ -172,3 +172,23 @@ def test_native_tree_rebuild_keeps_unchanged_files_mtimes(tmp_path: Path) -> Non
     assert (tmp_path / "a.h").stat().st_mtime_ns == 10**18
     assert (tmp_path / "b.cu").stat().st_mtime_ns > 10**18 and (tmp_path / "c.cpp").stat().st_mtime_ns > 10**18
     assert bnt.file_stamps(tmp_path / "missing") == {}
+
+
+LLAMA_TREE = ROOT / ".build" / "src" / bl.SDIST_NAME / "vendor" / "llama.cpp"
+
+
+@pytest.mark.skipif(not (LLAMA_TREE / "tests").exists(), reason="no patched tree under .build/src (make install)")
+def test_install_backend_ops_puts_a_working_binary_and_the_headers_in_place(tmp_path: Path) -> None:
+    """The install step doctor's op step relies on: test-backend-ops built against the installed libraries, the
+    ggml headers beside it, and the series' cases passing on the CPU with it."""
+    import subprocess
+
+    from edgemoe.analysis.op_tests import BACKEND_OPS_NAME, NATIVE_TOOLS_DIR, check_output, series_total
+
+    dest = tmp_path / NATIVE_TOOLS_DIR
+    exe = bl.install_backend_ops(LLAMA_TREE, bl.installed_lib_dir(sys.executable), dest)
+    assert exe == dest / BACKEND_OPS_NAME
+    assert (dest / "include" / "ggml.h").read_text() == (LLAMA_TREE / "ggml" / "include" / "ggml.h").read_text()
+    proc = subprocess.run([str(exe), "test", "-b", "CPU", "-o", "MUL_MAT_ID_SKIP,ADD_ID_SKIP,MOE_GATE"],
+                          capture_output=True, text=True, timeout=300)
+    assert check_output("CPU", proc.returncode, proc.stdout) == series_total()

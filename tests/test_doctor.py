@@ -10,15 +10,39 @@ from click.testing import CliRunner
 
 from conftest import stock_greedy
 from edgemoe.analysis import doctor_child
-from edgemoe.analysis.doctor import format_report, run_doctor, sanitizer_signal
+from edgemoe.analysis.doctor import (
+    CLI_PROMPT,
+    MIN_PROMPT_TOKENS,
+    cli_steps,
+    format_report,
+    op_step,
+    run_doctor,
+    sanitizer_signal,
+)
+from edgemoe.analysis.op_tests import BACKEND_OPS_ENV, series_total
 from edgemoe.cli.main import cli
+from test_ops import backend_ops_exe
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
+STEPS = ["build", "devices", "cpu", "rpc ngl=0", "rpc ngl=999", "cli cpu", "cli cache", "ops CPU"]
+# the crash doctor names when a child dies by SIGSEGV (under `make asan-test` ASan catches it and exits)
+SEGV = "a fatal signal (AddressSanitizer)" if "libasan" in os.environ.get("LD_PRELOAD", "") else "SIGSEGV"
+
+
+@pytest.fixture(scope="module")
+def backend_ops(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The installed test-backend-ops, else one built from the patched tree (a venv installed before it came)."""
+    return backend_ops_exe(tmp_path_factory.mktemp("backend-ops"))
+
+
+@pytest.fixture(autouse=True)
+def _backend_ops_env(backend_ops: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_OPS_ENV, str(backend_ops))
 
 
 def test_cpu_and_rpc_steps_pass_and_match_stock() -> None:
     report = run_doctor(MODEL, rpc=True, timeout=300)
-    assert [s.name for s in report.steps] == ["build", "devices", "cpu", "rpc ngl=0", "rpc ngl=999"]
+    assert [s.name for s in report.steps] == STEPS
     assert report.ok, format_report(report)
     build = report.step("build").data
     assert build["kind"] == "CPU" and build["patch_level"] >= build["required_patch_level"]
@@ -33,8 +57,85 @@ def test_cpu_and_rpc_steps_pass_and_match_stock() -> None:
     for name in ("rpc ngl=0", "rpc ngl=999"):
         data = report.step(name).data
         assert data["device"].startswith("RPC") and data["tokens"] == stock, (name, data)
+    # the CLI's generate: 64+ prompt tokens, the plain run is stock's, the cache on the RPC device loaded experts
+    # in the prompt's multi-token ubatch and gave the same tokens
+    _, stock_cli = stock_greedy(MODEL, CLI_PROMPT, doctor_child.N_TOKENS)
+    plain, cached = report.step("cli cpu").data, report.step("cli cache").data
+    assert plain["device"] == "CPU" and plain["cache"] is None and plain["tokens"] == stock_cli, plain
+    assert cached["device"].startswith("RPC") and cached["tokens"] == stock_cli, cached
+    assert cached["prompt_tokens"] == plain["prompt_tokens"] >= MIN_PROMPT_TOKENS
+    assert cached["cache"]["misses"] > 0, cached
+    assert report.step("ops CPU").data == {"backend": "CPU", "passed": series_total(), "total": series_total()}
     text = format_report(report)
     assert "gpu      none" in text and "result   all steps passed" in text
+    assert "ops CPU" in text and f"{series_total()}/{series_total()} of the series' op cases passed" in text
+
+
+def test_crash_in_the_cli_cache_prefill_fails_doctor_where_the_short_steps_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fault only in a multi-token ubatch with an expert cache (CUDA's MMQ crash on the cache's id rows): the
+    4-token steps pass, the CLI step names the crash."""
+    monkeypatch.setenv("EDGEMOE_DOCTOR_FAULT", "cli:prefill")
+    report = run_doctor(MODEL, rpc=True, timeout=300)
+    assert [s.name for s in report.steps if not s.ok] == ["cli cache"], format_report(report)
+    assert report.first_failure is not None
+    assert report.first_failure.error == (
+        f"crashed with {SEGV} during generate: expert cache: 2 slots per MoE layer on RPC0, policy lru"
+    )
+    assert f"result   first failure: cli cache: crashed with {SEGV} during generate" in format_report(report)
+
+
+def test_wrong_tokens_in_the_cli_cache_prefill_fail_the_cli_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGEMOE_DOCTOR_FAULT", "cli:prefill:wrong")
+    plain, cached = cli_steps(MODEL, True, 300)
+    assert plain.ok and not cached.ok
+    assert cached.data["tokens"] != plain.data["tokens"]
+    assert cached.error == (
+        f"tokens {cached.data['tokens']} differ from the plain CPU run's {plain.data['tokens']}"
+    )
+
+
+FAILING_CASE = (
+    "MUL_MAT_ID_SKIP(type_a=q4_K,type_b=f32,n_mats=8,n_used=4,b=0,m=64,n=129,k=256,amax=1.000000,m_v=0,"
+    "p_skip=0.300000): [MUL_MAT_ID_SKIP] NMSE = 0.912000000 > 0.000500000 \x1b[1;31mFAIL\x1b[0m"
+)
+
+
+def _fake_backend_ops(tmp_path: Path, body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    exe = tmp_path / "test-backend-ops"
+    exe.write_text("#!/bin/sh\n" + body)
+    exe.chmod(0o755)
+    monkeypatch.setenv(BACKEND_OPS_ENV, str(exe))
+
+
+def test_a_failing_series_case_fails_the_op_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    n = series_total()
+    _fake_backend_ops(tmp_path, (
+        "printf 'Backend 1/1: CUDA0\\n'\n"
+        f"printf '  ADD_ID_SKIP(type_a=f32,n_mats=8): \\033[1;32mOK\\033[0m\\n'\n"
+        f"printf '  {FAILING_CASE}\\n'\n"
+        f"printf '  {n - 1}/{n} tests passed\\n  Backend CUDA0: \\033[1;31mFAIL\\033[0m\\n'\n"
+        "exit 1\n"
+    ), monkeypatch)
+    res = op_step("CUDA0", 30)
+    assert res.name == "ops CUDA0" and not res.ok
+    case = FAILING_CASE.replace("\x1b[1;31mFAIL\x1b[0m", "FAIL")
+    assert res.error == f"{n - 1}/{n} of the series' cases passed on CUDA0; first failure: {case}"
+
+
+def test_a_crash_in_test_backend_ops_fails_the_op_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_backend_ops(tmp_path, "printf '  MOE_GATE(rule=2,n_rows=37): '\nkill -SEGV $$\n", monkeypatch)
+    res = op_step("CUDA0", 30)
+    assert not res.ok
+    assert res.error == "test-backend-ops crashed with SIGSEGV on CUDA0 after: MOE_GATE(rule=2,n_rows=37):"
+
+
+def test_a_missing_test_backend_ops_says_how_to_get_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_OPS_ENV, str(tmp_path / "absent"))
+    res = op_step("CPU", 30)
+    assert not res.ok and res.error is not None
+    assert res.error.startswith(f"no test-backend-ops at {tmp_path / 'absent'}") and "make install" in res.error
 
 
 def test_crash_in_a_child_is_that_steps_failure_in_json(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,10 +145,7 @@ def test_crash_in_a_child_is_that_steps_failure_in_json(monkeypatch: pytest.Monk
     out = json.loads(res.output)
     assert set(out) == {"ok", "first_failure", "system", "steps"}
     assert out["ok"] is False
-    expected = "crashed with SIGSEGV during load"
-    if "libasan" in os.environ.get("LD_PRELOAD", ""):  # make asan-test: ASan catches the signal, the child exits
-        expected = "crashed with a fatal signal (AddressSanitizer) during load"
-    assert out["first_failure"] == {"step": "cpu", "error": expected}
+    assert out["first_failure"] == {"step": "cpu", "error": f"crashed with {SEGV} during load"}
     steps = {s["name"]: s for s in out["steps"]}
     assert steps["build"]["ok"] and steps["devices"]["ok"]
     assert set(steps["cpu"]) == {"name", "ok", "seconds", "error", "phase", "data"}

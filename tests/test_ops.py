@@ -3,6 +3,9 @@
 tests/native/test_mmid_skip.cpp checks skipped ids (mul_mat_id / add_id skip slots with id < 0) on every
 backend the library has: CPU, the CPU repack buffer, and CUDA when built with it. The series also adds
 the ops' cases to llama.cpp's own tests/test-backend-ops.cpp, which compares a backend with the CPU.
+
+Headers and test-backend-ops come from the installed package (tools/build_llama.py puts them in the venv's
+edgemoe.analysis.op_tests.NATIVE_TOOLS_DIR), else from the patched tree under .build/.
 """
 from __future__ import annotations
 
@@ -14,13 +17,16 @@ from pathlib import Path
 import pytest
 
 import llama_cpp
+from edgemoe.analysis.op_tests import BACKEND_OPS_NAME, SERIES_CASES, installed_include_dir, native_tools_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "tests" / "native"
 LLAMA_SRC = ROOT / ".build" / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
-GGML_INCLUDE = LLAMA_SRC / "ggml" / "include"
-# the series' cases in llama.cpp's test-backend-ops (op name -> how many cases it registers)
-BACKEND_OPS_CASES = {"MUL_MAT_ID_SKIP": 36, "ADD_ID_SKIP": 4, "MOE_GATE": 36}
+# the installed package's headers, else the build tree's
+GGML_INCLUDE = next((d for d in (installed_include_dir(), LLAMA_SRC / "ggml" / "include") if (d / "ggml.h").exists()),
+                    LLAMA_SRC / "ggml" / "include")
+INSTALLED_BACKEND_OPS = native_tools_dir() / BACKEND_OPS_NAME
+BACKEND_OPS_CASES = SERIES_CASES
 LIB_DIR = Path(llama_cpp.__file__).parent / "lib"
 
 
@@ -28,7 +34,7 @@ def build_native(name: str, out_dir: Path, source: Path | None = None) -> Path:
     """Compile tests/native/<name>.cpp (or source) against the patched headers and the venv's libggml."""
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed for the op tests"
-    assert (GGML_INCLUDE / "ggml.h").exists(), f"{GGML_INCLUDE} missing: run `make install` first"
+    assert (GGML_INCLUDE / "ggml.h").exists(), f"no ggml.h in {installed_include_dir()} or {GGML_INCLUDE}: run `make install`"
     exe = out_dir / name
     src = source or NATIVE / f"{name}.cpp"
     cmd = [cxx, "-std=c++17", "-O1", "-Wall", str(src), f"-I{GGML_INCLUDE}",
@@ -37,10 +43,17 @@ def build_native(name: str, out_dir: Path, source: Path | None = None) -> Path:
     return exe
 
 
+def backend_ops_exe(out_dir: Path) -> Path:
+    """The installed test-backend-ops, else one built into out_dir from the patched tree under .build/."""
+    if INSTALLED_BACKEND_OPS.exists():
+        return INSTALLED_BACKEND_OPS
+    return build_native("test-backend-ops", out_dir, LLAMA_SRC / "tests" / "test-backend-ops.cpp")
+
+
 def run_backend_ops(out_dir: Path, backend: str) -> str:
-    """llama.cpp's test-backend-ops from the patched tree, built into out_dir and run on one backend with the
-    series' cases only; its output (asserted to pass)."""
-    exe = build_native("test-backend-ops", out_dir, LLAMA_SRC / "tests" / "test-backend-ops.cpp")
+    """llama.cpp's test-backend-ops of the patched tree (installed, or built into out_dir) run on one backend with
+    the series' cases only; its output (asserted to pass)."""
+    exe = backend_ops_exe(out_dir)
     ops = ",".join(BACKEND_OPS_CASES)
     proc = subprocess.run([str(exe), "-b", backend, "-o", ops], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -34,6 +34,8 @@ import cxx_runtime  # noqa: E402
 import llama_git  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(1, str(ROOT))
+from edgemoe.analysis.op_tests import BACKEND_OPS_NAME, NATIVE_TOOLS_DIR  # noqa: E402  (stdlib only)
 SDIST_NAME = "llama_cpp_python-0.3.36"
 SDIST_VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -224,6 +226,9 @@ def build(opts: BuildOptions, venv: Path, force: bool) -> None:
     if not force and stamp.exists() and json.loads(stamp.read_text()) == key and installed_ok(python):
         log("patched llama-cpp-python is up to date (sdist, patches and options unchanged)")
         check_cxx_runtime(python, opts, None)
+        llama_dir = ROOT / ".build" / "src" / SDIST_NAME / "vendor" / "llama.cpp"
+        if not (venv / NATIVE_TOOLS_DIR / BACKEND_OPS_NAME).exists() and llama_dir.exists():
+            install_backend_ops(llama_dir, installed_lib_dir(python), venv / NATIVE_TOOLS_DIR)  # an older install
         return
     build_root = ROOT / ".build"
     tarball = fetch_sdist(build_root / "sdist", python)
@@ -251,7 +256,38 @@ def build(opts: BuildOptions, venv: Path, force: bool) -> None:
         raise BuildError("the installed llama_cpp does not export llama_edgemoe_patch_level; "
                          "the patch series was not compiled in")
     check_cxx_runtime(python, opts, build_dir)
+    install_backend_ops(src / "vendor" / "llama.cpp", installed_lib_dir(python), venv / NATIVE_TOOLS_DIR)
     stamp.write_text(json.dumps(key, indent=1))
+
+
+def installed_lib_dir(python: str) -> Path:
+    """llama_cpp/lib of the environment of `python`: the libraries just installed."""
+    code = "import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent / 'lib')"
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"{python} cannot import llama_cpp: {proc.stderr.strip()[-300:]}")
+    return Path(proc.stdout.strip())
+
+
+def install_backend_ops(llama_dir: Path, lib: Path, dest: Path) -> Path:
+    """Compile llama.cpp's tests/test-backend-ops.cpp of the patched tree against the installed libraries in `lib`
+    and put it, with the ggml headers, in `dest` (the venv's NATIVE_TOOLS_DIR): doctor's op step and the op tests
+    run the series' cases from there (the trimmed build leaves llama.cpp's tests out). About 25 s of one core."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise BuildError("no C++ compiler (g++) to build test-backend-ops (doctor's op step): install g++")
+    include = dest / "include"
+    shutil.rmtree(include, ignore_errors=True)
+    shutil.copytree(llama_dir / "ggml" / "include", include)
+    exe = dest / BACKEND_OPS_NAME
+    cmd = [cxx, "-std=c++17", "-O1", str(llama_dir / "tests" / "test-backend-ops.cpp"), f"-I{include}",
+           f"-L{lib}", "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError("compiling test-backend-ops (doctor's op step) failed:\n" + proc.stderr[-3000:])
+    log(f"test-backend-ops and the ggml headers in {dest} ({time.time() - t0:.0f} s)")
+    return exe
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

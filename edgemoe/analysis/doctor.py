@@ -5,7 +5,11 @@ segfault or a hang is reported as that step's failure, with the phase it reached
 The steps: the build (CPU or CUDA and its architectures, patch level, ggml), the devices ggml sees (memory,
 CUDA driver and runtime, PCIe link), then the bundled fixture with 0 and all layers offloaded on each GPU
 (or on llama.cpp's RPC device on loopback, a GPU stand-in, when asked) and 4 greedy tokens compared with the
-CPU's. The system part (RAM, CPU) is read from /proc in this process.
+CPU's. Then what users run: `edgemoe generate --json` in a child of its own (the CLI's process) on a prompt of
+64+ tokens, so that a multi-token ubatch runs, once plainly on the CPU and once with an expert cache of a few
+slots on the GPU (or the RPC device with --rpc; the CPU stand-in without either), whose tokens must equal the
+first's; and the series' op cases of llama.cpp's test-backend-ops on each GPU (on the CPU without one). The
+system part (RAM, CPU) is read from /proc in this process.
 """
 
 from __future__ import annotations
@@ -24,9 +28,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .doctor_child import N_TOKENS
+from .op_tests import OpTestError, run_series_cases
+
 log = logging.getLogger(__name__)
 
 ALL_LAYERS = 999  # n_gpu_layers: every layer
+# the CLI step's prompt: 64+ tokens in every fixture's vocabulary, one multi-token ubatch (the path that crashed
+# CUDA's MMQ kernels with the cache's id rows while 1-token steps ran clean)
+CLI_PROMPT = (
+    "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+    "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief, that thou her "
+    "maid art far more fair than she."
+)
+MIN_PROMPT_TOKENS = 64
+CLI_SLOTS = 2  # expert slots per MoE layer: fewer than any fixture's experts, so misses and loads happen
 
 
 @dataclass(frozen=True)
@@ -138,32 +154,72 @@ def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
     return StepResult(name, False, seconds, error=error, phase=phase)
 
 
+def _differs(res: StepResult, ref: StepResult, what: str) -> StepResult:
+    """res failed with a one-line reason when both passed and its tokens are not ref's."""
+    if not (res.ok and ref.ok) or res.data["tokens"] == ref.data["tokens"]:
+        return res
+    error = f"tokens {res.data['tokens']} differ from {what} {ref.data['tokens']}"
+    return StepResult(res.name, False, res.seconds, error=error, phase=res.phase, data=res.data)
+
+
+def _failed(res: StepResult, error: str) -> StepResult:
+    return StepResult(res.name, False, res.seconds, error=error, phase=res.phase, data=res.data)
+
+
+def device_steps(model: Path, gpus: list[str], rpc: bool, timeout: float) -> list[StepResult]:
+    """The fixture on the CPU, then with 0 and all layers on each GPU (and the RPC device), 4 greedy tokens each."""
+    gen = {"kind": "generate", "model": str(model)}
+    cpu = run_step("cpu", {**gen, "n_gpu_layers": 0}, timeout)
+    targets: list[tuple[str, dict[str, Any]]] = []
+    if gpus:
+        targets += [(f"gpu ngl={n}", {**gen, "n_gpu_layers": n}) for n in (0, ALL_LAYERS)]
+    if rpc:
+        targets += [(f"rpc ngl={n}", {**gen, "n_gpu_layers": n, "rpc": True}) for n in (0, ALL_LAYERS)]
+    return [cpu, *(_differs(run_step(name, spec, timeout), cpu, "the CPU's") for name, spec in targets)]
+
+
+def cli_argv(model: Path, *, cache: bool) -> list[str]:
+    """`edgemoe generate`'s arguments of the CLI step: greedy, JSON, with or without an expert cache."""
+    argv = [str(model), "-p", CLI_PROMPT, "-n", str(N_TOKENS), "--temp", "0", "--ctx", "256", "-t", "2"]
+    if cache:
+        argv += ["--expert-slots", str(CLI_SLOTS), "--policy", "lru", "--alloc", "equal"]
+    return [*argv, "--json"]
+
+
+def cli_steps(model: Path, rpc: bool, timeout: float) -> list[StepResult]:
+    """`edgemoe generate` in the CLI's process shape: plainly on the CPU, then with an expert cache of a few slots
+    on the first GPU (the RPC device with rpc, the CPU stand-in without either); the two must give the same tokens
+    after a prompt long enough for a multi-token ubatch."""
+    ref = run_step("cli cpu", {"kind": "cli", "argv": cli_argv(model, cache=False)}, timeout)
+    res = run_step("cli cache", {"kind": "cli", "argv": cli_argv(model, cache=True), "rpc": rpc}, timeout)
+    if res.ok and res.data["prompt_tokens"] < MIN_PROMPT_TOKENS:
+        n = res.data["prompt_tokens"]
+        res = _failed(res, f"the prompt was {n} tokens, under {MIN_PROMPT_TOKENS}: no multi-token ubatch ran")
+    elif res.ok and res.data["cache"] is None:
+        res = _failed(res, "edgemoe generate set up no expert cache with --expert-slots")
+    return [ref, _differs(res, ref, "the plain CPU run's")]
+
+
+def op_step(backend: str, timeout: float) -> StepResult:
+    """The series' test-backend-ops cases on one backend; a failing case, a crash or a hang fails the step."""
+    t0 = time.perf_counter()
+    try:
+        run = run_series_cases(backend, timeout=timeout)
+    except OpTestError as err:
+        return StepResult(f"ops {backend}", False, time.perf_counter() - t0, error=str(err))
+    data = {"backend": backend, "passed": run.passed, "total": run.total}
+    return StepResult(f"ops {backend}", True, run.seconds, data=data)
+
+
 def run_doctor(model: Path, *, rpc: bool = False, timeout: float = 180.0) -> DoctorReport:
     """All steps in order; each device's generations are compared with the CPU's tokens."""
     steps: list[StepResult] = [run_step("build", {"kind": "build"}, timeout)]
     devices = run_step("devices", {"kind": "devices"}, timeout)
     steps.append(devices)
     gpus = [d["name"] for d in devices.data.get("devices", []) if d["type"] in ("GPU", "IGPU")]
-    gen = {"kind": "generate", "model": str(model)}
-    cpu = run_step("cpu", {**gen, "n_gpu_layers": 0}, timeout)
-    steps.append(cpu)
-    targets: list[tuple[str, dict[str, Any]]] = []
-    if gpus:
-        targets += [(f"gpu ngl={n}", {**gen, "n_gpu_layers": n}) for n in (0, ALL_LAYERS)]
-    if rpc:
-        targets += [(f"rpc ngl={n}", {**gen, "n_gpu_layers": n, "rpc": True}) for n in (0, ALL_LAYERS)]
-    for name, spec in targets:
-        res = run_step(name, spec, timeout)
-        if res.ok and cpu.ok and res.data["tokens"] != cpu.data["tokens"]:
-            res = StepResult(
-                name,
-                False,
-                res.seconds,
-                phase=res.phase,
-                data=res.data,
-                error=f"tokens {res.data['tokens']} differ from the CPU's {cpu.data['tokens']}",
-            )
-        steps.append(res)
+    steps += device_steps(model, gpus, rpc, timeout)
+    steps += cli_steps(model, rpc and not gpus, timeout)
+    steps += [op_step(backend, timeout) for backend in gpus or ["CPU"]]
     system = system_info()
     system["gpu"] = bool(gpus)
     return DoctorReport(system, tuple(steps))
@@ -171,6 +227,14 @@ def run_doctor(model: Path, *, rpc: bool = False, timeout: float = 180.0) -> Doc
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+def _detail(data: dict[str, Any]) -> str:
+    if "tokens" in data:
+        return f"{data.get('device')}: tokens {data.get('tokens')}"
+    if "passed" in data:
+        return f"{data['passed']}/{data['total']} of the series' op cases passed"
+    return ""
 
 
 def format_report(report: DoctorReport) -> str:
@@ -207,9 +271,7 @@ def format_report(report: DoctorReport) -> str:
         lines.append("gpu      none: ggml sees no GPU (a CPU build, or no driver); checking the CPU")
     for st in report.steps:
         status = "ok  " if st.ok else "FAIL"
-        detail = st.error or (
-            f"{st.data.get('device')}: tokens {st.data.get('tokens')}" if "tokens" in st.data else ""
-        )
+        detail = st.error or _detail(st.data)
         lines.append(f"{status}     {st.name:12} {st.seconds:6.1f} s  {detail}".rstrip())
     first = report.first_failure
     lines.append(

@@ -8,30 +8,43 @@ server's connection lines), so the file is what the parent reads.
 
 Steps: ``build`` (patch level, ggml, backends and their features, CUDA versions), ``devices`` (every ggml
 device with its memory and, for NVIDIA GPUs, the PCIe link from NVML), ``generate`` (an Engine on the
-fixture with n_gpu_layers layers offloaded, ``rpc``: on llama.cpp's RPC device on loopback, 4 greedy tokens).
+fixture with n_gpu_layers layers offloaded, ``rpc``: on llama.cpp's RPC device on loopback, 4 greedy tokens),
+``cli`` (``edgemoe generate --json`` with the given arguments, run as ``python -m edgemoe.cli`` runs it, after
+registering the RPC device on loopback when ``rpc``: the CLI's own process, where the cache device is the first
+GPU ggml sees).
 
 ``EDGEMOE_DOCTOR_FAULT=<step>:<phase>`` makes that phase crash with SIGSEGV, ``<step>:<phase>:hang`` makes it
 hang: what doctor's tests use to show that a crash or a hang is reported as the step's failure.
+``cli:prefill`` crashes with SIGSEGV in the CLI's first multi-token ubatch with an expert cache (what CUDA's
+MMQ path did with repeated ids), ``cli:prefill:wrong`` lowers that ubatch's top logit instead (wrong tokens).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import json
 import os
+import runpy
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 N_TOKENS = 4
 PROMPT = "The capital of France is"
 
 
+def _crash() -> None:
+    ctypes.string_at(0)  # a NULL read: SIGSEGV, as a native crash would
+
+
 def _phase(step: str, name: str) -> None:
     print(f"PHASE {name}", flush=True)
     fault = os.environ.get("EDGEMOE_DOCTOR_FAULT", "")
     if fault == f"{step}:{name}":
-        ctypes.string_at(0)  # a NULL read: SIGSEGV, as a native crash would
+        _crash()
     if fault == f"{step}:{name}:hang":
         time.sleep(3600)  # as a native deadlock would
 
@@ -105,6 +118,56 @@ def generate(model: str, n_gpu_layers: int, rpc: bool) -> dict[str, Any]:
     return {"device": device, "tokens": tokens}
 
 
+def _inject_prefill_fault(fault: str) -> None:
+    """EDGEMOE_DOCTOR_FAULT=cli:prefill[:wrong]: a fault only in a multi-token ubatch with an expert cache."""
+    from ..runtime.engine import Engine
+
+    decode_chunk = Engine._decode_chunk
+
+    def faulty(self: Engine, mem: Any, chunk: Sequence[int], all_logits: bool, *, last: bool) -> None:
+        multi = len(chunk) > 1 and self.cache is not None
+        if multi and fault == "cli:prefill":
+            _crash()
+        decode_chunk(self, mem, chunk, all_logits, last=last)
+        if multi and last and fault == "cli:prefill:wrong":
+            row = self.logits(-1)
+            best = max(range(len(row)), key=row.__getitem__)
+            row[best] = min(row)  # the greedy token changes, as a wrong expert row's output would
+
+    Engine._decode_chunk = faulty  # type: ignore[method-assign]
+
+
+def cli_generate(argv: list[str], rpc: bool) -> dict[str, Any]:
+    """`edgemoe generate ... --json` run as `python -m edgemoe.cli` runs it; its JSON, on which device."""
+    _phase("cli", "import")
+    from ..runtime import native
+
+    if rpc:
+        _phase("cli", "rpc")
+        native.rpc_loopback_device()
+    fault = os.environ.get("EDGEMOE_DOCTOR_FAULT", "")
+    if fault.startswith("cli:prefill"):
+        _inject_prefill_fault(fault)
+    gpu = native.gpu_device()
+    _phase("cli", "generate")
+    out = io.StringIO()  # the CLI's own output; llama.cpp's threads write to fd 1 beside it
+    sys.argv = ["edgemoe", "generate", *argv]
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_module("edgemoe.cli", run_name="__main__", alter_sys=True)
+        except SystemExit as err:
+            if err.code not in (None, 0):
+                raise  # the CLI's own message is the last line of stderr
+    result = json.loads(out.getvalue().strip().splitlines()[-1])
+    cache = result.get("cache")
+    return {
+        "device": native.device_name(gpu) if gpu is not None and cache is not None else "CPU",
+        "prompt_tokens": len(result["prompt_tokens"]),
+        "tokens": result["tokens"],
+        "cache": None if cache is None else {k: cache[k] for k in ("hits", "misses") if k in cache},
+    }
+
+
 def run(step: dict[str, Any]) -> dict[str, Any]:
     kind = step["kind"]
     if kind == "build":
@@ -113,6 +176,8 @@ def run(step: dict[str, Any]) -> dict[str, Any]:
         return device_info()
     if kind == "generate":
         return generate(step["model"], int(step["n_gpu_layers"]), bool(step.get("rpc")))
+    if kind == "cli":
+        return cli_generate(list(step["argv"]), bool(step.get("rpc")))
     raise ValueError(f"unknown doctor step {kind!r}")
 
 

@@ -1,4 +1,5 @@
-"""`edgemoe doctor`: the build, the devices, and a load + 4 greedy tokens on each, every step in a child process."""
+"""`edgemoe doctor`: the build, the devices, a load + 4 greedy tokens on each, the CLI's generate with an expert
+cache on a 64+ token prompt, and the series' op cases; every step in a child process."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def doctor(model_path: Path, rpc: bool, timeout: float, as_json: bool) -> None:
     Prints the build (CPU or CUDA and its architectures, patch level, ggml), the devices ggml sees (free and
     total memory, CUDA driver and runtime, PCIe link), RAM and CPU. Then, each in a child process with a
     timeout, it loads the model on the CPU and with 0 and all layers on each GPU, generates 4 greedy tokens and
-    compares them with the CPU's; a crash or a hang is reported as that step's failure. Exits 1 when a step
-    fails, naming the first.
+    compares them with the CPU's; runs `edgemoe generate` on a 64+ token prompt with an expert cache of 2 slots
+    per MoE layer on the GPU (the RPC device with --rpc) and compares its tokens with a plain CPU run's; and
+    runs the series' test-backend-ops cases on each GPU (the CPU without one). A crash or a hang is reported as
+    that step's failure. Exits 1 when a step fails, naming the first.
     """
     report = run_doctor(model_path, rpc=rpc, timeout=timeout)
     click.echo(json.dumps(report.to_json(), indent=1) if as_json else format_report(report))

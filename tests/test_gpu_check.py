@@ -1,0 +1,77 @@
+"""tools/gpu_check.sh's plumbing on the CPU: its dry run runs every step with stand-ins (a stub build, doctor,
+two GPU tests each in a process of its own, test-backend-ops on the CPU, the sanitizer's test without the
+sanitizer, a tiny bench, the profile cut at its cap) and leaves at most 8 files in $OUT, as the device returns."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from edgemoe.analysis.op_tests import BACKEND_OPS_ENV
+from test_ops import backend_ops_exe
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tools" / "gpu_check.sh"
+STEPS = ["build", "synth", "doctor", "tests", "ops", "sanitizer", "calibration", "bench", "profile"]
+
+
+def _run(mode: str, out: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run(["bash", str(SCRIPT), mode], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=ROOT)
+
+
+def test_dry_run_runs_every_step_and_returns_at_most_8_files(tmp_path: Path) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    exe = backend_ops_exe(tmp_path)  # the installed one, else built from the patched tree
+    t0 = time.monotonic()
+    proc = _run("dry-run", out, {"GPU_CHECK_WORK": str(work), BACKEND_OPS_ENV: str(exe)})
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["bench.json", "doctor.json", "gpu-tests.txt", "logs.tar.gz", "summary.txt"]
+    summary = (out / "summary.txt").read_text().splitlines()
+    status = {line.split()[1]: line.split()[0] for line in summary[:-1]}
+    assert status == {**{s: "ok" for s in STEPS}, "profile": "capped"}, summary  # the profile is cut at 3 s
+    assert summary[-1].startswith("total: ") and summary[-1].endswith(f"0 failed steps, 5 files in {out}")
+    assert json.loads((out / "doctor.json").read_text())["ok"] is True
+    rows = [r["name"] for r in json.loads((out / "bench.json").read_text())["rows"]]
+    assert rows[0].startswith("stock") and {"edgemoe lru", "edgemoe static", "edgemoe daop"} <= {
+        " ".join(r.split()[:2]) for r in rows}, rows
+    tests = (out / "gpu-tests.txt").read_text().splitlines()
+    assert len(tests) == 2 and all(t.split()[0] in ("pass", "skip") for t in tests), tests
+    with tarfile.open(out / "logs.tar.gz") as tf:
+        names = set(tf.getnames())
+    assert {"logs/doctor.err", "logs/backend-ops.log", "logs/sanitizer.log", "logs/bench.err", "logs/build.log",
+            "logs/synth.log"} <= names
+    assert sum(n.startswith("logs/tests/") and n.endswith(".log") for n in names) == 2
+    assert "76/76 tests passed" in (work / "logs" / "backend-ops.log").read_text()
+    assert (work / "tiny-qwen3moe.gguf").stat().st_size > 0  # written in the background beside the build
+    assert seconds < 180, seconds  # about 45 s on an idle 2-core machine
+
+
+@pytest.mark.parametrize("extra", [3, 4])
+def test_pack_refuses_more_files_than_the_device_returns(tmp_path: Path, extra: int) -> None:
+    """The file-count check: 5 files of a run plus `extra` already in $OUT; 9 is one too many."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "logs").mkdir(parents=True)
+    out.mkdir()
+    for name in ("summary.txt", "gpu-tests.txt", "doctor.json", "bench.json", "logs/doctor.err"):
+        (work / name).write_text("x\n")
+    for i in range(extra):
+        (out / f"left-{i}.txt").write_text("x\n")
+    proc = _run("pack", out, {"GPU_CHECK_WORK": str(work)}, timeout=60)
+    n = 5 + extra
+    assert len(list(out.iterdir())) == n
+    if n <= 8:
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert proc.returncode == 1
+        assert f"error: {n} files in {out}, the device returns 8" in proc.stderr
