@@ -12,11 +12,13 @@ from conftest import stock_greedy
 from edgemoe.analysis import doctor_child
 from edgemoe.analysis.doctor import (
     CLI_PROMPT,
+    DoctorReport,
     MIN_PROMPT_TOKENS,
     cli_steps,
     format_report,
     op_step,
     run_doctor,
+    StepResult,
     sanitizer_signal,
 )
 from edgemoe.analysis.op_tests import BACKEND_OPS_ENV, series_total
@@ -167,3 +169,25 @@ def test_a_signal_a_sanitizer_caught_is_a_crash() -> None:
     assert sanitizer_signal("==1==ERROR: AddressSanitizer: SEGV on unknown address 0x0") == "SIGSEGV"
     assert sanitizer_signal("AddressSanitizer:DEADLYSIGNAL\n") == "a fatal signal (AddressSanitizer)"
     assert sanitizer_signal("RuntimeError: no model") is None
+
+
+def test_report_names_a_library_that_carries_its_own_cxx_runtime() -> None:
+    build = {"kind": "CUDA", "cuda_archs": "900", "patch_level": 26, "required_patch_level": 26,
+             "llama_cpp_python": "0.3.36", "ggml_version": "0.25.3", "ggml_commit": "x", "cuda_runtime": None}
+    guard = {"offenders": ["libggml-cuda.so.0"], "preloaded": "/lib/x86_64-linux-gnu/libstdc++.so.6", "too_late": False}
+    clean = DoctorReport(system={}, steps=(StepResult("build", True, 0.1, data={**build, "cxx_runtime": {
+        "offenders": [], "preloaded": None, "too_late": False}}),))
+    assert "c++" not in format_report(clean)
+    text = format_report(DoctorReport(system={}, steps=(StepResult("build", True, 0.1,
+                                                                   data={**build, "cxx_runtime": guard}),)))
+    assert ("c++      libggml-cuda.so.0 carries its own C++ runtime: loaded /lib/x86_64-linux-gnu/libstdc++.so.6 "
+            "first") in text
+    late = format_report(DoctorReport(system={}, steps=(StepResult("build", True, 0.1, data={
+        **build, "cxx_runtime": {**guard, "preloaded": None, "too_late": True}}),)))
+    assert "llama_cpp was imported before edgemoe" in late
+
+
+def test_build_step_reports_the_cxx_runtime_guard() -> None:
+    guard = doctor_child.build_info()["cxx_runtime"]
+    # the venv's libraries link the system's runtime (tests/test_cxx_runtime.py): nothing to preload
+    assert guard["offenders"] == [] and guard["preloaded"] is None and isinstance(guard["too_late"], bool), guard

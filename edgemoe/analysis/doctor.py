@@ -237,6 +237,18 @@ def _detail(data: dict[str, Any]) -> str:
     return ""
 
 
+def _cxx_runtime_lines(guard: dict[str, Any]) -> list[str]:
+    """A line when a library beside libllama carries its own C++ runtime (the loader's guard, docs/build.md)."""
+    if not guard.get("offenders"):
+        return []
+    libs = ", ".join(guard["offenders"])
+    if guard.get("too_late"):
+        did = "llama_cpp was imported before edgemoe, so nothing could be done: import edgemoe first"
+    else:
+        did = f"loaded {guard.get('preloaded') or 'the system libstdc++.so.6'} first"
+    return [f"c++      {libs} carries its own C++ runtime: {did}; rebuild (docs/build.md, 'The C++ runtime')"]
+
+
 def format_report(report: DoctorReport) -> str:
     """The human-readable report: what to paste into a bug report."""
     s = report.system
@@ -254,6 +266,7 @@ def format_report(report: DoctorReport) -> str:
         )
         if b.get("cuda_runtime") is not None:
             lines.append(f"cuda     runtime {b['cuda_runtime']}, driver {b['cuda_driver'] or 'none'}")
+        lines.extend(_cxx_runtime_lines(b.get("cxx_runtime") or {}))
     devices = report.step("devices")
     for d in devices.data.get("devices", []) if devices is not None else []:
         line = (

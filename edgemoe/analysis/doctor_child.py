@@ -30,7 +30,10 @@ import runpy
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the child imports the native library only inside its steps
+    from ..runtime.native.loader import CxxRuntimeGuard
 
 N_TOKENS = 4
 PROMPT = "The capital of France is"
@@ -73,7 +76,13 @@ def build_info() -> dict[str, Any]:
         "backends": backends,
         "cuda_driver": cuda[0] if cuda else None,
         "cuda_runtime": cuda[1] if cuda else None,
+        "cxx_runtime": _cxx_runtime(native.cxx_runtime_guard),
     }
+
+
+def _cxx_runtime(guard: CxxRuntimeGuard) -> dict[str, Any]:
+    """What the loader's guard found: libraries beside libllama carrying their own C++ runtime, and what it did."""
+    return {"offenders": list(guard.offenders), "preloaded": guard.preloaded, "too_late": guard.too_late}
 
 
 def device_info() -> dict[str, Any]:

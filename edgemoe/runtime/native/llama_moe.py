@@ -171,7 +171,6 @@ def moe_reset_stats(ctx: LlamaContext) -> None:
     _moe_reset_stats(ctx)
 
 
-
 class MoeIdsCheck(ctypes.Structure):
     """struct llama_moe_ids_check: rows of ids that a device's mul_mat_id / add_id would misread."""
 
@@ -206,6 +205,7 @@ def moe_ids_check(ctx: LlamaContext) -> dict[str, int | str]:
     out: dict[str, int | str] = {name: int(getattr(s, name)) for name, *_ in MoeIdsCheck._fields_[:-1]}
     out["first"] = bytes(s.first).split(b"\0", 1)[0].decode("utf-8", errors="replace")
     return out
+
 
 # int32_t llama_moe_set_predictor(struct llama_context * ctx, int32_t il_src, int32_t il_target,
 #                                 int32_t n_out, int32_t n_hidden, enum ggml_type type, const float * w1,
