@@ -86,6 +86,32 @@ def test_cache_on_gpu_close_to_experts_on_cpu(fixture_model: Path, slots: int, p
         assert st["hits"] > 0
 
 
+
+@pytest.mark.parametrize("prefill", [0, 16])
+def test_cache_hands_the_gpu_valid_distinct_ids(fixture_model: Path, prefill: int) -> None:
+    """The id-row checker on CUDA (docs/architecture.md, "Id rows on a device"): a 60-token prompt (MMQ) and
+    single-token steps (MMVQ) through the lru cache, with and without device prefill, hand the GPU's mul_mat_id and
+    add_id only valid ids, none repeated within a token's row; and the logits stay close to the CPU's experts'."""
+    from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+
+    with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_gpu_layers=999)) as eng:
+        moe = tuple(eng.info.moe_layers)
+        n_expert = eng.info.n_expert
+    cfg = LoadConfig(**CACHE_PLAIN, cpu_expert_layers=moe)
+    with Engine(fixture_model, cfg) as eng:
+        toks = eng.tokenize(PROMPT * 4)[:60]
+        ref = np.array(eng.eval_logits(toks))
+    with Engine(fixture_model, cfg) as eng:
+        eng.set_ids_check(True)
+        eng.enable_expert_cache(CacheConfig(max(1, n_expert // 4), policy=LruConfig(), prefill_min_tokens=prefill),
+                                device=native.gpu_device())
+        got = np.array(eng.eval_logits(toks))
+        _steps(eng, toks[-8:])
+        check = eng.ids_check()
+    assert check["n_nodes"] > 0 and check["n_rows"] > 0, check
+    assert check["n_negative"] == check["n_range"] == check["n_repeat"] == 0, check
+    assert _nmse(got, ref) < 1e-4, _nmse(got, ref)
+
 def _gpu_cache_run(path: Path, config: object) -> tuple[list[np.ndarray], dict, dict]:
     """The GPU layout (every layer offloaded, routed experts in CPU memory) with the cache `config` on the GPU:
     (prefill logits and 8 single-token steps', the cache's stats, the control counters)."""
