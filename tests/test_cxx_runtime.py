@@ -181,10 +181,12 @@ def test_pip_build_checks_the_installed_libraries(tmp_path: Path, libs: dict[str
     shutil.copy(libs["bad"], lib_dir / "libggml-cuda.so")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
     cpu = bl.BuildOptions(cuda=False, cuda_arch="", native=True, extra_cmake="")
+    found = bl.installed_lib_dir(sys.executable)
+    assert found == lib_dir
     with pytest.raises(bl.BuildError, match=r"(?s)libggml-cuda\.so defines and exports.*--force"):
-        bl.check_cxx_runtime(sys.executable, cpu, None)
+        bl.check_cxx_runtime(found, cpu, None)
     shutil.copy(libs["good"], lib_dir / "libggml-cuda.so")
-    bl.check_cxx_runtime(sys.executable, cpu, None)
+    bl.check_cxx_runtime(found, cpu, None)
 
 
 def test_cuda_builds_pin_the_host_compiler_and_the_shared_runtime() -> None:

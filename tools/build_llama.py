@@ -201,17 +201,12 @@ def installed_ok(python: str) -> bool:
     return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
 
 
-def check_cxx_runtime(python: str, opts: BuildOptions, build_dir: Path | None) -> None:
-    """The C++ runtime check over the installed llama_cpp/lib (docs/build.md, "The C++ runtime"); build_dir:
-    the CUDA build's, whose link is reported into the build log first."""
-    code = "import importlib.util as u; print(list(u.find_spec('llama_cpp').submodule_search_locations)[0])"
-    found = subprocess.run([python, "-c", code], capture_output=True, text=True)
-    if found.returncode != 0:
-        raise BuildError(f"llama_cpp is not installed in {python}'s environment: {found.stderr.strip()[-300:]}")
+def check_cxx_runtime(lib: Path, opts: BuildOptions, build_dir: Path | None) -> None:
+    """The C++ runtime check over the installed libraries in `lib` (docs/build.md, "The C++ runtime");
+    build_dir: the CUDA build's, whose link is reported into the build log first."""
     logfile = ROOT / ".build" / f"build-{opts.variant}.log"
     try:
-        log(cxx_runtime.check_build(Path(found.stdout.strip()) / "lib", logfile=logfile,
-                                    cuda_build_dir=build_dir if opts.cuda else None))
+        log(cxx_runtime.check_build(lib, logfile=logfile, cuda_build_dir=build_dir if opts.cuda else None))
     except cxx_runtime.CxxRuntimeError as err:
         raise BuildError(f"{err}\nrebuild with `python tools/build_llama.py --force` once the cause is fixed") from None
 
@@ -225,10 +220,11 @@ def build(opts: BuildOptions, venv: Path, force: bool) -> None:
     stamp = venv / STAMP_NAME
     if not force and stamp.exists() and json.loads(stamp.read_text()) == key and installed_ok(python):
         log("patched llama-cpp-python is up to date (sdist, patches and options unchanged)")
-        check_cxx_runtime(python, opts, None)
+        lib = installed_lib_dir(python)
+        check_cxx_runtime(lib, opts, None)
         llama_dir = ROOT / ".build" / "src" / SDIST_NAME / "vendor" / "llama.cpp"
         if not (venv / NATIVE_TOOLS_DIR / BACKEND_OPS_NAME).exists() and llama_dir.exists():
-            install_backend_ops(llama_dir, installed_lib_dir(python), venv / NATIVE_TOOLS_DIR)  # an older install
+            install_backend_ops(llama_dir, lib, venv / NATIVE_TOOLS_DIR)  # an older install
         return
     build_root = ROOT / ".build"
     tarball = fetch_sdist(build_root / "sdist", python)
@@ -255,18 +251,20 @@ def build(opts: BuildOptions, venv: Path, force: bool) -> None:
     if not installed_ok(python):
         raise BuildError("the installed llama_cpp does not export llama_edgemoe_patch_level; "
                          "the patch series was not compiled in")
-    check_cxx_runtime(python, opts, build_dir)
-    install_backend_ops(src / "vendor" / "llama.cpp", installed_lib_dir(python), venv / NATIVE_TOOLS_DIR)
+    lib = installed_lib_dir(python)
+    check_cxx_runtime(lib, opts, build_dir)
+    install_backend_ops(src / "vendor" / "llama.cpp", lib, venv / NATIVE_TOOLS_DIR)
     stamp.write_text(json.dumps(key, indent=1))
 
 
 def installed_lib_dir(python: str) -> Path:
-    """llama_cpp/lib of the environment of `python`: the libraries just installed."""
-    code = "import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent / 'lib')"
+    """llama_cpp/lib of the environment of `python`: the libraries just installed, found without importing
+    llama_cpp (which would load them before the C++ runtime check has read them)."""
+    code = "import importlib.util as u; print(list(u.find_spec('llama_cpp').submodule_search_locations)[0])"
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise BuildError(f"{python} cannot import llama_cpp: {proc.stderr.strip()[-300:]}")
-    return Path(proc.stdout.strip())
+        raise BuildError(f"llama_cpp is not installed in {python}'s environment: {proc.stderr.strip()[-300:]}")
+    return Path(proc.stdout.strip()) / "lib"
 
 
 def install_backend_ops(llama_dir: Path, lib: Path, dest: Path) -> Path:

@@ -154,16 +154,15 @@ def run_step(name: str, step: dict[str, Any], timeout: float) -> StepResult:
     return StepResult(name, False, seconds, error=error, phase=phase)
 
 
+def _failed(res: StepResult, error: str) -> StepResult:
+    return StepResult(res.name, False, res.seconds, error=error, phase=res.phase, data=res.data)
+
+
 def _differs(res: StepResult, ref: StepResult, what: str) -> StepResult:
     """res failed with a one-line reason when both passed and its tokens are not ref's."""
     if not (res.ok and ref.ok) or res.data["tokens"] == ref.data["tokens"]:
         return res
-    error = f"tokens {res.data['tokens']} differ from {what} {ref.data['tokens']}"
-    return StepResult(res.name, False, res.seconds, error=error, phase=res.phase, data=res.data)
-
-
-def _failed(res: StepResult, error: str) -> StepResult:
-    return StepResult(res.name, False, res.seconds, error=error, phase=res.phase, data=res.data)
+    return _failed(res, f"tokens {res.data['tokens']} differ from {what} {ref.data['tokens']}")
 
 
 def device_steps(model: Path, gpus: list[str], rpc: bool, timeout: float) -> list[StepResult]:
