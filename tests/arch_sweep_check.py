@@ -16,7 +16,7 @@ Checks, each against stock llama.cpp on the same GGUF:
   (edgemoe.calibration.auto, a small calibration into a temporary cache directory) == stock logits
   bitwise, with hits.
 - cache-daop: the daop policy the same way (DAOP's placement, a swap after the prompt, run natively: patch
-  0021), with no host sync.
+  native policies), with no host sync.
 - cache-dali: DALI's workload-aware replacement run natively (half the experts per layer, at
   least one, a window of 2 tokens) == stock logits bitwise, with hits and loads and no host sync.
 - cache-dali-prefetch: dali with its residual-based prefetcher (gate reuse without a calibration), one slot

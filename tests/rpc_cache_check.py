@@ -211,7 +211,7 @@ def main(path: Path) -> dict[str, object]:
                                                    "hook": eng._hooks is not None,
                                                    "n_host_syncs": ctl["n_host_syncs"], "n_overlap": ctl["n_overlap"],
                                                    "n_ubatch": ctl["n_ubatch"]}
-    # 0024: with the callback's stops, the device's experts still overlap the CPU's; off: none
+    # the scheduler overlap: with the callback's stops, the device's experts still overlap the CPU's; off: none
     with Engine(path, gpu_layout) as eng:
         eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=PromoeConfig(calibration=cal),
                                             overlap=False), device=dev)

@@ -1,7 +1,7 @@
 """The expert cache with expert biases (gpt-oss) and per-expert scales against stock.
 
 As in test_expert_cache.py: the cache is the CPU buffer that stands in for a GPU and both sides load with
-use_extra_bufts=False, so they run the same CPU kernels and equality is bitwise. Without 0012 the cache
+use_extra_bufts=False, so they run the same CPU kernels and equality is bitwise. Without biases and scales in the cache, the cache
 refuses these layers ("experts with biases or scales are not supported by the expert cache").
 
 Scales: llama.cpp loads `blk.N.ffn_{gate,up,down}_exps.scale` ([n_expert] F32, as NVFP4 files have) for any

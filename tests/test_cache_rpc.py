@@ -54,7 +54,7 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         on, off = out["worker_True"], out["worker_False"]
         assert on["equal"] and off["equal"], (path.name, on, off)
         assert on["chunks"] == on["worker_chunks"] > 0 and off["worker_chunks"] == 0 < off["chunks"], (on, off)
-        # 0022: the worker ran the LRU on routes while the caller paused (the caller runs the rest: every ubatch's
+        # the policy on the load worker: the worker ran the LRU on routes while the caller paused (the caller runs the rest: every ubatch's
         # routes are processed once, as the same hit and miss total shows) and timed every wait of the compute
         assert on["worker_policy_steps"] > 0 == off["worker_policy_steps"], (on, off)
         assert on["hits"] + on["misses"] == off["hits"] + off["misses"], (on, off)
@@ -78,7 +78,7 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
             assert pm["equal"] and not pm["hook"] and pm["n_host_syncs"] > 0, (path.name, async_loads, pm)
             assert pm["prefetch"]["path"] == "native" and pm["prefetch"]["issued"] > 0 < pm["hits"], pm
             assert (pm["worker_chunks"] > 0) == async_loads, pm
-            # 0024: the scheduler hands the CPU its inputs after the callback's stop and runs the device's experts
+            # the scheduler overlap: the scheduler hands the CPU its inputs after the callback's stop and runs the device's experts
             # beside the CPU's, at every cached layer of every ubatch (the last layer's too: it routes its outputs)
             assert pm["n_overlap"] == pm["n_ubatch"] * out["n_moe_layers"], pm
         off = out["promoe_no_overlap"]

@@ -14,7 +14,7 @@ Decode tokens/s (median of --reps, runs interleaved) for:
                    call per MoE layer; the stand-in cache computes on the CPU)
   lru              --slots slots, lru in the graph (tables; native LRU after each step)
   dali-hook        --slots slots, DALI's replacement run by the Python DaliPolicy in the routing hook
-  dali             --slots slots, DALI's replacement in the graph (tables; native DALI after each step, 0019)
+  dali             --slots slots, DALI's replacement in the graph (tables; native DALI after each step)
   promoe-hook      --slots slots, ProMoE's prefetcher run by the Python PromoePolicy in the routing hook (the
                    calibration's predictor in numpy; gate reuse without one)
   promoe           --slots slots, ProMoE's prefetcher inside llama.cpp (the predictor in the graph, a

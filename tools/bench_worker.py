@@ -10,7 +10,7 @@ experts, so decode misses and loads every token). Three configurations, median o
 
   stock       llama.cpp without a cache
   caller      the cache, loads issued on the caller's thread when it synchronises after each token
-              (llama_moe_cache_set_async off: what the native LRU did before 0018)
+              (llama_moe_cache_set_async off: what the native LRU did before the load worker)
   worker      the cache, loads issued by the load worker while the caller goes on (the default)
 
 Prints decode tokens/s and ms per token of each, worker vs caller, and per token: loads, host time issuing

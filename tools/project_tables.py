@@ -14,7 +14,7 @@ far less local than real models; the only routing with router weights, hence the
     .venv/bin/python tools/project_tables.py --markdown --json docs/figures/projected-tables.json
     .venv/bin/python tools/project_tables.py --summary docs/figures/projected-tables.json   # the docs' table
     .venv/bin/python tools/project_tables.py --policies docs/figures/projected-policies.json   # every policy, 8 GiB
-    .venv/bin/python tools/project_tables.py --device-prefill docs/figures/projected-device-prefill.json   # 0025
+    .venv/bin/python tools/project_tables.py --device-prefill docs/figures/projected-device-prefill.json   # device prefill
     .venv/bin/python tools/project_tables.py --precalc docs/figures/projected-precalc.json   # 0026, rates from
         # docs/figures/daop-precalc-run.json (tools/precalc_eval.py)
     .venv/bin/python tools/project_tables.py --decode-split docs/figures/projected-decode-split.json   # not built
