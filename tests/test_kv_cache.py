@@ -196,7 +196,7 @@ def test_inspect_plans_the_kv_cache_of_the_type() -> None:
 
 
 def test_every_model_command_has_the_options() -> None:
-    for name in ("generate", "chat", "serve", "bench", "perplexity", "trace"):
+    for name in ("generate", "chat", "serve", "bench", "perplexity", "trace", "predict-eval"):
         res = run(name, "--help")
         assert res.exit_code == 0
         assert all(o in res.output for o in ("--flash-attn", "--cache-type-k", "--cache-type-v")), name

@@ -343,9 +343,10 @@ PLAN_UBATCH = 512  # the engine's default n_ubatch
 
 
 def context_reserve_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = PLAN_UBATCH) -> int:
-    """What llama.cpp's compute buffer grows by past RESERVE_CTX tokens of context: without flash attention
-    (edgemoe's default, as llama-cpp-python's) it holds one ubatch's F32 attention scores, n_ctx x n_ubatch x
-    n_head x 4 bytes. Measured on the CPU backend (the Qwen3-30B-A3B shape, 512-token ubatches): a compute buffer
+    """What llama.cpp's compute buffer grows by past RESERVE_CTX tokens of context: without flash attention it
+    holds one ubatch's F32 attention scores, n_ctx x n_ubatch x n_head x 4 bytes. With it (what edgemoe's default
+    "auto" resolves to on the CPU) the buffer does not grow: this reserve is then more than needed, kept for a
+    backend where "auto" resolves to off. Measured on the CPU backend (the Qwen3-30B-A3B shape, 512-token ubatches): a compute buffer
     of 305 MiB at 4096 tokens, 1086 MiB at 16384, 2142 MiB at 32768; 305 MiB at each with flash attention."""
     return max(0, n_ctx - RESERVE_CTX) * n_ubatch * info.n_head * 4
 
