@@ -132,8 +132,8 @@ def test_plan_reserve_shrinks_and_slots_grow() -> None:
 
 # -- flash attention's drift -------------------------------------------------------------------------------------
 
-# measured (CPU, 2 threads): greedy 96 tokens with flash attention on and off first differ at token 27 (qwen3moe)
-# and 54 (mixtral), where the two runs' top-2 logits are 0.0075 and 0.17 apart; over one same token sequence the
+# measured (CPU, 2 threads): greedy 96 tokens with flash attention on and off first differ at the 28th token
+# (qwen3moe) and the 55th (mixtral), where the off run's top-2 logits are 0.0075 and 0.17 apart; over one same token sequence the
 # logits' NMSE is 1.9e-5 and 6.1e-5 (the CPU's flash attention accumulates V in f16).
 SAME_TOKENS = 24
 NMSE_BOUND = 2e-4
