@@ -104,23 +104,20 @@ class AttentionOptions:
 def _attention_opts(*, kv_only: bool = False) -> list[Decorator]:
     from ..gguf.kv_types import KV_CACHE_TYPES
 
+    helps = {
+        "k": "the K cache's type (llama.cpp's -ctk): q8_0 takes 8.5/16 of f16's bytes, q4_0 4.5/16",
+        "v": "the V cache's type (llama.cpp's -ctv); a quantized one needs flash attention",
+    }
     kv = [
         click.option(
-            "-ctk",
-            "--cache-type-k",
+            f"-ct{x}",
+            f"--cache-type-{x}",
             type=click.Choice(KV_CACHE_TYPES),
             default="f16",
             show_default=True,
-            help="the K cache's type (llama.cpp's -ctk): q8_0 halves it, q4_0 quarters it",
-        ),
-        click.option(
-            "-ctv",
-            "--cache-type-v",
-            type=click.Choice(KV_CACHE_TYPES),
-            default="f16",
-            show_default=True,
-            help="the V cache's type (llama.cpp's -ctv); a quantized one needs flash attention",
-        ),
+            help=h,
+        )
+        for x, h in helps.items()
     ]
     if kv_only:
         return kv
