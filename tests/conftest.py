@@ -17,11 +17,14 @@ def fixture_model(request: pytest.FixtureRequest) -> Path:
 
 
 def stock_greedy(path: Path, prompt: str, n: int, n_ctx: int = 512,
-                 n_threads: int = 2) -> tuple[list[int], list[int]]:
-    """(prompt ids, generated ids) from stock llama-cpp-python's high-level Llama at temperature 0."""
+                 n_threads: int = 2, flash_attn: bool = True) -> tuple[list[int], list[int]]:
+    """(prompt ids, generated ids) from stock llama-cpp-python's high-level Llama at temperature 0. Flash
+    attention on: what llama.cpp's default "auto" (the Engine's) resolves to on the CPU backend; llama-cpp-python's
+    own default is off."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=n_threads, verbose=False, seed=0)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=n_threads, verbose=False, seed=0,
+                          flash_attn=flash_attn)
     try:
         prompt_ids = llm.tokenize(prompt.encode("utf-8"))  # add_bos as the model's metadata says
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
@@ -59,7 +62,7 @@ def eval_callback_tensors(path: Path, toks: list[int], prefix: str, dtype: type,
     model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
     cparams = lib.llama_context_default_params()
     cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 128
-    cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as the Engine (llama-cpp-python default)
+    cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_AUTO  # as the Engine (llama.cpp's default)
     cparams.cb_eval = cb
     cparams.cb_eval_user_data = None
     ctx = lib.llama_init_from_model(model, cparams)

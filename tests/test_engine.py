@@ -20,6 +20,7 @@ ARCH_PRESETS = ["tiny-qwen3moe", "tiny-mixtral", "tiny-qwen2moe", "tiny-deepseek
 
 def _engine_greedy(path: Path, prompt: str, n: int) -> tuple[list[int], list[int]]:
     with Engine(path, LoadConfig(n_ctx=512, n_threads=2)) as eng:
+        assert eng.flash_attn == "on"  # "auto" on the CPU backend, as stock_greedy runs it
         g = eng.generate(prompt, max_tokens=n, sampling=GREEDY)
         return g.prompt_tokens, g.tokens
 
@@ -72,7 +73,7 @@ def test_logits_match_stock(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(n_ctx=256, n_batch=256, n_ubatch=256)) as eng:
         ids = eng.tokenize(PROMPT)
         ours = np.array(eng.eval_logits(ids))
-    llm = llama_cpp.Llama(model_path=str(fixture_model), n_ctx=256, n_batch=256, logits_all=True,
+    llm = llama_cpp.Llama(model_path=str(fixture_model), n_ctx=256, n_batch=256, logits_all=True, flash_attn=True,
                           n_threads=2, verbose=False)
     llm.eval(ids)
     stock = np.array(llm.scores[:len(ids)])
@@ -98,7 +99,7 @@ def test_repeat_penalty_equals_stock(fixture_model: Path) -> None:
         got = eng.generate(PROMPT, max_tokens=48, sampling=sp, ignore_eog=True).tokens
         plain = eng.generate(PROMPT, max_tokens=48, sampling=GREEDY, ignore_eog=True).tokens
         ids = eng.tokenize(PROMPT)
-    llm = llama_cpp.Llama(model_path=str(fixture_model), n_ctx=256, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(fixture_model), n_ctx=256, flash_attn=True, verbose=False)
     gen = llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.5, penalize_nl=True)
     ref = [next(gen) for _ in range(48)]
     gen.close()

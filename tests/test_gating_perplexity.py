@@ -89,7 +89,8 @@ def test_perplexity_off_equals_stock(model: Path) -> None:
         toks = eng.tokenize(text, add_special=False)[:300]
         res = perplexity(eng, toks, ctx=128)
         bos = eng.bos_token() if eng.adds_bos() else None
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=128, n_batch=128, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=128, n_batch=128, logits_all=True, flash_attn=True,
+                          verbose=False)  # the Engine's "auto" resolves to on here
     nll, n = 0.0, 0
     for c in chunk_tokens(toks, 128, bos):
         llm.reset()

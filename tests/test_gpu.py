@@ -23,7 +23,8 @@ def test_greedy_equals_stock_on_gpu(fixture_model: Path) -> None:
 
     with Engine(fixture_model, LoadConfig(n_ctx=512, n_gpu_layers=999)) as eng:
         g = eng.generate(PROMPT, max_tokens=48, sampling=GREEDY)
-    llm = llama_cpp.Llama(model_path=str(fixture_model), n_ctx=512, n_gpu_layers=-1, verbose=False)
+    assert eng.flash_attn == "on"  # "auto" on CUDA, as the stock run below
+    llm = llama_cpp.Llama(model_path=str(fixture_model), n_ctx=512, n_gpu_layers=-1, flash_attn=True, verbose=False)
     stock = []
     for tok in llm.generate(g.prompt_tokens, temp=0.0, top_k=1, repeat_penalty=1.0):
         stock.append(tok)

@@ -27,6 +27,7 @@ CONTEXT_DIFFERENCES = {
     "yarn_beta_fast": (-1.0, 32.0),
     "yarn_beta_slow": (-1.0, 1.0),
     "no_perf": (True, False),  # llama.cpp's default; Llama turns the perf counters on
+    "flash_attn_type": (-1, 0),  # the Engine: llama.cpp's default auto; Llama: off unless flash_attn=True
 }
 
 

@@ -82,7 +82,9 @@ def test_drops_equal_torch_reference(tmp_path: Path, arch: str, n_expert: int, k
         n_dropped += int((~keep).sum())
         apply_keep(r, keep)
 
-    with Engine(path, LoadConfig(n_ctx=64, n_batch=64, n_ubatch=64)) as eng:
+    # flash attention off: the CPU's flash attention accumulates V in f16, which adds to the NMSE against torch's
+    # f32 (NMSE 2.8e-6 on the llama case with it on, over the 2e-6 bound); this test is of the drops
+    with Engine(path, LoadConfig(n_ctx=64, n_batch=64, n_ubatch=64, flash_attn="off")) as eng:
         eng.set_policies([FnPolicy(drop)])
         got = np.array(eng.eval_logits(ids.tolist()))
 

@@ -46,11 +46,18 @@ def format_info(info: ModelInfo) -> str:
     return "\n".join(lines)
 
 
+def _kv_types(plan: VramPlan) -> str:
+    """ ", K q8_0, V q8_0" where the KV cache is not llama.cpp's default f16."""
+    if plan.cache_type_k == plan.cache_type_v == "f16":
+        return ""
+    return f", K {plan.cache_type_k}, V {plan.cache_type_v}"
+
+
 def format_vram_plan(plan: VramPlan) -> str:
     reserve = f" + {format_size(plan.reserve_bytes)} compute reserve" if plan.reserve_bytes else ""
     head = (
         f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
-        f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}){reserve}"
+        f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}{_kv_types(plan)}){reserve}"
     )
     if not plan.dense_fits:
         return head + " -> does not fit; experts stay on the CPU"

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..analysis.routing_profile import routing_names
-from .options import gating_options
+from .options import AttentionOptions, attention_options, gating_options
 from .types import THREADS, GGUFPath, IntList, OutputPath
 
 
@@ -62,6 +62,7 @@ from .types import THREADS, GGUFPath, IntList, OutputPath
 @click.option("--gate-inputs", is_flag=True, help="also record the router inputs (hidden states, float16)")
 @click.option("--probs", is_flag=True, help="also record the full router probabilities")
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
+@attention_options
 def trace(
     model: Path,
     input_path: Path,
@@ -74,6 +75,7 @@ def trace(
     gate_inputs: bool,
     probs: bool,
     threads: int,
+    attention: AttentionOptions,
 ) -> None:
     """Record which experts every MoE layer picks for every token of a text."""
     from ..analysis.trace import record_trace
@@ -85,7 +87,7 @@ def trace(
         text = split_corpus(input_path).heldout_text()
     else:
         text = input_path.read_text(encoding="utf-8", errors="replace")
-    with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
+    with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=threads, **attention.load_kwargs())) as eng:
         if not eng.info.is_moe:
             raise click.ClickException(f"{model.name} is a dense model: there are no experts to trace")
         tokens = eng.tokenize(text)[:max_tokens]
@@ -336,6 +338,7 @@ def trace_synth(
     "never degraded; default 32 with --degrade, else 0); compare runs with the same P",
 )
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
+@attention_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def perplexity(
     model: Path,
@@ -348,6 +351,7 @@ def perplexity(
     expert_slots: int | None,
     prompt_tokens: int | None,
     threads: int,
+    attention: AttentionOptions,
     as_json: bool,
 ) -> None:
     """Held-out NLL and perplexity through edgemoe, and the expert activations computed.
@@ -379,6 +383,7 @@ def perplexity(
             expert_slots,
             32 if prompt_tokens is None else prompt_tokens,
             threads,
+            attention,
             as_json,
         )
         return
@@ -393,7 +398,10 @@ def perplexity(
         raise click.UsageError("--degrade needs --prompt-tokens >= 1 (the prompt DAOP swaps by)")
     gate = replace(gating_for(gating, model), decode_only=False)
     text = input_path.read_text(encoding="utf-8", errors="replace")
-    with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
+    load = LoadConfig(
+        n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads, **attention.load_kwargs()
+    )
+    with Engine(model, load) as eng:
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
         policy = build_gating(eng, gate)
         policies: list[Any] = [policy] if policy is not None else []
@@ -410,12 +418,16 @@ def perplexity(
             policies += [residency, deg]
         with progress_bar(len(tokens), "perplexity", unit="tok") as bar:
             res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar, score_from=skip)
+        flash_attn = eng.flash_attn  # what "auto" resolved to
     d = {
         "model": str(model),
         "input": str(input_path),
         "gating": gating.mode,
         "threshold": policy.threshold if policy is not None else None,
         "prompt_tokens": skip,
+        "flash_attn": flash_attn,
+        "cache_type_k": attention.cache_type_k,
+        "cache_type_v": attention.cache_type_v,
         **res.to_dict(),
     }
     if deg is not None:
@@ -444,6 +456,7 @@ def _precalc_perplexity(
     expert_slots: int,
     prompt_tokens: int,
     threads: int,
+    attention: AttentionOptions,
     as_json: bool,
 ) -> None:
     """perplexity --precalc-from: edgemoe.analysis.precalc_run over DAOP's placement (static, not swapped)."""
@@ -458,7 +471,10 @@ def _precalc_perplexity(
             "runs in one ubatch, the rest token by token)"
         )
     text = input_path.read_text(encoding="utf-8", errors="replace")
-    with Engine(model, LoadConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads)) as eng:
+    load = LoadConfig(
+        n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads, **attention.load_kwargs()
+    )
+    with Engine(model, load) as eng:
         check_precalc_from(eng.info, first_layer)
         enable_static_placement(eng, model, expert_slots, calibration)
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]

@@ -9,6 +9,7 @@ import click
 
 from ..placement import calibration_for, check_precalc_from
 from .cache_options import ALLOC_HELP
+from .options import AttentionOptions, attention_options
 from .types import THREADS, GGUFPath, OutputPath, Size
 
 
@@ -82,6 +83,7 @@ from .types import THREADS, GGUFPath, OutputPath, Size
     help="also run each policy with DAOP's pre-calculation from layer L ('... +precalc L' rows; generate "
     "--precalc-from), projected at the rates each row measures",
 )
+@attention_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def bench(
@@ -98,6 +100,7 @@ def bench(
     assign: str | None,
     device_prefill: int,
     precalc_from: int | None,
+    attention: AttentionOptions,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -127,6 +130,7 @@ def bench(
         assign=assign,
         device_prefill=device_prefill,
         precalc_from=precalc_from,
+        **attention.load_kwargs(),
     )
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from ..calibration.run import DEFAULT_CTX, DEFAULT_TOKENS
+from .options import AttentionOptions, attention_options
 from .types import THREADS, GGUFPath, OutputPath
 
 
@@ -160,6 +161,7 @@ def _ran(card: Mapping[str, Any], stages: tuple[str, ...]) -> list[str]:
 )
 @click.option("--kind", "kinds", multiple=True, help="evaluate only this predictor kind (repeatable)")
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
+@attention_options
 @click.option(
     "--json",
     "as_json",
@@ -176,6 +178,7 @@ def predict_eval(
     window: int,
     kinds: tuple[str, ...],
     threads: int,
+    attention: AttentionOptions,
     as_json: bool,
 ) -> None:
     """Score every expert predictor on a text: recall, top-(k+m) recall, exact set, high-workload recall."""
@@ -203,7 +206,7 @@ def predict_eval(
         else input_path.read_text("utf-8", errors="replace")
     )
     preds = cal.predictors(model, kinds=kinds or None)
-    with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=threads)) as eng:
+    with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=threads, **attention.load_kwargs())) as eng:
         n_tokens = len(eval_tokens(eng, text, ctx=n_ctx, max_tokens=max_tokens))
         with progress_bar(n_tokens, "trace", unit="tok") as bar:
             tr = record_eval_trace(eng, text, ctx=n_ctx, max_tokens=max_tokens, progress=bar)

@@ -15,7 +15,7 @@ import click
 from ..errors import EdgeMoeError
 from ..placement import CacheRequest
 from .cache_options import cache_options
-from .options import RunOptions, gating_options, run_options
+from .options import AttentionOptions, RunOptions, gating_options, kv_type_options, run_options
 from .types import GGUFPath, Size
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
@@ -35,6 +35,7 @@ def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None
         n_ctx=run.n_ctx,
         n_threads=run.threads,
         n_gpu_layers=run.gpu_layers,
+        **run.attention.load_kwargs(),
         calibration=gating.calibration if gating is not None else None,
         gating=gating,
         notify=_notify,
@@ -56,8 +57,9 @@ def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None
     default=0,
     help="context length for the KV-cache estimate (default: the model's, at most 4096)",
 )
+@kv_type_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
+def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptions, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
     from ..analysis.report import format_info, format_vram_plan, plan_to_dict
     from ..analysis.rules import describe_rules, routing_rules
@@ -66,7 +68,8 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
 
     info = read_model_info(model)
     n_ctx = planned_ctx(n_ctx, info.n_ctx_train)
-    plan = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE) if vram is not None else None
+    kv: dict[str, Any] = {"cache_type_k": attention.cache_type_k, "cache_type_v": attention.cache_type_v}
+    plan = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, **kv) if vram is not None else None
     rules = routing_rules(model) if info.is_moe else {}  # loads the model and decodes one token
     if as_json:
         d = info_to_dict(info)
@@ -85,16 +88,23 @@ def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
         click.echo(format_vram_plan(plan))
         click.echo(
             f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
-            f"`{plan_command(model, vram, n_ctx)}`"
+            f"`{plan_command(model, vram, n_ctx, attention)}`"
         )
 
 
-def plan_command(model: Path, vram: int, n_ctx: int) -> str:
+def plan_command(model: Path, vram: int, n_ctx: int, attention: AttentionOptions | None = None) -> str:
     """The `edgemoe plan` command line for what inspect showed, ready to paste: the model's path as given
-    (quoted for the shell), the budget in the largest binary unit that divides it, the context inspect used."""
+    (quoted for the shell), the budget in the largest binary unit that divides it, the context and the KV cache
+    types (where not f16) inspect used."""
     from ..gguf.info import size_arg
 
-    return f"edgemoe plan {shlex.quote(str(model))} --vram {size_arg(vram)} --ctx {n_ctx}"
+    kv = attention or AttentionOptions()
+    types = "".join(
+        f" --{flag} {kind}"
+        for flag, kind in (("cache-type-k", kv.cache_type_k), ("cache-type-v", kv.cache_type_v))
+        if kind != "f16"
+    )
+    return f"edgemoe plan {shlex.quote(str(model))} --vram {size_arg(vram)} --ctx {n_ctx}{types}"
 
 
 @click.command()

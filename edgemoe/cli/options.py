@@ -1,5 +1,6 @@
 """Options shared by several commands, each group given to the command as one object: adaptive top-k gating
-(--gating, --threshold, ...) and the run's sampling and load options (--temp, --threads, --ctx, ...)."""
+(--gating, --threshold, ...), attention (--flash-attn, --cache-type-k/-v) and the run's sampling and load
+options (--temp, --threads, --ctx, ...)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .types import THREADS, Finite
+
+if TYPE_CHECKING:
+    from ..gguf.kv_types import KvCacheType
+    from ..runtime.config import FlashAttn
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -80,15 +85,75 @@ def _gating(
 
 
 @dataclass(frozen=True)
+class AttentionOptions:
+    """LoadConfig's attention fields as the command line gave them."""
+
+    flash_attn: FlashAttn = "auto"
+    cache_type_k: KvCacheType = "f16"
+    cache_type_v: KvCacheType = "f16"
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """LoadConfig's keyword arguments (and open_engine's)."""
+        return {
+            "flash_attn": self.flash_attn,
+            "cache_type_k": self.cache_type_k,
+            "cache_type_v": self.cache_type_v,
+        }
+
+
+def _attention_opts(*, kv_only: bool = False) -> list[Decorator]:
+    from ..gguf.kv_types import KV_CACHE_TYPES
+
+    helps = {
+        "k": "the K cache's type (llama.cpp's -ctk): q8_0 takes 8.5/16 of f16's bytes, q4_0 4.5/16",
+        "v": "the V cache's type (llama.cpp's -ctv); a quantized one needs flash attention",
+    }
+    kv = [
+        click.option(
+            f"-ct{x}",
+            f"--cache-type-{x}",
+            type=click.Choice(KV_CACHE_TYPES),
+            default="f16",
+            show_default=True,
+            help=h,
+        )
+        for x, h in helps.items()
+    ]
+    if kv_only:
+        return kv
+    fa = click.option(
+        "-fa",
+        "--flash-attn",
+        type=click.Choice(["auto", "on", "off"]),
+        default="auto",
+        show_default=True,
+        help="flash attention (auto: on where the backend supports it, as llama.cpp's default)",
+    )
+    return [fa, *kv]
+
+
+def attention_options(f: Any) -> Any:
+    """--flash-attn, --cache-type-k and --cache-type-v, given to the command as `attention`: AttentionOptions."""
+    return option_group("attention", _attention_opts(), AttentionOptions)(f)
+
+
+def kv_type_options(f: Any) -> Any:
+    """--cache-type-k and --cache-type-v alone (for a plan's KV estimate), given as `attention`: AttentionOptions."""
+    return option_group("attention", _attention_opts(kv_only=True), AttentionOptions)(f)
+
+
+@dataclass(frozen=True)
 class RunOptions:
     sampling: Any  # edgemoe.runtime.sampling.SamplingParams
     threads: int  # CPU threads (0: physical cores)
     n_ctx: int  # context length (0: the model's, at most 4096)
     gpu_layers: int  # layers stock llama.cpp offloads whole to the GPU
+    attention: AttentionOptions = AttentionOptions()  # flash attention and the KV cache's types
 
 
 def run_options(f: Any) -> Any:
-    """Sampling (--temp, --top-k, ...) and load (--threads, --ctx, -ngl) options, given as `run`: RunOptions."""
+    """Sampling (--temp, --top-k, ...), load (--threads, --ctx, -ngl) and attention (--flash-attn,
+    --cache-type-k/-v) options, given as `run`: RunOptions."""
     opts = [
         click.option(
             "--temp",
@@ -128,6 +193,7 @@ def run_options(f: Any) -> Any:
             show_default=True,
             help="layers stock llama.cpp offloads whole to the GPU (CUDA builds)",
         ),
+        *_attention_opts(),
     ]
     return option_group("run", opts, _run)(f)
 
@@ -143,6 +209,9 @@ def _run(
     threads: int,
     n_ctx: int,
     gpu_layers: int,
+    flash_attn: FlashAttn,
+    cache_type_k: KvCacheType,
+    cache_type_v: KvCacheType,
 ) -> RunOptions:
     from ..runtime.sampling import DEFAULT_SEED, SamplingParams
 
@@ -154,4 +223,5 @@ def _run(
         repeat_penalty=repeat_penalty,
         seed=DEFAULT_SEED if seed is None else seed,
     )
-    return RunOptions(sampling, threads, n_ctx, gpu_layers)
+    attention = AttentionOptions(flash_attn, cache_type_k, cache_type_v)
+    return RunOptions(sampling, threads, n_ctx, gpu_layers, attention)

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from ..analysis.routing_profile import routing_names
+from .options import AttentionOptions, kv_type_options
 from .types import THREADS, Finite, GGUFPath, OutputPath, Size
 
 
@@ -301,6 +302,7 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
     default=None,
     help="calibration directory (default: the model's)",
 )
+@kv_type_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def plan(
     model: Path,
@@ -311,6 +313,7 @@ def plan(
     trace_path: Path | None,
     routing: str | None,
     calibration: Path | None,
+    attention: AttentionOptions,
     as_json: bool,
 ) -> None:
     """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
@@ -334,7 +337,13 @@ def plan(
         raise click.UsageError("give --trace or --routing, not both")
     if vram is None:
         assert expert_slots is not None
-        vram = budget_for_slots(read_model_info(model), expert_slots, n_ctx)
+        vram = budget_for_slots(
+            read_model_info(model),
+            expert_slots,
+            n_ctx,
+            cache_type_k=attention.cache_type_k,
+            cache_type_v=attention.cache_type_v,
+        )
     if profile_name is None and default_profile_path().exists():
         profile_name = str(default_profile_path())
     prof = load_profile(profile_name) if profile_name else None
@@ -347,5 +356,7 @@ def plan(
         calibration=cal if cal is not None and cal.exists() else None,
         profile=prof,
         routing=routing,
+        cache_type_k=attention.cache_type_k,
+        cache_type_v=attention.cache_type_v,
     )
     click.echo(json.dumps(result.to_dict(), indent=1) if as_json else format_plan(result))

@@ -171,8 +171,10 @@ def serve(
         worker.start()
         tools = "tools" if template is not None and template.supports_tools else "no tools"
         prompts = f"prompt cache {capacity >> 20} MiB" if store is not None else "no prompt cache"
+        kv = engine.config
+        attention = f"flash attention {engine.flash_attn}, KV cache K {kv.cache_type_k} V {kv.cache_type_v}"
         click.echo(
-            f"edgemoe serve: {config.model_id} (context {engine.n_ctx}, {tools}, {prompts}) on "
+            f"edgemoe serve: {config.model_id} (context {engine.n_ctx}, {attention}, {tools}, {prompts}) on "
             f"http://{host}:{bound}/v1" + (" (API key required)" if keys else ""),
             err=True,
         )

@@ -23,6 +23,7 @@ from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from ..errors import InvalidSizeError, ModelLoadError
 from .header import KNOWN_ARCHITECTURES, GgufArray, GgufHeader, TensorRecord, check_gguf
+from .kv_types import KvCacheType, kv_bytes
 
 __all__ = [
     "KNOWN_ARCHITECTURES",
@@ -125,6 +126,8 @@ class VramPlan:
     n_moe_layers: int
     n_expert: int
     predictor_bytes: int = 0  # expert predictors' weights in the graph (runtime.prediction.device_bytes)
+    cache_type_k: KvCacheType = "f16"  # the KV cache's types the estimate is of
+    cache_type_v: KvCacheType = "f16"
 
     @property
     def dense_fits(self) -> bool:
@@ -312,19 +315,23 @@ def info_to_dict(info: ModelInfo) -> dict[str, Any]:
 # --------------------------------------------------------------------------- VRAM planning
 
 
-def estimate_kv_cache_bytes(info: ModelInfo, n_ctx: int) -> int:
-    """KV cache of llama.cpp's default f16 cache for `n_ctx` tokens, all layers.
+def estimate_kv_cache_bytes(
+    info: ModelInfo, n_ctx: int, *, cache_type_k: KvCacheType = "f16", cache_type_v: KvCacheType = "f16"
+) -> int:
+    """KV cache of `n_ctx` tokens, all layers, with K and V cached as the given types (llama.cpp's default f16).
 
-    Standard attention: n_layer * n_ctx * n_head_kv * (head_k + head_v) * 2 bytes.
+    Standard attention: n_layer * n_ctx * (row of n_head_kv * head_k values as type K + the same of head_v as
+    type V); f16 is 2 bytes a value, q8_0 34 bytes per 32 (8.5/16 of f16), q4_0 18 per 32 (4.5/16).
     MLA (deepseek2 family, kv_lora_rank > 0): llama.cpp caches only the compressed
-    latent plus the rope part as K and no V: n_layer * n_ctx * (kv_lora_rank + n_rot) * 2.
+    latent plus the rope part as K and no V: n_layer * n_ctx * row of (kv_lora_rank + n_rot) as type K.
     Sliding-window layers (gpt-oss) cache fewer tokens, so this is an upper bound there.
     """
-    f16 = 2
     if info.kv_lora_rank > 0:
-        per_token_layer = (info.kv_lora_rank + info.n_rot) * f16
+        per_token_layer = kv_bytes(cache_type_k, info.kv_lora_rank + info.n_rot)
     else:
-        per_token_layer = info.n_head_kv * (info.n_embd_head_k + info.n_embd_head_v) * f16
+        per_token_layer = kv_bytes(cache_type_k, info.n_head_kv * info.n_embd_head_k) + kv_bytes(
+            cache_type_v, info.n_head_kv * info.n_embd_head_v
+        )
     return info.n_layer * n_ctx * per_token_layer
 
 
@@ -336,19 +343,28 @@ PLAN_UBATCH = 512  # the engine's default n_ubatch
 
 
 def context_reserve_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = PLAN_UBATCH) -> int:
-    """What llama.cpp's compute buffer grows by past RESERVE_CTX tokens of context: without flash attention
-    (edgemoe's default, as llama-cpp-python's) it holds one ubatch's F32 attention scores, n_ctx x n_ubatch x
-    n_head x 4 bytes. Measured on the CPU backend (the Qwen3-30B-A3B shape, 512-token ubatches): a compute buffer
+    """What llama.cpp's compute buffer grows by past RESERVE_CTX tokens of context: without flash attention it
+    holds one ubatch's F32 attention scores, n_ctx x n_ubatch x n_head x 4 bytes. With it (what edgemoe's default
+    "auto" resolves to on the CPU) the buffer does not grow: this reserve is then more than needed, kept for a
+    backend where "auto" resolves to off. Measured on the CPU backend (the Qwen3-30B-A3B shape, 512-token ubatches): a compute buffer
     of 305 MiB at 4096 tokens, 1086 MiB at 16384, 2142 MiB at 32768; 305 MiB at each with flash attention."""
     return max(0, n_ctx - RESERVE_CTX) * n_ubatch * info.n_head * 4
 
 
 def vram_plan(
-    info: ModelInfo, budget_bytes: int, n_ctx: int = 4096, *, reserve_bytes: int = 0, predictor_bytes: int = 0
+    info: ModelInfo,
+    budget_bytes: int,
+    n_ctx: int = 4096,
+    *,
+    reserve_bytes: int = 0,
+    predictor_bytes: int = 0,
+    cache_type_k: KvCacheType = "f16",
+    cache_type_v: KvCacheType = "f16",
 ) -> VramPlan:
     """Split a VRAM budget: dense weights + KV cache (+ expert predictors) first, then equal expert slots per
     MoE layer.
 
+    The KV cache is of `n_ctx` tokens cached as `cache_type_k` / `cache_type_v` (LoadConfig's).
     `reserve_bytes` is left free for compute buffers and the like (llama.cpp needs a
     few hundred MiB; the caller knows its batch size, this module does not); a nonzero reserve grows by
     context_reserve_bytes past RESERVE_CTX tokens of context (the plan's reserve_bytes includes it).
@@ -360,7 +376,7 @@ def vram_plan(
         )
     if reserve_bytes:
         reserve_bytes += context_reserve_bytes(info, n_ctx)
-    kv = estimate_kv_cache_bytes(info, n_ctx)
+    kv = estimate_kv_cache_bytes(info, n_ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     left = max(0, budget_bytes - info.dense_bytes - kv - reserve_bytes - predictor_bytes)
     slot = sum(info.bytes_per_expert_by_layer.values())  # one expert in each MoE layer
     slots = min(info.n_expert, left // slot) if slot else 0
@@ -376,6 +392,8 @@ def vram_plan(
         n_moe_layers=len(info.moe_layers),
         n_expert=info.n_expert if info.is_moe else 0,
         predictor_bytes=predictor_bytes,
+        cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v,
     )
 
 
@@ -392,22 +410,37 @@ def vram_reserve(info: ModelInfo, device_prefill: bool = False) -> int:
 
 
 def slots_beside_prefill_buffers(
-    info: ModelInfo, slots_per_layer: Mapping[int, int], budget_bytes: int, n_ctx: int
+    info: ModelInfo,
+    slots_per_layer: Mapping[int, int],
+    budget_bytes: int,
+    n_ctx: int,
+    *,
+    cache_type_k: KvCacheType = "f16",
+    cache_type_v: KvCacheType = "f16",
 ) -> dict[int, int]:
     """Slots per MoE layer once `--device-prefill`'s two buffers come out of the budget: the equal count the
     smaller budget leaves, an unequal (dp) allocation scaled by the same ratio."""
-    equal = vram_plan(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer
+    kv: dict[str, Any] = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
+    equal = vram_plan(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, **kv).experts_per_layer
     fewer = vram_plan(
-        info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, True)
+        info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, True), **kv
     ).experts_per_layer
     return {il: n * fewer // max(1, equal) for il, n in slots_per_layer.items()}
 
 
-def best_n_cpu_moe(info: ModelInfo, budget: int, n_ctx: int) -> int | None:
-    """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit; None: never fits."""
+def best_n_cpu_moe(
+    info: ModelInfo,
+    budget: int,
+    n_ctx: int,
+    *,
+    cache_type_k: KvCacheType = "f16",
+    cache_type_v: KvCacheType = "f16",
+) -> int | None:
+    """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit (beside a KV cache of
+    the given types); None: never fits."""
     fixed = (
         info.dense_bytes
-        + estimate_kv_cache_bytes(info, n_ctx)
+        + estimate_kv_cache_bytes(info, n_ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         + VRAM_RESERVE
         + context_reserve_bytes(info, n_ctx)
     )

@@ -28,8 +28,10 @@ from ..gguf.info import (
     slots_beside_prefill_buffers,
     vram_plan,
 )
+from ..gguf.kv_types import KvCacheType
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, calibrated_config
+from ..runtime.config import FlashAttn
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.sampling import GREEDY
 
@@ -56,6 +58,9 @@ class BenchSpec:
     device_prefill: int = 0
     # also run each policy with DAOP's pre-calculation from this layer ("... +precalc L" rows); None: not
     precalc_from: int | None = None
+    flash_attn: FlashAttn = "auto"  # every row's (LoadConfig's)
+    cache_type_k: KvCacheType = "f16"  # every row's KV cache types; the plan reserves that cache
+    cache_type_v: KvCacheType = "f16"
 
 
 @dataclass
@@ -156,13 +161,21 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
     dev = native.gpu_device()
     on_gpu = dev is not None
     base = LoadConfig(
-        n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=spec.threads, n_gpu_layers=999 if on_gpu else 0
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=spec.threads,
+        n_gpu_layers=999 if on_gpu else 0,
+        flash_attn=spec.flash_attn,
+        cache_type_k=spec.cache_type_k,
+        cache_type_v=spec.cache_type_v,
     )
+    kv: dict[str, Any] = {"cache_type_k": spec.cache_type_k, "cache_type_v": spec.cache_type_v}
     moe = tuple(info.moe_layers)
     cpu_moe = moe if on_gpu else None  # without a GPU everything is in CPU memory (and stock keeps repacking)
-    vplan = vram_plan(info, spec.vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
+    vplan = vram_plan(info, spec.vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, **kv)
     slots = vplan.experts_per_layer
-    n_cpu = best_n_cpu_moe(info, spec.vram, n_ctx)
+    n_cpu = best_n_cpu_moe(info, spec.vram, n_ctx, **kv)
     res = BenchResult(
         model=path.name,
         device=native.device_name(dev) if on_gpu else "CPU (no GPU in this build)",
@@ -242,7 +255,11 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
             )
         if spec.device_prefill:
             pf_slots = slots_beside_prefill_buffers(
-                info, {il: slots for il in moe} if plan.alloc == "equal" else plan.slots, spec.vram, n_ctx
+                info,
+                {il: slots for il in moe} if plan.alloc == "equal" else plan.slots,
+                spec.vram,
+                n_ctx,
+                **kv,
             )
             pf_cfg = replace(cfg, slots_per_layer=pf_slots, prefill_min_tokens=spec.device_prefill)
 

@@ -25,6 +25,7 @@ from ..analysis.trace import Trace
 from ..calibration.slot_plan import RoutingTrace, plan_allocation
 from ..errors import EdgeMoeError
 from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, size_arg, vram_plan
+from ..gguf.kv_types import KvCacheType
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 
@@ -57,9 +58,18 @@ class Plan:
         return asdict(self)
 
 
-def budget_for_slots(info: ModelInfo, slots: int, n_ctx: int) -> int:
-    """The --vram that leaves `slots` expert slots in every MoE layer."""
-    vp = vram_plan(info, 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
+def budget_for_slots(
+    info: ModelInfo,
+    slots: int,
+    n_ctx: int,
+    *,
+    cache_type_k: KvCacheType = "f16",
+    cache_type_v: KvCacheType = "f16",
+) -> int:
+    """The --vram that leaves `slots` expert slots in every MoE layer (beside a KV cache of the given types)."""
+    vp = vram_plan(
+        info, 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, cache_type_k=cache_type_k, cache_type_v=cache_type_v
+    )
     return info.dense_bytes + vp.kv_cache_bytes + vp.reserve_bytes + slots * vp.slot_bytes
 
 
@@ -87,11 +97,15 @@ def make_plan(
     profile: MachineProfile | None = None,
     policies: tuple[str, ...] = ("lru", "static", "dali", "daop"),
     routing: str | None = None,
+    cache_type_k: KvCacheType = "f16",
+    cache_type_v: KvCacheType = "f16",
 ) -> Plan:
-    """The plan of `model` at `vram` bytes; `routing`: a bundled routing profile to project with instead of the
-    calibration's trace (the module docstring says which routing is used when)."""
+    """The plan of `model` at `vram` bytes with a KV cache of `n_ctx` tokens of the given types; `routing`: a
+    bundled routing profile to project with instead of the calibration's trace (the module docstring says which
+    routing is used when)."""
     info = read_model_info(model)
-    vp = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
+    kv: dict[str, Any] = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
+    vp = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, **kv)
     moe = list(info.moe_layers)
     plan = Plan(
         model=Path(model).name,
@@ -105,7 +119,7 @@ def make_plan(
         },
         slot_bytes=vp.slot_bytes,
         slots_per_layer={"equal": [vp.experts_per_layer] * len(moe), "dp": None},
-        n_cpu_moe=best_n_cpu_moe(info, vram, n_ctx),
+        n_cpu_moe=best_n_cpu_moe(info, vram, n_ctx, **kv),
         profile=profile.name if profile else "",
     )
     if not vp.dense_fits:

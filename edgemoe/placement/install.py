@@ -47,23 +47,42 @@ def check_precalc_from(info: ModelInfo, first_layer: int) -> None:
         )
 
 
-def slots_for(info: ModelInfo, req: CacheRequest, n_ctx: int) -> int:
-    """Expert slots per MoE layer: the request's, or what its budget leaves after dense weights and KV cache."""
+def slots_for(info: ModelInfo, req: CacheRequest, n_ctx: int, config: LoadConfig | None = None) -> int:
+    """Expert slots per MoE layer: the request's, or what its budget leaves after dense weights and the KV cache
+    (of `config`'s KV types; None: f16)."""
     if req.expert_slots is not None:
         return req.expert_slots
     return vram_plan(
-        info, req.vram or 0, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, bool(req.device_prefill))
+        info,
+        req.vram or 0,
+        n_ctx=n_ctx,
+        reserve_bytes=vram_reserve(info, bool(req.device_prefill)),
+        **kv_types(config),
     ).experts_per_layer
 
 
-def whole_model_fits(info: ModelInfo, req: CacheRequest, n_ctx: int) -> bool:
-    """The budget holds the whole model: its dense part, the KV cache of n_ctx tokens (0: the engine's default) and
-    every expert of every MoE layer. It then runs on the GPU as stock llama.cpp's -ngl 999 does, without an expert
-    cache, whose slots would hold every expert and only add graph nodes (docs/research/performance-model.md: 0.85-1.0x)."""
+def kv_types(config: LoadConfig | None) -> dict[str, Any]:
+    """vram_plan's KV type arguments of a load config (None: llama.cpp's default f16)."""
+    if config is None:
+        return {}
+    return {"cache_type_k": config.cache_type_k, "cache_type_v": config.cache_type_v}
+
+
+def whole_model_fits(
+    info: ModelInfo, req: CacheRequest, n_ctx: int, config: LoadConfig | None = None
+) -> bool:
+    """The budget holds the whole model: its dense part, the KV cache of n_ctx tokens (0: the engine's default; of
+    `config`'s KV types) and every expert of every MoE layer. It then runs on the GPU as stock llama.cpp's -ngl 999
+    does, without an expert cache, whose slots would hold every expert and only add graph nodes
+    (docs/research/performance-model.md: 0.85-1.0x)."""
     if req.vram is None or not info.is_moe:
         return False
     return vram_plan(
-        info, req.vram, n_ctx=planned_ctx(n_ctx, info.n_ctx_train), reserve_bytes=VRAM_RESERVE
+        info,
+        req.vram,
+        n_ctx=planned_ctx(n_ctx, info.n_ctx_train),
+        reserve_bytes=VRAM_RESERVE,
+        **kv_types(config),
     ).all_experts_fit
 
 
@@ -73,7 +92,7 @@ def load_config(base: LoadConfig, req: CacheRequest | None, info: ModelInfo) -> 
     header the engine is given)."""
     if req is None or not req.enabled or native.gpu_device() is None:
         return base
-    if whole_model_fits(info, req, base.n_ctx):
+    if whole_model_fits(info, req, base.n_ctx, base):
         return replace(base, n_gpu_layers=999)
     return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))
 
@@ -172,7 +191,7 @@ def install_cache(
     """Give an open engine the expert cache the request asks for (nothing where the budget holds the model)."""
     if not req.enabled or not engine.info.is_moe:
         return
-    if whole_model_fits(engine.info, req, engine.config.n_ctx):
+    if whole_model_fits(engine.info, req, engine.config.n_ctx, engine.config):
         where = (
             "on the GPU"
             if native.gpu_device() is not None
@@ -186,7 +205,7 @@ def install_cache(
         return
     if req.precalc_from is not None:
         check_precalc_from(engine.info, req.precalc_from)
-    slots = slots_for(engine.info, req, engine.n_ctx)
+    slots = slots_for(engine.info, req, engine.n_ctx, engine.config)
     checked_slots(slots, list(engine.info.moe_layers), engine.info.n_expert)  # slots in range
     calibration = calibration_for(
         model,
@@ -203,6 +222,7 @@ def install_cache(
             req.vram,
             n_ctx=engine.n_ctx,
             reserve_bytes=vram_reserve(engine.info, bool(req.device_prefill)),
+            **kv_types(engine.config),
         ).expert_budget_bytes
     plan = plan_allocation(
         engine.info,

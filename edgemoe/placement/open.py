@@ -8,6 +8,8 @@ from typing import Any
 
 from ..gguf.header import check_gguf
 from ..gguf.info import model_info, parse_size
+from ..gguf.kv_types import KvCacheType
+from ..runtime.config import FlashAttn
 from ..runtime.engine import Engine, LoadConfig
 from .install import Notify, install_cache, install_gating, load_config
 from .request import CacheRequest, cache_request
@@ -25,13 +27,18 @@ def open_engine(
     n_ctx: int = 0,
     n_threads: int = 0,
     n_gpu_layers: int = 0,
+    flash_attn: FlashAttn = "auto",
+    cache_type_k: KvCacheType = "f16",
+    cache_type_v: KvCacheType = "f16",
     calibration: Path | None = None,
     gating: Any = None,
     notify: Notify = log.info,
 ) -> Engine:
     """An Engine of `model` with an expert cache of `vram` bytes (or a size such as "8GiB") or `expert_slots` per
     MoE layer, run by `policy` (None: the default for the other options); `cache` gives every option of the cache
-    instead. With neither budget nor slots it loads as stock llama.cpp does. `gating`
+    instead. With neither budget nor slots it loads as stock llama.cpp does. `flash_attn` ("auto": on where the
+    backend supports it) and the KV cache's types (LoadConfig's) go to the engine, and a budget's plan reserves
+    the KV cache of those types. `gating`
     (edgemoe.calibration.adaptive.GatingOptions) turns on adaptive top-k. Notes for the user go to `notify`.
 
         with edgemoe.open_engine("model.gguf", vram="8GiB") as engine:
@@ -44,7 +51,14 @@ def open_engine(
     elif vram is not None or expert_slots is not None or policy is not None:
         raise TypeError("give the cache's options in `cache` or as vram/expert_slots/policy, not both")
     header = check_gguf(path)  # once: the load config and the engine (and its expert cache) share it
-    base = LoadConfig(n_threads=n_threads, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
+    base = LoadConfig(
+        n_threads=n_threads,
+        n_ctx=n_ctx,
+        n_gpu_layers=n_gpu_layers,
+        flash_attn=flash_attn,
+        cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v,
+    )
     engine = Engine(path, load_config(base, cache, model_info(header)), header=header)
     if n_ctx and engine.n_ctx != n_ctx:
         notify(

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from ..errors import InvalidConfigError
+from ..gguf.kv_types import KV_CACHE_TYPES, KvCacheType, block_size, is_quantized
+
+# llama.cpp's flash attention setting: "auto" (its default) turns it on where the backend has the kernel for
+# every layer's device; Engine.flash_attn says what it resolved to
+FlashAttn = Literal["auto", "on", "off"]
+FLASH_ATTN: tuple[FlashAttn, ...] = get_args(FlashAttn)
 
 # ggml's GGML_MAX_N_THREADS: the threadpool has this many slots and aborts above it. Any count up
 # to it works (more threads than cores only oversubscribe them), so this is the bound, not a
@@ -35,7 +42,12 @@ class LoadConfig:
     n_threads: int = 0  # 0 = default_threads()
     n_gpu_layers: int = 0  # layers offloaded by stock llama.cpp (experts handled by later patches)
     use_mmap: bool = True
-    flash_attn: bool = False  # off, as llama-cpp-python's default (llama.cpp's own default is "auto")
+    # "auto": on where the backend supports it (llama.cpp's default); True/False of older configs read as on/off
+    flash_attn: FlashAttn = "auto"
+    cache_type_k: KvCacheType = "f16"  # the K cache's type (llama.cpp's -ctk)
+    cache_type_v: KvCacheType = (
+        "f16"  # the V cache's; a quantized one needs flash attention (llama.cpp's -ctv)
+    )
     expert_used_count: int | None = None  # override the model's top-k (stock llama.cpp's --override-kv)
     # CPU weight repacking (llama.cpp's default); equality tests of the expert cache load both sides
     # with False, so that the CPU and the stand-in cache run the same kernels
@@ -44,6 +56,49 @@ class LoadConfig:
     # (llama.cpp's -ot exps=CPU for all of them, --n-cpu-moe N for the first N); None: llama.cpp decides
     cpu_expert_layers: tuple[int, ...] | None = None
     op_offload: bool = True  # llama.cpp moves big-batch ops on host weights to a GPU (its default)
+
+    def __post_init__(self) -> None:
+        fa: object = self.flash_attn
+        if isinstance(fa, bool):  # the bool of edgemoe <= 0.x configs
+            object.__setattr__(self, "flash_attn", "on" if fa else "off")
+        elif fa not in FLASH_ATTN:
+            raise InvalidConfigError(f"flash_attn {fa!r}: use one of {', '.join(FLASH_ATTN)}")
+        for name in ("cache_type_k", "cache_type_v"):
+            if getattr(self, name) not in KV_CACHE_TYPES:
+                raise InvalidConfigError(
+                    f"{name} {getattr(self, name)!r}: use one of {', '.join(KV_CACHE_TYPES)}"
+                )
+        if is_quantized(self.cache_type_v) and self.flash_attn == "off":
+            raise InvalidConfigError(
+                f"cache_type_v {self.cache_type_v} needs flash attention (llama.cpp reads a quantized V cache "
+                'only in it): set flash_attn to "on" or "auto", or cache_type_v to f16'
+            )
+
+    @property
+    def flash_attn_forced(self) -> bool:
+        """Flash attention runs whatever the backend supports: asked for, or "auto" with a quantized V cache
+        (llama.cpp turns it on then rather than refuse)."""
+        return self.flash_attn == "on" or (self.flash_attn == "auto" and is_quantized(self.cache_type_v))
+
+    def validate_kv_shape(self, *, n_embd_head_k: int, n_embd_head_v: int, mla: bool) -> None:
+        """Refuse KV cache types llama.cpp refuses for a model of these head sizes (MLA: the deepseek2 family)."""
+        if mla and self.cache_type_k != self.cache_type_v:
+            raise InvalidConfigError(
+                f"cache_type_k {self.cache_type_k} and cache_type_v {self.cache_type_v}: this model (MLA) "
+                "caches K and V as one type; give both the same"
+            )
+        if self.flash_attn == "off":
+            return  # llama.cpp checks the block sizes only for flash attention's reads
+        checks: tuple[tuple[str, KvCacheType, int], ...] = (
+            ("cache_type_k", self.cache_type_k, n_embd_head_k),
+            ("cache_type_v", self.cache_type_v, n_embd_head_v),
+        )
+        for name, kind, head in checks:
+            if head % block_size(kind):
+                raise InvalidConfigError(
+                    f"{name} {kind}: its blocks of {block_size(kind)} values do not divide this model's "
+                    f"head size {head}; use f16 or bf16"
+                )
 
     def validate(self, *, n_expert: int, n_expert_used: int) -> None:
         """Refuse values llama.cpp would abort on, with a message that says what to pass instead.

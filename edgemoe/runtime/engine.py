@@ -20,8 +20,9 @@ import re
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -36,12 +37,13 @@ from ..errors import (
 )
 from ..gguf.header import GgufHeader
 from ..gguf.info import ModelInfo, check_gguf, model_info
+from ..gguf.kv_types import ggml_type
 from ..gguf.validate import validate_hparams
 from ..policies.gating import GatingPolicy
 from ..policies.route import RoutePolicy
 from . import native
 from .chat import ChatMessage, ChatMixin, ChatSession
-from .config import LoadConfig, default_threads
+from .config import FlashAttn, LoadConfig, default_threads
 from .expert_cache import CacheController
 from .generation import Generation, GenerationMixin, Timings
 from .hooks import HookChain
@@ -69,6 +71,53 @@ def graph_nodes_logged(lines: list[str]) -> tuple[int, int] | None:
     return None
 
 
+_KV_LINE = re.compile(
+    r"llama_kv_cache: size = +([\d.]+) MiB .*K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB"
+)
+_FLASH_ATTN_PROBE = re.compile(r"Flash Attention (enabled|not supported)")
+_FLASH_ATTN_TYPE: dict[FlashAttn, int] = {
+    "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
+
+@dataclass(frozen=True)
+class KvCacheInfo:
+    """A context's KV cache as llama.cpp logged it when it made it (its caches together: two with sliding windows)."""
+
+    type_k: str  # ggml's name of the K cache's type, e.g. "q8_0"
+    type_v: str
+    k_mib: float  # the K cache's size (MiB, to 2 decimals as logged)
+    v_mib: float
+
+
+def kv_cache_logged(lines: list[str]) -> KvCacheInfo | None:
+    """The KV cache a new context reported in llama.cpp's log (None: no cache was logged)."""
+    found = [m for line in lines if (m := _KV_LINE.search(line))]
+    if not found:
+        return None
+    return KvCacheInfo(
+        type_k=found[0].group(2),
+        type_v=found[0].group(4),
+        k_mib=sum(float(m.group(3)) for m in found),
+        v_mib=sum(float(m.group(5)) for m in found),
+    )
+
+
+def flash_attn_resolved(config: LoadConfig, lines: list[str]) -> Literal["on", "off", "unknown"]:
+    """Whether a new context runs flash attention: as asked, or with "auto" as llama.cpp resolved it (on with a
+    quantized V cache; else on where the backend of every layer's device has the kernel, as its log says)."""
+    if config.flash_attn == "off":
+        return "off"
+    if config.flash_attn_forced:
+        return "on"
+    for line in reversed(lines):
+        if m := _FLASH_ATTN_PROBE.search(line):
+            return "on" if m.group(1) == "enabled" else "off"
+    return "unknown"
+
+
 class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMixin):
     """A loaded model with one context. Use as a context manager or call close()."""
 
@@ -94,6 +143,11 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         native.route_logs_to_python()
         self.info: ModelInfo = model_info(header)
         self.config.validate(n_expert=self.info.n_expert, n_expert_used=self.info.n_expert_used)
+        self.config.validate_kv_shape(
+            n_embd_head_k=self.info.n_embd_head_k,
+            n_embd_head_v=self.info.n_embd_head_v,
+            mla=self.info.kv_lora_rank > 0,
+        )
         # values llama.cpp would abort on, with the expert_used_count override in place of the file's
         validate_hparams(header, expert_used_count=self.config.expert_used_count)
         lib.llama_backend_init()
@@ -132,14 +186,13 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         cparams.n_ubatch = min(self.config.n_ubatch, cparams.n_batch)
         cparams.n_threads = self.n_threads
         cparams.n_threads_batch = self.n_threads
-        cparams.flash_attn_type = (
-            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if self.config.flash_attn
-            else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
+        cparams.flash_attn_type = _FLASH_ATTN_TYPE[self.config.flash_attn]
+        cparams.type_k = ggml_type(self.config.cache_type_k)
+        cparams.type_v = ggml_type(self.config.cache_type_v)
         cparams.op_offload = self.config.op_offload
         mark = native.log_mark()
-        self._ctx_p = lib.llama_init_from_model(self._model_p, cparams)
+        with native.captured_log() as logged:
+            self._ctx_p = lib.llama_init_from_model(self._model_p, cparams)
         if not self._ctx_p:
             lib.llama_model_free(self._model_p)
             self._model_p = None
@@ -151,7 +204,10 @@ class Engine(RoutingMixin, PredictionMixin, GenerationMixin, ChatMixin, StateMix
         if os.environ.get("EDGEMOE_CHECK_IDS", "") not in ("", "0"):
             native.moe_set_ids_check(self._ctx, True)  # doctor, the GPU check: every device id row checked
         self.n_batch = cparams.n_batch
-        self.graph_nodes = graph_nodes_logged(native.recent_log().splitlines())
+        self.graph_nodes = graph_nodes_logged(logged)
+        # what "auto" resolved to ("unknown" only where llama.cpp's log did not say)
+        self.flash_attn = flash_attn_resolved(self.config, logged)
+        self.kv_cache: KvCacheInfo | None = kv_cache_logged(logged)  # None: the model has no KV cache
         self._kv: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last: Generation | None = None  # the result of the last generate()/stream()
         self._hooks: HookChain | None = None

@@ -105,6 +105,7 @@ from .loader import (  # noqa: F401
     GgmlBufferType,
     GgmlDevice,
     LlamaContext,
+    captured_log,
     cxx_runtime_guard,
     lib,
     log_mark,

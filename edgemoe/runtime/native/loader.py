@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NewType, NoReturn
@@ -190,6 +192,7 @@ _level = [logging.INFO]
 _recent: deque[str] = deque(maxlen=40)  # last complete llama.cpp log lines
 _errors: deque[tuple[int, str]] = deque(maxlen=20)  # (line number, line) of the last ERROR lines
 _n_lines = [0]  # complete lines logged so far
+_captures: list[list[str]] = []  # the lists of open captured_log() blocks
 
 
 @lib.llama_log_callback
@@ -201,6 +204,8 @@ def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None: 
         line = "".join(_partial).rstrip()
         _partial.clear()
         _recent.append(line)
+        for lines in _captures:
+            lines.append(line)
         _n_lines[0] += 1
         if _level[0] >= logging.ERROR:
             _errors.append((_n_lines[0], line))
@@ -253,6 +258,18 @@ def route_logs_to_python() -> None:
 def recent_log() -> str:
     """The last llama.cpp log lines (for error messages when a load fails)."""
     return "\n".join(_recent)
+
+
+@contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """Every llama.cpp log line logged inside the block, in a list the block can read after the call that logs
+    them (a context's creation logs hundreds of lines: its KV cache, what flash attention resolved to)."""
+    lines: list[str] = []
+    _captures.append(lines)
+    try:
+        yield lines
+    finally:
+        _captures.remove(lines)
 
 
 def log_mark() -> int:
