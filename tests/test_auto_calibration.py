@@ -115,8 +115,8 @@ def test_gating_that_needs_sensitivity_asks_the_same_way(model: Path, tmp_path: 
     explicit = tmp_path / "mine"
     shutil.copytree(_cache_dir(model), explicit)
     opts = GatingOptions(mode="fisher", threshold=0.3, calibration=explicit)
-    with pytest.raises(CalibrationError, match=r"--gating fisher needs the sensitivity calibration"):
-        _need_calibration(opts, "--gating fisher", model)
+    with pytest.raises(CalibrationError, match=r"`gating='fisher'` needs the sensitivity calibration"):
+        _need_calibration(opts, "`gating='fisher'`", model)
 
 
 def test_cli_asks_for_the_stages_its_options_need(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

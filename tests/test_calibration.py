@@ -149,7 +149,7 @@ def test_a_failing_stage_leaves_nothing_and_keeps_the_old_directory(tmp_path: Pa
             run_calibration(_cfg(stages=("boom",)), work / "out")
         assert list(work.iterdir()) == []
         old = _write_cal(work / "out", {"format": 1, "old": True})
-        with pytest.raises(CalibrationError, match="--force"):
+        with pytest.raises(CalibrationError, match=r"`force=True`"):
             run_calibration(_cfg(stages=("boom",)), old)
         with pytest.raises(RuntimeError):
             run_calibration(_cfg(stages=("boom",)), old, force=True)
@@ -170,7 +170,7 @@ def test_update_reruns_only_the_given_stages(tmp_path: Path) -> None:
         assert calls == ["one", "two", "two"] and cal.card["two"] == {"v": 3} and cal.card["one"] == {"v": 1}
         assert (out / "kept.npz").is_file() and cal.card["stages"] == ["one", "two"]
         assert cal.card["updates"][0]["stages"] == ["two"]
-        with pytest.raises(CalibrationError, match="--tokens"):
+        with pytest.raises(CalibrationError, match="`tokens`"):
             run_calibration(_cfg(stages=("two",), tokens=99), out, update=True)
     finally:
         unregister_stage("one")

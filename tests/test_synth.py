@@ -149,7 +149,7 @@ def test_unknown_names_fail_loudly() -> None:
         plan_tensors("qwen9")
     with pytest.raises(ValueError, match="unsupported --type 'Q3_K'"):
         plan_tensors("tiny-qwen3moe", qtype="Q3_K")
-    with pytest.raises(ValueError, match="--layers 3 is out of range"):
+    with pytest.raises(ValueError, match="`layers=3` is out of range"):
         plan_tensors("tiny-qwen3moe", layers=3)
 
 

@@ -62,7 +62,7 @@ def backend_ops_binary() -> Path:
     if not os.access(exe, os.X_OK):
         raise OpTestError(
             f"no test-backend-ops at {exe}: the native library was installed before it came with edgemoe; "
-            "run `make install` (tools/build_llama.py --force builds it)"
+            "run `make install` (`.venv/bin/python tools/build_llama.py --force` builds it)"
         )
     return exe
 

@@ -59,7 +59,7 @@ class RoutingProfile:
         if not 1 <= kk <= e:
             raise EdgeMoeError(
                 f"top-{kk} of {e} experts is not a routing shape: give a top-k of 1..{e} "
-                "(trace-synth --top-k) or more experts (--experts)"
+                "(`top_k`) or more experts (`experts`)"
             )
         if n_seq < 1 or prefill + decode < 1:
             raise EdgeMoeError("a synthetic trace needs at least one sequence of at least one token")

@@ -37,7 +37,7 @@ class GatingOptions:
     @property
     def rule(self) -> GatingRule:
         if self.mode not in MODES:
-            raise EdgeMoeError(f"unknown --gating {self.mode!r}: use one of {', '.join(MODES)}")
+            raise EdgeMoeError(f"unknown `gating={self.mode!r}`: use one of {', '.join(MODES)}")
         return {"off": GatingRule.OFF, "score": GatingRule.SCORE, "ser": GatingRule.SER}.get(
             self.mode, GatingRule.SENSITIVITY
         )
@@ -62,7 +62,7 @@ def _need_calibration(opts: GatingOptions, what: str, model: Path | None) -> Pat
         if opts.calibration is None or not opts.calibration.is_dir():
             raise EdgeMoeError(
                 f"{what} needs calibration data: run `edgemoe calibrate MODEL --corpus FILE` "
-                "and pass --calibration DIR"
+                "and pass its directory as `calibration`"
             )
         return opts.calibration
     return ensure_calibration(model, STAGES_FOR["sensitivity"], what, given=opts.calibration)
@@ -74,11 +74,11 @@ def build_gating(engine: object, opts: GatingOptions, *, ctx: int = 256) -> Gati
     if rule is GatingRule.OFF:
         return None
     if (opts.threshold is None) == (opts.target_reduction is None):
-        raise EdgeMoeError(f"--gating {opts.mode} needs exactly one of --threshold T or --target-reduction R")
+        raise EdgeMoeError(f"`gating={opts.mode!r}` needs exactly one of `threshold` or `target_reduction`")
     sens = None
     if rule is GatingRule.SENSITIVITY:
         model = getattr(engine, "path", None)
-        sens = Sensitivity.load(_need_calibration(opts, f"--gating {opts.mode}", model)).of(opts.mode)
+        sens = Sensitivity.load(_need_calibration(opts, f"`gating={opts.mode!r}`", model)).of(opts.mode)
     threshold = opts.threshold
     if threshold is None:
         threshold = _threshold_for_target(engine, opts, rule, sens, ctx)
@@ -104,7 +104,7 @@ def _threshold_for_target(
 ) -> float:
     from ..analysis.perplexity import perplexity
 
-    directory = _need_calibration(opts, "--target-reduction", getattr(engine, "path", None))
+    directory = _need_calibration(opts, "`target_reduction`", getattr(engine, "path", None))
     cache_path = thresholds_cache_path(directory)
     # thresholds shipped with the calibration (the bundled fixtures' thresholds.json), then the user's
     cache = {**_read_thresholds(directory / THRESHOLDS), **_read_thresholds(cache_path)}
@@ -119,7 +119,7 @@ def _threshold_for_target(
         raise EdgeMoeError(
             f"{vpath} holds {len(tokens)} tokens, too few to find a threshold for a "
             f"{opts.target_reduction:.0%} reduction (at least {MIN_VALIDATION_TOKENS}): run "
-            "`edgemoe calibrate` with a longer corpus, or give --threshold T"
+            "`edgemoe calibrate` with a longer corpus, or give a `threshold`"
         )
 
     def reduction_at(t: float) -> float:

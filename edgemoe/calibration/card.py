@@ -223,5 +223,5 @@ def find_calibration(
         return Calibration.load(cached, "cache")
     raise CalibrationError(
         f"no calibration data for {Path(model).name} (looked in {bundled} and {cached}): run "
-        f"`edgemoe calibrate {model} --corpus FILE` or pass --calibration DIR"
+        f"`edgemoe calibrate {model} --corpus FILE` or pass its directory as `calibration`"
     )

@@ -37,7 +37,7 @@ def split_rows(trace: Trace, seed: int, val_fraction: float = VAL_FRACTION) -> t
     if len(seqs) < 2:
         raise PredictorError(
             f"the calibration trace has {len(seqs)} sequence(s); a train/validation split needs "
-            "at least 2: raise --tokens or lower --ctx"
+            "at least 2: raise the calibration's `tokens` or lower its `ctx`"
         )
     rng = np.random.default_rng(seed)
     n_val = max(1, round(len(seqs) * val_fraction))

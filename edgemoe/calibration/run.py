@@ -70,7 +70,7 @@ def _building(out: Path, force: bool, *, keep: bool = False) -> Iterator[Path]:
     error it is removed."""
     if out.exists() and not (force or keep):
         raise CalibrationError(
-            f"{out} exists: pass --force to replace it (it is replaced only once the new "
+            f"{out} exists: pass `force=True` to replace it (it is replaced only once the new "
             "calibration is complete)"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -143,14 +143,14 @@ def _updated_card(out_dir: Path, fresh: dict[str, Any], stages: Sequence[Stage])
             [c.get("sha256") for c in card.get("corpus", [])],
             [c["sha256"] for c in fresh["corpus"]],
         ),
-        "--tokens": (card.get("tokens"), fresh["tokens"]),
-        "--ctx": (card.get("ctx"), fresh["ctx"]),
-        "--seed": (card.get("seed"), fresh["seed"]),
+        "`tokens`": (card.get("tokens"), fresh["tokens"]),
+        "`ctx`": (card.get("ctx"), fresh["ctx"]),
+        "`seed`": (card.get("seed"), fresh["seed"]),
     }
     diff = [k for k, (a, b) in same.items() if a != b]
     if diff:
         raise CalibrationError(
-            f"--update must run with what made {out_dir}; these differ: {', '.join(diff)} "
+            f"`update=True` must run with what made {out_dir}; these differ: {', '.join(diff)} "
             f"(see {out_dir / CARD}: tokens {card.get('tokens')}, ctx {card.get('ctx')}, "
             f"seed {card.get('seed')}, corpora {[c.get('name') for c in card.get('corpus', [])]})"
         )
@@ -183,7 +183,7 @@ def run_calibration(
     """
     model = Path(cfg.model)
     if not cfg.corpora:
-        raise CalibrationError("no corpus: give at least one --corpus FILE (its train split is used)")
+        raise CalibrationError("no corpus: give at least one file in `corpora` (its train split is used)")
     out_dir = Path(out) if out is not None else default_out_dir(model)
     stages = select_stages(cfg.stages)
     texts = tuple(CorpusText.train_split(p) for p in cfg.corpora)
@@ -201,7 +201,7 @@ def run_calibration(
     }
     if update:
         if cfg.stages is None:
-            raise CalibrationError("--update needs the stages to run (--stage NAME)")
+            raise CalibrationError("`update=True` needs the stages to run (`stages`)")
         stages = [s for s in stages if s.name in cfg.stages or s.name == "traces"]  # traces: in memory only
         card = _updated_card(out_dir, card, stages)
     artifacts: dict[str, Any] = {}

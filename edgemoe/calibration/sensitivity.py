@@ -47,7 +47,7 @@ class Sensitivity:
         if values is None:
             raise EdgeMoeError(
                 "this calibration has no Fisher sensitivity (the torch reference does not implement "
-                "the architecture); use --gating empirical"
+                "the architecture); use `gating='empirical'`"
             )
         return values
 

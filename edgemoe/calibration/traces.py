@@ -113,8 +113,8 @@ def traces_stage(ctx: StageContext) -> dict[str, Any]:
         flat, ranges = select_chunks(eng, ctx.texts, ctx.tokens, ctx.ctx)
         if len(flat) < 2 * ctx.ctx:
             raise CalibrationError(
-                f"the corpora give {len(flat)} tokens, fewer than 2 chunks of --ctx {ctx.ctx}: "
-                "give more text or lower --ctx"
+                f"the corpora give {len(flat)} tokens, fewer than 2 chunks of `ctx={ctx.ctx}`: "
+                "give more text or a lower `ctx`"
             )
         with ctx.progress(len(flat), "traces", unit="tok") as bar:
             tr = record_trace(

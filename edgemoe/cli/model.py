@@ -15,6 +15,7 @@ import click
 from ..errors import EdgeMoeError
 from ..placement import CacheRequest
 from .cache_options import cache_options
+from .flags import cli_text
 from .options import AttentionOptions, RunOptions, gating_options, kv_type_options, run_options
 from .types import GGUFPath, Size
 
@@ -22,7 +23,7 @@ BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "edgemoe-tiny-q
 
 
 def _notify(message: str) -> None:
-    click.echo(message, err=True)
+    click.echo(cli_text(message), err=True)
 
 
 def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None, gating: Any = None) -> Any:
@@ -236,7 +237,7 @@ def chat(
                 for piece in session.send(text, max_tokens=max_tokens, sampling=sampling):
                     click.echo(piece, nl=False)
             except EdgeMoeError as err:  # this message fails; the conversation goes on
-                click.echo(f"error: {err}", err=True)
+                click.echo(f"error: {cli_text(str(err))}", err=True)
                 continue
             click.echo()
             if session.dropped_turns > dropped:

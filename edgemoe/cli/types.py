@@ -10,6 +10,7 @@ import click
 
 from ..errors import EdgeMoeError, InvalidSizeError
 from ..runtime.config import MAX_THREADS
+from .flags import cli_text
 
 # -t/--threads of every command: 0 (the default count) up to ggml's limit, past which llama.cpp aborts
 THREADS = click.IntRange(0, MAX_THREADS)
@@ -28,7 +29,7 @@ class GGUFPath(click.ParamType):
         try:
             check_model(path)
         except EdgeMoeError as err:  # one line, no usage text: the path was fine, the file is not
-            raise click.ClickException(str(err)) from err
+            raise click.ClickException(cli_text(str(err))) from err
         return path
 
 

@@ -471,7 +471,7 @@ def n_layers_for(preset: SynthPreset, layers: int | None) -> int:
     if layers is None:
         return preset.n_layer
     if not 1 <= layers <= preset.n_layer:
-        raise ValueError(f"--layers {layers} is out of range: {preset.name} has 1..{preset.n_layer} layers")
+        raise ValueError(f"`layers={layers}` is out of range: {preset.name} has 1..{preset.n_layer} layers")
     return layers
 
 

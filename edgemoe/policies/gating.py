@@ -176,7 +176,7 @@ def search_threshold(
 ) -> tuple[float, float]:
     """Find the rule's threshold giving `target_reduction` of expert activations (on validation text)."""
     if not 0.0 < target_reduction < 1.0:
-        raise EdgeMoeError(f"--target-reduction {target_reduction} must be between 0 and 1 (e.g. 0.25)")
+        raise EdgeMoeError(f"`target_reduction={target_reduction}` must be between 0 and 1 (e.g. 0.25)")
     lo, hi = threshold_range(rule, sensitivity)
     return bisect_threshold(
         reduction_at, target_reduction, lo, hi, increasing=_MORE_DROPS_WITH_HIGHER_T[rule]

@@ -131,7 +131,7 @@ class GuardMiddleware:
         return APIError(
             413,
             f"the request body is larger than {self.max_body >> 20} MiB; send less (or "
-            "start the server with a larger --max-body-mib)",
+            "start the server with a larger body limit, `max_body_mib`)",
             code="request_too_large",
         )
 
@@ -139,6 +139,6 @@ class GuardMiddleware:
         return APIError(
             408,
             f"the request body did not arrive within {self.read_timeout_s:g} s; send it whole (or start "
-            "the server with a longer --read-timeout)",
+            "the server with a longer `read_timeout_s`)",
             code="request_timeout",
         )

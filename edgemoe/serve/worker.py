@@ -252,7 +252,7 @@ class EngineWorker:
             raise APIError(
                 400,
                 f"the prompt is {len(ids)} tokens but the context holds {eng.n_ctx}; "
-                "shorten it or start the server with a larger --ctx",
+                "shorten it or start the server with a larger context (`n_ctx`)",
                 param=param,
                 code="context_length_exceeded",
             )
