@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from ..gguf.info import ModelInfo, VramPlan, format_size
+from ..gguf.info import ModelInfo, format_size
+from ..placement.budget import SlotBudget
 
 
 def format_info(info: ModelInfo) -> str:
@@ -46,7 +47,7 @@ def format_info(info: ModelInfo) -> str:
     return "\n".join(lines)
 
 
-def format_vram_plan(plan: VramPlan) -> str:
+def format_slot_budget(plan: SlotBudget) -> str:
     reserve = f" + {format_size(plan.reserve_bytes)} compute reserve" if plan.reserve_bytes else ""
     head = (
         f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
@@ -63,7 +64,7 @@ def format_vram_plan(plan: VramPlan) -> str:
     )
 
 
-def plan_to_dict(plan: VramPlan) -> dict[str, Any]:
+def budget_to_dict(plan: SlotBudget) -> dict[str, Any]:
     d = asdict(plan)
     d.update(
         dense_fits=plan.dense_fits, expert_fraction=plan.expert_fraction, all_experts_fit=plan.all_experts_fit
