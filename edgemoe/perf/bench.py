@@ -23,8 +23,8 @@ from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..gguf.info import ModelInfo, model_info
 from ..placement.budget import slots_beside_prefill_buffers
-from ..placement.plan import Device, budget_request
-from ..placement.plan import plan as plan_placement
+from ..placement.planner import Device, budget_request
+from ..placement.planner import plan as plan_placement
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, calibrated_config
 from ..runtime.engine import Engine, LoadConfig

@@ -26,8 +26,8 @@ from ..calibration.slot_plan import RoutingTrace, plan_allocation
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..gguf.info import ModelInfo, model_info, size_arg
-from ..placement.plan import budget_request
-from ..placement.plan import plan as plan_placement
+from ..placement.planner import budget_request
+from ..placement.planner import plan as plan_placement
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 

@@ -26,8 +26,8 @@ from ..analysis.trace import DECODE, PREFILL
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..placement.budget import slots_beside_prefill_buffers
-from ..placement.plan import Device, PlacementPlan, budget_request
-from ..placement.plan import plan as plan_placement
+from ..placement.planner import Device, PlacementPlan, budget_request
+from ..placement.planner import plan as plan_placement
 from ..policies.assignment import split_share
 from ..policies.copy_queue import load_worker_default
 from ..policies.daop import DaopPolicy, precalc_targets

@@ -13,7 +13,7 @@ from .install import (
     install_gating,
 )
 from .open import open_engine, this_device
-from .plan import CalibrationNeed, Device, PlacementPlan, budget_request, check_precalc_from, plan
+from .planner import CalibrationNeed, Device, PlacementPlan, budget_request, check_precalc_from, plan
 from .request import DEFAULT_POLICY, POLICIES, CacheRequest, PlacementError, cache_request, default_policy
 
 __all__ = [

@@ -26,7 +26,7 @@ from ..runtime.cache_config import (
     policy_config,
 )
 from ..runtime.engine import Engine
-from .plan import PlacementPlan, calibration_needs
+from .planner import PlacementPlan, calibration_needs
 from .request import CacheRequest, PlacementError
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from ..gguf.info import parse_size
 from ..runtime import native
 from ..runtime.engine import Engine
 from .install import Notify, install_cache, install_gating
-from .plan import Device, plan
+from .planner import Device, plan
 from .request import CacheRequest, cache_request
 
 log = logging.getLogger(__name__)

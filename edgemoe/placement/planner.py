@@ -1,4 +1,4 @@
-"""plan(): a model, a cache request, a context and a target device to one PlacementPlan, computed once, before
+"""edgemoe.placement.plan(): a model, a cache request, a context and a target device to one PlacementPlan, computed once, before
 anything is loaded: the engine's load config, whether the whole model fits the budget, the expert slots and what
 the budget holds at the engine's context, the calibration stages still to make, and the notes for the user.
 
