@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from ..gguf.info import ModelInfo, format_size
-from ..placement.budget import SlotBudget
 
 
 def format_info(info: ModelInfo) -> str:
@@ -45,31 +43,6 @@ def format_info(info: ModelInfo) -> str:
         ),
     ]
     return "\n".join(lines)
-
-
-def format_slot_budget(plan: SlotBudget) -> str:
-    reserve = f" + {format_size(plan.reserve_bytes)} compute reserve" if plan.reserve_bytes else ""
-    head = (
-        f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
-        f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}){reserve}"
-    )
-    if not plan.dense_fits:
-        return head + " -> does not fit; experts stay on the CPU"
-    if plan.n_expert == 0:
-        return head + " -> fits"
-    return (
-        head + f" -> {format_size(plan.expert_budget_bytes)} for experts: {plan.experts_per_layer} of "
-        f"{plan.n_expert} experts per layer ({100 * plan.expert_fraction:.0f}%) in "
-        f"{plan.n_moe_layers} MoE layers"
-    )
-
-
-def budget_to_dict(plan: SlotBudget) -> dict[str, Any]:
-    d = asdict(plan)
-    d.update(
-        dense_fits=plan.dense_fits, expert_fraction=plan.expert_fraction, all_experts_fit=plan.all_experts_fit
-    )
-    return d
 
 
 def format_stats(d: dict[str, Any]) -> str:

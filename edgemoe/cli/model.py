@@ -59,11 +59,12 @@ def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def inspect(model: Path, vram: int | None, n_ctx: int, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
-    from ..analysis.report import budget_to_dict, format_info, format_slot_budget
+    from ..analysis.report import format_info
     from ..analysis.rules import describe_rules, routing_rules
     from ..gguf.header import check_gguf
     from ..gguf.info import info_to_dict, model_info
     from ..placement import budget_request, plan
+    from ..placement.budget import budget_to_dict, format_slot_budget
 
     header = check_gguf(model)
     info = model_info(header)

@@ -186,7 +186,7 @@ def make_layouts(
                 lay.expected.append(row)
             if res.workload_note and res.workload_note not in lay.notes:
                 lay.notes.append(res.workload_note)
-    if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (placement.whole_model_fits)
+    if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (PlacementPlan.whole_model_fits)
         lay.notes.append(
             "this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
             "llama.cpp's -ngl 999 does, without an expert cache (the rows above are what one would do)"

@@ -9,9 +9,10 @@ Pure arithmetic over a model's ModelInfo (edgemoe.gguf.info holds the file's fac
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from ..gguf.info import ModelInfo
+from ..gguf.info import ModelInfo, format_size
 from ..runtime.config import planned_ctx
 
 CTX_STEP = (
@@ -169,3 +170,28 @@ def budget_for_slots(info: ModelInfo, slots: int, n_ctx: int) -> int:
     """The --vram that leaves `slots` expert slots in every MoE layer."""
     sb = slot_budget(info, 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE)
     return info.dense_bytes + sb.kv_cache_bytes + sb.reserve_bytes + slots * sb.slot_bytes
+
+
+def format_slot_budget(plan: SlotBudget) -> str:
+    reserve = f" + {format_size(plan.reserve_bytes)} compute reserve" if plan.reserve_bytes else ""
+    head = (
+        f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
+        f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}){reserve}"
+    )
+    if not plan.dense_fits:
+        return head + " -> does not fit; experts stay on the CPU"
+    if plan.n_expert == 0:
+        return head + " -> fits"
+    return (
+        head + f" -> {format_size(plan.expert_budget_bytes)} for experts: {plan.experts_per_layer} of "
+        f"{plan.n_expert} experts per layer ({100 * plan.expert_fraction:.0f}%) in "
+        f"{plan.n_moe_layers} MoE layers"
+    )
+
+
+def budget_to_dict(plan: SlotBudget) -> dict[str, Any]:
+    d = asdict(plan)
+    d.update(
+        dense_fits=plan.dense_fits, expert_fraction=plan.expert_fraction, all_experts_fit=plan.all_experts_fit
+    )
+    return d
