@@ -272,7 +272,8 @@ def main(path: Path) -> dict[str, object]:
 
     # edgemoe bench's device configurations (numbers over loopback TCP mean nothing: the code paths run)
     from edgemoe.perf.bench import BenchSpec, run_bench
-    from edgemoe.gguf.info import VRAM_RESERVE, estimate_kv_cache_bytes, read_model_info
+    from edgemoe.gguf.info import read_model_info
+    from edgemoe.placement.budget import VRAM_RESERVE, estimate_kv_cache_bytes
 
     info = read_model_info(path)
     budget = (info.dense_bytes + estimate_kv_cache_bytes(info, 256) + VRAM_RESERVE

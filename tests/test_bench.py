@@ -7,7 +7,7 @@ from pathlib import Path
 from click.testing import CliRunner
 from conftest import FIXTURE_MODELS
 
-from edgemoe.perf.bench import best_n_cpu_moe
+from edgemoe.placement.budget import best_n_cpu_moe
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
 
@@ -87,7 +87,7 @@ def test_best_n_cpu_moe_is_the_fewest_layers_that_fit() -> None:
     fixed = best_n_cpu_moe(info, 10**12, 256)
     assert fixed == 0  # everything fits
     n_layers = len(info.moe_layers)
-    from edgemoe.gguf.info import VRAM_RESERVE, estimate_kv_cache_bytes
+    from edgemoe.placement.budget import VRAM_RESERVE, estimate_kv_cache_bytes
 
     base = info.dense_bytes + estimate_kv_cache_bytes(info, 256) + VRAM_RESERVE
     assert best_n_cpu_moe(info, base + 3 * per_layer, 256) == n_layers - 3

@@ -162,7 +162,7 @@ def test_unexpected_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*a, **k):  # type: ignore[no-untyped-def]
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(gi, "read_model_info", boom)
+    monkeypatch.setattr(gi, "model_info", boom)  # inspect reads the header once, for its plan too
     res = CliRunner().invoke(cli, ["inspect", str(MODEL)])
     _assert_clean_error(res, "kaboom")
     assert "--debug" in res.output
@@ -171,7 +171,7 @@ def test_unexpected_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 def _half_the_experts() -> str:
     """A --vram (bytes) whose expert slots hold half of each MoE layer's experts at generate's context."""
     from edgemoe.gguf.info import read_model_info
-    from edgemoe.perf.plan import budget_for_slots
+    from edgemoe.placement.budget import budget_for_slots
     from edgemoe.runtime.config import planned_ctx
 
     info = read_model_info(MODEL)

@@ -17,7 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from edgemoe.cli.main import cli
-from edgemoe.gguf.info import prefill_buffer_bytes, read_model_info
+from edgemoe.gguf.info import read_model_info
+from edgemoe.placement.budget import prefill_buffer_bytes
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig

@@ -18,12 +18,11 @@ from edgemoe.errors import InvalidSizeError, ModelLoadError, UnsupportedArchitec
 from edgemoe.gguf.info import (
     KNOWN_ARCHITECTURES,
     check_gguf,
-    estimate_kv_cache_bytes,
     info_to_dict,
     parse_size,
     read_model_info,
-    vram_plan,
 )
+from edgemoe.placement.budget import estimate_kv_cache_bytes, slot_budget
 from edgemoe.gguf.presets import PRESETS
 
 pytest_plugins = ["conftest_synth"]
@@ -134,41 +133,41 @@ def test_read_model_info_is_header_only(tmp_path: Path) -> None:
     assert info.expert_bytes_total == n_bytes and info.bytes_per_expert == n_bytes // 64
 
 
-# --------------------------------------------------------------------------- vram_plan
+# --------------------------------------------------------------------------- slot_budget (edgemoe.placement.budget)
 
 
-def test_vram_plan_counts_expert_slots(make_tiny_gguf: MakeGguf) -> None:
+def test_slot_budget_counts_expert_slots(make_tiny_gguf: MakeGguf) -> None:
     info = read_model_info(make_tiny_gguf("tiny-qwen3moe"))
     kv = estimate_kv_cache_bytes(info, 128)
     assert kv == info.n_layer * 128 * info.n_head_kv * (64 + 64) * 2
     slot = info.bytes_per_expert * len(info.moe_layers)
 
-    plan = vram_plan(info, info.dense_bytes + kv + 3 * slot + slot // 2, n_ctx=128)
+    plan = slot_budget(info, info.dense_bytes + kv + 3 * slot + slot // 2, n_ctx=128)
     assert plan.dense_fits and plan.experts_per_layer == 3 and plan.slot_bytes == slot
     assert plan.expert_fraction == pytest.approx(3 / 8) and not plan.all_experts_fit
 
-    everything = vram_plan(info, 10**12, n_ctx=128)
+    everything = slot_budget(info, 10**12, n_ctx=128)
     assert everything.experts_per_layer == info.n_expert and everything.all_experts_fit
 
-    too_small = vram_plan(info, info.dense_bytes // 2, n_ctx=128)
+    too_small = slot_budget(info, info.dense_bytes // 2, n_ctx=128)
     assert not too_small.dense_fits and too_small.experts_per_layer == 0 and too_small.expert_fraction == 0
 
-    reserved = vram_plan(info, info.dense_bytes + kv + 3 * slot, n_ctx=128, reserve_bytes=slot)
+    reserved = slot_budget(info, info.dense_bytes + kv + 3 * slot, n_ctx=128, reserve_bytes=slot)
     assert reserved.experts_per_layer == 2
 
 
-def test_vram_plan_mla_cache_and_dense_models(make_tiny_gguf: MakeGguf) -> None:
+def test_slot_budget_mla_cache_and_dense_models(make_tiny_gguf: MakeGguf) -> None:
     ds = read_model_info(make_tiny_gguf("tiny-deepseek2"))
     assert estimate_kv_cache_bytes(ds, 1000) == 3 * 1000 * (128 + 32) * 2  # latent + rope, no V
     dense = read_model_info(make_tiny_gguf("tiny-llama-dense"))
-    plan = vram_plan(dense, dense.dense_bytes + estimate_kv_cache_bytes(dense, 64), n_ctx=64)
+    plan = slot_budget(dense, dense.dense_bytes + estimate_kv_cache_bytes(dense, 64), n_ctx=64)
     assert plan.dense_fits and plan.n_moe_layers == 0 and plan.expert_fraction == 1.0
-    assert not vram_plan(dense, 1000, n_ctx=64).dense_fits
+    assert not slot_budget(dense, 1000, n_ctx=64).dense_fits
     with pytest.raises(ValueError):
-        vram_plan(dense, 1000, n_ctx=0)
+        slot_budget(dense, 1000, n_ctx=0)
 
 
-def test_vram_plan_real_qwen3_shapes_without_writing(make_tiny_gguf: MakeGguf) -> None:
+def test_slot_budget_real_qwen3_shapes_without_writing(make_tiny_gguf: MakeGguf) -> None:
     # numbers of the full model from the plan, checked against the published sizes
     from edgemoe.gguf.presets import Role, plan_tensors
 
@@ -179,7 +178,7 @@ def test_vram_plan_real_qwen3_shapes_without_writing(make_tiny_gguf: MakeGguf) -
         read_model_info(make_tiny_gguf("tiny-qwen3moe")), n_layer=48, n_head_kv=4, n_embd_head_k=128,
         n_embd_head_v=128, n_expert=128, moe_layers=tuple(range(48)), dense_bytes=sum(t.nbytes for t in plan) - experts,
         bytes_per_expert_by_layer={i: experts // 48 // 128 for i in range(48)})
-    plan6 = vram_plan(info, parse_size("6GiB"), n_ctx=4096)
+    plan6 = slot_budget(info, parse_size("6GiB"), n_ctx=4096)
     assert plan6.kv_cache_bytes == 48 * 4096 * 4 * 256 * 2  # 384 MiB
     assert plan6.dense_fits and 30 < plan6.experts_per_layer < 50
 
@@ -314,20 +313,21 @@ def test_known_architectures_match_vendored_llama_arch_cpp() -> None:
 def test_vram_reserve_grows_with_the_context_past_4096_tokens(tmp_path: Path) -> None:
     """Without flash attention llama.cpp's compute buffer holds one ubatch's attention scores (issue 29): the plan
     reserves them past 4096 tokens, and plan's budget for N slots, stock's --n-cpu-moe and the slots agree."""
-    from edgemoe.gguf.info import RESERVE_CTX, VRAM_RESERVE, best_n_cpu_moe, context_reserve_bytes, vram_plan
+    from edgemoe.placement.budget import RESERVE_CTX, VRAM_RESERVE, best_n_cpu_moe, context_reserve_bytes
+    from edgemoe.placement.budget import slot_budget
     from edgemoe.gguf.synth import write_synthetic
-    from edgemoe.perf.plan import budget_for_slots
+    from edgemoe.placement.budget import budget_for_slots
 
     info = read_model_info(write_synthetic("qwen3-30b-a3b", tmp_path / "q.gguf", layers=2, shape_only=True,
                                            progress=False))
     assert context_reserve_bytes(info, RESERVE_CTX) == 0 == context_reserve_bytes(info, 512)
-    assert vram_plan(info, 8 * 2**30, n_ctx=4096, reserve_bytes=VRAM_RESERVE).reserve_bytes == VRAM_RESERVE
-    long = vram_plan(info, 8 * 2**30, n_ctx=16384, reserve_bytes=VRAM_RESERVE)
+    assert slot_budget(info, 8 * 2**30, n_ctx=4096, reserve_bytes=VRAM_RESERVE).reserve_bytes == VRAM_RESERVE
+    long = slot_budget(info, 8 * 2**30, n_ctx=16384, reserve_bytes=VRAM_RESERVE)
     assert long.reserve_bytes == VRAM_RESERVE + (16384 - 4096) * 512 * info.n_head * 4
-    assert vram_plan(info, 8 * 2**30, n_ctx=16384).reserve_bytes == 0  # no reserve asked: none added
+    assert slot_budget(info, 8 * 2**30, n_ctx=16384).reserve_bytes == 0  # no reserve asked: none added
     for n_ctx in (4096, 16384):
         vram = budget_for_slots(info, 8, n_ctx)
-        assert vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer == 8
-        assert vram_plan(info, vram - 1, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer == 7
+        assert slot_budget(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer == 8
+        assert slot_budget(info, vram - 1, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer == 7
     whole = budget_for_slots(info, info.n_expert, 16384)
     assert best_n_cpu_moe(info, whole, 16384) == 0 and best_n_cpu_moe(info, whole - 1, 16384) == 1

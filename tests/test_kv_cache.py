@@ -13,7 +13,8 @@ from conftest import FIXTURE_MODELS
 
 from edgemoe.cli.main import cli
 from edgemoe.errors import InvalidConfigError
-from edgemoe.gguf.info import VRAM_RESERVE, estimate_kv_cache_bytes, read_model_info, vram_plan
+from edgemoe.gguf.info import read_model_info
+from edgemoe.placement.budget import VRAM_RESERVE, estimate_kv_cache_bytes, slot_budget
 from edgemoe.gguf.kv_types import KV_CACHE_TYPES, kv_bytes
 from edgemoe.runtime.engine import Engine, LoadConfig, flash_attn_resolved
 from edgemoe.runtime.sampling import GREEDY
@@ -120,7 +121,7 @@ def test_plan_reserve_shrinks_and_slots_grow() -> None:
     n_ctx = 1024  # the KV cache a few slots are worth (the fixture has 8 experts a layer)
     budget = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE  # no slot at f16
     plans = {
-        k: vram_plan(info, budget, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, cache_type_k=k, cache_type_v=k)
+        k: slot_budget(info, budget, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, cache_type_k=k, cache_type_v=k)
         for k in ("f16", "q8_0", "q4_0")
     }
     assert plans["f16"].experts_per_layer == 0

@@ -18,8 +18,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("edgemoe.policies", "edgemoe.predictors"),  # pure numpy decisions over routing records
     ("edgemoe.runtime",),  # the one native binding and the Engine over it
     ("edgemoe.analysis",),  # traces, statistics, perplexity, verify, reports
-    ("edgemoe.calibration", "edgemoe.perf"),  # calibration stages and artifacts; benchmarks
-    ("edgemoe.placement",),  # model + budget + policy -> a running engine with its expert cache
+    # calibration stages and artifacts; benchmarks; the placement's plan (budget arithmetic, the request and its
+    # rules, plan()), which perf consumes
+    ("edgemoe.calibration", "edgemoe.perf", "edgemoe.placement.budget", "edgemoe.placement.planner",
+     "edgemoe.placement.request"),
+    ("edgemoe.placement",),  # model + plan -> a running engine with its expert cache (open_engine, install)
     ("edgemoe.cli", "edgemoe.serve", "edgemoe.__main__"),  # command line; HTTP server (cli imports serve)
 )
 

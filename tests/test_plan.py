@@ -10,7 +10,9 @@ from conftest import FIXTURE_MODELS
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
-from edgemoe.perf.plan import budget_for_slots, make_plan, suggest
+from edgemoe.perf.layouts import make_layouts
+from edgemoe.perf.layouts import suggest
+from edgemoe.placement.budget import budget_for_slots
 from edgemoe.perf.profile import load_profile
 from edgemoe.perf.simulate import SimSpec, simulate
 
@@ -20,7 +22,7 @@ QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 def test_plan_splits_the_budget_and_allocates_dp_slots_within_it() -> None:
     info = read_model_info(QWEN)
     vram = budget_for_slots(info, 8, 512)
-    plan = make_plan(QWEN, vram=vram, n_ctx=512, calibration=default_calibration_dir(QWEN),
+    plan = make_layouts(QWEN, vram=vram, n_ctx=512, calibration=default_calibration_dir(QWEN),
                      profile=load_profile("rtx4060-laptop"))
     assert plan.slots_per_layer["equal"] == [8] * len(info.moe_layers)
     dp = plan.slots_per_layer["dp"]
@@ -53,7 +55,7 @@ def test_plan_splits_the_budget_and_allocates_dp_slots_within_it() -> None:
 
 
 def _calibration_trace_of(model: Path):  # type: ignore[no-untyped-def]
-    from edgemoe.perf.plan import _calibration_trace
+    from edgemoe.perf.layouts import _calibration_trace
 
     return _calibration_trace(default_calibration_dir(model), read_model_info(model))
 
@@ -78,7 +80,7 @@ def test_suggest_names_the_fastest_edgemoe_row_and_its_command() -> None:
 
 
 def test_plan_without_routing_data_or_room_says_what_to_do(tmp_path: Path) -> None:
-    small = make_plan(QWEN, vram=64 * 2**20, n_ctx=512)
+    small = make_layouts(QWEN, vram=64 * 2**20, n_ctx=512)
     assert small.slots_per_layer["equal"] == [0] * len(read_model_info(QWEN).moe_layers) and any("raise --vram" in n for n in small.notes)
 
 
@@ -119,9 +121,9 @@ def test_plan_without_routing_data_projects_with_the_matching_routing_profile(tm
     assert all(x["decode_tps"] > 0 for x in d["expected"]) and d["suggestion"] is not None
     # a shape no profile has takes the nearest real model's, and says so; --routing picks one
     oss = _uncalibrated(tmp_path, "gpt-oss-20b", 2)
-    plan = make_plan(oss, vram=2 * 2**30, n_ctx=512)
+    plan = make_layouts(oss, vram=2 * 2**30, n_ctx=512)
     assert plan.routing_profile == "olmoe-1b-7b" and "nearest shape" in plan.routing and plan.expected
-    toy = make_plan(oss, vram=2 * 2**30, n_ctx=512, routing="fixture-qwen3moe")
+    toy = make_layouts(oss, vram=2 * 2**30, n_ctx=512, routing="fixture-qwen3moe")
     assert toy.routing_profile == "fixture-qwen3moe" and any("TOY" in n for n in toy.notes)
     both = CliRunner().invoke(cli, ["plan", str(oss), "--vram", "1GiB", "--routing", "olmoe", "--trace", __file__])
     assert both.exit_code == 2 and "not both" in both.output
@@ -144,7 +146,7 @@ def test_simulate_without_a_trace_uses_the_routing_profile(tmp_path: Path) -> No
 
 
 def test_plan_says_when_the_budget_holds_the_whole_model() -> None:
-    plan = make_plan(QWEN, vram=2**30, n_ctx=512, calibration=default_calibration_dir(QWEN),
+    plan = make_layouts(QWEN, vram=2**30, n_ctx=512, calibration=default_calibration_dir(QWEN),
                      profile=load_profile("rtx4060-laptop"))
     assert plan.slots_per_layer["equal"] == [read_model_info(QWEN).n_expert] * len(read_model_info(QWEN).moe_layers)
     assert plan.suggestion is None and any("holds the whole model" in n for n in plan.notes)

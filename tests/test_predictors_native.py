@@ -20,7 +20,8 @@ from edgemoe.predictors import Known, Predictor, topk_ids
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
-from edgemoe.gguf.info import read_model_info, vram_plan
+from edgemoe.gguf.info import read_model_info
+from edgemoe.placement.budget import slot_budget
 from edgemoe.runtime.prediction import default_n_out, device_bytes
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2
@@ -199,5 +200,5 @@ def test_predictor_bytes_count_against_the_vram_budget(fixture_model: Path) -> N
     assert n == n_targets * 4 * (256 * 128 + 128 * info.n_expert + 256 * info.n_expert + 128 + info.n_expert)
     assert device_bytes(preds, n_out=2, weights="f16") < 0.55 * n
     budget = 64 * 2**20
-    plain, with_preds = vram_plan(info, budget), vram_plan(info, budget, predictor_bytes=n)
+    plain, with_preds = slot_budget(info, budget), slot_budget(info, budget, predictor_bytes=n)
     assert plain.expert_budget_bytes - with_preds.expert_budget_bytes == n

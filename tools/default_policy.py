@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgemoe.analysis.routing_profile import routing_for_model  # noqa: E402
-from edgemoe.gguf.info import VRAM_RESERVE, read_model_info, vram_plan  # noqa: E402
+from edgemoe.gguf.info import read_model_info  # noqa: E402
+from edgemoe.placement.budget import VRAM_RESERVE, slot_budget  # noqa: E402
 from edgemoe.gguf.synth import write_synthetic  # noqa: E402
 from edgemoe.perf.profile import load_profile  # noqa: E402
 from edgemoe.perf.simulate import SimSpec, simulate  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> None:
         info = read_model_info(model)
         drawn = routing_for_model(info.n_expert, info.n_expert_used, len(info.moe_layers), name=shape)
         for gib, machine in [(g, m) for g in budgets for m in MACHINES]:
-            whole = vram_plan(info, gib * 2**30, n_ctx=4096, reserve_bytes=VRAM_RESERVE).all_experts_fit
+            whole = slot_budget(info, gib * 2**30, n_ctx=4096, reserve_bytes=VRAM_RESERVE).all_experts_fit
             res = simulate(model, drawn.trace, load_profile(machine),
                            SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True, policies=POLICIES))
             by = {c.name: c for c in res.configs}

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
-from ..gguf.info import ModelInfo, VramPlan, format_size
+from ..gguf.info import ModelInfo, format_size
 
 
 def format_info(info: ModelInfo) -> str:
@@ -44,38 +43,6 @@ def format_info(info: ModelInfo) -> str:
         ),
     ]
     return "\n".join(lines)
-
-
-def _kv_types(plan: VramPlan) -> str:
-    """ ", K q8_0, V q8_0" where the KV cache is not llama.cpp's default f16."""
-    if plan.cache_type_k == plan.cache_type_v == "f16":
-        return ""
-    return f", K {plan.cache_type_k}, V {plan.cache_type_v}"
-
-
-def format_vram_plan(plan: VramPlan) -> str:
-    reserve = f" + {format_size(plan.reserve_bytes)} compute reserve" if plan.reserve_bytes else ""
-    head = (
-        f"vram {format_size(plan.budget_bytes)}: dense {format_size(plan.dense_bytes)} + KV cache "
-        f"{format_size(plan.kv_cache_bytes)} (ctx {plan.n_ctx}{_kv_types(plan)}){reserve}"
-    )
-    if not plan.dense_fits:
-        return head + " -> does not fit; experts stay on the CPU"
-    if plan.n_expert == 0:
-        return head + " -> fits"
-    return (
-        head + f" -> {format_size(plan.expert_budget_bytes)} for experts: {plan.experts_per_layer} of "
-        f"{plan.n_expert} experts per layer ({100 * plan.expert_fraction:.0f}%) in "
-        f"{plan.n_moe_layers} MoE layers"
-    )
-
-
-def plan_to_dict(plan: VramPlan) -> dict[str, Any]:
-    d = asdict(plan)
-    d.update(
-        dense_fits=plan.dense_fits, expert_fraction=plan.expert_fraction, all_experts_fit=plan.all_experts_fit
-    )
-    return d
 
 
 def format_stats(d: dict[str, Any]) -> str:

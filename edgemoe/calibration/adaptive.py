@@ -65,6 +65,8 @@ def _need_calibration(opts: GatingOptions, what: str, model: Path | None) -> Pat
                 "and pass its directory as `calibration`"
             )
         return opts.calibration
+    # no engine lent: the sensitivity stage sets gating on the engine it measures, and open_engine's has its
+    # expert cache by the time gating is built, so the stage opens its own (docs/architecture.md)
     return ensure_calibration(model, STAGES_FOR["sensitivity"], what, given=opts.calibration)
 
 

@@ -17,13 +17,18 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..progress import progress_bar
 from .card import Calibration, CalibrationError, default_out_dir, find_calibration
 from .corpus import default_corpus_dir
 from .run import CalibrationConfig, run_calibration
 from .stages import ProgressFactory
+
+if TYPE_CHECKING:
+    from ..runtime.engine import Engine
 
 AUTO_TOKENS = 2048  # calibration trace tokens of a first-use calibration
 AUTO_CTX = 256
@@ -95,6 +100,25 @@ def _missing(cal: Calibration, stages: Sequence[str]) -> list[str]:
     ]
 
 
+def missing_stages(directory: str | os.PathLike[str] | None, stages: Sequence[str]) -> tuple[str, ...]:
+    """The stages of `stages` that the calibration in `directory` lacks: all of them where there is none, or where
+    it cannot be read (ensure_calibration then says why)."""
+    if directory is None:
+        return tuple(stages)
+    try:
+        return tuple(_missing(Calibration.load(directory), stages))
+    except CalibrationError:
+        return tuple(stages)
+
+
+def _engine_for(engine: Engine | None, ctx: int) -> Callable[[], AbstractContextManager[Engine]] | None:
+    """The stages' engine: `engine`, lent (not closed after a stage), where its context holds the traces'
+    sequences of `ctx` tokens; else None, and each stage opens its own (of context `ctx`)."""
+    if engine is None or engine.n_ctx < ctx:
+        return None
+    return lambda: contextlib.nullcontext(engine)
+
+
 def _same_dir(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve()
@@ -112,12 +136,15 @@ def ensure_calibration(
     tokens: int = AUTO_TOKENS,
     ctx: int = AUTO_CTX,
     echo: Echo = _stderr,
+    engine: Engine | None = None,
 ) -> Path:
     """A calibration directory of `model` holding `stages`, made or completed on first use.
 
     given: the directory the command was told to use (or found for the model); it is completed only
     when it is the model's per-user cache directory. `what` names the option that needs it (messages).
     tokens, ctx: of a new calibration's traces (an existing one is completed with its own).
+    engine: an open Engine of `model` to run the stages on (open_engine's), where its context holds the traces'
+    sequences; it is left reset, with no policy. Else (None, or a shorter context) each stage opens its own.
     """
     model = Path(model)
     cache = default_out_dir(model)
@@ -142,19 +169,36 @@ def ensure_calibration(
                 f"the corpora its card names, `--out {cal.path} --update {stage_args}`) and "
                 "pass --calibration DIR"
             )
-        return _complete(model, cal, missing, what, n_threads, echo)
+        return _complete(model, cal, missing, what, n_threads, echo, engine)
     cfg = CalibrationConfig(
         model=model, corpora=auto_corpora(), tokens=tokens, ctx=ctx, n_threads=n_threads, stages=tuple(stages)
     )
     _announce(model, what, cfg, cache, echo, "has no calibration data yet")
     t0 = time.perf_counter()
-    path = run_calibration(cfg, cache, progress=_timed_progress(echo)).path
+    path = _run(cfg, cache, echo, engine).path
     echo(f"calibrated {model.name} in {time.perf_counter() - t0:.0f} s; later runs reuse {path}")
     return path
 
 
+def _run(
+    cfg: CalibrationConfig, out: Path, echo: Echo, engine: Engine | None, update: bool = False
+) -> Calibration:
+    lent = _engine_for(engine, cfg.ctx)
+    try:
+        return run_calibration(cfg, out, update=update, progress=_timed_progress(echo), open_engine=lent)
+    finally:
+        if lent is not None and engine is not None:
+            engine.reset()  # the traces' last sequence is not the caller's
+
+
 def _complete(
-    model: Path, cal: Calibration, missing: list[str], what: str, n_threads: int, echo: Echo
+    model: Path,
+    cal: Calibration,
+    missing: list[str],
+    what: str,
+    n_threads: int,
+    echo: Echo,
+    engine: Engine | None = None,
 ) -> Path:
     card = cal.card
     corpora = tuple(Path(c["path"]) for c in card.get("corpus", []))
@@ -176,7 +220,7 @@ def _complete(
     )
     _announce(model, what, cfg, cal.path, echo, f"has a calibration without {', '.join(missing)}")
     t0 = time.perf_counter()
-    path = run_calibration(cfg, cal.path, update=True, progress=_timed_progress(echo)).path
+    path = _run(cfg, cal.path, echo, engine, update=True).path
     echo(f"added {', '.join(missing)} to {path} in {time.perf_counter() - t0:.0f} s")
     return path
 

@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -95,7 +96,7 @@ def _building(out: Path, force: bool, *, keep: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _default_engine(cfg: CalibrationConfig) -> Callable[[], Engine]:
+def _default_engine(cfg: CalibrationConfig) -> Callable[[], AbstractContextManager[Engine]]:
     def open_engine() -> Engine:
         from ..runtime.engine import Engine, LoadConfig
 
@@ -173,13 +174,15 @@ def run_calibration(
     force: bool = False,
     update: bool = False,
     progress: ProgressFactory = progress_bar,
-    open_engine: Callable[[], Engine] | None = None,
+    open_engine: Callable[[], AbstractContextManager[Engine]] | None = None,
 ) -> Calibration:
     """Run the selected stages into a temporary directory, write card.json, and move it to `out`
     (default: the per-user cache for this model).
 
     update: run only the selected stages into the existing `out`, keeping the other stages' files
     and card entries (same model, corpora, tokens, ctx and seed as the card says).
+    open_engine: the stages' engine, as a context manager (default: a fresh Engine of context cfg.ctx per stage,
+    closed after it; first-use calibration lends open_engine's instead).
     """
     model = Path(cfg.model)
     if not cfg.corpora:

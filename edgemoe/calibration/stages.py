@@ -65,7 +65,9 @@ class StageContext:
     """What a calibration stage gets. Stages write files under out_dir and return their card entry."""
 
     model: Path
-    open_engine: Callable[[], Engine]  # a fresh Engine (use `with ctx.open_engine() as eng:`)
+    # the stage's Engine, as a context manager (`with ctx.open_engine() as eng:`): a fresh one closed after the
+    # stage, or one lent by first-use calibration (edgemoe.calibration.auto), which stays open
+    open_engine: Callable[[], AbstractContextManager[Engine]]
     texts: tuple[CorpusText, ...]  # train splits of the corpora
     out_dir: Path  # the directory being built (renamed into place when all stages are done)
     seed: int

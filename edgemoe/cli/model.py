@@ -1,4 +1,4 @@
-"""Commands on one model: inspect (header, VRAM plan), generate, chat."""
+"""Commands on one model: inspect (header, what a VRAM budget holds), generate, chat."""
 
 from __future__ import annotations
 
@@ -62,15 +62,24 @@ def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptions, as_json: bool) -> None:
     """Show a model's architecture, experts and where its bytes are."""
-    from ..analysis.report import format_info, format_vram_plan, plan_to_dict
+    from ..analysis.report import format_info
     from ..analysis.rules import describe_rules, routing_rules
-    from ..gguf.info import VRAM_RESERVE, info_to_dict, read_model_info, vram_plan
-    from ..runtime.config import planned_ctx
+    from ..gguf.header import check_gguf
+    from ..gguf.info import info_to_dict, model_info
+    from ..placement import budget_request, plan
+    from ..placement.budget import budget_to_dict, format_slot_budget
 
-    info = read_model_info(model)
-    n_ctx = planned_ctx(n_ctx, info.n_ctx_train)
-    kv: dict[str, Any] = {"cache_type_k": attention.cache_type_k, "cache_type_v": attention.cache_type_v}
-    plan = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, **kv) if vram is not None else None
+    header = check_gguf(model)
+    info = model_info(header)
+    placement = plan(
+        header,
+        budget_request(vram) if vram is not None else None,
+        n_ctx=n_ctx,
+        device=None,
+        cache_type_k=attention.cache_type_k,
+        cache_type_v=attention.cache_type_v,
+    )
+    n_ctx, budget = placement.n_ctx, placement.budget
     rules = routing_rules(model) if info.is_moe else {}  # loads the model and decodes one token
     if as_json:
         d = info_to_dict(info)
@@ -78,15 +87,15 @@ def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptio
             d["weight_rules"] = {
                 str(il): {"rule": r.rule, "scale": r.scale} for il, r in sorted(rules.items())
             }
-        if plan is not None:
-            d["vram_plan"] = plan_to_dict(plan)
+        if budget is not None:
+            d["vram_plan"] = budget_to_dict(budget)
         click.echo(json.dumps(d, indent=1))
         return
     click.echo(format_info(info))
     if info.is_moe:
         click.echo(f"{'weights':12} {describe_rules(rules)}  (as llama.cpp weights the selected experts)")
-    if plan is not None and vram is not None:  # a plan is made only for a budget
-        click.echo(format_vram_plan(plan))
+    if budget is not None and vram is not None:  # a budget is split only when one is given
+        click.echo(format_slot_budget(budget))
         click.echo(
             f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
             f"`{plan_command(model, vram, n_ctx, attention)}`"

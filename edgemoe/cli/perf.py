@@ -322,9 +322,10 @@ def plan(
     from ..analysis.trace import Trace
     from ..calibration.adaptive import default_calibration_dir
     from ..gguf.info import read_model_info
-    from ..perf.plan import budget_for_slots, format_plan, make_plan
+    from ..perf.layouts import format_layouts, make_layouts
     from ..perf.profile import load_profile
     from ..perf.profiling import default_profile_path
+    from ..placement.budget import budget_for_slots, engine_ctx
 
     if vram is not None and expert_slots is not None:
         raise click.UsageError(
@@ -337,10 +338,11 @@ def plan(
         raise click.UsageError("give --trace or --routing, not both")
     if vram is None:
         assert expert_slots is not None
+        info = read_model_info(model)
         vram = budget_for_slots(
-            read_model_info(model),
+            info,
             expert_slots,
-            n_ctx,
+            engine_ctx(n_ctx, info.n_ctx_train),
             cache_type_k=attention.cache_type_k,
             cache_type_v=attention.cache_type_v,
         )
@@ -348,7 +350,7 @@ def plan(
         profile_name = str(default_profile_path())
     prof = load_profile(profile_name) if profile_name else None
     cal = calibration or default_calibration_dir(model)
-    result = make_plan(
+    result = make_layouts(
         model,
         vram=vram,
         n_ctx=n_ctx,
@@ -359,4 +361,4 @@ def plan(
         cache_type_k=attention.cache_type_k,
         cache_type_v=attention.cache_type_v,
     )
-    click.echo(json.dumps(result.to_dict(), indent=1) if as_json else format_plan(result))
+    click.echo(json.dumps(result.to_dict(), indent=1) if as_json else format_layouts(result))

@@ -5,7 +5,6 @@
 - `read_model_info(path)`: hyperparameters and a byte budget split into routed
   experts / everything else, from the same header walk (gguf-py's GGUFReader is
   exact but takes seconds on a 150k-token vocabulary; the tests cross-check with it).
-- `vram_plan(info, budget)`: how many expert slots per MoE layer fit a VRAM budget.
 - `parse_size("6GiB")`: sizes as typed on the command line.
 """
 
@@ -23,7 +22,6 @@ from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from ..errors import InvalidSizeError, ModelLoadError
 from .header import KNOWN_ARCHITECTURES, GgufArray, GgufHeader, TensorRecord, check_gguf
-from .kv_types import KvCacheType, kv_bytes
 
 __all__ = [
     "KNOWN_ARCHITECTURES",
@@ -31,17 +29,13 @@ __all__ = [
     "GgufHeader",
     "ModelInfo",
     "TensorRecord",
-    "VramPlan",
-    "best_n_cpu_moe",
     "check_gguf",
-    "estimate_kv_cache_bytes",
     "format_size",
     "info_to_dict",
     "is_expert_tensor",
     "model_info",
     "parse_size",
     "read_model_info",
-    "vram_plan",
 ]
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
@@ -109,41 +103,6 @@ class ModelInfo:
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0 and bool(self.moe_layers)
-
-
-@dataclass(frozen=True)
-class VramPlan:
-    """What a VRAM budget holds: the dense part and KV cache first, then expert slots."""
-
-    budget_bytes: int
-    n_ctx: int
-    dense_bytes: int
-    kv_cache_bytes: int  # estimate, see `estimate_kv_cache_bytes`
-    reserve_bytes: int  # caller's allowance for compute buffers etc.
-    expert_budget_bytes: int  # what is left for experts (0 if the dense part does not fit)
-    slot_bytes: int  # one expert slot in every MoE layer together
-    experts_per_layer: int  # expert slots per MoE layer (equal per layer)
-    n_moe_layers: int
-    n_expert: int
-    predictor_bytes: int = 0  # expert predictors' weights in the graph (runtime.prediction.device_bytes)
-    cache_type_k: KvCacheType = "f16"  # the KV cache's types the estimate is of
-    cache_type_v: KvCacheType = "f16"
-
-    @property
-    def dense_fits(self) -> bool:
-        fixed = self.dense_bytes + self.kv_cache_bytes + self.reserve_bytes + self.predictor_bytes
-        return fixed <= self.budget_bytes
-
-    @property
-    def expert_fraction(self) -> float:
-        """Fraction of all routed experts that fit (1.0 for dense models that fit)."""
-        if self.n_expert == 0:
-            return 1.0 if self.dense_fits else 0.0
-        return self.experts_per_layer / self.n_expert
-
-    @property
-    def all_experts_fit(self) -> bool:
-        return self.dense_fits and self.experts_per_layer >= self.n_expert
 
 
 # --------------------------------------------------------------------------- read_model_info
@@ -310,146 +269,6 @@ def info_to_dict(info: ModelInfo) -> dict[str, Any]:
             for layer, tensors in info.expert_tensors.items()
         },
     }
-
-
-# --------------------------------------------------------------------------- VRAM planning
-
-
-def estimate_kv_cache_bytes(
-    info: ModelInfo, n_ctx: int, *, cache_type_k: KvCacheType = "f16", cache_type_v: KvCacheType = "f16"
-) -> int:
-    """KV cache of `n_ctx` tokens, all layers, with K and V cached as the given types (llama.cpp's default f16).
-
-    Standard attention: n_layer * n_ctx * (row of n_head_kv * head_k values as type K + the same of head_v as
-    type V); f16 is 2 bytes a value, q8_0 34 bytes per 32 (8.5/16 of f16), q4_0 18 per 32 (4.5/16).
-    MLA (deepseek2 family, kv_lora_rank > 0): llama.cpp caches only the compressed
-    latent plus the rope part as K and no V: n_layer * n_ctx * row of (kv_lora_rank + n_rot) as type K.
-    Sliding-window layers (gpt-oss) cache fewer tokens, so this is an upper bound there.
-    """
-    if info.kv_lora_rank > 0:
-        per_token_layer = kv_bytes(cache_type_k, info.kv_lora_rank + info.n_rot)
-    else:
-        per_token_layer = kv_bytes(cache_type_k, info.n_head_kv * info.n_embd_head_k) + kv_bytes(
-            cache_type_v, info.n_head_kv * info.n_embd_head_v
-        )
-    return info.n_layer * n_ctx * per_token_layer
-
-
-# what edgemoe leaves free on the GPU for compute buffers and the like when it plans --vram, at contexts up to
-# RESERVE_CTX tokens (context_reserve_bytes adds what longer ones need)
-VRAM_RESERVE = 512 * 2**20
-RESERVE_CTX = 4096
-PLAN_UBATCH = 512  # the engine's default n_ubatch
-
-
-def context_reserve_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = PLAN_UBATCH) -> int:
-    """What llama.cpp's compute buffer grows by past RESERVE_CTX tokens of context: without flash attention it
-    holds one ubatch's F32 attention scores, n_ctx x n_ubatch x n_head x 4 bytes. With it (what edgemoe's default
-    "auto" resolves to on the CPU) the buffer does not grow: this reserve is then more than needed, kept for a
-    backend where "auto" resolves to off. Measured on the CPU backend (the Qwen3-30B-A3B shape, 512-token ubatches): a compute buffer
-    of 305 MiB at 4096 tokens, 1086 MiB at 16384, 2142 MiB at 32768; 305 MiB at each with flash attention."""
-    return max(0, n_ctx - RESERVE_CTX) * n_ubatch * info.n_head * 4
-
-
-def vram_plan(
-    info: ModelInfo,
-    budget_bytes: int,
-    n_ctx: int = 4096,
-    *,
-    reserve_bytes: int = 0,
-    predictor_bytes: int = 0,
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
-) -> VramPlan:
-    """Split a VRAM budget: dense weights + KV cache (+ expert predictors) first, then equal expert slots per
-    MoE layer.
-
-    The KV cache is of `n_ctx` tokens cached as `cache_type_k` / `cache_type_v` (LoadConfig's).
-    `reserve_bytes` is left free for compute buffers and the like (llama.cpp needs a
-    few hundred MiB; the caller knows its batch size, this module does not); a nonzero reserve grows by
-    context_reserve_bytes past RESERVE_CTX tokens of context (the plan's reserve_bytes includes it).
-    """
-    if budget_bytes < 0 or n_ctx <= 0 or reserve_bytes < 0 or predictor_bytes < 0:
-        raise ValueError(
-            f"budget ({budget_bytes}), n_ctx ({n_ctx}), reserve ({reserve_bytes}) and "
-            f"predictors ({predictor_bytes}) must be positive"
-        )
-    if reserve_bytes:
-        reserve_bytes += context_reserve_bytes(info, n_ctx)
-    kv = estimate_kv_cache_bytes(info, n_ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
-    left = max(0, budget_bytes - info.dense_bytes - kv - reserve_bytes - predictor_bytes)
-    slot = sum(info.bytes_per_expert_by_layer.values())  # one expert in each MoE layer
-    slots = min(info.n_expert, left // slot) if slot else 0
-    return VramPlan(
-        budget_bytes=budget_bytes,
-        n_ctx=n_ctx,
-        dense_bytes=info.dense_bytes,
-        kv_cache_bytes=kv,
-        reserve_bytes=reserve_bytes,
-        expert_budget_bytes=left,
-        slot_bytes=slot,
-        experts_per_layer=int(slots),
-        n_moe_layers=len(info.moe_layers),
-        n_expert=info.n_expert if info.is_moe else 0,
-        predictor_bytes=predictor_bytes,
-        cache_type_k=cache_type_k,
-        cache_type_v=cache_type_v,
-    )
-
-
-def prefill_buffer_bytes(info: ModelInfo) -> int:
-    """The two prefill buffers of `--device-prefill`: each holds the largest MoE layer's experts."""
-    per_layer = [info.bytes_per_expert_by_layer[il] * info.n_expert for il in info.moe_layers]
-    return 2 * max(per_layer, default=0)
-
-
-def vram_reserve(info: ModelInfo, device_prefill: bool = False) -> int:
-    """VRAM kept out of the expert slots: VRAM_RESERVE for llama.cpp's compute buffers, and with `--device-prefill`
-    its two prefill buffers."""
-    return VRAM_RESERVE + (prefill_buffer_bytes(info) if device_prefill else 0)
-
-
-def slots_beside_prefill_buffers(
-    info: ModelInfo,
-    slots_per_layer: Mapping[int, int],
-    budget_bytes: int,
-    n_ctx: int,
-    *,
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
-) -> dict[int, int]:
-    """Slots per MoE layer once `--device-prefill`'s two buffers come out of the budget: the equal count the
-    smaller budget leaves, an unequal (dp) allocation scaled by the same ratio."""
-    kv: dict[str, Any] = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
-    equal = vram_plan(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, **kv).experts_per_layer
-    fewer = vram_plan(
-        info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, True), **kv
-    ).experts_per_layer
-    return {il: n * fewer // max(1, equal) for il, n in slots_per_layer.items()}
-
-
-def best_n_cpu_moe(
-    info: ModelInfo,
-    budget: int,
-    n_ctx: int,
-    *,
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
-) -> int | None:
-    """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit (beside a KV cache of
-    the given types); None: never fits."""
-    fixed = (
-        info.dense_bytes
-        + estimate_kv_cache_bytes(info, n_ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
-        + VRAM_RESERVE
-        + context_reserve_bytes(info, n_ctx)
-    )
-    layers = sorted(info.moe_layers)
-    per_layer = {il: info.bytes_per_expert_by_layer[il] * info.n_expert for il in layers}
-    for n in range(len(layers) + 1):
-        if fixed + sum(per_layer[il] for il in layers[n:]) <= budget:
-            return n
-    return None
 
 
 # --------------------------------------------------------------------------- sizes

@@ -20,15 +20,12 @@ import numpy as np
 
 from ..calibration.slot_plan import plan_allocation
 from ..errors import EdgeMoeError
-from ..gguf.info import (
-    VRAM_RESERVE,
-    ModelInfo,
-    best_n_cpu_moe,
-    read_model_info,
-    slots_beside_prefill_buffers,
-    vram_plan,
-)
+from ..gguf.header import check_gguf
+from ..gguf.info import ModelInfo, model_info
 from ..gguf.kv_types import KvCacheType
+from ..placement.budget import slots_beside_prefill_buffers
+from ..placement.planner import Device, budget_request
+from ..placement.planner import plan as plan_placement
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, calibrated_config
 from ..runtime.config import FlashAttn
@@ -156,10 +153,20 @@ def _measure(
 
 
 def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | None = None) -> BenchResult:
-    info = read_model_info(path)
+    header = check_gguf(path)
+    info = model_info(header)
     n_ctx = spec.n_ctx or int(np.ceil((spec.prompt_tokens + spec.gen_tokens + 16) / 256) * 256)
     dev = native.gpu_device()
     on_gpu = dev is not None
+    placement = plan_placement(
+        header,
+        budget_request(spec.vram),
+        n_ctx=n_ctx,
+        device=Device(native.device_name(dev)) if dev is not None else None,
+        flash_attn=spec.flash_attn,
+        cache_type_k=spec.cache_type_k,
+        cache_type_v=spec.cache_type_v,
+    )
     base = LoadConfig(
         n_ctx=n_ctx,
         n_batch=512,
@@ -173,9 +180,9 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
     kv: dict[str, Any] = {"cache_type_k": spec.cache_type_k, "cache_type_v": spec.cache_type_v}
     moe = tuple(info.moe_layers)
     cpu_moe = moe if on_gpu else None  # without a GPU everything is in CPU memory (and stock keeps repacking)
-    vplan = vram_plan(info, spec.vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, **kv)
-    slots = vplan.experts_per_layer
-    n_cpu = best_n_cpu_moe(info, spec.vram, n_ctx, **kv)
+    assert placement.budget is not None  # a request with a budget has its split
+    slots = placement.budget.experts_per_layer
+    n_cpu = placement.n_cpu_moe
     res = BenchResult(
         model=path.name,
         device=native.device_name(dev) if on_gpu else "CPU (no GPU in this build)",
@@ -211,7 +218,7 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
                 policy=pol,
                 calibration=spec.calibration,
                 slots_per_layer=slots,
-                budget_bytes=vplan.expert_budget_bytes,
+                budget_bytes=placement.budget.expert_budget_bytes,
             )
         except EdgeMoeError as err:  # reported as the policy's row, skipped
 

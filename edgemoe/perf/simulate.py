@@ -24,7 +24,10 @@ from typing import Any
 
 from ..analysis.trace import DECODE, PREFILL
 from ..errors import EdgeMoeError
-from ..gguf.info import VRAM_RESERVE, best_n_cpu_moe, slots_beside_prefill_buffers, vram_plan
+from ..gguf.header import check_gguf
+from ..placement.budget import slots_beside_prefill_buffers
+from ..placement.planner import Device, PlacementPlan, budget_request
+from ..placement.planner import plan as plan_placement
 from ..policies.assignment import split_share
 from ..policies.copy_queue import load_worker_default
 from ..policies.daop import DaopPolicy, precalc_targets
@@ -443,24 +446,25 @@ class SimResult:
 
 
 def plan_configs(
-    shape: ModelShape, prof: MachineProfile, spec: SimSpec
+    shape: ModelShape, prof: MachineProfile, spec: SimSpec, placement: PlacementPlan | None
 ) -> tuple[list[Config], int, int | None]:
-    """Stock placements and edgemoe policies at the budget; CPU only (no GPU in the profile, or --vram 0):
-    stock llama.cpp on the CPU and edgemoe on the CPU (its gate is the only difference)."""
+    """Stock placements and edgemoe policies at the budget, as `placement` (the model's at spec.vram and
+    spec.n_ctx) splits it; CPU only (no GPU in the profile, or --vram 0: placement None): stock llama.cpp on the
+    CPU and edgemoe on the CPU (its gate is the only difference)."""
     moe = shape.moe_layers
-    if not prof.has_gpu or spec.vram <= 0:
+    if placement is None:
         cfgs = [Config("stock-cpu", "stock"), Config("edgemoe-cpu", "edgemoe")]
         if spec.gated:
             cfgs.append(Config("edgemoe-cpu-gated", "edgemoe", gated=True))
         return cfgs, 0, None
-    plan = vram_plan(shape.info, spec.vram, n_ctx=spec.n_ctx, reserve_bytes=VRAM_RESERVE)
-    if not plan.dense_fits:
+    budget = placement.budget
+    if budget is None or not budget.dense_fits:
         return [], 0, None
-    slots = plan.experts_per_layer
+    slots = budget.experts_per_layer
     per_layer = dict(spec.slots) if spec.slots is not None else {il: slots for il in moe}
     # --device-prefill's two buffers come out of the slots' budget
-    prefill_slots = slots_beside_prefill_buffers(shape.info, per_layer, spec.vram, spec.n_ctx)
-    n_cpu = best_n_cpu_moe(shape.info, spec.vram, spec.n_ctx)
+    prefill_slots = slots_beside_prefill_buffers(shape.info, per_layer, spec.vram, placement.n_ctx)
+    n_cpu = placement.n_cpu_moe
     cfgs = [Config("stock-ot-exps-cpu", "stock")]
     if n_cpu is not None and n_cpu < len(moe):
         cfgs.append(Config(f"stock-n-cpu-moe-{n_cpu}", "stock", gpu_expert_layers=frozenset(moe[n_cpu:])))
@@ -610,13 +614,19 @@ def simulate(
     from ..policies.residency import load_frequency
     from .workload import build_workload
 
-    shape = ModelShape.read(model)
+    header = check_gguf(model)
+    shape = ModelShape.from_header(header)
     if spec.precalc is not None and not precalc_targets(shape.moe_layers, spec.precalc.first_layer):
         raise EdgeMoeError(
             f"no MoE layer from layer {spec.precalc.first_layer} on follows a MoE layer in "
             f"{shape.name} (MoE layers {list(shape.moe_layers)}): nothing to pre-calculate"
         )
-    cfgs, slots, n_cpu = plan_configs(shape, prof, spec)
+    placement = None
+    if prof.has_gpu and prof.gpu is not None and spec.vram > 0:
+        placement = plan_placement(
+            header, budget_request(spec.vram), n_ctx=spec.n_ctx, device=Device(prof.gpu.name)
+        )
+    cfgs, slots, n_cpu = plan_configs(shape, prof, spec, placement)
     notes = []
     if not cfgs:
         notes.append(f"the dense part and KV cache of {shape.name} do not fit {spec.vram / 2**30:.1f} GiB")

@@ -1,5 +1,5 @@
-"""Turn a CacheRequest into the engine's load config and its expert cache: slots from the budget, the whole-model
-case, first-use calibration, the allocation across layers, the assigner's costs."""
+"""Install what a PlacementPlan (edgemoe.placement.plan) decided on an open engine: first-use calibration on that
+engine, the allocation across layers, the policy's config record, the assigner's costs; adaptive top-k."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from ..calibration import auto
 from ..calibration.adaptive import GatingOptions, default_calibration_dir
 from ..calibration.slot_plan import describe, plan_allocation
 from ..gguf.header import GgufHeader
-from ..gguf.info import VRAM_RESERVE, ModelInfo, format_size, vram_plan, vram_reserve
-from ..policies.daop import precalc_targets
 from ..policies.residency import DALI_WINDOW
 from ..runtime import native
 from ..runtime.cache_config import (
@@ -25,76 +23,15 @@ from ..runtime.cache_config import (
     ManualConfig,
     PolicyConfig,
     StaticConfig,
-    checked_slots,
     policy_config,
 )
-from ..runtime.config import planned_ctx
-from ..runtime.engine import Engine, LoadConfig
+from ..runtime.engine import Engine
+from .planner import PlacementPlan, calibration_needs
 from .request import CacheRequest, PlacementError
 
 log = logging.getLogger(__name__)
 
 Notify = Callable[[str], None]  # where the notes for the user go (the CLI: stderr; the library: the log)
-
-
-def check_precalc_from(info: ModelInfo, first_layer: int) -> None:
-    """precalc_from must leave a MoE layer that follows a MoE layer (else it would do nothing)."""
-    moe = list(info.moe_layers)
-    if not precalc_targets(moe, first_layer):
-        raise PlacementError(
-            f"--precalc-from {first_layer}: no MoE layer from there on follows a MoE layer "
-            f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer"
-        )
-
-
-def slots_for(info: ModelInfo, req: CacheRequest, n_ctx: int, config: LoadConfig | None = None) -> int:
-    """Expert slots per MoE layer: the request's, or what its budget leaves after dense weights and the KV cache
-    (of `config`'s KV types; None: f16)."""
-    if req.expert_slots is not None:
-        return req.expert_slots
-    return vram_plan(
-        info,
-        req.vram or 0,
-        n_ctx=n_ctx,
-        reserve_bytes=vram_reserve(info, bool(req.device_prefill)),
-        **kv_types(config),
-    ).experts_per_layer
-
-
-def kv_types(config: LoadConfig | None) -> dict[str, Any]:
-    """vram_plan's KV type arguments of a load config (None: llama.cpp's default f16)."""
-    if config is None:
-        return {}
-    return {"cache_type_k": config.cache_type_k, "cache_type_v": config.cache_type_v}
-
-
-def whole_model_fits(
-    info: ModelInfo, req: CacheRequest, n_ctx: int, config: LoadConfig | None = None
-) -> bool:
-    """The budget holds the whole model: its dense part, the KV cache of n_ctx tokens (0: the engine's default; of
-    `config`'s KV types) and every expert of every MoE layer. It then runs on the GPU as stock llama.cpp's -ngl 999
-    does, without an expert cache, whose slots would hold every expert and only add graph nodes
-    (docs/research/performance-model.md: 0.85-1.0x)."""
-    if req.vram is None or not info.is_moe:
-        return False
-    return vram_plan(
-        info,
-        req.vram,
-        n_ctx=planned_ctx(n_ctx, info.n_ctx_train),
-        reserve_bytes=VRAM_RESERVE,
-        **kv_types(config),
-    ).all_experts_fit
-
-
-def load_config(base: LoadConfig, req: CacheRequest | None, info: ModelInfo) -> LoadConfig:
-    """The engine's LoadConfig with the cache's needs: on a GPU build, experts in CPU memory and the rest on the
-    GPU; every layer on the GPU where the budget holds the whole model. `info`: the model's (model_info of the
-    header the engine is given)."""
-    if req is None or not req.enabled or native.gpu_device() is None:
-        return base
-    if whole_model_fits(info, req, base.n_ctx, base):
-        return replace(base, n_gpu_layers=999)
-    return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))
 
 
 def calibration_for(
@@ -109,17 +46,10 @@ def calibration_for(
     """The given calibration directory, else the model's; calibrated on first use when a policy (static, daop:
     router frequencies; promoe, dali with a prefetcher: predictors) or alloc dp (a routing trace) needs it."""
     given = given or default_calibration_dir(model)
-    stages_for = auto.STAGES_FOR
-    needs = [(f"--policy {p}", stages_for["static"]) for p in ("static", "daop") if p in policies]
-    needs += [("--policy promoe", stages_for["predictors"])] if "promoe" in policies else []
-    needs += [("--dali-prefetch", stages_for["predictors"])] if dali_prefetch else []
-    needs += [("--alloc dp", stages_for["dp"])] if alloc == "dp" else []
-    if not needs:
+    what, stages = calibration_needs(policies, alloc, dali_prefetch)
+    if not stages:
         return given
-    stages = tuple(dict.fromkeys(s for _, ss in needs for s in ss))
-    return auto.ensure_calibration(
-        model, stages, " and ".join(w for w, _ in needs), given=given, n_threads=n_threads
-    )
+    return auto.ensure_calibration(model, stages, what, given=given, n_threads=n_threads)
 
 
 def enable_static_placement(engine: Engine, model: Path, slots: int, calibration: Path | None) -> None:
@@ -186,51 +116,32 @@ def policy_config_for(
 
 
 def install_cache(
-    engine: Engine, model: Path, req: CacheRequest, calibration: Path | None, *, notify: Notify = log.info
+    engine: Engine, req: CacheRequest, placement: PlacementPlan, *, notify: Notify = log.info
 ) -> None:
-    """Give an open engine the expert cache the request asks for (nothing where the budget holds the model)."""
-    if not req.enabled or not engine.info.is_moe:
+    """Give an engine opened with `placement.load` the expert cache the request asks for (nothing where the plan
+    has none: no request, a dense model, or a budget that holds the whole model), calibrating the model first on
+    that engine where its calibration lacks a stage the policy reads."""
+    if not placement.cache or placement.slots_per_layer is None:
         return
-    if whole_model_fits(engine.info, req, engine.config.n_ctx, engine.config):
-        where = (
-            "on the GPU"
-            if native.gpu_device() is not None
-            else "as stock llama.cpp does (no GPU in this build)"
+    need = placement.calibration
+    calibration = need.directory
+    if need.stages:  # made or completed on this engine (auto.ensure_calibration; nothing runs when complete)
+        calibration = auto.ensure_calibration(
+            engine.path,
+            need.stages,
+            need.what,
+            given=need.directory,
+            n_threads=engine.n_threads,
+            engine=engine,
         )
-        notify(
-            f"note: --vram {format_size(req.vram or 0)} holds the whole model (every expert of every MoE "
-            f"layer): it runs {where}, without an expert cache (--policy and the cache's options have "
-            "nothing to do); give --expert-slots N for a cache all the same"
-        )
-        return
-    if req.precalc_from is not None:
-        check_precalc_from(engine.info, req.precalc_from)
-    slots = slots_for(engine.info, req, engine.n_ctx, engine.config)
-    checked_slots(slots, list(engine.info.moe_layers), engine.info.n_expert)  # slots in range
-    calibration = calibration_for(
-        model,
-        (req.policy,),
-        req.alloc,
-        calibration,
-        n_threads=engine.n_threads,
-        dali_prefetch=req.dali_prefetch,
-    )
-    budget = None
-    if req.vram is not None:  # dp splits the same bytes; each layer's slot costs its own bytes per expert
-        budget = vram_plan(
-            engine.info,
-            req.vram,
-            n_ctx=engine.n_ctx,
-            reserve_bytes=vram_reserve(engine.info, bool(req.device_prefill)),
-            **kv_types(engine.config),
-        ).expert_budget_bytes
+    slots = placement.slots_per_layer
     plan = plan_allocation(
         engine.info,
         alloc=req.alloc,
         policy=req.policy,
         calibration=calibration,
         slots_per_layer=slots,
-        budget_bytes=budget,
+        budget_bytes=placement.expert_budget_bytes,
         dali_window=dali_window(req),
         dali_update=req.dali_update,
     )

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from ..gguf.header import check_gguf
-from ..gguf.info import model_info, parse_size
+from ..gguf.info import parse_size
 from ..gguf.kv_types import KvCacheType
+from ..runtime import native
 from ..runtime.config import FlashAttn
-from ..runtime.engine import Engine, LoadConfig
-from .install import Notify, install_cache, install_gating, load_config
+from ..runtime.engine import Engine
+from .install import Notify, install_cache, install_gating
+from .planner import Device, plan
 from .request import CacheRequest, cache_request
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ def open_engine(
     backend supports it) and the KV cache's types (LoadConfig's) go to the engine, and a budget's plan reserves
     the KV cache of those types. `gating`
     (edgemoe.calibration.adaptive.GatingOptions) turns on adaptive top-k. Notes for the user go to `notify`.
+    The placement is planned once from the file's header (edgemoe.placement.plan), before the model loads; a
+    policy whose calibration the model lacks is calibrated on this engine before its cache is installed.
 
         with edgemoe.open_engine("model.gguf", vram="8GiB") as engine:
             print(engine.generate("Hello", max_tokens=16).text)
@@ -50,31 +54,35 @@ def open_engine(
         cache = cache_request(vram=size, expert_slots=expert_slots, policy=policy)
     elif vram is not None or expert_slots is not None or policy is not None:
         raise TypeError("give the cache's options in `cache` or as vram/expert_slots/policy, not both")
-    header = check_gguf(path)  # once: the load config and the engine (and its expert cache) share it
-    base = LoadConfig(
-        n_threads=n_threads,
+    header = check_gguf(path)  # once: the plan and the engine (and its expert cache) share it
+    placement = plan(
+        header,
+        cache,
         n_ctx=n_ctx,
+        device=this_device(),
+        n_threads=n_threads,
         n_gpu_layers=n_gpu_layers,
         flash_attn=flash_attn,
         cache_type_k=cache_type_k,
         cache_type_v=cache_type_v,
+        calibration=calibration,
     )
-    engine = Engine(path, load_config(base, cache, model_info(header)), header=header)
-    if n_ctx and engine.n_ctx != n_ctx:
-        notify(
-            f"note: the context is {engine.n_ctx} tokens (llama.cpp sizes it in steps of 256; "
-            f"a context of {n_ctx} was asked)"
-        )
-    if not engine.info.is_moe:
-        notify(
-            f"note: {path.name} is a dense model (no routed experts); edgemoe's MoE "
-            "features are off and it runs as stock llama.cpp"
-        )
+    engine = Engine(path, placement.load, header=header)
+    for note in placement.notes:
+        notify(note)
     try:
-        if engine.info.is_moe:
-            install_cache(engine, path, cache, calibration, notify=notify)
+        install_cache(engine, cache, placement, notify=notify)
         install_gating(engine, gating, notify=notify)
     except BaseException:
         engine.close()
         raise
     return engine
+
+
+def this_device() -> Device | None:
+    """The GPU of this build as a plan's Device (None in a CPU-only build)."""
+    dev = native.gpu_device()
+    if dev is None:
+        return None
+    free, _total = native.device_memory(dev)
+    return Device(name=native.device_name(dev), free_bytes=free)

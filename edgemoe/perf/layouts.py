@@ -24,14 +24,17 @@ from ..analysis.routing_profile import routing_for_model
 from ..analysis.trace import Trace
 from ..calibration.slot_plan import RoutingTrace, plan_allocation
 from ..errors import EdgeMoeError
-from ..gguf.info import VRAM_RESERVE, ModelInfo, best_n_cpu_moe, read_model_info, size_arg, vram_plan
+from ..gguf.header import check_gguf
+from ..gguf.info import ModelInfo, model_info, size_arg
 from ..gguf.kv_types import KvCacheType
+from ..placement.planner import budget_request
+from ..placement.planner import plan as plan_placement
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 
 
 @dataclass
-class Plan:
+class Layouts:
     model: str
     budget_bytes: int
     n_ctx: int
@@ -58,21 +61,6 @@ class Plan:
         return asdict(self)
 
 
-def budget_for_slots(
-    info: ModelInfo,
-    slots: int,
-    n_ctx: int,
-    *,
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
-) -> int:
-    """The --vram that leaves `slots` expert slots in every MoE layer (beside a KV cache of the given types)."""
-    vp = vram_plan(
-        info, 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, cache_type_k=cache_type_k, cache_type_v=cache_type_v
-    )
-    return info.dense_bytes + vp.kv_cache_bytes + vp.reserve_bytes + slots * vp.slot_bytes
-
-
 def _calibration_trace(calibration: Path, info: ModelInfo) -> Trace:
     rt = RoutingTrace.load(calibration, info=info)
     ids = rt.ids.astype(np.int32)
@@ -87,7 +75,7 @@ def _calibration_trace(calibration: Path, info: ModelInfo) -> Trace:
     )
 
 
-def make_plan(
+def make_layouts(
     model: str | Path,
     *,
     vram: int,
@@ -99,15 +87,24 @@ def make_plan(
     routing: str | None = None,
     cache_type_k: KvCacheType = "f16",
     cache_type_v: KvCacheType = "f16",
-) -> Plan:
-    """The plan of `model` at `vram` bytes with a KV cache of `n_ctx` tokens of the given types; `routing`: a
-    bundled routing profile to project with instead of the calibration's trace (the module docstring says which
-    routing is used when)."""
-    info = read_model_info(model)
-    kv: dict[str, Any] = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
-    vp = vram_plan(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, **kv)
+) -> Layouts:
+    """What `vram` bytes hold of `model` (its PlacementPlan's split) and how its slots would serve each policy;
+    with a KV cache of `n_ctx` tokens of the given types; `routing`: a bundled routing profile to project with instead
+    of the calibration's trace (the module docstring says which routing is used when)."""
+    header = check_gguf(model)
+    info = model_info(header)
+    placement = plan_placement(
+        header,
+        budget_request(vram),
+        n_ctx=n_ctx,
+        device=None,
+        cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v,
+    )
+    vp = placement.budget
+    assert vp is not None  # a request with a budget has its split
     moe = list(info.moe_layers)
-    plan = Plan(
+    lay = Layouts(
         model=Path(model).name,
         budget_bytes=vram,
         n_ctx=n_ctx,
@@ -119,16 +116,16 @@ def make_plan(
         },
         slot_bytes=vp.slot_bytes,
         slots_per_layer={"equal": [vp.experts_per_layer] * len(moe), "dp": None},
-        n_cpu_moe=best_n_cpu_moe(info, vram, n_ctx, **kv),
+        n_cpu_moe=placement.n_cpu_moe,
         profile=profile.name if profile else "",
     )
     if not vp.dense_fits:
-        plan.notes.append(
+        lay.notes.append(
             f"the dense weights, the KV cache of {n_ctx} tokens and the {vp.reserve_bytes >> 20} MiB "
             f"reserve need {(vp.dense_bytes + vp.kv_cache_bytes + vp.reserve_bytes) / 2**30:.2f} GiB: "
             "raise --vram or lower --ctx"
         )
-        return plan
+        return lay
     dp: dict[str, dict[int, int]] = {}
     for pol in policies:
         a = plan_allocation(
@@ -141,38 +138,38 @@ def make_plan(
         )
         if a.alloc == "dp":
             dp[pol] = a.slots
-        elif a.note and a.note not in plan.notes:
-            plan.notes.append(a.note)
+        elif a.note and a.note not in lay.notes:
+            lay.notes.append(a.note)
     if dp:  # the first policy's DP slots are the table's; each policy row uses its own
-        plan.slots_per_layer["dp"] = [next(iter(dp.values()))[il] for il in moe]
+        lay.slots_per_layer["dp"] = [next(iter(dp.values()))[il] for il in moe]
     if trace is not None:
-        plan.routing_profile = trace.meta.get("routing")
-        plan.routing = (
-            f"a synthetic trace of the {plan.routing_profile} routing profile ({trace.n_tokens} tokens)"
-            if plan.routing_profile
+        lay.routing_profile = trace.meta.get("routing")
+        lay.routing = (
+            f"a synthetic trace of the {lay.routing_profile} routing profile ({trace.n_tokens} tokens)"
+            if lay.routing_profile
             else f"trace of {trace.meta.get('model', '?')} ({trace.n_tokens} tokens)"
         )
     elif routing is None and calibration is not None:
         try:
             trace = _calibration_trace(calibration, info)
-            plan.routing = f"the calibration's routing trace ({calibration}; in-sample for static and dp)"
+            lay.routing = f"the calibration's routing trace ({calibration}; in-sample for static and dp)"
         except EdgeMoeError as err:
-            plan.notes.append(str(err))
+            lay.notes.append(str(err))
     if trace is None:
         drawn = routing_for_model(info.n_expert, info.n_expert_used, len(moe), name=routing)
-        trace, plan.routing, plan.routing_profile = drawn.trace, drawn.describe(), drawn.profile.name
+        trace, lay.routing, lay.routing_profile = drawn.trace, drawn.describe(), drawn.profile.name
         if drawn.profile.toy:
-            plan.notes.append(
+            lay.notes.append(
                 f"{drawn.profile.name} is a TOY routing (a tiny trained fixture's), far less local "
                 "than real models'"
             )
     speeds = profile is not None and profile.has_gpu
     if not speeds:
-        plan.notes.append(
+        lay.notes.append(
             "no GPU profile: hit rates only; pass --profile with a GPU machine's profile "
             "(`edgemoe profile` on it, or a bundled one: rtx4060-laptop, rtx4090-desktop, h100-server)"
         )
-        plan.profile = ""
+        lay.profile = ""
     for alloc in ("equal", "dp"):
         for pol in policies:
             slots = dp.get(pol) if alloc == "dp" else None
@@ -186,7 +183,7 @@ def make_plan(
             for c in res.configs:
                 if c.kind == "stock" and alloc == "dp":
                     continue
-                if c.kind == "stock" and any(r["config"] == c.name for r in plan.expected):
+                if c.kind == "stock" and any(r["config"] == c.name for r in lay.expected):
                     continue
                 row: dict[str, Any] = {
                     "config": c.name,
@@ -196,20 +193,20 @@ def make_plan(
                 }
                 if speeds:
                     row.update(decode_tps=c.decode_tps, prefill_tps=c.prefill_tps, projected=True)
-                plan.expected.append(row)
-            if res.workload_note and res.workload_note not in plan.notes:
-                plan.notes.append(res.workload_note)
-    if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (placement.whole_model_fits)
-        plan.notes.append(
+                lay.expected.append(row)
+            if res.workload_note and res.workload_note not in lay.notes:
+                lay.notes.append(res.workload_note)
+    if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (PlacementPlan.whole_model_fits)
+        lay.notes.append(
             "this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
             "llama.cpp's -ngl 999 does, without an expert cache (the rows above are what one would do)"
         )
     else:
-        plan.suggestion = suggest(plan.expected, model=str(model), vram=vram, n_ctx=n_ctx)
-    plan.notes.append(
+        lay.suggestion = suggest(lay.expected, model=str(model), vram=vram, n_ctx=n_ctx)
+    lay.notes.append(
         "promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)"
     )
-    return plan
+    return lay
 
 
 def suggest(expected: list[dict[str, Any]], *, model: str, vram: int, n_ctx: int) -> dict[str, Any] | None:
@@ -248,7 +245,7 @@ def _hit_rate_only() -> MachineProfile:
     return load_profile("rtx4060-laptop")
 
 
-def format_plan(plan: Plan) -> str:
+def format_layouts(plan: Layouts) -> str:
     gib = 2**30
     f = plan.fits
     lines = [

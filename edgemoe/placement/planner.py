@@ -1,0 +1,231 @@
+"""edgemoe.placement.plan(): a model, a cache request, a context and a target device to one PlacementPlan, computed once, before
+anything is loaded: the engine's load config, whether the whole model fits the budget, the expert slots and what
+the budget holds at the engine's context, the calibration stages still to make, and the notes for the user.
+
+open_engine loads from it; `edgemoe inspect`, `plan`, bench and simulate print or consume it. It calls no
+native library: the device is a plain description (this_device() makes the one of this build). As vLLM sizes its
+KV cache: free memory measured once, turned into one config, handed to everything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..calibration import auto
+from ..calibration.adaptive import default_calibration_dir
+from ..gguf.header import GgufHeader
+from ..gguf.info import ModelInfo, format_size, model_info
+from ..gguf.kv_types import KvCacheType
+from ..policies.daop import precalc_targets
+from ..runtime.cache_config import checked_slots
+from ..runtime.config import FlashAttn, LoadConfig
+from .budget import (
+    SlotBudget,
+    best_n_cpu_moe,
+    context_reserve_bytes,
+    engine_ctx,
+    estimate_kv_cache_bytes,
+    prefill_buffer_bytes,
+    slot_budget,
+    vram_reserve,
+)
+from .request import CacheRequest, PlacementError, cache_request
+
+
+@dataclass(frozen=True)
+class Device:
+    """The GPU a plan places on (None in its place: a CPU-only build, where the cache runs on a CPU stand-in)."""
+
+    name: str  # the ggml device's name, e.g. "CUDA0"
+    free_bytes: int | None = None  # its free memory when measured (None: not measured)
+
+
+@dataclass(frozen=True)
+class CalibrationNeed:
+    """What the request's policy and allocation read from a calibration, and what the model's lacks."""
+
+    what: str  # the options that need it, for messages ("--policy static and --alloc dp"); "" when none
+    stages: tuple[str, ...]  # every stage they read
+    missing: tuple[str, ...]  # the stages the calibration directory does not have (all, when there is none)
+    directory: Path | None  # the directory given, else the model's (None: it has none yet)
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """How a model is placed for a cache request at a context; made by plan(), once per open."""
+
+    load: LoadConfig  # the engine's load config (n_ctx as asked: llama.cpp pads it to n_ctx below)
+    n_ctx: int  # the context the engine gets: the model's default for 0, in llama.cpp's steps of 256
+    is_moe: bool
+    device: Device | None  # the GPU it places on (None: no GPU; a cache then runs on a CPU stand-in)
+    whole_model_fits: bool  # the budget holds every weight: loaded as stock -ngl 999, without an expert cache
+    cache: bool  # an expert cache is installed
+    slots_per_layer: int | None  # equal expert slots per MoE layer (None: no cache)
+    slot_bytes: int  # one expert slot in every MoE layer together
+    kv_cache_bytes: int  # the KV cache at n_ctx
+    reserve_bytes: int  # compute buffers at n_ctx (and --device-prefill's two buffers): kept out of the slots
+    budget: SlotBudget | None  # how the request's budget splits at n_ctx (None: no --vram)
+    n_cpu_moe: int | None  # stock llama.cpp's best --n-cpu-moe at the budget (None: no budget, or never fits)
+    calibration: CalibrationNeed
+    notes: tuple[str, ...]  # for the user, in order (open_engine sends them to `notify`)
+
+    @property
+    def expert_budget_bytes(self) -> int | None:
+        """The bytes the budget leaves the expert slots (None without a budget): dp splits the same bytes."""
+        return self.budget.expert_budget_bytes if self.budget is not None else None
+
+
+def budget_request(vram: int) -> CacheRequest:
+    """A request for the budget's split alone (inspect, plan, bench and simulate project every policy
+    themselves): the manual policy, which reads no calibration."""
+    return cache_request(vram=vram, policy="manual")
+
+
+def plan(
+    header: GgufHeader,
+    request: CacheRequest | None,
+    *,
+    n_ctx: int,
+    device: Device | None,
+    n_threads: int = 0,
+    n_gpu_layers: int = 0,
+    flash_attn: FlashAttn = "auto",
+    cache_type_k: KvCacheType = "f16",
+    cache_type_v: KvCacheType = "f16",
+    calibration: Path | None = None,
+) -> PlacementPlan:
+    """The placement of `header`'s model for `request` (None: stock llama.cpp) at a context of `n_ctx` tokens (0:
+    the model's, at most 4096) on `device` (None: no GPU), with flash attention and the KV cache's types as
+    LoadConfig takes them (the budget reserves a KV cache of those types). `calibration`: the directory to use
+    (None: the model's). Raises PlacementError for a request this model cannot run, before anything is loaded."""
+    info = model_info(header)
+    req = request if request is not None and request.enabled else None
+    ctx = engine_ctx(n_ctx, info.n_ctx_train)
+    prefill = bool(req and req.device_prefill)
+    reserve = vram_reserve(info, prefill) + context_reserve_bytes(info, ctx)
+    kv: dict[str, Any] = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
+    budget = None
+    if req is not None and req.vram is not None:
+        budget = slot_budget(info, req.vram, n_ctx=ctx, reserve_bytes=vram_reserve(info, prefill), **kv)
+    whole = bool(req and info.is_moe and budget is not None and _holds_every_expert(info, budget, prefill))
+    cache = req is not None and info.is_moe and not whole
+    slots = _slots(info, req, budget) if cache and req is not None else None
+    base = LoadConfig(
+        n_threads=n_threads, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn, **kv
+    )
+    return PlacementPlan(
+        load=_load_config(base, info, req, device, whole),
+        n_ctx=ctx,
+        is_moe=info.is_moe,
+        device=device,
+        whole_model_fits=whole,
+        cache=cache,
+        slots_per_layer=slots,
+        slot_bytes=sum(info.bytes_per_expert_by_layer.values()),
+        kv_cache_bytes=estimate_kv_cache_bytes(info, ctx, **kv),
+        reserve_bytes=reserve,
+        budget=budget,
+        n_cpu_moe=best_n_cpu_moe(info, req.vram, ctx, **kv)
+        if req is not None and req.vram is not None
+        else None,
+        calibration=_calibration(header.path, req, calibration) if cache and req is not None else _NO_NEED,
+        notes=tuple(_notes(header.path, info, req, n_ctx, ctx, whole, device)),
+    )
+
+
+_NO_NEED = CalibrationNeed(what="", stages=(), missing=(), directory=None)
+
+
+def check_precalc_from(info: ModelInfo, first_layer: int) -> None:
+    """precalc_from must leave a MoE layer that follows a MoE layer (else it would do nothing)."""
+    moe = list(info.moe_layers)
+    if not precalc_targets(moe, first_layer):
+        raise PlacementError(
+            f"--precalc-from {first_layer}: no MoE layer from there on follows a MoE layer "
+            f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer"
+        )
+
+
+def _holds_every_expert(info: ModelInfo, budget: SlotBudget, prefill: bool) -> bool:
+    """The budget holds the whole model: its dense part, the KV cache and every expert of every MoE layer, with
+    llama.cpp's compute reserve (and no --device-prefill buffers: the whole model on the GPU needs none). It then
+    runs as stock llama.cpp's -ngl 999 does, without an expert cache, whose slots would hold every expert and
+    only add graph nodes (docs/research/performance-model.md: 0.85-1.0x)."""
+    fixed = budget.dense_bytes + budget.kv_cache_bytes + budget.reserve_bytes + budget.predictor_bytes
+    fixed -= prefill_buffer_bytes(info) if prefill else 0
+    return budget.budget_bytes - fixed >= info.n_expert * budget.slot_bytes
+
+
+def _slots(info: ModelInfo, req: CacheRequest, budget: SlotBudget | None) -> int:
+    """Expert slots per MoE layer, the request's or what its budget leaves, checked in range; the request's
+    precalc_from checked against the model's MoE layers."""
+    if req.precalc_from is not None:
+        check_precalc_from(info, req.precalc_from)
+    slots = req.expert_slots if req.expert_slots is not None else budget.experts_per_layer if budget else 0
+    checked_slots(slots, list(info.moe_layers), info.n_expert)
+    return slots
+
+
+def _load_config(
+    base: LoadConfig, info: ModelInfo, req: CacheRequest | None, device: Device | None, whole: bool
+) -> LoadConfig:
+    """On a GPU with a cache request: every layer on the GPU, and the experts in CPU memory unless the budget
+    holds the whole model."""
+    if req is None or device is None:
+        return base
+    if whole:
+        return replace(base, n_gpu_layers=999)
+    return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))
+
+
+def calibration_needs(
+    policies: tuple[str, ...], alloc: str | None, dali_prefetch: int | None
+) -> tuple[str, tuple[str, ...]]:
+    """What the policies and the allocation read from a calibration: the options that need it, for messages, and
+    the stages (static, daop: router frequencies; promoe, dali with a prefetcher: predictors; dp: a routing
+    trace). ("", ()) when nothing is needed."""
+    stages_for = auto.STAGES_FOR
+    needs = [(f"--policy {p}", stages_for["static"]) for p in ("static", "daop") if p in policies]
+    needs += [("--policy promoe", stages_for["predictors"])] if "promoe" in policies else []
+    needs += [("--dali-prefetch", stages_for["predictors"])] if dali_prefetch else []
+    needs += [("--alloc dp", stages_for["dp"])] if alloc == "dp" else []
+    stages = tuple(dict.fromkeys(s for _, ss in needs for s in ss))
+    return " and ".join(w for w, _ in needs), stages
+
+
+def _calibration(model: Path, req: CacheRequest, given: Path | None) -> CalibrationNeed:
+    what, stages = calibration_needs((req.policy,), req.alloc, req.dali_prefetch)
+    directory = given or default_calibration_dir(model)
+    missing = auto.missing_stages(directory, stages) if stages else ()
+    return CalibrationNeed(what=what, stages=stages, missing=missing, directory=directory)
+
+
+def _notes(
+    model: Path,
+    info: ModelInfo,
+    req: CacheRequest | None,
+    n_ctx: int,
+    ctx: int,
+    whole: bool,
+    device: Device | None,
+) -> list[str]:
+    notes = []
+    if n_ctx and ctx != n_ctx:
+        notes.append(
+            f"note: the context is {ctx} tokens (llama.cpp sizes it in steps of 256; a context of {n_ctx} was asked)"
+        )
+    if not info.is_moe:
+        notes.append(
+            f"note: {model.name} is a dense model (no routed experts); edgemoe's MoE "
+            "features are off and it runs as stock llama.cpp"
+        )
+    if whole and req is not None:
+        where = "on the GPU" if device is not None else "as stock llama.cpp does (no GPU in this build)"
+        notes.append(
+            f"note: --vram {format_size(req.vram or 0)} holds the whole model (every expert of every MoE "
+            f"layer): it runs {where}, without an expert cache (--policy and the cache's options have "
+            "nothing to do); give --expert-slots N for a cache all the same"
+        )
+    return notes
