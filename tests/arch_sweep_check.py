@@ -146,7 +146,7 @@ def _cache_run(path: Path, toks: list[int], n_decode: int, slots: int | None, po
         stats = cache.stats() if cache is not None else None
         if cache is not None:
             stats["n_host_syncs"] = eng.control_stats()["n_host_syncs"]
-            stats.update(eng.cache.report())  # the prefetcher's, the assigner's, the degradation's counters
+            stats.update(eng.experts.report())  # the prefetcher's, the assigner's, the degradation's counters
     return np.stack(rows), stats
 
 

@@ -159,7 +159,7 @@ def main(path: Path) -> dict[str, object]:
             cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=LruConfig(),
                                                         async_loads=True), device=dev)
             if n_staging:
-                assert native.moe_cache_set_staging(eng._ctx, n_staging, True) == 0
+                assert native.moe_cache_set_staging(eng.handle.ctx, n_staging, True) == 0
             got = run(eng, toks)
             out[f"staging_{n_staging}"] = {"equal": same(got, stock_layout), **cache.stats()}
 
@@ -168,7 +168,7 @@ def main(path: Path) -> dict[str, object]:
     with Engine(path, gpu_layout) as eng:
         cache = eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=ManualConfig(),
                                                     async_loads=True), device=dev)
-        assert native.moe_cache_set_staging(eng._ctx, 2, True) == 0  # two staging buffers, reused all the time
+        assert native.moe_cache_set_staging(eng.handle.ctx, 2, True) == 0  # two staging buffers, reused all the time
 
         def churn() -> None:
             for il in layers:
@@ -204,11 +204,11 @@ def main(path: Path) -> dict[str, object]:
                                                 async_loads=async_loads), device=dev)
             eng.reset_control_stats()
             got = run(eng, toks)
-            native.moe_cache_sync(eng._ctx)
+            native.moe_cache_sync(eng.handle.ctx)
             ctl = eng.control_stats()
-            out[f"promoe_worker_{async_loads}"] = {"equal": same(got, stock_layout), **eng.cache.cache.stats(),
-                                                   "prefetch": eng.cache.report()["prefetch"],
-                                                   "hook": eng._hooks is not None,
+            out[f"promoe_worker_{async_loads}"] = {"equal": same(got, stock_layout), **eng.experts.stats(),
+                                                   "prefetch": eng.experts.report()["prefetch"],
+                                                   "hook": eng.routing.hooks is not None,
                                                    "n_host_syncs": ctl["n_host_syncs"], "n_overlap": ctl["n_overlap"],
                                                    "n_ubatch": ctl["n_ubatch"]}
     # the scheduler overlap: with the callback's stops, the device's experts still overlap the CPU's; off: none
@@ -235,7 +235,7 @@ def main(path: Path) -> dict[str, object]:
                                             prefill_min_tokens=8, prefill_ahead="predicted"), device=dev)
         got = run(eng, toks)
         out["prefill_promoe_predicted"] = {"equal": same(got, stock_layout),
-                                           "prefill": eng.cache.cache.prefill_stats()}
+                                           "prefill": eng.experts.prefill_stats()}
 
     # DAOP's pre-calculation with the cache on the device: its tables and the predicted ids come from
     # the device, the early experts and the two ops run on the CPU; the CPU stand-in's logits and counters

@@ -101,11 +101,11 @@ def test_native_settings_refuse_what_they_cannot_use(fixture_model: Path) -> Non
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         eng.enable_expert_cache(CacheConfig(4, policy=ManualConfig()))
-        assert native.moe_cache_set_window_replacement(eng._ctx, 0, 1) == -1
-        assert native.moe_cache_set_window_replacement(eng._ctx, 4, 0) == -1
-        assert native.moe_cache_set_window_replacement(eng._ctx, 4, 2) == 0
+        assert native.moe_cache_set_window_replacement(eng.handle.ctx, 0, 1) == -1
+        assert native.moe_cache_set_window_replacement(eng.handle.ctx, 4, 0) == -1
+        assert native.moe_cache_set_window_replacement(eng.handle.ctx, 4, 2) == 0
         # staging buffers: a negative count is refused; on the stand-in (no copy stream) any count is accepted
-        assert native.moe_cache_set_staging(eng._ctx, -1) == -1 and native.moe_cache_set_staging(eng._ctx, 2) == 0
+        assert native.moe_cache_set_staging(eng.handle.ctx, -1) == -1 and native.moe_cache_set_staging(eng.handle.ctx, 2) == 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "dali", "static"])

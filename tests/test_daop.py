@@ -200,12 +200,12 @@ def test_daop_generates_as_stock_and_its_counters_equal_the_replay(fixture_model
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         cache = eng.enable_expert_cache(CacheConfig(n_expert // 4,
                                                     policy=DaopConfig(blocking=blocking, calibration=cal)))
-        assert cache is not None and isinstance(eng.cache.policy, DaopPolicy)
+        assert cache is not None and isinstance(eng.experts.policy, DaopPolicy)
         eng.set_policies([recorder])  # runs before the cache controller, sees the same ids
         got = eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True).tokens
         cache.sync()
         st = cache.stats()
-        live = eng.cache.policy
+        live = eng.experts.policy
         n_slots = dict(cache.n_slots)
     assert got == ref
     sim = replay_policy(make_policy("daop", n_slots, blocking=blocking, calibration=cal, n_expert=n_expert),
@@ -251,8 +251,8 @@ def test_native_daop_refuses_a_threshold_below_one(fixture_model: Path) -> None:
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         eng.enable_expert_cache(CacheConfig(2, policy=ManualConfig()))
-        assert native.moe_cache_set_prompt_swap(eng._ctx, 0.99) == -1
-        assert native.moe_cache_set_prompt_swap(eng._ctx, 1.0) == 0
+        assert native.moe_cache_set_prompt_swap(eng.handle.ctx, 0.99) == -1
+        assert native.moe_cache_set_prompt_swap(eng.handle.ctx, 1.0) == 0
 
 
 def test_degradation_in_a_generation_changes_only_non_resident_picks(fixture_model: Path) -> None:
@@ -265,12 +265,12 @@ def test_degradation_in_a_generation_changes_only_non_resident_picks(fixture_mod
         wants_gate_inp = False
 
         def on_route(self, r: RouteRecord) -> None:
-            seen.append((r.layer, eng.cache.policy.resident(r.layer)))
+            seen.append((r.layer, eng.experts.policy.resident(r.layer)))
 
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         n_expert = eng.info.n_expert
         eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=DaopConfig(calibration=cal)))
-        deg = GracefulDegradation(eng.cache.policy, ratio=0.5)
+        deg = GracefulDegradation(eng.experts.policy, ratio=0.5)
         eng.set_policies([before, Snapshot(), deg, after])
         eng.generate(TEXT[:80], max_tokens=32, sampling=GREEDY, ignore_eog=True)
     a = [ids for step in before.steps for _, ids in step]

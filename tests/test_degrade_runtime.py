@@ -21,7 +21,7 @@ def _run(path: Path, cache: CacheConfig | None) -> tuple[list[int], dict | None]
         if cache is not None:
             eng.enable_expert_cache(cache)
         toks = eng.generate(TEXT[:80], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
-        return toks, (dict(eng.cache.cache.stats(), **eng.cache.report()) if eng.cache is not None else None)
+        return toks, (dict(eng.experts.stats(), **eng.experts.report()) if eng.experts is not None else None)
 
 
 def test_degradation_moves_cpu_experts_to_resident_ones(fixture_model: Path) -> None:

@@ -113,9 +113,9 @@ def test_what_is_copied_ahead(fixture_model: Path) -> None:
 
 def test_refusals(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        assert native.moe_cache_set_prefill(eng._ctx, 8) == -1  # no cache
+        assert native.moe_cache_set_prefill(eng.handle.ctx, 8) == -1  # no cache
         c = eng.enable_expert_cache(CacheConfig(2, policy=LruConfig()))
-        assert native.moe_cache_set_prefill(eng._ctx, -1) == -1
+        assert native.moe_cache_set_prefill(eng.handle.ctx, -1) == -1
         with pytest.raises(ExpertCacheError, match="ahead"):
             c.set_prefill(8, "sometimes")
         with pytest.raises(ExpertCacheError, match="0 \\(off\\)"):

@@ -166,7 +166,7 @@ def test_new_hook_is_set_before_the_old_one_is_freed(monkeypatch: pytest.MonkeyP
 
     with Engine(FIXTURE_MODELS[0], LoadConfig(n_ctx=128)) as eng:
         eng.set_policies([FnPolicy(lambda r: None)])
-        old = weakref.ref(eng._hooks)
+        old = weakref.ref(eng.routing.hooks)
         alive_at_switch: list[bool] = []
         real = native.moe_set_hook
 

@@ -16,7 +16,8 @@ from edgemoe.errors import InvalidConfigError
 from edgemoe.gguf.info import read_model_info
 from edgemoe.placement.budget import VRAM_RESERVE, estimate_kv_cache_bytes, slot_budget
 from edgemoe.gguf.kv_types import KV_CACHE_TYPES, kv_bytes
-from edgemoe.runtime.engine import Engine, LoadConfig, flash_attn_resolved
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.handle import flash_attn_resolved
 from edgemoe.runtime.sampling import GREEDY
 
 MODEL = FIXTURE_MODELS[0]

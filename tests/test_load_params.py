@@ -106,7 +106,7 @@ def test_cpu_expert_override_list_is_llama_cpps_own(recorded: dict) -> None:
     with Engine(path, LoadConfig(n_ctx=256, n_threads=2, n_gpu_layers=999, cpu_expert_layers=(0, 1))) as eng:
         params = recorded["model"][0]
         addr = _fields(params)["tensor_buft_overrides"]
-        assert addr == ctypes.addressof(eng._buft_overrides)
+        assert addr == ctypes.addressof(eng.handle.buft_overrides)
         entries = (native.TensorBuftOverride * 3).from_address(addr)
         assert entries[0].pattern == rb"^blk\.(0|1)\.ffn_(gate_up|up|gate|down)_exps"
         assert entries[0].buft == ggml_graph.device_buffer_type(ggml_graph.cpu_device())

@@ -96,7 +96,7 @@ def test_engine_runs_the_assignment_as_stock_and_as_replayed(fixture_model: Path
         eng.set_policies([recorder])
         got = eng.generate(TEXT[:80], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
         cache.sync()
-        st, report = cache.stats(), eng.cache.report()
+        st, report = cache.stats(), eng.experts.report()
         n_slots = dict(cache.n_slots)
     assert got == want
     pol = AssignedPolicy(LruPolicy(n_slots), costs, make_assigner("ratio"))

@@ -41,10 +41,10 @@ def test_a_request_without_budget_is_not_enabled() -> None:
 def test_open_engine_runs_the_requested_cache_and_keeps_stock_tokens() -> None:
     notes: list[str] = []
     with open_engine(MODEL, n_ctx=256) as stock:
-        assert stock.cache is None
+        assert stock.experts is None
         want = stock.generate("ROMEO:", max_tokens=8, sampling=GREEDY).tokens
     with open_engine(MODEL, expert_slots=2, policy="lru", n_ctx=256, notify=notes.append) as eng:
-        assert eng.cache is not None and type(eng.cache.policy).__name__ == "LruPolicy"
+        assert eng.experts is not None and type(eng.experts.policy).__name__ == "LruPolicy"
         assert eng.generate("ROMEO:", max_tokens=8, sampling=GREEDY).tokens == want
     assert any(n.startswith("expert cache:") and "policy lru" in n for n in notes), notes
 
@@ -52,7 +52,7 @@ def test_open_engine_runs_the_requested_cache_and_keeps_stock_tokens() -> None:
 def test_open_engine_parses_a_size_and_refuses_two_ways_of_asking() -> None:
     notes: list[str] = []
     with open_engine(MODEL, vram="64GiB", n_ctx=256, notify=notes.append) as eng:
-        assert eng.cache is None  # 64 GiB holds the whole tiny model: stock layout, no cache
+        assert eng.experts is None  # 64 GiB holds the whole tiny model: stock layout, no cache
     assert any("holds the whole model" in n for n in notes), notes
     with pytest.raises(TypeError, match="not both"):
         open_engine(MODEL, cache=cache_request(expert_slots=2), policy="lru")
@@ -75,13 +75,13 @@ def test_open_engine_parses_the_header_once(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(header, "_parse_header", counted)
     with open_engine(MODEL, vram=budget, policy="lru", n_ctx=256) as eng:
-        assert eng.cache is not None and eng.cache.cache.n_slots  # a cache, not the whole model on the GPU
+        assert eng.experts is not None and eng.experts.n_slots  # a cache, not the whole model on the GPU
     assert parses == [MODEL]
     # --assign's cost model reads the shape from the same header
     parses.clear()
     req = cache_request(vram=budget, policy="lru", assign="ratio", profile="rtx4060-laptop")
     with open_engine(MODEL, cache=req, n_ctx=256) as eng:
-        assert eng.cache is not None
+        assert eng.experts is not None
     assert parses == [MODEL]
 
 

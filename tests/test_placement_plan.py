@@ -142,7 +142,7 @@ def test_open_engine_splits_the_budget_once(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(plan_module, "slot_budget", counted)
     monkeypatch.setattr(budget_module, "slot_budget", counted)
     with open_engine(QWEN, vram=vram, policy="lru", n_ctx=256) as eng:
-        assert eng.cache is not None and eng.cache.cache.n_slots
+        assert eng.experts is not None and eng.experts.n_slots
     assert len(calls) == 1
 
 
@@ -163,7 +163,7 @@ def test_first_use_calibration_opens_one_engine(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(Engine, "__init__", counted)
     notes: list[str] = []
     with open_engine(model, expert_slots=4, policy="static", n_ctx=256, n_threads=1, notify=notes.append) as eng:
-        assert eng.cache is not None and type(eng.cache.policy).__name__ == "StaticPolicy"
+        assert eng.experts is not None and type(eng.experts.policy).__name__ == "StaticPolicy"
     assert opened == [model]
     assert (tmp_path / "cache" / "calibration").is_dir()
     assert any("policy static" in n for n in notes), notes

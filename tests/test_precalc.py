@@ -47,12 +47,12 @@ def _stepped(path: Path, resident: int | None, first: int | None, n: int = 36) -
         st = None
         if resident is not None:
             _manual(eng, resident)
-            assert eng.cache is not None
-            eng.cache.cache.set_precalc(first)
-            eng.cache.cache.reset_stats()
+            assert eng.experts is not None
+            eng.experts.set_precalc(first)
+            eng.experts.reset_stats()
         logits = stepped_logits(eng, eng.tokenize(TEXT)[:n], PROMPT)
-        if eng.cache is not None:
-            st = eng.cache.cache.precalc_stats()
+        if eng.experts is not None:
+            st = eng.experts.precalc_stats()
         return logits, st
 
 
@@ -129,16 +129,16 @@ def test_precalc_on_random_architectures(preset: str, make_tiny_gguf) -> None:
 
 def test_refusals_and_report(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        assert native.moe_cache_set_precalc(eng._ctx, 1, 1) == -1  # no cache
+        assert native.moe_cache_set_precalc(eng.handle.ctx, 1, 1) == -1  # no cache
         c = eng.enable_expert_cache(CacheConfig(2, policy=LruConfig(), precalc_from=3))
         assert c is not None and c.precalc == (3, 1)
-        assert native.moe_cache_set_precalc(eng._ctx, 1, -1) == -1
+        assert native.moe_cache_set_precalc(eng.handle.ctx, 1, -1) == -1
         with pytest.raises(ExpertCacheError, match="layer >= 1"):
             c.set_precalc(0)
         with pytest.raises(ExpertCacheError, match="1 or more"):
             c.set_precalc(2, 0)
         eng.generate("The list type", max_tokens=4)
-        rep = eng.cache.report()["precalc"]
+        rep = eng.experts.report()["precalc"]
         assert rep["first_layer"] == 3 and rep["layers"] > 0 and rep["used"] + rep["late"] > 0, rep
 
 

@@ -139,7 +139,7 @@ def test_predictions_without_a_predictor_and_bad_arguments(fixture_model: Path) 
     preds = _predictors(fixture_model, "mlp", 1)
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         il = eng.info.moe_layers[-1]
-        assert native._moe_get_predictions(eng._ctx, il, None, 0) == -1
+        assert native._moe_get_predictions(eng.handle.ctx, il, None, 0) == -1
         with pytest.raises(EdgeMoeError, match="no predictor"):
             eng.predictions(il)
         assert eng.predictor_bytes() == 0
@@ -147,14 +147,14 @@ def test_predictions_without_a_predictor_and_bad_arguments(fixture_model: Path) 
         assert eng.predictions(il).shape == (0, default_n_out(eng.info.n_expert_used))  # before any decode
         assert eng.predictor_bytes() == device_bytes(preds, n_out=default_n_out(eng.info.n_expert_used))
         eng.set_predictors([])
-        assert eng.predictor_bytes() == 0 and native._moe_get_predictions(eng._ctx, il, None, 0) == -1
+        assert eng.predictor_bytes() == 0 and native._moe_get_predictions(eng.handle.ctx, il, None, 0) == -1
         # llama.cpp refuses layers and shapes that do not fit
         n_layer, n_expert = eng.info.n_layer, eng.info.n_expert
         f32 = native.GGML_TYPE_F32
-        assert native.moe_set_predictor(eng._ctx, 0, n_layer, 1, f32, None, None, None, None, None) == -1
-        assert native.moe_set_predictor(eng._ctx, 0, 1, n_expert + 1, f32, None, None, None, None, None) == -1
+        assert native.moe_set_predictor(eng.handle.ctx, 0, n_layer, 1, f32, None, None, None, None, None) == -1
+        assert native.moe_set_predictor(eng.handle.ctx, 0, 1, n_expert + 1, f32, None, None, None, None, None) == -1
         i32 = native.GGML_TYPE_I32
-        assert native.moe_set_predictor(eng._ctx, 0, 1, 2, i32, None, None, None, None, None) == -1
+        assert native.moe_set_predictor(eng.handle.ctx, 0, 1, 2, i32, None, None, None, None, None) == -1
         with pytest.raises(EdgeMoeError, match="n_out"):
             eng.set_predictors(preds, n_out=n_expert + 1)
         with pytest.raises(EdgeMoeError, match="cannot run inside llama.cpp's graph"):

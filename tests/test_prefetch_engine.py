@@ -60,7 +60,7 @@ def _generate(path: Path, cache: CacheConfig | None, *, gating: GatingPolicy | N
         toks = eng.generate(TEXT[:60], max_tokens=24, sampling=GREEDY, ignore_eog=True).tokens
         if c is None:
             return toks, None
-        return toks, (c.stats(), eng.cache.report(), dict(c.n_slots), c.chunk_bytes, list(eng.info.moe_layers))
+        return toks, (c.stats(), eng.experts.report(), dict(c.n_slots), c.chunk_bytes, list(eng.info.moe_layers))
 
 
 def _slow(path: Path) -> CopyTiming:

@@ -35,13 +35,13 @@ def test_native_promoe_runs_without_a_python_hook(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
         cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4,
                                                     policy=PromoeConfig(calibration=cal)))
-        assert cache is not None and eng._hooks is None  # nothing calls back into Python
+        assert cache is not None and eng.routing.hooks is None  # nothing calls back into Python
         # the calibration's mlp predictor of layer l+2 runs in the graph on layer l's router input
         layers = list(eng.info.moe_layers)
         assert eng.predictor_targets == layers[2:]
         eng.reset_control_stats()
         toks = eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
-        ctl, st, pf = eng.control_stats(), cache.stats(), eng.cache.report()["prefetch"]
+        ctl, st, pf = eng.control_stats(), cache.stats(), eng.experts.report()["prefetch"]
     assert toks == ref
     # llama.cpp's own callback stops at every cached layer of every ubatch (the last one only where it has tokens)
     assert ctl["n_host_syncs"] >= (ctl["n_ubatch"] - 1) * (len(layers) - 1) > 0
@@ -59,7 +59,7 @@ def test_native_promoe_with_other_predictor_weights(weights: str) -> None:
                                             policy=PromoeConfig(calibration=default_calibration_dir(path),
                                                                 weights=weights)))
         toks = eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
-        pf = eng.cache.report()["prefetch"]
+        pf = eng.experts.report()["prefetch"]
     assert toks == ref and pf["weights"] == weights and pf["issued"] > 0 and pf["goodpred"] > 0.3
 
 
@@ -74,9 +74,9 @@ def test_admission_by_bytes_queues_nothing_that_cannot_arrive(fixture_model: Pat
             cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4,
                                                         policy=PromoeConfig(calibration=cal)))
             assert cache is not None
-            assert native.moe_cache_set_predicted_prefetch(eng._ctx, False, admit) == 0
+            assert native.moe_cache_set_predicted_prefetch(eng.handle.ctx, False, admit) == 0
             toks = eng.generate(PROMPT, max_tokens=12, sampling=GREEDY, ignore_eog=True).tokens
-            st, pf = cache.stats(), eng.cache.report()["prefetch"]
+            st, pf = cache.stats(), eng.experts.report()["prefetch"]
         assert toks == ref[:12]
         issued[admit] = (pf["issued"], st["loads"], st["hits"])
     assert issued[1.0] == (0, 0, 0)
@@ -92,18 +92,18 @@ def test_promoe_falls_back_to_the_hook_where_it_cannot_run_natively(fixture_mode
         # a copy timing paces the stand-in's copies: only the hook's model of the queue does that
         with caplog.at_level("INFO", logger="edgemoe.runtime.prefetcher"):
             eng.enable_expert_cache(CacheConfig(n, policy=PromoeConfig(calibration=cal, copy_timing=slow)))
-        assert eng._hooks is not None and "copy timing" in caplog.text and eng.predictor_targets == []
-        assert "copy timing" in str(eng.cache.hook_reason) and eng.cache.report()["prefetch"]["path"] == "hook"
+        assert eng.routing.hooks is not None and "copy timing" in caplog.text and eng.predictor_targets == []
+        assert "copy timing" in str(eng.experts.hook_reason) and eng.experts.report()["prefetch"]["path"] == "hook"
         with pytest.raises(EdgeMoeError, match="cannot run inside llama.cpp here: a copy timing"):
             eng.enable_expert_cache(CacheConfig(n, policy=PromoeConfig(calibration=cal, copy_timing=slow,
                                                                        native=True)))
         eng.enable_expert_cache(CacheConfig(n, policy=PromoeConfig(calibration=cal, native=False)))
-        assert eng._hooks is not None and eng.cache.hook_reason is not None and eng.predictor_targets == []
+        assert eng.routing.hooks is not None and eng.experts.hook_reason is not None and eng.predictor_targets == []
         # native again, then no cache: the predictors leave the graph with it
         eng.enable_expert_cache(CacheConfig(n, policy=PromoeConfig(calibration=cal)))
-        assert eng._hooks is None and eng.predictor_targets
+        assert eng.routing.hooks is None and eng.predictor_targets
         eng.enable_expert_cache(None)
-        assert eng.predictor_targets == [] and eng.cache is None
+        assert eng.predictor_targets == [] and eng.experts is None
 
 
 def test_layers_without_slots_still_predict(fixture_model: Path) -> None:
@@ -126,11 +126,11 @@ def test_layers_without_slots_still_predict(fixture_model: Path) -> None:
             slots = {il: (0 if j < 2 or j == 5 else n) for j, il in enumerate(layers)}  # sources 0, 1, 5 empty
             cache = eng.enable_expert_cache(CacheConfig(slots,
                                                         policy=PromoeConfig(calibration=cal, weights="f32")))
-            assert cache is not None and eng._hooks is None
+            assert cache is not None and eng.routing.hooks is None
             if record:
                 eng.set_policies([rec])  # a routing hook at every layer, before llama.cpp's promoe step
             toks = eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
-            st, pf, chunks = cache.stats(), eng.cache.report()["prefetch"], cache.chunk_bytes
+            st, pf, chunks = cache.stats(), eng.experts.report()["prefetch"], cache.chunk_bytes
         assert toks == ref and pf["path"] == "native"
         runs.append((st["hits"], st["misses"], pf["issued"], pf["useful"], pf["preempted"]))
     pred, _ = prefetch_predictor(fixture_model, cal, "mlp", 2)
@@ -149,5 +149,5 @@ def test_a_refused_predictor_leaves_no_cache_behind() -> None:
             eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4,
                                                 policy=PromoeConfig(calibration=default_calibration_dir(path),
                                                                     weights="f8")))
-        assert eng.cache is None and eng._hooks is None and eng.predictor_targets == []
+        assert eng.experts is None and eng.routing.hooks is None and eng.predictor_targets == []
         assert eng.generate(PROMPT, max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens == ref

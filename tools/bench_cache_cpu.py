@@ -53,8 +53,8 @@ def decode_tps(path: Path, variant: str, gen: int, threads: int, slots: int) -> 
             options = {"native": variant == "promoe"} if policy == "promoe" else {}
             eng.enable_expert_cache(CacheConfig(slots, policy=policy_config(policy, **options)))
         if variant == "empty-callback":
-            assert eng.cache is not None
-            eng.cache.set_mode(native.MOE_CACHE_POLICY_CALLBACK)
+            assert eng.experts is not None
+            eng.experts.set_mode(native.MOE_CACHE_POLICY_CALLBACK)
         if variant.endswith("-hook") and policy != "promoe":
             eng.set_policies([FnPolicy(lambda r: None)])  # a Python policy takes the cache into the hook
         g = eng.generate(PROMPT, max_tokens=gen, sampling=GREEDY, ignore_eog=True)

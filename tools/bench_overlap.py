@@ -67,8 +67,8 @@ def decode(path: Path, cfg: LoadConfig, config: str, slots: int, gen: int, dev: 
         eng.reset_control_stats()
         g = eng.generate(PROMPT, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
         st = eng.control_stats()
-        if eng.cache is not None:
-            cs = eng.cache.cache.stats()
+        if eng.experts is not None:
+            cs = eng.experts.stats()
             hit_rate = float(cs["decode_hit_rate"] if cs["decode_hit_rate"] is not None else cs["hit_rate"])
     return g.timings.decode_tps, st["n_overlap"] / max(1, st["n_ubatch"]), hit_rate
 

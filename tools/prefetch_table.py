@@ -125,7 +125,7 @@ def live(model: Path, cal: Path, text: str, slots: int, lt: LinkTiming, max_toke
     with Engine(model, LoadConfig(n_ctx=CTX, n_threads=threads)) as eng:
         cache = eng.enable_expert_cache(CacheConfig(slots, policy=PromoeConfig(calibration=cal,
                                                                                copy_timing=lt.timing)))
-        ctl = eng.cache
+        ctl = eng.experts
         eng.set_policies([rec])
         toks = eval_tokens(eng, text, ctx=CTX, max_tokens=max_tokens)
         n_pre = eval_prefill_tokens(CTX)

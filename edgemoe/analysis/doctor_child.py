@@ -129,12 +129,12 @@ def generate(model: str, n_gpu_layers: int, rpc: bool) -> dict[str, Any]:
 
 def _inject_prefill_fault(fault: str) -> None:
     """EDGEMOE_DOCTOR_FAULT=cli:prefill[:wrong]: a fault only in a multi-token ubatch with an expert cache."""
-    from ..runtime.engine import Engine
+    from ..runtime.sequence import KVSequence
 
-    decode_chunk = Engine._decode_chunk
+    decode_chunk = KVSequence.decode_chunk
 
-    def faulty(self: Engine, mem: Any, chunk: Sequence[int], all_logits: bool, *, last: bool) -> None:
-        multi = len(chunk) > 1 and self.cache is not None
+    def faulty(self: KVSequence, mem: Any, chunk: Sequence[int], all_logits: bool, *, last: bool) -> None:
+        multi = len(chunk) > 1 and self.routing.experts is not None
         if multi and fault == "cli:prefill":
             _crash()
         decode_chunk(self, mem, chunk, all_logits, last=last)
@@ -143,7 +143,7 @@ def _inject_prefill_fault(fault: str) -> None:
             best = max(range(len(row)), key=row.__getitem__)
             row[best] = min(row)  # the greedy token changes, as a wrong expert row's output would
 
-    Engine._decode_chunk = faulty  # type: ignore[method-assign]
+    KVSequence.decode_chunk = faulty  # type: ignore[method-assign]
 
 
 def cli_generate(argv: list[str], rpc: bool) -> dict[str, Any]:

@@ -71,9 +71,9 @@ def precalc_run(
 ) -> PrecalcRun:
     """Every chunk twice through the engine's expert cache: without the pre-calculation, then with it from
     first_layer on (decode steps only). Leaves it off."""
-    if engine.cache is None:
+    if engine.experts is None:
         raise ValueError("the pre-calculation acts on the expert cache: enable one first")
-    cache = engine.cache.cache
+    cache = engine.experts
     bos = engine.bos_token() if engine.adds_bos() else None
     chunks = [c for c in chunk_tokens(tokens, ctx, bos)[:max_chunks] if len(c) - 1 > prompt_tokens]
     nll = nll_off = 0.0

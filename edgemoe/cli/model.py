@@ -152,12 +152,12 @@ def generate(
                 "n_threads": engine.n_threads,
                 "timings": g.timings.to_dict(),
             }
-            if engine.cache is not None:
+            if engine.experts is not None:
                 out["cache"] = dict(
-                    engine.cache.cache.stats(),
+                    engine.experts.stats(),
                     policy=cache.policy,
-                    alloc=engine.cache.alloc,
-                    **engine.cache.report(),
+                    alloc=engine.experts.alloc,
+                    **engine.experts.report(),
                 )
             gating_report = engine.gating_report()
             if gating_report is not None:
@@ -178,8 +178,8 @@ def generate(
 
 def _stats_line(t: Any, engine: Any = None) -> str:
     cache = ""
-    if engine is not None and engine.cache is not None:
-        st = engine.cache.cache.stats()  # since the cache was set up
+    if engine is not None and engine.experts is not None:
+        st = engine.experts.stats()  # since the cache was set up
         cache = (
             f" | expert cache hit rate {st['hit_rate']:.2f}, {st['bytes_uploaded'] / 2**20:.1f} MiB loaded"
         )

@@ -131,19 +131,19 @@ def _measure(
             setup(eng)
         eng.generate(prompt[:WARMUP_PROMPT], max_tokens=2, sampling=GREEDY, ignore_eog=True)  # warm-up
         eng.reset()
-        if eng.cache is not None:
-            eng.cache.cache.reset_stats()
+        if eng.experts is not None:
+            eng.experts.reset_stats()
         t0 = time.perf_counter()
         g = eng.generate(prompt, max_tokens=gen, sampling=GREEDY, ignore_eog=True)
         wall = time.perf_counter() - t0
         used = free0 - native.device_memory(dev)[0] if dev is not None and free0 is not None else None
         cache = (
             {
-                **eng.cache.cache.stats(),
-                "prefill": eng.cache.cache.prefill_stats(),
-                "precalc": eng.cache.cache.precalc_stats(),
+                **eng.experts.stats(),
+                "prefill": eng.experts.prefill_stats(),
+                "precalc": eng.experts.precalc_stats(),
             }
-            if eng.cache is not None
+            if eng.experts is not None
             else None
         )
         reuse = _reuse_ttft(eng, prompt)

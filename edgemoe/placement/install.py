@@ -165,7 +165,7 @@ def install_cache(
 
 def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.GgmlDevice | None) -> str:
     where = native.device_name(dev) if dev is not None else "CPU stand-in (no GPU in this build: no speedup)"
-    cache = engine.cache
+    cache = engine.experts
     prefetch = cache.report().get("prefetch") if cache is not None else None
     lines = []
     note = getattr(cache, "note", None)

@@ -1,6 +1,7 @@
 """Chat on an Engine: messages, the model's chat template (llama.cpp's template engine), sessions.
 
-ChatMixin is a part of Engine (edgemoe.runtime.engine); ChatSession keeps a conversation on one.
+The template functions take the llama_model (Engine.chat_template, template_tokens and format_chat call them);
+ChatSession keeps a conversation on an Engine.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ContextOverflowError, EdgeMoeError
@@ -24,56 +24,53 @@ class ChatMessage:
     content: str
 
 
-class ChatMixin:
-    """chat_template() / template_tokens() / format_chat() of Engine."""
+def chat_template(model: Any) -> str | None:
+    """The chat template in the metadata of the llama_model `model` (None: none)."""
+    ptr = lib.llama_model_chat_template(model, None)
+    return ptr.decode("utf-8") if ptr else None
 
-    _model: Any
-    path: Path
 
-    def chat_template(self) -> str | None:
-        ptr = lib.llama_model_chat_template(self._model, None)
-        return ptr.decode("utf-8") if ptr else None
+def template_tokens(model: Any) -> tuple[str, str]:
+    """The text of BOS and EOS as chat templates read them (bos_token, eos_token); "" for none."""
+    vocab = lib.llama_model_get_vocab(model)
+    assert vocab is not None  # a loaded model has a vocabulary
+    out = []
+    for tok in (lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab)):
+        if int(tok) < 0:
+            out.append("")
+            continue
+        buf = ctypes.create_string_buffer(256)
+        n = lib.llama_token_to_piece(vocab, tok, buf, len(buf), 0, True)
+        out.append(buf.raw[: max(n, 0)].decode("utf-8", errors="replace"))
+    return out[0], out[1]
 
-    def template_tokens(self) -> tuple[str, str]:
-        """The text of BOS and EOS as chat templates read them (bos_token, eos_token); "" for none."""
-        vocab = lib.llama_model_get_vocab(self._model)
-        assert vocab is not None  # a loaded model has a vocabulary
-        out = []
-        for tok in (lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab)):
-            if int(tok) < 0:
-                out.append("")
-                continue
-            buf = ctypes.create_string_buffer(256)
-            n = lib.llama_token_to_piece(vocab, tok, buf, len(buf), 0, True)
-            out.append(buf.raw[: max(n, 0)].decode("utf-8", errors="replace"))
-        return out[0], out[1]
 
-    def format_chat(self, messages: Sequence[ChatMessage], *, add_assistant: bool = True) -> str:
-        """Apply the model's chat template (llama.cpp's built-in template engine)."""
-        tmpl = self.chat_template()
-        if tmpl is None:
-            raise EdgeMoeError(
-                f"{self.path.name} has no chat template in its metadata; use "
-                "`edgemoe generate` for plain completion"
-            )
-        arr = (lib.llama_chat_message * len(messages))()
-        keep = []  # keep the encoded strings alive during the call
-        for i, m in enumerate(messages):
-            role, content = m.role.encode(), m.content.encode()
-            keep += [role, content]
-            arr[i].role, arr[i].content = role, content
-        size = 256 + 2 * sum(len(k) for k in keep)
-        buf = ctypes.create_string_buffer(size)
-        n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, size)  # pyright: ignore[reportArgumentType]  # llama_cpp types buf bytes: it is written to
-        if n > size:
-            buf = ctypes.create_string_buffer(n)
-            n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, n)  # pyright: ignore[reportArgumentType]  # as above
-        if n < 0:
-            raise EdgeMoeError(
-                f"llama.cpp does not recognise the chat template of {self.path.name}; "
-                "use `edgemoe generate` for plain completion"
-            )
-        return buf.raw[:n].decode("utf-8")
+def format_chat(
+    tmpl: str | None, messages: Sequence[ChatMessage], *, add_assistant: bool = True, name: str
+) -> str:
+    """Apply the chat template `tmpl` of the model file `name` (llama.cpp's built-in template engine)."""
+    if tmpl is None:
+        raise EdgeMoeError(
+            f"{name} has no chat template in its metadata; use `edgemoe generate` for plain completion"
+        )
+    arr = (lib.llama_chat_message * len(messages))()
+    keep = []  # keep the encoded strings alive during the call
+    for i, m in enumerate(messages):
+        role, content = m.role.encode(), m.content.encode()
+        keep += [role, content]
+        arr[i].role, arr[i].content = role, content
+    size = 256 + 2 * sum(len(k) for k in keep)
+    buf = ctypes.create_string_buffer(size)
+    n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, size)  # pyright: ignore[reportArgumentType]  # llama_cpp types buf bytes: it is written to
+    if n > size:
+        buf = ctypes.create_string_buffer(n)
+        n = lib.llama_chat_apply_template(tmpl.encode(), arr, len(messages), add_assistant, buf, n)  # pyright: ignore[reportArgumentType]  # as above
+    if n < 0:
+        raise EdgeMoeError(
+            f"llama.cpp does not recognise the chat template of {name}; "
+            "use `edgemoe generate` for plain completion"
+        )
+    return buf.raw[:n].decode("utf-8")
 
 
 class ChatEngine(Protocol):

@@ -418,3 +418,43 @@ class CacheController:
         if self.pending:
             self.cache.issue()
         self.pending = []
+
+    # -- the cache this controller runs, as engine.experts shows it ------------------------------------------------
+    @property
+    def n_slots(self) -> dict[int, int]:
+        """Slots of each cached layer (layer -> slots)."""
+        return self.cache.n_slots
+
+    @property
+    def chunk_bytes(self) -> dict[int, tuple[int, ...]]:
+        """Bytes of each chunk of one expert per cached layer (expert_chunk_bytes)."""
+        return self.cache.chunk_bytes
+
+    def slots(self, layer: int) -> list[int] | None:
+        """Slot of each expert of the layer (-1: not resident)."""
+        return self.cache.slots(layer)
+
+    def stats(self) -> dict[str, Any]:
+        """The cache's counters (hits, misses, loads, ...) since the last reset_stats()."""
+        return self.cache.stats()
+
+    def reset_stats(self) -> None:
+        self.cache.reset_stats()
+
+    def mark(self, phase: str) -> None:
+        """ExpertCache.mark: a generation's "start" and "decode", to split its hit rates."""
+        self.cache.mark(phase)
+
+    def prefill_stats(self) -> dict[str, Any] | None:
+        return self.cache.prefill_stats()
+
+    def precalc_stats(self) -> dict[str, Any] | None:
+        return self.cache.precalc_stats()
+
+    def set_precalc(self, first_layer: int | None, max_tokens: int = 1) -> None:
+        """ExpertCache.set_precalc: DAOP's pre-calculation from first_layer on (None: off)."""
+        self.cache.set_precalc(first_layer, max_tokens)
+
+    def close(self) -> None:
+        """Free the cache's slots (the engine does it before its context)."""
+        self.cache.close()

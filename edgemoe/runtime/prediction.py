@@ -1,22 +1,21 @@
 """Expert predictors evaluated inside llama.cpp's graph.
 
-PredictionMixin is a part of Engine (edgemoe.runtime.engine). `set_predictors` registers the
+GraphPredictors is a part of Engine (engine.prefetch, edgemoe.runtime.engine). `set` registers the
 mlp, gate and residual predictors (edgemoe.predictors) with llama.cpp: for each covered target
 MoE layer l+d, the predictor runs on layer l's router input on that layer's device, right
 where the layer routes, and its top-n_out ids are copied to the host after the graph, without a
-host round trip per layer. `predictions(il)` reads the last ubatch's ids.
+host round trip per layer. `predictions(il)` reads the last ubatch's ids. Engine.set_predictors,
+predictions, predictor_targets and predictor_bytes call it.
 
 The kinds that predict from the current token's router input of an earlier layer can run in the
 graph; the others (first-layer, which reads the previous token, and the token-level baselines)
-cannot, and set_predictors says so.
+cannot, and set says so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from ..predictors.base import Predictor
 from ..predictors.gate import GatePredictor, ResidualPredictor
 from ..predictors.mlp import MLPPredictor
 from . import native
+from .handle import NativeHandle
 
 # storage of the predictor matrices (w1, w2, skip): f32 computes as numpy does; f16 halves the bytes, q8_0
 # quarters them (the activations are rounded to the same type on the CPU)
@@ -114,15 +114,15 @@ def device_bytes(predictors: Sequence[Predictor], *, n_out: int, weights: str = 
     return sum(p.nbytes(weights) for p in native_predictors(predictors, n_out=n_out))
 
 
-class PredictionMixin:
-    """set_predictors() / predictions() of Engine."""
+class GraphPredictors:
+    """The expert predictors in one context's graph (engine.prefetch): their target layers and ids per token."""
 
-    _ctx: Any
-    path: Path
-    info: ModelInfo
-    _pred_n_out: dict[int, int]
+    def __init__(self, handle: NativeHandle, info: ModelInfo) -> None:
+        self.handle = handle
+        self.info = info
+        self._n_out: dict[int, int] = {}  # target layer -> ids per token of its predictor in the graph
 
-    def set_predictors(
+    def set(
         self, predictors: Sequence[Predictor] | None, *, n_out: int | None = None, weights: str = "f32"
     ) -> list[int]:
         """Run these predictors inside llama.cpp's graph (None or []: none); returns their target layers (il).
@@ -133,8 +133,8 @@ class PredictionMixin:
         """
         if weights not in WEIGHT_TYPES:
             raise EdgeMoeError(f"predictor weights {weights!r}: use one of {', '.join(WEIGHT_TYPES)}")
-        native.moe_clear_predictors(self._ctx)
-        self._pred_n_out = {}
+        native.moe_clear_predictors(self.handle.ctx)
+        self._n_out = {}
         if not predictors:
             return []
         for pred in predictors:
@@ -142,33 +142,28 @@ class PredictionMixin:
         k = predictors[0].spec.k
         nps = native_predictors(predictors, n_out=n_out if n_out is not None else default_n_out(k))
         for p in nps:
-            mark = native.log_mark()
-            rc = native.moe_set_predictor(
-                self._ctx,
-                p.il_src,
-                p.il_target,
-                p.n_out,
-                WEIGHT_TYPES[weights],
-                p.w1,
-                p.b1,
-                p.w2,
-                p.b2,
-                p.skip,
+            self._set_one(p, weights)
+        return sorted(self._n_out)
+
+    def _set_one(self, p: NativePredictor, weights: str) -> None:
+        ctx = self.handle.ctx
+        mark = native.log_mark()
+        rc = native.moe_set_predictor(
+            ctx, p.il_src, p.il_target, p.n_out, WEIGHT_TYPES[weights], p.w1, p.b1, p.w2, p.b2, p.skip
+        )
+        if rc != 0:
+            native.moe_clear_predictors(ctx)
+            self._n_out = {}
+            why = (
+                "out of device memory: use weights='f16' or 'q8_0', or fewer target layers"
+                if rc == -2
+                else native.recent_error(mark)
             )
-            if rc != 0:
-                native.moe_clear_predictors(self._ctx)
-                self._pred_n_out = {}
-                why = (
-                    "out of device memory: use weights='f16' or 'q8_0', or fewer target layers"
-                    if rc == -2
-                    else native.recent_error(mark)
-                )
-                raise EdgeMoeError(
-                    f"llama.cpp refused the predictor of layer {p.il_target} from layer "
-                    f"{p.il_src} ({weights} weights): {why}"
-                )
-            self._pred_n_out[p.il_target] = p.n_out
-        return sorted(self._pred_n_out)
+            raise EdgeMoeError(
+                f"llama.cpp refused the predictor of layer {p.il_target} from layer "
+                f"{p.il_src} ({weights} weights): {why}"
+            )
+        self._n_out[p.il_target] = p.n_out
 
     def _check_spec(self, pred: Predictor) -> None:
         spec, info = pred.spec, self.info
@@ -177,30 +172,30 @@ class PredictionMixin:
         if mine != theirs:
             raise EdgeMoeError(
                 f"the {pred.kind.value} predictor was made for another model shape (MoE "
-                f"layers, experts, width: {theirs} vs {self.path.name}'s {mine}): load it "
+                f"layers, experts, width: {theirs} vs {self.handle.name}'s {mine}): load it "
                 "for this model (Calibration.predictors or spec_for_model)"
             )
 
     @property
-    def predictor_targets(self) -> list[int]:
+    def targets(self) -> list[int]:
         """The layers (il) with a predictor in the graph."""
-        return sorted(self._pred_n_out)
+        return sorted(self._n_out)
 
     def predictions(self, target_il: int) -> np.ndarray:
         """The last ubatch's predicted experts of layer target_il: (n_tokens, n_out) int32, best first.
 
         n_tokens are the ubatch's tokens routed at the source layer (zero rows before a decode).
         """
-        n_out = self._pred_n_out.get(target_il)
-        ids = native.moe_get_predictions(self._ctx, target_il, n_out) if n_out is not None else None
+        n_out = self._n_out.get(target_il)
+        ids = native.moe_get_predictions(self.handle.ctx, target_il, n_out) if n_out is not None else None
         if ids is None:
-            have = ", ".join(map(str, self.predictor_targets)) or "none"
+            have = ", ".join(map(str, self.targets)) or "none"
             raise EdgeMoeError(
                 f"layer {target_il} has no predictor in the graph (layers with one: {have}); "
                 "call set_predictors first"
             )
         return ids
 
-    def predictor_bytes(self) -> int:
+    def nbytes(self) -> int:
         """Device memory of the predictors' weights (what counts against --vram)."""
-        return native.moe_predictor_bytes(self._ctx)
+        return native.moe_predictor_bytes(self.handle.ctx)

@@ -2,23 +2,18 @@
 
 - PromptCache: the store, pure Python over opaque byte buffers (tested without llama.cpp). Entries
   belong to a scope (an API key's id): a lookup never returns another scope's entry.
-- StateMixin: a part of Engine; snapshots the one sequence's KV state (llama_state_seq_get_data) and
-  restores one (llama_state_seq_set_data), so that the engine's prefix reuse then trims it to what the
-  next prompt shares.
+- Engine.snapshot / restore (edgemoe.runtime.sequence.KVSequence) take the one sequence's KV state
+  (llama_state_seq_get_data) and restore one (llama_state_seq_set_data), so that the engine's prefix reuse
+  then trims it to what the next prompt shares.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from ..errors import EdgeMoeError
-from .native import lib
 
 log = logging.getLogger(__name__)
 
@@ -155,41 +150,3 @@ class PromptCache:
             self.misses,
             self.evicted,
         )
-
-
-class StateMixin:
-    """snapshot() / restore() / cached_prefix() of Engine: sequence 0's KV state to and from host memory."""
-
-    _kv: list[int]
-    _ctx: Any
-    _exclusive: Callable[..., AbstractContextManager[None]]
-
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of a prompt the KV cache holds now (prefill evaluates at least one)."""
-        return min(common_prefix(self._kv, tokens), max(0, len(tokens) - 1))
-
-    def kv_tokens(self) -> tuple[int, ...]:
-        return tuple(self._kv)
-
-    def snapshot(self) -> KVSnapshot:
-        """A copy of the KV state of the tokens evaluated so far."""
-        with self._exclusive(native=True):
-            size = lib.llama_state_seq_get_size(self._ctx, lib.llama_seq_id(0))
-            buf = (ctypes.c_uint8 * size)()
-            n = lib.llama_state_seq_get_data(self._ctx, buf, size, lib.llama_seq_id(0))
-        if n != size:
-            raise EdgeMoeError(f"llama.cpp wrote {n} bytes of KV state where it announced {size}")
-        return KVSnapshot(tuple(self._kv), buf)
-
-    def restore(self, snap: KVSnapshot) -> None:
-        """Make the KV cache hold snap's tokens again (the next prompt then reuses what it shares)."""
-        with self._exclusive(native=True):
-            lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)  # pyright: ignore[reportArgumentType]  # takes NULL too
-            self._kv = []
-            n = lib.llama_state_seq_set_data(self._ctx, snap.data, snap.nbytes, lib.llama_seq_id(0))
-        if n == 0:
-            raise EdgeMoeError(
-                f"llama.cpp could not restore a KV state of {len(snap.tokens)} tokens "
-                f"({snap.nbytes} bytes): the cache was cleared instead"
-            )
-        self._kv = list(snap.tokens)

@@ -358,8 +358,8 @@ class EngineWorker:
             "gating": eng.gating_report(),
             "control": eng.control_stats(),
         }
-        if eng.cache is not None:
-            ext["cache"] = eng.cache.cache.stats()
+        if eng.experts is not None:
+            ext["cache"] = eng.experts.stats()
         if self.reuse.store is not None:
             ext["prompt_cache"] = self.reuse.stats(job.scope)
         return ext
