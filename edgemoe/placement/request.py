@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..errors import InvalidConfigError
 from ..policies.assignment import assign_refusal
 from ..policies.dali_prefetch import dali_prefetch_refusal
-from ..policies.prefetch import distance_refusal
+from ..policies.promoe import distance_refusal
 
 POLICIES = ("lru", "dali", "daop", "static", "promoe", "manual")
 # the default policy: static. On the bundled routing profiles of real models at 8 GiB (tools/default_policy.py,

@@ -32,7 +32,7 @@ import numpy as np
 from ..predictors.base import Predictor
 from .copy_queue import CacheModel, CopyTiming, LoadState, Priority
 from .daop import swap_pairs
-from .prefetch import PrefetchError, PromoePolicy
+from .promoe import PrefetchError, PromoePolicy
 from .residency import DALI_WINDOW, Load, used_experts
 
 DALI_PREFETCH_DISTANCE = 1  # DALI predicts the next MoE layer

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .copy_queue import CacheModel, CopyStream, CopyTiming, NativeOp, Priority
-from .prefetch import Prediction, PromoePolicy
+from .promoe import Prediction, PromoePolicy
 from .residency import Load, ResidencyPolicy, used_experts
 
 AnyPolicy = ResidencyPolicy | PromoePolicy

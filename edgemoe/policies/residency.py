@@ -17,7 +17,7 @@ A policy answers with loads: copy expert e of layer l into slot s.
   decode-phase experts, then once per prompt the prompt's most used CPU experts swap with the least used
   GPU ones (edgemoe.policies.daop).
 - ``manual``: no loads of its own (tests, external prefetchers).
-- ``promoe``: ProMoE's prefetcher, in edgemoe.policies.prefetch (it needs a predictor and the router inputs).
+- ``promoe``: ProMoE's prefetcher, in edgemoe.policies.promoe (it needs a predictor and the router inputs).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class PolicyKind(str, enum.Enum):
     DALI = "dali"
     DAOP = "daop"
     MANUAL = "manual"  # no automatic loads: the caller drives ExpertCache.load / prefetch
-    PROMOE = "promoe"  # ProMoE's prefetcher over an LRU: edgemoe.policies.prefetch.PromoePolicy (needs a predictor)
+    PROMOE = "promoe"  # ProMoE's prefetcher over an LRU: edgemoe.policies.promoe.PromoePolicy (needs a predictor)
 
 
 @dataclass
@@ -268,7 +268,7 @@ def make_policy(
         ) from None
     if k is PolicyKind.PROMOE:
         raise EdgeMoeError(
-            "the promoe policy needs an expert predictor: build edgemoe.policies.prefetch.PromoePolicy "
+            "the promoe policy needs an expert predictor: build edgemoe.policies.promoe.PromoePolicy "
             "(the engine does so from CacheConfig(slots, policy=PromoeConfig(calibration=DIR)))"
         )
     if k is PolicyKind.LRU:

@@ -14,7 +14,7 @@ from ..policies.assignment import assign_refusal
 from ..policies.copy_queue import CopyTiming, load_worker_default
 from ..policies.dali_prefetch import dali_prefetch_refusal
 from ..policies.daop import DAOP_SWAP_THRESHOLD
-from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, distance_refusal
+from ..policies.promoe import PROMOE_DISTANCE, PROMOE_EXTRA, distance_refusal
 from ..policies.residency import DALI_WINDOW, PolicyKind
 from . import native
 
@@ -113,7 +113,7 @@ class DaopConfig:
 
 @dataclass(frozen=True)
 class PromoeConfig(_CopyQueue):
-    """ProMoE's prefetcher over an LRU (policies.prefetch.PromoePolicy)."""
+    """ProMoE's prefetcher over an LRU (policies.promoe.PromoePolicy)."""
 
     name: ClassVar[str] = PolicyKind.PROMOE.value
     calibration: Path | None = None  # where the predictors are (gate reuse without them)

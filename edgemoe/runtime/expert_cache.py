@@ -19,7 +19,7 @@ from ..policies.daop import DaopPolicy
 from ..policies.degrade import GracefulDegradation
 from ..policies.loads import split_loads
 from ..policies.miss_assignment import AssignedPolicy
-from ..policies.prefetch import PromoePolicy
+from ..policies.promoe import PromoePolicy
 from ..policies.residency import (
     DaliPolicy,
     Load,

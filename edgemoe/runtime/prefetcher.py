@@ -1,5 +1,5 @@
 """The engine side of the prefetching policies in the routing hook: promoe (ProMoE's prefetcher,
-edgemoe.policies.prefetch) and dali with its prefetcher (edgemoe.policies.dali_prefetch).
+edgemoe.policies.promoe) and dali with its prefetcher (edgemoe.policies.dali_prefetch).
 
 At each MoE layer's routing callback the controller hands the routed ids and the router input to a
 `PolicyDriver` (edgemoe.policies.replay), which runs `PromoePolicy` over a `CacheModel` of this
@@ -26,7 +26,7 @@ from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
 from ..policies.copy_queue import CacheModel, CancelOp, IssueOp, NativeOp, PrefetchOp, SyncOp
 from ..policies.dali_prefetch import DALI_PREFETCH_DISTANCE, DaliPrefetchPolicy
-from ..policies.prefetch import PromoePolicy
+from ..policies.promoe import PromoePolicy
 from ..policies.replay import PolicyDriver, PrefetchCounts
 from ..policies.residency import Load, dali_default_update
 from ..policies.route import RouteRecord

@@ -23,7 +23,7 @@ from ..policies.assignment import make_assigner
 from ..policies.degrade import GracefulDegradation
 from ..policies.gating import GatingPolicy, GatingRule
 from ..policies.miss_assignment import AssignedPolicy
-from ..policies.prefetch import PromoePolicy
+from ..policies.promoe import PromoePolicy
 from ..policies.residency import ResidencyPolicy, make_policy
 from ..policies.route import RoutePolicy
 from . import native
