@@ -16,11 +16,10 @@ from .install import (
     whole_model_fits,
 )
 from .open import open_engine
-from .request import DEFAULT_POLICY, POLICIES, CacheRequest, PlacementError, cache_request, default_policy
+from .request import DEFAULT_POLICY, CacheRequest, PlacementError, cache_request, default_policy
 
 __all__ = [
     "DEFAULT_POLICY",
-    "POLICIES",
     "CacheRequest",
     "PlacementError",
     "assign_costs",

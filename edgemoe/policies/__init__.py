@@ -9,3 +9,5 @@
 - assignment: which active experts of a ubatch run on the CPU and which on the GPU (DALI's greedy).
 Prefetch policies go here too. The runtime wires them to llama.cpp.
 """
+
+from . import kinds as kinds  # registers every residency policy (edgemoe.policies.registry)

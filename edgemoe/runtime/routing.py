@@ -24,18 +24,11 @@ from ..policies.degrade import GracefulDegradation
 from ..policies.gating import GatingPolicy, GatingRule
 from ..policies.miss_assignment import AssignedPolicy
 from ..policies.promoe import PromoePolicy
-from ..policies.residency import ResidencyPolicy, make_policy
+from ..policies.registry import NativeStep, PolicyInputs, spec_of
+from ..policies.residency import ResidencyPolicy
 from ..policies.route import RoutePolicy
 from . import native
-from .cache_config import (
-    CacheConfig,
-    DaliConfig,
-    DaopConfig,
-    LruConfig,
-    PolicyConfig,
-    PromoeConfig,
-    StaticConfig,
-)
+from .cache_config import CacheConfig, PolicyConfig
 from .expert_cache import CacheController, CacheResidency, ExpertCache
 from .hooks import HookChain
 from .prefetcher import NativePromoeController, make_prefetcher
@@ -46,43 +39,33 @@ log = logging.getLogger(__name__)
 def assigned(policy: ResidencyPolicy, config: PolicyConfig) -> ResidencyPolicy | AssignedPolicy:
     """`policy` under the CPU/GPU assigner `config` names (unchanged without one); the config records refuse the
     policies an assigner cannot act on."""
-    if not isinstance(config, (LruConfig, DaliConfig)) or config.assign is None:
+    assignment = config.assignment()
+    if assignment is None:
         return policy
-    if not config.assign_costs:
+    assign, costs = assignment
+    if not costs:
         raise EdgeMoeError(
             "--assign needs a cost model: a machine profile with a GPU (--profile NAME or FILE; "
             "`edgemoe profile` measures this machine's)"
         )
-    return AssignedPolicy(policy, dict(config.assign_costs), make_assigner(config.assign), name=config.assign)
+    return AssignedPolicy(policy, dict(costs), make_assigner(assign), name=assign)
 
 
 def residency_policy(config: PolicyConfig, slots: dict[int, int], n_expert: int) -> ResidencyPolicy:
-    """The residency policy `config` describes over `slots` (layer -> slots); the prefetchers are built by
-    edgemoe.runtime.prefetcher instead."""
-    if isinstance(config, LruConfig):
-        return make_policy(config.name, slots, blocking=config.blocking, n_expert=n_expert)
-    if isinstance(config, DaliConfig):
-        return make_policy(
-            config.name,
-            slots,
-            blocking=config.blocking,
-            n_expert=n_expert,
-            window=config.window,
-            update=config.update,
-        )
-    if isinstance(config, DaopConfig):
-        return make_policy(
-            config.name,
-            slots,
-            blocking=config.blocking,
-            calibration=config.calibration,
-            n_expert=n_expert,
-            swap_threshold=config.threshold,
-        )
-    if isinstance(config, StaticConfig):
-        return make_policy(config.name, slots, calibration=config.calibration, n_expert=n_expert)
-    # manual (promoe: an error that says what to do)
-    return make_policy(config.name, slots, n_expert=n_expert)
+    """The residency policy `config` describes over `slots` (layer -> slots), built by its spec; the prefetchers
+    are built by edgemoe.runtime.prefetcher instead."""
+    return spec_of(config).build(config, PolicyInputs(slots, n_expert))
+
+
+def residency_run(
+    config: PolicyConfig, slots: dict[int, int], n_expert: int
+) -> tuple[ResidencyPolicy | AssignedPolicy, NativeStep | None]:
+    """The residency policy `config` describes (under its assigner, if any) and the native step that runs it in the
+    graph (None: only the routing hook can: blocking loads, an assigner)."""
+    spec = spec_of(config)
+    base = residency_policy(config, slots, n_expert)
+    policy = assigned(base, config)
+    return policy, spec.native(config, base) if spec.native is not None and policy is base else None
 
 
 _NATIVE_RULE = {
@@ -235,11 +218,7 @@ class RoutingMixin:
             self.cache = None
         if config is not None:
             slots = config.slots(list(self.info.moe_layers), self.info.n_expert)
-            policy = (
-                None
-                if config.prefetcher
-                else assigned(residency_policy(config.policy, slots, self.info.n_expert), config.policy)
-            )
+            run = None if config.prefetcher else residency_run(config.policy, slots, self.info.n_expert)
             cache = ExpertCache(
                 self._ctx,
                 self.header,
@@ -263,8 +242,14 @@ class RoutingMixin:
                     cache.set_precalc(config.precalc_from, config.precalc_max_tokens)
                 self.cache = (
                     make_prefetcher(cache, config, self.path, self.info)
-                    if policy is None
-                    else CacheController(cache, policy, alloc=config.alloc)
+                    if run is None
+                    else CacheController(
+                        cache,
+                        run[0],
+                        alloc=config.alloc,
+                        native_step=run[1],
+                        routed=spec_of(config.policy).loads_misses,
+                    )
                 )
                 native.moe_cache_set_async(
                     self._ctx, config.loads_async(device) and not self.cache.issues_own_loads
@@ -274,8 +259,9 @@ class RoutingMixin:
                 if isinstance(self.cache, NativePromoeController):
                     pol = self.cache.policy
                     assert isinstance(pol, PromoePolicy)
-                    assert isinstance(config.policy, PromoeConfig)
-                    self.set_predictors([pol.predictor], n_out=pol.per_token, weights=config.policy.weights)
+                    self.set_predictors(
+                        [pol.predictor], n_out=pol.per_token, weights=self.cache.config.weights
+                    )
             except BaseException:
                 cache.close()
                 self.cache = None  # no controller over a closed cache: the engine runs as without one
