@@ -28,6 +28,7 @@ from ..gguf.info import (
     slots_beside_prefill_buffers,
     vram_plan,
 )
+from ..policies.registry import policy_spec
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, calibrated_config
 from ..runtime.engine import Engine, LoadConfig
@@ -222,7 +223,7 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
             configs.append(
                 (name + ("" if overlap else " no-overlap"), "edgemoe", cached, setup, "; ".join(notes))
             )
-        if costs is not None and pol in ("lru", "dali"):
+        if costs is not None and policy_spec(pol).assignable:
             assigned = calibrated_config(pol, spec.calibration, assign=spec.assign, assign_costs=costs)
 
             def setup_assign(
@@ -375,7 +376,7 @@ def project(
             n_ubatch=base.n_ubatch,
             warmup_seqs=1,
             # the performance model has no prefetcher: promoe is not projected
-            policies=tuple(p for p in spec.policies if p != "promoe"),
+            policies=tuple(p for p in spec.policies if policy_spec(p).projected),
             calibration=spec.calibration,
             overlap=True,
         ),

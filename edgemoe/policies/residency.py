@@ -248,11 +248,13 @@ def make_policy(
     window: int = DALI_WINDOW,
     update: int | None = None,
     swap_threshold: float = DAOP_SWAP_THRESHOLD,
+    frequency: Mapping[int, np.ndarray] | None = None,
 ) -> ResidencyPolicy:
     """The policy named `kind` over `n_slots` (layer -> slots), built by its registered spec from a record with
     those of the options it has. static and daop read `calibration`'s router frequencies (daop: of the decode
     phase, and it needs `n_expert`; `swap_threshold` is its SwapInOut); dali needs `n_expert` and takes its
-    window / update (None: dali_default_update)."""
+    window / update (None: dali_default_update). `frequency` (layer -> router counts): what the policies that
+    place by router frequencies (static, daop) place by instead of the calibration's."""
     spec = policy_spec(kind)
     given = {
         "blocking": blocking,
@@ -262,7 +264,7 @@ def make_policy(
         "threshold": swap_threshold,
     }
     config = policy_config(kind, **{k: v for k, v in given.items() if k in spec.option_names})
-    return spec.build(config, PolicyInputs(dict(n_slots), n_expert))
+    return spec.build(config, PolicyInputs(dict(n_slots), n_expert, frequency))
 
 
 def replay_policy(

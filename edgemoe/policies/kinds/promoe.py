@@ -79,6 +79,7 @@ SPEC = register(
         ),
         stages=("predictors",),
         replay_as="lru",  # its replacement is an LRU; the routing trace keeps no router inputs to predict from
+        projected=False,  # the performance model has no prefetcher
         prefetch=_prefetch,
         in_graph_predictor=True,
     )
