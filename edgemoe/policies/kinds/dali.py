@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
+
 from ...errors import EdgeMoeError, InvalidConfigError
 from ..allocation import dali_all_sizes
 from ..dali_prefetch import (
@@ -98,7 +100,7 @@ def _build(config: DaliConfig, inputs: PolicyInputs) -> DaliPolicy:
     )
 
 
-def _all_sizes(config: DaliConfig, r: LayerReplay):  # noqa: ANN202 - the registry's AllSizes
+def _all_sizes(config: DaliConfig, r: LayerReplay) -> tuple[np.ndarray, np.ndarray]:
     DaliPolicy(
         {}, r.n_expert, window=config.window, update=1 if config.update is None else config.update
     )  # checks

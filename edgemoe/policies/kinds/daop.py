@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
+
 from ...errors import EdgeMoeError
 from ..daop import DAOP_SWAP_THRESHOLD, DaopPolicy, replay_all_sizes
 from ..registry import LayerReplay, NativeStep, PolicyInputs, PolicyRecord, PolicySpec, register
@@ -39,7 +41,7 @@ def _build(config: DaopConfig, inputs: PolicyInputs) -> DaopPolicy:
     return DaopPolicy(freq, slots, inputs.n_expert, threshold=config.threshold, blocking=config.blocking)
 
 
-def _all_sizes(config: DaopConfig, r: LayerReplay):  # noqa: ANN202 - the registry's AllSizes
+def _all_sizes(config: DaopConfig, r: LayerReplay) -> tuple[np.ndarray, np.ndarray]:
     assert r.frequency is not None
     return replay_all_sizes(
         r.steps, r.flags, r.max_slots, r.n_expert, r.frequency, threshold=config.threshold

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from ...errors import InvalidConfigError
 from ..allocation import lru_all_sizes
 from ..assignment import assign_refusal
@@ -45,7 +47,7 @@ def _build(config: LruConfig, inputs: PolicyInputs) -> LruPolicy:
     return LruPolicy(dict(inputs.slots), blocking=config.blocking)
 
 
-def _all_sizes(config: LruConfig, r: LayerReplay):  # noqa: ANN202 - the registry's AllSizes
+def _all_sizes(config: LruConfig, r: LayerReplay) -> tuple[np.ndarray, np.ndarray]:
     return lru_all_sizes(r.steps, r.flags, r.max_slots, r.n_expert)
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
+
 from ...errors import EdgeMoeError
 from ..allocation import static_all_sizes
 from ..registry import LayerReplay, NativeStep, PolicyInputs, PolicyRecord, PolicySpec, register
@@ -42,7 +44,7 @@ def _build(config: StaticConfig, inputs: PolicyInputs) -> StaticPolicy:
     )
 
 
-def _all_sizes(config: StaticConfig, r: LayerReplay):  # noqa: ANN202 - the registry's AllSizes
+def _all_sizes(config: StaticConfig, r: LayerReplay) -> tuple[np.ndarray, np.ndarray]:
     assert r.frequency is not None
     return static_all_sizes(r.steps, r.flags, r.max_slots, r.n_expert, r.frequency)
 
