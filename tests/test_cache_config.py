@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from edgemoe.errors import InvalidConfigError
-from edgemoe.policies.residency import PolicyKind
+from edgemoe.policies.registry import policy_names, policy_spec
 from edgemoe.runtime.cache_config import (
-    POLICY_CONFIGS,
     CacheConfig,
     DaliConfig,
     DaopConfig,
@@ -24,9 +23,10 @@ from edgemoe.runtime.cache_config import (
 
 
 def test_every_policy_has_one_config_record() -> None:
-    assert set(POLICY_CONFIGS) == set(PolicyKind)
-    for kind, cls in POLICY_CONFIGS.items():
-        assert cls.name == kind.value and isinstance(policy_config(kind.value), cls)
+    assert set(policy_names()) >= {"static", "lru", "dali", "daop", "manual", "promoe"}
+    for name in policy_names():
+        cls = policy_spec(name).config
+        assert cls.name == name and isinstance(policy_config(name), cls)
 
 
 def test_policy_config_sets_the_policys_options() -> None:

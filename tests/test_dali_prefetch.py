@@ -9,7 +9,7 @@ import pytest
 
 from edgemoe.policies.copy_queue import CacheModel, LoadState, Priority
 from edgemoe.policies.dali_prefetch import DaliPrefetchPolicy, dali_default_prefetch
-from edgemoe.policies.prefetch import Prediction, PrefetchError
+from edgemoe.policies.promoe import Prediction, PrefetchError
 from edgemoe.policies.replay import replay
 from edgemoe.policies.residency import DaliPolicy, replay_policy
 from edgemoe.predictors import GatePredictor, ModelSpec

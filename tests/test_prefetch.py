@@ -1,4 +1,4 @@
-"""ProMoE's prefetcher (edgemoe.policies.prefetch) and the timed replay (edgemoe.policies.replay) on hand-made
+"""ProMoE's prefetcher (edgemoe.policies.promoe) and the timed replay (edgemoe.policies.replay) on hand-made
 routes: no model, no native library.
 
 The predictor is gate reuse with identity routers, so a route's "router input" is the score vector of
@@ -12,7 +12,7 @@ import pytest
 from edgemoe.errors import EdgeMoeError
 from edgemoe.policies.copy_queue import (CacheModel, CancelOp, CopyStream, CopyTiming, IssueOp, LoadState, PrefetchOp,
                                          Priority)
-from edgemoe.policies.prefetch import Prediction, PrefetchError, PromoePolicy, predicted_experts
+from edgemoe.policies.promoe import Prediction, PrefetchError, PromoePolicy, predicted_experts
 from edgemoe.policies.replay import replay
 from edgemoe.policies.residency import Load, StaticPolicy, make_policy, replay_policy
 from edgemoe.predictors import GatePredictor, ModelSpec, PrevTokenPredictor

@@ -21,7 +21,7 @@ from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.cli import cli
 from edgemoe.policies.copy_queue import CopyTiming
 from edgemoe.policies.gating import GatingPolicy, GatingRule
-from edgemoe.policies.prefetch import PromoePolicy
+from edgemoe.policies.promoe import PromoePolicy
 from edgemoe.policies.replay import replay
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, DaliConfig, PromoeConfig

@@ -112,7 +112,7 @@ def test_layers_without_slots_still_predict(fixture_model: Path) -> None:
     the counters equal PromoePolicy replayed, which predicts from every layer."""
     from test_prefetch_engine import RouteRecorder
 
-    from edgemoe.policies.prefetch import PromoePolicy
+    from edgemoe.policies.promoe import PromoePolicy
     from edgemoe.policies.replay import replay
     from edgemoe.runtime.prefetcher import prefetch_predictor
 

@@ -41,7 +41,7 @@ from edgemoe.perf.link_timing import LinkTiming, profile_timing  # noqa: E402
 from edgemoe.perf.profile import load_profile  # noqa: E402
 from edgemoe.policies.copy_queue import CopyTiming  # noqa: E402
 from edgemoe.policies.dali_prefetch import DALI_PREFETCH_DISTANCE, DaliPrefetchPolicy, dali_default_prefetch  # noqa: E402
-from edgemoe.policies.prefetch import PromoePolicy  # noqa: E402
+from edgemoe.policies.promoe import PromoePolicy  # noqa: E402
 from edgemoe.policies.replay import ReplayResult, replay  # noqa: E402
 from edgemoe.policies.residency import dali_default_update, make_policy  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402

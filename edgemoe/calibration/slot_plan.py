@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..policies.allocation import decode_steps, dp_allocate, f_curves, layer_steps, total_cost
-from ..policies.residency import DALI_WINDOW, PolicyKind, dali_default_update, load_frequency
+from ..policies.allocation import decode_steps, dp_allocate, f_curves, layer_steps, replay_config, total_cost
+from ..policies.registry import policy_spec
+from ..policies.residency import DALI_WINDOW, load_frequency
 from .card import CalibrationError, cache_dir
 
 if TYPE_CHECKING:
@@ -144,11 +145,12 @@ def plan_allocation(
     equal = AllocationPlan("equal", {il: slots_per_layer for il in layers})
     if alloc == "equal" or not layers:
         return equal
-    if PolicyKind(policy) is PolicyKind.MANUAL:
+    spec = policy_spec(policy)
+    if not spec.replayable:
         return _fallback(
             equal,
             alloc,
-            "the manual policy loads nothing by itself, so there is nothing for "
+            f"the {policy} policy loads nothing by itself, so there is nothing for "
             "dp to replay; equal allocation",
         )
     if calibration is None:
@@ -170,10 +172,14 @@ def plan_allocation(
             equal, alloc, f"dp allocation needs a routing trace: {err}; equal allocation for now"
         )
     t0 = time.perf_counter()
-    if PolicyKind(policy) is PolicyKind.PROMOE:
-        # promoe's replacement is an LRU; its prefetches need router inputs, which the routing trace does not keep
-        log.info("dp allocation for promoe: lru's replayed misses (its prefetches are not replayed)")
-        policy = PolicyKind.LRU.value
+    if spec.replay_as is not None:
+        # e.g. promoe's replacement is an LRU; its prefetches need router inputs, which the routing trace does not keep
+        log.info(
+            "dp allocation for %s: %s's replayed misses (its prefetches are not replayed)",
+            policy,
+            spec.replay_as,
+        )
+        policy = spec.replay_as
     curves = decode_curves(calibration, trace, info, policy, dali_window=dali_window, dali_update=dali_update)
     asked = slots_per_layer * len(layers)  # dp redistributes the slots equal allocation gives; it never adds
     if budget_bytes is not None:
@@ -212,12 +218,10 @@ def decode_curves(
     """
     frequency = None
     files = [calibration / ROUTING_TRACE]
-    if PolicyKind(policy) in (PolicyKind.STATIC, PolicyKind.DAOP):  # daop: its decode-phase counts
+    phase = policy_spec(policy).frequency_phase  # static: all counts, daop: its decode-phase counts
+    if phase is not None:
         frequency = load_frequency(
-            calibration,
-            n_expert=info.n_expert,
-            layers=list(info.moe_layers),
-            phase="decode" if PolicyKind(policy) is PolicyKind.DAOP else "all",
+            calibration, n_expert=info.n_expert, layers=list(info.moe_layers), phase=phase
         )
         files.append(calibration / "router_frequency.npz")
     params: dict[str, Any] = {
@@ -226,9 +230,7 @@ def decode_curves(
         "n_expert": info.n_expert,
         "counted": "decode",
     }
-    if PolicyKind(policy) is PolicyKind.DALI:
-        dali_update = dali_default_update(info.n_expert) if dali_update is None else dali_update
-        params.update(window=dali_window, update=dali_update)
+    params.update(replay_config(policy, window=dali_window, update=dali_update).replay_key(info.n_expert))
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
     for f in files:
         digest.update(f.read_bytes())

@@ -8,26 +8,33 @@ from typing import Any
 
 import click
 
-from ..placement import POLICIES, CacheRequest, cache_request
+from ..placement import CacheRequest, cache_request
+from ..policies.registry import policy_names, policy_spec
 from .options import option_group
 from .types import Size
 
-POLICY_HELP = (
-    "which experts the slots hold: lru (load misses for the next token), dali (DALI's "
-    "workload-aware replacement: every --dali-window tokens the most-used absent experts "
-    "replace the least-used resident ones; with --dali-prefetch also DALI's prefetcher, in the "
-    "routing hook), daop (DAOP: the calibration's "
-    "most used decode experts, swapped once per prompt by the prompt's routing), static (the calibration's most frequent), promoe (ProMoE's prefetcher: at each MoE layer "
-    "the calibration's predictor names the experts of the layer --prefetch-distance ahead, which are "
-    "copied before it runs; an LRU otherwise; inside llama.cpp, the predictor in the graph, stopping at each "
-    "cached layer), manual (API only); lru, dali, daop, static and manual run inside llama.cpp's graph "
-    "without stopping. static, daop, promoe and dali with "
-    "--dali-prefetch calibrate a model without calibration data on first use. Default: static (projected "
-    "1.44x stock's best decode at 8 GiB on the bundled routing profiles of real models, daop 1.46x, dali "
-    "1.05x, lru 0.95x: docs/expert-cache.md), or the policy the other options belong to: dali with --dali-window, "
-    "--dali-update or --dali-prefetch, promoe with --prefetch-distance or --prefetch-extra, lru with "
-    "--assign or --blocking-loads"
-)
+
+def policy_help() -> str:
+    """--policy's help: each registered policy's clause (its spec's help), then what they share."""
+    specs = [policy_spec(n) for n in policy_names()]
+    native = [s.name for s in specs if s.native is not None]
+    calibrating = [s.name for s in specs if s.stages] + ["dali with --dali-prefetch"]
+    return (
+        "which experts the slots hold: "
+        + ", ".join(f"{s.name} ({s.help})" for s in specs)
+        + f"; {_listed(native)} run inside llama.cpp's graph without stopping. {_listed(calibrating)} calibrate "
+        "a model without calibration data on first use. Default: static (projected 1.44x stock's best decode at "
+        "8 GiB on the bundled routing profiles of real models, daop 1.46x, dali 1.05x, lru 0.95x: "
+        "docs/expert-cache.md), or the policy the other options belong to: dali with --dali-window, "
+        "--dali-update or --dali-prefetch, promoe with --prefetch-distance or --prefetch-extra, lru with "
+        "--assign or --blocking-loads"
+    )
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 ALLOC_HELP = (
     "slots per MoE layer: equal, or dp (AdapMoE's DP allocation: the same total, split to minimise "
     "the policy's misses replayed on the calibration's routing trace; --expert-slots N is then the "
@@ -53,7 +60,7 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="expert slots per MoE layer (instead of --vram; with --alloc dp the average)",
         ),
-        click.option("--policy", type=click.Choice(POLICIES), default=None, help=POLICY_HELP),
+        click.option("--policy", type=click.Choice(policy_names()), default=None, help=policy_help()),
         click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP),
         click.option(
             "--dali-window",

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..analysis.routing_profile import profile_for_shape
 from ..analysis.trace import DECODE, Trace
+from ..policies.registry import policy_spec
 from ..policies.residency import make_policy
 from ..policies.residency import replay_policy as replay_residency
 from .costmodel import ModelShape
@@ -108,17 +109,16 @@ def _config(row: Published, moe: tuple[int, ...]) -> Config:
     )
 
 
+def _places_by_frequency(row: Published) -> bool:
+    """Does the row's policy place by router frequencies (static)? A cache placed from a profile of other text."""
+    return row.policy is not None and policy_spec(str(row.policy)).frequency_phase is not None
+
+
 def _decode_hit_rate(row: Published, cfg: Config, work: Workload, frequency: Any) -> float:
     """Routed slots of decode steps found resident before any load (a blocking load turns a miss into a GPU
     run, not a hit). LRU's residency is the same whether a miss loads before the layer or after the step."""
-    from ..policies.residency import StaticPolicy
-
     slots = dict(cfg.slots)
-    policy = (
-        StaticPolicy(frequency, slots)
-        if row.policy == "static"
-        else make_policy(str(row.policy), slots, n_expert=work.n_expert)
-    )
+    policy = make_policy(str(row.policy), slots, n_expert=work.n_expert, frequency=frequency)
     steps = [
         [(il, s.ids[:, j, :]) for j, il in enumerate(work.moe_layers) if il in slots] for s in work.steps
     ]
@@ -157,7 +157,7 @@ def project(
     cfg = _config(row, moe)
     # a static cache is placed from a profile of other text: the warm-up prompt's routing, replayed on the next
     placed = Workload(tuple(s for s in work.steps if s.seq < 1), work.moe_layers, work.n_expert)
-    frequency = static_frequency(placed) if row.policy == "static" else None
+    frequency = static_frequency(placed) if _places_by_frequency(row) else None
     res = run_config(
         cfg, work, shape, prof, estimate_graph_nodes(shape), on_gpu=True, frequency=frequency, warmup_seqs=1
     )

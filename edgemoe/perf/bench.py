@@ -26,6 +26,7 @@ from ..gguf.kv_types import KvCacheType
 from ..placement.budget import slots_beside_prefill_buffers
 from ..placement.planner import Device, budget_request
 from ..placement.planner import plan as plan_placement
+from ..policies.registry import policy_spec
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, calibrated_config
 from ..runtime.config import FlashAttn
@@ -242,7 +243,7 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
             configs.append(
                 (name + ("" if overlap else " no-overlap"), "edgemoe", cached, setup, "; ".join(notes))
             )
-        if costs is not None and pol in ("lru", "dali"):
+        if costs is not None and policy_spec(pol).assignable:
             assigned = calibrated_config(pol, spec.calibration, assign=spec.assign, assign_costs=costs)
 
             def setup_assign(
@@ -399,7 +400,7 @@ def project(
             n_ubatch=base.n_ubatch,
             warmup_seqs=1,
             # the performance model has no prefetcher: promoe is not projected
-            policies=tuple(p for p in spec.policies if p != "promoe"),
+            policies=tuple(p for p in spec.policies if policy_spec(p).projected),
             calibration=spec.calibration,
             overlap=True,
         ),

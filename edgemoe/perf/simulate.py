@@ -30,8 +30,9 @@ from ..placement.planner import Device, PlacementPlan, budget_request
 from ..placement.planner import plan as plan_placement
 from ..policies.assignment import split_share
 from ..policies.copy_queue import load_worker_default
-from ..policies.daop import DaopPolicy, precalc_targets
-from ..policies.residency import ResidencyPolicy, StaticPolicy, make_policy
+from ..policies.daop import precalc_targets
+from ..policies.registry import policy_spec
+from ..policies.residency import ResidencyPolicy, make_policy
 from .costmodel import LayerCosts, ModelShape, layer_cost_model
 from .profile import MachineProfile
 from .workload import Step, Workload
@@ -406,6 +407,11 @@ class _Run:
         return a.t_gpu, a.t_cpu
 
 
+def _phase(cfg: Config) -> str | None:
+    """The phase of the router counts cfg's policy places by (static: "all", daop: "decode"), or None."""
+    return None if cfg.policy is None else policy_spec(cfg.policy).frequency_phase
+
+
 @dataclass(frozen=True)
 class SimSpec:
     vram: int  # bytes of GPU memory the model may use (0: CPU only)
@@ -545,18 +551,16 @@ def run_config(
     object to replay for cfg.policy instead of one built by name (e.g. with frequencies of another trace).
     Sequences below `warmup_seqs` run (their loads, the policy's state) but are not counted."""
     if policy is None and cfg.policy is not None:
-        if cfg.policy == "static" and frequency is not None:
-            policy = StaticPolicy(frequency, dict(cfg.slots))
-        elif cfg.policy == "daop" and frequency is not None:
-            policy = DaopPolicy(frequency, dict(cfg.slots), shape.n_expert, blocking=cfg.blocking)
-        else:
-            policy = make_policy(
+        policy = (
+            make_policy(  # static and daop place by `frequency` where it is given, else by the calibration's
                 cfg.policy,
                 dict(cfg.slots),
                 blocking=cfg.blocking,
                 calibration=calibration,
                 n_expert=shape.n_expert,
+                frequency=frequency,
             )
+        )
     run = _Run(cfg, shape, prof, nodes, policy, overlap=overlap, on_gpu=on_gpu)
     pre, dec = _Acc(), _Acc()
     seq_pre: dict[int, float] = {}
@@ -638,7 +642,7 @@ def simulate(
         notes.append(f"graph nodes estimated ({nodes[1]} per decode step)")
     moe, n_exp, k = shape.moe_layers, shape.n_expert, shape.n_expert_used
     first_seq, frequency, decode_frequency = 0, None, None
-    if any(c.policy in ("static", "daop") for c in cfgs):
+    if any(c.policy is not None and policy_spec(c.policy).frequency_phase is not None for c in cfgs):
         if spec.calibration is not None:
             frequency = load_frequency(spec.calibration, n_expert=n_exp, layers=list(moe))
             decode_frequency = load_frequency(
@@ -679,7 +683,7 @@ def simulate(
             on_gpu=on_gpu,
             overlap=spec.overlap,
             calibration=spec.calibration,
-            frequency=decode_frequency if c.policy == "daop" else frequency,
+            frequency=decode_frequency if _phase(c) == "decode" else frequency,
             warmup_seqs=spec.warmup_seqs,
         )
         for c in cfgs

@@ -14,11 +14,10 @@ from .install import (
 )
 from .open import open_engine, this_device
 from .planner import CalibrationNeed, Device, PlacementPlan, budget_request, check_precalc_from, plan
-from .request import DEFAULT_POLICY, POLICIES, CacheRequest, PlacementError, cache_request, default_policy
+from .request import DEFAULT_POLICY, CacheRequest, PlacementError, cache_request, default_policy
 
 __all__ = [
     "DEFAULT_POLICY",
-    "POLICIES",
     "CacheRequest",
     "CalibrationNeed",
     "Device",

@@ -13,18 +13,9 @@ from ..calibration import auto
 from ..calibration.adaptive import GatingOptions, default_calibration_dir
 from ..calibration.slot_plan import describe, plan_allocation
 from ..gguf.header import GgufHeader
-from ..policies.residency import DALI_WINDOW
+from ..policies.registry import completed
 from ..runtime import native
-from ..runtime.cache_config import (
-    CacheConfig,
-    DaliConfig,
-    DaopConfig,
-    LruConfig,
-    ManualConfig,
-    PolicyConfig,
-    StaticConfig,
-    policy_config,
-)
+from ..runtime.cache_config import CacheConfig, PolicyConfig, StaticConfig
 from ..runtime.engine import Engine
 from .planner import PlacementPlan, calibration_needs
 from .request import CacheRequest, PlacementError
@@ -41,12 +32,13 @@ def calibration_for(
     given: Path | None,
     *,
     n_threads: int = 0,
-    dali_prefetch: int | None = None,
+    also: tuple[tuple[str, tuple[str, ...]], ...] = (),
 ) -> Path | None:
-    """The given calibration directory, else the model's; calibrated on first use when a policy (static, daop:
-    router frequencies; promoe, dali with a prefetcher: predictors) or alloc dp (a routing trace) needs it."""
+    """The given calibration directory, else the model's; calibrated on first use when a policy (its spec's stages:
+    static, daop: router frequencies; promoe: predictors), an option (`also`: (option, stages), e.g. dali's
+    --dali-prefetch: predictors) or alloc dp (a routing trace) needs it."""
     given = given or default_calibration_dir(model)
-    what, stages = calibration_needs(policies, alloc, dali_prefetch)
+    what, stages = calibration_needs(policies, alloc, also)
     if not stages:
         return given
     return auto.ensure_calibration(model, stages, what, given=given, n_threads=n_threads)
@@ -78,41 +70,11 @@ def assign_costs(header: GgufHeader, profile: str | None) -> dict[int, Any]:
     return expert_costs(ModelShape.from_header(header), load_profile(profile))
 
 
-def dali_window(req: CacheRequest) -> int:
-    """DALI's tokens per window: the request's, else the paper's."""
-    return DALI_WINDOW if req.dali_window is None else req.dali_window
-
-
 def policy_config_for(
     req: CacheRequest, calibration: Path | None, costs: dict[int, Any] | None
 ) -> PolicyConfig:
-    """The config record of the request's policy from its options (check_request refused those of another
-    policy, and --blocking-loads with a policy that loads no miss)."""
-    if req.policy == "lru":
-        return LruConfig(blocking=req.blocking, assign=req.assign, assign_costs=costs)
-    if req.policy == "dali":
-        return DaliConfig(
-            window=dali_window(req),
-            update=req.dali_update,
-            prefetch=req.dali_prefetch or 0,
-            blocking=req.blocking,
-            assign=req.assign,
-            assign_costs=costs,
-            calibration=calibration,
-        )
-    if req.policy == "daop":
-        return DaopConfig(calibration=calibration, blocking=req.blocking)
-    if req.policy == "promoe":
-        given = {"distance": req.prefetch_distance, "extra": req.prefetch_extra}  # None: the record's default
-        return policy_config(
-            "promoe",
-            calibration=calibration,
-            blocking=req.blocking,
-            **{k: v for k, v in given.items() if v is not None},
-        )
-    if req.policy == "static":
-        return StaticConfig(calibration=calibration)
-    return ManualConfig()
+    """The request's policy record with the calibration directory and the assigner's costs where it reads them."""
+    return completed(req.config, calibration=calibration, assign_costs=costs)
 
 
 def install_cache(
@@ -142,8 +104,7 @@ def install_cache(
         calibration=calibration,
         slots_per_layer=slots,
         budget_bytes=placement.expert_budget_bytes,
-        dali_window=dali_window(req),
-        dali_update=req.dali_update,
+        **req.config.allocation_options(),
     )
     if plan.note:
         notify(f"note: {plan.note}")

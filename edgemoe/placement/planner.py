@@ -19,6 +19,7 @@ from ..gguf.header import GgufHeader
 from ..gguf.info import ModelInfo, format_size, model_info
 from ..gguf.kv_types import KvCacheType
 from ..policies.daop import precalc_targets
+from ..policies.registry import policy_spec
 from ..runtime.cache_config import checked_slots
 from ..runtime.config import FlashAttn, LoadConfig
 from .budget import (
@@ -181,22 +182,21 @@ def _load_config(
 
 
 def calibration_needs(
-    policies: tuple[str, ...], alloc: str | None, dali_prefetch: int | None
+    policies: tuple[str, ...], alloc: str | None, also: tuple[tuple[str, tuple[str, ...]], ...] = ()
 ) -> tuple[str, tuple[str, ...]]:
-    """What the policies and the allocation read from a calibration: the options that need it, for messages, and
-    the stages (static, daop: router frequencies; promoe, dali with a prefetcher: predictors; dp: a routing
-    trace). ("", ()) when nothing is needed."""
-    stages_for = auto.STAGES_FOR
-    needs = [(f"--policy {p}", stages_for["static"]) for p in ("static", "daop") if p in policies]
-    needs += [("--policy promoe", stages_for["predictors"])] if "promoe" in policies else []
-    needs += [("--dali-prefetch", stages_for["predictors"])] if dali_prefetch else []
-    needs += [("--alloc dp", stages_for["dp"])] if alloc == "dp" else []
+    """What the policies (their specs' stages), the options in `also` ((option, stages): a record's
+    extra_calibration, e.g. dali's prefetcher) and the allocation (dp: a routing trace) read from a calibration:
+    the options that need it, for messages, and the stages. ("", ()) when nothing is needed."""
+    needs = [(f"--policy {p}", policy_spec(p).stages) for p in policies if policy_spec(p).stages]
+    needs += list(also)
+    needs += [("--alloc dp", auto.STAGES_FOR["dp"])] if alloc == "dp" else []
     stages = tuple(dict.fromkeys(s for _, ss in needs for s in ss))
     return " and ".join(w for w, _ in needs), stages
 
 
 def _calibration(model: Path, req: CacheRequest, given: Path | None) -> CalibrationNeed:
-    what, stages = calibration_needs((req.policy,), req.alloc, req.dali_prefetch)
+    also = tuple(x for x in (req.config.extra_calibration(),) if x is not None)
+    what, stages = calibration_needs((req.policy,), req.alloc, also)
     directory = given or default_calibration_dir(model)
     missing = auto.missing_stages(directory, stages) if stages else ()
     return CalibrationNeed(what=what, stages=stages, missing=missing, directory=directory)

@@ -3,20 +3,24 @@ rule that refuses a combination, in one place."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InvalidConfigError
-from ..policies.assignment import assign_refusal
-from ..policies.dali_prefetch import dali_prefetch_refusal
-from ..policies.prefetch import distance_refusal
+from ..policies.assignment import ASSIGN_REFUSAL
+from ..policies.registry import PolicyRecord, PolicySpec, policy_names, policy_spec
 
-POLICIES = ("lru", "dali", "daop", "static", "promoe", "manual")
 # the default policy: static. On the bundled routing profiles of real models at 8 GiB (tools/default_policy.py,
 # docs/expert-cache.md "Defaults") the projected decode over stock's best is, as a geometric mean, static 1.44x,
 # daop 1.46x (static plus a swap per prompt: within the model's error, and it copies at each prompt), dali 1.05x,
 # lru 0.95x: no LRU-style policy beats static on any row.
 DEFAULT_POLICY = "static"
 PREFILL_AHEAD = ("all", "predicted", "routed")
+NO_MISS = (
+    "--blocking-loads loads a miss before its layer runs; --policy {name} loads no miss "
+    "(static keeps its placement, manual makes only your loads): leave it out"
+)
 
 
 class PlacementError(InvalidConfigError):
@@ -27,16 +31,11 @@ class PlacementError(InvalidConfigError):
 class CacheRequest:
     vram: int | None  # GPU budget in bytes: dense part and KV cache first, the rest as expert slots
     expert_slots: int | None  # slots per MoE layer instead of a budget (with alloc dp: the average)
-    policy: str  # one of POLICIES
-    blocking: bool = False  # lru, dali, promoe: load a missed expert before its layer runs
+    # the policy's record with the options of its own the user gave (dali's window, promoe's distance, ...);
+    # install_cache adds the calibration directory and the assigner's costs
+    config: PolicyRecord
+    blocking: bool = False  # the policies that load misses: load a missed expert before its layer runs
     alloc: str | None = None  # "equal", "dp", or None: dp when the calibration has a routing trace
-    dali_window: int | None = None  # dali: tokens per window (None: the paper's, residency.DALI_WINDOW)
-    dali_update: int | None = None  # dali: experts replaced per window (None: the paper's for this model)
-    prefetch_distance: int | None = None  # promoe: predict layer l+d at layer l (None: ProMoE's 2)
-    prefetch_extra: int | None = None  # promoe: prefetch the top-(k+m) (None: m = 1)
-    dali_prefetch: int | None = (
-        None  # dali: next-layer experts prefetched per MoE layer (None, 0: none, native)
-    )
     assign: str | None = None  # lru, dali: the CPU/GPU assigner of each route's loads (None: none)
     profile: str | None = None  # assign's machine profile (a bundled name or a file; None: this machine's)
     degrade: float | None = None  # DAOP's graceful degradation ratio (None: off)
@@ -47,28 +46,74 @@ class CacheRequest:
     )
 
     @property
+    def policy(self) -> str:
+        """The policy's name (a registered one)."""
+        return self.config.name
+
+    @property
     def enabled(self) -> bool:
         return self.vram is not None or self.expert_slots is not None
 
 
-def default_policy(
-    *,
-    blocking: bool = False,
-    assign: str | None = None,
-    dali_window: int | None = None,
-    dali_update: int | None = None,
-    dali_prefetch: int | None = None,
-    prefetch_distance: int | None = None,
-    prefetch_extra: int | None = None,
-) -> str:
-    """The policy when none is given: the one the other options belong to, else DEFAULT_POLICY."""
-    if dali_window is not None or dali_update is not None or dali_prefetch:
-        return "dali"
-    if prefetch_distance is not None or prefetch_extra is not None:
-        return "promoe"
-    if assign is not None or blocking:
-        return "lru"  # static never loads a miss: nothing to block on or to assign
-    return DEFAULT_POLICY
+def _given(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The policy options that were given: each one's "unset" values (None; 0 for dali_prefetch) left out."""
+    unset = {o.keyword: o.unset for n in policy_names() for o in policy_spec(n).options}
+    return {k: v for k, v in options.items() if v not in unset.get(k, (None,))}
+
+
+def _takes(spec: PolicySpec, keywords: set[str]) -> bool:
+    own = {o.keyword for o in spec.options}
+    own |= {"blocking"} if spec.loads_misses else set()
+    own |= {"assign"} if spec.assignable else set()
+    return keywords <= own
+
+
+def default_policy(*, blocking: bool = False, assign: str | None = None, **options: Any) -> str:
+    """The policy when none is given: the first registered one that takes every option given (dali for
+    --dali-window, promoe for --prefetch-distance, lru for --assign or --blocking-loads: static never loads a miss,
+    so there is nothing to block on or to assign), else DEFAULT_POLICY."""
+    given = (
+        set(_given(options))
+        | ({"blocking"} if blocking else set())
+        | ({"assign"} if assign is not None else set())
+    )
+    if not given:
+        return DEFAULT_POLICY
+    specs = [policy_spec(n) for n in policy_names()]
+    for spec in specs:
+        if _takes(spec, given):
+            return spec.name
+    owners = [s.name for s in specs for o in s.options if o.keyword in given]  # no policy takes them all
+    return owners[0] if owners else DEFAULT_POLICY
+
+
+def policy_record(
+    name: str, options: Mapping[str, Any], *, blocking: bool, assign: str | None
+) -> PolicyRecord:
+    """The record of the policy `name` from the request's options, each refused with what to change where the
+    policy does not take it (or its record refuses the combination)."""
+    given = _given(options)
+    spec = policy_spec(name)
+    own = {o.keyword: o.field for o in spec.options}
+    for other in policy_names():
+        for o in policy_spec(other).options:
+            if o.keyword in given and o.keyword not in own:
+                raise PlacementError(o.foreign)
+    if blocking and not spec.loads_misses:
+        raise PlacementError(NO_MISS.format(name=name))
+    if assign is not None and not spec.assignable:
+        raise PlacementError(ASSIGN_REFUSAL)
+    fields = {own[k]: v for k, v in given.items() if k in own}
+    fields |= {"blocking": blocking} if spec.loads_misses else {}
+    fields |= {"assign": assign} if spec.assignable else {}
+    try:
+        record = spec.config(**fields)
+    except InvalidConfigError as err:
+        raise PlacementError(str(err)) from None
+    refusal = record.request_refusal()
+    if refusal is not None:
+        raise PlacementError(refusal)
+    return record
 
 
 def cache_request(
@@ -78,40 +123,33 @@ def cache_request(
     policy: str | None = None,
     blocking: bool = False,
     alloc: str | None = None,
-    dali_window: int | None = None,
-    dali_update: int | None = None,
-    prefetch_distance: int | None = None,
-    prefetch_extra: int | None = None,
-    dali_prefetch: int | None = None,
     assign: str | None = None,
     profile: str | None = None,
     degrade: float | None = None,
     device_prefill: int = 0,
     device_prefill_ahead: str = "all",
     precalc_from: int | None = None,
+    **policy_options: Any,
 ) -> CacheRequest:
-    """A checked CacheRequest; policy None picks default_policy(). Raises PlacementError."""
+    """A checked CacheRequest; policy None picks default_policy(). `policy_options`: the options that belong to
+    one policy (dali_window, dali_update, dali_prefetch, prefetch_distance, prefetch_extra: each spec's
+    RequestOptions). Raises PlacementError."""
+    known = {o.keyword for n in policy_names() for o in policy_spec(n).options}
+    unknown = sorted(set(policy_options) - known)
+    if unknown:
+        raise TypeError(f"cache_request() got an unexpected keyword argument {unknown[0]!r}")
     if policy is None:
-        policy = default_policy(
-            blocking=blocking,
-            assign=assign,
-            dali_window=dali_window,
-            dali_update=dali_update,
-            dali_prefetch=dali_prefetch,
-            prefetch_distance=prefetch_distance,
-            prefetch_extra=prefetch_extra,
-        )
+        policy = default_policy(blocking=blocking, assign=assign, **policy_options)
+    if policy not in policy_names():
+        raise PlacementError(f"unknown policy {policy!r}: one of {', '.join(policy_names())}")
+    if vram is not None and expert_slots is not None:
+        raise PlacementError("give --vram or --expert-slots, not both")
     req = CacheRequest(
         vram,
         expert_slots,
-        policy,
+        policy_record(policy, policy_options, blocking=blocking, assign=assign),
         blocking,
         alloc,
-        dali_window,
-        dali_update,
-        prefetch_distance,
-        prefetch_extra,
-        dali_prefetch,
         assign,
         profile,
         degrade,
@@ -124,33 +162,10 @@ def cache_request(
 
 
 def check_request(r: CacheRequest) -> None:
-    """Every combination the cache cannot run, refused with what to change."""
-    if r.policy not in POLICIES:
-        raise PlacementError(f"unknown policy {r.policy!r}: one of {', '.join(POLICIES)}")
+    """Every combination of the shared options the cache cannot run, refused with what to change (the policy's
+    own options were checked as its record was built: policy_record)."""
     if r.vram is not None and r.expert_slots is not None:
         raise PlacementError("give --vram or --expert-slots, not both")
-    if r.policy != "promoe" and (r.prefetch_distance is not None or r.prefetch_extra is not None):
-        raise PlacementError("--prefetch-distance and --prefetch-extra are options of --policy promoe")
-    if r.policy != "dali" and (r.dali_window is not None or r.dali_update is not None):
-        raise PlacementError("--dali-window and --dali-update are options of --policy dali")
-    refusal = distance_refusal(r.prefetch_distance) if r.prefetch_distance is not None else None
-    if refusal is not None:
-        raise PlacementError(refusal)
-    for option, value in (("--dali-window", r.dali_window), ("--dali-update", r.dali_update)):
-        if value is not None and value < 1:
-            raise PlacementError(f"{option} {value}: at least 1")
-    if r.blocking and r.policy in ("static", "manual"):
-        raise PlacementError(
-            f"--blocking-loads loads a miss before its layer runs; --policy {r.policy} loads no miss "
-            "(static keeps its placement, manual makes only your loads): leave it out"
-        )
-    refusal = dali_prefetch_refusal(r.policy, blocking=r.blocking) if r.dali_prefetch else None
-    if refusal is not None:
-        raise PlacementError(refusal)
-    if r.assign is not None:
-        refusal = assign_refusal(r.policy, blocking=r.blocking, prefetcher=bool(r.dali_prefetch))
-        if refusal is not None:
-            raise PlacementError(refusal)
     if r.profile is not None and r.assign is None:
         raise PlacementError("--profile gives --assign its costs: add --assign ratio (or greedy)")
     if (r.assign is not None or r.degrade is not None) and not r.enabled:
@@ -179,10 +194,10 @@ def check_request(r: CacheRequest) -> None:
                 ("--degrade", r.degrade is not None),
                 ("--assign", r.assign is not None),
                 ("--blocking-loads", r.blocking),
-                ("--dali-prefetch", bool(r.dali_prefetch)),
             )
             if on
         ]
+        hook += [o for o in (r.config.hook_option(),) if o is not None]
         if hook:
             raise PlacementError(
                 f"--precalc-from needs the cache's tables in the graph; {hook[0]} runs the cache "

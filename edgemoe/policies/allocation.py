@@ -44,19 +44,9 @@ from itertools import pairwise
 
 import numpy as np
 
-from ..errors import EdgeMoeError
-from .daop import DaopPolicy
-from .daop import replay_all_sizes as _daop_all_sizes
-from .residency import (
-    DALI_WINDOW,
-    DaliPolicy,
-    PolicyKind,
-    StaticPolicy,
-    dali_default_update,
-    make_policy,
-    replay_policy,
-    used_experts,
-)
+from ..errors import EdgeMoeError, InvalidConfigError
+from .registry import LayerReplay, PolicyInputs, PolicyRecord, PolicySpec, policy_config, policy_spec
+from .residency import DALI_WINDOW, replay_policy, used_experts
 
 DECODE = 1  # edgemoe.analysis.trace.DECODE: a token fed alone, one step
 MAX_UNITS = 1 << 16  # knapsack capacity above which byte weights are coarsened (rounded up)
@@ -159,12 +149,7 @@ def replay_curve(
     for other policies) `replay_policy` runs once per t. static and daop need the layer's `frequency`
     (n_expert,): static places by it, daop starts from it (the calibration's decode-phase counts).
     """
-    try:
-        k = PolicyKind(kind)
-    except ValueError:
-        raise AllocationError(
-            f"unknown cache policy {kind!r}: use one of {', '.join(p.value for p in PolicyKind)}"
-        ) from None
+    spec = _spec(kind)
     if not 0 <= max_slots <= n_expert:
         raise AllocationError(f"max_slots {max_slots}: use 0..{n_expert} (the layer's experts)")
     steps = [np.asarray(s) for s in steps]
@@ -173,41 +158,39 @@ def replay_curve(
         raise AllocationError(f"{flags.shape[0]} counted flags for {len(steps)} steps")
     routed = sum(int((s >= 0).sum()) for s, c in zip(steps, flags, strict=False) if c)
     tokens = sum(int(s.shape[0]) for s, c in zip(steps, flags, strict=False) if c)
-    if k is PolicyKind.MANUAL:
-        raise AllocationError("the manual policy loads nothing by itself: there is nothing to replay")
-    if k in (PolicyKind.STATIC, PolicyKind.DAOP) and frequency is None:
-        raise AllocationError(f"the {k.value} policy's replay needs the layer's router frequency")
-    if k is PolicyKind.DALI:
-        DaliPolicy({}, n_expert, window=window, update=1 if update is None else update)  # checks them
-    if fast and k is PolicyKind.LRU:
-        misses, loads = _lru_all_sizes(steps, flags, max_slots, n_expert)
-    elif fast and k is PolicyKind.DALI:
-        misses, loads = _dali_all_sizes(
-            steps,
-            flags,
-            max_slots,
-            n_expert,
-            window,
-            dali_default_update(n_expert) if update is None else update,
-        )
-    elif fast and k is PolicyKind.STATIC:
-        misses, loads = _static_all_sizes(steps, flags, max_slots, n_expert, np.asarray(frequency))
-    elif fast and k is PolicyKind.DAOP:
-        misses, loads = _daop_all_sizes(steps, flags, max_slots, n_expert, np.asarray(frequency))
+    if not spec.replayable:
+        raise AllocationError(f"the {kind} policy loads nothing by itself: there is nothing to replay")
+    if spec.frequency_phase is not None and frequency is None:
+        raise AllocationError(f"the {kind} policy's replay needs the layer's router frequency")
+    config = replay_config(kind, window=window, update=update)
+    freq = None if frequency is None else np.asarray(frequency)
+    if fast and spec.all_sizes is not None:
+        misses, loads = spec.all_sizes(config, LayerReplay(steps, flags, max_slots, n_expert, freq))
     else:
         misses = np.zeros(max_slots + 1, np.int64)
         loads = np.zeros(max_slots + 1, np.int64)
         for t in range(1, max_slots + 1):
-            if k is PolicyKind.STATIC:
-                pol = StaticPolicy({0: np.asarray(frequency)}, {0: t})
-            elif k is PolicyKind.DAOP:
-                pol = DaopPolicy({0: np.asarray(frequency)}, {0: t}, n_expert)
-            else:
-                pol = make_policy(kind, {0: t}, n_expert=n_expert, window=window, update=update)
+            placed = None if freq is None else {0: freq}
+            pol = spec.build(config, PolicyInputs({0: t}, n_expert, placed))
             res = replay_policy(pol, ([(0, s)] for s in steps), flags)
             misses[t], loads[t] = res.misses, res.loads
     misses[0], loads[0] = routed, 0
     return MissCurve(misses=misses, loads=loads, routed=routed, tokens=tokens)
+
+
+def _spec(kind: str) -> PolicySpec:
+    try:
+        return policy_spec(kind)
+    except InvalidConfigError as err:
+        raise AllocationError(str(err)) from None
+
+
+def replay_config(kind: str, *, window: int = DALI_WINDOW, update: int | None = None) -> PolicyRecord:
+    """The record of policy `kind` that the replays run: its defaults, with the replay's window / update where the
+    policy has them (dali)."""
+    has = _spec(kind).option_names
+    given = {"window": window, "update": update}
+    return policy_config(kind, **{k: v for k, v in given.items() if k in has})
 
 
 def _step_counts(steps: Sequence[np.ndarray], n_expert: int) -> list[tuple[np.ndarray, list[int]]]:
@@ -218,7 +201,7 @@ def _step_counts(steps: Sequence[np.ndarray], n_expert: int) -> list[tuple[np.nd
     return out
 
 
-def _lru_all_sizes(
+def lru_all_sizes(
     steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """LruPolicy for every size at once. Row t holds the t most recently touched experts, a step
@@ -283,7 +266,7 @@ def _lru_step(lru_first: list[int], used: list[int], n: int) -> tuple[list[int],
     return list(lru), sum(1 for e, label in lru.items() if label != e)
 
 
-def _dali_all_sizes(
+def dali_all_sizes(
     steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int, window: int, update: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """DaliPolicy for every size at once: the scores and the window are the same in every row, only
@@ -330,7 +313,7 @@ def _first_true(mask: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return idx, np.take_along_axis(mask, idx, axis=1)
 
 
-def _static_all_sizes(
+def static_all_sizes(
     steps: Sequence[np.ndarray], flags: np.ndarray, max_slots: int, n_expert: int, frequency: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """StaticPolicy for every size: the top-t experts by frequency (ties: lower id), loaded once."""

@@ -451,18 +451,18 @@ _ASSIGNERS: dict[AssignerKind, Assigner] = {
 }
 
 
-ASSIGNABLE_POLICIES = ("lru", "dali")
+# the records that take an assigner (lru's, dali's: edgemoe.policies.kinds) refuse it where it cannot act
+ASSIGN_REFUSAL = (
+    "--assign is an option of --policy lru or dali without --blocking-loads or --dali-prefetch (it "
+    "decides which of their misses to load before the layer runs)"
+)
 
 
-def assign_refusal(policy: str, *, blocking: bool, prefetcher: bool) -> str | None:
-    """Why a CPU/GPU assigner cannot act on this residency policy (None: it can). The one statement of the rule,
-    for edgemoe.placement's request check and the engine's."""
-    if policy in ASSIGNABLE_POLICIES and not blocking and not prefetcher:
-        return None
-    return (
-        "--assign is an option of --policy lru or dali without --blocking-loads or --dali-prefetch (it "
-        "decides which of their misses to load before the layer runs)"
-    )
+def assign_refusal(*, blocking: bool, prefetcher: bool) -> str | None:
+    """Why a CPU/GPU assigner cannot act on a residency policy that takes one (None: it can): it decides which
+    misses load now, so not with blocking loads or a prefetcher. The one statement of the rule, for the config
+    records and edgemoe.placement's request check."""
+    return None if not blocking and not prefetcher else ASSIGN_REFUSAL
 
 
 def make_assigner(kind: str) -> Assigner:

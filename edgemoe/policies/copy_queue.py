@@ -11,7 +11,7 @@ ranges, plus biases and scales), highest priority first, FIFO among equal priori
 - ``load(load)``: a synchronous copy (drops the queued loads into the slot or of the expert);
 - ``issue()``: sends the next chunk of the best queued load.
 
-It is the state a prefetching policy (edgemoe.policies.prefetch) reads and acts on, both when it is
+It is the state a prefetching policy (edgemoe.policies.promoe) reads and acts on, both when it is
 replayed on a trace (edgemoe.policies.replay) and in the engine, where every action is also logged
 as a native operation (`take_ops`) for the runtime to make on llama.cpp's cache in the same order.
 One simplification, exact for where every expert runs: a load whose chunks are all issued counts

@@ -32,22 +32,23 @@ import numpy as np
 from ..predictors.base import Predictor
 from .copy_queue import CacheModel, CopyTiming, LoadState, Priority
 from .daop import swap_pairs
-from .prefetch import PrefetchError, PromoePolicy
+from .promoe import PrefetchError, PromoePolicy
 from .residency import DALI_WINDOW, Load, used_experts
 
 DALI_PREFETCH_DISTANCE = 1  # DALI predicts the next MoE layer
 
 
-def dali_prefetch_refusal(policy: str, *, blocking: bool) -> str | None:
-    """Why dali's prefetcher cannot run with this residency policy (None: it can): it is dali's, and a missed expert
-    runs on the CPU while it loads the next layer's. The one statement of the rule, for edgemoe.placement's request
-    check and the engine's config."""
-    if policy == "dali" and not blocking:
-        return None
-    return (
-        "--dali-prefetch is an option of --policy dali without --blocking-loads "
-        "(a missed expert runs on the CPU while the prefetcher loads the next layer's)"
-    )
+DALI_PREFETCH_REFUSAL = (
+    "--dali-prefetch is an option of --policy dali without --blocking-loads "
+    "(a missed expert runs on the CPU while the prefetcher loads the next layer's)"
+)
+
+
+def dali_prefetch_refusal(*, blocking: bool) -> str | None:
+    """Why dali's prefetcher cannot run (None: it can): a missed expert runs on the CPU while it loads the next
+    layer's, so not with blocking loads. The one statement of the rule, for dali's record and the request check
+    (which refuses it with another policy by DALI_PREFETCH_REFUSAL)."""
+    return DALI_PREFETCH_REFUSAL if blocking else None
 
 
 def dali_default_prefetch(n_expert: int) -> int:

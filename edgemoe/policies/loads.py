@@ -4,8 +4,9 @@ ubatch uses. A module of its own so that every residency policy module can impor
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -15,6 +16,15 @@ class Load:
     layer: int
     expert: int
     slot: int
+
+
+@runtime_checkable
+class Reseedable(Protocol):
+    """A policy that can go on from what is resident (the engine hands it back from llama.cpp's native step)."""
+
+    def reseed(self, slots: Mapping[int, Sequence[int]]) -> None:
+        """layer -> slot of each expert (-1: absent)."""
+        ...
 
 
 def used_experts(ids: np.ndarray) -> list[int]:

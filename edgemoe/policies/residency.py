@@ -17,12 +17,11 @@ A policy answers with loads: copy expert e of layer l into slot s.
   decode-phase experts, then once per prompt the prompt's most used CPU experts swap with the least used
   GPU ones (edgemoe.policies.daop).
 - ``manual``: no loads of its own (tests, external prefetchers).
-- ``promoe``: ProMoE's prefetcher, in edgemoe.policies.prefetch (it needs a predictor and the router inputs).
+- ``promoe``: ProMoE's prefetcher, in edgemoe.policies.promoe (it needs a predictor and the router inputs).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,19 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgeMoeError
+from .counters import ReplayResult
 from .daop import DAOP_SWAP_THRESHOLD, DaopPolicy, swap_pairs
 from .loads import Load as Load  # re-exported: they lived here before loads.py
 from .loads import split_loads
 from .loads import used_experts as used_experts
-
-
-class PolicyKind(str, enum.Enum):
-    STATIC = "static"
-    LRU = "lru"
-    DALI = "dali"
-    DAOP = "daop"
-    MANUAL = "manual"  # no automatic loads: the caller drives ExpertCache.load / prefetch
-    PROMOE = "promoe"  # ProMoE's prefetcher over an LRU: edgemoe.policies.prefetch.PromoePolicy (needs a predictor)
+from .registry import PolicyInputs, policy_config, policy_spec
 
 
 @dataclass
@@ -256,58 +248,23 @@ def make_policy(
     window: int = DALI_WINDOW,
     update: int | None = None,
     swap_threshold: float = DAOP_SWAP_THRESHOLD,
+    frequency: Mapping[int, np.ndarray] | None = None,
 ) -> ResidencyPolicy:
-    """The policy named `kind` over `n_slots` (layer -> slots). static and daop read `calibration`'s
-    router frequencies (daop: of the decode phase, and it needs `n_expert`; `swap_threshold` is its
-    SwapInOut); dali needs `n_expert` and takes its window / update (None: dali_default_update)."""
-    try:
-        k = PolicyKind(kind)
-    except ValueError:
-        raise EdgeMoeError(
-            f"unknown cache policy {kind!r}: use one of {', '.join(p.value for p in PolicyKind)}"
-        ) from None
-    if k is PolicyKind.PROMOE:
-        raise EdgeMoeError(
-            "the promoe policy needs an expert predictor: build edgemoe.policies.prefetch.PromoePolicy "
-            "(the engine does so from CacheConfig(slots, policy=PromoeConfig(calibration=DIR)))"
-        )
-    if k is PolicyKind.LRU:
-        return LruPolicy(dict(n_slots), blocking=blocking)
-    if k is PolicyKind.MANUAL:
-        return ManualPolicy(dict(n_slots))
-    if k is PolicyKind.DALI:
-        if n_expert is None:
-            raise EdgeMoeError("the dali policy needs the model's expert count (n_expert)")
-        return DaliPolicy(
-            dict(n_slots),
-            n_expert,
-            window=window,
-            blocking=blocking,
-            update=dali_default_update(n_expert) if update is None else update,
-        )
-    if calibration is None:
-        raise EdgeMoeError(
-            f"the {k.value} policy needs a calibration with router frequencies: pass "
-            "calibration=edgemoe.calibration.ensure_calibration(MODEL, STAGES_FOR['static'], ...) "
-            "(made on first use), or run `edgemoe calibrate MODEL --corpus FILE`"
-        )
-    if k is PolicyKind.DAOP:
-        if n_expert is None:
-            raise EdgeMoeError("the daop policy needs the model's expert count (n_expert)")
-        freq = load_frequency(calibration, n_expert=n_expert, layers=list(n_slots), phase="decode")
-        return DaopPolicy(freq, dict(n_slots), n_expert, threshold=swap_threshold, blocking=blocking)
-    return StaticPolicy(load_frequency(calibration, n_expert=n_expert, layers=list(n_slots)), dict(n_slots))
-
-
-@dataclass
-class ReplayResult:
-    hits: int = 0  # routed slots that found their expert resident
-    misses: int = 0
-    loads: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+    """The policy named `kind` over `n_slots` (layer -> slots), built by its registered spec from a record with
+    those of the options it has. static and daop read `calibration`'s router frequencies (daop: of the decode
+    phase, and it needs `n_expert`; `swap_threshold` is its SwapInOut); dali needs `n_expert` and takes its
+    window / update (None: dali_default_update). `frequency` (layer -> router counts): what the policies that
+    place by router frequencies (static, daop) place by instead of the calibration's."""
+    spec = policy_spec(kind)
+    given = {
+        "blocking": blocking,
+        "calibration": calibration,
+        "window": window,
+        "update": update,
+        "threshold": swap_threshold,
+    }
+    config = policy_config(kind, **{k: v for k, v in given.items() if k in spec.option_names})
+    return spec.build(config, PolicyInputs(dict(n_slots), n_expert, frequency))
 
 
 def replay_policy(

@@ -1,21 +1,34 @@
 """The expert cache's configuration: `CacheConfig` holds what every policy shares (slots, overlap, loads,
-prefill, pre-calculation), and one frozen record per residency policy holds that policy's own options.
-`policy_config(name, **options)` builds the record of a policy named on a command line (docs/expert-cache.md)."""
+prefill, pre-calculation), and one frozen record per residency policy holds that policy's own options (each
+defined beside its spec in edgemoe.policies.kinds, re-exported here). `policy_config(name, **options)` builds the
+record of a policy named on a command line (docs/expert-cache.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any
 
-from ..errors import EdgeMoeError, InvalidConfigError
-from ..policies.assignment import assign_refusal
-from ..policies.copy_queue import CopyTiming, load_worker_default
-from ..policies.dali_prefetch import dali_prefetch_refusal
-from ..policies.daop import DAOP_SWAP_THRESHOLD
-from ..policies.prefetch import PROMOE_DISTANCE, PROMOE_EXTRA, distance_refusal
-from ..policies.residency import DALI_WINDOW, PolicyKind
+from ..errors import EdgeMoeError
+from ..policies.copy_queue import load_worker_default
+from ..policies.kinds import DaliConfig, DaopConfig, LruConfig, ManualConfig, PromoeConfig, StaticConfig
+from ..policies.registry import PolicyRecord, calibrated_config, policy_config, policy_options
+
+__all__ = [  # the records and their builders are re-exported: they lived here
+    "CacheConfig",
+    "DaliConfig",
+    "DaopConfig",
+    "ExpertCacheError",
+    "LruConfig",
+    "ManualConfig",
+    "PolicyConfig",
+    "PromoeConfig",
+    "StaticConfig",
+    "calibrated_config",
+    "checked_slots",
+    "policy_config",
+    "policy_options",
+]
 from . import native
 
 
@@ -23,164 +36,7 @@ class ExpertCacheError(EdgeMoeError):
     """The expert cache cannot be set up for this model or configuration."""
 
 
-def _refuse_assign(policy: str, assign: str | None, *, blocking: bool, prefetcher: bool) -> None:
-    if assign is not None:
-        refusal = assign_refusal(policy, blocking=blocking, prefetcher=prefetcher)
-        if refusal is not None:
-            raise InvalidConfigError(refusal)
-
-
-@dataclass(frozen=True)
-class StaticConfig:
-    """The calibration's most used experts, loaded once (residency.StaticPolicy)."""
-
-    name: ClassVar[str] = PolicyKind.STATIC.value
-    calibration: Path | None = None  # where router_frequency.npz is
-
-
-@dataclass(frozen=True)
-class ManualConfig:
-    """No loads of its own: the caller drives ExpertCache.load / prefetch."""
-
-    name: ClassVar[str] = PolicyKind.MANUAL.value
-
-
-@dataclass(frozen=True)
-class LruConfig:
-    """Per-layer least-recently-used (residency.LruPolicy)."""
-
-    name: ClassVar[str] = PolicyKind.LRU.value
-    blocking: bool = False  # load a missed expert before its layer runs instead of after the step
-    # per route, a CPU/GPU assigner (edgemoe.policies.assignment: "ratio", "greedy") decides which of the
-    # policy's loads to make before the layer runs (computed on the GPU this step) rather than for its next run
-    # (the miss on the CPU); needs assign_costs (edgemoe.perf.costmodel.expert_costs from a profile). Runs in
-    # the routing hook: a host sync per MoE layer
-    assign: str | None = None
-    assign_costs: Mapping[int, Any] | None = None  # MoE layer -> edgemoe.policies.assignment.ExpertCosts
-
-    def __post_init__(self) -> None:
-        _refuse_assign(self.name, self.assign, blocking=self.blocking, prefetcher=False)
-
-
-@dataclass(frozen=True)
-class _CopyQueue:
-    """The options of a prefetcher's model of the copy queue (promoe, dali's prefetcher)."""
-
-    # how many chunks the copy queue issues after each MoE layer (None: every queued chunk, as a copy stream
-    # that keeps up); a model of a slower stream for the stand-in, whose copies are instant
-    copy_timing: CopyTiming | None = None
-    # with a copy_timing: queue only the loads that can arrive in time (False: ProMoE's rule, every prediction)
-    admission: bool = True
-
-    @property
-    def admitted_timing(self) -> CopyTiming | None:
-        """The timing the prefetcher admits its loads by (None: every prediction)."""
-        return self.copy_timing if self.admission else None
-
-
-@dataclass(frozen=True)
-class DaliConfig(_CopyQueue):
-    """DALI's workload-aware replacement (residency.DaliPolicy), optionally with its residual prefetcher."""
-
-    name: ClassVar[str] = PolicyKind.DALI.value
-    window: int = DALI_WINDOW  # tokens per window (w)
-    update: int | None = None  # experts replaced per window (u); None: the paper's for the model
-    # experts of the next MoE layer its residual predictor prefetches per layer (DALI's prefetch size,
-    # edgemoe.policies.dali_prefetch); 0: replacement only, which runs natively
-    prefetch: int = 0
-    blocking: bool = False  # load a missed expert before its layer runs instead of after the step
-    assign: str | None = None  # as LruConfig.assign (not with the prefetcher)
-    assign_costs: Mapping[int, Any] | None = None
-    calibration: Path | None = None  # the prefetcher's residual predictor (gate reuse without one)
-
-    def __post_init__(self) -> None:
-        if self.prefetch:
-            refusal = dali_prefetch_refusal(self.name, blocking=self.blocking)
-            if refusal is not None:
-                raise InvalidConfigError(refusal)
-        _refuse_assign(self.name, self.assign, blocking=self.blocking, prefetcher=self.prefetch > 0)
-
-
-@dataclass(frozen=True)
-class DaopConfig:
-    """DAOP's data-aware placement (policies.daop.DaopPolicy): static plus a swap per prompt."""
-
-    name: ClassVar[str] = PolicyKind.DAOP.value
-    calibration: Path | None = None  # where the decode-phase router frequencies are
-    threshold: float = DAOP_SWAP_THRESHOLD  # SwapInOut: a prompt's expert swaps in above this ratio
-    blocking: bool = False  # swap before the layer runs instead of after the step
-
-
-@dataclass(frozen=True)
-class PromoeConfig(_CopyQueue):
-    """ProMoE's prefetcher over an LRU (policies.prefetch.PromoePolicy)."""
-
-    name: ClassVar[str] = PolicyKind.PROMOE.value
-    calibration: Path | None = None  # where the predictors are (gate reuse without them)
-    distance: int = PROMOE_DISTANCE  # predict MoE layer l+d at layer l
-    extra: int = PROMOE_EXTRA  # prefetch the top-(k+m) predicted experts
-    predictor: str = "mlp"  # the calibration's predictor kind (gate when it has none)
-    blocking: bool = False  # load a missed expert before its layer runs instead of after the step
-    # inside llama.cpp (the in-graph predictor's ids drive the loads, no Python per layer) or in the routing
-    # hook (False); None: inside where it can run (no copy_timing pacing the stand-in, at most n_expert/2
-    # experts per token), else the hook; True: inside or an error
-    native: bool | None = None
-    # inside llama.cpp: how the predictor's matrices are stored in the graph (edgemoe.runtime.prediction's
-    # WEIGHT_TYPES: "f32" computes as the numpy predictor does; "f16" holds a calibration's float16 weights
-    # exactly, with the router input rounded to f16; "q8_0" takes about half of f16's bytes)
-    weights: str = "f16"
-
-    def __post_init__(self) -> None:
-        refusal = distance_refusal(self.distance)
-        if refusal is not None:
-            raise InvalidConfigError(refusal)
-
-
-PolicyConfig = StaticConfig | ManualConfig | LruConfig | DaliConfig | DaopConfig | PromoeConfig
-POLICY_CONFIGS: dict[PolicyKind, type[PolicyConfig]] = {
-    PolicyKind.STATIC: StaticConfig,
-    PolicyKind.LRU: LruConfig,
-    PolicyKind.DALI: DaliConfig,
-    PolicyKind.DAOP: DaopConfig,
-    PolicyKind.MANUAL: ManualConfig,
-    PolicyKind.PROMOE: PromoeConfig,
-}
-
-
-def policy_options(name: str) -> tuple[str, ...]:
-    """The options of the policy named `name` (its config record's fields)."""
-    return tuple(f.name for f in fields(POLICY_CONFIGS[_kind(name)]))
-
-
-def _kind(name: str) -> PolicyKind:
-    try:
-        return PolicyKind(name)
-    except ValueError:
-        raise InvalidConfigError(
-            f"unknown cache policy {name!r}: use one of {', '.join(p.value for p in PolicyKind)}"
-        ) from None
-
-
-def policy_config(name: str, **options: Any) -> PolicyConfig:
-    """The config record of the policy named `name` with `options` (its fields) set; an unknown name or an option
-    the policy does not have raises InvalidConfigError."""
-    cls = POLICY_CONFIGS[_kind(name)]
-    has = policy_options(name)
-    unknown = sorted(set(options) - set(has))
-    if unknown:
-        raise InvalidConfigError(
-            f"the {name} policy has no option {unknown[0]!r} "
-            f"({'its options: ' + ', '.join(has) if has else 'it has none'})"
-        )
-    return cls(**options)
-
-
-def calibrated_config(name: str, calibration: Path | None, **options: Any) -> PolicyConfig:
-    """policy_config(name, **options) with the model's calibration directory where the policy reads one (static,
-    daop: router frequencies; promoe, dali's prefetcher: predictors); lru and manual read none."""
-    if "calibration" in policy_options(name):
-        options["calibration"] = calibration
-    return policy_config(name, **options)
+PolicyConfig = PolicyRecord  # any registered policy's record (edgemoe.policies.kinds)
 
 
 @dataclass(frozen=True)
@@ -229,8 +85,7 @@ class CacheConfig:
     @property
     def prefetcher(self) -> bool:
         """Does a prefetcher run this cache from the routing hook (promoe, dali with a prefetch size)?"""
-        p = self.policy
-        return isinstance(p, PromoeConfig) or (isinstance(p, DaliConfig) and p.prefetch > 0)
+        return self.policy.prefetcher
 
     def overlap_on(self, environ: Mapping[str, str]) -> bool:
         """Whether to overlap the device's experts with the CPU's: not with GGML_CUDA_GRAPH_OPT=1, llama.cpp's

@@ -15,19 +15,12 @@ from typing import Any
 import numpy as np
 
 from ..gguf.header import GgufHeader, check_gguf
-from ..policies.daop import DaopPolicy
 from ..policies.degrade import GracefulDegradation
-from ..policies.loads import split_loads
+from ..policies.loads import Reseedable, split_loads
 from ..policies.miss_assignment import AssignedPolicy
-from ..policies.prefetch import PromoePolicy
-from ..policies.residency import (
-    DaliPolicy,
-    Load,
-    LruPolicy,
-    ManualPolicy,
-    ResidencyPolicy,
-    StaticPolicy,
-)
+from ..policies.promoe import PromoePolicy
+from ..policies.registry import NativeStep
+from ..policies.residency import Load, ResidencyPolicy
 from ..policies.route import RouteRecord
 from . import native
 from .cache_config import ExpertCacheError, checked_slots
@@ -328,10 +321,14 @@ class CacheController:
         policy: ResidencyPolicy | AssignedPolicy | PromoePolicy,
         *,
         alloc: str = "equal",
+        native_step: NativeStep | None = None,
+        routed: bool = True,
     ) -> None:
         self.cache = cache
         self.policy = policy
         self.alloc = alloc  # how the slots per layer were chosen
+        self.native_step = native_step  # the step llama.cpp runs it by in the graph (None: only in the hook)
+        self._routed = routed  # its loads depend on the routes (its spec's loads_misses)
         self.degradation: GracefulDegradation | None = None  # run in the hook just before this controller
         self.pending: list[Load] = []
         self.mode = native.MOE_CACHE_POLICY_CALLBACK  # what llama_moe_cache_init starts with
@@ -340,49 +337,31 @@ class CacheController:
 
     @property
     def needs_routes(self) -> bool:
-        """A static placement never changes: the hook (and its cost) is not needed."""
-        return not isinstance(self.policy, (StaticPolicy, ManualPolicy))
+        """A placement that never changes by the routes (static, manual) does not need the hook (nor its cost)."""
+        return self._routed
 
     @property
     def native_policy(self) -> int:
         """The llama_moe_cache_policy that runs this policy in the graph (CALLBACK: it needs the hook)."""
-        if isinstance(self.policy, LruPolicy):
-            return native.MOE_CACHE_POLICY_CALLBACK if self.policy.blocking else native.MOE_CACHE_POLICY_LRU
-        if isinstance(self.policy, (StaticPolicy, ManualPolicy)):
-            return native.MOE_CACHE_POLICY_MANUAL
-        if isinstance(self.policy, DaliPolicy) and not self.policy.blocking:
-            return native.MOE_CACHE_POLICY_WINDOW_REPLACEMENT
-        if isinstance(self.policy, DaopPolicy) and not self.policy.blocking:
-            return native.MOE_CACHE_POLICY_PROMPT_SWAP
-        return (
-            native.MOE_CACHE_POLICY_CALLBACK
-        )  # a Python policy with blocking loads, run in the routing hook
+        step = self.native_step
+        return native.MOE_CACHE_POLICY_CALLBACK if step is None else native.MOE_CACHE_STEPS[step.step]
 
     def set_mode(self, policy: int) -> None:
         """Hand the policy to llama.cpp (policy != CALLBACK) or take it back into the hook."""
         if policy == self.mode:
             return
-        if policy == native.MOE_CACHE_POLICY_WINDOW_REPLACEMENT:
-            assert isinstance(self.policy, DaliPolicy)
-            dali = self.policy
-            if native.moe_cache_set_window_replacement(self.cache._ctx, dali.window, dali.update) != 0:
-                raise ExpertCacheError(
-                    f"llama.cpp refused dali window {self.policy.window} / update "
-                    f"{self.policy.update}: {native.recent_log()[-200:].strip()}"
-                )
-        if policy == native.MOE_CACHE_POLICY_PROMPT_SWAP:
-            assert isinstance(self.policy, DaopPolicy)
-            if native.moe_cache_set_prompt_swap(self.cache._ctx, self.policy.threshold) != 0:
-                raise ExpertCacheError(
-                    f"llama.cpp refused the daop threshold {self.policy.threshold}: "
-                    f"{native.recent_log()[-200:].strip()}"
-                )
+        step = self.native_step
+        if step is not None and policy == native.MOE_CACHE_STEPS[step.step]:
+            if native.moe_cache_set_step(self.cache._ctx, step.step, step.params) != 0:
+                raise ExpertCacheError(f"llama.cpp refused {step.what}: {native.recent_log()[-200:].strip()}")
         if native.moe_cache_set_policy(self.cache._ctx, policy) != 0:
             raise ExpertCacheError(
                 f"llama.cpp refused cache policy {policy}: {native.recent_log()[-200:].strip()}"
             )
-        if policy == native.MOE_CACHE_POLICY_CALLBACK and isinstance(
-            self.policy, (LruPolicy, DaliPolicy, DaopPolicy)
+        if (
+            policy == native.MOE_CACHE_POLICY_CALLBACK
+            and step is not None
+            and isinstance(self.policy, Reseedable)
         ):
             # the Python LRU (DALI, DAOP) goes on from what is resident (the native one did the same the other way)
             self.cache.sync()

@@ -1,5 +1,5 @@
 """The engine side of the prefetching policies in the routing hook: promoe (ProMoE's prefetcher,
-edgemoe.policies.prefetch) and dali with its prefetcher (edgemoe.policies.dali_prefetch).
+edgemoe.policies.promoe) and dali with its prefetcher (edgemoe.policies.dali_prefetch).
 
 At each MoE layer's routing callback the controller hands the routed ids and the router input to a
 `PolicyDriver` (edgemoe.policies.replay), which runs `PromoePolicy` over a `CacheModel` of this
@@ -20,21 +20,22 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
 from ..policies.copy_queue import CacheModel, CancelOp, IssueOp, NativeOp, PrefetchOp, SyncOp
-from ..policies.dali_prefetch import DALI_PREFETCH_DISTANCE, DaliPrefetchPolicy
-from ..policies.prefetch import PromoePolicy
+from ..policies.kinds.copy_queue_options import CopyQueueOptions
+from ..policies.promoe import PromoePolicy
+from ..policies.registry import PrefetchInputs, spec_of
 from ..policies.replay import PolicyDriver, PrefetchCounts
-from ..policies.residency import Load, dali_default_update
+from ..policies.residency import Load
 from ..policies.route import RouteRecord
 from ..predictors.base import Predictor
 from ..predictors.gate import GatePredictor
 from ..predictors.store import load_calibrated, spec_for_model
 from . import native
-from .cache_config import CacheConfig, DaliConfig, PromoeConfig
+from .cache_config import CacheConfig, PromoeConfig
 from .expert_cache import CacheController, ExpertCache, ExpertCacheError
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def prefetch_predictor(
 
 
 def prefetch_report(
-    policy: PromoePolicy, config: DaliConfig | PromoeConfig, pc: PrefetchCounts, **where: Any
+    policy: PromoePolicy, config: CopyQueueOptions, pc: PrefetchCounts, **where: Any
 ) -> dict[str, Any]:
     """The `prefetch` object of the cache's report: the counters, the policy's settings, where it runs."""
     timing = config.copy_timing
@@ -91,7 +92,7 @@ class PrefetchController(CacheController):
         self,
         cache: ExpertCache,
         policy: PromoePolicy,
-        config: DaliConfig | PromoeConfig,
+        config: CopyQueueOptions,
         *,
         alloc: str = "equal",
         note: str | None = None,
@@ -212,18 +213,21 @@ def native_promoe_refusal(config: PromoeConfig, policy: PromoePolicy, info: Mode
 
 
 def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: ModelInfo) -> CacheController:
-    """The promoe (or dali with its prefetcher) controller over `cache`: the calibration's predictor (gate reuse
-    without one)."""
+    """The controller of a policy whose spec builds a prefetcher (promoe, dali with a prefetch size) over `cache`:
+    the calibration's predictor (gate reuse without one); inside llama.cpp where its spec can put the predictor in
+    the graph and the configuration allows it, else in the routing hook."""
     p = config.policy
-    if isinstance(p, DaliConfig):
-        return _dali_prefetcher(cache, p, config.alloc, model, info)
-    if not isinstance(p, PromoeConfig):
+    spec = spec_of(p)
+    wanted = p.prefetch_predictor()
+    if spec.prefetch is None or wanted is None:
         raise EdgeMoeError(f"the {p.name} policy has no prefetcher: use promoe, or dali with a prefetch size")
-    pred, note = _logged_predictor(model, p.calibration, p.predictor, p.distance, "promoe")
-    layers = list(info.moe_layers)
-    policy = PromoePolicy(
-        cache.n_slots, layers, pred, extra=p.extra, blocking=p.blocking, timing=p.admitted_timing
-    )
+    kind, distance, calibration = wanted
+    pred, note = _logged_predictor(model, calibration, kind, distance, p.name)
+    policy = spec.prefetch(p, PrefetchInputs(cache.n_slots, list(info.moe_layers), pred, info.n_expert))
+    queue = cast(CopyQueueOptions, p)  # the records of the policies with a prefetcher
+    if not spec.in_graph_predictor:
+        return PrefetchController(cache, policy, queue, alloc=config.alloc, note=note)
+    p = cast(PromoeConfig, p)  # the one policy whose predictor runs in the graph
     why = native_promoe_refusal(p, policy, info)
     if why is None:
         return NativePromoeController(cache, policy, p, alloc=config.alloc, note=note)
@@ -233,24 +237,6 @@ def make_prefetcher(cache: ExpertCache, config: CacheConfig, model: Path, info: 
     ctl = PrefetchController(cache, policy, p, alloc=config.alloc, note=note)
     ctl.hook_reason = why
     return ctl
-
-
-def _dali_prefetcher(
-    cache: ExpertCache, p: DaliConfig, alloc: str, model: Path, info: ModelInfo
-) -> PrefetchController:
-    """dali with its residual prefetcher (DaliConfig refuses it with blocking loads)."""
-    pred, note = _logged_predictor(model, p.calibration, "residual", DALI_PREFETCH_DISTANCE, "dali")
-    dali = DaliPrefetchPolicy(
-        cache.n_slots,
-        list(info.moe_layers),
-        pred,
-        info.n_expert,
-        size=p.prefetch,
-        window=p.window,
-        update=dali_default_update(info.n_expert) if p.update is None else p.update,
-        timing=p.admitted_timing,
-    )
-    return PrefetchController(cache, dali, p, alloc=alloc, note=note)
 
 
 def _logged_predictor(

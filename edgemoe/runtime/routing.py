@@ -22,19 +22,12 @@ from ..gguf.info import ModelInfo
 from ..policies.assignment import make_assigner
 from ..policies.degrade import GracefulDegradation
 from ..policies.miss_assignment import AssignedPolicy
-from ..policies.prefetch import PromoePolicy
-from ..policies.residency import ResidencyPolicy, make_policy
+from ..policies.promoe import PromoePolicy
+from ..policies.registry import NativeStep, PolicyInputs, spec_of
+from ..policies.residency import ResidencyPolicy
 from ..policies.route import RoutePolicy
 from . import native
-from .cache_config import (
-    CacheConfig,
-    DaliConfig,
-    DaopConfig,
-    LruConfig,
-    PolicyConfig,
-    PromoeConfig,
-    StaticConfig,
-)
+from .cache_config import CacheConfig, PolicyConfig
 from .expert_cache import CacheController, CacheResidency, ExpertCache
 from .gating import Gating
 from .handle import NativeHandle
@@ -48,43 +41,33 @@ log = logging.getLogger(__name__)
 def assigned(policy: ResidencyPolicy, config: PolicyConfig) -> ResidencyPolicy | AssignedPolicy:
     """`policy` under the CPU/GPU assigner `config` names (unchanged without one); the config records refuse the
     policies an assigner cannot act on."""
-    if not isinstance(config, (LruConfig, DaliConfig)) or config.assign is None:
+    assignment = config.assignment()
+    if assignment is None:
         return policy
-    if not config.assign_costs:
+    assign, costs = assignment
+    if not costs:
         raise EdgeMoeError(
             "--assign needs a cost model: a machine profile with a GPU (--profile NAME or FILE; "
             "`edgemoe profile` measures this machine's)"
         )
-    return AssignedPolicy(policy, dict(config.assign_costs), make_assigner(config.assign), name=config.assign)
+    return AssignedPolicy(policy, dict(costs), make_assigner(assign), name=assign)
 
 
 def residency_policy(config: PolicyConfig, slots: dict[int, int], n_expert: int) -> ResidencyPolicy:
-    """The residency policy `config` describes over `slots` (layer -> slots); the prefetchers are built by
-    edgemoe.runtime.prefetcher instead."""
-    if isinstance(config, LruConfig):
-        return make_policy(config.name, slots, blocking=config.blocking, n_expert=n_expert)
-    if isinstance(config, DaliConfig):
-        return make_policy(
-            config.name,
-            slots,
-            blocking=config.blocking,
-            n_expert=n_expert,
-            window=config.window,
-            update=config.update,
-        )
-    if isinstance(config, DaopConfig):
-        return make_policy(
-            config.name,
-            slots,
-            blocking=config.blocking,
-            calibration=config.calibration,
-            n_expert=n_expert,
-            swap_threshold=config.threshold,
-        )
-    if isinstance(config, StaticConfig):
-        return make_policy(config.name, slots, calibration=config.calibration, n_expert=n_expert)
-    # manual (promoe: an error that says what to do)
-    return make_policy(config.name, slots, n_expert=n_expert)
+    """The residency policy `config` describes over `slots` (layer -> slots), built by its spec; the prefetchers
+    are built by edgemoe.runtime.prefetcher instead."""
+    return spec_of(config).build(config, PolicyInputs(slots, n_expert))
+
+
+def residency_run(
+    config: PolicyConfig, slots: dict[int, int], n_expert: int
+) -> tuple[ResidencyPolicy | AssignedPolicy, NativeStep | None]:
+    """The residency policy `config` describes (under its assigner, if any) and the native step that runs it in the
+    graph (None: only the routing hook can: blocking loads, an assigner)."""
+    spec = spec_of(config)
+    base = residency_policy(config, slots, n_expert)
+    policy = assigned(base, config)
+    return policy, spec.native(config, base) if spec.native is not None and policy is base else None
 
 
 class Routing:
@@ -198,11 +181,7 @@ class Routing:
         """The cache and its controller in self.experts; on failure none, the hook rewired without one."""
         info, ctx = self.info, self.handle.ctx
         slots = config.slots(list(info.moe_layers), info.n_expert)
-        policy = (
-            None
-            if config.prefetcher
-            else assigned(residency_policy(config.policy, slots, info.n_expert), config.policy)
-        )
+        run = None if config.prefetcher else residency_run(config.policy, slots, info.n_expert)
         cache = ExpertCache(
             ctx, self.header, list(info.moe_layers), info.n_layer, info.n_expert, slots, device
         )
@@ -214,7 +193,7 @@ class Routing:
             )
         native.moe_cache_set_overlap(ctx, overlap)
         try:
-            self._control(cache, config, policy, device)
+            self._control(cache, config, run, device)
         except BaseException:
             cache.close()
             self.experts = None  # no controller over a closed cache: the engine runs as without one
@@ -225,7 +204,7 @@ class Routing:
         self,
         cache: ExpertCache,
         config: CacheConfig,
-        policy: ResidencyPolicy | AssignedPolicy | None,
+        run: tuple[ResidencyPolicy | AssignedPolicy, NativeStep | None] | None,
         device: object,
     ) -> None:
         """Set up cache's prefill and pre-calculation and put its controller in self.experts."""
@@ -235,8 +214,14 @@ class Routing:
             cache.set_precalc(config.precalc_from, config.precalc_max_tokens)
         self.experts = experts = (
             make_prefetcher(cache, config, self.header.path, self.info)
-            if policy is None
-            else CacheController(cache, policy, alloc=config.alloc)
+            if run is None
+            else CacheController(
+                cache,
+                run[0],
+                alloc=config.alloc,
+                native_step=run[1],
+                routed=spec_of(config.policy).loads_misses,
+            )
         )
         native.moe_cache_set_async(
             self.handle.ctx, config.loads_async(device) and not experts.issues_own_loads
@@ -246,5 +231,4 @@ class Routing:
         if isinstance(experts, NativePromoeController):
             pol = experts.policy
             assert isinstance(pol, PromoePolicy)
-            assert isinstance(config.policy, PromoeConfig)
-            self.prefetch.set([pol.predictor], n_out=pol.per_token, weights=config.policy.weights)
+            self.prefetch.set([pol.predictor], n_out=pol.per_token, weights=experts.config.weights)

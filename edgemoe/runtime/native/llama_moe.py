@@ -316,6 +316,15 @@ MOE_CACHE_POLICY_PREDICTED_PREFETCH = (
 _moe_cache_set_policy = declare("llama_moe_cache_set_policy", [ctypes.c_void_p, ctypes.c_int], ctypes.c_int32)
 
 
+# the per-ubatch steps a residency policy's spec can name (edgemoe.policies.registry.NativeStep.step)
+MOE_CACHE_STEPS = {
+    "manual": MOE_CACHE_POLICY_MANUAL,
+    "lru": MOE_CACHE_POLICY_LRU,
+    "window_replacement": MOE_CACHE_POLICY_WINDOW_REPLACEMENT,
+    "prompt_swap": MOE_CACHE_POLICY_PROMPT_SWAP,
+}
+
+
 def moe_cache_set_policy(ctx: LlamaContext, policy: int) -> int:
     return int(_moe_cache_set_policy(ctx, policy))
 
@@ -550,3 +559,15 @@ def moe_cache_stats(ctx: LlamaContext) -> MoeCacheStats:
 
 def moe_cache_reset_stats(ctx: LlamaContext) -> None:
     _moe_cache_reset_stats(ctx)
+
+
+def moe_cache_set_step(ctx: LlamaContext, step: str, params: tuple[float, ...]) -> int:
+    """Set the parameters of the native step `step` (a key of MOE_CACHE_STEPS) before llama_moe_cache_set_policy
+    selects it: window replacement's (window, update), prompt swap's (threshold,); the others take none. 0, or
+    -1 if refused."""
+    if step == "window_replacement":
+        window, update = params
+        return moe_cache_set_window_replacement(ctx, int(window), int(update))
+    if step == "prompt_swap":
+        return moe_cache_set_prompt_swap(ctx, float(params[0]))
+    return 0
