@@ -275,5 +275,5 @@ def test_plan_allocation_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
     other = ROOT / "calibrations" / mixtral.name.removesuffix(".gguf")
     with pytest.raises(CalibrationError, match="another model"):
         plan_allocation(info, alloc=None, policy="lru", calibration=other, slots_per_layer=8)
-    with pytest.raises(CalibrationError, match="unknown --alloc"):
+    with pytest.raises(CalibrationError, match="unknown `alloc="):
         plan_allocation(info, alloc="greedy", policy="lru", calibration=cal, slots_per_layer=8)

@@ -54,13 +54,13 @@ def test_calibrated_config_gives_the_calibration_where_it_is_read(tmp_path: Path
 
 
 def test_the_records_refuse_what_their_policy_cannot_run() -> None:
-    with pytest.raises(InvalidConfigError, match="--assign is an option of --policy lru or dali without"):
+    with pytest.raises(InvalidConfigError, match="`assign` is an option of `policy='lru'` or dali without"):
         LruConfig(blocking=True, assign="ratio")
-    with pytest.raises(InvalidConfigError, match="--assign is an option"):
+    with pytest.raises(InvalidConfigError, match="`assign` is an option"):
         DaliConfig(prefetch=2, assign="ratio")
-    with pytest.raises(InvalidConfigError, match="--dali-prefetch is an option of --policy dali without"):
+    with pytest.raises(InvalidConfigError, match="`dali_prefetch` is an option of `policy='dali'` without"):
         DaliConfig(prefetch=2, blocking=True)
-    with pytest.raises(InvalidConfigError, match="--prefetch-distance 0: use >= 1"):
+    with pytest.raises(InvalidConfigError, match="`prefetch_distance=0`: use >= 1"):
         PromoeConfig(distance=0)
     assert DaliConfig(blocking=True).prefetch == 0 and LruConfig(assign="greedy").assign == "greedy"
 

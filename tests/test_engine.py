@@ -172,7 +172,7 @@ def test_chat_session_trims_oldest_turns_and_refuses_a_message_alone_too_long(fi
         assert chat.history[0].role == "user" and chat.history[-1].role == "assistant"
         assert chat.history[-2].content.startswith("message 5")
         before = list(chat.history)
-        with pytest.raises(ContextOverflowError, match="raise --ctx"):
+        with pytest.raises(ContextOverflowError, match="raise `n_ctx`"):
             list(chat.send("word " * 2000, max_tokens=8, sampling=GREEDY))
         assert chat.history == before
 

@@ -176,13 +176,13 @@ def test_long_greedy_run_equals_stock_with_the_same_cpu_kernels(fixture_model: P
 
 def test_cache_errors(fixture_model: Path) -> None:
     with Engine(fixture_model, LoadConfig(n_ctx=128)) as eng:
-        with pytest.raises(ExpertCacheError, match="--expert-slots"):
+        with pytest.raises(ExpertCacheError, match="`expert_slots"):
             eng.enable_expert_cache(CacheConfig(eng.info.n_expert + 1))
         with pytest.raises(InvalidConfigError, match="unknown cache policy"):
             policy_config("fifo")
         with pytest.raises(InvalidConfigError, match="the static policy has no option 'blocking'"):
             policy_config("static", blocking=True)
-        with pytest.raises(ExpertCacheError, match=r"--expert-slots 99 \(layer 3\)"):
+        with pytest.raises(ExpertCacheError, match=r"`expert_slots=99` \(layer 3\)"):
             eng.enable_expert_cache(CacheConfig({3: 99}))
         with pytest.raises(ExpertCacheError, match="not MoE layers"):
             eng.enable_expert_cache(CacheConfig({eng.info.n_layer + 4: 1}))

@@ -95,9 +95,9 @@ def test_a_budget_that_holds_every_weight_loads_the_model_as_stock() -> None:
 def test_refusals_come_before_anything_loads() -> None:
     header = check_gguf(QWEN)
     n_expert = read_model_info(QWEN).n_expert
-    with pytest.raises(ExpertCacheError, match=f"--expert-slots {n_expert + 1}: use 0..{n_expert}"):
+    with pytest.raises(ExpertCacheError, match=f"`expert_slots={n_expert + 1}`: use 0..{n_expert}"):
         plan(header, cache_request(expert_slots=n_expert + 1, policy="lru"), n_ctx=256, device=None)
-    with pytest.raises(PlacementError, match="--precalc-from 99: no MoE layer"):
+    with pytest.raises(PlacementError, match="`precalc_from=99`: no MoE layer"):
         plan(header, cache_request(expert_slots=2, policy="daop", precalc_from=99), n_ctx=256, device=None)
 
 

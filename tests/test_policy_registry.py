@@ -113,9 +113,9 @@ def test_fifo_replays_by_name(fifo: object) -> None:
 def test_fifo_is_requested_and_checked_like_the_others(fifo: object) -> None:
     req = cache_request(expert_slots=2, policy="fifo", blocking=True)
     assert req.policy == "fifo" and req.config == fifo.FifoConfig(blocking=True)  # type: ignore[attr-defined]
-    with pytest.raises(PlacementError, match="options of --policy dali"):
+    with pytest.raises(PlacementError, match="options of `policy='dali'`"):
         cache_request(expert_slots=2, policy="fifo", dali_window=8)
-    with pytest.raises(PlacementError, match="--policy lru or dali"):
+    with pytest.raises(PlacementError, match="`policy='lru'` or dali"):
         cache_request(expert_slots=2, policy="fifo", assign="ratio")
     assert cache_request(expert_slots=2).policy == "static"  # the default is unchanged
 

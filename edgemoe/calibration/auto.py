@@ -166,8 +166,8 @@ def ensure_calibration(
             raise CalibrationError(
                 f"{what} needs the {', '.join(missing)} calibration, which {cal.path} does not "
                 f"have: run `edgemoe calibrate {model} --corpus FILE --out DIR` (or, with "
-                f"the corpora its card names, `--out {cal.path} --update {stage_args}`) and "
-                "pass --calibration DIR"
+                f"the corpora its card names, `edgemoe calibrate {model} --out {cal.path} --update {stage_args}`) "
+                "and pass its directory as `calibration`"
             )
         return _complete(model, cal, missing, what, n_threads, echo, engine)
     cfg = CalibrationConfig(

@@ -81,7 +81,7 @@ class RoutingTrace:
                 f"{calibration} has no {ROUTING_TRACE}: run `edgemoe calibrate MODEL "
                 f"--corpus FILE` (or add it: `edgemoe calibrate MODEL --corpus FILE --out "
                 f"{calibration} --update --stage routing` with the card's corpora, "
-                "--tokens, --ctx and --seed)"
+                "`tokens`, `ctx` and `seed`)"
             )
         with np.load(path) as z:
             tr = cls(
@@ -97,7 +97,7 @@ class RoutingTrace:
                 f"{path} is of another model ({tr.n_expert} experts in MoE layers "
                 f"{list(tr.layers)}, the model has {info.n_expert} in "
                 f"{list(info.moe_layers)}): run `edgemoe calibrate MODEL --corpus FILE` "
-                "for this model, or pass its --calibration DIR"
+                "for this model, or pass its `calibration`"
             )
         return tr
 
@@ -140,7 +140,7 @@ def plan_allocation(
     Q4_K ffn_down beside Q6_K ones) could otherwise take more slots than were asked.
     """
     if alloc is not None and alloc not in ALLOC_MODES:
-        raise CalibrationError(f"unknown --alloc {alloc!r}: use {' or '.join(ALLOC_MODES)}")
+        raise CalibrationError(f"unknown `alloc={alloc!r}`: use {' or '.join(ALLOC_MODES)}")
     layers = list(info.moe_layers)
     equal = AllocationPlan("equal", {il: slots_per_layer for il in layers})
     if alloc == "equal" or not layers:
@@ -159,8 +159,8 @@ def plan_allocation(
         return _fallback(
             equal,
             alloc,
-            "--alloc dp needs a calibration with a routing trace: run `edgemoe "
-            "calibrate MODEL --corpus FILE` (or pass --calibration DIR); equal "
+            "`alloc='dp'` needs a calibration with a routing trace: run `edgemoe "
+            "calibrate MODEL --corpus FILE` (or pass `calibration`); equal "
             "allocation for now",
         )
     try:

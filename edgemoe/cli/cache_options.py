@@ -10,6 +10,7 @@ import click
 
 from ..placement import CacheRequest, cache_request
 from ..policies.registry import policy_names, policy_spec
+from .flags import ALIASES, as_flags
 from .options import option_group
 from .types import Size
 
@@ -19,9 +20,10 @@ def policy_help() -> str:
     specs = [policy_spec(n) for n in policy_names()]
     native = [s.name for s in specs if s.native is not None]
     calibrating = [s.name for s in specs if s.stages] + ["dali with --dali-prefetch"]
+    flags = {o.keyword: "--" + o.keyword.replace("_", "-") for s in specs for o in s.options} | dict(ALIASES)
     return (
         "which experts the slots hold: "
-        + ", ".join(f"{s.name} ({s.help})" for s in specs)
+        + ", ".join(f"{s.name} ({as_flags(s.help, flags)})" for s in specs)
         + f"; {_listed(native)} run inside llama.cpp's graph without stopping. {_listed(calibrating)} calibrate "
         "a model without calibration data on first use. Default: static (projected 1.44x stock's best decode at "
         "8 GiB on the bundled routing profiles of real models, daop 1.46x, dali 1.05x, lru 0.95x: "

@@ -337,7 +337,7 @@ def _assign_costs(path: Path, spec: BenchSpec) -> dict[int, Any]:
 
     if spec.profile is None:
         raise EdgeMoeError(
-            "bench --assign prices the assignment with --profile: give a GPU machine's profile "
+            "bench `assign` prices the assignment with `profile`: give a GPU machine's profile "
             "(this machine's from `edgemoe profile` on a CUDA build, or a bundled one)"
         )
     return expert_costs(ModelShape.read(path), load_profile(spec.profile))

@@ -211,7 +211,7 @@ def expert_costs(shape: ModelShape, prof: MachineProfile) -> dict[int, CostModel
     each way plus the CPU products' fixed cost when any expert of the layer runs on the CPU."""
     if prof.gpu is None or prof.link is None:
         raise ProfileError(
-            f"profile {prof.name!r} has no GPU: --assign weighs CPU against GPU time; give a "
+            f"profile {prof.name!r} has no GPU: `assign` weighs CPU against GPU time; give a "
             "GPU machine's profile (a bundled one, or `edgemoe profile` on a CUDA build)"
         )
     cpu, gpu = LayerCosts.of(prof.cpu, shape), LayerCosts.of(prof.gpu, shape)

@@ -123,7 +123,7 @@ def make_layouts(
         lay.notes.append(
             f"the dense weights, the KV cache of {n_ctx} tokens and the {vp.reserve_bytes >> 20} MiB "
             f"reserve need {(vp.dense_bytes + vp.kv_cache_bytes + vp.reserve_bytes) / 2**30:.2f} GiB: "
-            "raise --vram or lower --ctx"
+            "raise `vram` or lower `n_ctx`"
         )
         return lay
     dp: dict[str, dict[int, int]] = {}
@@ -166,7 +166,7 @@ def make_layouts(
     speeds = profile is not None and profile.has_gpu
     if not speeds:
         lay.notes.append(
-            "no GPU profile: hit rates only; pass --profile with a GPU machine's profile "
+            "no GPU profile: hit rates only; pass `profile` with a GPU machine's profile "
             "(`edgemoe profile` on it, or a bundled one: rtx4060-laptop, rtx4090-desktop, h100-server)"
         )
         lay.profile = ""

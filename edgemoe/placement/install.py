@@ -63,8 +63,8 @@ def assign_costs(header: GgufHeader, profile: str | None) -> dict[int, Any]:
     if profile is None:
         if not default_profile_path().exists():
             raise PlacementError(
-                "--assign needs a machine profile: measure this machine's with `edgemoe "
-                "profile`, or give --profile rtx4060-laptop (or another bundled one, or a file)"
+                "`assign` needs a machine profile: measure this machine's with `edgemoe "
+                "profile`, or give `profile='rtx4060-laptop'` (or another bundled one, or a file)"
             )
         profile = str(default_profile_path())
     return expert_costs(ModelShape.from_header(header), load_profile(profile))

@@ -144,7 +144,7 @@ def check_precalc_from(info: ModelInfo, first_layer: int) -> None:
     moe = list(info.moe_layers)
     if not precalc_targets(moe, first_layer):
         raise PlacementError(
-            f"--precalc-from {first_layer}: no MoE layer from there on follows a MoE layer "
+            f"`precalc_from={first_layer!r}`: no MoE layer from there on follows a MoE layer "
             f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer"
         )
 
@@ -187,9 +187,9 @@ def calibration_needs(
     """What the policies (their specs' stages), the options in `also` ((option, stages): a record's
     extra_calibration, e.g. dali's prefetcher) and the allocation (dp: a routing trace) read from a calibration:
     the options that need it, for messages, and the stages. ("", ()) when nothing is needed."""
-    needs = [(f"--policy {p}", policy_spec(p).stages) for p in policies if policy_spec(p).stages]
+    needs = [(f"`policy={p!r}`", policy_spec(p).stages) for p in policies if policy_spec(p).stages]
     needs += list(also)
-    needs += [("--alloc dp", auto.STAGES_FOR["dp"])] if alloc == "dp" else []
+    needs += [("`alloc='dp'`", auto.STAGES_FOR["dp"])] if alloc == "dp" else []
     stages = tuple(dict.fromkeys(s for _, ss in needs for s in ss))
     return " and ".join(w for w, _ in needs), stages
 
@@ -224,8 +224,8 @@ def _notes(
     if whole and req is not None:
         where = "on the GPU" if device is not None else "as stock llama.cpp does (no GPU in this build)"
         notes.append(
-            f"note: --vram {format_size(req.vram or 0)} holds the whole model (every expert of every MoE "
-            f"layer): it runs {where}, without an expert cache (--policy and the cache's options have "
-            "nothing to do); give --expert-slots N for a cache all the same"
+            f"note: `vram={format_size(req.vram or 0)!r}` holds the whole model (every expert of every MoE "
+            f"layer): it runs {where}, without an expert cache (`policy` and the cache's options have "
+            "nothing to do); give `expert_slots` for a cache all the same"
         )
     return notes

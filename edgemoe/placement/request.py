@@ -18,7 +18,7 @@ from ..policies.registry import PolicyRecord, PolicySpec, policy_names, policy_s
 DEFAULT_POLICY = "static"
 PREFILL_AHEAD = ("all", "predicted", "routed")
 NO_MISS = (
-    "--blocking-loads loads a miss before its layer runs; --policy {name} loads no miss "
+    "`blocking` loads a miss before its layer runs; `policy={name!r}` loads no miss "
     "(static keeps its placement, manual makes only your loads): leave it out"
 )
 
@@ -143,7 +143,7 @@ def cache_request(
     if policy not in policy_names():
         raise PlacementError(f"unknown policy {policy!r}: one of {', '.join(policy_names())}")
     if vram is not None and expert_slots is not None:
-        raise PlacementError("give --vram or --expert-slots, not both")
+        raise PlacementError("give `vram` or `expert_slots`, not both")
     req = CacheRequest(
         vram,
         expert_slots,
@@ -165,41 +165,41 @@ def check_request(r: CacheRequest) -> None:
     """Every combination of the shared options the cache cannot run, refused with what to change (the policy's
     own options were checked as its record was built: policy_record)."""
     if r.vram is not None and r.expert_slots is not None:
-        raise PlacementError("give --vram or --expert-slots, not both")
+        raise PlacementError("give `vram` or `expert_slots`, not both")
     if r.profile is not None and r.assign is None:
-        raise PlacementError("--profile gives --assign its costs: add --assign ratio (or greedy)")
+        raise PlacementError("`profile` gives `assign` its costs: add `assign='ratio'` (or greedy)")
     if (r.assign is not None or r.degrade is not None) and not r.enabled:
-        raise PlacementError("--assign and --degrade act on the expert cache: give --vram or --expert-slots")
+        raise PlacementError("`assign` and `degrade` act on the expert cache: give `vram` or `expert_slots`")
     if r.device_prefill and not r.enabled:
         raise PlacementError(
-            "--device-prefill runs prefill from the expert cache's device: give --vram or --expert-slots"
+            "`device_prefill` runs prefill from the expert cache's device: give `vram` or `expert_slots`"
         )
     if r.device_prefill_ahead not in PREFILL_AHEAD:
         raise PlacementError(
-            f"--device-prefill-ahead {r.device_prefill_ahead!r}: one of {', '.join(PREFILL_AHEAD)}"
+            f"`device_prefill_ahead={r.device_prefill_ahead!r}`: one of {', '.join(PREFILL_AHEAD)}"
         )
     if r.device_prefill_ahead != "all" and not r.device_prefill:
         raise PlacementError(
-            "--device-prefill-ahead says what --device-prefill copies ahead: add --device-prefill N"
+            "`device_prefill_ahead` says what `device_prefill` copies ahead: add `device_prefill`"
         )
     if r.precalc_from is not None:
         if not r.enabled:
             raise PlacementError(
-                "--precalc-from pre-calculates the experts outside the expert cache's slots: give "
-                "--vram or --expert-slots"
+                "`precalc_from` pre-calculates the experts outside the expert cache's slots: give "
+                "`vram` or `expert_slots`"
             )
         hook = [
             o
             for o, on in (
-                ("--degrade", r.degrade is not None),
-                ("--assign", r.assign is not None),
-                ("--blocking-loads", r.blocking),
+                ("`degrade`", r.degrade is not None),
+                ("`assign`", r.assign is not None),
+                ("`blocking`", r.blocking),
             )
             if on
         ]
         hook += [o for o in (r.config.hook_option(),) if o is not None]
         if hook:
             raise PlacementError(
-                f"--precalc-from needs the cache's tables in the graph; {hook[0]} runs the cache "
+                f"`precalc_from` needs the cache's tables in the graph; {hook[0]} runs the cache "
                 "from the routing hook: leave one of the two out"
             )

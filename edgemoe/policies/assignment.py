@@ -453,7 +453,7 @@ _ASSIGNERS: dict[AssignerKind, Assigner] = {
 
 # the records that take an assigner (lru's, dali's: edgemoe.policies.kinds) refuse it where it cannot act
 ASSIGN_REFUSAL = (
-    "--assign is an option of --policy lru or dali without --blocking-loads or --dali-prefetch (it "
+    "`assign` is an option of `policy='lru'` or dali without `blocking` or `dali_prefetch` (it "
     "decides which of their misses to load before the layer runs)"
 )
 

@@ -39,7 +39,7 @@ DALI_PREFETCH_DISTANCE = 1  # DALI predicts the next MoE layer
 
 
 DALI_PREFETCH_REFUSAL = (
-    "--dali-prefetch is an option of --policy dali without --blocking-loads "
+    "`dali_prefetch` is an option of `policy='dali'` without `blocking` "
     "(a missed expert runs on the CPU while the prefetcher loads the next layer's)"
 )
 

@@ -120,7 +120,7 @@ class DaopPolicy:
                 raise DaopError(
                     f"DAOP needs layer {layer}'s routing frequencies over {self.n_expert} experts "
                     f"(got {None if freq is None else freq.shape}): run `edgemoe calibrate MODEL "
-                    "--corpus FILE` for this model, or pass its --calibration DIR"
+                    "--corpus FILE` for this model, or pass its `calibration`"
                 )
             self._resident[layer] = {e: s for s, e in enumerate(initial_placement(freq, n))}
 

@@ -53,7 +53,7 @@ HIDDEN_KINDS = (PredictorKind.MLP, PredictorKind.GATE, PredictorKind.RESIDUAL)  
 
 def distance_refusal(distance: int) -> str | None:
     """Why promoe cannot predict `distance` MoE layers ahead (None: it can)."""
-    return None if distance >= 1 else f"--prefetch-distance {distance}: use >= 1 (ProMoE's stride is 2)"
+    return None if distance >= 1 else f"`prefetch_distance={distance!r}`: use >= 1 (ProMoE's stride is 2)"
 
 
 class PrefetchError(EdgeMoeError):

@@ -233,7 +233,7 @@ def load_frequency(
         )
         raise EdgeMoeError(
             f"{path} is of another model ({what}): run `edgemoe calibrate MODEL --corpus FILE` "
-            "for this model, or pass its --calibration DIR"
+            "for this model, or pass its `calibration`"
         )
     return freq
 

@@ -127,6 +127,6 @@ def checked_slots(
         il, n = next(iter(bad.items()))
         where = "" if isinstance(slots_per_layer, int) else f" (layer {il})"
         raise ExpertCacheError(
-            f"--expert-slots {n}{where}: use 0..{n_expert} (the model has {n_expert} experts per layer)"
+            f"`expert_slots={n!r}`{where}: use 0..{n_expert} (the model has {n_expert} experts per layer)"
         )
     return per

@@ -134,7 +134,7 @@ class ChatSession:
             if len(kept) <= 1:  # the new message alone does not fit
                 raise ContextOverflowError(
                     f"this message is {n} tokens with the chat template and the context holds "
-                    f"{self.engine.n_ctx}, {room} of them kept for the reply: shorten it or raise --ctx"
+                    f"{self.engine.n_ctx}, {room} of them kept for the reply: shorten it or raise `n_ctx`"
                 )
             del kept[0]  # the oldest user message and the reply to it
             if kept and kept[0].role == "assistant":

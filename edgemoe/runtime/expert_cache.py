@@ -232,8 +232,8 @@ class ExpertCache:
         if rc != 0:
             raise ExpertCacheError(
                 f"llama.cpp could not allocate the two prefill buffers ({rc}): "
-                f"{native.recent_log()[-200:].strip()}; lower --vram/--expert-slots or leave "
-                "--device-prefill off"
+                f"{native.recent_log()[-200:].strip()}; lower `vram`/`expert_slots` or leave "
+                "`device_prefill` off"
             )
         self.prefill_min_tokens = min_tokens
 

@@ -157,7 +157,7 @@ class NativeHandle:
             self._model_p = None
             raise ModelLoadError(
                 f"llama.cpp could not create a context of {n_ctx} tokens for {path}: "
-                f"{native.recent_error(mark)[-300:]}; try a smaller --ctx"
+                f"{native.recent_error(mark)[-300:]}; try a smaller `n_ctx`"
             )
         self.n_ctx: int = lib.llama_n_ctx(self.ctx)
         if os.environ.get("EDGEMOE_CHECK_IDS", "") not in ("", "0"):

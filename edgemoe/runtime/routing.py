@@ -47,7 +47,7 @@ def assigned(policy: ResidencyPolicy, config: PolicyConfig) -> ResidencyPolicy |
     assign, costs = assignment
     if not costs:
         raise EdgeMoeError(
-            "--assign needs a cost model: a machine profile with a GPU (--profile NAME or FILE; "
+            "`assign` needs a cost model: a machine profile with a GPU (`profile`: a bundled name or a file; "
             "`edgemoe profile` measures this machine's)"
         )
     return AssignedPolicy(policy, dict(costs), make_assigner(assign), name=assign)
@@ -173,7 +173,7 @@ class Routing:
         if config is not None and config.precalc_from is not None and self.needs_callback():
             log.warning(
                 "DAOP's pre-calculation runs only where the cache splits the ids in the graph: with the "
-                "routing callback (a Python policy, --degrade, --blocking-loads) it does nothing"
+                "routing callback (a Python policy, `degrade`, `blocking`) it does nothing"
             )
         return self.experts.cache if self.experts is not None else None
 

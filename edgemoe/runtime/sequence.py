@@ -83,7 +83,7 @@ class KVSequence:
         """Append tokens without sampling (Engine.feed); ContextOverflowError when they do not fit."""
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise ContextOverflowError(
-                f"{len(self.tokens)} + {len(tokens)} tokens do not fit the context of {self.n_ctx}; raise --ctx"
+                f"{len(self.tokens)} + {len(tokens)} tokens do not fit the context of {self.n_ctx}; raise `n_ctx`"
             )
         self.decode(list(tokens), all_logits=all_logits)
 
@@ -92,7 +92,7 @@ class KVSequence:
         if len(tokens) >= self.n_ctx:
             raise ContextOverflowError(
                 f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx}; "
-                "shorten the prompt or raise --ctx"
+                "shorten the prompt or raise `n_ctx`"
             )
         keep = min(common_prefix(self.tokens, tokens), len(tokens) - 1)  # re-evaluate one for fresh logits
         lib.llama_memory_seq_rm(lib.llama_get_memory(self.handle.ctx), 0, keep, -1)  # pyright: ignore[reportArgumentType]  # takes NULL too

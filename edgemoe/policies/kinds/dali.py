@@ -62,19 +62,19 @@ class DaliConfig(CopyQueueOptions):
         return self.prefetch > 0
 
     def request_refusal(self) -> str | None:
-        for option, value in (("--dali-window", self.window), ("--dali-update", self.update)):
+        for option, value in (("`dali_window`", self.window), ("`dali_update`", self.update)):
             if value is not None and value < 1:
                 return f"{option} {value}: at least 1"
         return None
 
     def hook_option(self) -> str | None:
-        return "--dali-prefetch" if self.prefetch else None
+        return "`dali_prefetch`" if self.prefetch else None
 
     def prefetch_predictor(self) -> tuple[str, int, Path | None] | None:
         return ("residual", DALI_PREFETCH_DISTANCE, self.calibration) if self.prefetch else None
 
     def extra_calibration(self) -> tuple[str, tuple[str, ...]] | None:
-        return ("--dali-prefetch", ("predictors",)) if self.prefetch else None
+        return ("`dali_prefetch`", ("predictors",)) if self.prefetch else None
 
     def allocation_options(self) -> dict[str, Any]:
         return {"dali_window": self.window, "dali_update": self.update}
@@ -132,15 +132,15 @@ SPEC = register(
     PolicySpec(
         name="dali",
         config=DaliConfig,
-        help="DALI's workload-aware replacement: every --dali-window tokens the most-used absent experts "
-        "replace the least-used resident ones; with --dali-prefetch also DALI's prefetcher, in the routing hook",
+        help="DALI's workload-aware replacement: every `dali_window` tokens the most-used absent experts "
+        "replace the least-used resident ones; with `dali_prefetch` also DALI's prefetcher, in the routing hook",
         build=_build,
         options=(
             RequestOption(
-                "dali_window", "window", "--dali-window and --dali-update are options of --policy dali"
+                "dali_window", "window", "`dali_window` and `dali_update` are options of `policy='dali'`"
             ),
             RequestOption(
-                "dali_update", "update", "--dali-window and --dali-update are options of --policy dali"
+                "dali_update", "update", "`dali_window` and `dali_update` are options of `policy='dali'`"
             ),
             RequestOption("dali_prefetch", "prefetch", DALI_PREFETCH_REFUSAL, unset=(None, 0)),
         ),

@@ -12,7 +12,7 @@ from ..promoe import PROMOE_DISTANCE, PROMOE_EXTRA, PromoePolicy, distance_refus
 from ..registry import PolicyInputs, PolicySpec, PrefetchInputs, RequestOption, register
 from .copy_queue_options import CopyQueueOptions
 
-FOREIGN = "--prefetch-distance and --prefetch-extra are options of --policy promoe"
+FOREIGN = "`prefetch_distance` and `prefetch_extra` are options of `policy='promoe'`"
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ SPEC = register(
         name="promoe",
         config=PromoeConfig,
         help="ProMoE's prefetcher: at each MoE layer the calibration's predictor names the experts of the layer "
-        "--prefetch-distance ahead, which are copied before it runs; an LRU otherwise; inside llama.cpp, the "
+        "`prefetch_distance` ahead, which are copied before it runs; an LRU otherwise; inside llama.cpp, the "
         "predictor in the graph, stopping at each cached layer",
         build=_build,
         options=(
