@@ -61,6 +61,7 @@ PROBE_REPS = 3  # decode runs of each probe, each a row of the host fit
 # cold pools: twice the last-level cache, but at least MIN_COLD_POOL (VMs report less cache than the host's
 # cores share: a pool that fits the real one times DRAM too fast) and at most measure.POOL_CAP_BYTES
 MIN_COLD_POOL = 512 << 20
+MAX_REPAIR_WARNINGS = 5  # repaired timings named one by one; the rest counted
 HOST_FIT_RMS_WARNING = 0.25  # share of the probes' mean remainder the fit's residual may reach
 
 BUSY_WARNING = 0.15  # share of the CPUs other processes may take before the profile is called unreliable
@@ -195,7 +196,7 @@ def _checked_curves(
 def _report_checks(notes: list[CheckNote], remeasured: int) -> str:
     """Warn about every repaired timing; the profile's note on the checks."""
     repaired = [n for n in notes if n.action == "repaired"]
-    for n in repaired:
+    for n in repaired[:MAX_REPAIR_WARNINGS]:
         log.warning(
             "%s %s %s (%s) at %d tokens: %s, in %d readings (%s ms); repaired from its neighbours to %.3g ms",
             n.qtype,
@@ -207,6 +208,11 @@ def _report_checks(notes: list[CheckNote], remeasured: int) -> str:
             len(n.readings_s),
             ", ".join(f"{r * 1e3:.3g}" for r in n.readings_s),
             n.value_s * 1e3,
+        )
+    if len(repaired) > MAX_REPAIR_WARNINGS:
+        log.warning(
+            "%d more timings repaired (the profile's checks list them): is the machine busy?",
+            len(repaired) - MAX_REPAIR_WARNINGS,
         )
     confirmed = len(notes) - len(repaired)
     return (
@@ -390,5 +396,11 @@ def summary(prof: MachineProfile) -> str:
             f"GPU {prof.gpu.name}: graph node {prof.gpu.node_s * 1e6:.2f} us; host-to-device "
             f"{prof.link.h2d_pageable / 1e9:.1f} GB/s pageable, {prof.link.h2d_pinned / 1e9:.1f} GB/s pinned, "
             f"{prof.link.loads_bw / 1e9:.1f} GB/s expert loads"
+        )
+    for n in prof.checks:
+        values = ", ".join(f"{r * 1e3:.3g}" for r in n.readings_s)
+        lines.append(
+            f"  {n.action}: {n.qtype} {n.kind} {n.size} ({'hot' if n.hot else 'cold'}) at {n.tokens} tokens, "
+            f"read {values} ms, using {n.value_s * 1e3:.3g} ms"
         )
     return "\n".join(lines)
