@@ -31,13 +31,15 @@ Position = tuple[int, int, int]  # (type, size, count) indices into TimingTable.
 
 @dataclass(frozen=True)
 class Tolerances:
-    # a token count may take this share longer than a larger one (Q5_K experts: 4 tokens 14% slower than 8)
-    monotone: float = 0.25
+    # a token count may take this share longer than a larger one (kernel paths: Q5_K experts of 512x256 take
+    # 27% longer at 4 tokens than at 8 on the Xeon of docs/figures/profile-dev-cpu.json)
+    monotone: float = 0.35
     # the larger weight may cost this share more per byte than the smaller (hot weights: L2 against L3)
     size: float = 1.0
-    # a type may take this share longer than a type with more bytes per weight (Q5_K at 1 token: 1.17x Q6_K)
-    type_order: float = 0.5
-    type_order_max_tokens: int = 4  # the memory-bound counts the type order is checked at
+    # a type may take this share longer than a type with more bytes per weight (Q5_K's products at 1 token:
+    # 1.5x Q6_K's on that Xeon; at 4 tokens 1.5x Q8_0's, so only the counts up to 2 are checked)
+    type_order: float = 0.75
+    type_order_max_tokens: int = 2  # the memory-bound counts the type order is checked at
     # readings of one point that agree within this share reproduce it (a kernel's time, not noise)
     stable: float = 0.15
 
