@@ -221,6 +221,14 @@ def _report_checks(notes: list[CheckNote], remeasured: int) -> str:
     )
 
 
+def _fit_notes(micro_node_s: float, fit: HostFit) -> list[str]:
+    floor = f", at their floor: {', '.join(fit.at_floor)}" if fit.at_floor else ""
+    return [
+        f"node cost: microbenchmark {micro_node_s * 1e6:.2f} us, probe fit {fit.node_s * 1e6:.2f} us",
+        f"host fit over {len(PROBES) * PROBE_REPS} probe runs: residual {fit.rms_s * 1e6:.1f} us per token{floor}",
+    ]
+
+
 def _cold_pool_bytes() -> int:
     return min(max(2 * _llc_bytes(), MIN_COLD_POOL), measure.POOL_CAP_BYTES)
 
@@ -278,13 +286,8 @@ def measure_profile(
     others = max(0.0, (_cpu_busy_seconds() - busy0) - (_own_seconds() - own0)) / (
         wall * (os.cpu_count() or 1)
     )
-    notes = [
-        f"node cost: microbenchmark {node_s * 1e6:.2f} us, probe fit {fit.node_s * 1e6:.2f} us",
-        f"host fit over {len(PROBES) * PROBE_REPS} probe runs: residual {fit.rms_s * 1e6:.1f} us per token"
-        + (f", at their floor: {', '.join(fit.at_floor)}" if fit.at_floor else ""),
-        _report_checks(checks, remeasured[0]),
-        f"other processes used {others:.0%} of the CPUs while profiling",
-    ]
+    notes = [*_fit_notes(node_s, fit), _report_checks(checks, remeasured[0])]
+    notes.append(f"other processes used {others:.0%} of the CPUs while profiling")
     if others > BUSY_WARNING:
         log.warning(
             "other processes used %.0f%% of the CPUs while profiling: the figures are unreliable "
