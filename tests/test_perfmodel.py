@@ -257,7 +257,7 @@ def test_simulate_cli_json_has_the_documented_fields(tmp_path: Path) -> None:
 
 
 def test_curve_fit_splits_fixed_and_per_byte_time() -> None:
-    from edgemoe.perf.profiling import _fit
+    from edgemoe.perf.profile_curves import _fit
 
     small = {c: 2e-6 + 1e-10 * c * 1000 for c in (1, 8)}
     large = {c: 2e-6 + 1e-10 * c * 9000 for c in (1, 8)}

@@ -34,9 +34,11 @@ from edgemoe.perf.workload import GatingSpec  # noqa: E402
 from edgemoe.policies.gating import GatingPolicy, GatingRule  # noqa: E402
 
 
-def prompt_tokens(eng: Engine, n: int) -> list[int]:
-    train = split_corpus(default_corpus_dir() / "tinyshakespeare.txt").train_text()
-    ids = eng.tokenize(train[: 20 * n])
+def prompt_tokens(eng: Engine, n: int, *, heldout: bool = False) -> list[int]:
+    """The first n tokens of the Shakespeare corpus's training part (heldout: of its held-out part)."""
+    split = split_corpus(default_corpus_dir() / "tinyshakespeare.txt")
+    text = split.heldout_text() if heldout else split.train_text()
+    ids = eng.tokenize(text[: 20 * n])
     if len(ids) < n:
         raise SystemExit(f"the corpus gives only {len(ids)} tokens")
     return ids[:n]

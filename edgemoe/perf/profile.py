@@ -25,6 +25,7 @@ from typing import Any, cast
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import EdgeMoeError
+from .profile_checks import CheckNote
 
 PROFILE_FORMAT = 1
 TOKEN_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -177,6 +178,8 @@ class MachineProfile:
     link: LinkProfile | None = None
     sources: tuple[str, ...] = ()  # where the numbers come from (specifications, the build that measured)
     notes: str = ""
+    # timings `edgemoe profile`'s checks questioned: reproduced and kept, or repaired (absent before 2026-11-27)
+    checks: tuple[CheckNote, ...] = ()
 
     @property
     def has_gpu(self) -> bool:
@@ -266,6 +269,10 @@ def profile_from_dict(d: Mapping[str, Any]) -> MachineProfile:
             link=link,
             sources=tuple(d.get("sources", ())),
             notes=str(d.get("notes", "")),
+            checks=tuple(
+                CheckNote(**{**c, "readings_s": tuple(float(r) for r in c["readings_s"])})
+                for c in d.get("checks", ())
+            ),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(
