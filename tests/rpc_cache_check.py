@@ -33,7 +33,7 @@ _engine_close = Engine.close
 
 
 def _close_counting(self: Engine) -> None:
-    if getattr(self, "_ctx_p", None):
+    if self.handle.is_open:
         _ID_CHECKS.append(self.ids_check())
     _engine_close(self)
 

@@ -69,7 +69,7 @@ def test_an_explicit_or_bundled_directory_is_never_written(model: Path, tmp_path
                        echo=lambda m: None)
     shutil.copytree(_cache_dir(model), explicit)
     before = sorted(p.name for p in explicit.iterdir())
-    with pytest.raises(CalibrationError, match=r"`policy='static'` needs the router_frequency calibration, which .*"
+    with pytest.raises(CalibrationError, match=r"--policy static needs the router_frequency calibration, which .*"
                                                r"mine does not have: run `edgemoe calibrate .* --update "
                                                r"--stage router_frequency"):
         ensure_calibration(model, STAGES_FOR["static"], "--policy static", given=explicit)
@@ -133,6 +133,6 @@ def test_cli_asks_for_the_stages_its_options_need(model: Path, monkeypatch: pyte
     assert placement.calibration_for(model, ("lru", "static"), None, None) == Path("/cal")
     placement.calibration_for(model, ("promoe",), "dp", None)
     placement.calibration_for(model, ("static", "promoe"), None, None)
-    assert asked == [(("router_frequency", "routing"), "--policy static"),
-                     (("predictors", "routing"), "--policy promoe and --alloc dp"),
-                     (("router_frequency", "routing", "predictors"), "--policy static and --policy promoe")]
+    assert asked == [(("router_frequency", "routing"), "`policy='static'`"),
+                     (("predictors", "routing"), "`policy='promoe'` and `alloc='dp'`"),
+                     (("router_frequency", "routing", "predictors"), "`policy='static'` and `policy='promoe'`")]

@@ -106,7 +106,7 @@ def test_the_calibration_stages_the_policy_reads_and_the_model_lacks(tmp_path: P
     monkeypatch.setenv("EDGEMOE_CACHE_DIR", str(tmp_path / "cache"))
     req = cache_request(expert_slots=2, policy="static")
     bundled = plan(check_gguf(QWEN), req, n_ctx=256, device=None).calibration
-    assert bundled.what == "--policy static" and bundled.stages == ("router_frequency", "routing")
+    assert bundled.what == "`policy='static'`" and bundled.stages == ("router_frequency", "routing")
     assert bundled.missing == () and bundled.directory is not None  # the fixture's own calibration
     copy = tmp_path / "uncalibrated-qwen3moe.gguf"
     shutil.copy(QWEN, copy)

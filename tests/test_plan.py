@@ -81,7 +81,7 @@ def test_suggest_names_the_fastest_edgemoe_row_and_its_command() -> None:
 
 def test_plan_without_routing_data_or_room_says_what_to_do(tmp_path: Path) -> None:
     small = make_layouts(QWEN, vram=64 * 2**20, n_ctx=512)
-    assert small.slots_per_layer["equal"] == [0] * len(read_model_info(QWEN).moe_layers) and any("raise --vram" in n for n in small.notes)
+    assert small.slots_per_layer["equal"] == [0] * len(read_model_info(QWEN).moe_layers) and any("raise `vram`" in n for n in small.notes)
 
 
 def test_plan_cli(tmp_path: Path) -> None:

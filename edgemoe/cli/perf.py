@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from ..analysis.routing_profile import routing_names
+from .flags import cli_text
 from .options import AttentionOptions, kv_type_options
 from .types import THREADS, Finite, GGUFPath, OutputPath, Size
 
@@ -361,4 +362,4 @@ def plan(
         cache_type_k=attention.cache_type_k,
         cache_type_v=attention.cache_type_v,
     )
-    click.echo(json.dumps(result.to_dict(), indent=1) if as_json else format_layouts(result))
+    click.echo(json.dumps(result.to_dict(), indent=1) if as_json else cli_text(format_layouts(result)))

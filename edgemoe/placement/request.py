@@ -180,7 +180,7 @@ def check_request(r: CacheRequest) -> None:
         )
     if r.device_prefill_ahead != "all" and not r.device_prefill:
         raise PlacementError(
-            "`device_prefill_ahead` says what `device_prefill` copies ahead: add `device_prefill`"
+            "`device_prefill_ahead` says what `device_prefill` copies ahead: add `device_prefill=N`"
         )
     if r.precalc_from is not None:
         if not r.enabled:
