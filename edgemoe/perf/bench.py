@@ -332,8 +332,8 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
 
 def _assign_costs(path: Path, spec: BenchSpec) -> dict[int, Any]:
     """The assigner's per-layer costs from the bench's profile (it must have a GPU)."""
-    from .costmodel import ModelShape, expert_costs
-    from .profile import load_profile
+    from .model.costmodel import ModelShape, expert_costs
+    from .model.profile import load_profile
 
     if spec.profile is None:
         raise EdgeMoeError(
@@ -368,10 +368,10 @@ def project(
     on_gpu: bool,
 ) -> None:
     """Each row's projection from this machine's profile: the routing of the generated tokens recorded as a
-    trace and replayed by edgemoe.perf.simulate with the same budget."""
+    trace and replayed by edgemoe.perf.model.simulate with the same budget."""
     from ..analysis.trace import join_traces, record_trace
-    from .profile import load_profile
-    from .simulate import SimSpec, simulate
+    from .model.profile import load_profile
+    from .model.simulate import SimSpec, simulate
 
     assert spec.profile is not None
     prof = load_profile(spec.profile)
@@ -436,7 +436,7 @@ def _project_precalc(
 ) -> str | None:
     """A "+precalc L" row's projection at the rates it measured (cache.precalc's early_share and precision): adds
     the simulator's configuration to by_name and returns its name (None: no rates, or a dp row)."""
-    from .simulate import PrecalcSpec, SimSpec, simulate
+    from .model.simulate import PrecalcSpec, SimSpec, simulate
 
     pc = (row.cache or {}).get("precalc") or {}
     pol = row.name.split(" ")[1]

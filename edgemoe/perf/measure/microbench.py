@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import EdgeMoeError
-from ..runtime import native
+from ...errors import EdgeMoeError
+from ...runtime import native
 from . import ggml_graph
 
 log = logging.getLogger(__name__)

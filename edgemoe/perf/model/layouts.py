@@ -20,15 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from ..analysis.routing_profile import routing_for_model
-from ..analysis.trace import Trace
-from ..calibration.slot_plan import RoutingTrace, plan_allocation
-from ..errors import EdgeMoeError
-from ..gguf.header import check_gguf
-from ..gguf.info import ModelInfo, model_info, size_arg
-from ..gguf.kv_types import KvCacheType
-from ..placement.planner import budget_request
-from ..placement.planner import plan as plan_placement
+from ...analysis.routing_profile import routing_for_model
+from ...analysis.trace import Trace
+from ...calibration.slot_plan import RoutingTrace, plan_allocation
+from ...errors import EdgeMoeError
+from ...gguf.header import check_gguf
+from ...gguf.info import ModelInfo, model_info, size_arg
+from ...gguf.kv_types import KvCacheType
+from ...placement.planner import budget_request
+from ...placement.planner import plan as plan_placement
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 

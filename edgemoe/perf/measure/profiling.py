@@ -25,13 +25,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..calibration.card import cache_dir
-from ..gguf.info import read_model_info
-from ..gguf.presets import get_preset
-from ..runtime.config import default_threads
-from . import measure
-from .costmodel import LayerCosts, ModelShape
-from .profile import (
+from ...calibration.card import cache_dir
+from ...gguf.info import read_model_info
+from ...gguf.presets import get_preset
+from ...runtime.config import default_threads
+from ..model.costmodel import LayerCosts, ModelShape
+from ..model.profile import (
     TOKEN_GRID,
     Curve,
     DeviceProfile,
@@ -42,9 +41,10 @@ from .profile import (
     Roofline,
     weights_per_byte,
 )
+from . import microbench as measure
 
 if TYPE_CHECKING:
-    from ..runtime.native import GgmlDevice
+    from ...runtime.native import GgmlDevice
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,8 @@ class ProbeRun:
 
 def _probe_run(path: Path, threads: int, reps: int = 3) -> ProbeRun:
     """Decode (64 greedy tokens) and prefill (a PROBE_PROMPT-token prompt) times of a probe model."""
-    from ..runtime.engine import Engine, LoadConfig
-    from ..runtime.sampling import GREEDY
+    from ...runtime.engine import Engine, LoadConfig
+    from ...runtime.sampling import GREEDY
 
     with Engine(path, LoadConfig(n_ctx=256, n_threads=threads)) as eng:
         prompt = [16 + i % 900 for i in range(PROBE_PROMPT)]
@@ -192,7 +192,7 @@ def fit_host(
 ) -> tuple[HostProfile, float]:
     """call_s, vocab_s and node_s from the probes' decode: measured time = modelled products + host terms;
     node_elem_s from their prefill's remainder."""
-    from ..gguf.synth import write_synthetic
+    from ...gguf.synth import write_synthetic
 
     base = get_preset("tiny-qwen3moe")
     rows, rhs, runs = [], [], []
@@ -241,7 +241,7 @@ def measure_profile(
     *, threads: int = 0, model: str | Path | None = None, progress: Progress | None = None
 ) -> MachineProfile:
     """Measure this machine (about a minute on 2 cores)."""
-    from ..runtime import native
+    from ...runtime import native
 
     native.route_logs_to_python()  # ggml's messages (repacking...) to logging, not the terminal
     threads = threads or default_threads()
@@ -322,7 +322,7 @@ def measure_profile(
 def _measure_gpu(
     dev: GgmlDevice, expert_types: tuple[str, ...], dense_types: tuple[str, ...], tick: Callable[[], None]
 ) -> tuple[DeviceProfile, LinkProfile]:
-    from ..runtime import native
+    from ...runtime import native
 
     matmul = measure_curves(dense_types, kind="matmul", threads=1, device=dev, tick=tick)
     expert = measure_curves(expert_types, kind="expert", threads=1, device=dev, tick=tick)

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..errors import EdgeMoeError
+from ...errors import EdgeMoeError
 
 PROFILE_FORMAT = 1
 TOKEN_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -22,17 +22,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..analysis.trace import DECODE, PREFILL
-from ..errors import EdgeMoeError
-from ..gguf.header import check_gguf
-from ..placement.budget import slots_beside_prefill_buffers
-from ..placement.planner import Device, PlacementPlan, budget_request
-from ..placement.planner import plan as plan_placement
-from ..policies.assignment import split_share
-from ..policies.copy_queue import load_worker_default
-from ..policies.daop import precalc_targets
-from ..policies.registry import policy_spec
-from ..policies.residency import ResidencyPolicy, make_policy
+from ...analysis.trace import DECODE, PREFILL
+from ...errors import EdgeMoeError
+from ...gguf.header import check_gguf
+from ...placement.budget import slots_beside_prefill_buffers
+from ...placement.planner import Device, PlacementPlan, budget_request
+from ...placement.planner import plan as plan_placement
+from ...policies.assignment import split_share
+from ...policies.copy_queue import load_worker_default
+from ...policies.daop import precalc_targets
+from ...policies.registry import policy_spec
+from ...policies.residency import ResidencyPolicy, make_policy
 from .costmodel import LayerCosts, ModelShape, layer_cost_model
 from .profile import MachineProfile
 from .workload import Step, Workload
@@ -95,7 +95,7 @@ class Config:
     precalc: PrecalcSpec | None = None  # decode steps pre-calculate (--precalc-from)
     # decode steps split the CPU's experts by rows with the GPU where that is faster (FreeToken-style; not built)
     decode_split: bool = False
-    # other engines' caches (the backtest, edgemoe.perf.backtest): loads copied from pageable host memory (the
+    # other engines' caches (the backtest, edgemoe.perf.model.backtest): loads copied from pageable host memory (the
     # driver stages them: h2d_pageable), where edgemoe's loader sends its chunks from pinned staging buffers
     pageable_loads: bool = False
     # the host reads each cached layer's routing before its experts run, one device-to-host synchronisation
@@ -396,7 +396,7 @@ class _Run:
     ) -> tuple[float, float]:
         """A prefill ubatch's experts split between the CPU and the GPU (copying some) by an assigner: (GPU time
         with the copies, CPU time with the hand-off); the two sides run at once."""
-        from ..policies.assignment import make_assigner
+        from ...policies.assignment import make_assigner
 
         assert self.gpu is not None and self.prof.link is not None and self.cfg.assign is not None
         cost = layer_cost_model(self.cpu, self.gpu, self.prof.link, il, handoff_tokens=max(counts.values()))
@@ -615,7 +615,7 @@ def simulate(
     model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec, gating: Any = None
 ) -> SimResult:
     """Replay `trace` (edgemoe.analysis.trace.Trace) on `model`'s shapes through every configuration."""
-    from ..policies.residency import load_frequency
+    from ...policies.residency import load_frequency
     from .workload import build_workload
 
     header = check_gguf(model)
