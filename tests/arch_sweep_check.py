@@ -292,8 +292,8 @@ def check_cache_dali_prefetch(path: Path) -> dict:
 def check_cache_assign(path: Path) -> dict:
     """lru with the ratio assigner (--assign) priced by a bundled GPU profile for this model's shapes: some
     routes' loads are weighed (and made before their layer, or not), the logits stock's."""
-    from edgemoe.perf.costmodel import ModelShape, expert_costs
-    from edgemoe.perf.profile import load_profile
+    from edgemoe.perf.model.costmodel import ModelShape, expert_costs
+    from edgemoe.perf.model.profile import load_profile
 
     costs = expert_costs(ModelShape.read(path), load_profile("rtx4060-laptop"))
     return _hook_check(path, "assign", lambda st, info: None if st["assign"]["routes"] else "no route weighed",

@@ -42,7 +42,7 @@ def eval_callback_tensors(path: Path, toks: list[int], prefix: str, dtype: type,
                           hook: object = None) -> dict[int, np.ndarray]:
     """Decode toks (every one an output) with llama.cpp's own eval callback and return, per layer,
     the flat contents of the nodes named `<prefix><il>`; `hook` (a native.MoeHookFn) is set if given."""
-    from edgemoe.perf import ggml_graph as ggml
+    from edgemoe.perf.measure import ggml_graph as ggml
     from edgemoe.runtime import native
     from edgemoe.runtime.native import lib
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from edgemoe.perf.backtest import Published, backtest, error_stats, load_published, markdown
-from edgemoe.perf.profile import bundled_profiles
-from edgemoe.perf.shapes import shape_preset
+from edgemoe.perf.model.backtest import Published, backtest, error_stats, load_published, markdown
+from edgemoe.perf.model.profile import bundled_profiles
+from edgemoe.perf.model.shapes import shape_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "research" / "performance-model.md"
@@ -63,9 +63,9 @@ def test_pageable_host_routed_misses_cost_their_copies(tmp_path):
     """A fork that copies each miss from pageable memory and reads each layer's routing on the host is slower
     than one that copies from pinned memory on its own, by the slower copies and a link latency per cached
     layer."""
-    from edgemoe.perf.costmodel import ModelShape
-    from edgemoe.perf.profile import load_profile
-    from edgemoe.perf.shapes import shape_file, with_k_m_mix
+    from edgemoe.perf.model.costmodel import ModelShape
+    from edgemoe.perf.model.profile import load_profile
+    from edgemoe.perf.model.shapes import shape_file, with_k_m_mix
 
     base = {"kind": "cache", "model": "qwen3-30b-a3b", "quant": "Q4_K_M", "profile": "rtx5090-wsl2",
             "published_tps": 1.0, "source": "test", "conditions": "test", "n_cpu_moe": 99, "policy": "lru",
@@ -84,8 +84,8 @@ def test_pageable_host_routed_misses_cost_their_copies(tmp_path):
 
 
 def test_k_m_mix_puts_half_the_down_projections_in_q6_k(tmp_path):
-    from edgemoe.perf.costmodel import ModelShape
-    from edgemoe.perf.shapes import shape_file, with_k_m_mix
+    from edgemoe.perf.model.costmodel import ModelShape
+    from edgemoe.perf.model.shapes import shape_file, with_k_m_mix
 
     plain = ModelShape.read(shape_file("qwen3-30b-a3b", "Q4_K", tmp_path))
     mixed = with_k_m_mix(plain, "Q4_K_M")

@@ -138,7 +138,7 @@ def test_bench_precalc_rows() -> None:
     from test_perfmodel import skewed_trace
 
     from edgemoe.perf.bench import BenchRow, BenchSpec, _project_precalc
-    from edgemoe.perf.profile import load_profile
+    from edgemoe.perf.model.profile import load_profile
     from edgemoe.runtime.engine import LoadConfig
 
     trace = skewed_trace(FIXTURE_MODELS[0], n_seq=2, prefill=16, decode=16)

@@ -18,10 +18,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("edgemoe.policies", "edgemoe.predictors"),  # pure numpy decisions over routing records
     ("edgemoe.runtime",),  # the one native binding and the Engine over it
     ("edgemoe.analysis",),  # traces, statistics, perplexity, verify, reports
-    # calibration stages and artifacts; benchmarks; the placement's plan (budget arithmetic, the request and its
-    # rules, plan()), which perf consumes
-    ("edgemoe.calibration", "edgemoe.perf", "edgemoe.placement.budget", "edgemoe.placement.planner",
-     "edgemoe.placement.request"),
+    # calibration stages and artifacts; performance by job (the pure model, this machine's measurements, the engine
+    # benchmark); the placement's plan (budget arithmetic, the request and its rules, plan()), which perf consumes
+    ("edgemoe.calibration", "edgemoe.perf", "edgemoe.perf.model", "edgemoe.perf.measure",
+     "edgemoe.placement.budget", "edgemoe.placement.planner", "edgemoe.placement.request"),
     ("edgemoe.placement",),  # model + plan -> a running engine with its expert cache (open_engine, install)
     ("edgemoe.cli", "edgemoe.serve", "edgemoe.__main__"),  # command line; HTTP server (cli imports serve)
 )
@@ -170,6 +170,34 @@ def test_only_the_cli_imports_the_cli() -> None:
     bad = sorted(f"{n} imports {d}" for n, deps in users.items() for d in deps if d.startswith("edgemoe.cli")
                  and n != "edgemoe.__main__")
     assert bad == []
+
+
+# what the performance model never imports itself: it runs without the native library and without an Engine
+PURE_MODEL_NEVER_IMPORTS = ("edgemoe.runtime", "edgemoe.perf.measure", "edgemoe.perf.bench")
+
+
+def impure_model_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{n} imports {d}" for n, deps in graph.items() if unit_of(n) == "edgemoe.perf.model"
+                  for d in deps if any(d == p or d.startswith(p + ".") for p in PURE_MODEL_NEVER_IMPORTS))
+
+
+def test_the_performance_model_is_pure() -> None:
+    """edgemoe.perf.model imports neither the runtime (the native library, the Engine) nor perf.measure (the
+    microbenchmarks) nor perf.bench (the engine benchmark); those may import the model."""
+    assert any(unit_of(n) == "edgemoe.perf.model" for n in GRAPH)
+    assert impure_model_imports(GRAPH) == []
+
+
+def test_an_impure_import_in_the_model_is_caught(tmp_path: Path) -> None:
+    copy = tmp_path / "edgemoe"
+    for name, path in all_modules().items():
+        dst = copy / path.relative_to(PKG_DIR)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(path.read_text())
+    (copy / "perf/model/report.py").write_text((copy / "perf/model/report.py").read_text()
+                                               + "from ..measure import microbench\n")
+    assert impure_model_imports(import_graph(copy)) == [
+        "edgemoe.perf.model.report imports edgemoe.perf.measure.microbench"]
 
 
 def test_a_circle_is_caught() -> None:

@@ -98,7 +98,7 @@ def test_engine_params_equal_stock_llama(fixture_model: Path, recorded: dict, n_
 def test_cpu_expert_override_list_is_llama_cpps_own(recorded: dict) -> None:
     """The bench's GPU layout (-ot exps=CPU): a NULL-terminated list whose buffer type is the CPU device's,
     from the libggml-cpu libllama loaded, kept alive by the Engine for the model's lifetime."""
-    from edgemoe.perf import ggml_graph
+    from edgemoe.perf.measure import ggml_graph
     from edgemoe.runtime import native
     from edgemoe.runtime.engine import Engine, LoadConfig
 

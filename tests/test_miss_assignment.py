@@ -13,8 +13,8 @@ from conftest import StepRecorder
 
 from edgemoe.cli.main import cli
 from edgemoe.errors import EdgeMoeError
-from edgemoe.perf.costmodel import ModelShape, expert_costs
-from edgemoe.perf.profile import load_profile
+from edgemoe.perf.model.costmodel import ModelShape, expert_costs
+from edgemoe.perf.model.profile import load_profile
 from edgemoe.policies.miss_assignment import AssignedPolicy
 from edgemoe.policies.assignment import CostModel, make_assigner
 from edgemoe.policies.residency import DaliPolicy, LruPolicy, replay_policy
@@ -122,7 +122,7 @@ def test_assignment_is_refused_where_it_cannot_act(fixture_model: Path) -> None:
 
 
 def _cpu_profile() -> Path:
-    from edgemoe.perf.profile import profile_from_dict
+    from edgemoe.perf.model.profile import profile_from_dict
     import dataclasses
     import tempfile
 

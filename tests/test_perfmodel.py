@@ -13,11 +13,11 @@ from edgemoe.analysis.trace import DECODE, PREFILL, Trace
 from edgemoe.cli.main import cli
 from edgemoe.errors import EdgeMoeError
 from edgemoe.gguf.info import read_model_info
-from edgemoe.perf.costmodel import LayerCosts, ModelShape
-from edgemoe.perf.profile import (TOKEN_GRID, Curve, HostProfile, ProfileError, RatePoint, Roofline,
+from edgemoe.perf.model.costmodel import LayerCosts, ModelShape
+from edgemoe.perf.model.profile import (TOKEN_GRID, Curve, HostProfile, ProfileError, RatePoint, Roofline,
                                   bundled_profiles, load_profile, profile_from_dict)
-from edgemoe.perf.simulate import ConfigResult, SimSpec, simulate
-from edgemoe.perf.workload import GatingSpec, build_workload
+from edgemoe.perf.model.simulate import ConfigResult, SimSpec, simulate
+from edgemoe.perf.model.workload import GatingSpec, build_workload
 from edgemoe.policies.gating import GatingRule
 from edgemoe.policies.residency import LruPolicy
 from edgemoe.policies.residency import replay_policy as replay_residency
@@ -173,8 +173,8 @@ def test_simulated_lru_hit_rate_equals_the_residency_replay() -> None:
 def test_simulated_daop_hit_rate_equals_the_residency_replay(tmp_path: Path) -> None:
     """daop in the performance model: placed by the decode counts of the trace's first half (or of the
     calibration), replayed over the rest with its prompt swaps, as DaopPolicy replays on the same steps."""
-    from edgemoe.perf.simulate import static_frequency
-    from edgemoe.perf.workload import Workload
+    from edgemoe.perf.model.simulate import static_frequency
+    from edgemoe.perf.model.workload import Workload
     from edgemoe.policies.daop import DaopPolicy
 
     tr = skewed_trace(QWEN)
@@ -257,7 +257,7 @@ def test_simulate_cli_json_has_the_documented_fields(tmp_path: Path) -> None:
 
 
 def test_curve_fit_splits_fixed_and_per_byte_time() -> None:
-    from edgemoe.perf.profile_curves import _fit
+    from edgemoe.perf.measure.profile_curves import _fit
 
     small = {c: 2e-6 + 1e-10 * c * 1000 for c in (1, 8)}
     large = {c: 2e-6 + 1e-10 * c * 9000 for c in (1, 8)}
@@ -422,8 +422,8 @@ def test_precalc_hides_cpu_experts_under_the_target_layers_attention_only_with_t
     attention, so decode is faster with the overlap; without it the early split runs in turn and adds its
     hand-off and fixed cost; wasted predictions (precision < 1) or none used (recall 0) cost CPU time. Prefill
     steps and the cache's residency are untouched."""
-    from edgemoe.perf.profile import Curve, RatePoint
-    from edgemoe.perf.simulate import PrecalcSpec
+    from edgemoe.perf.model.profile import Curve, RatePoint
+    from edgemoe.perf.model.simulate import PrecalcSpec
 
     tr = skewed_trace(QWEN, prefill=32, decode=32)
     prof = load_profile("rtx4060-laptop")

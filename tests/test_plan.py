@@ -10,11 +10,11 @@ from conftest import FIXTURE_MODELS
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
-from edgemoe.perf.layouts import make_layouts
-from edgemoe.perf.layouts import suggest
+from edgemoe.perf.model.layouts import make_layouts
+from edgemoe.perf.model.layouts import suggest
 from edgemoe.placement.budget import budget_for_slots
-from edgemoe.perf.profile import load_profile
-from edgemoe.perf.simulate import SimSpec, simulate
+from edgemoe.perf.model.profile import load_profile
+from edgemoe.perf.model.simulate import SimSpec, simulate
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 
@@ -55,7 +55,7 @@ def test_plan_splits_the_budget_and_allocates_dp_slots_within_it() -> None:
 
 
 def _calibration_trace_of(model: Path):  # type: ignore[no-untyped-def]
-    from edgemoe.perf.layouts import _calibration_trace
+    from edgemoe.perf.model.layouts import _calibration_trace
 
     return _calibration_trace(default_calibration_dir(model), read_model_info(model))
 

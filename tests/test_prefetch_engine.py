@@ -196,9 +196,9 @@ def test_generate_json_reports_the_prefetcher() -> None:
 
 
 def test_profile_timing_scales_the_link_to_the_experts_bytes() -> None:
-    from edgemoe.perf.costmodel import ModelShape
-    from edgemoe.perf.link_timing import profile_timing
-    from edgemoe.perf.profile import load_profile
+    from edgemoe.perf.model.costmodel import ModelShape
+    from edgemoe.perf.model.link_timing import profile_timing
+    from edgemoe.perf.model.profile import load_profile
 
     prof, ref = load_profile("rtx4060-laptop"), ModelShape.read(FIXTURE_MODELS[0])
     cpu = profile_timing(prof, ref, 1000.0, name="laptop")

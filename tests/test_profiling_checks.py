@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from edgemoe.perf.host_fit import bounded_least_squares, fit_host_terms
-from edgemoe.perf.profile_checks import (
+from edgemoe.perf.model.host_fit import bounded_least_squares, fit_host_terms
+from edgemoe.perf.model.profile_checks import (
     Position,
     TimingTable,
     find_suspects,

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = [ROOT / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf", ROOT / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"]
 CORPORA = ["tinyshakespeare.txt", "python-docs.txt"]
 
-# --- the assumed laptop (not measured: edgemoe/perf/costmodel.py will supply measured profiles) ---
+# --- the assumed laptop (not measured: edgemoe/perf/model/costmodel.py will supply measured profiles) ---
 CPU_BW = 60e9  # B/s, host memory read by the CPU's matmuls (dual-channel DDR5 laptop, effective)
 CPU_FLOPS = 0.6e12  # FLOP/s, Q4_K matmul on the laptop's P-cores (AVX2/AVX-512 dot products)
 GPU_BW = 200e9  # B/s, VRAM (RTX 4060/4070 laptop class: 256-272 GB/s peak)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.perf.backtest import backtest, error_stats, load_published, markdown
+from edgemoe.perf.model.backtest import backtest, error_stats, load_published, markdown
 
 BEGIN, END = "<!-- backtest:begin -->", "<!-- backtest:end -->"
 

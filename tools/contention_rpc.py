@@ -16,14 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.perf import measure  # noqa: E402
+from edgemoe.perf.measure import microbench  # noqa: E402
 from edgemoe.runtime import native  # noqa: E402
 
 SHAPE = (2048, 768)
 
 
 def ffn(device: int | None, tokens: int, seconds: float) -> float:
-    t = measure.time_expert_ffn("Q4_K", SHAPE[0], SHAPE[1], [tokens], threads=1, cold=False, device=device,
+    t = microbench.time_expert_ffn("Q4_K", SHAPE[0], SHAPE[1], [tokens], threads=1, cold=False, device=device,
                                 min_seconds=seconds)
     return t[tokens]
 

@@ -11,7 +11,7 @@ commands). Every policy is replayed from the model's bundled calibration (train 
 held-out text; slots are equal in every MoE layer unless the row says dp.
 
 - placement: hit rate / CPU expert executions (misses) per token / copies (loads) per token over decode
-  tokens, and the decode speed the performance model projects (edgemoe.perf.simulate) for a real-sized
+  tokens, and the decode speed the performance model projects (edgemoe.perf.model.simulate) for a real-sized
   model with the fixture's expert count and top-k (Mixtral-8x7B for the mixtral fixture, Qwen3-30B-A3B's
   layers with 32 experts, top-4, for the qwen3moe fixture), the trace's layers repeated over its depth.
 - precalc: gate reuse's accuracy on DAOP's predicted CPU experts and the numpy reference's layer-output
@@ -117,10 +117,10 @@ def _big_shape(model: Path) -> tuple[Path, str]:
 
 def projected(model: Path, tr: Trace, profile: str, freq_all: dict[int, np.ndarray],
               freq_dec: dict[int, np.ndarray]) -> list[dict[str, Any]]:
-    from edgemoe.perf.costmodel import ModelShape
-    from edgemoe.perf.profile import load_profile
-    from edgemoe.perf.simulate import Config, estimate_graph_nodes, run_config
-    from edgemoe.perf.workload import build_workload
+    from edgemoe.perf.model.costmodel import ModelShape
+    from edgemoe.perf.model.profile import load_profile
+    from edgemoe.perf.model.simulate import Config, estimate_graph_nodes, run_config
+    from edgemoe.perf.model.workload import build_workload
 
     path, label = _big_shape(model)
     shape, prof = ModelShape.read(path), load_profile(profile)

@@ -9,7 +9,7 @@ traces it (calibration.traces.record_eval_trace: chunks of 512 tokens, 3/4 prefi
 router inputs kept; at most --max-tokens), replayed (edgemoe.policies.replay) through lru, static and
 promoe (with admission control, and with ProMoE's own rule: every prediction queued), E/4 and E/2 slots
 in every MoE layer, at each copy timing: infinite bandwidth, and machine profiles scaled to the
-fixture's expert bytes (edgemoe.perf.link_timing). Counted: decode tokens (prefills are replayed).
+fixture's expert bytes (edgemoe.perf.model.link_timing). Counted: decode tokens (prefills are replayed).
 Then promoe live on the CPU stand-in at the first profile's timing: the engine teacher-forced through the
 same tokens, its copy queue paced by the timing; its decode counters, and whether the replay of its own
 routes (float32 router inputs) gives the same ones. The calibration (static's frequencies, the mlp
@@ -36,9 +36,9 @@ from edgemoe.calibration.card import find_calibration  # noqa: E402
 from edgemoe.calibration.corpus import split_corpus  # noqa: E402
 from edgemoe.calibration.traces import eval_prefill_tokens, eval_tokens, record_eval_trace  # noqa: E402
 from edgemoe.gguf.info import read_model_info  # noqa: E402
-from edgemoe.perf.costmodel import ModelShape  # noqa: E402
-from edgemoe.perf.link_timing import LinkTiming, profile_timing  # noqa: E402
-from edgemoe.perf.profile import load_profile  # noqa: E402
+from edgemoe.perf.model.costmodel import ModelShape  # noqa: E402
+from edgemoe.perf.model.link_timing import LinkTiming, profile_timing  # noqa: E402
+from edgemoe.perf.model.profile import load_profile  # noqa: E402
 from edgemoe.policies.copy_queue import CopyTiming  # noqa: E402
 from edgemoe.policies.dali_prefetch import DALI_PREFETCH_DISTANCE, DaliPrefetchPolicy, dali_default_prefetch  # noqa: E402
 from edgemoe.policies.promoe import PromoePolicy  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Projected tables (docs/research/performance-model.md): model shapes x bundled profiles x VRAM budgets.
 
-Every figure is a projection of `edgemoe simulate` (edgemoe.perf.simulate) from a specification
+Every figure is a projection of `edgemoe simulate` (edgemoe.perf.model.simulate) from a specification
 profile, replaying a routing trace. By default (`--routing real`) the trace is drawn from the bundled
 routing profile of real models for the shape (edgemoe.analysis.routing_profile: Qwen3-30B-A3B and
 Mixtral-8x7B their own, gpt-oss-20b the nearest, OLMoE's), four prompts of 256 tokens then 256 generated;
@@ -39,10 +39,10 @@ from edgemoe.analysis.routing_model import routing_stats, synthesize_trace  # no
 from edgemoe.analysis.routing_profile import profile_for_shape  # noqa: E402
 from edgemoe.analysis.trace import Trace  # noqa: E402
 from edgemoe.placement.budget import slot_budget, vram_reserve  # noqa: E402
-from edgemoe.perf.costmodel import ModelShape  # noqa: E402
-from edgemoe.perf.profile import load_profile  # noqa: E402
-from edgemoe.perf.simulate import ConfigResult, PrecalcSpec, SimResult, SimSpec, simulate  # noqa: E402
-from edgemoe.perf.workload import GatingSpec  # noqa: E402
+from edgemoe.perf.model.costmodel import ModelShape  # noqa: E402
+from edgemoe.perf.model.profile import load_profile  # noqa: E402
+from edgemoe.perf.model.simulate import ConfigResult, PrecalcSpec, SimResult, SimSpec, simulate  # noqa: E402
+from edgemoe.perf.model.workload import GatingSpec  # noqa: E402
 from edgemoe.policies.gating import GatingRule  # noqa: E402
 
 B = Path(".build")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edgemoe.placement import calibration_for  # noqa: E402
 from edgemoe.gguf.info import parse_size  # noqa: E402
 from edgemoe.perf.bench import BenchSpec, format_table, run_bench  # noqa: E402
-from edgemoe.perf.profiling import measure_profile  # noqa: E402
+from edgemoe.perf.measure.profiling import measure_profile  # noqa: E402
 from edgemoe.runtime import native  # noqa: E402
 
 

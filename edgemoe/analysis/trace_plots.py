@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,15 +21,25 @@ def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
-
-    def save(fig: Figure, name: str) -> None:
+    figures = (
+        ("frequency.png", _frequency),
+        ("per_layer.png", _per_layer),
+        ("lru.png", _lru),
+        ("workload.png", _workload),
+        ("adjacency.png", _adjacency),
+    )
+    for name, draw in figures:
+        fig = draw(plt, st, title)
         p = out_dir / name
         fig.tight_layout()
         fig.savefig(p, dpi=110)
         plt.close(fig)
         paths.append(p)
+    return paths
 
-    # expert frequency heatmap, experts sorted by share within each layer
+
+def _frequency(plt: Any, st: TraceStats, title: str) -> Figure:
+    """Expert frequency heatmap, experts sorted by share within each layer."""
     fig, ax = plt.subplots(figsize=(8, 3.5))
     im = ax.imshow(np.sort(st.frequency, axis=1)[:, ::-1] * st.n_expert, aspect="auto", cmap="viridis")
     ax.set(
@@ -37,9 +47,11 @@ def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
     )
     ax.set_yticks(range(len(st.layers)), [str(x) for x in st.layers])
     fig.colorbar(im, ax=ax, label="share x n_expert (1 = uniform)")
-    save(fig, "frequency.png")
+    return fig
 
-    # per-layer scalars
+
+def _per_layer(plt: Any, st: TraceStats, title: str) -> Figure:
+    """Per-layer scalars."""
     fig, ax = plt.subplots(figsize=(10.5, 3.5))
     x = np.arange(len(st.layers))
     ax.plot(x, st.entropy, "o-", label="normalised entropy")
@@ -57,9 +69,11 @@ def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
         xlabel="MoE layer index (position)", ylim=(0, 1.05), title=f"{title}: routing statistics per layer"
     )
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    save(fig, "per_layer.png")
+    return fig
 
-    # LRU hit rate vs cache size
+
+def _lru(plt: Any, st: TraceStats, title: str) -> Figure:
+    """LRU hit rate vs cache size."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for j, il in enumerate(st.layers):
         ax.plot(
@@ -71,9 +85,11 @@ def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
     ax.plot(st.lru_sizes, st.lru_sizes / st.n_expert, "k:", label="random routing")
     ax.set(xlabel="experts cached per layer", ylabel="hit rate", ylim=(0, 1.02), title=f"{title}: LRU cache")
     ax.legend(fontsize=7)
-    save(fig, "lru.png")
+    return fig
 
-    # DALI-style workload heatmap of the middle layer over windows
+
+def _workload(plt: Any, st: TraceStats, title: str) -> Figure:
+    """DALI-style workload heatmap of the middle layer over windows."""
     j = len(st.layers) // 2
     fig, ax = plt.subplots(figsize=(8, 3.5))
     im = ax.imshow(st.workload_windows[j].T, aspect="auto", cmap="magma", interpolation="nearest")
@@ -83,8 +99,12 @@ def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
         title=f"{title}: tokens per expert per window, layer {st.layers[j]}",
     )
     fig.colorbar(im, ax=ax, label="tokens")
-    save(fig, "workload.png")
-    # DALI-style adjacency: busiest experts of one window (rows) vs the next window (columns)
+    return fig
+
+
+def _adjacency(plt: Any, st: TraceStats, title: str) -> Figure:
+    """DALI-style adjacency of the middle layer: busiest experts of one window (rows) vs the next (columns)."""
+    j = len(st.layers) // 2
     fig, ax = plt.subplots(figsize=(4.8, 4.2))
     im = ax.imshow(st.adjacency_matrix[j], cmap="Blues", interpolation="nearest")
     ax.set(
@@ -93,5 +113,4 @@ def write_plots(st: TraceStats, out_dir: Path, title: str) -> list[Path]:
         title=f"high-workload adjacency, layer {st.layers[j]}",
     )
     fig.colorbar(im, ax=ax, label="window pairs")
-    save(fig, "adjacency.png")
-    return paths
+    return fig

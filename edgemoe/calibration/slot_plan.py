@@ -181,15 +181,7 @@ def plan_allocation(
         )
         policy = spec.replay_as
     curves = decode_curves(calibration, trace, info, policy, dali_window=dali_window, dali_update=dali_update)
-    asked = slots_per_layer * len(layers)  # dp redistributes the slots equal allocation gives; it never adds
-    if budget_bytes is not None:
-        slots = dp_allocate(
-            curves, budget_bytes, bytes_per_expert=dict(info.bytes_per_expert_by_layer), max_total=asked
-        )
-        if total_cost(curves, slots) > total_cost(curves, equal.slots):  # the greedy trim can lose to equal
-            slots = dict(equal.slots)
-    else:
-        slots = dp_allocate(curves, asked)
+    slots = _dp_slots(info, curves, equal.slots, budget_bytes)
     log.info(
         "dp allocation for %s from %s (%d tokens) in %.2f s: %s",
         policy,
@@ -199,6 +191,22 @@ def plan_allocation(
         slots,
     )
     return AllocationPlan("dp", slots)
+
+
+def _dp_slots(
+    info: ModelInfo, curves: dict[int, np.ndarray], equal: dict[int, int], budget_bytes: int | None
+) -> dict[int, int]:
+    """dp's slots over the misses `curves`: within `budget_bytes` of expert slots (never worse than `equal`)
+    when given, else as many slots as `equal` hands out."""
+    asked = sum(equal.values())  # dp redistributes the slots equal allocation gives; it never adds
+    if budget_bytes is None:
+        return dp_allocate(curves, asked)
+    slots = dp_allocate(
+        curves, budget_bytes, bytes_per_expert=dict(info.bytes_per_expert_by_layer), max_total=asked
+    )
+    if total_cost(curves, slots) > total_cost(curves, equal):  # the greedy trim can lose to equal
+        slots = dict(equal)
+    return slots
 
 
 def decode_curves(

@@ -368,11 +368,6 @@ def perplexity(
 
     calibration = gating.calibration
     if precalc_from is not None:
-        if degrade_ratio is not None or expert_slots is None:
-            raise click.UsageError(
-                "--precalc-from takes --expert-slots (the experts outside the slots are "
-                "pre-calculated), not --degrade"
-            )
         _precalc_perplexity(
             model,
             input_path,
@@ -380,22 +375,14 @@ def perplexity(
             max_tokens,
             calibration,
             precalc_from,
-            expert_slots,
+            _precalc_slots(degrade_ratio, expert_slots),
             32 if prompt_tokens is None else prompt_tokens,
             threads,
             attention,
             as_json,
         )
         return
-    if (degrade_ratio is None) != (expert_slots is None):
-        raise click.UsageError(
-            "--degrade and --expert-slots go together (degradation routes to the experts DAOP's slots hold)"
-        )
-    skip = prompt_tokens if prompt_tokens is not None else 32 if degrade_ratio is not None else 0
-    if skip >= n_ctx - 1:
-        raise click.UsageError(f"--prompt-tokens {skip} leaves nothing of a --ctx {n_ctx} chunk to score")
-    if degrade_ratio is not None and skip < 1:
-        raise click.UsageError("--degrade needs --prompt-tokens >= 1 (the prompt DAOP swaps by)")
+    skip = _scored_from(n_ctx, degrade_ratio, expert_slots, prompt_tokens)
     gate = replace(gating_for(gating, model), decode_only=False)
     text = input_path.read_text(encoding="utf-8", errors="replace")
     load = LoadConfig(
@@ -430,6 +417,44 @@ def perplexity(
         "cache_type_v": attention.cache_type_v,
         **res.to_dict(),
     }
+    _print_perplexity(d, res, deg, degrade_ratio, expert_slots, as_json)
+
+
+def _precalc_slots(degrade_ratio: float | None, expert_slots: int | None) -> int:
+    """--precalc-from's slots per MoE layer: it takes --expert-slots, not --degrade."""
+    if degrade_ratio is not None or expert_slots is None:
+        raise click.UsageError(
+            "--precalc-from takes --expert-slots (the experts outside the slots are pre-calculated), not --degrade"
+        )
+    return expert_slots
+
+
+def _scored_from(
+    n_ctx: int, degrade_ratio: float | None, expert_slots: int | None, prompt_tokens: int | None
+) -> int:
+    """The tokens of each chunk perplexity skips before it scores (--prompt-tokens, default 32 with
+    --degrade, else 0), once the options are checked together."""
+    if (degrade_ratio is None) != (expert_slots is None):
+        raise click.UsageError(
+            "--degrade and --expert-slots go together (degradation routes to the experts DAOP's slots hold)"
+        )
+    skip = prompt_tokens if prompt_tokens is not None else 32 if degrade_ratio is not None else 0
+    if skip >= n_ctx - 1:
+        raise click.UsageError(f"--prompt-tokens {skip} leaves nothing of a --ctx {n_ctx} chunk to score")
+    if degrade_ratio is not None and skip < 1:
+        raise click.UsageError("--degrade needs --prompt-tokens >= 1 (the prompt DAOP swaps by)")
+    return skip
+
+
+def _print_perplexity(
+    d: dict[str, Any],
+    res: Any,
+    deg: Any,
+    degrade_ratio: float | None,
+    expert_slots: int | None,
+    as_json: bool,
+) -> None:
+    """perplexity's result `d` (with the degradation `deg`'s report, if any) as JSON or as text."""
     if deg is not None:
         d["degrade"] = {**deg.report(), "expert_slots": expert_slots}
     if as_json:

@@ -107,7 +107,7 @@ def bench(
     """Prefill/decode tokens/s, TTFT, TPOT and VRAM: stock -ot exps=CPU, the best --n-cpu-moe, edgemoe policies."""
     from ..perf.bench import BenchSpec, format_table, run_bench
     from ..perf.bench import plot as plot_png
-    from ..perf.profiling import default_profile_path
+    from ..perf.measure.profiling import default_profile_path
 
     if precalc_from is not None:
         from ..gguf.info import read_model_info

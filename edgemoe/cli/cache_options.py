@@ -45,7 +45,10 @@ ALLOC_HELP = (
 
 
 def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """The cache's options, given to the command as `cache`: a CacheRequest (not enabled without a budget)."""
+    """The cache's options, given to the command as `cache`: a CacheRequest (not enabled without a budget).
+
+    Long because the option stack is declarative: one click.option per flag with its help, read top to bottom.
+    """
     opts = [
         click.option(
             "--vram",

@@ -1,4 +1,5 @@
-"""`edgemoe profile` and `edgemoe simulate`: the performance model (edgemoe.perf.profiling, .simulate)."""
+"""`edgemoe profile` and `edgemoe simulate`: the performance model (edgemoe.perf.measure.profiling,
+edgemoe.perf.model.simulate)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _routing_options(
 def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -> None:
     """Measure this machine for the performance model: expert and matrix speeds per ggml type and token
     count, graph-node and per-call costs, memory bandwidth (on a CUDA build also the GPU and its link)."""
-    from ..perf.profiling import default_profile_path, measure_profile, summary
+    from ..perf.measure.profiling import default_profile_path, measure_profile, summary
 
     with click.progressbar(length=100, label="profiling", file=click.get_text_stream("stderr")) as bar:  # pyright: ignore[reportCallIssue]  # click 8.5 types its deprecated names object
         done = [0]
@@ -186,12 +187,12 @@ def simulate(
 ) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
-    from ..perf.profile import load_profile
-    from ..perf.profiling import default_profile_path
-    from ..perf.report import format_simulation, plot_simulation
-    from ..perf.simulate import PrecalcSpec, SimSpec
-    from ..perf.simulate import simulate as run
-    from ..perf.workload import GatingSpec
+    from ..perf.measure.profiling import default_profile_path
+    from ..perf.model.profile import load_profile
+    from ..perf.model.report import format_simulation, plot_simulation
+    from ..perf.model.simulate import PrecalcSpec, SimSpec
+    from ..perf.model.simulate import simulate as run
+    from ..perf.model.workload import GatingSpec
     from ..policies.gating import GatingRule
 
     if (gating is None) != (threshold is None):
@@ -323,9 +324,9 @@ def plan(
     from ..analysis.trace import Trace
     from ..calibration.adaptive import default_calibration_dir
     from ..gguf.info import read_model_info
-    from ..perf.layouts import format_layouts, make_layouts
-    from ..perf.profile import load_profile
-    from ..perf.profiling import default_profile_path
+    from ..perf.measure.profiling import default_profile_path
+    from ..perf.model.layouts import format_layouts, make_layouts
+    from ..perf.model.profile import load_profile
     from ..placement.budget import budget_for_slots, engine_ctx
 
     if vram is not None and expert_slots is not None:

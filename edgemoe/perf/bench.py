@@ -153,6 +153,149 @@ def _measure(
     return t.prompt_tps, t.decode_tps, t.ttft_s, tpot, used, cache, g.tokens, reuse
 
 
+# a bench row: (name, kind, load config, what to do to the engine before it runs, note)
+_Row = tuple[str, str, LoadConfig, Callable[[Engine], None] | None, str]
+
+
+@dataclass(frozen=True)
+class _CacheRows:
+    """What every edgemoe row of a bench shares."""
+
+    info: ModelInfo
+    spec: BenchSpec
+    dev: Any  # the GPU device (None: the CPU stand-in)
+    n_ctx: int
+    slots: int  # equal slots per MoE layer
+    expert_budget_bytes: int
+    cached: LoadConfig  # the load config of a row with the expert cache
+    costs: dict[int, Any] | None  # the assigner's costs (--assign)
+
+    def enable(self, cfg: CacheConfig) -> Callable[[Engine], None]:
+        """The row's setup: the expert cache with `cfg` on the bench's device."""
+
+        def setup(eng: Engine) -> None:
+            eng.enable_expert_cache(cfg, device=self.dev)
+
+        return setup
+
+
+def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
+    """The rows of one policy: with and without the overlap (--compare-overlap), then +assign, +device
+    prefill and +precalc where the spec asks for them; one failing row where its allocation fails."""
+    spec = b.spec
+    try:
+        plan = plan_allocation(
+            b.info,
+            alloc=spec.alloc,
+            policy=pol,
+            calibration=spec.calibration,
+            slots_per_layer=b.slots,
+            budget_bytes=b.expert_budget_bytes,
+        )
+    except EdgeMoeError as err:  # reported as the policy's row, skipped
+
+        def fail(eng: Engine, err: EdgeMoeError = err) -> None:
+            raise err
+
+        return [(f"edgemoe {pol}", "edgemoe", b.cached, fail, "")]
+    cfg = CacheConfig(
+        b.slots if plan.alloc == "equal" else plan.slots,
+        policy=calibrated_config(pol, spec.calibration),
+        alloc=plan.alloc,
+    )
+    notes = ([] if b.dev is not None else ["cache on the CPU stand-in"]) + ([plan.note] if plan.note else [])
+    name = f"edgemoe {pol}" + (" dp" if plan.alloc == "dp" else "")
+    rows: list[_Row] = [
+        (
+            name + ("" if overlap else " no-overlap"),
+            "edgemoe",
+            b.cached,
+            b.enable(replace(cfg, overlap=overlap)),
+            "; ".join(notes),
+        )
+        for overlap in ((True, False) if spec.compare_overlap else (True,))
+    ]
+    if b.costs is not None and policy_spec(pol).assignable:
+        assigned = calibrated_config(pol, spec.calibration, assign=spec.assign, assign_costs=b.costs)
+        rows.append(
+            (
+                f"{name} +assign {spec.assign}",
+                "edgemoe",
+                b.cached,
+                b.enable(replace(cfg, policy=assigned)),
+                "; ".join(notes + ["in the routing hook"]),
+            )
+        )
+    if spec.device_prefill:
+        rows.append(_device_prefill_row(b, plan.slots if plan.alloc != "equal" else None, cfg, name, notes))
+    if spec.precalc_from is not None:
+        rows.append(
+            (
+                f"{name} +precalc {spec.precalc_from}",
+                "edgemoe",
+                b.cached,
+                b.enable(replace(cfg, precalc_from=spec.precalc_from)),
+                "; ".join(notes),
+            )
+        )
+    return rows
+
+
+def _device_prefill_row(
+    b: _CacheRows, dp_slots: dict[int, int] | None, cfg: CacheConfig, name: str, notes: list[str]
+) -> _Row:
+    """The +device prefill row: the slots (equal, or the DP allocation's `dp_slots`) beside the two buffers."""
+    spec = b.spec
+    pf_slots = slots_beside_prefill_buffers(
+        b.info,
+        {il: b.slots for il in b.info.moe_layers} if dp_slots is None else dp_slots,
+        spec.vram,
+        b.n_ctx,
+        cache_type_k=spec.cache_type_k,
+        cache_type_v=spec.cache_type_v,
+    )
+    pf_cfg = replace(cfg, slots_per_layer=pf_slots, prefill_min_tokens=spec.device_prefill)
+    per_layer = sum(pf_slots.values()) // max(1, len(pf_slots))
+    note = "; ".join(notes + [f"{per_layer} slots/layer beside the prefill buffers"])
+    return (f"{name} +device prefill", "edgemoe", b.cached, b.enable(pf_cfg), note)
+
+
+def _run_rows(
+    res: BenchResult,
+    rows: list[_Row],
+    path: Path,
+    prompt: list[int],
+    gen: int,
+    progress: Callable[[str], None] | None,
+) -> list[int]:
+    """Measure each row into `res.rows` (a row that fails is kept with its error); returns the tokens the
+    first row that ran generated."""
+    generated: list[int] = []
+    for name, kind, cfg, setup_fn, note in rows:
+        if progress:
+            progress(name)
+        try:
+            pre, dec, ttft, tpot, vram, cache, tokens, reuse = _measure(path, cfg, prompt, gen, setup_fn)
+        except Exception as err:  # noqa: BLE001 - one configuration failing (no calibration...) is a row
+            res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
+            continue
+        generated = generated or tokens
+        res.rows.append(BenchRow(name, kind, pre, dec, ttft, tpot, vram, cache, note, reuse_ttft_s=reuse))
+    return generated
+
+
+def _stock_ratios(res: BenchResult) -> None:
+    """Each measured row's speeds over the fastest stock row's."""
+    stock = [r for r in res.rows if r.kind == "stock" and r.decode_tps > 0]
+    if stock:
+        best_dec = max(r.decode_tps for r in stock)
+        best_pre = max(r.prefill_tps for r in stock)
+        for r in res.rows:
+            if r.decode_tps > 0:
+                r.ratio_decode = r.decode_tps / best_dec
+                r.ratio_prefill = r.prefill_tps / best_pre
+
+
 def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | None = None) -> BenchResult:
     header = check_gguf(path)
     info = model_info(header)
@@ -178,7 +321,6 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         cache_type_k=spec.cache_type_k,
         cache_type_v=spec.cache_type_v,
     )
-    kv: dict[str, Any] = {"cache_type_k": spec.cache_type_k, "cache_type_v": spec.cache_type_v}
     moe = tuple(info.moe_layers)
     cpu_moe = moe if on_gpu else None  # without a GPU everything is in CPU memory (and stock keeps repacking)
     assert placement.budget is not None  # a request with a budget has its split
@@ -195,12 +337,9 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         n_cpu_moe=n_cpu,
     )
     prompt = _prompt(info, spec.prompt_tokens)
-
-    configs: list[tuple[str, str, LoadConfig, Callable[[Engine], None] | None, str]] = [
-        ("stock -ot exps=CPU", "stock", replace(base, cpu_expert_layers=cpu_moe), None, "")
-    ]
+    rows: list[_Row] = [("stock -ot exps=CPU", "stock", replace(base, cpu_expert_layers=cpu_moe), None, "")]
     if on_gpu and n_cpu is not None and n_cpu < len(moe):
-        configs.append(
+        rows.append(
             (
                 f"stock --n-cpu-moe {n_cpu}",
                 "stock",
@@ -211,129 +350,22 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         )
     cached = replace(base, cpu_expert_layers=cpu_moe)
     costs = _assign_costs(path, spec) if spec.assign else None
+    b = _CacheRows(info, spec, dev, n_ctx, slots, placement.budget.expert_budget_bytes, cached, costs)
     for pol in spec.policies:
-        try:
-            plan = plan_allocation(
-                info,
-                alloc=spec.alloc,
-                policy=pol,
-                calibration=spec.calibration,
-                slots_per_layer=slots,
-                budget_bytes=placement.budget.expert_budget_bytes,
-            )
-        except EdgeMoeError as err:  # reported as the policy's row, skipped
-
-            def fail(eng: Engine, err: EdgeMoeError = err) -> None:
-                raise err
-
-            configs.append((f"edgemoe {pol}", "edgemoe", cached, fail, ""))
-            continue
-        cfg = CacheConfig(
-            slots if plan.alloc == "equal" else plan.slots,
-            policy=calibrated_config(pol, spec.calibration),
-            alloc=plan.alloc,
-        )
-        notes = ([] if on_gpu else ["cache on the CPU stand-in"]) + ([plan.note] if plan.note else [])
-        name = f"edgemoe {pol}" + (" dp" if plan.alloc == "dp" else "")
-        for overlap in (True, False) if spec.compare_overlap else (True,):
-
-            def setup(eng: Engine, cfg: CacheConfig = replace(cfg, overlap=overlap)) -> None:  # noqa: B008 - binds this loop's config
-                eng.enable_expert_cache(cfg, device=dev)
-
-            configs.append(
-                (name + ("" if overlap else " no-overlap"), "edgemoe", cached, setup, "; ".join(notes))
-            )
-        if costs is not None and policy_spec(pol).assignable:
-            assigned = calibrated_config(pol, spec.calibration, assign=spec.assign, assign_costs=costs)
-
-            def setup_assign(
-                eng: Engine,
-                cfg: CacheConfig = replace(cfg, policy=assigned),  # noqa: B008 - binds this loop's config
-            ) -> None:
-                eng.enable_expert_cache(cfg, device=dev)
-
-            configs.append(
-                (
-                    f"{name} +assign {spec.assign}",
-                    "edgemoe",
-                    cached,
-                    setup_assign,
-                    "; ".join(notes + ["in the routing hook"]),
-                )
-            )
-        if spec.device_prefill:
-            pf_slots = slots_beside_prefill_buffers(
-                info,
-                {il: slots for il in moe} if plan.alloc == "equal" else plan.slots,
-                spec.vram,
-                n_ctx,
-                **kv,
-            )
-            pf_cfg = replace(cfg, slots_per_layer=pf_slots, prefill_min_tokens=spec.device_prefill)
-
-            def setup_prefill(eng: Engine, cfg: CacheConfig = pf_cfg) -> None:
-                eng.enable_expert_cache(cfg, device=dev)
-
-            configs.append(
-                (
-                    f"{name} +device prefill",
-                    "edgemoe",
-                    cached,
-                    setup_prefill,
-                    "; ".join(
-                        notes
-                        + [
-                            f"{sum(pf_slots.values()) // max(1, len(pf_slots))} slots/layer beside the "
-                            "prefill buffers"
-                        ]
-                    ),
-                )
-            )
-        if spec.precalc_from is not None:
-
-            def setup_precalc(
-                eng: Engine,
-                cfg: CacheConfig = replace(cfg, precalc_from=spec.precalc_from),  # noqa: B008 - binds this loop's config
-            ) -> None:
-                eng.enable_expert_cache(cfg, device=dev)
-
-            configs.append(
-                (f"{name} +precalc {spec.precalc_from}", "edgemoe", cached, setup_precalc, "; ".join(notes))
-            )
-
-    generated: list[int] = []
-    for name, kind, cfg, setup_fn, note in configs:
-        if progress:
-            progress(name)
-        try:
-            pre, dec, ttft, tpot, vram, cache, tokens, reuse = _measure(
-                path, cfg, prompt, spec.gen_tokens, setup_fn
-            )
-        except Exception as err:  # noqa: BLE001 - one configuration failing (no calibration...) is a row
-            res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
-            continue
-        generated = generated or tokens
-        res.rows.append(BenchRow(name, kind, pre, dec, ttft, tpot, vram, cache, note, reuse_ttft_s=reuse))
+        rows += _policy_rows(b, pol)
+    generated = _run_rows(res, rows, path, prompt, spec.gen_tokens, progress)
     if spec.profile is not None and generated:
         if progress:
             progress("projection (trace + performance model)")
         project(res, path, spec, base, prompt + generated[:-1], len(prompt), on_gpu)
-
-    stock = [r for r in res.rows if r.kind == "stock" and r.decode_tps > 0]
-    if stock:
-        best_dec = max(r.decode_tps for r in stock)
-        best_pre = max(r.prefill_tps for r in stock)
-        for r in res.rows:
-            if r.decode_tps > 0:
-                r.ratio_decode = r.decode_tps / best_dec
-                r.ratio_prefill = r.prefill_tps / best_pre
+    _stock_ratios(res)
     return res
 
 
 def _assign_costs(path: Path, spec: BenchSpec) -> dict[int, Any]:
     """The assigner's per-layer costs from the bench's profile (it must have a GPU)."""
-    from .costmodel import ModelShape, expert_costs
-    from .profile import load_profile
+    from .model.costmodel import ModelShape, expert_costs
+    from .model.profile import load_profile
 
     if spec.profile is None:
         raise EdgeMoeError(
@@ -368,10 +400,10 @@ def project(
     on_gpu: bool,
 ) -> None:
     """Each row's projection from this machine's profile: the routing of the generated tokens recorded as a
-    trace and replayed by edgemoe.perf.simulate with the same budget."""
+    trace and replayed by edgemoe.perf.model.simulate with the same budget."""
     from ..analysis.trace import join_traces, record_trace
-    from .profile import load_profile
-    from .simulate import SimSpec, simulate
+    from .model.profile import load_profile
+    from .model.simulate import SimSpec, simulate
 
     assert spec.profile is not None
     prof = load_profile(spec.profile)
@@ -436,7 +468,7 @@ def _project_precalc(
 ) -> str | None:
     """A "+precalc L" row's projection at the rates it measured (cache.precalc's early_share and precision): adds
     the simulator's configuration to by_name and returns its name (None: no rates, or a dp row)."""
-    from .simulate import PrecalcSpec, SimSpec, simulate
+    from .model.simulate import PrecalcSpec, SimSpec, simulate
 
     pc = (row.cache or {}).get("precalc") or {}
     pol = row.name.split(" ")[1]

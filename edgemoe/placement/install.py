@@ -56,9 +56,9 @@ def enable_static_placement(engine: Engine, model: Path, slots: int, calibration
 def assign_costs(header: GgufHeader, profile: str | None) -> dict[int, Any]:
     """The assigner's cost model per MoE layer (from the model's parsed header), from a profile (a bundled name
     or a file) or this machine's."""
-    from ..perf.costmodel import ModelShape, expert_costs
-    from ..perf.profile import load_profile
-    from ..perf.profiling import default_profile_path
+    from ..perf.measure.profiling import default_profile_path
+    from ..perf.model.costmodel import ModelShape, expert_costs
+    from ..perf.model.profile import load_profile
 
     if profile is None:
         if not default_profile_path().exists():

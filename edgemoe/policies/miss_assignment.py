@@ -5,7 +5,7 @@ for the layer's next run while this step computes it on the CPU. `AssignedPolicy
 route (a prefill ubatch or a decode token), a CPU/GPU assigner (edgemoe.policies.assignment) whether
 some of those loads are worth making now instead: copied before the layer's experts run, so they
 compute on the GPU this step. The assigner minimises the layer's makespan max(T_cpu, T_gpu + copies)
-from a per-layer cost model (a machine profile's: edgemoe.perf.costmodel.expert_costs), so a decode
+from a per-layer cost model (a machine profile's: edgemoe.perf.model.costmodel.expert_costs), so a decode
 miss waits for its copy only when that beats the CPU, and a prefill ubatch loads the experts with
 many tokens when the CPU side is the longer one.
 

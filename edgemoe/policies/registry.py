@@ -131,7 +131,7 @@ class PolicySpec:
     all_sizes: AllSizes | None = None  # its exact vectorised replay for every slot count
     replay_as: str | None = None  # the policy whose replay stands for it in the dp allocation
     replayable: bool = True  # False: it loads nothing by itself, so there is nothing to replay
-    projected: bool = True  # the performance model (edgemoe.perf.simulate) can replay it (not a prefetcher)
+    projected: bool = True  # the performance model (perf.model.simulate) can replay it (not a prefetcher)
     native: Callable[[Any, Any], NativeStep | None] | None = None  # (record, policy) -> its step in the graph
     prefetch: Callable[[Any, Any], Any] | None = None  # (record, PrefetchInputs) -> its prefetch policy
     in_graph_predictor: bool = (

@@ -31,7 +31,7 @@ class LruConfig(PolicyRecord):
     blocking: bool = False  # load a missed expert before its layer runs instead of after the step
     # per route, a CPU/GPU assigner (edgemoe.policies.assignment: "ratio", "greedy") decides which of the
     # policy's loads to make before the layer runs (computed on the GPU this step) rather than for its next run
-    # (the miss on the CPU); needs assign_costs (edgemoe.perf.costmodel.expert_costs from a profile). Runs in
+    # (the miss on the CPU); needs assign_costs (edgemoe.perf.model.costmodel.expert_costs from a profile). Runs in
     # the routing hook: a host sync per MoE layer
     assign: str | None = None
     assign_costs: Mapping[int, Any] | None = None  # MoE layer -> edgemoe.policies.assignment.ExpertCosts

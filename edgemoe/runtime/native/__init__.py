@@ -7,7 +7,7 @@
 - ggml: devices, buffer types, type ids, the RPC stand-in device, the registries and versions doctor reports;
 - cuda: the CUDA runtime's and driver's versions and the GPU's PCIe link (doctor).
 
-The microbenchmarks' ggml graph bindings live beside them, in edgemoe.perf.ggml_graph. Callers use
+The microbenchmarks' ggml graph bindings live beside them, in edgemoe.perf.measure.ggml_graph. Callers use
 `from edgemoe.runtime import native` and `native.NAME`; tests monkeypatch the same names."""
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def cpu_overrides(patterns: list[str]) -> ctypes.Array[TensorBuftOverride]:
     return arr
 
 
-# -- ggml contexts, graphs, buffers and backends (edgemoe.perf.measure's microbenchmarks) -----------------
+# -- ggml contexts, graphs, buffers and backends (edgemoe.perf.measure.microbench's microbenchmarks) -----------------
 # enum ggml_type (ggml/include/ggml.h): the ids of the types the microbenchmarks build weights of
 GGML_TYPES = {
     "F32": 0,

@@ -1,7 +1,7 @@
 """The copy timing of a machine profile for the timed replay (edgemoe.policies.replay): how many bytes the
 host-to-GPU link moves while one MoE layer computes a decode token.
 
-`profile_timing` prices one decode layer of a reference model on a profile (edgemoe.perf.costmodel) and
+`profile_timing` prices one decode layer of a reference model on a profile (edgemoe.perf.model.costmodel) and
 the copy of one of its experts over the profile's link, and scales the bandwidth to another model's
 expert size: the other model then copies an expert in the same number of layer times as the reference
 does on that machine. That is how the tiny fixtures (experts of 35-128 KiB) are replayed as if they
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import EdgeMoeError
-from ..policies.copy_queue import CopyTiming
+from ...errors import EdgeMoeError
+from ...policies.copy_queue import CopyTiming
 from .costmodel import LayerCosts, ModelShape
 from .profile import MachineProfile
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import EdgeMoeError
-from ..runtime import native
+from ...errors import EdgeMoeError
+from ...runtime import native
 from . import ggml_graph
 
 log = logging.getLogger(__name__)
@@ -383,39 +383,11 @@ def time_expert_ffn(
         n_expert = max(pool, 2)  # a stack of one expert is 2-d, and the repack type takes only 3-d ones
         shapes = [(n_embd, n_ff, n_expert), (n_embd, n_ff, n_expert), (n_ff, n_embd, n_expert)]
         weights = _make_weights(stack, be, type_id, shapes, repack=repack, probe=_mul_mat_id_probe)
-        gate, up, down = weights.tensors
         order = np.random.default_rng(1).permutation(pool).astype(np.int32)  # [0] when hot
         rng = np.random.default_rng(2)
         out: dict[int, float] = {}
         for c in counts:
-            with ExitStack() as per:
-                ctx = ggml_graph.ggml_context(8, graph_size=16)
-                per.callback(ggml_graph.ggml_context_free, ctx)
-                x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (n_embd, 1, c))
-                ids = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_I32, (1, c))
-                h = ggml_graph.ggml_swiglu_split(
-                    ctx,
-                    ggml_graph.ggml_mul_mat_id(ctx, gate, x, ids),
-                    ggml_graph.ggml_mul_mat_id(ctx, up, x, ids),
-                )
-                graph = ggml_graph.ggml_graph(ctx, [ggml_graph.ggml_mul_mat_id(ctx, down, h, ids)], 16)
-                per.callback(ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, be.compute_buft))
-                xs = _f32(rng, n_embd * c)
-                ggml_graph.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
-                row = np.empty(c, np.int32)
-                last = [-1]
-
-                def prepare(i: int, ids: int = ids, row: np.ndarray = row, last: list[int] = last) -> None:
-                    expert = int(order[i % len(order)])
-                    if expert != last[0]:  # every token to the pool's next expert
-                        row.fill(expert)
-                        ggml_graph.tensor_set(ids, row.ctypes.data, 0, row.nbytes)
-                        last[0] = expert
-
-                def compute(graph: int = graph) -> None:
-                    ggml_graph.graph_compute(be.handle, graph)
-
-                out[c] = _median_call(compute, prepare, min_seconds)
+            out[c] = _time_ffn_at(be, weights.tensors, n_embd, c, order, rng, min_seconds)
         result = KernelTimings(
             out,
             buffer_type=ggml_graph.buft_name(weights.buft),
@@ -425,6 +397,48 @@ def time_expert_ffn(
         )
     log.debug("expert FFN %s %dx%d: %r", qtype, n_embd, n_ff, result)
     return result
+
+
+def _time_ffn_at(
+    be: _Backend,
+    tensors: Sequence[int],
+    n_embd: int,
+    c: int,
+    order: np.ndarray,
+    rng: np.random.Generator,
+    min_seconds: float,
+) -> float:
+    """time_expert_ffn's median seconds at c tokens: the gate/up/swiglu/down graph over the stacked `tensors`,
+    every token to the next expert of `order` at each call."""
+    gate, up, down = tensors
+    with ExitStack() as per:
+        ctx = ggml_graph.ggml_context(8, graph_size=16)
+        per.callback(ggml_graph.ggml_context_free, ctx)
+        x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (n_embd, 1, c))
+        ids = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_I32, (1, c))
+        h = ggml_graph.ggml_swiglu_split(
+            ctx,
+            ggml_graph.ggml_mul_mat_id(ctx, gate, x, ids),
+            ggml_graph.ggml_mul_mat_id(ctx, up, x, ids),
+        )
+        graph = ggml_graph.ggml_graph(ctx, [ggml_graph.ggml_mul_mat_id(ctx, down, h, ids)], 16)
+        per.callback(ggml_graph.buffer_free, ggml_graph.alloc_ctx_tensors(ctx, be.compute_buft))
+        xs = _f32(rng, n_embd * c)
+        ggml_graph.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
+        row = np.empty(c, np.int32)
+        last = [-1]
+
+        def prepare(i: int) -> None:
+            expert = int(order[i % len(order)])
+            if expert != last[0]:  # every token to the pool's next expert
+                row.fill(expert)
+                ggml_graph.tensor_set(ids, row.ctypes.data, 0, row.nbytes)
+                last[0] = expert
+
+        def compute() -> None:
+            ggml_graph.graph_compute(be.handle, graph)
+
+        return _median_call(compute, prepare, min_seconds)
 
 
 def time_matmul(

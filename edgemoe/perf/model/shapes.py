@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..gguf.presets import PRESETS, SynthPreset
-from ..gguf.synth import write_synthetic
+from ...gguf.presets import PRESETS, SynthPreset
+from ...gguf.synth import write_synthetic
 from .costmodel import ModelShape, Weights
 
 # Qwen3.5/3.6-35B-A3B (Qwen/Qwen3.5-35B-A3B config.json: 40 layers, hidden 2048, 256 routed experts of 512,

@@ -1,7 +1,7 @@
 """Machine profiles for the performance model: what a CPU, a GPU and the link between them cost.
 
 A profile is a JSON file (format in docs/research/performance-model.md). `edgemoe profile` measures one on
-this machine (`edgemoe.perf.profiling`); the bundled ones (edgemoe/perf/profiles/*.json) describe
+this machine (`edgemoe.perf.measure.profiling`); the bundled ones (edgemoe/perf/profiles/*.json) describe
 machines we do not have from published specifications, each naming its sources.
 
 Matrix work is described per ggml type by a `Curve`: the time of a matrix product over c tokens is
@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..errors import EdgeMoeError
+from ...errors import EdgeMoeError
 from .profile_checks import CheckNote
 
 PROFILE_FORMAT = 1

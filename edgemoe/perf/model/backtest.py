@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from ..analysis.routing_profile import profile_for_shape
-from ..analysis.trace import DECODE, Trace
-from ..policies.registry import policy_spec
-from ..policies.residency import make_policy
-from ..policies.residency import replay_policy as replay_residency
+from ...analysis.routing_profile import profile_for_shape
+from ...analysis.trace import DECODE, Trace
+from ...policies.registry import policy_spec
+from ...policies.residency import make_policy
+from ...policies.residency import replay_policy as replay_residency
 from .costmodel import ModelShape
 from .profile import load_profile
 from .shapes import shape_file, with_k_m_mix
@@ -46,7 +46,7 @@ class Published:
 
     id: str
     kind: str  # "stock" | "cache"
-    model: str  # shape name (edgemoe.perf.shapes)
+    model: str  # shape name (edgemoe.perf.model.shapes)
     quant: str
     profile: str  # bundled machine profile
     n_cpu_moe: int  # llama.cpp's --n-cpu-moe (>= the MoE layers: every expert on the CPU)

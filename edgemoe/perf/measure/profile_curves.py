@@ -2,7 +2,7 @@
 
 Each (type, size, temperature) is timed over the token grid (edgemoe.perf.measure: every point the median
 of at least 5 computes over at least MIN_SECONDS). The timings of a kind and temperature form a table that
-edgemoe.perf.profile_checks checks; its suspects are timed twice more and settled (kept when reproduced,
+edgemoe.perf.model.profile_checks checks; its suspects are timed twice more and settled (kept when reproduced,
 repaired from their neighbours when not), and each type's two sizes are fitted to a fixed and a per-byte
 part at every token count.
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import measure
-from .profile import TOKEN_GRID, Curve, RatePoint, weights_per_byte
-from .profile_checks import CheckNote, Position, TimingTable, settle
+from ..model.profile import TOKEN_GRID, Curve, RatePoint, weights_per_byte
+from ..model.profile_checks import CheckNote, Position, TimingTable, settle
+from . import microbench as measure
 
 EXPERT_SHAPES = ((512, 256), (2048, 768))  # (n_embd, n_ff): the second is Qwen3-30B-A3B's expert
 MATMUL_SHAPES = ((512, 512), (2048, 2048))  # (ne0, ne1)

@@ -20,15 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from ..analysis.routing_profile import routing_for_model
-from ..analysis.trace import Trace
-from ..calibration.slot_plan import RoutingTrace, plan_allocation
-from ..errors import EdgeMoeError
-from ..gguf.header import check_gguf
-from ..gguf.info import ModelInfo, model_info, size_arg
-from ..gguf.kv_types import KvCacheType
-from ..placement.planner import budget_request
-from ..placement.planner import plan as plan_placement
+from ...analysis.routing_profile import routing_for_model
+from ...analysis.trace import Trace
+from ...calibration.slot_plan import RoutingTrace, plan_allocation
+from ...errors import EdgeMoeError
+from ...gguf.header import check_gguf
+from ...gguf.info import ModelInfo, model_info, size_arg
+from ...gguf.kv_types import KvCacheType
+from ...placement.budget import SlotBudget
+from ...placement.planner import budget_request
+from ...placement.planner import plan as plan_placement
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 
@@ -126,6 +127,36 @@ def make_layouts(
             "raise `vram` or lower `n_ctx`"
         )
         return lay
+    dp = _dp_slots(info, policies, calibration, vp, lay)
+    if dp:  # the first policy's DP slots are the table's; each policy row uses its own
+        lay.slots_per_layer["dp"] = [next(iter(dp.values()))[il] for il in moe]
+    trace = _routing_trace(info, trace, routing, calibration, lay)
+    speeds = profile is not None and profile.has_gpu
+    if not speeds:
+        lay.notes.append(
+            "no GPU profile: hit rates only; pass `profile` with a GPU machine's profile "
+            "(`edgemoe profile` on it, or a bundled one: rtx4060-laptop, rtx4090-desktop, h100-server)"
+        )
+        lay.profile = ""
+    _expected_rows(model, trace, profile if speeds else None, policies, dp, calibration, lay)
+    if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (PlacementPlan.whole_model_fits)
+        lay.notes.append(
+            "this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
+            "llama.cpp's -ngl 999 does, without an expert cache (the rows above are what one would do)"
+        )
+    else:
+        lay.suggestion = suggest(lay.expected, model=str(model), vram=vram, n_ctx=n_ctx)
+    lay.notes.append(
+        "promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)"
+    )
+    return lay
+
+
+def _dp_slots(
+    info: ModelInfo, policies: tuple[str, ...], calibration: Path | None, vp: SlotBudget, lay: Layouts
+) -> dict[str, dict[int, int]]:
+    """Each policy's DP allocation of the budget's expert bytes (AdapMoE's, from the calibration), where the
+    calibration has one; the others' notes go to `lay`."""
     dp: dict[str, dict[int, int]] = {}
     for pol in policies:
         a = plan_allocation(
@@ -140,8 +171,14 @@ def make_layouts(
             dp[pol] = a.slots
         elif a.note and a.note not in lay.notes:
             lay.notes.append(a.note)
-    if dp:  # the first policy's DP slots are the table's; each policy row uses its own
-        lay.slots_per_layer["dp"] = [next(iter(dp.values()))[il] for il in moe]
+    return dp
+
+
+def _routing_trace(
+    info: ModelInfo, trace: Trace | None, routing: str | None, calibration: Path | None, lay: Layouts
+) -> Trace:
+    """The routing the plan projects with (the module docstring says which, when), named in `lay`."""
+    moe = list(info.moe_layers)
     if trace is not None:
         lay.routing_profile = trace.meta.get("routing")
         lay.routing = (
@@ -163,13 +200,21 @@ def make_layouts(
                 f"{drawn.profile.name} is a TOY routing (a tiny trained fixture's), far less local "
                 "than real models'"
             )
-    speeds = profile is not None and profile.has_gpu
-    if not speeds:
-        lay.notes.append(
-            "no GPU profile: hit rates only; pass `profile` with a GPU machine's profile "
-            "(`edgemoe profile` on it, or a bundled one: rtx4060-laptop, rtx4090-desktop, h100-server)"
-        )
-        lay.profile = ""
+    return trace
+
+
+def _expected_rows(
+    model: str | Path,
+    trace: Trace,
+    profile: MachineProfile | None,
+    policies: tuple[str, ...],
+    dp: dict[str, dict[int, int]],
+    calibration: Path | None,
+    lay: Layouts,
+) -> None:
+    """`lay.expected`: each policy's hit rates (and, with a GPU `profile`, projected speeds) at the equal
+    and the DP allocations, beside stock's rows once each."""
+    vram, n_ctx, speeds = lay.budget_bytes, lay.n_ctx, profile is not None
     for alloc in ("equal", "dp"):
         for pol in policies:
             slots = dp.get(pol) if alloc == "dp" else None
@@ -179,7 +224,7 @@ def make_layouts(
             spec = SimSpec(
                 vram=vram, n_ctx=n_ctx, policies=(pol,), calibration=calibration, slots=slots, overlap=True
             )
-            res = simulate(model, trace, profile if speeds and profile else _hit_rate_only(), spec)
+            res = simulate(model, trace, profile if profile is not None else _hit_rate_only(), spec)
             for c in res.configs:
                 if c.kind == "stock" and alloc == "dp":
                     continue
@@ -196,17 +241,6 @@ def make_layouts(
                 lay.expected.append(row)
             if res.workload_note and res.workload_note not in lay.notes:
                 lay.notes.append(res.workload_note)
-    if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (PlacementPlan.whole_model_fits)
-        lay.notes.append(
-            "this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
-            "llama.cpp's -ngl 999 does, without an expert cache (the rows above are what one would do)"
-        )
-    else:
-        lay.suggestion = suggest(lay.expected, model=str(model), vram=vram, n_ctx=n_ctx)
-    lay.notes.append(
-        "promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)"
-    )
-    return lay
 
 
 def suggest(expected: list[dict[str, Any]], *, model: str, vram: int, n_ctx: int) -> dict[str, Any] | None:
@@ -222,8 +256,8 @@ def suggest(expected: list[dict[str, Any]], *, model: str, vram: int, n_ctx: int
     base = max(stock, key=lambda r: r["decode_tps"])
     policy = best["config"].removeprefix("edgemoe-")
     command = (
-        f"edgemoe chat {shlex.quote(model)} --vram {size_arg(vram)} --ctx {n_ctx} --policy {policy} "
-        f"--alloc {best['allocation']}"
+        f"edgemoe chat {shlex.quote(model)} `vram={size_arg(vram)!r}` `n_ctx={n_ctx!r}` `policy={policy!r}` "
+        f"`alloc={best['allocation']!r}`"
     )
     return {
         "config": best["config"],

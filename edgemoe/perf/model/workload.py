@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..analysis.trace import DECODE, PREFILL, Trace
-from ..errors import EdgeMoeError
-from ..policies.assignment import workload_from_ids
-from ..policies.gating import GatingRule, keep_mask, normalised
+from ...analysis.trace import DECODE, PREFILL, Trace
+from ...errors import EdgeMoeError
+from ...policies.assignment import workload_from_ids
+from ...policies.gating import GatingRule, keep_mask, normalised
 
 
 @dataclass(frozen=True)

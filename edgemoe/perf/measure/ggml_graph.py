@@ -1,15 +1,15 @@
-"""ggml contexts, tensors, graphs, buffers and backends through ctypes: the bindings of edgemoe.perf.measure's
-microbenchmarks, beside it (the runtime never builds ggml graphs itself)."""
+"""ggml contexts, tensors, graphs, buffers and backends through ctypes: the bindings of
+edgemoe.perf.measure.microbench's microbenchmarks, beside it (the runtime never builds ggml graphs itself)."""
 
 from __future__ import annotations
 
 import ctypes
 from typing import Any
 
-from ..errors import NativeLibraryError
-from ..runtime.native.ggml import GGML_BACKEND_DEVICE_TYPE_CPU, device_by_type, device_name, reg_proc_address
-from ..runtime.native.ggml import cpu_buffer_type as _cpu_buffer_type
-from ..runtime.native.loader import GgmlDevice, declare, ggml_base_lib, ggml_cpu_lib, require_ggml_functions
+from ...errors import NativeLibraryError
+from ...runtime.native.ggml import GGML_BACKEND_DEVICE_TYPE_CPU, device_by_type, device_name, reg_proc_address
+from ...runtime.native.ggml import cpu_buffer_type as _cpu_buffer_type
+from ...runtime.native.loader import GgmlDevice, declare, ggml_base_lib, ggml_cpu_lib, require_ggml_functions
 
 # enum ggml_status
 GGML_STATUS_SUCCESS = 0
