@@ -228,12 +228,12 @@ def test_dp_misses_no_more_than_equal_on_a_recorded_trace(fixture_model: Path, k
         assert replayed_misses(dp) == round(total_cost(curves, dp) * tokens)
 
 
-# -- plan_allocation: --alloc from a calibration -------------------------------------------------
-def test_plan_allocation_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
+# -- allocate_slots: --alloc from a calibration -------------------------------------------------
+def test_allocate_slots_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from conftest import FIXTURE_MODELS, ROOT
 
-    from edgemoe.calibration.slot_plan import ROUTING_TRACE, plan_allocation
+    from edgemoe.calibration.slot_alloc import ROUTING_TRACE, allocate_slots
     from edgemoe.calibration.card import CalibrationError
     from edgemoe.gguf.info import read_model_info
 
@@ -244,15 +244,15 @@ def test_plan_allocation_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
     cal = ROOT / "calibrations" / qwen.name.removesuffix(".gguf")
     n = len(info.moe_layers)
 
-    dp = plan_allocation(info, alloc=None, policy="lru", calibration=cal, slots_per_layer=8)
+    dp = allocate_slots(info, alloc=None, policy="lru", calibration=cal, slots_per_layer=8)
     assert dp.alloc == "dp" and dp.note is None and sum(dp.slots.values()) == 8 * n
     cached = list((tmp_path / "cache" / "allocation").glob("curves-*.npz"))
     assert len(cached) == 1
-    assert plan_allocation(info, alloc="dp", policy="lru", calibration=cal, slots_per_layer=8) == dp
+    assert allocate_slots(info, alloc="dp", policy="lru", calibration=cal, slots_per_layer=8) == dp
     cached[0].write_bytes(b"not an npz")  # a damaged cache entry is replayed again
-    assert plan_allocation(info, alloc="dp", policy="lru", calibration=cal, slots_per_layer=8) == dp
+    assert allocate_slots(info, alloc="dp", policy="lru", calibration=cal, slots_per_layer=8) == dp
 
-    by_bytes = plan_allocation(info, alloc="dp", policy="lru", calibration=cal, slots_per_layer=8,
+    by_bytes = allocate_slots(info, alloc="dp", policy="lru", calibration=cal, slots_per_layer=8,
                                budget_bytes=8 * sum(info.bytes_per_expert_by_layer.values()))
     assert sum(t * info.bytes_per_expert_by_layer[il] for il, t in by_bytes.slots.items()) <= \
         8 * sum(info.bytes_per_expert_by_layer.values())
@@ -261,19 +261,19 @@ def test_plan_allocation_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
     assert sum(by_bytes.slots.values()) <= 8 * n
 
     equal = {il: 8 for il in info.moe_layers}
-    assert plan_allocation(info, alloc="equal", policy="lru", calibration=cal, slots_per_layer=8).slots == equal
-    quiet = plan_allocation(info, alloc=None, policy="lru", calibration=None, slots_per_layer=8)
+    assert allocate_slots(info, alloc="equal", policy="lru", calibration=cal, slots_per_layer=8).slots == equal
+    quiet = allocate_slots(info, alloc=None, policy="lru", calibration=None, slots_per_layer=8)
     assert (quiet.alloc, quiet.note, quiet.slots) == ("equal", None, equal)
-    asked = plan_allocation(info, alloc="dp", policy="lru", calibration=None, slots_per_layer=8)
+    asked = allocate_slots(info, alloc="dp", policy="lru", calibration=None, slots_per_layer=8)
     assert asked.alloc == "equal" and "needs a calibration" in (asked.note or "")
-    manual = plan_allocation(info, alloc="dp", policy="manual", calibration=cal, slots_per_layer=8)
+    manual = allocate_slots(info, alloc="dp", policy="manual", calibration=cal, slots_per_layer=8)
     assert manual.alloc == "equal" and "manual" in (manual.note or "")
     bare = tmp_path / "bare"
     bare.mkdir()
-    no_trace = plan_allocation(info, alloc=None, policy="lru", calibration=bare, slots_per_layer=8)
+    no_trace = allocate_slots(info, alloc=None, policy="lru", calibration=bare, slots_per_layer=8)
     assert no_trace.alloc == "equal" and ROUTING_TRACE in (no_trace.note or "")
     other = ROOT / "calibrations" / mixtral.name.removesuffix(".gguf")
     with pytest.raises(CalibrationError, match="another model"):
-        plan_allocation(info, alloc=None, policy="lru", calibration=other, slots_per_layer=8)
+        allocate_slots(info, alloc=None, policy="lru", calibration=other, slots_per_layer=8)
     with pytest.raises(CalibrationError, match="unknown `alloc="):
-        plan_allocation(info, alloc="greedy", policy="lru", calibration=cal, slots_per_layer=8)
+        allocate_slots(info, alloc="greedy", policy="lru", calibration=cal, slots_per_layer=8)

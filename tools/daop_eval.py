@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.analysis.trace import Trace  # noqa: E402
-from edgemoe.calibration.slot_plan import plan_allocation  # noqa: E402
+from edgemoe.calibration.slot_alloc import allocate_slots  # noqa: E402
 from edgemoe.calibration.card import find_calibration  # noqa: E402
 from edgemoe.gguf.info import read_model_info  # noqa: E402
 from edgemoe.policies.allocation import decode_steps, layer_steps, replay_curve  # noqa: E402
@@ -83,7 +83,7 @@ def placement(model: Path, traces: list[Trace], profile: str) -> dict[str, Any]:
         for per_layer in (E // 4, E // 2):
             for pol, alloc in ROWS:
                 slots = ({il: per_layer for il in layers} if alloc == "equal" else
-                         plan_allocation(info, alloc="dp", policy=pol, calibration=cal, slots_per_layer=per_layer).slots)
+                         allocate_slots(info, alloc="dp", policy=pol, calibration=cal, slots_per_layer=per_layer).slots)
                 c = curves[pol]
                 routed, tokens = sum(x.routed for x in c.values()), next(iter(c.values())).tokens
                 misses = sum(int(c[il].misses[t]) for il, t in slots.items())

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.analysis.trace import Trace  # noqa: E402
-from edgemoe.calibration.slot_plan import RoutingTrace, plan_allocation  # noqa: E402
+from edgemoe.calibration.slot_alloc import RoutingTrace, allocate_slots  # noqa: E402
 from edgemoe.calibration.card import find_calibration  # noqa: E402
 from edgemoe.gguf.info import read_model_info  # noqa: E402
 from edgemoe.policies.allocation import (  # noqa: E402
@@ -68,7 +68,7 @@ def model_tables(model: Path, traces: list[tuple[str, Steps]]) -> dict[str, Any]
     for per_layer in (E // 4, E // 2):
         total = per_layer * len(layers)
         for pol in POLICIES:  # what `--alloc dp --expert-slots N --policy pol` runs
-            dp = plan_allocation(info, alloc="dp", policy=pol, calibration=cal.path,
+            dp = allocate_slots(info, alloc="dp", policy=pol, calibration=cal.path,
                                  slots_per_layer=per_layer).slots
             for alloc, slots in (("equal", equal_allocate(layers, total, max_slots=E)), ("dp", dp)):
                 row = {"slots": per_layer, "policy": pol, "alloc": alloc,

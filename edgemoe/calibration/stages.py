@@ -8,7 +8,7 @@ returning a dict that is merged into card.json under the stage's name. Built-in 
   are large);
 - ``router_frequency``: per-layer expert frequencies (router_frequency.npz), for static placement;
 - ``routing``: the routing of part of the traces (routing_trace.npz), for DP cache allocation
-  (edgemoe.calibration.slot_plan);
+  (edgemoe.calibration.slot_alloc);
 - ``predictors``: every predictor kind (edgemoe.calibration.predictor_fit), predictors/*.npz.
 - ``sensitivity``: per-layer gating sensitivity (edgemoe.calibration.sensitivity).
 
@@ -106,7 +106,7 @@ class Stage:
 BUILTIN_STAGES: tuple[Stage, ...] = (
     Stage("traces", "edgemoe.calibration.traces:traces_stage"),
     Stage("router_frequency", "edgemoe.calibration.traces:router_frequency_stage", requires=("traces",)),
-    Stage("routing", "edgemoe.calibration.slot_plan:routing_stage", requires=("traces",)),
+    Stage("routing", "edgemoe.calibration.slot_alloc:routing_stage", requires=("traces",)),
     Stage("predictors", "edgemoe.calibration.predictor_fit:predictors_stage", requires=("traces",)),
     Stage("sensitivity", "edgemoe.calibration.sensitivity:sensitivity_stage"),
 )

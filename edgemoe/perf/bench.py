@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..calibration.slot_plan import plan_allocation
+from ..calibration.slot_alloc import allocate_slots
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..gguf.info import ModelInfo, model_info
@@ -184,7 +184,7 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
     prefill and +precalc where the spec asks for them; one failing row where its allocation fails."""
     spec = b.spec
     try:
-        plan = plan_allocation(
+        allocation = allocate_slots(
             b.info,
             alloc=spec.alloc,
             policy=pol,
@@ -199,12 +199,14 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
 
         return [(f"edgemoe {pol}", "edgemoe", b.cached, fail, "")]
     cfg = CacheConfig(
-        b.slots if plan.alloc == "equal" else plan.slots,
+        b.slots if allocation.alloc == "equal" else allocation.slots,
         policy=calibrated_config(pol, spec.calibration),
-        alloc=plan.alloc,
+        alloc=allocation.alloc,
     )
-    notes = ([] if b.dev is not None else ["cache on the CPU stand-in"]) + ([plan.note] if plan.note else [])
-    name = f"edgemoe {pol}" + (" dp" if plan.alloc == "dp" else "")
+    notes = ([] if b.dev is not None else ["cache on the CPU stand-in"]) + (
+        [allocation.note] if allocation.note else []
+    )
+    name = f"edgemoe {pol}" + (" dp" if allocation.alloc == "dp" else "")
     rows: list[_Row] = [
         (
             name + ("" if overlap else " no-overlap"),
@@ -227,7 +229,11 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
             )
         )
     if spec.device_prefill:
-        rows.append(_device_prefill_row(b, plan.slots if plan.alloc != "equal" else None, cfg, name, notes))
+        rows.append(
+            _device_prefill_row(
+                b, allocation.slots if allocation.alloc != "equal" else None, cfg, name, notes
+            )
+        )
     if spec.precalc_from is not None:
         rows.append(
             (

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..calibration import auto
 from ..calibration.adaptive import GatingOptions, default_calibration_dir
-from ..calibration.slot_plan import describe, plan_allocation
+from ..calibration.slot_alloc import allocate_slots, describe
 from ..gguf.header import GgufHeader
 from ..policies.registry import completed
 from ..runtime import native
@@ -97,7 +97,7 @@ def install_cache(
             engine=engine,
         )
     slots = placement.slots_per_layer
-    plan = plan_allocation(
+    allocation = allocate_slots(
         engine.info,
         alloc=req.alloc,
         policy=req.policy,
@@ -106,22 +106,22 @@ def install_cache(
         budget_bytes=placement.expert_budget_bytes,
         **req.config.allocation_options(),
     )
-    if plan.note:
-        notify(f"note: {plan.note}")
+    if allocation.note:
+        notify(f"note: {allocation.note}")
     dev = native.gpu_device()
     cfg = CacheConfig(
-        slots if plan.alloc == "equal" else plan.slots,
+        slots if allocation.alloc == "equal" else allocation.slots,
         policy=policy_config_for(
             req, calibration, assign_costs(engine.header, req.profile) if req.assign else None
         ),
-        alloc=plan.alloc,
+        alloc=allocation.alloc,
         degrade=req.degrade,
         prefill_min_tokens=req.device_prefill,
         prefill_ahead=req.device_prefill_ahead,
         precalc_from=req.precalc_from,
     )
     engine.enable_expert_cache(cfg, device=dev)
-    notify(_describe(engine, req, describe(plan), dev))
+    notify(_describe(engine, req, describe(allocation), dev))
 
 
 def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.GgmlDevice | None) -> str:

@@ -52,7 +52,7 @@ class PolicyRecord:
         return None
 
     def allocation_options(self) -> dict[str, Any]:
-        """Its options that edgemoe.calibration.slot_plan.plan_allocation's replay takes."""
+        """Its options that edgemoe.calibration.slot_alloc.allocate_slots's replay takes."""
         return {}
 
     def replay_key(self, n_expert: int) -> dict[str, Any]:

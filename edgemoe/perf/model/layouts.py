@@ -22,7 +22,7 @@ import numpy as np
 
 from ...analysis.routing_profile import routing_for_model
 from ...analysis.trace import Trace
-from ...calibration.slot_plan import RoutingTrace, plan_allocation
+from ...calibration.slot_alloc import RoutingTrace, allocate_slots
 from ...errors import EdgeMoeError
 from ...gguf.header import check_gguf
 from ...gguf.info import ModelInfo, model_info, size_arg
@@ -159,7 +159,7 @@ def _dp_slots(
     calibration has one; the others' notes go to `lay`."""
     dp: dict[str, dict[int, int]] = {}
     for pol in policies:
-        a = plan_allocation(
+        a = allocate_slots(
             info,
             alloc="dp",
             policy=pol,

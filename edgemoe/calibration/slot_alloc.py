@@ -3,7 +3,7 @@
 The ``routing`` stage keeps a compact copy of the calibration traces' routing (routing_trace.npz:
 the selected ids, phase and sequence of each token, no gate inputs) so that DP allocation
 (edgemoe.policies.allocation) can replay it through any residency policy at run time.
-`plan_allocation` turns --alloc, --expert-slots / --vram and the policy into slots per MoE layer:
+`allocate_slots` turns --alloc, --expert-slots / --vram and the policy into slots per MoE layer:
 ``dp`` when the calibration has a routing trace, else ``equal`` with a note saying why.
 """
 
@@ -111,13 +111,13 @@ class RoutingTrace:
 
 
 @dataclass(frozen=True)
-class AllocationPlan:
+class SlotAllocation:
     alloc: str  # "dp" or "equal": what was used
     slots: dict[int, int]  # MoE layer -> slots
     note: str | None = None  # why dp was not used, when it was asked for or expected
 
 
-def plan_allocation(
+def allocate_slots(
     info: ModelInfo,
     *,
     alloc: str | None,
@@ -127,7 +127,7 @@ def plan_allocation(
     budget_bytes: int | None = None,
     dali_window: int = DALI_WINDOW,
     dali_update: int | None = None,
-) -> AllocationPlan:
+) -> SlotAllocation:
     """Slots per MoE layer for --alloc `alloc` (None: dp when `calibration` has a routing trace).
 
     equal gives every MoE layer `slots_per_layer`. dp minimises the misses per decode token of
@@ -142,7 +142,7 @@ def plan_allocation(
     if alloc is not None and alloc not in ALLOC_MODES:
         raise CalibrationError(f"unknown `alloc={alloc!r}`: use {' or '.join(ALLOC_MODES)}")
     layers = list(info.moe_layers)
-    equal = AllocationPlan("equal", {il: slots_per_layer for il in layers})
+    equal = SlotAllocation("equal", {il: slots_per_layer for il in layers})
     if alloc == "equal" or not layers:
         return equal
     spec = policy_spec(policy)
@@ -190,7 +190,7 @@ def plan_allocation(
         time.perf_counter() - t0,
         slots,
     )
-    return AllocationPlan("dp", slots)
+    return SlotAllocation("dp", slots)
 
 
 def _dp_slots(
@@ -270,17 +270,17 @@ def decode_curves(
     return curves
 
 
-def _fallback(equal: AllocationPlan, alloc: str | None, why: str) -> AllocationPlan:
+def _fallback(equal: SlotAllocation, alloc: str | None, why: str) -> SlotAllocation:
     log.info("%s", why)
-    return AllocationPlan("equal", equal.slots, note=why)
+    return SlotAllocation("equal", equal.slots, note=why)
 
 
-def describe(plan: AllocationPlan) -> str:
+def describe(allocation: SlotAllocation) -> str:
     """'8 slots per MoE layer' or 'dp: 64 slots over 8 MoE layers, 2..16 per layer'."""
-    values = list(plan.slots.values())
-    if plan.alloc == "equal" and len(set(values)) <= 1:
+    values = list(allocation.slots.values())
+    if allocation.alloc == "equal" and len(set(values)) <= 1:
         return f"{values[0] if values else 0} slots per MoE layer"
     return (
-        f"{plan.alloc}: {sum(values)} slots over {len(values)} MoE layers, "
+        f"{allocation.alloc}: {sum(values)} slots over {len(values)} MoE layers, "
         f"{min(values)}..{max(values)} per layer"
     )
