@@ -95,7 +95,7 @@ def ensure_profile(path: Path, *, reuse: bool, threads: int) -> tuple[MachinePro
 def measure_and_trace(model: Path, trace_path: Path, args: argparse.Namespace) -> tuple[float, float, Trace]:
     """Stock CPU (prefill, decode) tok/s, medians of args.reps runs, and the decode trace of the same tokens."""
     n_ctx = (args.prompt_tokens + args.gen + 255) // 256 * 256
-    with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=args.threads)) as eng:
+    with Engine(model, LoadConfig(n_ctx=n_ctx, n_threads=args.threads, flash_attn=args.flash_attn)) as eng:
         prompt = prompt_tokens(eng, args.prompt_tokens, heldout=True)
         prefill_tps, decode_tps, out = measure(eng, prompt, args.gen, args.reps)
         if trace_path.exists():
@@ -151,6 +151,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
+                    help="the measured engine's (stock llama.cpp's default: auto, on for the CPU)")
     ap.add_argument("--max-error", type=float, default=0.15, help="the bar for |projected / measured - 1|")
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="MINUTES")
     ap.add_argument("--idle-load", type=float, default=0.5)
