@@ -540,25 +540,7 @@ def format_table(res: BenchResult) -> str:
 
 
 def plot(res: BenchResult, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .model.report import plot_speeds
 
     rows = [r for r in res.rows if r.decode_tps > 0]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key, label in (
-        (axes[0], "decode_tps", "decode tokens/s"),
-        (axes[1], "prefill_tps", "prefill tokens/s"),
-    ):
-        ax.barh(
-            [r.name for r in rows],
-            [getattr(r, key) for r in rows],
-            color=["#888" if r.kind == "stock" else "#2a7" for r in rows],
-        )
-        ax.set_xlabel(label)
-    fig.suptitle(f"{res.model} · {res.device} · {res.vram / 2**30:.1f} GiB", fontsize=9)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    plot_speeds(rows, f"{res.model} · {res.device} · {res.vram / 2**30:.1f} GiB", out)

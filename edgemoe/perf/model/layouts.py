@@ -256,8 +256,8 @@ def suggest(expected: list[dict[str, Any]], *, model: str, vram: int, n_ctx: int
     base = max(stock, key=lambda r: r["decode_tps"])
     policy = best["config"].removeprefix("edgemoe-")
     command = (
-        f"edgemoe chat {shlex.quote(model)} `vram={size_arg(vram)!r}` `n_ctx={n_ctx!r}` `policy={policy!r}` "
-        f"`alloc={best['allocation']!r}`"
+        f"edgemoe chat {shlex.quote(model)} --vram {size_arg(vram)} --ctx {n_ctx} --policy {policy} "
+        f"--alloc {best['allocation']}"
     )
     return {
         "config": best["config"],

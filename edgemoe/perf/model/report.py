@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .simulate import SimResult
 
@@ -29,13 +31,14 @@ def format_simulation(res: SimResult) -> str:
     return "\n".join(lines)
 
 
-def plot_simulation(res: SimResult, out: Path) -> None:
+def plot_speeds(rows: Sequence[Any], title: str, out: Path, *, suffix: str = "") -> None:
+    """Decode and prefill tok/s of `rows` (each with name, kind, decode_tps, prefill_tps) as two bar charts
+    side by side, stock grey, saved to `out` (bench's measured rows and simulate's projected ones)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = res.configs
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, key, label in (
         (axes[0], "decode_tps", "decode tokens/s"),
@@ -46,9 +49,14 @@ def plot_simulation(res: SimResult, out: Path) -> None:
             [getattr(r, key) for r in rows],
             color=["#888" if r.kind == "stock" else "#2a7" for r in rows],
         )
-        ax.set_xlabel(f"{label} (projected)")
-    fig.suptitle(f"PROJECTED · {res.model} · {res.profile} · {res.vram / 2**30:.1f} GiB", fontsize=9)
+        ax.set_xlabel(label + suffix)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def plot_simulation(res: SimResult, out: Path) -> None:
+    title = f"PROJECTED · {res.model} · {res.profile} · {res.vram / 2**30:.1f} GiB"
+    plot_speeds(res.configs, title, out, suffix=" (projected)")
