@@ -14,6 +14,7 @@ from conftest import FIXTURE_MODELS
 from edgemoe.cli.main import cli
 from edgemoe.errors import InvalidConfigError
 from edgemoe.gguf.info import read_model_info
+from edgemoe.gguf.kv_types import KvTypes
 from edgemoe.placement.budget import VRAM_RESERVE, estimate_kv_cache_bytes, slot_budget
 from edgemoe.gguf.kv_types import KV_CACHE_TYPES, kv_bytes
 from edgemoe.runtime.engine import Engine, LoadConfig
@@ -96,7 +97,7 @@ def test_types_reach_llama_cpp_and_the_estimate_is_its_size(kind: str) -> None:
         kv = eng.kv_cache
         assert kv is not None and (kv.type_k, kv.type_v) == (kind, kind)
         assert eng.flash_attn == "on"  # auto on the CPU backend (and forced by a quantized V)
-        estimate = estimate_kv_cache_bytes(eng.info, eng.n_ctx, cache_type_k=cfg.cache_type_k, cache_type_v=kind)  # type: ignore[arg-type]
+        estimate = estimate_kv_cache_bytes(eng.info, eng.n_ctx, KvTypes(cfg.cache_type_k, kind))  # type: ignore[arg-type]
         assert kv.k_mib + kv.v_mib == pytest.approx(estimate / 2**20, abs=0.011)  # logged to 2 decimals
         assert eng.generate("KING:", max_tokens=4, sampling=GREEDY).tokens
 
@@ -112,8 +113,8 @@ def test_flash_attention_as_asked() -> None:
 def test_kv_bytes_follow_the_type() -> None:
     info = read_model_info(MODEL)
     f16 = estimate_kv_cache_bytes(info, 4096)
-    assert estimate_kv_cache_bytes(info, 4096, cache_type_k="q8_0", cache_type_v="q8_0") * 16 == f16 * 8.5
-    assert estimate_kv_cache_bytes(info, 4096, cache_type_k="q4_0", cache_type_v="q4_0") * 16 == f16 * 4.5
+    assert estimate_kv_cache_bytes(info, 4096, KvTypes("q8_0", "q8_0")) * 16 == f16 * 8.5
+    assert estimate_kv_cache_bytes(info, 4096, KvTypes("q4_0", "q4_0")) * 16 == f16 * 4.5
     assert kv_bytes("q8_0", 33) == 2 * 34  # whole blocks
 
 
@@ -122,7 +123,7 @@ def test_plan_reserve_shrinks_and_slots_grow() -> None:
     n_ctx = 1024  # the KV cache a few slots are worth (the fixture has 8 experts a layer)
     budget = info.dense_bytes + estimate_kv_cache_bytes(info, n_ctx) + VRAM_RESERVE  # no slot at f16
     plans = {
-        k: slot_budget(info, budget, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, cache_type_k=k, cache_type_v=k)
+        k: slot_budget(info, budget, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, kv=KvTypes(k, k))
         for k in ("f16", "q8_0", "q4_0")
     }
     assert plans["f16"].experts_per_layer == 0

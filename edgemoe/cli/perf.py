@@ -324,6 +324,7 @@ def plan(
     from ..analysis.trace import Trace
     from ..calibration.adaptive import default_calibration_dir
     from ..gguf.info import read_model_info
+    from ..gguf.kv_types import KvTypes
     from ..perf.measure.profiling import default_profile_path
     from ..perf.model.layouts import format_layouts, make_layouts
     from ..perf.model.profile import load_profile
@@ -345,8 +346,7 @@ def plan(
             info,
             expert_slots,
             engine_ctx(n_ctx, info.n_ctx_train),
-            cache_type_k=attention.cache_type_k,
-            cache_type_v=attention.cache_type_v,
+            KvTypes(attention.cache_type_k, attention.cache_type_v),
         )
     if profile_name is None and default_profile_path().exists():
         profile_name = str(default_profile_path())

@@ -3,6 +3,7 @@ each, for sizing the cache before a model is loaded."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -10,6 +11,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 # llama.cpp's names; f16 is its default. A quantized V cache needs flash attention (llama.cpp's rule).
 KvCacheType = Literal["f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
 KV_CACHE_TYPES: tuple[KvCacheType, ...] = get_args(KvCacheType)
+
+
+@dataclass(frozen=True)
+class KvTypes:
+    """The types of a KV cache's K and V (llama.cpp's -ctk / -ctv), for sizing it."""
+
+    k: KvCacheType = "f16"
+    v: KvCacheType = "f16"
+
+
+F16_KV = KvTypes()  # llama.cpp's default
 
 _GGML = {name: GGMLQuantizationType[name.upper()] for name in KV_CACHE_TYPES}
 

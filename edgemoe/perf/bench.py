@@ -22,7 +22,7 @@ from ..calibration.slot_alloc import allocate_slots
 from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..gguf.info import ModelInfo, model_info
-from ..gguf.kv_types import KvCacheType
+from ..gguf.kv_types import KvCacheType, KvTypes
 from ..placement.budget import slots_beside_prefill_buffers
 from ..placement.planner import Device, budget_request
 from ..placement.planner import plan as plan_placement
@@ -257,8 +257,7 @@ def _device_prefill_row(
         {il: b.slots for il in b.info.moe_layers} if dp_slots is None else dp_slots,
         spec.vram,
         b.n_ctx,
-        cache_type_k=spec.cache_type_k,
-        cache_type_v=spec.cache_type_v,
+        KvTypes(spec.cache_type_k, spec.cache_type_v),
     )
     pf_cfg = replace(cfg, slots_per_layer=pf_slots, prefill_min_tokens=spec.device_prefill)
     per_layer = sum(pf_slots.values()) // max(1, len(pf_slots))

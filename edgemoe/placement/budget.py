@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..gguf.info import ModelInfo, format_size
-from ..gguf.kv_types import KvCacheType, kv_bytes
+from ..gguf.kv_types import F16_KV, KvCacheType, KvTypes, kv_bytes
 from ..runtime.config import planned_ctx
 
 CTX_STEP = (
@@ -62,10 +62,8 @@ class SlotBudget:
         return self.dense_fits and self.experts_per_layer >= self.n_expert
 
 
-def estimate_kv_cache_bytes(
-    info: ModelInfo, n_ctx: int, *, cache_type_k: KvCacheType = "f16", cache_type_v: KvCacheType = "f16"
-) -> int:
-    """KV cache of `n_ctx` tokens, all layers, with K and V cached as the given types (llama.cpp's default f16).
+def estimate_kv_cache_bytes(info: ModelInfo, n_ctx: int, kv: KvTypes = F16_KV) -> int:
+    """KV cache of `n_ctx` tokens, all layers, with K and V cached as `kv`'s types (llama.cpp's default f16).
 
     Standard attention: n_layer * n_ctx * (row of n_head_kv * head_k values as type K + the same of head_v as
     type V); f16 is 2 bytes a value, q8_0 34 bytes per 32 (8.5/16 of f16), q4_0 18 per 32 (4.5/16).
@@ -74,10 +72,10 @@ def estimate_kv_cache_bytes(
     Sliding-window layers (gpt-oss) cache fewer tokens, so this is an upper bound there.
     """
     if info.kv_lora_rank > 0:
-        per_token_layer = kv_bytes(cache_type_k, info.kv_lora_rank + info.n_rot)
+        per_token_layer = kv_bytes(kv.k, info.kv_lora_rank + info.n_rot)
     else:
-        per_token_layer = kv_bytes(cache_type_k, info.n_head_kv * info.n_embd_head_k) + kv_bytes(
-            cache_type_v, info.n_head_kv * info.n_embd_head_v
+        per_token_layer = kv_bytes(kv.k, info.n_head_kv * info.n_embd_head_k) + kv_bytes(
+            kv.v, info.n_head_kv * info.n_embd_head_v
         )
     return info.n_layer * n_ctx * per_token_layer
 
@@ -105,13 +103,12 @@ def slot_budget(
     *,
     reserve_bytes: int = 0,
     predictor_bytes: int = 0,
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
+    kv: KvTypes = F16_KV,
 ) -> SlotBudget:
     """Split a VRAM budget: dense weights + KV cache (+ expert predictors) first, then equal expert slots per
     MoE layer.
 
-    The KV cache is of `n_ctx` tokens cached as `cache_type_k` / `cache_type_v` (LoadConfig's).
+    The KV cache is of `n_ctx` tokens cached as `kv`'s types (LoadConfig's cache_type_k / cache_type_v).
     `reserve_bytes` is left free for compute buffers and the like (llama.cpp needs a
     few hundred MiB; the caller knows its batch size, this module does not); a nonzero reserve grows by
     context_reserve_bytes past RESERVE_CTX tokens of context (the plan's reserve_bytes includes it).
@@ -123,15 +120,15 @@ def slot_budget(
         )
     if reserve_bytes:
         reserve_bytes += context_reserve_bytes(info, n_ctx)
-    kv = estimate_kv_cache_bytes(info, n_ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
-    left = max(0, budget_bytes - info.dense_bytes - kv - reserve_bytes - predictor_bytes)
+    kv_bytes_ = estimate_kv_cache_bytes(info, n_ctx, kv)
+    left = max(0, budget_bytes - info.dense_bytes - kv_bytes_ - reserve_bytes - predictor_bytes)
     slot = sum(info.bytes_per_expert_by_layer.values())  # one expert in each MoE layer
     slots = min(info.n_expert, left // slot) if slot else 0
     return SlotBudget(
         budget_bytes=budget_bytes,
         n_ctx=n_ctx,
         dense_bytes=info.dense_bytes,
-        kv_cache_bytes=kv,
+        kv_cache_bytes=kv_bytes_,
         reserve_bytes=reserve_bytes,
         expert_budget_bytes=left,
         slot_bytes=slot,
@@ -139,8 +136,8 @@ def slot_budget(
         n_moe_layers=len(info.moe_layers),
         n_expert=info.n_expert if info.is_moe else 0,
         predictor_bytes=predictor_bytes,
-        cache_type_k=cache_type_k,
-        cache_type_v=cache_type_v,
+        cache_type_k=kv.k,
+        cache_type_v=kv.v,
     )
 
 
@@ -161,16 +158,13 @@ def slots_beside_prefill_buffers(
     slots_per_layer: Mapping[int, int],
     budget_bytes: int,
     n_ctx: int,
-    *,
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
+    kv: KvTypes = F16_KV,
 ) -> dict[int, int]:
     """Slots per MoE layer once `--device-prefill`'s two buffers come out of the budget: the equal count the
     smaller budget leaves, an unequal (dp) allocation scaled by the same ratio."""
-    kv: dict[str, Any] = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
-    equal = slot_budget(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, **kv).experts_per_layer
+    equal = slot_budget(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, kv=kv).experts_per_layer
     fewer = slot_budget(
-        info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, True), **kv
+        info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, True), kv=kv
     ).experts_per_layer
     return {il: n * fewer // max(1, equal) for il, n in slots_per_layer.items()}
 
@@ -179,15 +173,13 @@ def best_n_cpu_moe(
     info: ModelInfo,
     budget: int,
     n_ctx: int,
-    *,
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
+    kv: KvTypes = F16_KV,
 ) -> int | None:
     """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit (beside a KV cache of
     the given types); None: never fits."""
     fixed = (
         info.dense_bytes
-        + estimate_kv_cache_bytes(info, n_ctx, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+        + estimate_kv_cache_bytes(info, n_ctx, kv)
         + VRAM_RESERVE
         + context_reserve_bytes(info, n_ctx)
     )
@@ -203,14 +195,10 @@ def budget_for_slots(
     info: ModelInfo,
     slots: int,
     n_ctx: int,
-    *,
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
+    kv: KvTypes = F16_KV,
 ) -> int:
     """The --vram that leaves `slots` expert slots in every MoE layer (beside a KV cache of the given types)."""
-    sb = slot_budget(
-        info, 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, cache_type_k=cache_type_k, cache_type_v=cache_type_v
-    )
+    sb = slot_budget(info, 0, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE, kv=kv)
     return info.dense_bytes + sb.kv_cache_bytes + sb.reserve_bytes + slots * sb.slot_bytes
 
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from ..calibration import auto
 from ..calibration.adaptive import default_calibration_dir
 from ..gguf.header import GgufHeader
 from ..gguf.info import ModelInfo, format_size, model_info
-from ..gguf.kv_types import KvCacheType
+from ..gguf.kv_types import KvCacheType, KvTypes
 from ..policies.daop import precalc_targets
 from ..policies.registry import policy_spec
 from ..runtime.cache_config import checked_slots
@@ -106,15 +105,20 @@ def plan(
     ctx = engine_ctx(n_ctx, info.n_ctx_train)
     prefill = bool(req and req.device_prefill)
     reserve = vram_reserve(info, prefill) + context_reserve_bytes(info, ctx)
-    kv: dict[str, Any] = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
+    kv = KvTypes(cache_type_k, cache_type_v)
     budget = None
     if req is not None and req.vram is not None:
-        budget = slot_budget(info, req.vram, n_ctx=ctx, reserve_bytes=vram_reserve(info, prefill), **kv)
+        budget = slot_budget(info, req.vram, n_ctx=ctx, reserve_bytes=vram_reserve(info, prefill), kv=kv)
     whole = bool(req and info.is_moe and budget is not None and _holds_every_expert(info, budget, prefill))
     cache = req is not None and info.is_moe and not whole
     slots = _slots(info, req, budget) if cache and req is not None else None
     base = LoadConfig(
-        n_threads=n_threads, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn, **kv
+        n_threads=n_threads,
+        n_ctx=n_ctx,
+        n_gpu_layers=n_gpu_layers,
+        flash_attn=flash_attn,
+        cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v,
     )
     return PlacementPlan(
         load=_load_config(base, info, req, device, whole),
@@ -125,10 +129,10 @@ def plan(
         cache=cache,
         slots_per_layer=slots,
         slot_bytes=sum(info.bytes_per_expert_by_layer.values()),
-        kv_cache_bytes=estimate_kv_cache_bytes(info, ctx, **kv),
+        kv_cache_bytes=estimate_kv_cache_bytes(info, ctx, kv),
         reserve_bytes=reserve,
         budget=budget,
-        n_cpu_moe=best_n_cpu_moe(info, req.vram, ctx, **kv)
+        n_cpu_moe=best_n_cpu_moe(info, req.vram, ctx, kv)
         if req is not None and req.vram is not None
         else None,
         calibration=_calibration(header.path, req, calibration) if cache and req is not None else _NO_NEED,
