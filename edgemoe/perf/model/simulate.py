@@ -127,62 +127,23 @@ def plan_configs(
     if n_cpu is not None and n_cpu < len(moe):
         cfgs.append(Config(f"stock-n-cpu-moe-{n_cpu}", "stock", gpu_expert_layers=frozenset(moe[n_cpu:])))
     for pol in spec.policies:
+        blocking = spec.blocking
         for gated in (False, True) if spec.gated else (False,):
-            cfgs.append(
-                Config(
-                    f"edgemoe-{pol}" + ("-gated" if gated else ""),
-                    "edgemoe",
-                    policy=pol,
-                    slots=per_layer,
-                    gated=gated,
-                    blocking=spec.blocking,
-                )
-            )
+            cfgs.append(_variant(pol, "-gated" if gated else "", per_layer, blocking, gated=gated))
         if spec.assign is not None:
-            cfgs.append(
-                Config(
-                    f"edgemoe-{pol}-{spec.assign}-assign",
-                    "edgemoe",
-                    policy=pol,
-                    slots=per_layer,
-                    blocking=spec.blocking,
-                    assign=spec.assign,
-                )
-            )
+            cfgs.append(_variant(pol, f"-{spec.assign}-assign", per_layer, blocking, assign=spec.assign))
         if spec.device_prefill:
-            cfgs.append(
-                Config(
-                    f"edgemoe-{pol}-device-prefill",
-                    "edgemoe",
-                    policy=pol,
-                    slots=prefill_slots,
-                    blocking=spec.blocking,
-                    device_prefill=True,
-                )
-            )
+            cfgs.append(_variant(pol, "-device-prefill", prefill_slots, blocking, device_prefill=True))
         if spec.precalc is not None:
-            cfgs.append(
-                Config(
-                    f"edgemoe-{pol}-precalc",
-                    "edgemoe",
-                    policy=pol,
-                    slots=per_layer,
-                    blocking=spec.blocking,
-                    precalc=spec.precalc,
-                )
-            )
+            cfgs.append(_variant(pol, "-precalc", per_layer, blocking, precalc=spec.precalc))
         if spec.decode_split:
-            cfgs.append(
-                Config(
-                    f"edgemoe-{pol}-decode-split",
-                    "edgemoe",
-                    policy=pol,
-                    slots=per_layer,
-                    blocking=spec.blocking,
-                    decode_split=True,
-                )
-            )
+            cfgs.append(_variant(pol, "-decode-split", per_layer, blocking, decode_split=True))
     return cfgs, slots, n_cpu
+
+
+def _variant(pol: str, suffix: str, slots: dict[int, int], blocking: bool, **feature: Any) -> Config:
+    """edgemoe with policy `pol` over `slots`, named edgemoe-POL+suffix, with one feature's settings."""
+    return Config(f"edgemoe-{pol}{suffix}", "edgemoe", policy=pol, slots=slots, blocking=blocking, **feature)
 
 
 def run_config(
