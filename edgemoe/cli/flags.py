@@ -9,6 +9,7 @@ such span whose name is a parameter of some edgemoe command to that command's fl
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 
@@ -27,8 +28,10 @@ ALIASES: Mapping[str, str] = {
 _SPAN = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`\n]*))?`")
 
 
-def flag_table(root: click.Command) -> dict[str, str]:
-    """API name -> long flag, from every command's parameters under `root`, plus ALIASES."""
+@functools.cache
+def flag_table(root: click.Command) -> Mapping[str, str]:
+    """API name -> long flag, from every command's parameters under `root`, plus ALIASES (built once per root:
+    the command tree does not change while it runs)."""
     table: dict[str, str] = {}
 
     def walk(cmd: click.Command) -> None:

@@ -18,26 +18,22 @@ from .. import __version__
 from ..errors import EdgeMoeError
 from ..placement import PlacementError
 from . import analysis, bench, calibrate, doctor, model, perf, serve
-from .flags import as_flags, flag_table
+from .flags import cli_text
 
 
 class EdgeMoeGroup(click.Group):
     """Turns library errors into one-line messages that name the CLI's flags (cli/flags.py); tracebacks only
     with --debug."""
 
-    def message(self, err: BaseException) -> str:
-        """The error's message with the API's parameter names written as this CLI's flags."""
-        return as_flags(str(err), flag_table(self))
-
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except PlacementError as err:  # options that cannot run together: a usage error (exit 2)
-            raise click.UsageError(self.message(err)) from err
+            raise click.UsageError(cli_text(str(err))) from err
         except EdgeMoeError as err:
             if ctx.meta.get("edgemoe.debug"):
                 traceback.print_exc()
-            raise click.ClickException(self.message(err)) from err
+            raise click.ClickException(cli_text(str(err))) from err
         except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
             raise
         except Exception as err:  # noqa: BLE001 - the CLI edge: never show a raw traceback by default
