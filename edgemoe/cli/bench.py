@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ..placement import calibration_for, check_precalc_from
 from .cache_options import ALLOC_HELP
-from .options import AttentionOptions, attention_options
+from .options import AttentionOptions, attention_options, speculation_options
 from .types import THREADS, GGUFPath, OutputPath, Size
 
 
@@ -84,6 +85,7 @@ from .types import THREADS, GGUFPath, OutputPath, Size
     "--precalc-from), projected at the rates each row measures",
 )
 @attention_options
+@speculation_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def bench(
@@ -101,6 +103,7 @@ def bench(
     device_prefill: int,
     precalc_from: int | None,
     attention: AttentionOptions,
+    speculation: Any,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -131,6 +134,7 @@ def bench(
         device_prefill=device_prefill,
         precalc_from=precalc_from,
         **attention.load_kwargs(),
+        speculation=speculation if speculation.on else None,
     )
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:

@@ -16,7 +16,14 @@ from ..errors import EdgeMoeError
 from ..placement import CacheRequest
 from .cache_options import cache_options
 from .flags import cli_text
-from .options import AttentionOptions, RunOptions, gating_options, kv_type_options, run_options
+from .options import (
+    AttentionOptions,
+    RunOptions,
+    gating_options,
+    kv_type_options,
+    run_options,
+    speculation_options,
+)
 from .types import GGUFPath, Size
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
@@ -26,7 +33,13 @@ def _notify(message: str) -> None:
     click.echo(cli_text(message), err=True)
 
 
-def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None, gating: Any = None) -> Any:
+def _open_engine(
+    model: Path,
+    run: RunOptions,
+    cache: CacheRequest | None = None,
+    gating: Any = None,
+    speculation: Any = None,
+) -> Any:
     """edgemoe.placement.open_engine with the command's options, its notes on stderr."""
     from ..placement import open_engine
 
@@ -39,6 +52,7 @@ def _open_engine(model: Path, run: RunOptions, cache: CacheRequest | None = None
         **run.attention.load_kwargs(),
         calibration=gating.calibration if gating is not None else None,
         gating=gating,
+        speculation=speculation,
         notify=_notify,
     )
 
@@ -124,6 +138,7 @@ def plan_command(model: Path, vram: int, n_ctx: int, attention: AttentionOptions
 @run_options
 @gating_options
 @cache_options
+@speculation_options
 @click.option(
     "--json", "as_json", is_flag=True, help="print one JSON object with ids, timings and cache counters"
 )
@@ -134,13 +149,14 @@ def generate(
     run: RunOptions,
     gating: Any,
     cache: CacheRequest,
+    speculation: Any,
     as_json: bool,
 ) -> None:
     """Complete a prompt (plain text streamed to stdout, or --json)."""
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling = run.sampling
-    with _open_engine(model, run, cache, gating) as engine:
+    with _open_engine(model, run, cache, gating, speculation) as engine:
         if as_json:
             g = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
             out = {
@@ -162,6 +178,8 @@ def generate(
             gating_report = engine.gating_report()
             if gating_report is not None:
                 out["gating"] = gating_report
+            if g.speculation is not None:
+                out["speculation"] = g.speculation.to_dict()
             control = engine.control_stats()
             # a decode ubatch is one token: the routing callback's host syncs per token in decode
             control["host_syncs_per_ubatch"] = (
@@ -186,6 +204,9 @@ def _stats_line(t: Any, engine: Any = None) -> str:
     report = engine.gating_report() if engine is not None else None
     if report is not None and report["activation_reduction"] is not None:
         cache += f" | gating dropped {report['activation_reduction']:.0%} of gated experts"
+    spec = engine.last.speculation if engine is not None and engine.last is not None else None
+    if spec is not None:
+        cache += f" | {spec.mode} accepted {spec.acceptance:.0%}, {spec.tokens_per_step:.2f} tok/step"
     return (
         f"[prompt {t.prompt_tokens} tok, {t.prompt_tps:.1f} tok/s | "
         f"decode {t.decode_tokens} tok, {t.decode_tps:.1f} tok/s | ttft {t.ttft_s * 1000:.0f} ms{cache}]"
@@ -206,8 +227,15 @@ def _stats_line(t: Any, engine: Any = None) -> str:
 @run_options
 @gating_options
 @cache_options
+@speculation_options
 def chat(
-    model: Path | None, system: str | None, max_tokens: int, run: RunOptions, gating: Any, cache: CacheRequest
+    model: Path | None,
+    system: str | None,
+    max_tokens: int,
+    run: RunOptions,
+    gating: Any,
+    cache: CacheRequest,
+    speculation: Any,
 ) -> None:
     """Chat with a model (default: the bundled fixture). /reset clears history, /quit leaves.
 
@@ -221,7 +249,7 @@ def chat(
     interactive = sys.stdin.isatty()
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 becomes U+FFFD, not the end of the chat
-    with _open_engine(model, run, cache, gating) as engine:
+    with _open_engine(model, run, cache, gating, speculation) as engine:
         session = ChatSession(engine, system=system)
         if interactive:
             click.echo(f"edgemoe chat · {model.name} · /reset clears history, /quit leaves", err=True)

@@ -225,3 +225,42 @@ def _run(
     )
     attention = AttentionOptions(flash_attn, cache_type_k, cache_type_v)
     return RunOptions(sampling, threads, n_ctx, gpu_layers, attention)
+
+
+def speculation_options(f: Any) -> Any:
+    """--speculate, --draft-max and --draft-model, given to the command as `speculation`: a SpeculationConfig."""
+    opts = [
+        click.option(
+            "--speculate",
+            type=click.Choice(["off", "lookup", "draft", "mtp"]),
+            default=None,
+            help="speculative decoding: lookup proposes what followed the context's last tokens earlier in it; "
+            "draft runs --draft-model; mtp waits for a model with MTP heads (docs/speculation.md). "
+            "Default: off, or draft with --draft-model",
+        ),
+        click.option(
+            "--draft-max",
+            type=click.IntRange(1, 32),
+            default=8,
+            show_default=True,
+            help="tokens proposed per verification step at the most",
+        ),
+        click.option(
+            "--draft-model",
+            type=click.Path(dir_okay=False, exists=True, path_type=Path),
+            default=None,
+            help="a small GGUF with the model's vocabulary that drafts for it (on the CPU)",
+        ),
+    ]
+    return option_group("speculation", opts, _speculation)(f)
+
+
+def _speculation(*, speculate: str | None, draft_max: int, draft_model: Path | None) -> Any:
+    from ..speculation.config import SpeculationConfig
+
+    mode = speculate or ("draft" if draft_model is not None else "off")
+    if draft_model is not None and mode != "draft":
+        raise click.UsageError(f"--draft-model drafts with --speculate draft, not --speculate {mode}")
+    return SpeculationConfig(
+        mode=mode, draft_max=draft_max, draft_model=str(draft_model) if draft_model else None
+    )

@@ -14,7 +14,7 @@ import click
 from ..placement import CacheRequest
 from .cache_options import cache_options
 from .model import BUNDLED_MODEL, _open_engine
-from .options import RunOptions, gating_options, run_options
+from .options import RunOptions, gating_options, run_options, speculation_options
 from .types import GGUFPath
 
 INSTALL_HINT = "install the server extra: pip install 'edgemoe[serve]'"
@@ -107,6 +107,7 @@ def _bind(host: str, port: int) -> socket.socket:
 @run_options
 @gating_options
 @cache_options
+@speculation_options
 def serve(
     model: Path | None,
     host: str,
@@ -122,6 +123,7 @@ def serve(
     run: RunOptions,
     gating: Any,
     cache: CacheRequest,
+    speculation: Any,
 ) -> None:
     """Serve a model over the OpenAI and Anthropic APIs (default: the bundled fixture; on localhost by default).
 
@@ -142,7 +144,7 @@ def serve(
 
     if model is None:
         model = GGUFPath().convert(os.environ.get("EDGEMOE_MODEL", str(BUNDLED_MODEL)), None, None)
-    with _open_engine(model, run, cache, gating) as engine:
+    with _open_engine(model, run, cache, gating, speculation) as engine:
         keys = tuple(k for key in api_keys for k in key.split())
         config = ServerConfig(
             model_id=model_id or model.name.removesuffix(".gguf"),

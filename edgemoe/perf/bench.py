@@ -32,6 +32,7 @@ from ..runtime.cache_config import CacheConfig, calibrated_config
 from ..runtime.config import FlashAttn
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.sampling import GREEDY
+from ..speculation.config import SpeculationConfig
 
 WARMUP_PROMPT = 16  # tokens of the prompt each configuration's warm-up generation (2 tokens) starts from
 REUSE_QUESTION = 32  # new tokens at the end of the second request on the same prefix (reuse TTFT)
@@ -59,6 +60,8 @@ class BenchSpec:
     flash_attn: FlashAttn = "auto"  # every row's (LoadConfig's)
     cache_type_k: KvCacheType = "f16"  # every row's KV cache types; the plan reserves that cache
     cache_type_v: KvCacheType = "f16"
+    # also run every row with this speculative decoding ("... +lookup" rows); None: not
+    speculation: SpeculationConfig | None = None
 
 
 @dataclass
@@ -82,6 +85,7 @@ class BenchRow:
     # TTFT of a second request sharing all but the prompt's last REUSE_QUESTION tokens, its KV state restored
     # from host memory as `edgemoe serve`'s prompt cache does
     reuse_ttft_s: float | None = None
+    speculation: dict[str, Any] | None = None  # SpeculationStats.to_dict() of the measured generation
 
 
 @dataclass
@@ -124,7 +128,7 @@ def _reuse_ttft(eng: Engine, prompt: list[int]) -> float:
 
 def _measure(
     path: Path, config: LoadConfig, prompt: list[int], gen: int, setup: Callable[[Engine], None] | None = None
-) -> tuple[float, float, float, float, int | None, Any, list[int], float]:
+) -> tuple[float, float, float, float, int | None, Any, list[int], float, dict[str, Any] | None]:
     dev = native.gpu_device()
     free0 = native.device_memory(dev)[0] if dev is not None else None
     with Engine(path, config) as eng:
@@ -150,7 +154,8 @@ def _measure(
         reuse = _reuse_ttft(eng, prompt)
     t = g.timings
     tpot = 1.0 / t.decode_tps if t.decode_tps > 0 else wall
-    return t.prompt_tps, t.decode_tps, t.ttft_s, tpot, used, cache, g.tokens, reuse
+    spec = g.speculation.to_dict() if g.speculation is not None else None
+    return t.prompt_tps, t.decode_tps, t.ttft_s, tpot, used, cache, g.tokens, reuse, spec
 
 
 # a bench row: (name, kind, load config, what to do to the engine before it runs, note)
@@ -247,6 +252,18 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
     return rows
 
 
+def _speculating(row: _Row, speculation: SpeculationConfig) -> _Row:
+    """`row` again with speculative decoding ("... +lookup")."""
+    name, kind, cfg, setup_fn, note = row
+
+    def setup(eng: Engine) -> None:
+        if setup_fn is not None:
+            setup_fn(eng)
+        eng.set_speculation(speculation)
+
+    return (f"{name} +{speculation.mode}", kind, cfg, setup, note)
+
+
 def _device_prefill_row(
     b: _CacheRows, dp_slots: dict[int, int] | None, cfg: CacheConfig, name: str, notes: list[str]
 ) -> _Row:
@@ -280,12 +297,18 @@ def _run_rows(
         if progress:
             progress(name)
         try:
-            pre, dec, ttft, tpot, vram, cache, tokens, reuse = _measure(path, cfg, prompt, gen, setup_fn)
+            pre, dec, ttft, tpot, vram, cache, tokens, reuse, spec = _measure(
+                path, cfg, prompt, gen, setup_fn
+            )
         except Exception as err:  # noqa: BLE001 - one configuration failing (no calibration...) is a row
             res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
             continue
         generated = generated or tokens
-        res.rows.append(BenchRow(name, kind, pre, dec, ttft, tpot, vram, cache, note, reuse_ttft_s=reuse))
+        res.rows.append(
+            BenchRow(
+                name, kind, pre, dec, ttft, tpot, vram, cache, note, reuse_ttft_s=reuse, speculation=spec
+            )
+        )
     return generated
 
 
@@ -358,6 +381,8 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
     b = _CacheRows(info, spec, dev, n_ctx, slots, placement.budget.expert_budget_bytes, cached, costs)
     for pol in spec.policies:
         rows += _policy_rows(b, pol)
+    if spec.speculation is not None and spec.speculation.on:
+        rows += [_speculating(row, spec.speculation) for row in rows]
     generated = _run_rows(res, rows, path, prompt, spec.gen_tokens, progress)
     if spec.profile is not None and generated:
         if progress:
@@ -521,9 +546,16 @@ def format_table(res: BenchResult) -> str:
         proj = f"{r.projected_decode_tps:.2f}" if r.projected_decode_tps is not None else "-"
         err = f"{r.projection_error:+.1%}" if r.projection_error is not None else "-"
         reuse = f"{r.reuse_ttft_s * 1e3:.0f}" if r.reuse_ttft_s is not None else "-"
+        sp = r.speculation
+        note = (
+            f"accepted {sp['acceptance']:.0%}, {sp['tokens_per_step']:.2f} tok/step"
+            + (f"; {r.note}" if r.note else "")
+            if sp is not None
+            else r.note
+        )
         lines.append(
             f"{r.name:<26} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} {reuse:>8} "
-            f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8} {proj:>8} {err:>6}  {r.note}"
+            f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8} {proj:>8} {err:>6}  {note}"
         )
     lines.append(
         f"reuse ms: TTFT of a second request on the same prefix with {REUSE_QUESTION} new tokens, its KV "

@@ -12,6 +12,7 @@ from ..gguf.kv_types import KvCacheType
 from ..runtime import native
 from ..runtime.config import FlashAttn
 from ..runtime.engine import Engine
+from ..speculation.config import SpeculationConfig
 from .install import Notify, install_cache, install_gating
 from .planner import Device, plan
 from .request import CacheRequest, cache_request
@@ -34,6 +35,7 @@ def open_engine(
     cache_type_v: KvCacheType = "f16",
     calibration: Path | None = None,
     gating: Any = None,
+    speculation: SpeculationConfig | None = None,
     notify: Notify = log.info,
 ) -> Engine:
     """An Engine of `model` with an expert cache of `vram` bytes (or a size such as "8GiB") or `expert_slots` per
@@ -41,7 +43,8 @@ def open_engine(
     instead. With neither budget nor slots it loads as stock llama.cpp does. `flash_attn` ("auto": on where the
     backend supports it) and the KV cache's types (LoadConfig's) go to the engine, and a budget's plan reserves
     the KV cache of those types. `gating`
-    (edgemoe.calibration.adaptive.GatingOptions) turns on adaptive top-k. Notes for the user go to `notify`.
+    (edgemoe.calibration.adaptive.GatingOptions) turns on adaptive top-k; `speculation` speculative decoding
+    (Engine.set_speculation: a draft model is opened then). Notes for the user go to `notify`.
     The placement is planned once from the file's header (edgemoe.placement.plan), before the model loads; a
     policy whose calibration the model lacks is calibrated on this engine before its cache is installed.
 
@@ -73,6 +76,7 @@ def open_engine(
     try:
         install_cache(engine, cache, placement, notify=notify)
         install_gating(engine, gating, notify=notify)
+        engine.set_speculation(speculation)
     except BaseException:
         engine.close()
         raise

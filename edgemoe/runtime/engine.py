@@ -29,10 +29,12 @@ from ..gguf.validate import validate_hparams
 from ..policies.gating import GatingPolicy
 from ..policies.route import RoutePolicy
 from ..predictors.base import Predictor
+from ..speculation.config import SpeculationConfig
 from . import chat, generation, native
 from .cache_config import CacheConfig
 from .chat import ChatMessage, ChatSession
 from .config import LoadConfig, default_threads
+from .draft_model import make_source
 from .exclusive import ThreadGuard
 from .expert_cache import CacheController, ExpertCache
 from .gating import Gating
@@ -44,6 +46,7 @@ from .prompt_cache import KVSnapshot
 from .routing import Routing
 from .sampling import SamplingParams
 from .sequence import KVSequence
+from .speculative import Speculation, Speculator
 from .vocab import Vocabulary
 
 __all__ = [
@@ -103,6 +106,7 @@ class Engine:
         self.prefetch = GraphPredictors(self.handle, self.info)
         self.routing = Routing(self.handle, header, self.info, self.gating, self.prefetch)
         self._seq = KVSequence(self.handle, self._vocab, self._guard, self.routing)
+        self.speculation: Speculation | None = None  # set_speculation: the draft source stream() verifies
 
     @property
     def experts(self) -> CacheController | None:
@@ -113,6 +117,7 @@ class Engine:
     def close(self) -> None:
         """Free the context and the model; any later use raises EngineClosedError. Closing twice is fine."""
         self._guard.check_closable()
+        self.set_speculation(None)
         if self.handle.is_open:
             self.routing.close_experts()
         self.handle.free()
@@ -161,6 +166,11 @@ class Engine:
         """
         self._seq.feed(tokens, all_logits=all_logits)
 
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Make the KV cache hold exactly `tokens`, reusing the common prefix; returns the tokens evaluated (one
+        at least, for fresh logits)."""
+        return self._seq.prefill(list(tokens))
+
     def check_logits(self, idx: int = -1) -> None:
         """Raise NonFiniteLogitsError when output idx of the last decode has a NaN or inf, or one value for
         every token (what NaN weights give on the CPU)."""
@@ -198,12 +208,21 @@ class Engine:
         sampling: SamplingParams | None = None,
         parse_special: bool = False,
         ignore_eog: bool = False,
+        speculate: bool = True,
     ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text piece) as they are generated; the Generation is then in self.last.
 
         The id is -1 for a final piece flushed from an incomplete UTF-8 sequence.
-        ignore_eog keeps generating past end-of-generation tokens (benchmarks).
+        ignore_eog keeps generating past end-of-generation tokens (benchmarks). speculate=False turns the
+        engine's speculation (set_speculation) off for this call.
         """
+        params = sampling or SamplingParams()
+        spec = self.speculation if speculate else None
+        speculator = (
+            Speculator(self._seq, self.routing, spec.source, params, draft_max=spec.config.draft_max)
+            if spec is not None
+            else None
+        )
         with self._guard.hold():  # the whole generation belongs to this thread
             gen = generation.run(
                 self._seq,
@@ -211,9 +230,10 @@ class Engine:
                 self.experts,
                 prompt,
                 max_tokens=max_tokens,
-                sampling=sampling or SamplingParams(),
+                sampling=params,
                 parse_special=parse_special,
                 ignore_eog=ignore_eog,
+                speculator=speculator,
             )
             try:
                 while True:
@@ -229,6 +249,7 @@ class Engine:
         sampling: SamplingParams | None = None,
         parse_special: bool = False,
         ignore_eog: bool = False,
+        speculate: bool = True,
     ) -> Generation:
         for _ in self.stream(
             prompt,
@@ -236,10 +257,22 @@ class Engine:
             sampling=sampling,
             parse_special=parse_special,
             ignore_eog=ignore_eog,
+            speculate=speculate,
         ):
             pass
         assert self.last is not None
         return self.last
+
+    # -- speculative decoding -------------------------------------------------------------
+    def set_speculation(self, config: SpeculationConfig | None) -> Speculation | None:
+        """Verify proposed tokens in batches from now on (None or mode off: one token per decode). A draft model
+        is opened here, and the previous source closed."""
+        if self.speculation is not None:
+            self.speculation.source.close()
+            self.speculation = None
+        if config is not None and config.on:
+            self.speculation = Speculation(config, make_source(config, self))
+        return self.speculation
 
     def chat_template(self) -> str | None:
         return chat.chat_template(self.handle.model)

@@ -11,9 +11,11 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 from ..errors import EdgeMoeError
+from ..speculation.config import SpeculationStats
 from .expert_cache import CacheController
 from .sampling import Sampler, SamplingParams
 from .sequence import KVSequence
+from .speculative import Speculator
 from .vocab import Vocabulary
 
 
@@ -54,6 +56,7 @@ class Generation:
     tokens: list[int]  # generated ids (the stop token included when one ended generation)
     stop_reason: str  # "eog" | "length" | "context"
     timings: Timings
+    speculation: SpeculationStats | None = None  # what speculative decoding did (None: it was off)
 
 
 class _Utf8Stream:
@@ -79,6 +82,18 @@ class _Utf8Stream:
         return text
 
 
+def plain_tokens(seq: KVSequence, sampler: Sampler) -> Generator[int, None, None]:
+    """One token per decode: sample from the last logits, then (when the consumer asks for the next) decode it.
+    Ends when the context has no room for the next decode."""
+    while True:
+        seq.check_logits(-1)
+        tok = sampler.sample(seq.handle.ctx)
+        yield tok
+        if len(seq.tokens) >= seq.n_ctx:  # no room to decode it: the context is full
+            return
+        seq.decode([tok])
+
+
 def run(
     seq: KVSequence,
     vocab: Vocabulary,
@@ -89,9 +104,11 @@ def run(
     sampling: SamplingParams,
     parse_special: bool,
     ignore_eog: bool,
+    speculator: Speculator | None = None,
 ) -> Generator[tuple[int, str], None, Generation]:
     """Engine.stream's loop: prefill `prompt` into seq, then sample and decode up to max_tokens; yields (token id,
-    text piece) and returns the Generation. `experts`: the engine's expert cache, whose hit rates it splits."""
+    text piece) and returns the Generation. `experts`: the engine's expert cache, whose hit rates it splits.
+    `speculator`: verify proposed tokens in batches (edgemoe.runtime.speculative) instead of one per decode."""
     t0 = time.perf_counter()
     ids = vocab.tokenize(prompt, parse_special=parse_special) if isinstance(prompt, str) else list(prompt)
     if not ids:
@@ -102,29 +119,33 @@ def run(
     if experts is not None:
         experts.mark("decode")
     t_prefill = time.perf_counter()
-    sampler = Sampler(sampling, seq.handle.vocab, vocab.n_vocab)
+    sampler: Sampler | None = None
+    if speculator is not None:
+        tokens = speculator.tokens(ids, max_tokens)
+    else:
+        sampler = Sampler(sampling, seq.handle.vocab, vocab.n_vocab)
+        tokens = plain_tokens(seq, sampler)
     out: list[int] = []
     text = _Utf8Stream()
     stop = "length"
     t_first = t_prefill
     try:
-        for i in range(max_tokens):
-            seq.check_logits(-1)
-            tok = sampler.sample(seq.handle.ctx)
+        while len(out) < max_tokens:
+            tok = next(tokens, None)
+            if tok is None:  # the context is full
+                stop = "context"
+                break
             out.append(tok)
-            if i == 0:
+            if len(out) == 1:
                 t_first = time.perf_counter()
             if vocab.is_eog(tok) and not ignore_eog:
                 stop = "eog"
                 break
             yield tok, text.push(vocab.token_piece(tok))
-            if i + 1 < max_tokens:
-                if len(seq.tokens) >= seq.n_ctx:  # no room to decode it: the context is full
-                    stop = "context"
-                    break
-                seq.decode([tok])
     finally:
-        sampler.close()
+        tokens.close()
+        if sampler is not None:
+            sampler.close()
     tail = text.flush()
     if tail:
         yield -1, tail
@@ -138,5 +159,10 @@ def run(
         ttft_s=t_first - t0,
     )
     return Generation(
-        text=vocab.detokenize(gen_ids), prompt_tokens=ids, tokens=out, stop_reason=stop, timings=timings
+        text=vocab.detokenize(gen_ids),
+        prompt_tokens=ids,
+        tokens=out,
+        stop_reason=stop,
+        timings=timings,
+        speculation=speculator.stats if speculator is not None else None,
     )

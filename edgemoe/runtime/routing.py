@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from ..errors import EdgeMoeError
 from ..gguf.header import GgufHeader
@@ -116,6 +117,26 @@ class Routing:
             native.moe_set_hook(ctx, None, 0)
             self.hooks = None
         return self.hooks
+
+    @contextmanager
+    def decode_rules_for_batches(self) -> Iterator[None]:
+        """While speculation verifies several positions per ubatch: the decode-only rules (adaptive top-k, the
+        expert cache's degradation) apply to every ubatch, as each position is a decode step."""
+        experts = self.experts
+        rules = [r for r in (self.gating.policy, experts.degradation if experts else None) if r is not None]
+        flagged = [r for r in rules if r.decode_only]
+        if not flagged:
+            yield
+            return
+        for r in flagged:
+            r.decode_only = False
+        self.rewire()
+        try:
+            yield
+        finally:
+            for r in flagged:
+                r.decode_only = True
+            self.rewire()
 
     def rewire(self) -> HookChain | None:
         """set_policies with the user's policies as they are (after the gating or the cache changed)."""

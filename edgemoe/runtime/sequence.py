@@ -95,10 +95,14 @@ class KVSequence:
                 "shorten the prompt or raise `n_ctx`"
             )
         keep = min(common_prefix(self.tokens, tokens), len(tokens) - 1)  # re-evaluate one for fresh logits
-        lib.llama_memory_seq_rm(lib.llama_get_memory(self.handle.ctx), 0, keep, -1)  # pyright: ignore[reportArgumentType]  # takes NULL too
-        del self.tokens[keep:]
+        self.truncate(keep)
         self.decode(tokens[keep:])
         return len(tokens) - keep
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens' K/V and forget the rest (speculation's rejected proposals)."""
+        lib.llama_memory_seq_rm(lib.llama_get_memory(self.handle.ctx), 0, n, -1)  # pyright: ignore[reportArgumentType]  # takes NULL too
+        del self.tokens[n:]
 
     def check_logits(self, idx: int = -1) -> None:
         """Raise NonFiniteLogitsError when output idx of the last decode has a NaN or inf, or one value for

@@ -170,6 +170,7 @@ class Routes:
             body.stops(),
             messages=body.chat_messages(),
             tools=body.template_tools(),
+            speculate=body.speculate,
         )
         return await self._openai(request, job, Reply("chat", self.config.model_id), body)
 
@@ -182,6 +183,7 @@ class Routes:
             body.sampling(self.config.sampling),
             body.stops(),
             prompt=body.text(),
+            speculate=body.speculate,
         )
         return await self._openai(request, job, Reply("text", self.config.model_id), body)
 
@@ -195,6 +197,7 @@ class Routes:
             body.stops(),
             messages=body.chat_messages(),
             tools=body.template_tools(),
+            speculate=body.speculate,
         )
         reply = ant.MessageReply(self.config.model_id)
         if body.stream:

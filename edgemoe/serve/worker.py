@@ -28,6 +28,7 @@ from ..runtime.chat import ChatMessage
 from ..runtime.generation import Generation
 from ..runtime.prompt_cache import PromptCache
 from ..runtime.sampling import GREEDY, SamplingParams
+from ..speculation.config import SpeculationStats
 from .errors import APIError, internal_error
 from .prefix_cache import PrefixReuse
 from .specials import SpecialGuard, control_texts
@@ -102,6 +103,7 @@ class Job:
     tools: list[dict[str, Any]] | None = None
     prompt: str | None = None
     scope: str = ""  # whose prompt-cache entries it may reuse (the API key's id)
+    speculate: bool = True  # use the engine's speculative decoding, where it has one
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -290,13 +292,14 @@ class EngineWorker:
                     job.emit("delta", e)
 
         finish: str | None = None
+        spec: SpeculationStats | None = None  # what speculation did (a completed generation's)
         n_out = 0
         t_first: float | None = None
         scripted = self.scripted is not None
         gen = (
             self._scripted(ids, job.max_tokens)
             if scripted
-            else eng.stream(ids, max_tokens=job.max_tokens, sampling=job.sampling)
+            else eng.stream(ids, max_tokens=job.max_tokens, sampling=job.sampling, speculate=job.speculate)
         )
         try:
             for tok, piece in gen:
@@ -321,6 +324,7 @@ class EngineWorker:
             finish = "stop" if g.stop_reason == "eog" else "length"
             emit(stops.flush(), final=True)
             n_out, timings = len(g.tokens), g.timings.to_dict()
+            spec = g.speculation
         else:  # a stop string: the engine's Generation was not completed
             emit("", final=True)
             timings = {
@@ -331,6 +335,8 @@ class EngineWorker:
         if n_calls and finish == "stop" and stops.hit is None:
             finish = "tool_calls"
         ext = self._extension(job, timings, t_start, t_end)
+        if spec is not None:
+            ext["speculation"] = spec.to_dict()
         job.emit("done", Outcome(finish, len(ids), n_out, ext, cached, stops.hit))
 
     _script_last: Generation
