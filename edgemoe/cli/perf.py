@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,23 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
     help="share of the early computations that are used (cache.precalc.precision; the fixtures' from "
     "layer 5)",
 )
+@click.option(
+    "--draft-max",
+    type=click.IntRange(0, 32),
+    default=0,
+    show_default=True,
+    help="also project speculative decoding verifying this many proposals per step (0: not); prompt lookup's "
+    "cost, a draft model's own decoding is not priced",
+)
+@click.option(
+    "--acceptance",
+    "acceptances",
+    type=click.FloatRange(0.0, 1.0),
+    multiple=True,
+    default=(0.5, 0.7, 0.9),
+    show_default=True,
+    help="per-token acceptance rates to project speculation at (repeatable)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def simulate(
@@ -182,6 +200,8 @@ def simulate(
     precalc_from: int | None,
     precalc_recall: float,
     precalc_precision: float,
+    draft_max: int,
+    acceptances: tuple[float, ...],
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -192,6 +212,7 @@ def simulate(
     from ..perf.model.report import format_simulation, plot_simulation
     from ..perf.model.simulate import PrecalcSpec, SimSpec
     from ..perf.model.simulate import simulate as run
+    from ..perf.model.speculation import format_speculation
     from ..perf.model.workload import GatingSpec
     from ..policies.gating import GatingRule
 
@@ -236,12 +257,27 @@ def simulate(
             "recorded --trace (`edgemoe trace`)"
         )
     res = run(model, trace, prof, spec, gating=gate)
+    spec_rows = _speculation(model, trace, prof, spec, draft_max, acceptances) if draft_max else None
     if plot is not None:
         plot_simulation(res, plot)
     if as_json:
-        click.echo(json.dumps({**res.to_dict(), "routing": where, "routing_profile": profile_used}, indent=1))
+        out = {**res.to_dict(), "routing": where, "routing_profile": profile_used}
+        if spec_rows is not None:
+            out["speculation"] = [asdict(r) for r in spec_rows]
+        click.echo(json.dumps(out, indent=1))
     else:
         click.echo(f"routing: {where}\n{format_simulation(res)}")
+        if spec_rows is not None:
+            click.echo(format_speculation(spec_rows))
+
+
+def _speculation(
+    model: Path, trace: Any, prof: Any, spec: Any, draft: int, acceptances: tuple[float, ...]
+) -> Any:
+    """The speculation rows of simulate and plan (edgemoe.perf.model.speculation)."""
+    from ..perf.model.speculation import project_speculation
+
+    return project_speculation(model, trace, prof, spec, draft, sorted(set(acceptances)))
 
 
 def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) -> tuple[Any, str, str | None]:
@@ -305,6 +341,23 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
     help="calibration directory (default: the model's)",
 )
 @kv_type_options
+@click.option(
+    "--draft-max",
+    type=click.IntRange(0, 32),
+    default=0,
+    show_default=True,
+    help="also project speculative decoding verifying this many proposals per step (0: not); prompt lookup's "
+    "cost, a draft model's own decoding is not priced",
+)
+@click.option(
+    "--acceptance",
+    "acceptances",
+    type=click.FloatRange(0.0, 1.0),
+    multiple=True,
+    default=(0.5, 0.7, 0.9),
+    show_default=True,
+    help="per-token acceptance rates to project speculation at (repeatable)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def plan(
     model: Path,
@@ -316,6 +369,8 @@ def plan(
     routing: str | None,
     calibration: Path | None,
     attention: AttentionOptions,
+    draft_max: int,
+    acceptances: tuple[float, ...],
     as_json: bool,
 ) -> None:
     """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
@@ -363,4 +418,21 @@ def plan(
         cache_type_k=attention.cache_type_k,
         cache_type_v=attention.cache_type_v,
     )
-    click.echo(json.dumps(result.to_dict(), indent=1) if as_json else cli_text(format_layouts(result)))
+    spec_rows = None
+    if draft_max and prof is not None:
+        from ..perf.model.simulate import SimSpec
+
+        trace, _where, _used = _routing_trace(model, trace_path, routing)
+        sim = SimSpec(vram=vram, n_ctx=n_ctx, policies=("lru", "static"))
+        spec_rows = _speculation(model, trace, prof, sim, draft_max, acceptances)
+    if as_json:
+        out = result.to_dict()
+        if spec_rows is not None:
+            out["speculation"] = [asdict(r) for r in spec_rows]
+        click.echo(json.dumps(out, indent=1))
+        return
+    click.echo(cli_text(format_layouts(result)))
+    if spec_rows is not None:
+        from ..perf.model.speculation import format_speculation
+
+        click.echo(format_speculation(spec_rows))

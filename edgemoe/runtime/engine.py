@@ -171,6 +171,10 @@ class Engine:
         at least, for fresh logits)."""
         return self._seq.prefill(list(tokens))
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens' K/V and forget the rest."""
+        self._seq.truncate(n)
+
     def check_logits(self, idx: int = -1) -> None:
         """Raise NonFiniteLogitsError when output idx of the last decode has a NaN or inf, or one value for
         every token (what NaN weights give on the CPU)."""

@@ -85,6 +85,9 @@ class SimSpec:
     )
     # the trace's first sequences only warm the cache (replayed, not counted), as `edgemoe bench` warms up
     warmup_seqs: int = 0
+    # decode tokens per step: 1, or speculation's k + 1 (a verification of k proposals; decode_tps then counts
+    # the positions verified, edgemoe.perf.model.speculation turns it into tokens at an acceptance rate)
+    verify: int = 1
 
 
 @dataclass
@@ -294,9 +297,20 @@ def simulate(
     first_seq, frequency, decode_frequency = 0, None, None
     if any(c.policy is not None and policy_spec(c.policy).frequency_phase is not None for c in cfgs):
         first_seq, frequency, decode_frequency = _placement_frequency(trace, shape, spec, notes)
-    plain = build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, first_seq=first_seq)
+    plain = build_workload(
+        trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, first_seq=first_seq, verify=spec.verify
+    )
     gated = (
-        build_workload(trace, moe, n_exp, k, n_ubatch=spec.n_ubatch, gating=gating, first_seq=first_seq)
+        build_workload(
+            trace,
+            moe,
+            n_exp,
+            k,
+            n_ubatch=spec.n_ubatch,
+            gating=gating,
+            first_seq=first_seq,
+            verify=spec.verify,
+        )
         if gating is not None
         else None
     )

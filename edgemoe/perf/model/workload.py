@@ -72,9 +72,11 @@ def build_workload(
     n_ubatch: int = 512,
     gating: GatingSpec | None = None,
     first_seq: int = 0,
+    verify: int = 1,
 ) -> Workload:
     """Steps of every sequence from `first_seq` on: prefill tokens in ubatches of n_ubatch, then one
-    step per decode token. Refuses a trace of another routing shape."""
+    step per `verify` decode tokens (1: plain decoding; k + 1: speculation's verification of k proposals, the
+    union of their experts read once). Refuses a trace of another routing shape."""
     if trace.n_expert != n_expert or trace.ids.shape[2] != n_expert_used:
         raise EdgeMoeError(
             f"the trace routes top-{trace.ids.shape[2]} of {trace.n_expert} experts, the model "
@@ -103,8 +105,9 @@ def build_workload(
         for start in range(0, len(pre), n_ubatch):
             chunk = pre[start : start + n_ubatch]
             steps.append(Step(PREFILL, int(seq), start, ids[chunk]))
-        for i, row in enumerate(rows[trace.phase[rows] == DECODE]):
-            steps.append(Step(DECODE, int(seq), len(pre) + i, ids[row : row + 1]))
+        dec = rows[trace.phase[rows] == DECODE]
+        for i in range(0, len(dec), verify):
+            steps.append(Step(DECODE, int(seq), len(pre) + i, ids[dec[i : i + verify]]))
     if not steps:
         raise EdgeMoeError("the trace has no tokens to replay")
     return Workload(tuple(steps), moe_layers, n_expert, note)
