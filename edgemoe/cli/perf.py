@@ -305,6 +305,14 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
     help="calibration directory (default: the model's)",
 )
 @kv_type_options
+@click.option(
+    "--prompt-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="project the prefill of an N-token prompt (default: 2048, 8192 and 32768 tokens, those the model's "
+    "training context holds), stock and edgemoe each at its fastest ubatch; needs a GPU profile",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def plan(
     model: Path,
@@ -316,17 +324,20 @@ def plan(
     routing: str | None,
     calibration: Path | None,
     attention: AttentionOptions,
+    prompt_tokens: int | None,
     as_json: bool,
 ) -> None:
     """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
-    hit rate of each policy and, with a GPU profile, projected decode/prefill speeds and the fastest
-    configuration (edgemoe's, with the command that runs it, or stock's where stock is faster)."""
+    hit rate of each policy and, with a GPU profile, projected decode/prefill speeds, the fastest
+    configuration (edgemoe's, with the command that runs it, or stock's where stock is faster) and the prefill of
+    long prompts (time to first token) at the ubatch each side prefills fastest with."""
     from ..analysis.trace import Trace
     from ..calibration.adaptive import default_calibration_dir
     from ..gguf.info import read_model_info
     from ..gguf.kv_types import KvTypes
     from ..perf.measure.profiling import default_profile_path
     from ..perf.model.layouts import format_layouts, make_layouts
+    from ..perf.model.prefill_plan import PROMPTS
     from ..perf.model.profile import load_profile
     from ..placement.budget import budget_for_slots, engine_ctx
 
@@ -362,5 +373,7 @@ def plan(
         routing=routing,
         cache_type_k=attention.cache_type_k,
         cache_type_v=attention.cache_type_v,
+        prompt_tokens=(prompt_tokens,) if prompt_tokens is not None else PROMPTS,
+        flash_attn=attention.flash_attn != "off",
     )
     click.echo(json.dumps(result.to_dict(), indent=1) if as_json else cli_text(format_layouts(result)))
