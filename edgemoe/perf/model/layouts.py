@@ -14,7 +14,7 @@ matches the model's expert count and top-k (or the nearest one), drawn at the mo
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +98,7 @@ def make_layouts(
     """What `vram` bytes hold of `model` (its PlacementPlan's split) and how its slots would serve each policy;
     with a KV cache of `n_ctx` tokens of the given types; `routing`: a bundled routing profile to project with instead
     of the calibration's trace (the module docstring says which routing is used when). With a GPU `profile`, also
-    the prefill of prompts of `prompt_tokens` tokens at each side's fastest ubatch (with `flash_attn`'s compute
-    buffer: llama.cpp's "auto" resolves to on with CUDA)."""
+    the prefill of `prompt_tokens`-token prompts (prefill_plan.py; `flash_attn`: "auto" is on with CUDA)."""
     header = check_gguf(model)
     info = model_info(header)
     placement = plan_placement(
@@ -148,12 +147,8 @@ def make_layouts(
         lay.profile = ""
     _expected_rows(model, trace, profile if speeds else None, policies, dp, calibration, lay)
     if speeds and profile is not None and prompt_tokens:
-        pol = "static" if "static" in policies else policies[0]
-        spec = PrefillSpec(vram, n_ctx, pol, flash_attn, KvTypes(cache_type_k, cache_type_v))
-        lay.prefill, skipped = project_prompts(
-            ModelShape.from_header(header), trace, profile, spec, prompt_tokens
-        )
-        lay.notes += skipped + [n for p in lay.prefill[:1] for n in p.notes]
+        spec = PrefillSpec(vram, n_ctx, flash_attn=flash_attn, kv=KvTypes(cache_type_k, cache_type_v))
+        _prefill_rows(ModelShape.from_header(header), trace, profile, spec, prompt_tokens, policies, lay)
     if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (PlacementPlan.whole_model_fits)
         lay.notes.append(
             "this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
@@ -165,6 +160,22 @@ def make_layouts(
         "promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)"
     )
     return lay
+
+
+def _prefill_rows(
+    shape: ModelShape,
+    trace: Trace,
+    profile: MachineProfile,
+    spec: PrefillSpec,
+    prompt_tokens: tuple[int, ...],
+    policies: tuple[str, ...],
+    lay: Layouts,
+) -> None:
+    """`lay.prefill`: each prompt's prefill, stock and edgemoe (static, where the plan projects it, beside
+    --device-prefill) each at its fastest ubatch; notes to `lay`."""
+    spec = replace(spec, policy="static" if "static" in policies else policies[0])
+    lay.prefill, skipped = project_prompts(shape, trace, profile, spec, prompt_tokens)
+    lay.notes += skipped + [n for p in lay.prefill[:1] for n in p.notes if n not in lay.notes]
 
 
 def _dp_slots(
