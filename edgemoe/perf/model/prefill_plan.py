@@ -35,6 +35,7 @@ from .sim.config import Config
 from .sim.feature import Acc
 from .sim.features import config_features
 from .sim.run import Run
+from .simulate import estimate_graph_nodes, static_frequency
 from .workload import Workload, build_workload, prompt_workload
 
 UBATCHES = (512, 1024, 2048, 4096)  # the ubatches the plan chooses among (llama.cpp's -ub)
@@ -91,8 +92,6 @@ class PrefillPlanner:
 
     def __init__(self, shape: ModelShape, trace: Trace, prof: MachineProfile, spec: PrefillSpec) -> None:
         self.shape, self.trace, self.prof, self.spec = shape, trace, prof, spec
-        from .simulate import estimate_graph_nodes, static_frequency
-
         moe, k = shape.moe_layers, shape.n_expert_used
         whole: Workload = build_workload(trace, moe, shape.n_expert, k, n_ubatch=PLAN_UBATCH)
         self.frequency = static_frequency(whole)
