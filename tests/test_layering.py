@@ -15,7 +15,8 @@ PKG_DIR = Path(__file__).resolve().parents[1] / "edgemoe"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("edgemoe", "edgemoe.errors", "edgemoe.progress"),  # version, lazy public names, errors, progress bars
     ("edgemoe.gguf", "edgemoe.torchref"),  # file formats and the torch reference model
-    ("edgemoe.policies", "edgemoe.predictors"),  # pure numpy decisions over routing records
+    # pure numpy decisions over routing records; speculation's draft sources and acceptance rules
+    ("edgemoe.policies", "edgemoe.predictors", "edgemoe.speculation"),
     ("edgemoe.runtime",),  # the one native binding and the Engine over it
     ("edgemoe.analysis",),  # traces, statistics, perplexity, verify, reports
     # calibration stages and artifacts; performance by job (the pure model, this machine's measurements, the engine

@@ -207,8 +207,6 @@ def simulate(
 ) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
-    from ..perf.measure.profiling import default_profile_path
-    from ..perf.model.profile import load_profile
     from ..perf.model.report import format_simulation, plot_simulation
     from ..perf.model.simulate import PrecalcSpec, SimSpec
     from ..perf.model.simulate import simulate as run
@@ -223,15 +221,7 @@ def simulate(
             "--precalc-from needs the cache's tables in the graph, which --blocking-loads "
             "replaces with the routing hook: drop one"
         )
-    if profile_name is None:
-        mine = default_profile_path()
-        if not mine.exists():
-            raise click.UsageError(
-                f"no profile of this machine at {mine}: run `edgemoe profile` first, or pass "
-                "--profile with a bundled name (rtx4060-laptop, rtx4090-desktop, h100-server)"
-            )
-        profile_name = str(mine)
-    prof = load_profile(profile_name)
+    prof = _simulate_profile(profile_name)
     gate = (
         GatingSpec(GatingRule(gating), float(threshold))
         if gating is not None and threshold is not None
@@ -269,6 +259,22 @@ def simulate(
         click.echo(f"routing: {where}\n{format_simulation(res)}")
         if spec_rows is not None:
             click.echo(format_speculation(spec_rows))
+
+
+def _simulate_profile(profile_name: str | None) -> Any:
+    """simulate's machine profile: the one named, else this machine's (which `edgemoe profile` measures)."""
+    from ..perf.measure.profiling import default_profile_path
+    from ..perf.model.profile import load_profile
+
+    if profile_name is None:
+        mine = default_profile_path()
+        if not mine.exists():
+            raise click.UsageError(
+                f"no profile of this machine at {mine}: run `edgemoe profile` first, or pass "
+                "--profile with a bundled name (rtx4060-laptop, rtx4090-desktop, h100-server)"
+            )
+        profile_name = str(mine)
+    return load_profile(profile_name)
 
 
 def _speculation(
@@ -358,6 +364,14 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
     show_default=True,
     help="per-token acceptance rates to project speculation at (repeatable)",
 )
+@click.option(
+    "--prompt-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="project the prefill of an N-token prompt (default: 2048, 8192 and 32768 tokens, those the model's "
+    "training context holds), stock and edgemoe each at its fastest ubatch; needs a GPU profile",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def plan(
     model: Path,
@@ -369,19 +383,22 @@ def plan(
     routing: str | None,
     calibration: Path | None,
     attention: AttentionOptions,
+    prompt_tokens: int | None,
     draft_max: int,
     acceptances: tuple[float, ...],
     as_json: bool,
 ) -> None:
     """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
-    hit rate of each policy and, with a GPU profile, projected decode/prefill speeds and the fastest
-    configuration (edgemoe's, with the command that runs it, or stock's where stock is faster)."""
+    hit rate of each policy and, with a GPU profile, projected decode/prefill speeds, the fastest
+    configuration (edgemoe's, with the command that runs it, or stock's where stock is faster) and the prefill of
+    long prompts (time to first token) at the ubatch each side prefills fastest with."""
     from ..analysis.trace import Trace
     from ..calibration.adaptive import default_calibration_dir
     from ..gguf.info import read_model_info
     from ..gguf.kv_types import KvTypes
     from ..perf.measure.profiling import default_profile_path
-    from ..perf.model.layouts import format_layouts, make_layouts
+    from ..perf.model.layouts import make_layouts
+    from ..perf.model.prefill_plan import PROMPTS
     from ..perf.model.profile import load_profile
     from ..placement.budget import budget_for_slots, engine_ctx
 
@@ -417,6 +434,8 @@ def plan(
         routing=routing,
         cache_type_k=attention.cache_type_k,
         cache_type_v=attention.cache_type_v,
+        prompt_tokens=(prompt_tokens,) if prompt_tokens is not None else PROMPTS,
+        flash_attn=attention.flash_attn != "off",
     )
     spec_rows = None
     if draft_max and prof is not None:
@@ -425,6 +444,14 @@ def plan(
         trace, _where, _used = _routing_trace(model, trace_path, routing)
         sim = SimSpec(vram=vram, n_ctx=n_ctx, policies=("lru", "static"))
         spec_rows = _speculation(model, trace, prof, sim, draft_max, acceptances)
+    _print_plan(result, spec_rows, as_json)
+
+
+def _print_plan(result: Any, spec_rows: Any, as_json: bool) -> None:
+    """plan's output: the layouts and, where projected, speculation's rows (one JSON object with --json)."""
+    from ..perf.model.layouts import format_layouts
+    from ..perf.model.speculation import format_speculation
+
     if as_json:
         out = result.to_dict()
         if spec_rows is not None:
@@ -433,6 +460,4 @@ def plan(
         return
     click.echo(cli_text(format_layouts(result)))
     if spec_rows is not None:
-        from ..perf.model.speculation import format_speculation
-
         click.echo(format_speculation(spec_rows))

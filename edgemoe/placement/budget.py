@@ -96,6 +96,38 @@ def context_reserve_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = PLAN_UBAT
     return max(0, n_ctx - RESERVE_CTX) * n_ubatch * info.n_head * 4
 
 
+def compute_buffer_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int, *, flash_attn: bool) -> int:
+    """llama.cpp's compute buffer for ubatches of `n_ubatch` tokens over a KV cache of `n_ctx` (estimate).
+
+    llama.cpp reserves the buffer for a prompt ubatch whose every token is an output, and its allocator reuses
+    memory between the graph's stages, so the buffer is n_ubatch x the largest stage's tensors per token: the
+    attention mask (n_ctx values per token, F32, or F16 with flash attention, live until the last layer's
+    attention) with the attention stage
+    (without flash attention its F32 scores, n_ctx x n_head, beside twice the residual, Q, K and V) or the MoE
+    stage (the residual thrice, each used expert's gate, up and product rows and its output); the output stage
+    (the F32 logits of every token and two rows of the residual). Fitted on the CPU backend: the fixtures'
+    buffers at 512 and 2048 tokens, 4096 and 16384 of context, with and without flash attention (within 2 KiB
+    per token), and the Qwen3-30B-A3B shape's (305 MiB at 4096 with 512-token ubatches, 1086 MiB at 16384 and
+    2142 MiB at 32768 without flash attention, 305 MiB with it: within 2%). CUDA's memory pool (quantized copies
+    of activations, cuBLAS's scratch) is not in it: VRAM_RESERVE's margin covers it at PLAN_UBATCH."""
+    f32 = 4
+    mask = n_ctx * (2 if flash_attn else f32)
+    qkv = (info.n_head + 2 * info.n_head_kv) * max(info.n_embd_head_k, info.n_embd_head_v)
+    attention = 2 * (info.n_embd + qkv) * f32 + (0 if flash_attn else n_ctx * info.n_head * f32)
+    moe = (3 * info.n_embd + info.n_expert_used * (3 * info.n_ff_exp + info.n_embd)) * f32
+    output = (info.n_vocab + 2 * info.n_embd) * f32
+    return n_ubatch * max(mask + attention, mask + moe, output)
+
+
+def ubatch_reserve_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int, *, flash_attn: bool) -> int:
+    """What the compute buffer at `n_ubatch` needs beyond the plan's reserve (VRAM_RESERVE, sized for
+    PLAN_UBATCH at RESERVE_CTX, and context_reserve_bytes past it): 0 at PLAN_UBATCH, and about n_ubatch times
+    the logits' row on a large vocabulary (the output stage is the largest with flash attention)."""
+    base = compute_buffer_bytes(info, RESERVE_CTX, PLAN_UBATCH, flash_attn=flash_attn)
+    grown = compute_buffer_bytes(info, n_ctx, n_ubatch, flash_attn=flash_attn) - base
+    return max(0, grown - context_reserve_bytes(info, n_ctx))
+
+
 def slot_budget(
     info: ModelInfo,
     budget_bytes: int,
@@ -174,14 +206,17 @@ def best_n_cpu_moe(
     budget: int,
     n_ctx: int,
     kv: KvTypes = F16_KV,
+    *,
+    extra_bytes: int = 0,
 ) -> int | None:
     """The fewest leading MoE layers whose experts must stay on the CPU for the rest to fit (beside a KV cache of
-    the given types); None: never fits."""
+    the given types, and `extra_bytes` more reserve: a larger ubatch's, ubatch_reserve_bytes); None: never fits."""
     fixed = (
         info.dense_bytes
         + estimate_kv_cache_bytes(info, n_ctx, kv)
         + VRAM_RESERVE
         + context_reserve_bytes(info, n_ctx)
+        + extra_bytes
     )
     layers = sorted(info.moe_layers)
     per_layer = {il: info.bytes_per_expert_by_layer[il] * info.n_expert for il in layers}

@@ -1,15 +1,17 @@
 """Draft sources that run a model: a small GGUF with the target's vocabulary (`--draft-model`), and the factory
 that builds an Engine's draft source from its SpeculationConfig.
 
-The draft model has its own Engine (its own context and KV cache, on the CPU unless its LoadConfig offloads
-layers). Each proposal makes the draft's KV cache hold the context (reusing the common prefix, so only the tokens
-since the last proposal are evaluated) and decodes greedily from there.
+The draft model has its own Engine (its own context and KV cache, on the CPU: Engine._open_draft). Each proposal
+makes the draft's KV cache hold the context (reusing the common prefix, so only the tokens since the last
+proposal are evaluated) and decodes greedily from there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import ctypes
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -17,12 +19,28 @@ from ..errors import ContextOverflowError, InvalidConfigError
 from ..speculation.config import SpeculationConfig
 from ..speculation.lookup import PromptLookup
 from ..speculation.source import DraftSource
-from .config import LoadConfig
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 VOCAB_PROBE = 4096  # token pieces compared between the target and the draft (spread over the vocabulary)
+MTP_BLOCKER = (
+    "speculation with MTP heads waits on a model that carries them and on bindings this build lacks "
+    "(docs/speculation.md): use `lookup` or `draft`"
+)
+
+
+class DraftEngine(Protocol):
+    """What the draft sources use of an Engine (edgemoe.runtime.engine.Engine)."""
+
+    path: Path
+    n_ctx: int
+
+    @property
+    def n_vocab(self) -> int: ...
+    def token_piece(self, token: int, *, special: bool = False) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+    def prefill(self, tokens: Sequence[int]) -> int: ...
+    def feed(self, tokens: Sequence[int], *, all_logits: bool = False) -> None: ...
+    def logits(self, idx: int = -1) -> ctypes.Array[ctypes.c_float]: ...
+    def close(self) -> None: ...
 
 
 class DraftModel:
@@ -30,7 +48,7 @@ class DraftModel:
 
     name = "draft"
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
 
     def propose(self, context: Sequence[int], n: int) -> list[int]:
@@ -53,7 +71,7 @@ class DraftModel:
         self.engine.close()
 
 
-def check_same_vocab(target: Engine, draft: Engine) -> None:
+def check_same_vocab(target: DraftEngine, draft: DraftEngine) -> None:
     """Raise InvalidConfigError unless both models give every token id the same text (sampled over the
     vocabulary: the first and last pieces and an even spread)."""
     if target.n_vocab != draft.n_vocab:
@@ -71,18 +89,16 @@ def check_same_vocab(target: Engine, draft: Engine) -> None:
             )
 
 
-def make_source(config: SpeculationConfig, target: Engine) -> DraftSource:
-    """The draft source config.mode names, for `target` (an opened Engine)."""
+def make_source(
+    config: SpeculationConfig, target: DraftEngine, open_draft: Callable[[str], DraftEngine]
+) -> DraftSource:
+    """The draft source config.mode names, for `target` (an opened Engine); `open_draft(path)` opens a draft
+    model's Engine."""
     if config.mode == "lookup":
         return PromptLookup(config.ngram_max, config.ngram_min)
     if config.mode == "draft":
-        from .engine import Engine  # the engine module imports this one
-
         assert config.draft_model is not None  # SpeculationConfig refuses draft without a path
-        draft = Engine(
-            config.draft_model,
-            LoadConfig(n_ctx=target.n_ctx, n_threads=target.n_threads, n_batch=target.n_batch),
-        )
+        draft = open_draft(config.draft_model)
         try:
             check_same_vocab(target, draft)
         except BaseException:
@@ -92,6 +108,3 @@ def make_source(config: SpeculationConfig, target: Engine) -> DraftSource:
     if config.mode == "mtp":
         raise InvalidConfigError(MTP_BLOCKER)
     raise InvalidConfigError(f"speculation mode {config.mode!r} has no draft source")
-
-
-MTP_BLOCKER = "speculation with MTP heads is not available yet: use `lookup` or `draft`"

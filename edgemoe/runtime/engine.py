@@ -275,8 +275,12 @@ class Engine:
             self.speculation.source.close()
             self.speculation = None
         if config is not None and config.on:
-            self.speculation = Speculation(config, make_source(config, self))
+            self.speculation = Speculation(config, make_source(config, self, self._open_draft))
         return self.speculation
+
+    def _open_draft(self, path: str) -> Engine:
+        """A draft model's Engine beside this one: the same context, threads and batch, on the CPU."""
+        return Engine(path, LoadConfig(n_ctx=self.n_ctx, n_threads=self.n_threads, n_batch=self.n_batch))
 
     def chat_template(self) -> str | None:
         return chat.chat_template(self.handle.model)

@@ -10,17 +10,35 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-from ..runtime.sampling import SamplingParams
+
+class Sampling(Protocol):
+    """The sampling settings the distribution follows (edgemoe.runtime.sampling.SamplingParams)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def repeat_penalty(self) -> float: ...
+    @property
+    def repeat_last_n(self) -> int: ...
+    @property
+    def greedy(self) -> bool: ...
 
 
 class TokenDistribution:
     """Probabilities of the next token under SamplingParams (greedy: a point mass on the first largest logit),
     with the repetition penalty over the tokens generated so far, as llama.cpp applies it."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: Sampling) -> None:
         self.params = params
 
     def probs(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:

@@ -14,7 +14,7 @@ matches the model's expert count and top-k (or the nearest one), drawn at the mo
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,12 @@ from ...calibration.slot_alloc import RoutingTrace, allocate_slots
 from ...errors import EdgeMoeError
 from ...gguf.header import check_gguf
 from ...gguf.info import ModelInfo, model_info, size_arg
-from ...gguf.kv_types import KvCacheType
+from ...gguf.kv_types import KvCacheType, KvTypes
 from ...placement.budget import SlotBudget
 from ...placement.planner import budget_request
 from ...placement.planner import plan as plan_placement
+from .costmodel import ModelShape
+from .prefill_plan import PROMPTS, PrefillProjection, PrefillSpec, format_prefill, project_prompts
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 
@@ -56,6 +58,8 @@ class Layouts:
     # the fastest projected decode among edgemoe's rows against the best stock row, and the command that runs it
     # (None without projected speeds)
     suggestion: dict[str, Any] | None = None
+    # with a GPU profile: each prompt's prefill, stock and edgemoe at their fastest ubatch (prefill_plan.py)
+    prefill: list[PrefillProjection] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,10 +92,13 @@ def make_layouts(
     routing: str | None = None,
     cache_type_k: KvCacheType = "f16",
     cache_type_v: KvCacheType = "f16",
+    prompt_tokens: tuple[int, ...] = PROMPTS,
+    flash_attn: bool = True,
 ) -> Layouts:
     """What `vram` bytes hold of `model` (its PlacementPlan's split) and how its slots would serve each policy;
     with a KV cache of `n_ctx` tokens of the given types; `routing`: a bundled routing profile to project with instead
-    of the calibration's trace (the module docstring says which routing is used when)."""
+    of the calibration's trace (the module docstring says which routing is used when). With a GPU `profile`, also
+    the prefill of `prompt_tokens`-token prompts (prefill_plan.py; `flash_attn`: "auto" is on with CUDA)."""
     header = check_gguf(model)
     info = model_info(header)
     placement = plan_placement(
@@ -139,6 +146,9 @@ def make_layouts(
         )
         lay.profile = ""
     _expected_rows(model, trace, profile if speeds else None, policies, dp, calibration, lay)
+    if speeds and profile is not None and prompt_tokens:
+        spec = PrefillSpec(vram, n_ctx, flash_attn=flash_attn, kv=KvTypes(cache_type_k, cache_type_v))
+        _prefill_rows(ModelShape.from_header(header), trace, profile, spec, prompt_tokens, policies, lay)
     if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (PlacementPlan.whole_model_fits)
         lay.notes.append(
             "this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
@@ -150,6 +160,22 @@ def make_layouts(
         "promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)"
     )
     return lay
+
+
+def _prefill_rows(
+    shape: ModelShape,
+    trace: Trace,
+    profile: MachineProfile,
+    spec: PrefillSpec,
+    prompt_tokens: tuple[int, ...],
+    policies: tuple[str, ...],
+    lay: Layouts,
+) -> None:
+    """`lay.prefill`: each prompt's prefill, stock and edgemoe (static, where the plan projects it, beside
+    --device-prefill) each at its fastest ubatch; notes to `lay`."""
+    spec = replace(spec, policy="static" if "static" in policies else policies[0])
+    lay.prefill, skipped = project_prompts(shape, trace, profile, spec, prompt_tokens)
+    lay.notes += skipped + [n for p in lay.prefill[:1] for n in p.notes if n not in lay.notes]
 
 
 def _dp_slots(
@@ -307,7 +333,9 @@ def format_layouts(plan: Layouts) -> str:
                 f"hit rate {row['hit_rate']:.3f}" + (f" (decode {dec:.3f})" if dec is not None else "")
             )
         if "decode_tps" in row:
-            parts.append(f"decode {row['decode_tps']:.1f} tok/s, prefill {row['prefill_tps']:.0f} tok/s")
+            parts.append(
+                f"decode {row['decode_tps']:.1f} tok/s, prefill {row['prefill_tps']:.0f} tok/s at -ub 512"
+            )
         alloc = f" [{row['allocation']}]" if row.get("allocation") else ""
         lines.append(f"    {row['config']}{alloc}: " + ", ".join(parts))
     sg = plan.suggestion
@@ -321,5 +349,6 @@ def format_layouts(plan: Layouts) -> str:
             f"  PROJECTED fastest decode: {sg['config']} [{sg['allocation']}], {sg['vs_stock']:.2f}x "
             f"{sg['stock']}: `{sg['command']}`"
         )
+    lines += format_prefill(plan.prefill)
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

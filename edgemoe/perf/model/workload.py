@@ -126,3 +126,28 @@ def _gate(ids: np.ndarray, weights: np.ndarray, phase: np.ndarray, g: GatingSpec
         sub[~keep] = -1
         out[rows, j, :] = sub
     return out
+
+
+def prompt_workload(
+    trace: Trace,
+    moe_layers: tuple[int, ...],
+    n_expert: int,
+    n_expert_used: int,
+    *,
+    n_tokens: int,
+    n_ubatch: int,
+) -> Workload:
+    """One prompt of `n_tokens` tokens prefilled in ubatches of `n_ubatch` (no decode): its routing is the trace's
+    prefill tokens one sequence after another, repeated from the first when the trace has fewer (a trace of
+    decode tokens only lends its decode tokens). Refuses a trace of another routing shape, as build_workload."""
+    work = build_workload(trace, moe_layers, n_expert, n_expert_used, n_ubatch=max(1, trace.n_tokens))
+    pre = [s.ids for s in work.phase(PREFILL)] or [s.ids for s in work.steps]
+    rows = np.concatenate(pre)
+    ids = rows[np.arange(n_tokens) % len(rows)]
+    steps = tuple(
+        Step(PREFILL, 0, start, ids[start : start + n_ubatch]) for start in range(0, n_tokens, n_ubatch)
+    )
+    drawn = f"a prompt's routing: the trace's {len(rows)} prefill tokens in order" + (
+        ", repeated to its length" if len(rows) < n_tokens else ""
+    )
+    return Workload(steps, moe_layers, n_expert, "; ".join(x for x in (work.note, drawn) if x))

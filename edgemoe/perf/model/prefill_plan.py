@@ -1,0 +1,237 @@
+"""The prefill ubatch the plan picks for a long prompt (issue 41), and what a prompt then costs before its first
+token, for stock llama.cpp and for edgemoe with --device-prefill at the same VRAM budget.
+
+A prefill ubatch pays each copy of experts once, whatever its size: edgemoe's --device-prefill copies every
+layer's experts outside the slots per ubatch, stock's op offload the experts the ubatch uses in each layer kept on
+the CPU. More tokens per ubatch spread those bytes over more tokens, and cost VRAM: llama.cpp's compute buffer
+grows with the ubatch (placement.budget.compute_buffer_bytes; with flash attention mostly the logits' rows),
+which comes out of edgemoe's expert slots and out of the layers stock keeps on the GPU (a higher --n-cpu-moe).
+For each candidate ubatch (UBATCHES, at most the prompt and the context) each side is placed at the budget with
+that buffer and the prompt is replayed through the simulator (edgemoe.perf.model.sim); each side gets its
+fastest ubatch, so stock is compared at its best -ub, not at 512. The prompt's routing is the trace's prefill
+tokens in order, repeated (workload.prompt_workload). Every figure is a projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ...analysis.trace import Trace
+from ...gguf.kv_types import F16_KV, KvTypes
+from ...placement.budget import (
+    PLAN_UBATCH,
+    best_n_cpu_moe,
+    compute_buffer_bytes,
+    engine_ctx,
+    slot_budget,
+    ubatch_reserve_bytes,
+    vram_reserve,
+)
+from ...policies.residency import make_policy
+from .costmodel import ModelShape
+from .profile import MachineProfile
+from .sim.config import Config
+from .sim.feature import Acc
+from .sim.features import config_features
+from .sim.run import Run
+from .simulate import estimate_graph_nodes, static_frequency
+from .workload import Workload, build_workload, prompt_workload
+
+UBATCHES = (512, 1024, 2048, 4096)  # the ubatches the plan chooses among (llama.cpp's -ub)
+PROMPTS = (2048, 8192, 32768)  # the prompt lengths `edgemoe plan` projects by default
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    vram: int  # the GPU budget in bytes
+    n_ctx: int  # the plan's context: a prompt gets at least its own length (engine_ctx rounds it)
+    policy: str = "static"  # edgemoe's cache policy beside --device-prefill
+    flash_attn: bool = True  # "auto" resolves to on with CUDA: the compute buffer then grows far less
+    kv: KvTypes = F16_KV
+    ubatches: tuple[int, ...] = UBATCHES
+
+
+@dataclass(frozen=True)
+class UbatchOption:
+    """One side's prefill of a prompt at one ubatch."""
+
+    n_ubatch: int
+    compute_buffer_bytes: int  # llama.cpp's compute buffer at this ubatch (estimate)
+    extra_reserve_bytes: int  # beyond the plan's reserve: out of the slots, or stock's GPU layers
+    slots_per_layer: int | None  # edgemoe: its expert slots beside the buffers (None: stock)
+    n_cpu_moe: int | None  # stock: its --n-cpu-moe beside the buffer (None: edgemoe)
+    prefill_tps: float
+    ttft_s: float  # the whole prompt's prefill: the time to the first token
+    bound: str  # the resource busiest during the prefill: "copy", "gpu", "cpu" or "host"
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """One side's ubatch for a prompt: the fastest of its options, and why."""
+
+    config: str  # "stock" or the edgemoe configuration's name
+    kind: str  # "stock" | "edgemoe"
+    best: UbatchOption
+    options: tuple[UbatchOption, ...]  # every candidate that fits, smallest ubatch first
+    reason: str
+
+
+@dataclass(frozen=True)
+class PrefillProjection:
+    prompt_tokens: int
+    n_ctx: int  # the context the prompt is placed with (its KV cache comes out of the budget)
+    flash_attn: bool
+    choices: tuple[PrefillChoice, ...]  # stock first (absent where its dense part does not fit), then edgemoe
+    notes: tuple[str, ...] = field(default=())
+
+
+class PrefillPlanner:
+    """Projects prompts of one model on one machine profile with one routing trace; the static placement's routing
+    counts are taken once, from the whole trace."""
+
+    def __init__(self, shape: ModelShape, trace: Trace, prof: MachineProfile, spec: PrefillSpec) -> None:
+        self.shape, self.trace, self.prof, self.spec = shape, trace, prof, spec
+        moe, k = shape.moe_layers, shape.n_expert_used
+        whole: Workload = build_workload(trace, moe, shape.n_expert, k, n_ubatch=PLAN_UBATCH)
+        self.frequency = static_frequency(whole)
+        self.nodes = estimate_graph_nodes(shape)
+
+    def project(self, n_tokens: int) -> PrefillProjection:
+        """Both sides' fastest ubatch for a prompt of `n_tokens` tokens."""
+        info, spec = self.shape.info, self.spec
+        ctx = engine_ctx(max(spec.n_ctx, n_tokens), info.n_ctx_train)
+        cands = [u for u in spec.ubatches if u <= min(n_tokens, ctx)] or [PLAN_UBATCH]
+        stock: list[UbatchOption] = []
+        ours: list[UbatchOption] = []
+        note = ""
+        for u in cands:
+            work = prompt_workload(
+                self.trace, self.shape.moe_layers, self.shape.n_expert, self.shape.n_expert_used,
+                n_tokens=n_tokens, n_ubatch=u,
+            )  # fmt: skip
+            note = note or work.note
+            if (opt := self._stock(work, ctx, u)) is not None:
+                stock.append(opt)
+            if (opt := self._edgemoe(work, ctx, u)) is not None:
+                ours.append(opt)
+        choices = [
+            _choose(name, kind, opts)
+            for name, kind, opts in (
+                ("stock", "stock", stock),
+                (f"edgemoe-{spec.policy}-device-prefill", "edgemoe", ours),
+            )
+            if opts
+        ]
+        return PrefillProjection(n_tokens, ctx, spec.flash_attn, tuple(choices), (note,) if note else ())
+
+    def _reserve(self, ctx: int, u: int) -> tuple[int, int]:
+        """(the compute buffer at ubatch u, what it needs beyond the plan's reserve)."""
+        info, fa = self.shape.info, self.spec.flash_attn
+        buf = compute_buffer_bytes(info, ctx, u, flash_attn=fa)
+        return buf, ubatch_reserve_bytes(info, ctx, u, flash_attn=fa)
+
+    def _stock(self, work: Workload, ctx: int, u: int) -> UbatchOption | None:
+        """Stock llama.cpp at -ub u: its best --n-cpu-moe beside the larger buffer, the CPU's layers by op offload."""
+        buf, extra = self._reserve(ctx, u)
+        n = best_n_cpu_moe(self.shape.info, self.spec.vram, ctx, self.spec.kv, extra_bytes=extra)
+        if n is None:
+            return None
+        moe = self.shape.moe_layers
+        cfg = Config(f"stock-n-cpu-moe-{n}", "stock", gpu_expert_layers=frozenset(moe[n:]))
+        tps, ttft, bound = self._replay(cfg, work)
+        return UbatchOption(u, buf, extra, None, n, tps, ttft, bound)
+
+    def _edgemoe(self, work: Workload, ctx: int, u: int) -> UbatchOption | None:
+        """edgemoe with --device-prefill at ubatch u: the slots the budget leaves beside the buffers."""
+        info, spec = self.shape.info, self.spec
+        buf, extra = self._reserve(ctx, u)
+        reserve = vram_reserve(info, device_prefill=True) + extra
+        budget = slot_budget(info, spec.vram, n_ctx=ctx, reserve_bytes=reserve, kv=spec.kv)
+        if not budget.dense_fits:
+            return None
+        slots = {il: budget.experts_per_layer for il in self.shape.moe_layers}
+        name = f"edgemoe-{spec.policy}-device-prefill"
+        cfg = Config(name, "edgemoe", policy=spec.policy, slots=slots, device_prefill=True)
+        tps, ttft, bound = self._replay(cfg, work)
+        return UbatchOption(u, buf, extra, budget.experts_per_layer, None, tps, ttft, bound)
+
+    def _replay(self, cfg: Config, work: Workload) -> tuple[float, float, str]:
+        """(prefill tok/s, seconds, the busiest resource) of the prompt through `cfg` on the GPU."""
+        shape, prof = self.shape, self.prof
+        policy = None
+        if cfg.policy is not None:
+            policy = make_policy(
+                cfg.policy, dict(cfg.slots), n_expert=shape.n_expert, frequency=self.frequency
+            )
+        features = config_features(cfg, shape, prof, policy, overlap=cfg.kind == "edgemoe")
+        run = Run(shape, prof, self.nodes, features, on_gpu=True)
+        acc = Acc()
+        for s in work.steps:
+            run.step(s, acc)
+        n = sum(s.n_tokens for s in work.steps)
+        return (n / acc.time if acc.time else 0.0), acc.time, _bound(acc, prof, pinned=cfg.device_prefill)
+
+
+def _bound(acc: Acc, prof: MachineProfile, *, pinned: bool) -> str:
+    """The resource busiest over a prefill: the copies over the link (--device-prefill's at the pinned rate, op
+    offload's at the pageable one, which the run counts in the GPU's time: op offload copies, then computes), the
+    GPU's compute, the CPU's, or the host's launches and calls."""
+    link = prof.link
+    rate = (link.loads_bw if pinned else link.h2d_pageable) if link is not None else 0.0
+    copy = acc.pcie / rate if rate else 0.0
+    gpu = acc.gpu if pinned else acc.gpu - copy
+    busy = {"copy": copy, "gpu": gpu, "cpu": acc.cpu, "host": acc.host}
+    return max(busy, key=lambda k: busy[k])
+
+
+def _choose(name: str, kind: str, opts: Sequence[UbatchOption]) -> PrefillChoice:
+    best = max(opts, key=lambda o: o.prefill_tps)
+    each = ", ".join(
+        f"-ub {o.n_ubatch}: {o.prefill_tps:.0f} tok/s ({o.bound}-bound, " + _placed(o) + ")" for o in opts
+    )
+    reason = f"-ub {best.n_ubatch} is the fastest that fits: {each}"
+    return PrefillChoice(name, kind, best, tuple(opts), reason)
+
+
+def _placed(o: UbatchOption) -> str:
+    return f"{o.slots_per_layer} slots" if o.slots_per_layer is not None else f"--n-cpu-moe {o.n_cpu_moe}"
+
+
+def project_prompts(
+    shape: ModelShape, trace: Trace, prof: MachineProfile, spec: PrefillSpec, prompts: Sequence[int] = PROMPTS
+) -> tuple[list[PrefillProjection], list[str]]:
+    """The projections of each prompt length the model's training context holds, and notes on those it skips."""
+    n_train = shape.info.n_ctx_train
+    fit = [n for n in prompts if not n_train or n <= n_train]
+    notes = [
+        f"a {n}-token prompt is longer than the model's training context ({n_train}): not projected"
+        for n in prompts
+        if n not in fit
+    ]
+    if not fit:
+        return [], notes
+    notes.append(
+        f"prefill: {spec.policy} placed by the whole trace's routing counts; each side at its fastest ubatch of "
+        + ", ".join(str(u) for u in spec.ubatches)
+    )
+    planner = PrefillPlanner(shape, trace, prof, spec)
+    return [planner.project(n) for n in fit], notes
+
+
+def format_prefill(projections: Sequence[PrefillProjection]) -> list[str]:
+    """Lines for `edgemoe plan`: per prompt, each side's ubatch, prefill tok/s and time to first token."""
+    lines = []
+    for p in projections:
+        fa = "flash attention" if p.flash_attn else "no flash attention"
+        lines.append(
+            f"  prefill of a {p.prompt_tokens}-token prompt ({p.n_ctx}-token context, {fa}), PROJECTED:"
+        )
+        for c in p.choices:
+            b = c.best
+            lines.append(
+                f"    {c.config} at -ub {b.n_ubatch} ({_placed(b)}): {b.prefill_tps:.0f} tok/s, "
+                f"time to first token {b.ttft_s:.1f} s, {b.bound}-bound"
+            )
+            lines.append(f"      why: {c.reason}")
+    return lines

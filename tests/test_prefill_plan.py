@@ -1,0 +1,126 @@
+"""The prefill ubatch the plan picks (issue 41): llama.cpp's compute buffer against the ubatch, the slots it takes,
+stock compared at its own best -ub, and `edgemoe plan --prompt-tokens`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import FIXTURE_MODELS
+
+from edgemoe.analysis.routing_profile import routing_for_model
+from edgemoe.analysis.trace import DECODE, PREFILL
+from edgemoe.cli import cli
+from edgemoe.gguf.header import check_gguf
+from edgemoe.gguf.info import read_model_info
+from edgemoe.perf.model.costmodel import ModelShape
+from edgemoe.perf.model.prefill_plan import UBATCHES, PrefillPlanner, PrefillSpec, project_prompts
+from edgemoe.perf.model.profile import load_profile
+from edgemoe.perf.model.workload import prompt_workload
+from edgemoe.placement.budget import (
+    PLAN_UBATCH,
+    best_n_cpu_moe,
+    compute_buffer_bytes,
+    ubatch_reserve_bytes,
+)
+
+QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
+MIB = 2**20
+
+
+def test_the_compute_buffer_grows_with_the_ubatch_and_less_with_flash_attention() -> None:
+    info = read_model_info(QWEN)
+    # llama.cpp's CPU compute buffers of this fixture (`compute buffer size` in its log), the estimate's fit
+    measured = {(False, 4096, 512): 43.01, (False, 16384, 2048): 652.04, (True, 4096, 2048): 32.05,
+                (True, 16384, 512): 20.01}
+    for (fa, ctx, ub), mib in measured.items():
+        est = compute_buffer_bytes(info, ctx, ub, flash_attn=fa) / MIB
+        assert 0.99 * mib <= est <= 1.15 * mib, (fa, ctx, ub, est)
+    for fa in (False, True):
+        sizes = [compute_buffer_bytes(info, 16384, u, flash_attn=fa) for u in UBATCHES]
+        assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    growth = {fa: compute_buffer_bytes(info, 16384, 4096, flash_attn=fa) - compute_buffer_bytes(
+        info, 16384, 512, flash_attn=fa) for fa in (False, True)}
+    assert 0 < growth[True] < growth[False] / 4
+    # the plan's reserve is sized for its ubatch: nothing more there, more past it
+    assert ubatch_reserve_bytes(info, 4096, PLAN_UBATCH, flash_attn=True) == 0
+    assert ubatch_reserve_bytes(info, 4096, 4096, flash_attn=True) > 0
+
+
+def test_the_30b_shape_s_buffer_is_its_logits_with_flash_attention(tmp_path: Path) -> None:
+    model = _synthetic_30b(tmp_path)
+    info = read_model_info(model)
+    # measured on the CPU backend (placement.budget.context_reserve_bytes): 305 MiB at 4096 with 512-token ubatches,
+    # 2142 MiB at 32768 without flash attention
+    assert abs(compute_buffer_bytes(info, 4096, 512, flash_attn=True) / MIB - 305) < 305 * 0.02
+    assert abs(compute_buffer_bytes(info, 32768, 512, flash_attn=False) / MIB - 2142) < 2142 * 0.02
+    logits = 2048 * info.n_vocab * 4
+    assert logits < compute_buffer_bytes(info, 8192, 2048, flash_attn=True) < 1.1 * logits
+
+
+def test_a_prompt_s_routing_repeats_the_trace_s_prefill_tokens() -> None:
+    shape = ModelShape.read(QWEN)
+    trace = routing_for_model(shape.n_expert, shape.n_expert_used, len(shape.moe_layers)).trace
+    work = prompt_workload(trace, shape.moe_layers, shape.n_expert, shape.n_expert_used, n_tokens=3000,
+                           n_ubatch=1024)
+    assert [s.n_tokens for s in work.steps] == [1024, 1024, 952]
+    assert [s.kv_len for s in work.steps] == [0, 1024, 2048] and {s.phase for s in work.steps} == {PREFILL}
+    pre = np.flatnonzero(trace.phase == PREFILL)
+    first = trace.ids[pre[0], : len(shape.moe_layers)]
+    assert np.array_equal(work.steps[0].ids[0], first)
+    assert int((trace.phase == DECODE).sum()) > 0 and "prefill tokens in order" in work.note
+
+
+def _synthetic_30b(tmp_path: Path, layers: int | None = None) -> Path:
+    from edgemoe.gguf.synth import write_synthetic
+
+    return write_synthetic("qwen3-30b-a3b", tmp_path / "q30.gguf", layers=layers, shape_only=True, progress=False)
+
+
+def test_the_plan_picks_a_larger_ubatch_out_of_the_slots_and_stock_at_its_own_best(tmp_path: Path) -> None:
+    shape = ModelShape.from_header(check_gguf(_synthetic_30b(tmp_path)))
+    info = shape.info
+    trace = routing_for_model(info.n_expert, info.n_expert_used, len(info.moe_layers)).trace
+    prof = load_profile("rtx4060-laptop")
+    spec = PrefillSpec(vram=8 * 2**30, n_ctx=4096)
+    p = PrefillPlanner(shape, trace, prof, spec).project(8192)
+    assert p.n_ctx == 8192  # the prompt's KV cache is placed with it
+    stock, ours = p.choices
+    assert (stock.kind, ours.kind) == ("stock", "edgemoe") and ours.config == "edgemoe-static-device-prefill"
+    for c in (stock, ours):
+        assert [o.n_ubatch for o in c.options] == list(UBATCHES)
+        assert c.best.prefill_tps == max(o.prefill_tps for o in c.options)
+        assert c.best.n_ubatch >= 512 and f"-ub {c.best.n_ubatch}" in c.reason
+        assert c.best.ttft_s == pytest.approx(8192 / c.best.prefill_tps)
+    slots = [o.slots_per_layer for o in ours.options]
+    assert all(s is not None for s in slots) and slots == sorted(slots, reverse=True) and slots[0] > slots[-1]
+    # stock's -ub takes its buffer out of stock's GPU layers, by the same arithmetic
+    for o in stock.options:
+        extra = ubatch_reserve_bytes(info, 8192, o.n_ubatch, flash_attn=True)
+        assert o.extra_reserve_bytes == extra
+        assert o.n_cpu_moe == best_n_cpu_moe(info, 8 * 2**30, 8192, extra_bytes=extra)
+    assert stock.options[-1].n_cpu_moe > stock.options[0].n_cpu_moe
+    # the ubatch is the lever: a larger one beats 512 on both sides, and edgemoe beats stock's best
+    assert ours.best.n_ubatch > 512 and stock.best.n_ubatch > 512
+    assert ours.best.prefill_tps > ours.options[0].prefill_tps and ours.options[0].bound == "copy"
+    assert ours.best.prefill_tps >= stock.best.prefill_tps
+    # prompts past the model's training context are skipped, said
+    some, notes = project_prompts(shape, trace, prof, spec, (2048, 10**6))
+    assert [x.prompt_tokens for x in some] == [2048] and "training context" in notes[0] and "fastest" in notes[1]
+    assert all(o.n_ubatch <= 2048 for c in some[0].choices for o in c.options)
+
+
+def test_plan_prompt_tokens_cli(tmp_path: Path) -> None:
+    model = _synthetic_30b(tmp_path, layers=6)  # the plan's decode rows replay every policy: a short model
+    args = ["plan", str(model), "--vram", "2GiB", "--profile", "rtx4060-laptop", "--prompt-tokens", "2048"]
+    r = CliRunner().invoke(cli, [*args, "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    (p,) = d["prefill"]
+    assert p["prompt_tokens"] == 2048 and [c["kind"] for c in p["choices"]] == ["stock", "edgemoe"]
+    assert all(c["best"]["n_ubatch"] in UBATCHES and c["best"]["prefill_tps"] > 0 for c in p["choices"])
+    text = CliRunner().invoke(cli, args, catch_exceptions=False).output
+    assert "prefill of a 2048-token prompt" in text and "time to first token" in text
+    assert "8192-token prompt" not in text  # --prompt-tokens: that prompt alone
