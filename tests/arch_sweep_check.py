@@ -27,6 +27,8 @@ Checks, each against stock llama.cpp on the same GGUF:
   shapes), one slot per layer, == stock logits bitwise, with routes weighed (on the .k1 copies).
 - cache-degrade: DAOP's graceful degradation at r = 1 (exact ties only), one slot per layer, == stock
   logits bitwise, with every decode route's router probabilities read (on the .k1 copies).
+- speculate: greedy with speculative decoding (prompt lookup, and the model drafting for itself) and the lru
+  cache (1 slot, CPU stand-in device) == the engine's greedy one token per decode.
 - cache-precalc: DAOP's pre-calculation from layer 1 on, no expert resident: the prompt's rows
   == stock bitwise, the decode rows finite, every MoE layer after a MoE layer taking experts early in every
   decode step (with k = 2 of 2 experts the prediction names every routed expert: none late); with every
@@ -362,7 +364,34 @@ def check_cache_precalc(path: Path) -> dict:
                                 "== stock bitwise")
 
 
-CHECKS = {"generate": check_generate, "gating-top1": check_gating_top1, "cache": check_cache,
+def check_speculate(path: Path) -> dict:
+    from edgemoe import GREEDY, Engine, LoadConfig
+    from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+    from edgemoe.speculation import SpeculationConfig
+
+    sources = (SpeculationConfig(mode="lookup", draft_max=4, ngram_min=1),
+               SpeculationConfig(mode="draft", draft_max=3, draft_model=str(path)))
+    with Engine(path, LoadConfig(n_ctx=N_CTX, n_threads=THREADS)) as eng:
+        want = eng.generate(PROMPT, max_tokens=N_GEN, sampling=GREEDY).tokens
+        eng.enable_expert_cache(CacheConfig(1, policy=LruConfig()))
+        problems, seen = [], []
+        for cfg in sources:
+            eng.set_speculation(cfg)
+            eng.reset()
+            g = eng.generate(PROMPT, max_tokens=N_GEN, sampling=GREEDY)
+            st = g.speculation
+            assert st is not None
+            seen.append(f"{cfg.mode}: {st.steps} steps, {st.accepted}/{st.drafted} accepted")
+            if g.tokens != want:
+                first = next(i for i, (a, b) in enumerate(zip(g.tokens, want)) if a != b)
+                problems.append(f"{cfg.mode} differs from token {first} (smallest top-2 gap {st.min_top2_gap})")
+        eng.set_speculation(None)
+    if problems:
+        return dict(ok=False, detail="speculation vs one token per decode: " + "; ".join(problems))
+    return dict(ok=True, detail="speculation with the lru cache == one token per decode (" + "; ".join(seen) + ")")
+
+
+CHECKS = {"generate": check_generate, "speculate": check_speculate, "gating-top1": check_gating_top1, "cache": check_cache,
           "cache-static": check_cache_static, "cache-daop": check_cache_daop, "cache-dali": check_cache_dali,
           "scale-applies": check_scale_applies, "cache-promoe": check_cache_promoe,
           "cache-dali-prefetch": check_cache_dali_prefetch, "cache-assign": check_cache_assign,

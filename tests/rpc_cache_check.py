@@ -22,6 +22,7 @@ from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig, PromoeConfig
 from edgemoe.policies.residency import Load
 from edgemoe.runtime.sampling import GREEDY
+from edgemoe.speculation import SpeculationConfig
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 CFG = LoadConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, use_extra_bufts=False, op_offload=False)
@@ -110,6 +111,12 @@ def main(path: Path) -> dict[str, object]:
         gen = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         out["lru_generate_equal"] = gen == ref_gen
         out["lru_stats"] = cache.stats()
+        # speculative decoding: verification batches of several positions through the cache on the device
+        eng.set_speculation(SpeculationConfig(mode="lookup", draft_max=4, ngram_min=1))
+        eng.reset()
+        g = eng.generate(TEXT[:60], max_tokens=16, sampling=GREEDY, ignore_eog=True)
+        out["lookup_generate_equal"] = g.tokens == ref_gen
+        out["lookup_stats"] = g.speculation.to_dict() if g.speculation is not None else None
 
     # the CLI's GPU layout: every layer offloaded (-ngl 999) to the device, routed experts kept in CPU
     # memory by tensor overrides (-ot exps=CPU), the cache on the device

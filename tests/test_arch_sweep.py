@@ -10,6 +10,8 @@ have (arch_models.rewrite_gguf). Per architecture:
 - gating-top1: gating to the top-1 expert, in the graph and in the hook, == stock with k = 1,
   bitwise (drop-last == stock k-1 for these k = 2 models);
 - cache: the lru expert cache on the CPU stand-in device == stock logits, bitwise.
+- speculate: greedy speculative decoding (prompt lookup; the model drafting for itself) with the lru cache
+  == the engine's greedy one token per decode.
 - cache-static: the static expert cache, calibrated on first use (edgemoe.calibration.auto), == stock
   logits, bitwise.
 - cache-daop: the daop policy, calibrated on first use, run natively (prompt swap) == stock logits, bitwise.
@@ -53,7 +55,7 @@ import arch_models  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
 # the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
 # variant file those of its VARIANT_CHECKS
-BASE_WORKER_CHECKS = ("generate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali", "cache-precalc")
+BASE_WORKER_CHECKS = ("generate", "speculate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali", "cache-precalc")
 WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "cache-dali-prefetch", "cache-assign", "cache-degrade",
                  "scale-applies")
 TIMEOUT_S = 180

@@ -34,6 +34,8 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         assert out["sync_loads_equal"], (path.name, out)
         assert out["async_loads_equal"], (path.name, out)
         assert out["lru_generate_equal"], (path.name, out)
+        # speculation's verification batches through the cache on the device: the same greedy tokens
+        assert out["lookup_generate_equal"] and out["lookup_stats"]["drafted"] > 0, (path.name, out["lookup_stats"])
         # the CLI's GPU layout: all layers on the device, routed experts in CPU memory, cache on the device
         assert out["gpu_layout_equal"] and out["gpu_layout_nmse_vs_cpu"] < 1e-9, (path.name, out)
         for key in ("sync_stats", "async_stats", "lru_stats", "gpu_layout_stats"):
