@@ -28,8 +28,10 @@ from ...gguf.header import check_gguf
 from ...gguf.info import ModelInfo, model_info, size_arg
 from ...gguf.kv_types import KvCacheType
 from ...placement.budget import SlotBudget
+from ...placement.context import ContextTable, format_context_table
 from ...placement.planner import budget_request
 from ...placement.planner import plan as plan_placement
+from .context_speeds import project_context_table
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 
@@ -57,9 +59,16 @@ class Layouts:
     # (None without projected speeds)
     suggestion: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    # context length x KV type -> expert slots at this budget (and projected speeds with a GPU profile)
+    contexts: ContextTable | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field, the context table as `context_table`, a list of row objects (none: [])."""
+        d = asdict(self)
+        del d["contexts"]
+        d["context_table"] = self.contexts.to_rows() if self.contexts is not None else []
+        d["context_projected"] = self.contexts.projected if self.contexts is not None else ""
+        return d
 
 
 def _calibration_trace(calibration: Path, info: ModelInfo) -> Trace:
@@ -80,7 +89,7 @@ def make_layouts(
     model: str | Path,
     *,
     vram: int,
-    n_ctx: int = 4096,
+    n_ctx: int = 0,
     trace: Trace | None = None,
     calibration: Path | None = None,
     profile: MachineProfile | None = None,
@@ -89,9 +98,9 @@ def make_layouts(
     cache_type_k: KvCacheType = "f16",
     cache_type_v: KvCacheType = "f16",
 ) -> Layouts:
-    """What `vram` bytes hold of `model` (its PlacementPlan's split) and how its slots would serve each policy;
-    with a KV cache of `n_ctx` tokens of the given types; `routing`: a bundled routing profile to project with instead
-    of the calibration's trace (the module docstring says which routing is used when)."""
+    """What `vram` bytes hold of `model` (its PlacementPlan's split) and how its slots would serve each policy, with
+    a KV cache of `n_ctx` tokens of the given types (0: the context the plan picks for the budget, said in a note);
+    `routing`: a bundled routing profile to project with instead of the calibration's trace (module docstring)."""
     header = check_gguf(model)
     info = model_info(header)
     placement = plan_placement(
@@ -104,6 +113,7 @@ def make_layouts(
     )
     vp = placement.budget
     assert vp is not None  # a request with a budget has its split
+    n_ctx = n_ctx or placement.n_ctx  # 0: the context the plan picked
     moe = list(info.moe_layers)
     lay = Layouts(
         model=Path(model).name,
@@ -119,7 +129,9 @@ def make_layouts(
         slots_per_layer={"equal": [vp.experts_per_layer] * len(moe), "dp": None},
         n_cpu_moe=placement.n_cpu_moe,
         profile=profile.name if profile else "",
+        contexts=placement.context_table,
     )
+    lay.notes += [n.removeprefix("note: ") for n in placement.notes if n.startswith("note: context ")]
     if not vp.dense_fits:
         lay.notes.append(
             f"the dense weights, the KV cache of {n_ctx} tokens and the {vp.reserve_bytes >> 20} MiB "
@@ -139,6 +151,8 @@ def make_layouts(
         )
         lay.profile = ""
     _expected_rows(model, trace, profile if speeds else None, policies, dp, calibration, lay)
+    if speeds and profile is not None and lay.contexts is not None:
+        lay.contexts = project_context_table(model, info, lay.contexts, trace, profile, calibration)
     if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (PlacementPlan.whole_model_fits)
         lay.notes.append(
             "this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
@@ -321,5 +335,7 @@ def format_layouts(plan: Layouts) -> str:
             f"  PROJECTED fastest decode: {sg['config']} [{sg['allocation']}], {sg['vs_stock']:.2f}x "
             f"{sg['stock']}: `{sg['command']}`"
         )
+    if plan.contexts is not None and plan.contexts.rows:
+        lines += ["  " + line for line in format_context_table(plan.contexts, plan.n_ctx).splitlines()]
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
