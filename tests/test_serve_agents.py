@@ -172,6 +172,25 @@ def test_context_overflow_says_the_numbers(server: Server) -> None:
     assert counted.status_code == 200 and counted.json()["input_tokens"] > CTX  # counting needs no room
 
 
+@pytest.mark.parametrize("route", ["openai", "anthropic"])
+def test_context_overflow_names_the_prompt_max_tokens_and_the_context(server: Server, route: str) -> None:
+    """A prompt that fills the context: 400 naming its tokens, the max_tokens asked and the context, on both APIs."""
+    messages = [{"role": "user", "content": "To be, or not to be. " * 800}]
+    counted = messages_post(server, {"model": MODEL_ID, "messages": messages}, path="/messages/count_tokens")
+    n = counted.json()["input_tokens"]
+    body = {"model": MODEL_ID, "max_tokens": 7, "messages": messages}
+    if route == "anthropic":
+        r = messages_post(server, body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    else:
+        r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    message = r.json()["error"]["message"]
+    assert f"the prompt is {n} tokens and max_tokens asks for 7 more, but the context holds {CTX}" in message
+    assert server.alive()
+
+
 def test_ten_megabytes_on_openai_and_unknown_fields(server: Server) -> None:
     big = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "x" * (10 << 20)}]}).encode()
     r = httpx.post(f"{server.base_url}/chat/completions", content=big, timeout=30,

@@ -70,18 +70,21 @@ def _open_engine(
     "n_ctx",
     type=click.IntRange(min=0),
     default=0,
-    help="context length for the KV-cache estimate (default: the model's, at most 4096)",
+    help="context length for the KV-cache estimate (default: with --vram, the context the plan picks for the "
+    "budget, said in a note; else the model's, at most 4096)",
 )
 @kv_type_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptions, as_json: bool) -> None:
-    """Show a model's architecture, experts and where its bytes are."""
+    """Show a model's architecture, experts and where its bytes are; with --vram, what the budget holds and the
+    expert slots it leaves at each context length and KV cache type."""
     from ..analysis.report import format_info
     from ..analysis.rules import describe_rules, routing_rules
     from ..gguf.header import check_gguf
     from ..gguf.info import info_to_dict, model_info
     from ..placement import budget_request, plan
     from ..placement.budget import budget_to_dict, format_slot_budget
+    from ..placement.context import format_context_table, table_contexts
 
     header = check_gguf(model)
     info = model_info(header)
@@ -103,6 +106,9 @@ def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptio
             }
         if budget is not None:
             d["vram_plan"] = budget_to_dict(budget)
+        if placement.context_table is not None:
+            d["context_table"] = placement.context_table.to_rows()
+        d["notes"] = [cli_text(n) for n in placement.notes]
         click.echo(json.dumps(d, indent=1))
         return
     click.echo(format_info(info))
@@ -110,6 +116,13 @@ def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptio
         click.echo(f"{'weights':12} {describe_rules(rules)}  (as llama.cpp weights the selected experts)")
     if budget is not None and vram is not None:  # a budget is split only when one is given
         click.echo(format_slot_budget(budget))
+        table = placement.context_table
+        if table is not None and table.rows:
+            click.echo(
+                format_context_table(table, n_ctx if n_ctx in table_contexts(info.n_ctx_train) else None)
+            )
+        for note in placement.notes:
+            click.echo(cli_text(note))
         click.echo(
             f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
             f"`{plan_command(model, vram, n_ctx, attention)}`"

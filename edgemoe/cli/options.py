@@ -146,7 +146,7 @@ def kv_type_options(f: Any) -> Any:
 class RunOptions:
     sampling: Any  # edgemoe.runtime.sampling.SamplingParams
     threads: int  # CPU threads (0: physical cores)
-    n_ctx: int  # context length (0: the model's, at most 4096)
+    n_ctx: int  # context length (0: with a budget, the plan's pick; else the model's, at most 4096)
     gpu_layers: int  # layers stock llama.cpp offloads whole to the GPU
     attention: AttentionOptions = AttentionOptions()  # flash attention and the KV cache's types
 
@@ -182,8 +182,9 @@ def run_options(f: Any) -> Any:
             "n_ctx",
             type=click.IntRange(min=0),
             default=0,
-            help="context length (default: the model's, at most 4096; llama.cpp rounds it up to a multiple "
-            "of 256)",
+            help="context length (default: with --vram, the context the plan picks for the budget, the "
+            "largest of 4096..131072 up to the model's training context that keeps >= 75% of the expert slots at "
+            "4096, said in a note; else the model's, at most 4096; llama.cpp rounds it up to a multiple of 256)",
         ),
         click.option(
             "-ngl",

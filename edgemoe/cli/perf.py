@@ -323,10 +323,10 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
 @click.option(
     "--ctx",
     "n_ctx",
-    type=click.IntRange(min=16),
-    default=4096,
-    show_default=True,
-    help="context the KV cache is planned for",
+    type=click.IntRange(min=0),
+    default=0,
+    help="context the KV cache is planned for (default: with --vram, the largest of the context table's that "
+    "keeps >= 75% of the expert slots at 4096, said in a note; with --expert-slots, the model's, at most 4096)",
 )
 @click.option(
     "--profile",
@@ -390,8 +390,10 @@ def plan(
 ) -> None:
     """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
     hit rate of each policy and, with a GPU profile, projected decode/prefill speeds, the fastest
-    configuration (edgemoe's, with the command that runs it, or stock's where stock is faster) and the prefill of
-    long prompts (time to first token) at the ubatch each side prefills fastest with."""
+    configuration (edgemoe's, with the command that runs it, or stock's where stock is faster), the prefill of
+    long prompts (time to first token) at the ubatch each side prefills fastest with; then the expert slots at
+    each context length (4K..128K, up to the model's training context) and KV cache type, with a GPU profile the
+    static policy's projected speeds at them."""
     from ..analysis.trace import Trace
     from ..calibration.adaptive import default_calibration_dir
     from ..gguf.info import read_model_info
@@ -414,11 +416,9 @@ def plan(
     if vram is None:
         assert expert_slots is not None
         info = read_model_info(model)
+        n_ctx = engine_ctx(n_ctx, info.n_ctx_train)  # the slots asked are at this context, not a picked one
         vram = budget_for_slots(
-            info,
-            expert_slots,
-            engine_ctx(n_ctx, info.n_ctx_train),
-            KvTypes(attention.cache_type_k, attention.cache_type_v),
+            info, expert_slots, n_ctx, KvTypes(attention.cache_type_k, attention.cache_type_v)
         )
     if profile_name is None and default_profile_path().exists():
         profile_name = str(default_profile_path())

@@ -185,6 +185,16 @@ def vram_reserve(info: ModelInfo, device_prefill: bool = False) -> int:
     return VRAM_RESERVE + (prefill_buffer_bytes(info) if device_prefill else 0)
 
 
+def holds_every_expert(info: ModelInfo, budget: SlotBudget, prefill: bool) -> bool:
+    """The budget holds the whole model: its dense part, the KV cache and every expert of every MoE layer, with
+    llama.cpp's compute reserve (and no --device-prefill buffers: the whole model on the GPU needs none). It then
+    runs as stock llama.cpp's -ngl 999 does, without an expert cache, whose slots would hold every expert and
+    only add graph nodes (docs/research/performance-model.md: 0.85-1.0x)."""
+    fixed = budget.dense_bytes + budget.kv_cache_bytes + budget.reserve_bytes + budget.predictor_bytes
+    fixed -= prefill_buffer_bytes(info) if prefill else 0
+    return budget.budget_bytes - fixed >= info.n_expert * budget.slot_bytes
+
+
 def slots_beside_prefill_buffers(
     info: ModelInfo,
     slots_per_layer: Mapping[int, int],

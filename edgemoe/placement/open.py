@@ -40,7 +40,9 @@ def open_engine(
 ) -> Engine:
     """An Engine of `model` with an expert cache of `vram` bytes (or a size such as "8GiB") or `expert_slots` per
     MoE layer, run by `policy` (None: the default for the other options); `cache` gives every option of the cache
-    instead. With neither budget nor slots it loads as stock llama.cpp does. `flash_attn` ("auto": on where the
+    instead. With neither budget nor slots it loads as stock llama.cpp does. `n_ctx` 0: with a budget, the context
+    the plan picks for it (edgemoe.placement.context.default_context, said in a note); else the model's, at most
+    4096; a context given is never changed. `flash_attn` ("auto": on where the
     backend supports it) and the KV cache's types (LoadConfig's) go to the engine, and a budget's plan reserves
     the KV cache of those types. `gating`
     (edgemoe.calibration.adaptive.GatingOptions) turns on adaptive top-k; `speculation` speculative decoding

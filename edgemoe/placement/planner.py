@@ -27,10 +27,11 @@ from .budget import (
     context_reserve_bytes,
     engine_ctx,
     estimate_kv_cache_bytes,
-    prefill_buffer_bytes,
+    holds_every_expert,
     slot_budget,
     vram_reserve,
 )
+from .context import ContextChoice, ContextTable, context_table, default_context
 from .request import CacheRequest, PlacementError, cache_request
 
 
@@ -70,6 +71,8 @@ class PlacementPlan:
     n_cpu_moe: int | None  # stock llama.cpp's best --n-cpu-moe at the budget (None: no budget, or never fits)
     calibration: CalibrationNeed
     notes: tuple[str, ...]  # for the user, in order (open_engine sends them to `notify`)
+    # a budget's context length x KV type -> expert slots (None: no budget, or a dense model)
+    context_table: ContextTable | None = None
 
     @property
     def expert_budget_bytes(self) -> int | None:
@@ -97,24 +100,27 @@ def plan(
     calibration: Path | None = None,
 ) -> PlacementPlan:
     """The placement of `header`'s model for `request` (None: stock llama.cpp) at a context of `n_ctx` tokens (0:
-    the model's, at most 4096) on `device` (None: no GPU), with flash attention and the KV cache's types as
+    for a budget, the context edgemoe.placement.context.default_context picks, said in a note; else the
+    model's, at most 4096) on `device` (None: no GPU), with flash attention and the KV cache's types as
     LoadConfig takes them (the budget reserves a KV cache of those types). `calibration`: the directory to use
     (None: the model's). Raises PlacementError for a request this model cannot run, before anything is loaded."""
     info = model_info(header)
     req = request if request is not None and request.enabled else None
-    ctx = engine_ctx(n_ctx, info.n_ctx_train)
     prefill = bool(req and req.device_prefill)
-    reserve = vram_reserve(info, prefill) + context_reserve_bytes(info, ctx)
     kv = KvTypes(cache_type_k, cache_type_v)
+    table, choice = _contexts(info, req, n_ctx, kv, flash_attn)
+    asked = choice.n_ctx if choice is not None else n_ctx
+    ctx = engine_ctx(asked, info.n_ctx_train)
+    reserve = vram_reserve(info, prefill) + context_reserve_bytes(info, ctx)
     budget = None
     if req is not None and req.vram is not None:
         budget = slot_budget(info, req.vram, n_ctx=ctx, reserve_bytes=vram_reserve(info, prefill), kv=kv)
-    whole = bool(req and info.is_moe and budget is not None and _holds_every_expert(info, budget, prefill))
+    whole = bool(req and info.is_moe and budget is not None and holds_every_expert(info, budget, prefill))
     cache = req is not None and info.is_moe and not whole
     slots = _slots(info, req, budget) if cache and req is not None else None
     base = LoadConfig(
         n_threads=n_threads,
-        n_ctx=n_ctx,
+        n_ctx=asked,
         n_gpu_layers=n_gpu_layers,
         flash_attn=flash_attn,
         cache_type_k=cache_type_k,
@@ -136,8 +142,22 @@ def plan(
         if req is not None and req.vram is not None
         else None,
         calibration=_calibration(header.path, req, calibration) if cache and req is not None else _NO_NEED,
-        notes=tuple(_notes(header.path, info, req, n_ctx, ctx, whole, device)),
+        notes=tuple(_notes(header.path, info, req, n_ctx, ctx, whole, device))
+        + ((choice.note,) if choice is not None else ()),
+        context_table=table,
     )
+
+
+def _contexts(
+    info: ModelInfo, req: CacheRequest | None, n_ctx: int, kv: KvTypes, flash_attn: FlashAttn
+) -> tuple[ContextTable | None, ContextChoice | None]:
+    """A budget's context x KV type table, and the context picked for it where none is asked (n_ctx 0)."""
+    if req is None or req.vram is None:
+        return None, None
+    prefill = bool(req.device_prefill)
+    table = context_table(info, req.vram, flash_attn=flash_attn, device_prefill=prefill)
+    choice = default_context(info, req.vram, kv, device_prefill=prefill) if not n_ctx else None
+    return table, choice
 
 
 _NO_NEED = CalibrationNeed(what="", stages=(), missing=(), directory=None)
@@ -151,16 +171,6 @@ def check_precalc_from(info: ModelInfo, first_layer: int) -> None:
             f"`precalc_from={first_layer!r}`: no MoE layer from there on follows a MoE layer "
             f"(this model's MoE layers: {moe[0]}..{moe[-1]}); give a smaller layer"
         )
-
-
-def _holds_every_expert(info: ModelInfo, budget: SlotBudget, prefill: bool) -> bool:
-    """The budget holds the whole model: its dense part, the KV cache and every expert of every MoE layer, with
-    llama.cpp's compute reserve (and no --device-prefill buffers: the whole model on the GPU needs none). It then
-    runs as stock llama.cpp's -ngl 999 does, without an expert cache, whose slots would hold every expert and
-    only add graph nodes (docs/research/performance-model.md: 0.85-1.0x)."""
-    fixed = budget.dense_bytes + budget.kv_cache_bytes + budget.reserve_bytes + budget.predictor_bytes
-    fixed -= prefill_buffer_bytes(info) if prefill else 0
-    return budget.budget_bytes - fixed >= info.n_expert * budget.slot_bytes
 
 
 def _slots(info: ModelInfo, req: CacheRequest, budget: SlotBudget | None) -> int:

@@ -238,9 +238,11 @@ class EngineWorker:
         tools: list[dict[str, Any]] | None = None,
         prompt: str | None = None,
         fit: bool = True,
+        max_tokens: int | None = None,
     ) -> list[int]:
-        """The prompt's token ids (thread-safe); APIError 400 when it is empty, or (fit) longer than the
-        context."""
+        """The prompt's token ids (thread-safe); APIError 400 when it is empty, or (fit) when it fills the context,
+        naming the prompt's tokens, the `max_tokens` asked (where given) and the context. A prompt that fits with
+        a reply that would not is served: the reply stops where the context ends (finish "length")."""
         eng = self.engine
         chat = messages is not None
         param = "messages" if chat else "prompt"
@@ -251,9 +253,10 @@ class EngineWorker:
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param=param)
         if fit and len(ids) >= eng.n_ctx:
+            reply = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None else ""
             raise APIError(
                 400,
-                f"the prompt is {len(ids)} tokens but the context holds {eng.n_ctx}; "
+                f"the prompt is {len(ids)} tokens{reply}, but the context holds {eng.n_ctx}; "
                 "shorten it or start the server with a larger context (`n_ctx`)",
                 param=param,
                 code="context_length_exceeded",
@@ -271,7 +274,9 @@ class EngineWorker:
     def _run(self, job: Job) -> None:
         eng = self.engine
         t_start = time.perf_counter()
-        ids = self.prompt_ids(messages=job.messages, tools=job.tools, prompt=job.prompt)
+        ids = self.prompt_ids(
+            messages=job.messages, tools=job.tools, prompt=job.prompt, max_tokens=job.max_tokens
+        )
         cached = self.reuse.prepare(job.scope, ids)
         job.emit("start", (len(ids), cached))
         stops = StopScanner(job.stop)

@@ -28,8 +28,10 @@ from ...gguf.header import check_gguf
 from ...gguf.info import ModelInfo, model_info, size_arg
 from ...gguf.kv_types import KvCacheType, KvTypes
 from ...placement.budget import SlotBudget
-from ...placement.planner import budget_request
+from ...placement.context import ContextTable, format_context_table
+from ...placement.planner import PlacementPlan, budget_request
 from ...placement.planner import plan as plan_placement
+from .context_speeds import project_context_table
 from .costmodel import ModelShape
 from .prefill_plan import PROMPTS, PrefillProjection, PrefillSpec, format_prefill, project_prompts
 from .profile import MachineProfile
@@ -61,9 +63,16 @@ class Layouts:
     # with a GPU profile: each prompt's prefill, stock and edgemoe at their fastest ubatch (prefill_plan.py)
     prefill: list[PrefillProjection] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # context length x KV type -> expert slots at this budget (and projected speeds with a GPU profile)
+    contexts: ContextTable | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field, the context table as `context_table`, a list of row objects (none: [])."""
+        d = asdict(self)
+        del d["contexts"]
+        d["context_table"] = self.contexts.to_rows() if self.contexts is not None else []
+        d["context_projected"] = self.contexts.projected if self.contexts is not None else ""
+        return d
 
 
 def _calibration_trace(calibration: Path, info: ModelInfo) -> Trace:
@@ -84,7 +93,7 @@ def make_layouts(
     model: str | Path,
     *,
     vram: int,
-    n_ctx: int = 4096,
+    n_ctx: int = 0,
     trace: Trace | None = None,
     calibration: Path | None = None,
     profile: MachineProfile | None = None,
@@ -95,10 +104,11 @@ def make_layouts(
     prompt_tokens: tuple[int, ...] = PROMPTS,
     flash_attn: bool = True,
 ) -> Layouts:
-    """What `vram` bytes hold of `model` (its PlacementPlan's split) and how its slots would serve each policy;
-    with a KV cache of `n_ctx` tokens of the given types; `routing`: a bundled routing profile to project with instead
-    of the calibration's trace (the module docstring says which routing is used when). With a GPU `profile`, also
-    the prefill of `prompt_tokens`-token prompts (prefill_plan.py; `flash_attn`: "auto" is on with CUDA)."""
+    """What `vram` bytes hold of `model` (its PlacementPlan's split) and how its slots would serve each policy, with
+    a KV cache of `n_ctx` tokens of the given types (0: the context the plan picks for the budget, said in a note);
+    `routing`: a bundled routing profile to project with instead of the calibration's trace (module docstring).
+    With a GPU `profile`, also the prefill of `prompt_tokens`-token prompts (prefill_plan.py; `flash_attn`: "auto"
+    is on with CUDA)."""
     header = check_gguf(model)
     info = model_info(header)
     placement = plan_placement(
@@ -111,22 +121,10 @@ def make_layouts(
     )
     vp = placement.budget
     assert vp is not None  # a request with a budget has its split
+    n_ctx = n_ctx or placement.n_ctx  # 0: the context the plan picked
     moe = list(info.moe_layers)
-    lay = Layouts(
-        model=Path(model).name,
-        budget_bytes=vram,
-        n_ctx=n_ctx,
-        fits={
-            "dense": vp.dense_bytes,
-            "kv_cache": vp.kv_cache_bytes,
-            "reserve": vp.reserve_bytes,
-            "experts": vp.experts_per_layer * vp.slot_bytes,
-        },
-        slot_bytes=vp.slot_bytes,
-        slots_per_layer={"equal": [vp.experts_per_layer] * len(moe), "dp": None},
-        n_cpu_moe=placement.n_cpu_moe,
-        profile=profile.name if profile else "",
-    )
+    lay = _new_layouts(model, vram, n_ctx, placement, len(moe), profile)
+    lay.notes += [n.removeprefix("note: ") for n in placement.notes if n.startswith("note: context ")]
     if not vp.dense_fits:
         lay.notes.append(
             f"the dense weights, the KV cache of {n_ctx} tokens and the {vp.reserve_bytes >> 20} MiB "
@@ -149,6 +147,8 @@ def make_layouts(
     if speeds and profile is not None and prompt_tokens:
         spec = PrefillSpec(vram, n_ctx, flash_attn=flash_attn, kv=KvTypes(cache_type_k, cache_type_v))
         _prefill_rows(ModelShape.from_header(header), trace, profile, spec, prompt_tokens, policies, lay)
+    if speeds and profile is not None and lay.contexts is not None:
+        lay.contexts = project_context_table(model, info, lay.contexts, trace, profile, calibration)
     if vp.all_experts_fit:  # chat/generate/serve then load it as stock does (PlacementPlan.whole_model_fits)
         lay.notes.append(
             "this budget holds the whole model: `edgemoe chat --vram` runs it on the GPU as stock "
@@ -160,6 +160,35 @@ def make_layouts(
         "promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)"
     )
     return lay
+
+
+def _new_layouts(
+    model: str | Path,
+    vram: int,
+    n_ctx: int,
+    placement: PlacementPlan,
+    n_moe: int,
+    profile: MachineProfile | None,
+) -> Layouts:
+    """The Layouts of a PlacementPlan's split, before any projection."""
+    vp = placement.budget
+    assert vp is not None  # a request with a budget has its split
+    return Layouts(
+        model=Path(model).name,
+        budget_bytes=vram,
+        n_ctx=n_ctx,
+        fits={
+            "dense": vp.dense_bytes,
+            "kv_cache": vp.kv_cache_bytes,
+            "reserve": vp.reserve_bytes,
+            "experts": vp.experts_per_layer * vp.slot_bytes,
+        },
+        slot_bytes=vp.slot_bytes,
+        slots_per_layer={"equal": [vp.experts_per_layer] * n_moe, "dp": None},
+        n_cpu_moe=placement.n_cpu_moe,
+        profile=profile.name if profile else "",
+        contexts=placement.context_table,
+    )
 
 
 def _prefill_rows(
@@ -350,5 +379,7 @@ def format_layouts(plan: Layouts) -> str:
             f"{sg['stock']}: `{sg['command']}`"
         )
     lines += format_prefill(plan.prefill)
+    if plan.contexts is not None and plan.contexts.rows:
+        lines += ["  " + line for line in format_context_table(plan.contexts, plan.n_ctx).splitlines()]
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
