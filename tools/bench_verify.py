@@ -62,9 +62,15 @@ def _step(eng: Engine, counter: UnionCounter, tokens: list[int]) -> tuple[float,
 @click.option("--reps", type=int, default=7, show_default=True)
 @click.option("--threads", type=int, default=0)
 @click.option("--prompt", "n_prompt", type=int, default=128, show_default=True)
-@click.option("--routing", default="qwen3-30b-a3b", show_default=True, help="bundled routing profile, or random")
-@click.option("--json", "as_json", type=click.Path(path_type=Path), default=None, help="also write the figures")
-def main(model: Path, sizes: str, reps: int, threads: int, n_prompt: int, routing: str, as_json: Path | None) -> None:
+@click.option(
+    "--routing", default="qwen3-30b-a3b", show_default=True, help="bundled routing profile, or random"
+)
+@click.option(
+    "--json", "as_json", type=click.Path(path_type=Path), default=None, help="also write the figures"
+)
+def main(
+    model: Path, sizes: str, reps: int, threads: int, n_prompt: int, routing: str, as_json: Path | None
+) -> None:
     ks = [int(s) for s in sizes.split(",")]
     rng = np.random.default_rng(0)
     with Engine(model, LoadConfig(n_ctx=1024, n_threads=threads)) as eng:
@@ -98,7 +104,7 @@ def main(model: Path, sizes: str, reps: int, threads: int, n_prompt: int, routin
             {
                 "positions": k,
                 "median_ms": statistics.median(times[k]) * 1e3,
-                "ratio_to_1": statistics.median([t / o for t, o in zip(times[k], one)]),
+                "ratio_to_1": statistics.median([t / o for t, o in zip(times[k], one, strict=True)]),
                 "union_experts_per_layer": statistics.mean(unions[k]),
             }
             for k in ks
