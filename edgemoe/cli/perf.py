@@ -17,6 +17,27 @@ from .options import AttentionOptions, kv_type_options
 from .types import THREADS, Finite, GGUFPath, OutputPath, Size
 
 
+def _speculation_projection_options(f: Any) -> Any:
+    """--draft-max and --acceptance of simulate and plan: speculative decoding's projection."""
+    f = click.option(
+        "--acceptance",
+        "acceptances",
+        type=click.FloatRange(0.0, 1.0),
+        multiple=True,
+        default=(0.5, 0.7, 0.9),
+        show_default=True,
+        help="per-token acceptance rates to project speculation at (repeatable)",
+    )(f)
+    return click.option(
+        "--draft-max",
+        type=click.IntRange(0, 32),
+        default=0,
+        show_default=True,
+        help="also project speculative decoding verifying this many proposals per step (0: not); prompt lookup's "
+        "cost, a draft model's own decoding is not priced",
+    )(f)
+
+
 def _routing_options(
     trace_help: str, routing_help: str
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -162,23 +183,7 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
     help="share of the early computations that are used (cache.precalc.precision; the fixtures' from "
     "layer 5)",
 )
-@click.option(
-    "--draft-max",
-    type=click.IntRange(0, 32),
-    default=0,
-    show_default=True,
-    help="also project speculative decoding verifying this many proposals per step (0: not); prompt lookup's "
-    "cost, a draft model's own decoding is not priced",
-)
-@click.option(
-    "--acceptance",
-    "acceptances",
-    type=click.FloatRange(0.0, 1.0),
-    multiple=True,
-    default=(0.5, 0.7, 0.9),
-    show_default=True,
-    help="per-token acceptance rates to project speculation at (repeatable)",
-)
+@_speculation_projection_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def simulate(
@@ -347,23 +352,7 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
     help="calibration directory (default: the model's)",
 )
 @kv_type_options
-@click.option(
-    "--draft-max",
-    type=click.IntRange(0, 32),
-    default=0,
-    show_default=True,
-    help="also project speculative decoding verifying this many proposals per step (0: not); prompt lookup's "
-    "cost, a draft model's own decoding is not priced",
-)
-@click.option(
-    "--acceptance",
-    "acceptances",
-    type=click.FloatRange(0.0, 1.0),
-    multiple=True,
-    default=(0.5, 0.7, 0.9),
-    show_default=True,
-    help="per-token acceptance rates to project speculation at (repeatable)",
-)
+@_speculation_projection_options
 @click.option(
     "--prompt-tokens",
     type=click.IntRange(min=1),

@@ -49,6 +49,8 @@ class SpeculationRow:
     step_cost: float  # a verification step over a plain step
     tps: dict[float, float]  # acceptance -> decode tok/s with speculation
     break_even: float | None  # the acceptance where it starts to pay (None: never)
+    hit_rate: float | None = None  # the cache's decode hit rate one token per step (None: no cache)
+    verify_hit_rate: float | None = None  # ... per expert and verification step (a batch's union loads once)
 
 
 def speculation_rows(
@@ -56,13 +58,16 @@ def speculation_rows(
     verified: Sequence[tuple[str, float]],
     draft: int,
     acceptances: Sequence[float] = ACCEPTANCES,
+    hit_rates: dict[str, tuple[float | None, float | None]] | None = None,
 ) -> list[SpeculationRow]:
     """(name, decode tok/s) of each configuration at one token per step, and (name, positions per second) at
-    draft + 1 per step (the simulator's decode_tps with SimSpec.verify = draft + 1): the rows, by name."""
+    draft + 1 per step (the simulator's decode_tps with SimSpec.verify = draft + 1): the rows, by name;
+    `hit_rates`: name -> (decode hit rate one token per step, per verification step)."""
     fast = dict(verified)
     rows = []
     for name, tps in plain:
         pos = fast.get(name, 0.0)
+        hits = (hit_rates or {}).get(name, (None, None))
         if tps <= 0 or pos <= 0:
             continue
         step_s = (draft + 1) / pos
@@ -75,6 +80,8 @@ def speculation_rows(
                 step_cost=cost,
                 tps={a: expected_tokens(a, draft) / step_s for a in acceptances},
                 break_even=break_even(cost, draft),
+                hit_rate=hits[0],
+                verify_hit_rate=hits[1],
             )
         )
     return rows
@@ -90,12 +97,14 @@ def format_speculation(rows: Sequence[SpeculationRow]) -> str:
     )
     lines = [
         f"PROJECTED decode tok/s with speculation ({rows[0].draft} proposals per step):",
-        head + "  pays from",
+        head + f"  {'pays from':<9}  decode hit rate (one token / a verification)",
     ]
     for r in rows:
         pays = f"a >= {r.break_even:.2f}" if r.break_even is not None else "never"
         cells = " ".join(f"{r.tps[a]:>7.1f}" for a in acc)
-        lines.append(f"  {r.name:<34} {r.plain_tps:>7.1f} {r.step_cost:>7.2f} {cells}  {pays}")
+        both = r.hit_rate is not None and r.verify_hit_rate is not None
+        hits = f"{r.hit_rate:.3f} / {r.verify_hit_rate:.3f}" if both else "-"
+        lines.append(f"  {r.name:<34} {r.plain_tps:>7.1f} {r.step_cost:>7.2f} {cells}  {pays:<9}  {hits}")
     return "\n".join(lines)
 
 
@@ -110,9 +119,16 @@ def project_speculation(
 
     plain = simulate(model, trace, prof, replace(spec, verify=1))
     verified = simulate(model, trace, prof, replace(spec, verify=draft + 1))
+    by_name = {c.name: c for c in verified.configs}
+    hits = {
+        c.name: (c.decode_hit_rate, by_name[c.name].decode_hit_rate)
+        for c in plain.configs
+        if c.name in by_name
+    }
     return speculation_rows(
         [(c.name, c.decode_tps) for c in plain.configs],
         [(c.name, c.decode_tps) for c in verified.configs],
         draft,
         acceptances,
+        hits,
     )
