@@ -21,8 +21,9 @@
 #   |   test, 8 at a time; test-backend-ops' series cases on CUDA0;   |       | each of the five has this cap      |
 #   |   compute-sanitizer memcheck of one cache test; the synthetic   |       |                                    |
 #   |   model's calibration (static, daop) for the bench              |       |                                    |
-#   | bench at 8 GiB, 512-token prompt: stock, lru, static, daop      |    80 | one process, five rows             |
-#   | edgemoe profile                                                 |    60 | capped: did not finish in 120 s    |
+#   | bench at 8 GiB, 512-token prompt: stock, lru, static, daop,     |   110 | one process, five rows and four    |
+#   |   then the best stock row and each policy with prompt lookup    |       | "+lookup" rows (acceptance, tok/step)|
+#   | edgemoe profile                                                 |    30 | capped: did not finish in 120 s    |
 #   | tarball, summary                                                |     5 |                                    |
 #   | total                                                           |   520 | under the 540 s a call may take    |
 #
@@ -68,7 +69,7 @@ else
     SYNTH_OUT=$BENCH_MODEL
     SYNTH_PRESET=qwen3-30b-a3b
     BENCH_ARGS=(--prompt-tokens 512 --gen-tokens 32)
-    CAP_BUILD=285 CAP_SYNTH=15 CAP_CHECKS=75 CAP_BENCH=${BENCH_CAP:-80} CAP_PROFILE=60
+    CAP_BUILD=285 CAP_SYNTH=15 CAP_CHECKS=75 CAP_BENCH=${BENCH_CAP:-110} CAP_PROFILE=30
     SANITIZER=(compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20)
     OPS_BACKEND=CUDA0
 fi
@@ -219,7 +220,7 @@ EOF
 step_bench() {
     local t0=$SECONDS
     timeout "$CAP_BENCH" "$PY" -m edgemoe.cli bench "$BENCH_MODEL" --vram "${BENCH_VRAM:-8GiB}" "${BENCH_ARGS[@]}" \
-        --policy lru --policy static --policy daop --profile none ${BENCH_EXTRA:-} --json \
+        --policy lru --policy static --policy daop --profile none --speculate lookup --draft-max 4 ${BENCH_EXTRA:-} --json \
         > "$WORK/bench.json" 2> "$LOGS/bench.err"
     local rc=$?
     record bench "$(status_of $rc)" $((SECONDS - t0)) "$CAP_BENCH"
@@ -231,7 +232,9 @@ except (OSError, ValueError) as err:
     sys.exit(f"bench: no report ({err})")
 print(" ", r["device"], "vram", r["vram"], "prompt", r["prompt_tokens"], "slots/layer", r["slots_per_layer"])
 for row in r["rows"]:
-    print(f'  {row["name"]:28} prefill {row["prefill_tps"]:8.1f}  decode {row["decode_tps"]:7.2f}')
+    sp = row.get("speculation") or {}
+    extra = f'  accepted {sp["acceptance"]:.2f}, {sp["tokens_per_step"]:.2f} tok/step' if sp else ""
+    print(f'  {row["name"]:28} prefill {row["prefill_tps"]:8.1f}  decode {row["decode_tps"]:7.2f}{extra}')
 EOF
 }
 

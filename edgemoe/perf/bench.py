@@ -60,7 +60,7 @@ class BenchSpec:
     flash_attn: FlashAttn = "auto"  # every row's (LoadConfig's)
     cache_type_k: KvCacheType = "f16"  # every row's KV cache types; the plan reserves that cache
     cache_type_v: KvCacheType = "f16"
-    # also run every row with this speculative decoding ("... +lookup" rows); None: not
+    # also run the best stock row and each policy's first row with this speculative decoding ("... +lookup" rows)
     speculation: SpeculationConfig | None = None
 
 
@@ -252,6 +252,16 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
     return rows
 
 
+def _speculation_rows(rows: list[_Row], speculation: SpeculationConfig) -> list[_Row]:
+    """The best stock layout's row (the last stock one) and each policy's first row again, with speculation."""
+    stock = [r for r in rows if r[1] == "stock"][-1:]
+    first: dict[str, _Row] = {}
+    for r in rows:
+        if r[1] == "edgemoe":
+            first.setdefault(r[0].split()[1], r)  # "edgemoe lru ..." -> lru
+    return [_speculating(r, speculation) for r in stock + list(first.values())]
+
+
 def _speculating(row: _Row, speculation: SpeculationConfig) -> _Row:
     """`row` again with speculative decoding ("... +lookup")."""
     name, kind, cfg, setup_fn, note = row
@@ -382,7 +392,7 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
     for pol in spec.policies:
         rows += _policy_rows(b, pol)
     if spec.speculation is not None and spec.speculation.on:
-        rows += [_speculating(row, spec.speculation) for row in rows]
+        rows += _speculation_rows(rows, spec.speculation)
     generated = _run_rows(res, rows, path, prompt, spec.gen_tokens, progress)
     if spec.profile is not None and generated:
         if progress:
