@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..analysis.routing_profile import routing_names
 from .flags import cli_text
-from .options import AttentionOptions, kv_type_options
+from .options import AttentionOptions, flash_attn_option, kv_type_options
 from .types import THREADS, Finite, GGUFPath, OutputPath, Size
+
+if TYPE_CHECKING:
+    from ..gguf.kv_types import FlashAttn
 
 
 def _routing_options(
@@ -161,6 +164,10 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
     help="share of the early computations that are used (cache.precalc.precision; the fixtures' from "
     "layer 5)",
 )
+@flash_attn_option(
+    "the projected engine's flash attention (auto: on, as llama.cpp resolves it on the CPU and CUDA); a profile "
+    "that measured the CPU's decode attention prices it with or without"
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def simulate(
@@ -182,6 +189,7 @@ def simulate(
     precalc_from: int | None,
     precalc_recall: float,
     precalc_precision: float,
+    flash_attn: FlashAttn,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -228,6 +236,7 @@ def simulate(
         assign=assign,
         device_prefill=device_prefill,
         precalc=PrecalcSpec(precalc_from, precalc_recall, precalc_precision) if precalc_from else None,
+        flash_attn=flash_attn,
     )
     trace, where, profile_used = _routing_trace(model, trace_path, routing)
     if gate is not None and profile_used is not None:

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 from ..errors import InvalidConfigError
-from ..gguf.kv_types import KV_CACHE_TYPES, KvCacheType, block_size, is_quantized
-
-# llama.cpp's flash attention setting: "auto" (its default) turns it on where the backend has the kernel for
-# every layer's device; Engine.flash_attn says what it resolved to
-FlashAttn = Literal["auto", "on", "off"]
-FLASH_ATTN: tuple[FlashAttn, ...] = get_args(FlashAttn)
+from ..gguf.kv_types import FLASH_ATTN, KV_CACHE_TYPES, FlashAttn, KvCacheType, block_size, is_quantized
 
 # ggml's GGML_MAX_N_THREADS: the threadpool has this many slots and aborts above it. Any count up
 # to it works (more threads than cores only oversubscribe them), so this is the bound, not a

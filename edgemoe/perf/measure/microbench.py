@@ -153,7 +153,7 @@ def _check_threads(threads: int) -> None:
 
 
 @dataclass
-class _Backend:
+class Backend:
     handle: int
     compute_buft: int  # activations and results
     weight_buft: int  # the plain buffer type for weights on this backend
@@ -163,7 +163,7 @@ class _Backend:
 
 
 @contextmanager
-def _open_backend(threads: int, device: int | None) -> Iterator[_Backend]:
+def open_backend(threads: int, device: int | None) -> Iterator[Backend]:
     ggml_graph.require_ggml()
     cpu = ggml_graph.cpu_device()
     with ExitStack() as stack:
@@ -176,11 +176,11 @@ def _open_backend(threads: int, device: int | None) -> Iterator[_Backend]:
             ggml_graph.cpu_set_threadpool(backend, pool)
             stack.callback(ggml_graph.cpu_set_threadpool, backend, None)  # runs before the pool is freed
             buft = ggml_graph.cpu_buffer_type()
-            yield _Backend(backend, buft, buft, cpu, True, ggml_graph.backend_name(backend))
+            yield Backend(backend, buft, buft, cpu, True, ggml_graph.backend_name(backend))
         else:
             backend = ggml_graph.device_backend(device)
             stack.callback(ggml_graph.backend_free, backend)
-            yield _Backend(
+            yield Backend(
                 backend,
                 ggml_graph.backend_default_buffer_type(backend),
                 ggml_graph.device_buffer_type(device),
@@ -227,7 +227,7 @@ class _Weights:
 
 def _make_weights(
     stack: ExitStack,
-    be: _Backend,
+    be: Backend,
     type_id: int,
     shapes: list[tuple[int, ...]],
     *,
@@ -285,7 +285,7 @@ def _make_weights(
     return _Weights(tensors, buft, total)
 
 
-def _pool_size(item_bytes: int, cold: bool, be: _Backend, pool_bytes: int | None) -> int:
+def _pool_size(item_bytes: int, cold: bool, be: Backend, pool_bytes: int | None) -> int:
     """Weight sets to rotate over: 1 hot; cold, enough that their bytes reach pool_bytes (None: twice the
     last-level cache, but not above POOL_CAP_BYTES nor a quarter of a device's free memory), at least 2
     and at most MAX_POOL."""
@@ -302,7 +302,7 @@ def _pool_size(item_bytes: int, cold: bool, be: _Backend, pool_bytes: int | None
     return max(2, min(n, MAX_POOL))
 
 
-def _median_call(compute: Callable[[], None], prepare: Callable[[int], None], min_seconds: float) -> float:
+def median_call(compute: Callable[[], None], prepare: Callable[[int], None], min_seconds: float) -> float:
     """The median of timed compute() calls, each after an untimed prepare(i); one warm-up call first;
     at least _MIN_CALLS calls and min_seconds of calls."""
     prepare(0)
@@ -378,7 +378,7 @@ def time_expert_ffn(
         + ggml_graph.ggml_row_size(type_id, n_ff) * n_embd
     )
     with ExitStack() as stack:
-        be = stack.enter_context(_open_backend(threads, device))
+        be = stack.enter_context(open_backend(threads, device))
         pool = _pool_size(expert_bytes, cold, be, pool_bytes)
         n_expert = max(pool, 2)  # a stack of one expert is 2-d, and the repack type takes only 3-d ones
         shapes = [(n_embd, n_ff, n_expert), (n_embd, n_ff, n_expert), (n_ff, n_embd, n_expert)]
@@ -400,7 +400,7 @@ def time_expert_ffn(
 
 
 def _time_ffn_at(
-    be: _Backend,
+    be: Backend,
     tensors: Sequence[int],
     n_embd: int,
     c: int,
@@ -438,7 +438,7 @@ def _time_ffn_at(
         def compute() -> None:
             ggml_graph.graph_compute(be.handle, graph)
 
-        return _median_call(compute, prepare, min_seconds)
+        return median_call(compute, prepare, min_seconds)
 
 
 def time_matmul(
@@ -468,7 +468,7 @@ def time_matmul(
     counts = _check_counts(token_counts)
     w_bytes = ggml_graph.ggml_row_size(type_id, ne0) * ne1
     with ExitStack() as stack:
-        be = stack.enter_context(_open_backend(threads, device))
+        be = stack.enter_context(open_backend(threads, device))
         pool = _pool_size(w_bytes, cold, be, pool_bytes)
         weights = _make_weights(stack, be, type_id, [(ne0, ne1)] * pool, repack=repack, probe=_mul_mat_probe)
         order = [weights.tensors[k] for k in np.random.default_rng(1).permutation(pool)]
@@ -504,7 +504,7 @@ def time_matmul(
                 def compute(current: list[int] = current) -> None:
                     ggml_graph.graph_compute(be.handle, current[0])
 
-                out[c] = _median_call(compute, prepare, min_seconds)
+                out[c] = median_call(compute, prepare, min_seconds)
         result = KernelTimings(
             out,
             buffer_type=ggml_graph.buft_name(weights.buft),
@@ -516,7 +516,7 @@ def time_matmul(
     return result
 
 
-def _chain_graph_seconds(be: _Backend, n_nodes: int, stack: ExitStack) -> Callable[[], float]:
+def _chain_graph_seconds(be: Backend, n_nodes: int, stack: ExitStack) -> Callable[[], float]:
     """A graph of n_nodes trivial ops on a 64-element F32 tensor (alternately + 1 and * 0.5); returns a
     function that computes it once and says how long that took."""
     ctx = ggml_graph.ggml_context(n_nodes + 2, graph_size=n_nodes + 8)
@@ -551,7 +551,7 @@ def time_graph_node(
     if n_nodes < 1 or runs < 1:
         raise EdgeMoeError(f"n_nodes={n_nodes}, runs={runs}: both must be >= 1")
     with ExitStack() as stack:
-        be = stack.enter_context(_open_backend(threads, device))
+        be = stack.enter_context(open_backend(threads, device))
         short = _chain_graph_seconds(be, n_nodes, stack)
         long = _chain_graph_seconds(be, 2 * n_nodes, stack)
         short()
@@ -623,7 +623,7 @@ def h2d_bandwidth(
         def copy() -> None:
             ggml_graph.tensor_set(t, src, 0, nbytes)
 
-        seconds = _median_call(copy, lambda i: None, min_seconds)
+        seconds = median_call(copy, lambda i: None, min_seconds)
     return nbytes / seconds
 
 
@@ -660,5 +660,5 @@ def h2d_load_bandwidth(
             ggml_graph.backend_synchronize(backend)
             ggml_graph.tensor_get(t, probe.ctypes.data, 0, 4)
 
-        seconds = _median_call(send, lambda i: None, min_seconds)
+        seconds = median_call(send, lambda i: None, min_seconds)
     return n_chunks * chunk / seconds
