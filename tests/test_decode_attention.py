@@ -97,6 +97,9 @@ def test_profiles_without_decode_attention_load_and_the_simulation_says_so(tmp_p
     assert profile_from_dict(old).cpu.decode_attention == ()
     tr = _decode_trace()
     res = simulate(QWEN, tr, profile_from_dict(old), SimSpec(vram=0, n_ctx=512, policies=()))
+    assert "no measured decode attention" not in res.workload_note  # a specification's: nothing was measured
+    old["kind"] = "measured"
+    res = simulate(QWEN, tr, profile_from_dict(old), SimSpec(vram=0, n_ctx=512, policies=()))
     assert "no measured decode attention" in res.workload_note
     res = simulate(QWEN, tr, prof, SimSpec(vram=0, n_ctx=512, policies=()))
     assert "decode attention" not in res.workload_note

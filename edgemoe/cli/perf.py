@@ -195,8 +195,6 @@ def simulate(
 ) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
-    from ..perf.measure.profiling import default_profile_path
-    from ..perf.model.profile import load_profile
     from ..perf.model.report import format_simulation, plot_simulation
     from ..perf.model.simulate import PrecalcSpec, SimSpec
     from ..perf.model.simulate import simulate as run
@@ -210,15 +208,7 @@ def simulate(
             "--precalc-from needs the cache's tables in the graph, which --blocking-loads "
             "replaces with the routing hook: drop one"
         )
-    if profile_name is None:
-        mine = default_profile_path()
-        if not mine.exists():
-            raise click.UsageError(
-                f"no profile of this machine at {mine}: run `edgemoe profile` first, or pass "
-                "--profile with a bundled name (rtx4060-laptop, rtx4090-desktop, h100-server)"
-            )
-        profile_name = str(mine)
-    prof = load_profile(profile_name)
+    prof = _sim_profile(profile_name)
     gate = (
         GatingSpec(GatingRule(gating), float(threshold))
         if gating is not None and threshold is not None
@@ -251,6 +241,22 @@ def simulate(
         click.echo(json.dumps({**res.to_dict(), "routing": where, "routing_profile": profile_used}, indent=1))
     else:
         click.echo(f"routing: {where}\n{format_simulation(res)}")
+
+
+def _sim_profile(profile_name: str | None) -> Any:
+    """simulate's profile: --profile's, else this machine's measured one (a usage error where there is none)."""
+    from ..perf.measure.profiling import default_profile_path
+    from ..perf.model.profile import load_profile
+
+    if profile_name is None:
+        mine = default_profile_path()
+        if not mine.exists():
+            raise click.UsageError(
+                f"no profile of this machine at {mine}: run `edgemoe profile` first, or pass "
+                "--profile with a bundled name (rtx4060-laptop, rtx4090-desktop, h100-server)"
+            )
+        profile_name = str(mine)
+    return load_profile(profile_name)
 
 
 def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) -> tuple[Any, str, str | None]:

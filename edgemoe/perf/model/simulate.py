@@ -313,7 +313,7 @@ def simulate(
     if plain.note:
         notes.append(plain.note)
     on_gpu = prof.has_gpu and spec.vram > 0
-    if not on_gpu and not prof.cpu.decode_attention:
+    if not on_gpu and prof.kind == "measured" and not prof.cpu.decode_attention:
         notes.append(
             "the profile has no measured decode attention (measured before 2026-11-27): attention priced by its "
             "F16 products, flash attention or not; `edgemoe profile` again adds it"
