@@ -42,15 +42,31 @@ class LayerShape:
 
 @dataclass(frozen=True)
 class ModelShape:
-    name: str
-    architecture: str
-    n_vocab: int
-    n_expert: int
-    n_expert_used: int
+    name: str  # the file's
     layers: tuple[LayerShape, ...]
     head: Weights  # the output projection (token_embd when the model ties them)
-    total_bytes: int  # every tensor: decides whether weights stay in a cache between tokens
     info: ModelInfo
+
+    @property
+    def architecture(self) -> str:
+        return self.info.architecture
+
+    @property
+    def n_vocab(self) -> int:
+        return self.info.n_vocab
+
+    @property
+    def n_expert(self) -> int:
+        return self.info.n_expert
+
+    @property
+    def n_expert_used(self) -> int:
+        return self.info.n_expert_used
+
+    @property
+    def total_bytes(self) -> int:
+        """Every tensor: decides whether weights stay in a cache between tokens."""
+        return self.info.total_tensor_bytes
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -97,17 +113,7 @@ class ModelShape:
             for il in range(info.n_layer)
         )
         out = head or embd or Weights("F16", 2 * info.n_vocab * info.n_embd)
-        return cls(
-            name=Path(path).name,
-            architecture=info.architecture,
-            n_vocab=info.n_vocab,
-            n_expert=info.n_expert,
-            n_expert_used=info.n_expert_used,
-            layers=layers,
-            head=out,
-            total_bytes=info.total_tensor_bytes,
-            info=info,
-        )
+        return cls(name=Path(path).name, layers=layers, head=out, info=info)
 
 
 def _matmul_s(dev: DeviceProfile, ws: tuple[Weights, ...], tokens: int, hot: bool) -> float:
