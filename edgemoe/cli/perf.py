@@ -46,7 +46,8 @@ def _routing_options(
     "--model",
     type=GGUFPath(),
     default=None,
-    help="also measure the ggml types this model uses (default: Q4_K, Q5_K, Q6_K, Q8_0, F16, F32)",
+    help="also measure the ggml types this model uses (default: Q4_K, Q5_K, Q6_K, Q8_0, F16, F32), and its decode "
+    "attention's head shape (default: Qwen3-30B-A3B's)",
 )
 @click.option("--json", "as_json", is_flag=True, help="print the profile as JSON")
 def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -> None:
