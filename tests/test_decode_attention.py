@@ -81,7 +81,9 @@ def test_a_decode_token_is_priced_by_the_measured_attention_flash_or_not() -> No
     # 300 cached tokens and the new one: a graph of 512
     assert flash.attention(0, 1, 300) == pytest.approx(1e-4 + 5e-7 * 256)
     assert plain.attention(0, 1, 300) == pytest.approx(1.5e-4 + 2.5e-7 * 256)
-    assert flash.attention(0, 1, 255) == pytest.approx(1e-4)
+    # below 512 the CPU kernel skips the keys the mask hides: 160 cached and the new one of a graph of 256
+    assert flash.attention(0, 1, 160) == pytest.approx(1e-4 * 161 / 256)
+    assert plain.attention(0, 1, 160) == pytest.approx(1.5e-4)
     # steps of several tokens keep the F16 products' curve, flash attention or not
     curve = LayerCosts.of(load_profile("rtx4060-laptop").cpu, shape)
     assert flash.attention(0, 64, 300) == plain.attention(0, 64, 300) == curve.attention(0, 64, 300)
@@ -112,7 +114,7 @@ def test_simulated_cpu_decode_follows_the_flash_attention_setting() -> None:
     rows = {fa: next(c for c in simulate(QWEN, tr, prof, SimSpec(vram=0, n_ctx=512, policies=(), flash_attn=fa))
                      .configs if c.name == "stock-cpu") for fa in ("auto", "on", "off")}
     assert rows["auto"].decode_tps == rows["on"].decode_tps
-    # the made-up flash attention is faster at a graph of 256 tokens: 100 against 150 us per layer
+    # the made-up flash attention is faster at a graph of 256 tokens: at most 100 against 150 us per layer
     assert rows["on"].decode_tps > rows["off"].decode_tps
     assert rows["on"].prefill_tps == rows["off"].prefill_tps  # prefill keeps the products' curve
 

@@ -21,6 +21,9 @@ from .profile import Curve, DeviceProfile, LinkProfile, MachineProfile, ProfileE
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 KV_PAD = 256  # llama.cpp pads the KV length its attention graph reads to a multiple of this
+FA_SPLIT_KV = (
+    512  # ggml's CPU flash attention splits one token's keys between its threads from this length on
+)
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,10 @@ class LayerCosts:
         measured = nearest_attention(self.dev.decode_attention, info.n_head, info.n_head_kv, head_dim)
         if tokens == 1 and measured is not None and info.n_head > 0:
             n_kv = graph_kv_length(kv_len + 1)
-            return measured.seconds(n_kv, flash=self.flash_attn, heads=info.n_head, head_dim=head_dim)
+            t = measured.seconds(n_kv, flash=self.flash_attn, heads=info.n_head, head_dim=head_dim)
+            # below FA_SPLIT_KV each thread takes whole rows and skips the masked (not yet cached) keys; from it
+            # on the threads split the keys, and the first thread's share is all cached
+            return t * (kv_len + 1) / n_kv if self.flash_attn and n_kv < FA_SPLIT_KV else t
         if self.dev.attention is not None:
             rows = self.shape.info.n_head * (kv_len + tokens)
             return 2 * self.dev.attention.seconds(rows, tokens, hot=True)
