@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..analysis.routing_profile import routing_names
 from .flags import cli_text
-from .options import AttentionOptions, kv_type_options
+from .options import AttentionOptions, flash_attn_option, kv_type_options
 from .types import THREADS, Finite, GGUFPath, OutputPath, Size
+
+if TYPE_CHECKING:
+    from ..gguf.kv_types import FlashAttn
 
 
 def _routing_options(
@@ -43,7 +46,8 @@ def _routing_options(
     "--model",
     type=GGUFPath(),
     default=None,
-    help="also measure the ggml types this model uses (default: Q4_K, Q5_K, Q6_K, Q8_0, F16, F32)",
+    help="also measure the ggml types this model uses (default: Q4_K, Q5_K, Q6_K, Q8_0, F16, F32), and its decode "
+    "attention's head shape (default: Qwen3-30B-A3B's)",
 )
 @click.option("--json", "as_json", is_flag=True, help="print the profile as JSON")
 def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -> None:
@@ -161,6 +165,10 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
     help="share of the early computations that are used (cache.precalc.precision; the fixtures' from "
     "layer 5)",
 )
+@flash_attn_option(
+    "the projected engine's flash attention (auto: on, as llama.cpp resolves it on the CPU and CUDA); a profile "
+    "that measured the CPU's decode attention prices it with or without"
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def simulate(
@@ -182,13 +190,12 @@ def simulate(
     precalc_from: int | None,
     precalc_recall: float,
     precalc_precision: float,
+    flash_attn: FlashAttn,
     as_json: bool,
     plot: Path | None,
 ) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
-    from ..perf.measure.profiling import default_profile_path
-    from ..perf.model.profile import load_profile
     from ..perf.model.report import format_simulation, plot_simulation
     from ..perf.model.simulate import PrecalcSpec, SimSpec
     from ..perf.model.simulate import simulate as run
@@ -202,15 +209,7 @@ def simulate(
             "--precalc-from needs the cache's tables in the graph, which --blocking-loads "
             "replaces with the routing hook: drop one"
         )
-    if profile_name is None:
-        mine = default_profile_path()
-        if not mine.exists():
-            raise click.UsageError(
-                f"no profile of this machine at {mine}: run `edgemoe profile` first, or pass "
-                "--profile with a bundled name (rtx4060-laptop, rtx4090-desktop, h100-server)"
-            )
-        profile_name = str(mine)
-    prof = load_profile(profile_name)
+    prof = _sim_profile(profile_name)
     gate = (
         GatingSpec(GatingRule(gating), float(threshold))
         if gating is not None and threshold is not None
@@ -228,6 +227,7 @@ def simulate(
         assign=assign,
         device_prefill=device_prefill,
         precalc=PrecalcSpec(precalc_from, precalc_recall, precalc_precision) if precalc_from else None,
+        flash_attn=flash_attn,
     )
     trace, where, profile_used = _routing_trace(model, trace_path, routing)
     if gate is not None and profile_used is not None:
@@ -242,6 +242,22 @@ def simulate(
         click.echo(json.dumps({**res.to_dict(), "routing": where, "routing_profile": profile_used}, indent=1))
     else:
         click.echo(f"routing: {where}\n{format_simulation(res)}")
+
+
+def _sim_profile(profile_name: str | None) -> Any:
+    """simulate's profile: --profile's, else this machine's measured one (a usage error where there is none)."""
+    from ..perf.measure.profiling import default_profile_path
+    from ..perf.model.profile import load_profile
+
+    if profile_name is None:
+        mine = default_profile_path()
+        if not mine.exists():
+            raise click.UsageError(
+                f"no profile of this machine at {mine}: run `edgemoe profile` first, or pass "
+                "--profile with a bundled name (rtx4060-laptop, rtx4090-desktop, h100-server)"
+            )
+        profile_name = str(mine)
+    return load_profile(profile_name)
 
 
 def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) -> tuple[Any, str, str | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 from ..errors import EdgeMoeError
 from .expert_cache import CacheController
@@ -54,6 +55,15 @@ class Generation:
     tokens: list[int]  # generated ids (the stop token included when one ended generation)
     stop_reason: str  # "eog" | "length" | "context"
     timings: Timings
+
+
+class GenerateOptions(TypedDict, total=False):
+    """Engine.stream's keywords, which Engine.generate takes too (typed **kwargs)."""
+
+    max_tokens: int  # new tokens at most (128)
+    sampling: SamplingParams | None  # None: SamplingParams()
+    parse_special: bool  # tokenize special-token text in a str prompt as the special token
+    ignore_eog: bool  # keep generating past end-of-generation tokens (benchmarks)
 
 
 class _Utf8Stream:

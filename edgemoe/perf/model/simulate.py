@@ -27,6 +27,7 @@ from typing import Any
 from ...analysis.trace import DECODE, PREFILL
 from ...errors import EdgeMoeError
 from ...gguf.header import check_gguf
+from ...gguf.kv_types import FlashAttn
 from ...placement.budget import slots_beside_prefill_buffers
 from ...placement.planner import Device, PlacementPlan, budget_request
 from ...placement.planner import plan as plan_placement
@@ -85,6 +86,11 @@ class SimSpec:
     )
     # the trace's first sequences only warm the cache (replayed, not counted), as `edgemoe bench` warms up
     warmup_seqs: int = 0
+    flash_attn: FlashAttn = "auto"  # the engine's (LoadConfig's): "auto" is on, as llama.cpp resolves it
+
+    @property
+    def flash_attn_on(self) -> bool:
+        return self.flash_attn != "off"
 
 
 @dataclass
@@ -159,10 +165,12 @@ def run_config(
     frequency: Mapping[int, Any] | None = None,
     policy: ResidencyPolicy | None = None,
     warmup_seqs: int = 0,
+    flash_attn: bool = True,
 ) -> ConfigResult:
     """Replay the workload's steps in order through one configuration. `policy`: a fresh residency policy
     object to replay for cfg.policy instead of one built by name (e.g. with frequencies of another trace).
-    Sequences below `warmup_seqs` run (their loads, the policy's state) but are not counted."""
+    Sequences below `warmup_seqs` run (their loads, the policy's state) but are not counted. flash_attn: the
+    attention runs llama.cpp's flash-attention kernel."""
     if policy is None and cfg.policy is not None:
         policy = (
             make_policy(  # static and daop place by `frequency` where it is given, else by the calibration's
@@ -175,7 +183,9 @@ def run_config(
             )
         )
     features = config_features(cfg, shape, prof, policy, overlap=overlap)
-    run = Run(shape, prof, nodes, features, on_gpu=on_gpu, pageable_loads=cfg.pageable_loads)
+    run = Run(
+        shape, prof, nodes, features, on_gpu=on_gpu, pageable_loads=cfg.pageable_loads, flash_attn=flash_attn
+    )
     pre, dec = Acc(), Acc()
     seq_pre: dict[int, float] = {}
     for s in work.steps:
@@ -303,6 +313,11 @@ def simulate(
     if plain.note:
         notes.append(plain.note)
     on_gpu = prof.has_gpu and spec.vram > 0
+    if not on_gpu and prof.kind == "measured" and not prof.cpu.decode_attention:
+        notes.append(
+            "the profile has no measured decode attention (measured before 2026-11-27): attention priced by its "
+            "F16 products, flash attention or not; `edgemoe profile` again adds it"
+        )
     results = [
         run_config(
             c,
@@ -315,6 +330,7 @@ def simulate(
             calibration=spec.calibration,
             frequency=decode_frequency if _phase(c) == "decode" else frequency,
             warmup_seqs=spec.warmup_seqs,
+            flash_attn=spec.flash_attn_on,
         )
         for c in cfgs
     ]
