@@ -117,7 +117,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     trace_path = work / f"check-cpu-trace-p{args.prompt_tokens}-g{args.gen}.npz"
     prefill_tps, decode_tps, trace = measure_and_trace(model, trace_path, args)
     n_ctx = (args.prompt_tokens + args.gen + 255) // 256 * 256
-    sim = simulate(model, trace, prof, SimSpec(vram=0, n_ctx=n_ctx, n_ubatch=512, policies=()))
+    spec = SimSpec(vram=0, n_ctx=n_ctx, n_ubatch=512, policies=(), flash_attn=args.flash_attn)
+    sim = simulate(model, trace, prof, spec)
     row = next(c for c in sim.configs if c.name == "stock-cpu")
     return {
         "model": str(model),
@@ -125,6 +126,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         "profile_wall_s": wall,
         "profile_warnings": warnings,
         "profile_notes": prof.notes,
+        "flash_attn": args.flash_attn,
+        "workload_note": sim.workload_note,
         "trace": str(trace_path),
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen,
@@ -152,7 +155,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
-                    help="the measured engine's (stock llama.cpp's default: auto, on for the CPU)")
+                    help="the measured engine's and the projection's (stock llama.cpp's default: auto, on for "
+                    "the CPU)")
     ap.add_argument("--max-error", type=float, default=0.15, help="the bar for |projected / measured - 1|")
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="MINUTES")
     ap.add_argument("--idle-load", type=float, default=0.5)

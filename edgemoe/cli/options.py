@@ -15,8 +15,7 @@ import click
 from .types import THREADS, Finite
 
 if TYPE_CHECKING:
-    from ..gguf.kv_types import KvCacheType
-    from ..runtime.config import FlashAttn
+    from ..gguf.kv_types import FlashAttn, KvCacheType
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -119,17 +118,21 @@ def _attention_opts(*, kv_only: bool = False) -> list[Decorator]:
         )
         for x, h in helps.items()
     ]
-    if kv_only:
-        return kv
-    fa = click.option(
+    return kv if kv_only else [flash_attn_option(), *kv]
+
+
+def flash_attn_option(
+    text: str = "flash attention (auto: on where the backend supports it, as llama.cpp's default)",
+) -> Decorator:
+    """-fa/--flash-attn, given to the command as `flash_attn`."""
+    return click.option(
         "-fa",
         "--flash-attn",
         type=click.Choice(["auto", "on", "off"]),
         default="auto",
         show_default=True,
-        help="flash attention (auto: on where the backend supports it, as llama.cpp's default)",
+        help=text,
     )
-    return [fa, *kv]
 
 
 def attention_options(f: Any) -> Any:

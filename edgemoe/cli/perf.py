@@ -7,14 +7,17 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..analysis.routing_profile import routing_names
 from .flags import cli_text
-from .options import AttentionOptions, kv_type_options
+from .options import AttentionOptions, flash_attn_option, kv_type_options
 from .types import THREADS, Finite, GGUFPath, OutputPath, Size
+
+if TYPE_CHECKING:
+    from ..gguf.kv_types import FlashAttn
 
 
 def _speculation_projection_options(f: Any) -> Any:
@@ -65,7 +68,8 @@ def _routing_options(
     "--model",
     type=GGUFPath(),
     default=None,
-    help="also measure the ggml types this model uses (default: Q4_K, Q5_K, Q6_K, Q8_0, F16, F32)",
+    help="also measure the ggml types this model uses (default: Q4_K, Q5_K, Q6_K, Q8_0, F16, F32), and its decode "
+    "attention's head shape (default: Qwen3-30B-A3B's)",
 )
 @click.option("--json", "as_json", is_flag=True, help="print the profile as JSON")
 def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -> None:
@@ -184,6 +188,10 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
     "layer 5)",
 )
 @_speculation_projection_options
+@flash_attn_option(
+    "the projected engine's flash attention (auto: on, as llama.cpp resolves it on the CPU and CUDA); a profile "
+    "that measured the CPU's decode attention prices it with or without"
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def simulate(
@@ -207,6 +215,7 @@ def simulate(
     precalc_precision: float,
     draft_max: int,
     acceptances: tuple[float, ...],
+    flash_attn: FlashAttn,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -226,7 +235,7 @@ def simulate(
             "--precalc-from needs the cache's tables in the graph, which --blocking-loads "
             "replaces with the routing hook: drop one"
         )
-    prof = _simulate_profile(profile_name)
+    prof = _sim_profile(profile_name)
     gate = (
         GatingSpec(GatingRule(gating), float(threshold))
         if gating is not None and threshold is not None
@@ -244,6 +253,7 @@ def simulate(
         assign=assign,
         device_prefill=device_prefill,
         precalc=PrecalcSpec(precalc_from, precalc_recall, precalc_precision) if precalc_from else None,
+        flash_attn=flash_attn,
     )
     trace, where, profile_used = _routing_trace(model, trace_path, routing)
     if gate is not None and profile_used is not None:
@@ -266,8 +276,17 @@ def simulate(
             click.echo(format_speculation(spec_rows))
 
 
-def _simulate_profile(profile_name: str | None) -> Any:
-    """simulate's machine profile: the one named, else this machine's (which `edgemoe profile` measures)."""
+def _speculation(
+    model: Path, trace: Any, prof: Any, spec: Any, draft: int, acceptances: tuple[float, ...]
+) -> Any:
+    """The speculation rows of simulate and plan (edgemoe.perf.model.speculation)."""
+    from ..perf.model.speculation import project_speculation
+
+    return project_speculation(model, trace, prof, spec, draft, sorted(set(acceptances)))
+
+
+def _sim_profile(profile_name: str | None) -> Any:
+    """simulate's profile: --profile's, else this machine's measured one (a usage error where there is none)."""
     from ..perf.measure.profiling import default_profile_path
     from ..perf.model.profile import load_profile
 
@@ -280,15 +299,6 @@ def _simulate_profile(profile_name: str | None) -> Any:
             )
         profile_name = str(mine)
     return load_profile(profile_name)
-
-
-def _speculation(
-    model: Path, trace: Any, prof: Any, spec: Any, draft: int, acceptances: tuple[float, ...]
-) -> Any:
-    """The speculation rows of simulate and plan (edgemoe.perf.model.speculation)."""
-    from ..perf.model.speculation import project_speculation
-
-    return project_speculation(model, trace, prof, spec, draft, sorted(set(acceptances)))
 
 
 def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) -> tuple[Any, str, str | None]:

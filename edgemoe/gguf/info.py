@@ -104,6 +104,11 @@ class ModelInfo:
     def is_moe(self) -> bool:
         return self.n_expert > 0 and bool(self.moe_layers)
 
+    @property
+    def slot_bytes(self) -> int:
+        """One expert in each MoE layer: what one cache slot per layer holds."""
+        return sum(self.bytes_per_expert_by_layer.values())
+
 
 # --------------------------------------------------------------------------- read_model_info
 

@@ -11,6 +11,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 # llama.cpp's names; f16 is its default. A quantized V cache needs flash attention (llama.cpp's rule).
 KvCacheType = Literal["f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
 KV_CACHE_TYPES: tuple[KvCacheType, ...] = get_args(KvCacheType)
+# llama.cpp's flash attention setting: "auto" (its default) turns it on where the backend has the kernel for
+# every layer's device (the CPU's and CUDA's have); the runtime's Engine.flash_attn says what it resolved to
+FlashAttn = Literal["auto", "on", "off"]
+FLASH_ATTN: tuple[FlashAttn, ...] = get_args(FlashAttn)
 
 
 @dataclass(frozen=True)

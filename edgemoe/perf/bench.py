@@ -475,6 +475,7 @@ def project(
             policies=tuple(p for p in spec.policies if policy_spec(p).projected),
             calibration=spec.calibration,
             overlap=True,
+            flash_attn=spec.flash_attn,
         ),
     )  # the edgemoe rows run overlapped
     by_name = {c.name: c for c in sim.configs}
@@ -528,6 +529,7 @@ def _project_precalc(
             calibration=spec.calibration,
             overlap=True,
             precalc=PrecalcSpec(spec.precalc_from, float(pc["early_share"]), float(pc["precision"])),
+            flash_attn=spec.flash_attn,
         ),
     )
     key = f"edgemoe-{pol}-precalc"

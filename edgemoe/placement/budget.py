@@ -154,7 +154,7 @@ def slot_budget(
         reserve_bytes += context_reserve_bytes(info, n_ctx)
     kv_bytes_ = estimate_kv_cache_bytes(info, n_ctx, kv)
     left = max(0, budget_bytes - info.dense_bytes - kv_bytes_ - reserve_bytes - predictor_bytes)
-    slot = sum(info.bytes_per_expert_by_layer.values())  # one expert in each MoE layer
+    slot = info.slot_bytes
     slots = min(info.n_expert, left // slot) if slot else 0
     return SlotBudget(
         budget_bytes=budget_bytes,

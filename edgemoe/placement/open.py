@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..gguf.header import check_gguf
 from ..gguf.info import parse_size
-from ..gguf.kv_types import KvCacheType
 from ..runtime import native
-from ..runtime.config import FlashAttn
+from ..runtime.config import LoadOptions
 from ..runtime.engine import Engine
 from ..speculation.config import SpeculationConfig
 from .install import Notify, install_cache, install_gating
 from .planner import Device, plan
 from .request import CacheRequest, cache_request
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -28,23 +30,19 @@ def open_engine(
     policy: str | None = None,
     cache: CacheRequest | None = None,
     n_ctx: int = 0,
-    n_threads: int = 0,
-    n_gpu_layers: int = 0,
-    flash_attn: FlashAttn = "auto",
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
     calibration: Path | None = None,
     gating: Any = None,
     speculation: SpeculationConfig | None = None,
     notify: Notify = log.info,
+    **load: Unpack[LoadOptions],
 ) -> Engine:
     """An Engine of `model` with an expert cache of `vram` bytes (or a size such as "8GiB") or `expert_slots` per
     MoE layer, run by `policy` (None: the default for the other options); `cache` gives every option of the cache
     instead. With neither budget nor slots it loads as stock llama.cpp does. `n_ctx` 0: with a budget, the context
     the plan picks for it (edgemoe.placement.context.default_context, said in a note); else the model's, at most
-    4096; a context given is never changed. `flash_attn` ("auto": on where the
-    backend supports it) and the KV cache's types (LoadConfig's) go to the engine, and a budget's plan reserves
-    the KV cache of those types. `gating`
+    4096; a context given is never changed. `load`: LoadConfig's n_threads, n_gpu_layers, flash_attn ("auto": on
+    where the backend supports it) and the KV cache's types (cache_type_k, cache_type_v), which go to the engine;
+    a budget's plan reserves the KV cache of those types. `gating`
     (edgemoe.calibration.adaptive.GatingOptions) turns on adaptive top-k; `speculation` speculative decoding
     (Engine.set_speculation: a draft model is opened then). Notes for the user go to `notify`.
     The placement is planned once from the file's header (edgemoe.placement.plan), before the model loads; a
@@ -65,12 +63,8 @@ def open_engine(
         cache,
         n_ctx=n_ctx,
         device=this_device(),
-        n_threads=n_threads,
-        n_gpu_layers=n_gpu_layers,
-        flash_attn=flash_attn,
-        cache_type_k=cache_type_k,
-        cache_type_v=cache_type_v,
         calibration=calibration,
+        **load,
     )
     engine = Engine(path, placement.load, header=header)
     for note in placement.notes:

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..calibration import auto
 from ..calibration.adaptive import default_calibration_dir
 from ..gguf.header import GgufHeader
 from ..gguf.info import ModelInfo, format_size, model_info
-from ..gguf.kv_types import KvCacheType, KvTypes
+from ..gguf.kv_types import FlashAttn, KvTypes
 from ..policies.daop import precalc_targets
 from ..policies.registry import policy_spec
 from ..runtime.cache_config import checked_slots
-from ..runtime.config import FlashAttn, LoadConfig
+from ..runtime.config import LoadConfig, LoadOptions
 from .budget import (
     SlotBudget,
     best_n_cpu_moe,
@@ -33,6 +34,9 @@ from .budget import (
 )
 from .context import ContextChoice, ContextTable, context_table, default_context
 from .request import CacheRequest, PlacementError, cache_request
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 
 @dataclass(frozen=True)
@@ -92,23 +96,21 @@ def plan(
     *,
     n_ctx: int,
     device: Device | None,
-    n_threads: int = 0,
-    n_gpu_layers: int = 0,
-    flash_attn: FlashAttn = "auto",
-    cache_type_k: KvCacheType = "f16",
-    cache_type_v: KvCacheType = "f16",
     calibration: Path | None = None,
+    **load: Unpack[LoadOptions],
 ) -> PlacementPlan:
     """The placement of `header`'s model for `request` (None: stock llama.cpp) at a context of `n_ctx` tokens (0:
     for a budget, the context edgemoe.placement.context.default_context picks, said in a note; else the
-    model's, at most 4096) on `device` (None: no GPU), with flash attention and the KV cache's types as
-    LoadConfig takes them (the budget reserves a KV cache of those types). `calibration`: the directory to use
-    (None: the model's). Raises PlacementError for a request this model cannot run, before anything is loaded."""
+    model's, at most 4096) on `device` (None: no GPU), loaded with `load` (LoadConfig's threads, layers, flash
+    attention and KV cache types; the budget reserves a KV cache of those types). `calibration`: the directory to
+    use (None: the model's). Raises PlacementError for a request this model cannot run, before anything is
+    loaded."""
+    opts = LoadConfig(**load)  # the load settings given, LoadConfig's defaults for the rest
     info = model_info(header)
     req = request if request is not None and request.enabled else None
     prefill = bool(req and req.device_prefill)
-    kv = KvTypes(cache_type_k, cache_type_v)
-    table, choice = _contexts(info, req, n_ctx, kv, flash_attn)
+    kv = KvTypes(opts.cache_type_k, opts.cache_type_v)
+    table, choice = _contexts(info, req, n_ctx, kv, opts.flash_attn)
     asked = choice.n_ctx if choice is not None else n_ctx
     ctx = engine_ctx(asked, info.n_ctx_train)
     reserve = vram_reserve(info, prefill) + context_reserve_bytes(info, ctx)
@@ -118,14 +120,7 @@ def plan(
     whole = bool(req and info.is_moe and budget is not None and holds_every_expert(info, budget, prefill))
     cache = req is not None and info.is_moe and not whole
     slots = _slots(info, req, budget) if cache and req is not None else None
-    base = LoadConfig(
-        n_threads=n_threads,
-        n_ctx=asked,
-        n_gpu_layers=n_gpu_layers,
-        flash_attn=flash_attn,
-        cache_type_k=cache_type_k,
-        cache_type_v=cache_type_v,
-    )
+    base = replace(opts, n_ctx=asked)
     return PlacementPlan(
         load=_load_config(base, info, req, device, whole),
         n_ctx=ctx,
@@ -134,7 +129,7 @@ def plan(
         whole_model_fits=whole,
         cache=cache,
         slots_per_layer=slots,
-        slot_bytes=sum(info.bytes_per_expert_by_layer.values()),
+        slot_bytes=info.slot_bytes,
         kv_cache_bytes=estimate_kv_cache_bytes(info, ctx, kv),
         reserve_bytes=reserve,
         budget=budget,

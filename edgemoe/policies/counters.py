@@ -4,11 +4,30 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, overload
 
 
-def _share(num: float, den: float) -> float | None:
-    return num / den if den else None
+class Share:
+    """A counter record's derived ratio of two of its counters, num / den (None where den is 0); to_dict lists
+    every one of a record's with its counters."""
+
+    def __init__(self, num: str, den: str) -> None:
+        self.num, self.den = num, den
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Share: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> float | None: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Share | float | None:
+        if obj is None:
+            return self
+        num, den = getattr(obj, self.num), getattr(obj, self.den)
+        return num / den if den else None
+
+
+def _shares(record: object) -> dict[str, float | None]:
+    """Each Share of the record's class by name, with its value."""
+    return {name: getattr(record, name) for name, v in vars(type(record)).items() if isinstance(v, Share)}
 
 
 @dataclass
@@ -21,13 +40,8 @@ class PrefetchCounts:
     routed: int = 0  # experts the predicted layers used (sum |A|)
     correct: int = 0  # used experts that were predicted (sum |P & A|)
 
-    @property
-    def accuracy(self) -> float | None:
-        return _share(self.correct, self.routed)
-
-    @property
-    def fetch_rate(self) -> float | None:
-        return _share(self.in_time, self.predicted)
+    accuracy = Share("correct", "routed")
+    fetch_rate = Share("in_time", "predicted")
 
     @property
     def goodpred(self) -> float | None:
@@ -35,12 +49,7 @@ class PrefetchCounts:
         return None if a is None or f is None else a * f
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "accuracy": self.accuracy,
-            "fetch_rate": self.fetch_rate,
-            "goodpred": self.goodpred,
-        }
+        return {**asdict(self), **_shares(self), "goodpred": self.goodpred}
 
 
 @dataclass
@@ -58,25 +67,12 @@ class ReplayResult:
     def hit_rate(self) -> float:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
-    @property
-    def loads_per_token(self) -> float | None:
-        return _share(self.loads, self.tokens)
-
-    @property
-    def bytes_per_token(self) -> float | None:
-        return _share(self.bytes, self.tokens)
-
-    @property
-    def useful_share(self) -> float | None:
-        return _share(self.useful_loads, self.loads)
+    loads_per_token = Share("loads", "tokens")
+    bytes_per_token = Share("bytes", "tokens")
+    useful_share = Share("useful_loads", "loads")
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "prefetch"}
-        d.update(
-            hit_rate=self.hit_rate,
-            loads_per_token=self.loads_per_token,
-            bytes_per_token=self.bytes_per_token,
-            useful_share=self.useful_share,
-            prefetch=self.prefetch.to_dict() if self.prefetch else None,
-        )
+        d.update(hit_rate=self.hit_rate, **_shares(self))
+        d["prefetch"] = self.prefetch.to_dict() if self.prefetch else None
         return d

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TypedDict
 
 from ..errors import InvalidConfigError
-from ..gguf.kv_types import KV_CACHE_TYPES, KvCacheType, block_size, is_quantized
-
-# llama.cpp's flash attention setting: "auto" (its default) turns it on where the backend has the kernel for
-# every layer's device; Engine.flash_attn says what it resolved to
-FlashAttn = Literal["auto", "on", "off"]
-FLASH_ATTN: tuple[FlashAttn, ...] = get_args(FlashAttn)
+from ..gguf.kv_types import FLASH_ATTN, KV_CACHE_TYPES, FlashAttn, KvCacheType, block_size, is_quantized
 
 # ggml's GGML_MAX_N_THREADS: the threadpool has this many slots and aborts above it. Any count up
 # to it works (more threads than cores only oversubscribe them), so this is the bound, not a
@@ -32,6 +27,17 @@ def planned_ctx(n_ctx: int, n_ctx_train: int) -> int:
     """The context a LoadConfig(n_ctx) gives a model trained at n_ctx_train (0: unknown), for sizing its KV cache
     before loading (the engine's rule; llama.cpp may round it up to a multiple of 256)."""
     return n_ctx or min(n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
+
+
+class LoadOptions(TypedDict, total=False):
+    """The LoadConfig fields a placement forwards as they are (edgemoe.placement.plan, open_engine: typed
+    **kwargs); LoadConfig's comments say what each means."""
+
+    n_threads: int
+    n_gpu_layers: int
+    flash_attn: FlashAttn
+    cache_type_k: KvCacheType
+    cache_type_v: KvCacheType
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import ctypes
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from .draft_model import make_source
 from .exclusive import ThreadGuard
 from .expert_cache import CacheController, ExpertCache
 from .gating import Gating
-from .generation import Generation, Timings
+from .generation import GenerateOptions, Generation, Timings
 from .handle import NativeHandle
 from .hooks import HookChain
 from .prediction import GraphPredictors
@@ -48,6 +48,9 @@ from .sampling import SamplingParams
 from .sequence import KVSequence
 from .speculative import Speculation, Speculator
 from .vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 __all__ = [
     "ChatMessage",
@@ -245,24 +248,10 @@ class Engine:
             except StopIteration as stop:
                 self.last = stop.value
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int = 128,
-        sampling: SamplingParams | None = None,
-        parse_special: bool = False,
-        ignore_eog: bool = False,
-        speculate: bool = True,
-    ) -> Generation:
-        for _ in self.stream(
-            prompt,
-            max_tokens=max_tokens,
-            sampling=sampling,
-            parse_special=parse_special,
-            ignore_eog=ignore_eog,
-            speculate=speculate,
-        ):
+    def generate(self, prompt: str | Sequence[int], **options: Unpack[GenerateOptions]) -> Generation:
+        """Generate to the end (stream's keywords: max_tokens, sampling, parse_special, ignore_eog, speculate) and return
+        the Generation."""
+        for _ in self.stream(prompt, **options):
             pass
         assert self.last is not None
         return self.last

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 from ..errors import EdgeMoeError
 from ..speculation.config import SpeculationStats
@@ -57,6 +58,16 @@ class Generation:
     stop_reason: str  # "eog" | "length" | "context"
     timings: Timings
     speculation: SpeculationStats | None = None  # what speculative decoding did (None: it was off)
+
+
+class GenerateOptions(TypedDict, total=False):
+    """Engine.stream's keywords, which Engine.generate takes too (typed **kwargs)."""
+
+    max_tokens: int  # new tokens at most (128)
+    sampling: SamplingParams | None  # None: SamplingParams()
+    parse_special: bool  # tokenize special-token text in a str prompt as the special token
+    ignore_eog: bool  # keep generating past end-of-generation tokens (benchmarks)
+    speculate: bool  # False: the engine's speculative decoding (Engine.set_speculation) off for this call
 
 
 class _Utf8Stream:

@@ -80,6 +80,27 @@ _swiglu_split = declare("ggml_swiglu_split", [_vp, _vp, _vp], _vp, ggml_base_lib
 _add = declare("ggml_add", [_vp, _vp, _vp], _vp, ggml_base_lib)
 # struct ggml_tensor * ggml_scale(struct ggml_context * ctx, struct ggml_tensor * a, float s);
 _scale = declare("ggml_scale", [_vp, _vp, ctypes.c_float], _vp, ggml_base_lib)
+# struct ggml_tensor * ggml_permute(struct ggml_context * ctx, struct ggml_tensor * a, int axis0, int axis1,
+#                                  int axis2, int axis3);
+_permute = declare(
+    "ggml_permute", [_vp, _vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int], _vp, ggml_base_lib
+)
+# struct ggml_tensor * ggml_cont(struct ggml_context * ctx, struct ggml_tensor * a);
+_cont = declare("ggml_cont", [_vp, _vp], _vp, ggml_base_lib)
+# struct ggml_tensor * ggml_soft_max_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * mask,
+#                                       float scale, float max_bias);
+_soft_max_ext = declare(
+    "ggml_soft_max_ext", [_vp, _vp, _vp, ctypes.c_float, ctypes.c_float], _vp, ggml_base_lib
+)
+# struct ggml_tensor * ggml_flash_attn_ext(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
+#                                         struct ggml_tensor * v, struct ggml_tensor * mask, float scale,
+#                                         float max_bias, float logit_softcap);
+_flash_attn_ext = declare(
+    "ggml_flash_attn_ext",
+    [_vp, _vp, _vp, _vp, _vp, ctypes.c_float, ctypes.c_float, ctypes.c_float],
+    _vp,
+    ggml_base_lib,
+)
 # struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
 _new_graph_custom = declare("ggml_new_graph_custom", [_vp, _sz, ctypes.c_bool], _vp, ggml_base_lib)
 # void ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
@@ -181,6 +202,10 @@ def require_ggml() -> None:
         _swiglu_split,
         _add,
         _scale,
+        _permute,
+        _cont,
+        _soft_max_ext,
+        _flash_attn_ext,
         _new_graph_custom,
         _build_forward_expand,
         _graph_n_nodes,
@@ -291,6 +316,27 @@ def ggml_add(ctx: int, a: int, b: int) -> int:
 
 def ggml_scale(ctx: int, a: int, s: float) -> int:
     return _ptr(_scale(ctx, a, s), "ggml_scale")
+
+
+def ggml_permute(ctx: int, a: int, axes: tuple[int, int, int, int]) -> int:
+    """A view of a with its dimension i moved to axes[i]."""
+    return _ptr(_permute(ctx, a, *axes), "ggml_permute")
+
+
+def ggml_cont(ctx: int, a: int) -> int:
+    """A contiguous copy of a (a permuted view)."""
+    return _ptr(_cont(ctx, a), "ggml_cont")
+
+
+def ggml_soft_max_ext(ctx: int, a: int, mask: int, scale: float) -> int:
+    """softmax(a * scale + mask) over rows (no ALiBi)."""
+    return _ptr(_soft_max_ext(ctx, a, mask, scale, 0.0), "ggml_soft_max_ext")
+
+
+def ggml_flash_attn_ext(ctx: int, q: int, k: int, v: int, mask: int, scale: float) -> int:
+    """Fused attention (no ALiBi, no logit soft-capping): q [d, tokens, heads], k and v [d, n_kv, kv_heads]
+    (F16), mask [n_kv, tokens] F16; the result is [d, heads, tokens]."""
+    return _ptr(_flash_attn_ext(ctx, q, k, v, mask, scale, 0.0, 0.0), "ggml_flash_attn_ext")
 
 
 def ggml_graph(ctx: int, outputs: list[int], size: int) -> int:

@@ -22,12 +22,16 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
 from ...errors import EdgeMoeError
 from ...runtime import native
 from . import ggml_graph
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +157,7 @@ def _check_threads(threads: int) -> None:
 
 
 @dataclass
-class _Backend:
+class Backend:
     handle: int
     compute_buft: int  # activations and results
     weight_buft: int  # the plain buffer type for weights on this backend
@@ -163,7 +167,7 @@ class _Backend:
 
 
 @contextmanager
-def _open_backend(threads: int, device: int | None) -> Iterator[_Backend]:
+def open_backend(threads: int, device: int | None) -> Iterator[Backend]:
     ggml_graph.require_ggml()
     cpu = ggml_graph.cpu_device()
     with ExitStack() as stack:
@@ -176,11 +180,11 @@ def _open_backend(threads: int, device: int | None) -> Iterator[_Backend]:
             ggml_graph.cpu_set_threadpool(backend, pool)
             stack.callback(ggml_graph.cpu_set_threadpool, backend, None)  # runs before the pool is freed
             buft = ggml_graph.cpu_buffer_type()
-            yield _Backend(backend, buft, buft, cpu, True, ggml_graph.backend_name(backend))
+            yield Backend(backend, buft, buft, cpu, True, ggml_graph.backend_name(backend))
         else:
             backend = ggml_graph.device_backend(device)
             stack.callback(ggml_graph.backend_free, backend)
-            yield _Backend(
+            yield Backend(
                 backend,
                 ggml_graph.backend_default_buffer_type(backend),
                 ggml_graph.device_buffer_type(device),
@@ -227,7 +231,7 @@ class _Weights:
 
 def _make_weights(
     stack: ExitStack,
-    be: _Backend,
+    be: Backend,
     type_id: int,
     shapes: list[tuple[int, ...]],
     *,
@@ -285,7 +289,7 @@ def _make_weights(
     return _Weights(tensors, buft, total)
 
 
-def _pool_size(item_bytes: int, cold: bool, be: _Backend, pool_bytes: int | None) -> int:
+def _pool_size(item_bytes: int, cold: bool, be: Backend, pool_bytes: int | None) -> int:
     """Weight sets to rotate over: 1 hot; cold, enough that their bytes reach pool_bytes (None: twice the
     last-level cache, but not above POOL_CAP_BYTES nor a quarter of a device's free memory), at least 2
     and at most MAX_POOL."""
@@ -302,7 +306,7 @@ def _pool_size(item_bytes: int, cold: bool, be: _Backend, pool_bytes: int | None
     return max(2, min(n, MAX_POOL))
 
 
-def _median_call(compute: Callable[[], None], prepare: Callable[[int], None], min_seconds: float) -> float:
+def median_call(compute: Callable[[], None], prepare: Callable[[int], None], min_seconds: float) -> float:
     """The median of timed compute() calls, each after an untimed prepare(i); one warm-up call first;
     at least _MIN_CALLS calls and min_seconds of calls."""
     prepare(0)
@@ -341,6 +345,57 @@ def _mul_mat_probe(ctx: int, w: int, shape: tuple[int, ...]) -> int:
     return ggml_graph.ggml_mul_mat(ctx, w, x)
 
 
+class TimerOptions(TypedDict, total=False):
+    """How time_expert_ffn and time_matmul time their products (typed keywords; the default in brackets)."""
+
+    # on the CPU, weights in the CPU backend's repack buffer type when it takes the type and shape (llama.cpp's
+    # default load), else the plain CPU buffer; False: always the plain one [True]
+    repack: bool
+    # each call reads its weights from memory (DRAM; device memory on a device): the calls rotate over a pool of
+    # weights of twice the last-level cache (capped at 1 GiB, MAX_POOL weights; pool_bytes overrides it); False:
+    # always the same weights, which stay in cache after the warm-up call [True]
+    cold: bool
+    # a ggml_backend_dev_t whose backend computes the graph (a CUDA GPU, the RPC loopback device of
+    # native.rpc_loopback_device); threads is then not used [None: the CPU backend with `threads` threads]
+    device: int | None
+    min_seconds: float  # of timed calls per point, at least 5 of them [0.05]
+    pool_bytes: int | None  # the cold pool's bytes [None: as `cold` says]
+
+
+@dataclass(frozen=True)
+class _Product:
+    """What one timer builds: the weight tensors of a pool of n, llama.cpp's buffer-type test for them, and the
+    median seconds at c tokens."""
+
+    name: str  # for the log
+    item_bytes: int  # one weight set of the pool
+    shapes: Callable[[int], list[tuple[int, ...]]]
+    probe: Callable[[int, int, tuple[int, ...]], int]
+    time_at: Callable[[Backend, _Weights, int, int, float], float]  # (backend, weights, pool, c, min_seconds)
+
+
+def _time_product(
+    product: _Product, counts: list[int], type_id: int, threads: int, options: TimerOptions
+) -> KernelTimings:
+    """The product's seconds at each token count, with the buffer type, backend and pool used."""
+    with ExitStack() as stack:
+        be = stack.enter_context(open_backend(threads, options.get("device")))
+        pool = _pool_size(product.item_bytes, options.get("cold", True), be, options.get("pool_bytes"))
+        repack = options.get("repack", True)
+        weights = _make_weights(stack, be, type_id, product.shapes(pool), repack=repack, probe=product.probe)
+        min_seconds = options.get("min_seconds", 0.05)
+        out = {c: product.time_at(be, weights, pool, c, min_seconds) for c in counts}
+        result = KernelTimings(
+            out,
+            buffer_type=ggml_graph.buft_name(weights.buft),
+            backend=be.name,
+            pool=pool,
+            pool_bytes=pool * product.item_bytes,
+        )
+    log.debug("%s: %r", product.name, result)
+    return result
+
+
 def time_expert_ffn(
     qtype: str,
     n_embd: int,
@@ -348,11 +403,7 @@ def time_expert_ffn(
     token_counts: Sequence[int],
     *,
     threads: int,
-    repack: bool = True,
-    cold: bool = True,
-    device: int | None = None,
-    min_seconds: float = 0.05,
-    pool_bytes: int | None = None,
+    **options: Unpack[TimerOptions],
 ) -> KernelTimings:
     """Seconds for ONE expert's SwiGLU FFN over c tokens that all route to it, for each c in token_counts.
 
@@ -361,14 +412,8 @@ def time_expert_ffn(
     ggml_swiglu_split, and ggml_mul_mat_id of the stacked down [n_ff, n_embd, n_expert]: the graph
     llama.cpp builds for a MoE layer, with top-1 routing. Setting the ids between calls is not timed.
 
-    cold=True: the ids rotate over a pool of experts whose weights exceed twice the last-level cache
-    (capped at 1 GiB; pool_bytes overrides it), so every call reads its expert from DRAM (device memory
-    on a device); cold=False: always expert 0 of 2, which stays in cache after the warm-up call.
-    repack=True: on the CPU, weights in the CPU backend's repack buffer type when it takes the type and
-    shape (llama.cpp's default load), else the plain CPU buffer (repack=False: always the plain one).
-    device=None: the CPU backend with `threads` threads; otherwise a ggml_backend_dev_t (a CUDA GPU, the
-    RPC loopback device of native.rpc_loopback_device) whose backend computes the graph; threads is then
-    not used. Returns KernelTimings: {c: seconds} with the buffer type, backend and pool used.
+    Cold (TimerOptions), the ids rotate over a pool of experts; hot, always expert 0 of 2. Returns
+    KernelTimings: {c: seconds} with the buffer type, backend and pool used.
     """
     type_id = _type_id(qtype)
     _check_dims(qtype, type_id, {"n_embd": n_embd, "n_ff": n_ff}, {})
@@ -377,30 +422,24 @@ def time_expert_ffn(
         2 * ggml_graph.ggml_row_size(type_id, n_embd) * n_ff
         + ggml_graph.ggml_row_size(type_id, n_ff) * n_embd
     )
-    with ExitStack() as stack:
-        be = stack.enter_context(_open_backend(threads, device))
-        pool = _pool_size(expert_bytes, cold, be, pool_bytes)
+    rng = np.random.default_rng(2)
+
+    def shapes(pool: int) -> list[tuple[int, ...]]:
         n_expert = max(pool, 2)  # a stack of one expert is 2-d, and the repack type takes only 3-d ones
-        shapes = [(n_embd, n_ff, n_expert), (n_embd, n_ff, n_expert), (n_ff, n_embd, n_expert)]
-        weights = _make_weights(stack, be, type_id, shapes, repack=repack, probe=_mul_mat_id_probe)
+        return [(n_embd, n_ff, n_expert), (n_embd, n_ff, n_expert), (n_ff, n_embd, n_expert)]
+
+    def time_at(be: Backend, weights: _Weights, pool: int, c: int, min_seconds: float) -> float:
         order = np.random.default_rng(1).permutation(pool).astype(np.int32)  # [0] when hot
-        rng = np.random.default_rng(2)
-        out: dict[int, float] = {}
-        for c in counts:
-            out[c] = _time_ffn_at(be, weights.tensors, n_embd, c, order, rng, min_seconds)
-        result = KernelTimings(
-            out,
-            buffer_type=ggml_graph.buft_name(weights.buft),
-            backend=be.name,
-            pool=pool,
-            pool_bytes=pool * expert_bytes,
-        )
-    log.debug("expert FFN %s %dx%d: %r", qtype, n_embd, n_ff, result)
-    return result
+        return _time_ffn_at(be, weights.tensors, n_embd, c, order, rng, min_seconds)
+
+    name = f"expert FFN {qtype} {n_embd}x{n_ff}"
+    return _time_product(
+        _Product(name, expert_bytes, shapes, _mul_mat_id_probe, time_at), counts, type_id, threads, options
+    )
 
 
 def _time_ffn_at(
-    be: _Backend,
+    be: Backend,
     tensors: Sequence[int],
     n_embd: int,
     c: int,
@@ -438,7 +477,7 @@ def _time_ffn_at(
         def compute() -> None:
             ggml_graph.graph_compute(be.handle, graph)
 
-        return _median_call(compute, prepare, min_seconds)
+        return median_call(compute, prepare, min_seconds)
 
 
 def time_matmul(
@@ -448,75 +487,67 @@ def time_matmul(
     token_counts: Sequence[int],
     *,
     threads: int,
-    repack: bool = True,
-    cold: bool = True,
-    device: int | None = None,
-    min_seconds: float = 0.05,
-    pool_bytes: int | None = None,
+    **options: Unpack[TimerOptions],
 ) -> KernelTimings:
     """Seconds for ggml_mul_mat of a [ne0, ne1] weight (ne0 = input features, ggml order) by [ne0, c] F32
     activations, for each c in token_counts (a dense layer: attention projections, shared experts, output).
 
-    Timed: one ggml_backend_graph_compute of a one-node graph. cold=True: each call multiplies the next of
-    a pool of separate weights whose bytes exceed twice the last-level cache (capped at 1 GiB and MAX_POOL
-    weights; pool_bytes overrides it; one graph per weight, all writing the same result memory);
-    cold=False: always the same weight. repack, device and threads as in time_expert_ffn. Returns
-    KernelTimings: {c: seconds} with the buffer type, backend and pool used.
+    Timed: one ggml_backend_graph_compute of a one-node graph. Cold (TimerOptions), each call multiplies the
+    next of a pool of separate weights (one graph per weight, all writing the same result memory); hot, always
+    the same weight. Returns KernelTimings: {c: seconds} with the buffer type, backend and pool used.
     """
     type_id = _type_id(qtype)
     _check_dims(qtype, type_id, {"ne0": ne0}, {"ne1": ne1})
     counts = _check_counts(token_counts)
-    w_bytes = ggml_graph.ggml_row_size(type_id, ne0) * ne1
-    with ExitStack() as stack:
-        be = stack.enter_context(_open_backend(threads, device))
-        pool = _pool_size(w_bytes, cold, be, pool_bytes)
-        weights = _make_weights(stack, be, type_id, [(ne0, ne1)] * pool, repack=repack, probe=_mul_mat_probe)
+    rng = np.random.default_rng(2)
+
+    def time_at(be: Backend, weights: _Weights, pool: int, c: int, min_seconds: float) -> float:
         order = [weights.tensors[k] for k in np.random.default_rng(1).permutation(pool)]
-        rng = np.random.default_rng(2)
-        out: dict[int, float] = {}
-        align = 4096
-        for c in counts:
-            with ExitStack() as per:
-                ctx = ggml_graph.ggml_context(1 + pool, graph_size=0)
-                per.callback(ggml_graph.ggml_context_free, ctx)
-                x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (ne0, c))
-                results = [ggml_graph.ggml_mul_mat(ctx, w, x) for w in order]
-                r_bytes = ggml_graph.ggml_nbytes(results[0])
-                x_off = -(-r_bytes // align) * align
-                buf = ggml_graph.buft_alloc_buffer(be.compute_buft, x_off + ggml_graph.ggml_nbytes(x))
-                per.callback(ggml_graph.buffer_free, buf)
-                base = ggml_graph.buffer_base(buf)  # aligned as the buffer type needs
-                for r in results:  # every result in the same place: only the weight changes between calls
-                    ggml_graph.tensor_alloc(buf, r, base)
-                ggml_graph.tensor_alloc(buf, x, base + x_off)
-                xs = _f32(rng, ne0 * c)
-                ggml_graph.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
-                graphs = []
-                for r in results:
-                    g_ctx = ggml_graph.ggml_context(0, graph_size=4)
-                    per.callback(ggml_graph.ggml_context_free, g_ctx)
-                    graphs.append(ggml_graph.ggml_graph(g_ctx, [r], 4))
-                current = [graphs[0]]
+        return _time_matmul_at(be, order, ne0, c, rng, min_seconds)
 
-                def prepare(i: int, graphs: list[int] = graphs, current: list[int] = current) -> None:
-                    current[0] = graphs[i % len(graphs)]
-
-                def compute(current: list[int] = current) -> None:
-                    ggml_graph.graph_compute(be.handle, current[0])
-
-                out[c] = _median_call(compute, prepare, min_seconds)
-        result = KernelTimings(
-            out,
-            buffer_type=ggml_graph.buft_name(weights.buft),
-            backend=be.name,
-            pool=pool,
-            pool_bytes=pool * w_bytes,
-        )
-    log.debug("matmul %s %dx%d: %r", qtype, ne0, ne1, result)
-    return result
+    name = f"matmul {qtype} {ne0}x{ne1}"
+    w_bytes = ggml_graph.ggml_row_size(type_id, ne0) * ne1
+    product = _Product(name, w_bytes, lambda pool: [(ne0, ne1)] * pool, _mul_mat_probe, time_at)
+    return _time_product(product, counts, type_id, threads, options)
 
 
-def _chain_graph_seconds(be: _Backend, n_nodes: int, stack: ExitStack) -> Callable[[], float]:
+def _time_matmul_at(
+    be: Backend, order: list[int], ne0: int, c: int, rng: np.random.Generator, min_seconds: float
+) -> float:
+    """time_matmul's median seconds at c tokens: one graph per weight of `order`, each call the next one's."""
+    align = 4096
+    with ExitStack() as per:
+        ctx = ggml_graph.ggml_context(1 + len(order), graph_size=0)
+        per.callback(ggml_graph.ggml_context_free, ctx)
+        x = ggml_graph.ggml_new_tensor(ctx, native.GGML_TYPE_F32, (ne0, c))
+        results = [ggml_graph.ggml_mul_mat(ctx, w, x) for w in order]
+        r_bytes = ggml_graph.ggml_nbytes(results[0])
+        x_off = -(-r_bytes // align) * align
+        buf = ggml_graph.buft_alloc_buffer(be.compute_buft, x_off + ggml_graph.ggml_nbytes(x))
+        per.callback(ggml_graph.buffer_free, buf)
+        base = ggml_graph.buffer_base(buf)  # aligned as the buffer type needs
+        for r in results:  # every result in the same place: only the weight changes between calls
+            ggml_graph.tensor_alloc(buf, r, base)
+        ggml_graph.tensor_alloc(buf, x, base + x_off)
+        xs = _f32(rng, ne0 * c)
+        ggml_graph.tensor_set(x, xs.ctypes.data, 0, xs.nbytes)
+        graphs = []
+        for r in results:
+            g_ctx = ggml_graph.ggml_context(0, graph_size=4)
+            per.callback(ggml_graph.ggml_context_free, g_ctx)
+            graphs.append(ggml_graph.ggml_graph(g_ctx, [r], 4))
+        current = [graphs[0]]
+
+        def prepare(i: int) -> None:
+            current[0] = graphs[i % len(graphs)]
+
+        def compute() -> None:
+            ggml_graph.graph_compute(be.handle, current[0])
+
+        return median_call(compute, prepare, min_seconds)
+
+
+def _chain_graph_seconds(be: Backend, n_nodes: int, stack: ExitStack) -> Callable[[], float]:
     """A graph of n_nodes trivial ops on a 64-element F32 tensor (alternately + 1 and * 0.5); returns a
     function that computes it once and says how long that took."""
     ctx = ggml_graph.ggml_context(n_nodes + 2, graph_size=n_nodes + 8)
@@ -551,7 +582,7 @@ def time_graph_node(
     if n_nodes < 1 or runs < 1:
         raise EdgeMoeError(f"n_nodes={n_nodes}, runs={runs}: both must be >= 1")
     with ExitStack() as stack:
-        be = stack.enter_context(_open_backend(threads, device))
+        be = stack.enter_context(open_backend(threads, device))
         short = _chain_graph_seconds(be, n_nodes, stack)
         long = _chain_graph_seconds(be, 2 * n_nodes, stack)
         short()
@@ -623,7 +654,7 @@ def h2d_bandwidth(
         def copy() -> None:
             ggml_graph.tensor_set(t, src, 0, nbytes)
 
-        seconds = _median_call(copy, lambda i: None, min_seconds)
+        seconds = median_call(copy, lambda i: None, min_seconds)
     return nbytes / seconds
 
 
@@ -660,5 +691,5 @@ def h2d_load_bandwidth(
             ggml_graph.backend_synchronize(backend)
             ggml_graph.tensor_get(t, probe.ctypes.data, 0, 4)
 
-        seconds = _median_call(send, lambda i: None, min_seconds)
+        seconds = median_call(send, lambda i: None, min_seconds)
     return n_chunks * chunk / seconds

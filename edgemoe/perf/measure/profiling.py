@@ -30,7 +30,7 @@ import numpy as np
 
 from ...calibration.card import cache_dir
 from ...gguf.info import read_model_info
-from ...gguf.presets import get_preset
+from ...gguf.presets import SynthPreset, get_preset
 from ...runtime.config import default_threads
 from ..model.costmodel import LayerCosts, ModelShape
 from ..model.host_fit import HostFit, fit_host_terms
@@ -46,6 +46,7 @@ from ..model.profile import (
 )
 from ..model.profile_checks import CheckNote
 from . import microbench as measure
+from .attention import DEFAULT_SHAPE, AttentionShape, describe, measure_decode_attention
 from .profile_curves import EXPERT_SHAPES, CurveRun, measure_attention, measure_curves
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ DENSE_ONLY_TYPES = ("F16", "F32")  # routers, small projections; not expert type
 # name, layers, vocabulary: two depths for the node cost, a third to check them, a large vocabulary
 PROBES = (("probe-2", 2, 1024), ("probe-4", 4, 1024), ("probe-8", 8, 1024), ("probe-2v", 2, 65536))
 PROBE_REPS = 3  # decode runs of each probe, each a row of the host fit
+PROBE_PRESET = "tiny-qwen3moe"  # the probes' layers (edgemoe.gguf.presets)
 # cold pools: twice the last-level cache, but at least MIN_COLD_POOL (VMs report less cache than the host's
 # cores share: a pool that fits the real one times DRAM too fast) and at most measure.POOL_CAP_BYTES
 MIN_COLD_POOL = 512 << 20
@@ -141,13 +143,14 @@ def fit_host(
     prefill's remainder."""
     from ...gguf.synth import write_synthetic
 
-    base = get_preset("tiny-qwen3moe")
+    base = get_preset(PROBE_PRESET)
     runs = []
     for name, layers, vocab in PROBES:
         path = workdir / f"{name}.gguf"
         preset = dataclasses.replace(base, name=name, n_layer=layers, n_vocab=vocab)
         write_synthetic(preset, path, progress=False)
-        runs.append((_probe_run(path, threads), LayerCosts.of(cpu, ModelShape.read(path))))
+        # the probes run llama.cpp's default attention: flash attention on the CPU
+        runs.append((_probe_run(path, threads), LayerCosts.of(cpu, ModelShape.read(path), flash_attn=True)))
         tick()
     rows = [
         (run.nodes_tg, run.n_vocab, t - costs.decode_step(kv_len=PROBE_PROMPT + 32))
@@ -243,7 +246,7 @@ def measure_profile(
     threads = threads or default_threads()
     expert_types, dense_types = _types(model)
     gpu_dev = native.gpu_device()
-    steps = 4 * (len(expert_types) + len(dense_types)) * (2 if gpu_dev else 1) + len(PROBES) + 3
+    steps = 4 * (len(expert_types) + len(dense_types)) * (2 if gpu_dev else 1) + len(PROBES) + 4
     done = [0]
 
     def tick() -> None:
@@ -253,26 +256,10 @@ def measure_profile(
 
     t0 = time.perf_counter()
     busy0, own0 = _cpu_busy_seconds(), _own_seconds()
-    mem_bw = measure.host_copy_bandwidth()
-    node_s = measure.time_graph_node(threads=threads)
-    tick()
     checks: list[CheckNote] = []
     remeasured = [0]
-    pool = _cold_pool_bytes()
-    matmul = _checked_curves(CurveRun("matmul", threads, None, pool), dense_types, tick, checks, remeasured)
-    expert = _checked_curves(CurveRun("expert", threads, None, pool), expert_types, tick, checks, remeasured)
-    attention = measure_attention(threads=threads, device=None, tick=tick)
-    cpu = DeviceProfile(
-        name=f"CPU ({threads} threads)",
-        mem_bytes=_ram_bytes(),
-        cache_bytes=_llc_bytes(),
-        node_s=node_s,
-        roofline=_roofline(mem_bw, {**matmul}, 0.0),
-        matmul=matmul,
-        expert=expert,
-        threads=threads,
-        attention=attention,
-    )
+    cpu = _measure_cpu(threads, (expert_types, dense_types), model, tick, checks, remeasured)
+    node_s = cpu.node_s
     t_probes = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="edgemoe-probe-") as tmp:
         host, fit = fit_host(cpu, threads, Path(tmp), tick)
@@ -286,7 +273,11 @@ def measure_profile(
     others = max(0.0, (_cpu_busy_seconds() - busy0) - (_own_seconds() - own0)) / (
         wall * (os.cpu_count() or 1)
     )
-    notes = [*_fit_notes(node_s, fit), _report_checks(checks, remeasured[0])]
+    notes = [
+        *_fit_notes(node_s, fit),
+        *map(describe, cpu.decode_attention),
+        _report_checks(checks, remeasured[0]),
+    ]
     notes.append(f"other processes used {others:.0%} of the CPUs while profiling")
     if others > BUSY_WARNING:
         log.warning(
@@ -312,6 +303,42 @@ def measure_profile(
     )
 
 
+def _measure_cpu(
+    threads: int,
+    types: tuple[tuple[str, ...], tuple[str, ...]],
+    model: str | Path | None,
+    tick: Callable[[], None],
+    checks: list[CheckNote],
+    remeasured: list[int],
+) -> DeviceProfile:
+    """The CPU's figures before the host fit: memory bandwidth, node cost, the (expert, dense) types' checked
+    curves, the attention products' curve and one decode token's attention with and without flash attention."""
+    expert_types, dense_types = types
+    mem_bw = measure.host_copy_bandwidth()
+    node_s = measure.time_graph_node(threads=threads)
+    tick()
+    pool = _cold_pool_bytes()
+    matmul = _checked_curves(CurveRun("matmul", threads, None, pool), dense_types, tick, checks, remeasured)
+    expert = _checked_curves(CurveRun("expert", threads, None, pool), expert_types, tick, checks, remeasured)
+    attention = measure_attention(threads=threads, device=None, tick=tick)
+    # the model's heads (or the default's) and the probes', so the host fit subtracts what they really cost
+    shapes = (_attention_shape(model), _attention_shape(None, get_preset(PROBE_PRESET)))
+    decode_attention = measure_decode_attention(threads=threads, shapes=shapes)
+    tick()
+    return DeviceProfile(
+        name=f"CPU ({threads} threads)",
+        mem_bytes=_ram_bytes(),
+        cache_bytes=_llc_bytes(),
+        node_s=node_s,
+        roofline=_roofline(mem_bw, {**matmul}, 0.0),
+        matmul=matmul,
+        expert=expert,
+        threads=threads,
+        attention=attention,
+        decode_attention=decode_attention,
+    )
+
+
 def _types(model: str | Path | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The expert and dense types to measure: the defaults, plus the model's that measure can build."""
     expert_types = DEFAULT_TYPES
@@ -323,6 +350,18 @@ def _types(model: str | Path | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
         expert_types = tuple(sorted(set(expert_types) | (used & supported)))
         dense_types = tuple(sorted(set(dense_types) | (set(info.bytes_by_type) & supported)))
     return expert_types, dense_types
+
+
+def _attention_shape(model: str | Path | None, preset: SynthPreset | None = None) -> AttentionShape:
+    """The heads and head size of a model file or a synthetic preset (the default's where neither is given,
+    the model has no attention heads, or its K and V heads differ in size)."""
+    if preset is not None:
+        return AttentionShape(preset.n_head, preset.n_head_kv, preset.head_dim)
+    if model is None:
+        return DEFAULT_SHAPE
+    info = read_model_info(model)
+    shape = AttentionShape(info.n_head, info.n_head_kv, info.n_embd_head_k)
+    return shape if shape.valid and info.n_embd_head_k == info.n_embd_head_v else DEFAULT_SHAPE
 
 
 def _measure_gpu(
@@ -403,6 +442,7 @@ def summary(prof: MachineProfile) -> str:
             f"{prof.link.h2d_pageable / 1e9:.1f} GB/s pageable, {prof.link.h2d_pinned / 1e9:.1f} GB/s pinned, "
             f"{prof.link.loads_bw / 1e9:.1f} GB/s expert loads"
         )
+    lines += [f"  {describe(a)}" for a in cpu.decode_attention]
     for n in prof.checks:
         values = ", ".join(f"{r * 1e3:.3g}" for r in n.readings_s)
         lines.append(

@@ -17,9 +17,13 @@ from ...gguf.header import GgufHeader, check_gguf
 from ...gguf.info import ModelInfo, is_expert_tensor, model_info
 from ...placement.budget import estimate_kv_cache_bytes
 from ...policies.assignment import CostModel, TransferMode
-from .profile import Curve, DeviceProfile, LinkProfile, MachineProfile, ProfileError
+from .profile import Curve, DeviceProfile, LinkProfile, MachineProfile, ProfileError, nearest_attention
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+KV_PAD = 256  # llama.cpp pads the KV length its attention graph reads to a multiple of this
+FA_SPLIT_KV = (
+    512  # ggml's CPU flash attention splits one token's keys between its threads from this length on
+)
 
 
 @dataclass(frozen=True)
@@ -41,15 +45,31 @@ class LayerShape:
 
 @dataclass(frozen=True)
 class ModelShape:
-    name: str
-    architecture: str
-    n_vocab: int
-    n_expert: int
-    n_expert_used: int
+    name: str  # the file's
     layers: tuple[LayerShape, ...]
     head: Weights  # the output projection (token_embd when the model ties them)
-    total_bytes: int  # every tensor: decides whether weights stay in a cache between tokens
     info: ModelInfo
+
+    @property
+    def architecture(self) -> str:
+        return self.info.architecture
+
+    @property
+    def n_vocab(self) -> int:
+        return self.info.n_vocab
+
+    @property
+    def n_expert(self) -> int:
+        return self.info.n_expert
+
+    @property
+    def n_expert_used(self) -> int:
+        return self.info.n_expert_used
+
+    @property
+    def total_bytes(self) -> int:
+        """Every tensor: decides whether weights stay in a cache between tokens."""
+        return self.info.total_tensor_bytes
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -96,37 +116,42 @@ class ModelShape:
             for il in range(info.n_layer)
         )
         out = head or embd or Weights("F16", 2 * info.n_vocab * info.n_embd)
-        return cls(
-            name=Path(path).name,
-            architecture=info.architecture,
-            n_vocab=info.n_vocab,
-            n_expert=info.n_expert,
-            n_expert_used=info.n_expert_used,
-            layers=layers,
-            head=out,
-            total_bytes=info.total_tensor_bytes,
-            info=info,
-        )
+        return cls(name=Path(path).name, layers=layers, head=out, info=info)
 
 
 def _matmul_s(dev: DeviceProfile, ws: tuple[Weights, ...], tokens: int, hot: bool) -> float:
     return sum(dev.matmul_curve(w.qtype).seconds(w.nbytes, tokens, hot=hot) for w in ws)
 
 
+def graph_kv_length(cached: int) -> int:
+    """The KV length of llama.cpp's attention over `cached` tokens (the step's own included): padded to
+    KV_PAD so the graph stays the same between steps (llama_kv_cache::get_n_kv; the cache's size caps it)."""
+    return max(KV_PAD, -(-cached // KV_PAD) * KV_PAD)
+
+
 @dataclass(frozen=True)
 class LayerCosts:
-    """Seconds of a model's pieces on one device. hot: the weights stay in its last-level cache."""
+    """Seconds of a model's pieces on one device. hot: the weights stay in its last-level cache. flash_attn:
+    the attention runs llama.cpp's flash-attention kernel (its default, "auto", on the CPU and CUDA)."""
 
     dev: DeviceProfile
     shape: ModelShape
     hot: bool
+    flash_attn: bool = True
     _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def of(cls, dev: DeviceProfile, shape: ModelShape, *, resident_bytes: int | None = None) -> LayerCosts:
+    def of(
+        cls,
+        dev: DeviceProfile,
+        shape: ModelShape,
+        *,
+        resident_bytes: int | None = None,
+        flash_attn: bool = True,
+    ) -> LayerCosts:
         """resident_bytes: the weights this device reads each token (default: the whole model)."""
         size = shape.total_bytes if resident_bytes is None else resident_bytes
-        return cls(dev, shape, hot=size <= dev.cache_bytes)
+        return cls(dev, shape, hot=size <= dev.cache_bytes, flash_attn=flash_attn)
 
     def dense(self, il: int, tokens: int) -> float:
         key = ("dense", il, tokens)
@@ -135,10 +160,21 @@ class LayerCosts:
         return self._memo[key]
 
     def attention(self, il: int, tokens: int, kv_len: int) -> float:
-        """The attention of `tokens` new tokens over `kv_len` cached ones. Measured (a profile's attention
-        curve): K^T q and V p as F16 products of one head-sized row per (head, key), the causal mask
-        saving nothing. Else a roofline: read the cache once, and the multiply-adds of the (query, key)
-        pairs, each query seeing about half of the new tokens."""
+        """The attention of `tokens` new tokens over `kv_len` cached ones. One decode token on a device whose
+        profile measured it (`decode_attention`): the measured layer, with or without flash attention, at the
+        graph's padded KV length. Else measured products (a profile's attention curve): K^T q and V p as F16
+        products of one head-sized row per (head, key), the causal mask saving nothing. Else a roofline: read
+        the cache once, and the multiply-adds of the (query, key) pairs, each query seeing about half of the
+        new tokens."""
+        info = self.shape.info
+        head_dim = (info.n_embd_head_k + info.n_embd_head_v) // 2
+        measured = nearest_attention(self.dev.decode_attention, info.n_head, info.n_head_kv, head_dim)
+        if tokens == 1 and measured is not None and info.n_head > 0:
+            n_kv = graph_kv_length(kv_len + 1)
+            t = measured.seconds(n_kv, flash=self.flash_attn, heads=info.n_head, head_dim=head_dim)
+            # below FA_SPLIT_KV each thread takes whole rows and skips the masked (not yet cached) keys; from it
+            # on the threads split the keys, and the first thread's share is all cached
+            return t * (kv_len + 1) / n_kv if self.flash_attn and n_kv < FA_SPLIT_KV else t
         if self.dev.attention is not None:
             rows = self.shape.info.n_head * (kv_len + tokens)
             return 2 * self.dev.attention.seconds(rows, tokens, hot=True)

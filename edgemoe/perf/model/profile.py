@@ -22,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ...errors import EdgeMoeError
@@ -116,6 +117,53 @@ class Roofline:
 
 
 @dataclass(frozen=True)
+class AttentionTimes:
+    """One layer's attention of one decode token on the CPU, measured by `edgemoe profile` at a few lengths of
+    the graph's KV view for one head shape: with flash attention (ggml_flash_attn_ext) and without (K^T q,
+    softmax, V p and a copy: llama.cpp's mul_mat path)."""
+
+    n_head: int  # query heads of the measured shape
+    n_head_kv: int
+    head_dim: int
+    n_kv: tuple[int, ...]  # ascending KV lengths
+    flash_s: tuple[float, ...]  # seconds at each length with flash attention
+    plain_s: tuple[float, ...]  # and without
+
+    def __post_init__(self) -> None:
+        n = len(self.n_kv)
+        if not n or len(self.flash_s) != n or len(self.plain_s) != n:
+            raise ValueError("decode attention needs one flash and one plain time per KV length")
+        if any(b <= a for a, b in zip(self.n_kv, self.n_kv[1:], strict=False)) or self.n_kv[0] < 1:
+            raise ValueError("decode attention's KV lengths must be positive and ascending")
+        if min(self.flash_s + self.plain_s) <= 0 or min(self.n_head, self.n_head_kv, self.head_dim) < 1:
+            raise ValueError("decode attention's times and head counts must be positive")
+
+    def seconds(self, n_kv: int, *, flash: bool, heads: int, head_dim: int) -> float:
+        """At a graph's KV length n_kv, for `heads` query heads of head_dim values: linear between the measured
+        lengths (past the last one, the last two's slope; below the first, the first's time), scaled by the
+        query heads times the head size (the work per cached token)."""
+        ts = self.flash_s if flash else self.plain_s
+        xs = self.n_kv
+        if n_kv <= xs[-1] or len(xs) == 1:
+            t = float(np.interp(n_kv, xs, ts))
+        else:
+            t = ts[-1] + (n_kv - xs[-1]) * (ts[-1] - ts[-2]) / (xs[-1] - xs[-2])
+        return t * heads * head_dim / (self.n_head * self.head_dim)
+
+
+def nearest_attention(
+    measured: tuple[AttentionTimes, ...], heads: int, kv_heads: int, head_dim: int
+) -> AttentionTimes | None:
+    """The measured shape to price a model's attention by: its own, else the one whose query heads times head
+    size is nearest (by ratio); None when nothing was measured."""
+    exact = [a for a in measured if (a.n_head, a.n_head_kv, a.head_dim) == (heads, kv_heads, head_dim)]
+    if exact or not measured:
+        return exact[0] if exact else None
+    work = max(1, heads * head_dim)
+    return min(measured, key=lambda a: abs(math.log(a.n_head * a.head_dim / work)))
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     """A CPU (with its thread count) or a GPU."""
 
@@ -128,6 +176,9 @@ class DeviceProfile:
     expert: Mapping[str, Curve] = field(default_factory=dict)  # measured expert FFNs (gate+up+down) per type
     threads: int = 0  # CPU threads the figures were measured with (0 for a GPU)
     attention: Curve | None = None  # F16 products with head-sized rows, per row (not per byte): K^T q and V p
+    # one decode token's attention per layer, with and without flash attention, for a few head shapes (absent
+    # before 2026-11-27: the attention curve prices it)
+    decode_attention: tuple[AttentionTimes, ...] = ()
     # a GPU that takes ops on host weights for large batches (llama.cpp's op offload: CUDA does, the RPC
     # backend has no offload_op)
     op_offload: bool = True
@@ -222,6 +273,17 @@ def _curve(d: Mapping[str, Any]) -> Curve:
     return Curve(pts)
 
 
+def _attention_times(d: Mapping[str, Any]) -> AttentionTimes:
+    return AttentionTimes(
+        n_head=int(d["n_head"]),
+        n_head_kv=int(d["n_head_kv"]),
+        head_dim=int(d["head_dim"]),
+        n_kv=tuple(int(x) for x in d["n_kv"]),
+        flash_s=tuple(float(x) for x in d["flash_s"]),
+        plain_s=tuple(float(x) for x in d["plain_s"]),
+    )
+
+
 def _device(d: Mapping[str, Any]) -> DeviceProfile:
     r = d["roofline"]
     roof = Roofline(
@@ -239,6 +301,7 @@ def _device(d: Mapping[str, Any]) -> DeviceProfile:
         expert={q: _curve(c) for q, c in d.get("expert", {}).items()},
         threads=int(d.get("threads", 0)),
         attention=_curve(d["attention"]) if d.get("attention") else None,
+        decode_attention=tuple(_attention_times(a) for a in d.get("decode_attention", ())),
         op_offload=bool(d.get("op_offload", True)),
     )
 

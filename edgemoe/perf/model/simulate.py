@@ -27,6 +27,7 @@ from typing import Any
 from ...analysis.trace import DECODE, PREFILL
 from ...errors import EdgeMoeError
 from ...gguf.header import check_gguf
+from ...gguf.kv_types import FlashAttn
 from ...placement.budget import slots_beside_prefill_buffers
 from ...placement.planner import Device, PlacementPlan, budget_request
 from ...placement.planner import plan as plan_placement
@@ -88,6 +89,11 @@ class SimSpec:
     # decode tokens per step: 1, or speculation's k + 1 (a verification of k proposals; decode_tps then counts
     # the positions verified, edgemoe.perf.model.speculation turns it into tokens at an acceptance rate)
     verify: int = 1
+    flash_attn: FlashAttn = "auto"  # the engine's (LoadConfig's): "auto" is on, as llama.cpp resolves it
+
+    @property
+    def flash_attn_on(self) -> bool:
+        return self.flash_attn != "off"
 
 
 @dataclass
@@ -162,10 +168,12 @@ def run_config(
     frequency: Mapping[int, Any] | None = None,
     policy: ResidencyPolicy | None = None,
     warmup_seqs: int = 0,
+    flash_attn: bool = True,
 ) -> ConfigResult:
     """Replay the workload's steps in order through one configuration. `policy`: a fresh residency policy
     object to replay for cfg.policy instead of one built by name (e.g. with frequencies of another trace).
-    Sequences below `warmup_seqs` run (their loads, the policy's state) but are not counted."""
+    Sequences below `warmup_seqs` run (their loads, the policy's state) but are not counted. flash_attn: the
+    attention runs llama.cpp's flash-attention kernel."""
     if policy is None and cfg.policy is not None:
         policy = (
             make_policy(  # static and daop place by `frequency` where it is given, else by the calibration's
@@ -178,7 +186,9 @@ def run_config(
             )
         )
     features = config_features(cfg, shape, prof, policy, overlap=overlap)
-    run = Run(shape, prof, nodes, features, on_gpu=on_gpu, pageable_loads=cfg.pageable_loads)
+    run = Run(
+        shape, prof, nodes, features, on_gpu=on_gpu, pageable_loads=cfg.pageable_loads, flash_attn=flash_attn
+    )
     pre, dec = Acc(), Acc()
     seq_pre: dict[int, float] = {}
     for s in work.steps:
@@ -317,6 +327,11 @@ def simulate(
     if plain.note:
         notes.append(plain.note)
     on_gpu = prof.has_gpu and spec.vram > 0
+    if not on_gpu and prof.kind == "measured" and not prof.cpu.decode_attention:
+        notes.append(
+            "the profile has no measured decode attention (measured before 2026-11-27): attention priced by its "
+            "F16 products, flash attention or not; `edgemoe profile` again adds it"
+        )
     results = [
         run_config(
             c,
@@ -329,6 +344,7 @@ def simulate(
             calibration=spec.calibration,
             frequency=decode_frequency if _phase(c) == "decode" else frequency,
             warmup_seqs=spec.warmup_seqs,
+            flash_attn=spec.flash_attn_on,
         )
         for c in cfgs
     ]

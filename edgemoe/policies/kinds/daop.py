@@ -11,8 +11,7 @@ import numpy as np
 from ...errors import EdgeMoeError
 from ..daop import DAOP_SWAP_THRESHOLD, DaopPolicy, replay_all_sizes
 from ..registry import LayerReplay, NativeStep, PolicyInputs, PolicyRecord, PolicySpec, register
-from ..residency import load_frequency
-from .static import FREQUENCY_STAGES, needs_calibration
+from .static import FREQUENCY_STAGES, needs_calibration, placement_frequency
 
 
 @dataclass(frozen=True)
@@ -26,19 +25,14 @@ class DaopConfig(PolicyRecord):
 
 
 def _build(config: DaopConfig, inputs: PolicyInputs) -> DaopPolicy:
-    slots = dict(inputs.slots)
-    freq = inputs.frequency
-    if freq is None:
-        if config.calibration is None:
-            raise needs_calibration(config.name)
-        if inputs.n_expert is None:
-            raise EdgeMoeError("the daop policy needs the model's expert count (n_expert)")
-        freq = load_frequency(
-            config.calibration, n_expert=inputs.n_expert, layers=list(slots), phase="decode"
-        )
     if inputs.n_expert is None:
+        if inputs.frequency is None and config.calibration is None:
+            raise needs_calibration(config.name)
         raise EdgeMoeError("the daop policy needs the model's expert count (n_expert)")
-    return DaopPolicy(freq, slots, inputs.n_expert, threshold=config.threshold, blocking=config.blocking)
+    freq = placement_frequency(config.name, config.calibration, inputs, phase="decode")
+    return DaopPolicy(
+        freq, dict(inputs.slots), inputs.n_expert, threshold=config.threshold, blocking=config.blocking
+    )
 
 
 def _all_sizes(config: DaopConfig, r: LayerReplay) -> tuple[np.ndarray, np.ndarray]:

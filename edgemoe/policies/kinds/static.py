@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -33,15 +34,20 @@ def needs_calibration(name: str) -> EdgeMoeError:
     )
 
 
-def _build(config: StaticConfig, inputs: PolicyInputs) -> StaticPolicy:
-    slots = dict(inputs.slots)
+def placement_frequency(
+    name: str, calibration: Path | None, inputs: PolicyInputs, *, phase: str = "all"
+) -> Mapping[int, np.ndarray]:
+    """The router counts a policy placed by frequency places by: the inputs' own (replays, simulations), else
+    its calibration's, of `phase` (residency.load_frequency)."""
     if inputs.frequency is not None:
-        return StaticPolicy(inputs.frequency, slots)
-    if config.calibration is None:
-        raise needs_calibration(config.name)
-    return StaticPolicy(
-        load_frequency(config.calibration, n_expert=inputs.n_expert, layers=list(slots)), slots
-    )
+        return inputs.frequency
+    if calibration is None:
+        raise needs_calibration(name)
+    return load_frequency(calibration, n_expert=inputs.n_expert, layers=list(inputs.slots), phase=phase)
+
+
+def _build(config: StaticConfig, inputs: PolicyInputs) -> StaticPolicy:
+    return StaticPolicy(placement_frequency(config.name, config.calibration, inputs), dict(inputs.slots))
 
 
 def _all_sizes(config: StaticConfig, r: LayerReplay) -> tuple[np.ndarray, np.ndarray]:

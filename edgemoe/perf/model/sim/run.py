@@ -26,8 +26,9 @@ class Run(RunState):
         *,
         on_gpu: bool,
         pageable_loads: bool = False,
+        flash_attn: bool = True,
     ) -> None:
-        super().__init__(shape, prof, on_gpu=on_gpu, pageable_loads=pageable_loads)
+        super().__init__(shape, prof, on_gpu=on_gpu, pageable_loads=pageable_loads, flash_attn=flash_attn)
         self.features = tuple(features)
         self.nodes_pp, self.nodes_tg = nodes
         self.moe_index = {il: j for j, il in enumerate(shape.moe_layers)}  # model layer -> ids' second axis

@@ -10,11 +10,19 @@ from .stream import CopyStream
 
 class RunState:
     def __init__(
-        self, shape: ModelShape, prof: MachineProfile, *, on_gpu: bool, pageable_loads: bool
+        self,
+        shape: ModelShape,
+        prof: MachineProfile,
+        *,
+        on_gpu: bool,
+        pageable_loads: bool,
+        flash_attn: bool = True,
     ) -> None:
         self.shape, self.prof = shape, prof
-        self.cpu = LayerCosts.of(prof.cpu, shape)
-        self.gpu = LayerCosts.of(prof.gpu, shape) if on_gpu and prof.gpu is not None else None
+        self.cpu = LayerCosts.of(prof.cpu, shape, flash_attn=flash_attn)
+        self.gpu = (
+            LayerCosts.of(prof.gpu, shape, flash_attn=flash_attn) if on_gpu and prof.gpu is not None else None
+        )
         self.on_gpu = self.gpu is not None
         self.clock = 0.0
         self.stream = CopyStream(shape, prof.link, timed=self.on_gpu, pageable=pageable_loads)
