@@ -31,6 +31,7 @@ from ...placement.budget import SlotBudget
 from ...placement.context import ContextTable, format_context_table
 from ...placement.planner import PlacementPlan, budget_request
 from ...placement.planner import plan as plan_placement
+from ...policies.registry import policy_spec
 from .context_speeds import project_context_table
 from .costmodel import ModelShape
 from .prefill_plan import PROMPTS, PrefillProjection, PrefillSpec, format_prefill, project_prompts
@@ -202,7 +203,9 @@ def _prefill_rows(
 ) -> None:
     """`lay.prefill`: each prompt's prefill, stock and edgemoe (static, where the plan projects it, beside
     --device-prefill) each at its fastest ubatch; notes to `lay`."""
-    spec = replace(spec, policy="static" if "static" in policies else policies[0])
+    # the policy placed by all of the router's counts (static) where the plan projects one, else the first
+    placed = next((p for p in policies if policy_spec(p).frequency_phase == "all"), policies[0])
+    spec = replace(spec, policy=placed)
     lay.prefill, skipped = project_prompts(shape, trace, profile, spec, prompt_tokens)
     lay.notes += skipped + [n for p in lay.prefill[:1] for n in p.notes if n not in lay.notes]
 
