@@ -104,3 +104,13 @@ def test_distribution_repetition_penalty() -> None:
     d = TokenDistribution(SamplingParams(temperature=0.0, repeat_penalty=4.0, repeat_last_n=2))
     assert d.probs(logits, [0]).tolist() == [0, 0, 1.0]  # 2/4 < 1
     assert d.probs(logits, [0, 2, 2]).tolist() == [1.0, 0, 0]  # the window is the last 2: token 0 unpenalised
+
+
+def test_next_length_backs_off_after_a_rejection_and_grows_after_a_full_accept() -> None:
+    from edgemoe.runtime.speculative import next_length
+
+    assert next_length(8, 8, 8, 8) == 8  # capped at draft_max
+    assert next_length(2, 8, 2, 2) == 4
+    assert next_length(8, 8, 8, 3) == 4
+    assert next_length(1, 8, 1, 0) == 1  # never below one
+    assert next_length(4, 8, 0, 0) == 4  # nothing proposed: nothing learned

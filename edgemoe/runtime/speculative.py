@@ -32,6 +32,16 @@ class Speculation:
     source: DraftSource
 
 
+def next_length(length: int, draft_max: int, proposed: int, accepted: int) -> int:
+    """How many proposals to ask for next: every one accepted, twice as many (at most draft_max); one rejected,
+    half (one at the least), so a run of wrong guesses costs ever smaller batches. No proposal: unchanged."""
+    if proposed == 0:
+        return length
+    if accepted == proposed:
+        return min(draft_max, 2 * length)
+    return max(1, length // 2)
+
+
 class Speculator:
     """One generation's speculative token stream (Generation.speculation holds its stats)."""
 
@@ -49,6 +59,9 @@ class Speculator:
         self.source = source
         self.sampling = sampling
         self.draft_max = draft_max
+        self.length = (
+            draft_max  # proposals asked for next: halved past a rejection, doubled after a full accept
+        )
         self.dist = TokenDistribution(sampling)
         seed = None if sampling.seed == DEFAULT_SEED else sampling.seed
         self.rng = np.random.default_rng(seed)
@@ -66,7 +79,7 @@ class Speculator:
                 room = self.seq.n_ctx - len(self.seq.tokens)
                 if room < 1:
                     return
-                n = min(self.draft_max, room - 1, max_tokens - len(generated) - 1)
+                n = min(self.length, room - 1, max_tokens - len(generated) - 1)
                 proposals = self.source.propose(list(prompt) + generated, n) if n > 0 else []
                 verdict = self.verify(tok, proposals[:n], generated)
                 for t in [*proposals[: verdict.accepted], verdict.token]:
@@ -93,6 +106,7 @@ class Speculator:
                 lambda i, acc: self.dist.probs(rows[i], [*generated, *acc]), proposals, self.rng
             )
         self.seq.truncate(base + 1 + verdict.accepted)
+        self.length = next_length(self.length, self.draft_max, len(proposals), verdict.accepted)
         st = self.stats
         st.steps += 1
         st.drafted += len(proposals)
