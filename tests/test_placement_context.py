@@ -188,3 +188,19 @@ def test_plan_prints_the_table_with_projected_speeds(qwen30b: Path, info: ModelI
     # --expert-slots plans the budget of those slots at the engine's default context, not a picked one
     slots = json.loads(_run("plan", str(qwen30b), "--expert-slots", "64", "--json"))
     assert slots["n_ctx"] == 4096 and slots["slots_per_layer"]["equal"][0] == 64
+
+
+def test_simulate_plans_the_kv_cache_types_it_is_given(qwen30b: Path) -> None:
+    """The simulator's budget (plan's projected rows) holds a KV cache of SimSpec.kv's types, as plan's slot line
+    does: a q8_0 cache at 32K leaves more slots than f16."""
+    from edgemoe.analysis.routing_profile import routing_for_model
+    from edgemoe.perf.model.profile import load_profile
+    from edgemoe.perf.model.simulate import SimSpec, simulate
+
+    model = qwen30b
+    tr = routing_for_model(128, 8, 12, name="qwen3-30b-a3b", n_seq=2, prefill=16, decode=16).trace
+    prof = load_profile("rtx4060-laptop")
+    spec = SimSpec(vram=6 * 2**30, n_ctx=32768, policies=("lru",))
+    f16 = simulate(model, tr, prof, spec).slots_per_layer
+    q8 = simulate(model, tr, prof, replace(spec, kv=KvTypes("q8_0", "q8_0"))).slots_per_layer
+    assert q8 > f16 > 0

@@ -69,3 +69,4 @@ def test_simulate_cli_projects_speculation() -> None:
     assert res.exit_code == 0, res.output
     assert "PROJECTED decode tok/s with speculation (4 proposals per step)" in res.output
     assert "a=0.7" in res.output
+

@@ -144,7 +144,8 @@ def make_layouts(
             "(`edgemoe profile` on it, or a bundled one: rtx4060-laptop, rtx4090-desktop, h100-server)"
         )
         lay.profile = ""
-    _expected_rows(model, trace, profile if speeds else None, policies, dp, calibration, lay)
+    kv = KvTypes(cache_type_k, cache_type_v)
+    _expected_rows(model, trace, profile if speeds else None, policies, dp, calibration, lay, kv)
     if speeds and profile is not None and prompt_tokens:
         spec = PrefillSpec(vram, n_ctx, flash_attn=flash_attn, kv=KvTypes(cache_type_k, cache_type_v))
         _prefill_rows(ModelShape.from_header(header), trace, profile, spec, prompt_tokens, policies, lay)
@@ -269,9 +270,10 @@ def _expected_rows(
     dp: dict[str, dict[int, int]],
     calibration: Path | None,
     lay: Layouts,
+    kv: KvTypes,
 ) -> None:
     """`lay.expected`: each policy's hit rates (and, with a GPU `profile`, projected speeds) at the equal
-    and the DP allocations, beside stock's rows once each."""
+    and the DP allocations, beside stock's rows once each, the budget holding a KV cache of types `kv`."""
     vram, n_ctx, speeds = lay.budget_bytes, lay.n_ctx, profile is not None
     for alloc in ("equal", "dp"):
         for pol in policies:
@@ -280,7 +282,13 @@ def _expected_rows(
                 continue
             # overlap: what the build runs with the cache on a GPU (stock runs in turn either way)
             spec = SimSpec(
-                vram=vram, n_ctx=n_ctx, policies=(pol,), calibration=calibration, slots=slots, overlap=True
+                vram=vram,
+                n_ctx=n_ctx,
+                policies=(pol,),
+                calibration=calibration,
+                slots=slots,
+                overlap=True,
+                kv=kv,
             )
             res = simulate(model, trace, profile if profile is not None else _hit_rate_only(), spec)
             for c in res.configs:

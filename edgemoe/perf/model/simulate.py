@@ -27,7 +27,7 @@ from typing import Any
 from ...analysis.trace import DECODE, PREFILL
 from ...errors import EdgeMoeError
 from ...gguf.header import check_gguf
-from ...gguf.kv_types import FlashAttn
+from ...gguf.kv_types import F16_KV, FlashAttn, KvTypes
 from ...placement.budget import slots_beside_prefill_buffers
 from ...placement.planner import Device, PlacementPlan, budget_request
 from ...placement.planner import plan as plan_placement
@@ -90,6 +90,7 @@ class SimSpec:
     # the positions verified, edgemoe.perf.model.speculation turns it into tokens at an acceptance rate)
     verify: int = 1
     flash_attn: FlashAttn = "auto"  # the engine's (LoadConfig's): "auto" is on, as llama.cpp resolves it
+    kv: KvTypes = F16_KV  # the KV cache's types (-ctk / -ctv): the budget reserves a cache of these
 
     @property
     def flash_attn_on(self) -> bool:
@@ -296,7 +297,12 @@ def simulate(
     placement = None
     if prof.has_gpu and prof.gpu is not None and spec.vram > 0:
         placement = plan_placement(
-            header, budget_request(spec.vram), n_ctx=spec.n_ctx, device=Device(prof.gpu.name)
+            header,
+            budget_request(spec.vram),
+            n_ctx=spec.n_ctx,
+            device=Device(prof.gpu.name),
+            cache_type_k=spec.kv.k,
+            cache_type_v=spec.kv.v,
         )
     cfgs, slots, n_cpu = plan_configs(shape, prof, spec, placement)
     notes: list[str] = []
