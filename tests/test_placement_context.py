@@ -204,3 +204,21 @@ def test_simulate_plans_the_kv_cache_types_it_is_given(qwen30b: Path) -> None:
     f16 = simulate(model, tr, prof, spec).slots_per_layer
     q8 = simulate(model, tr, prof, replace(spec, kv=KvTypes("q8_0", "q8_0"))).slots_per_layer
     assert q8 > f16 > 0
+
+
+def test_inspect_projects_the_prefill_of_long_prompts_with_a_profile(qwen30b: Path) -> None:
+    """inspect --vram --profile: the prefill of 2K/8K/32K-token prompts, stock and edgemoe each at its fastest
+    ubatch (issue 41), in the text and in --json; without --profile there is none; a CPU profile is refused."""
+    out = json.loads(_run("inspect", str(qwen30b), "--vram", "6GiB", "--profile", "rtx4060-laptop", "--json"))
+    assert [p["prompt_tokens"] for p in out["prefill"]] == [2048, 8192, 32768]
+    for p in out["prefill"]:
+        kinds = [c["kind"] for c in p["choices"]]
+        assert kinds == ["stock", "edgemoe"], kinds
+        assert all(c["best"]["n_ubatch"] >= 512 and c["reason"] for c in p["choices"])
+    text = _run("inspect", str(qwen30b), "--vram", "6GiB", "--profile", "rtx4060-laptop")
+    assert "prefill of a 8192-token prompt" in text and "time to first token" in text
+    assert "prefill" not in json.loads(_run("inspect", str(qwen30b), "--vram", "6GiB", "--json"))
+    res = CliRunner().invoke(cli, ["inspect", str(qwen30b), "--vram", "6GiB", "--profile",
+                                   str(Path(__file__).resolve().parent.parent / "docs" / "figures" /
+                                       "cpu-projection-check-lead-profile.json")])
+    assert res.exit_code == 2 and "needs a GPU profile" in res.output

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,22 @@ def _open_engine(
     "budget, said in a note; else the model's, at most 4096)",
 )
 @kv_type_options
+@click.option(
+    "--profile",
+    "profile_name",
+    default=None,
+    help="with --vram, a GPU machine profile (file or bundled name, e.g. rtx4060-laptop): also project the "
+    "prefill of 2K/8K/32K-token prompts and the time to first token, each side at its fastest ubatch",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptions, as_json: bool) -> None:
+def inspect(
+    model: Path,
+    vram: int | None,
+    n_ctx: int,
+    attention: AttentionOptions,
+    profile_name: str | None,
+    as_json: bool,
+) -> None:
     """Show a model's architecture, experts and where its bytes are; with --vram, what the budget holds and the
     expert slots it leaves at each context length and KV cache type."""
     from ..analysis.report import format_info
@@ -98,6 +113,11 @@ def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptio
     )
     n_ctx, budget = placement.n_ctx, placement.budget
     rules = routing_rules(model) if info.is_moe else {}  # loads the model and decodes one token
+    prefill = (
+        _prefill(header, vram, n_ctx, attention, profile_name)
+        if profile_name and vram and info.is_moe
+        else None
+    )
     if as_json:
         d = info_to_dict(info)
         if info.is_moe:
@@ -109,6 +129,9 @@ def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptio
         if placement.context_table is not None:
             d["context_table"] = placement.context_table.to_rows()
         d["notes"] = [cli_text(n) for n in placement.notes]
+        if prefill is not None:
+            d["prefill"] = [asdict(p) for p in prefill[0]]
+            d["notes"] += prefill[1]
         click.echo(json.dumps(d, indent=1))
         return
     click.echo(format_info(info))
@@ -123,10 +146,41 @@ def inspect(model: Path, vram: int | None, n_ctx: int, attention: AttentionOptio
             )
         for note in placement.notes:
             click.echo(cli_text(note))
+        if prefill is not None:
+            from ..perf.model.prefill_plan import format_prefill
+
+            click.echo("\n".join(format_prefill(prefill[0]) + [f"  note: {n}" for n in prefill[1]]))
         click.echo(
             f"{'':12} per-layer slots (equal and DP), expected hit rates and projected speeds: "
             f"`{plan_command(model, vram, n_ctx, attention)}`"
         )
+
+
+def _prefill(header: Any, vram: int, n_ctx: int, attention: AttentionOptions, profile_name: str) -> Any:
+    """inspect --profile: the prefill of 2K/8K/32K-token prompts at `vram`, each side at its fastest ubatch
+    (edgemoe.perf.model.prefill_plan, as `edgemoe plan` projects it), on routing drawn from the bundled profile of
+    the model's shape; (projections, notes)."""
+    from ..analysis.routing_profile import routing_for_model
+    from ..gguf.kv_types import KvTypes
+    from ..perf.model.costmodel import ModelShape
+    from ..perf.model.prefill_plan import PrefillSpec, project_prompts
+    from ..perf.model.profile import load_profile
+
+    prof = load_profile(profile_name)
+    if not prof.has_gpu:
+        raise click.UsageError(
+            f"--profile {profile_name} has no GPU: the prefill projection needs a GPU profile"
+        )
+    shape = ModelShape.from_header(header)
+    info = shape.info
+    trace = routing_for_model(info.n_expert, info.n_expert_used, len(info.moe_layers)).trace
+    spec = PrefillSpec(
+        vram,
+        n_ctx,
+        flash_attn=attention.flash_attn != "off",
+        kv=KvTypes(attention.cache_type_k, attention.cache_type_v),
+    )
+    return project_prompts(shape, trace, prof, spec)
 
 
 def plan_command(model: Path, vram: int, n_ctx: int, attention: AttentionOptions | None = None) -> str:
