@@ -281,6 +281,20 @@ def _placement_frequency(
     return first_seq, frequency, decode_frequency
 
 
+def _placement(header: Any, prof: MachineProfile, spec: SimSpec) -> PlacementPlan | None:
+    """The model's PlacementPlan at spec's budget, context and KV types on prof's GPU (None: CPU only)."""
+    if not (prof.has_gpu and prof.gpu is not None and spec.vram > 0):
+        return None
+    return plan_placement(
+        header,
+        budget_request(spec.vram),
+        n_ctx=spec.n_ctx,
+        device=Device(prof.gpu.name),
+        cache_type_k=spec.kv.k,
+        cache_type_v=spec.kv.v,
+    )
+
+
 def simulate(
     model: str | Path, trace: Any, prof: MachineProfile, spec: SimSpec, gating: Any = None
 ) -> SimResult:
@@ -294,16 +308,7 @@ def simulate(
             f"no MoE layer from layer {spec.precalc.first_layer} on follows a MoE layer in "
             f"{shape.name} (MoE layers {list(shape.moe_layers)}): nothing to pre-calculate"
         )
-    placement = None
-    if prof.has_gpu and prof.gpu is not None and spec.vram > 0:
-        placement = plan_placement(
-            header,
-            budget_request(spec.vram),
-            n_ctx=spec.n_ctx,
-            device=Device(prof.gpu.name),
-            cache_type_k=spec.kv.k,
-            cache_type_v=spec.kv.v,
-        )
+    placement = _placement(header, prof, spec)
     cfgs, slots, n_cpu = plan_configs(shape, prof, spec, placement)
     notes: list[str] = []
     if not cfgs:
