@@ -15,11 +15,12 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import ContextOverflowError, InvalidConfigError
+from ..errors import InvalidConfigError
 from ..speculation.config import SpeculationConfig
 from ..speculation.lookup import PromptLookup
 from ..speculation.source import DraftSource
 
+SAME_VOCAB = "speculation needs a draft with the same vocabulary (a smaller model of the same family)"
 VOCAB_PROBE = 4096  # token pieces compared between the target and the draft (spread over the vocabulary)
 MTP_BLOCKER = (
     "speculation with MTP heads waits on a model that carries them and on bindings this build lacks "
@@ -53,12 +54,9 @@ class DraftModel:
 
     def propose(self, context: Sequence[int], n: int) -> list[int]:
         eng = self.engine
-        if n <= 0 or len(context) + n > eng.n_ctx:
+        if n <= 0 or len(context) + n > eng.n_ctx:  # no room for the context and the proposals
             return []
-        try:
-            eng.prefill(context)
-        except ContextOverflowError:
-            return []
+        eng.prefill(context)
         out: list[int] = []
         while True:
             tok = int(np.argmax(np.ctypeslib.as_array(eng.logits(-1))))
@@ -77,15 +75,15 @@ def check_same_vocab(target: DraftEngine, draft: DraftEngine) -> None:
     if target.n_vocab != draft.n_vocab:
         raise InvalidConfigError(
             f"the draft model {draft.path.name} has {draft.n_vocab} tokens and the model {target.n_vocab}: "
-            "speculation needs a draft with the same vocabulary (a smaller model of the same family)"
+            + SAME_VOCAB
         )
     ids = np.unique(np.linspace(0, target.n_vocab - 1, min(VOCAB_PROBE, target.n_vocab)).astype(int))
     for t in ids:
         a, b = target.token_piece(int(t), special=True), draft.token_piece(int(t), special=True)
         if a != b:
             raise InvalidConfigError(
-                f"token {t} is {a!r} in {target.path.name} but {b!r} in the draft {draft.path.name}: speculation "
-                "needs a draft with the same vocabulary (a smaller model of the same family)"
+                f"token {t} is {a!r} in {target.path.name} but {b!r} in the draft {draft.path.name}: "
+                + SAME_VOCAB
             )
 
 

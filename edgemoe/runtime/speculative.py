@@ -59,9 +59,8 @@ class Speculator:
         self.source = source
         self.sampling = sampling
         self.draft_max = draft_max
-        self.length = (
-            draft_max  # proposals asked for next: halved past a rejection, doubled after a full accept
-        )
+        # proposals asked for next: halved past a rejection, doubled after a full accept
+        self.length = draft_max
         self.dist = TokenDistribution(sampling)
         seed = None if sampling.seed == DEFAULT_SEED else sampling.seed
         self.rng = np.random.default_rng(seed)
@@ -70,9 +69,11 @@ class Speculator:
     def tokens(self, prompt: Sequence[int], max_tokens: int) -> Generator[int, None, None]:
         """The generated tokens, the first from the prefill's logits; ends when the context is full. The
         consumer takes at most max_tokens (drafting stops short of that)."""
+        context = list(prompt)  # the prompt, then every token generated, in order
         generated: list[int] = []
         with self.routing.decode_rules_for_batches():
             tok = self.first_token(generated)
+            context.append(tok)
             generated.append(tok)
             yield tok
             while True:
@@ -80,9 +81,10 @@ class Speculator:
                 if room < 1:
                     return
                 n = min(self.length, room - 1, max_tokens - len(generated) - 1)
-                proposals = self.source.propose(list(prompt) + generated, n) if n > 0 else []
-                verdict = self.verify(tok, proposals[:n], generated)
+                proposals = self.source.propose(context, n)[:n] if n > 0 else []
+                verdict = self.verify(tok, proposals, generated)
                 for t in [*proposals[: verdict.accepted], verdict.token]:
+                    context.append(t)
                     generated.append(t)
                     yield t
                 tok = verdict.token
