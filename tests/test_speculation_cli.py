@@ -38,3 +38,17 @@ def test_refusals_are_one_line() -> None:
     assert res.exit_code == 2 and "--speculate draft" in res.output
     res = runner.invoke(cli, ["generate", QWEN, "-p", "hi", "-n", "2", "--speculate", "lookup", "--draft-max", "0"])
     assert res.exit_code == 2
+
+
+def test_bench_runs_the_best_stock_row_and_each_policy_again_with_speculation() -> None:
+    res = CliRunner().invoke(cli, ["bench", QWEN, "--vram", "4MiB", "--prompt-tokens", "32", "--gen-tokens", "8",
+                                   "-t", "1", "--policy", "lru", "--policy", "static", "--speculate", "lookup",
+                                   "--profile", "none", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout[res.stdout.index("{"):])["rows"]
+    plain = [r["name"] for r in rows if r["speculation"] is None]
+    spec = [r for r in rows if r["speculation"] is not None]
+    # the stock row, then the first row of each policy, each once more with "+lookup" and its counters
+    assert [r["name"] for r in spec] == [plain[0] + " +lookup"] + [
+        next(n for n in plain if n.startswith(f"edgemoe {p}")) + " +lookup" for p in ("lru", "static")]
+    assert all(r["speculation"]["mode"] == "lookup" and r["decode_tps"] > 0 for r in spec)

@@ -252,16 +252,6 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
     return rows
 
 
-def _speculation_rows(rows: list[_Row], speculation: SpeculationConfig) -> list[_Row]:
-    """The best stock layout's row (the last stock one) and each policy's first row again, with speculation."""
-    stock = [r for r in rows if r[1] == "stock"][-1:]
-    first: dict[str, _Row] = {}
-    for r in rows:
-        if r[1] == "edgemoe":
-            first.setdefault(r[0].split()[1], r)  # "edgemoe lru ..." -> lru
-    return [_speculating(r, speculation) for r in stock + list(first.values())]
-
-
 def _speculating(row: _Row, speculation: SpeculationConfig) -> _Row:
     """`row` again with speculative decoding ("... +lookup")."""
     name, kind, cfg, setup_fn, note = row
@@ -389,10 +379,15 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
     cached = replace(base, cpu_expert_layers=cpu_moe)
     costs = _assign_costs(path, spec) if spec.assign else None
     b = _CacheRows(info, spec, dev, n_ctx, slots, placement.budget.expert_budget_bytes, cached, costs)
+    again = rows[
+        -1:
+    ]  # with speculation: the best stock layout's row (the last stock one), each policy's first
     for pol in spec.policies:
-        rows += _policy_rows(b, pol)
+        policy_rows = _policy_rows(b, pol)
+        again.append(policy_rows[0])
+        rows += policy_rows
     if spec.speculation is not None and spec.speculation.on:
-        rows += _speculation_rows(rows, spec.speculation)
+        rows += [_speculating(r, spec.speculation) for r in again]
     generated = _run_rows(res, rows, path, prompt, spec.gen_tokens, progress)
     if spec.profile is not None and generated:
         if progress:
