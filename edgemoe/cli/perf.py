@@ -221,10 +221,9 @@ def simulate(
 ) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
-    from ..perf.model.report import format_simulation, plot_simulation
+    from ..perf.model.report import plot_simulation
     from ..perf.model.simulate import PrecalcSpec, SimSpec
     from ..perf.model.simulate import simulate as run
-    from ..perf.model.speculation import format_speculation
     from ..perf.model.workload import GatingSpec
     from ..policies.gating import GatingRule
 
@@ -262,27 +261,40 @@ def simulate(
             "recorded --trace (`edgemoe trace`)"
         )
     res = run(model, trace, prof, spec, gating=gate)
-    spec_rows = _speculation(model, trace, prof, spec, draft_max, acceptances) if draft_max else None
+    spec_rows = (
+        _speculation(model, trace, prof, spec, draft_max, acceptances, gating=gate, plain=res)
+        if draft_max
+        else None
+    )
     if plot is not None:
         plot_simulation(res, plot)
+    _print_simulation(res, spec_rows, where, profile_used, as_json)
+
+
+def _print_simulation(res: Any, spec_rows: Any, where: str, profile_used: str | None, as_json: bool) -> None:
+    """simulate's output: the routing replayed, every configuration and, where projected, speculation's rows."""
+    from ..perf.model.report import format_simulation
+    from ..perf.model.speculation import format_speculation
+
     if as_json:
         out = {**res.to_dict(), "routing": where, "routing_profile": profile_used}
         if spec_rows is not None:
             out["speculation"] = [asdict(r) for r in spec_rows]
         click.echo(json.dumps(out, indent=1))
-    else:
-        click.echo(f"routing: {where}\n{format_simulation(res)}")
-        if spec_rows is not None:
-            click.echo(format_speculation(spec_rows))
+        return
+    click.echo(f"routing: {where}\n{format_simulation(res)}")
+    if spec_rows is not None:
+        click.echo(format_speculation(spec_rows))
 
 
 def _speculation(
-    model: Path, trace: Any, prof: Any, spec: Any, draft: int, acceptances: tuple[float, ...]
+    model: Path, trace: Any, prof: Any, spec: Any, draft: int, acceptances: tuple[float, ...], **given: Any
 ) -> Any:
-    """The speculation rows of simulate and plan (edgemoe.perf.model.speculation)."""
+    """The speculation rows of simulate and plan (edgemoe.perf.model.speculation); `given`: its gating and the
+    plain simulation where the command has them."""
     from ..perf.model.speculation import project_speculation
 
-    return project_speculation(model, trace, prof, spec, draft, sorted(set(acceptances)))
+    return project_speculation(model, trace, prof, spec, draft, sorted(set(acceptances)), **given)
 
 
 def _sim_profile(profile_name: str | None) -> Any:
@@ -436,18 +448,23 @@ def plan(
         prompt_tokens=(prompt_tokens,) if prompt_tokens is not None else PROMPTS,
         flash_attn=attention.flash_attn != "off",
     )
-    spec_rows = None
+    spec_rows, where = None, ""
     if draft_max and prof is not None:
+        from ..gguf.kv_types import KvTypes
         from ..perf.model.simulate import SimSpec
 
-        trace, _where, _used = _routing_trace(model, trace_path, routing)
-        sim = SimSpec(vram=vram, n_ctx=n_ctx, policies=("lru", "static"))
+        trace, where, _used = _routing_trace(model, trace_path, routing)
+        kv = KvTypes(attention.cache_type_k, attention.cache_type_v)
+        sim = SimSpec(
+            vram=vram, n_ctx=result.n_ctx, policies=("lru", "static"), flash_attn=attention.flash_attn, kv=kv
+        )
         spec_rows = _speculation(model, trace, prof, sim, draft_max, acceptances)
-    _print_plan(result, spec_rows, as_json)
+    _print_plan(result, spec_rows, where, as_json)
 
 
-def _print_plan(result: Any, spec_rows: Any, as_json: bool) -> None:
-    """plan's output: the layouts and, where projected, speculation's rows (one JSON object with --json)."""
+def _print_plan(result: Any, spec_rows: Any, where: str, as_json: bool) -> None:
+    """plan's output: the layouts and, where projected, speculation's rows and the routing they replayed (one JSON
+    object with --json)."""
     from ..perf.model.layouts import format_layouts
     from ..perf.model.speculation import format_speculation
 
@@ -455,8 +472,9 @@ def _print_plan(result: Any, spec_rows: Any, as_json: bool) -> None:
         out = result.to_dict()
         if spec_rows is not None:
             out["speculation"] = [asdict(r) for r in spec_rows]
+            out["speculation_routing"] = where
         click.echo(json.dumps(out, indent=1))
         return
     click.echo(cli_text(format_layouts(result)))
     if spec_rows is not None:
-        click.echo(format_speculation(spec_rows))
+        click.echo(format_speculation(spec_rows, where))

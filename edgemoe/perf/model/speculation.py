@@ -87,8 +87,9 @@ def speculation_rows(
     return rows
 
 
-def format_speculation(rows: Sequence[SpeculationRow]) -> str:
-    """A table: each configuration's plain decode, the verification step's cost and speculative decode."""
+def format_speculation(rows: Sequence[SpeculationRow], routing: str = "") -> str:
+    """A table: each configuration's plain decode, the verification step's cost and speculative decode; `routing`:
+    the trace it replayed, named in its title."""
     if not rows:
         return "speculation: no configuration to project"
     acc = sorted(rows[0].tps)
@@ -96,7 +97,8 @@ def format_speculation(rows: Sequence[SpeculationRow]) -> str:
         f"{'a=' + format(a, 'g'):>7}" for a in acc
     )
     lines = [
-        f"PROJECTED decode tok/s with speculation ({rows[0].draft} proposals per step):",
+        f"PROJECTED decode tok/s with speculation ({rows[0].draft} proposals per step)"
+        + (f" on {routing}:" if routing else ":"),
         head + f"  {'pays from':<9}  decode hit rate (one token / a verification)",
     ]
     for r in rows:
@@ -109,16 +111,26 @@ def format_speculation(rows: Sequence[SpeculationRow]) -> str:
 
 
 def project_speculation(
-    model: Any, trace: Any, prof: Any, spec: Any, draft: int, acceptances: Sequence[float] = ACCEPTANCES
+    model: Any,
+    trace: Any,
+    prof: Any,
+    spec: Any,
+    draft: int,
+    acceptances: Sequence[float] = ACCEPTANCES,
+    *,
+    gating: Any = None,
+    plain: Any = None,
 ) -> list[SpeculationRow]:
-    """Simulate `spec` (a SimSpec) one token per step and draft + 1 per step on the same trace and profile,
-    and turn the two into speculation rows."""
+    """Simulate `spec` (a SimSpec; `gating` as simulate takes it) one token per step and draft + 1 per step on the
+    same trace and profile, and turn the two into speculation rows; `plain`: the one-token-per-step SimResult
+    where the caller has simulated it already."""
     from dataclasses import replace
 
     from .simulate import simulate
 
-    plain = simulate(model, trace, prof, replace(spec, verify=1))
-    verified = simulate(model, trace, prof, replace(spec, verify=draft + 1))
+    if plain is None:
+        plain = simulate(model, trace, prof, replace(spec, verify=1), gating=gating)
+    verified = simulate(model, trace, prof, replace(spec, verify=draft + 1), gating=gating)
     by_name = {c.name: c for c in verified.configs}
     hits = {
         c.name: (c.decode_hit_rate, by_name[c.name].decode_hit_rate)
