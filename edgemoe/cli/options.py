@@ -233,10 +233,12 @@ def _run(
 
 def speculation_options(f: Any) -> Any:
     """--speculate, --draft-max and --draft-model, given to the command as `speculation`: a SpeculationConfig."""
+    from ..speculation.config import DRAFT_MAX_LIMIT, SPECULATE_MODES
+
     opts = [
         click.option(
             "--speculate",
-            type=click.Choice(["off", "lookup", "draft", "mtp"]),
+            type=click.Choice(SPECULATE_MODES),
             default=None,
             help="speculative decoding: lookup proposes what followed the context's last tokens earlier in it; "
             "draft runs --draft-model; mtp waits for a model with MTP heads (docs/speculation.md). "
@@ -244,7 +246,7 @@ def speculation_options(f: Any) -> Any:
         ),
         click.option(
             "--draft-max",
-            type=click.IntRange(1, 32),
+            type=click.IntRange(1, DRAFT_MAX_LIMIT),
             default=8,
             show_default=True,
             help="tokens proposed per verification step at the most",

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 def _speculation_projection_options(f: Any) -> Any:
     """--draft-max and --acceptance of simulate and plan: speculative decoding's projection."""
+    from ..speculation.config import DRAFT_MAX_LIMIT
+
     f = click.option(
         "--acceptance",
         "acceptances",
@@ -33,7 +35,7 @@ def _speculation_projection_options(f: Any) -> Any:
     )(f)
     return click.option(
         "--draft-max",
-        type=click.IntRange(0, 32),
+        type=click.IntRange(0, DRAFT_MAX_LIMIT),
         default=0,
         show_default=True,
         help="also project speculative decoding verifying this many proposals per step (0: not); prompt lookup's "

@@ -195,9 +195,8 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     stream: StrictBool = False
-    speculate: StrictBool = (
-        True  # edgemoe's: false turns the server's speculative decoding off for this request
-    )
+    # edgemoe's: false turns the server's speculative decoding off for this request
+    speculate: StrictBool = True
 
     def sampling(self, default: SamplingParams) -> SamplingParams:
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}

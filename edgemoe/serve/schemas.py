@@ -149,9 +149,8 @@ class GenerationRequest(_Lenient):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
-    speculate: StrictBool = (
-        True  # edgemoe's: false turns the server's speculative decoding off for this request
-    )
+    # edgemoe's: false turns the server's speculative decoding off for this request
+    speculate: StrictBool = True
 
     def check(self) -> None:
         if self.n != 1:
