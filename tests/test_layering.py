@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # benchmark); the placement's plan (budget arithmetic, the request and its rules, plan()), which perf consumes
     ("edgemoe.calibration", "edgemoe.perf", "edgemoe.perf.model", "edgemoe.perf.measure",
      "edgemoe.placement.budget", "edgemoe.placement.context", "edgemoe.placement.planner",
-     "edgemoe.placement.request"),
+     "edgemoe.placement.request", "edgemoe.placement.tiers"),
     ("edgemoe.placement",),  # model + plan -> a running engine with its expert cache (open_engine, install)
     ("edgemoe.cli", "edgemoe.serve", "edgemoe.__main__"),  # command line; HTTP server (cli imports serve)
 )

@@ -164,6 +164,15 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--dali-prefetch. Default: off",
         ),
         click.option(
+            "--context-tiers/--no-context-tiers",
+            default=True,
+            help="with --vram: create the context at the smallest of 4096, 16384, 32768, 65536, 131072 tokens (below "
+            "--ctx) that holds the conversation, the KV bytes the larger context would take as extra expert "
+            "slots, and re-create it a step larger (fewer slots; the KV copied over) as the conversation "
+            'grows. Same output; a pause at each step (docs/expert-cache.md, "Context tiers"). Default: '
+            "on",
+        ),
+        click.option(
             "--blocking-loads",
             is_flag=True,
             help="lru, dali, daop, promoe: load a missed expert before its layer runs instead of running "

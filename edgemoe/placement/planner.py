@@ -34,6 +34,7 @@ from .budget import (
 )
 from .context import ContextChoice, ContextTable, context_table, default_context
 from .request import CacheRequest, PlacementError, cache_request
+from .tiers import TierStep, context_steps, describe_steps
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -77,6 +78,8 @@ class PlacementPlan:
     notes: tuple[str, ...]  # for the user, in order (open_engine sends them to `notify`)
     # a budget's context length x KV type -> expert slots (None: no budget, or a dense model)
     context_table: ContextTable | None = None
+    # the context created in steps, each with its slots, the last n_ctx (): the whole context from the start
+    context_steps: tuple[TierStep, ...] = ()
 
     @property
     def expert_budget_bytes(self) -> int | None:
@@ -120,6 +123,15 @@ def plan(
     whole = bool(req and info.is_moe and budget is not None and holds_every_expert(info, budget, prefill))
     cache = req is not None and info.is_moe and not whole
     slots = _slots(info, req, budget) if cache and req is not None else None
+    steps = (
+        context_steps(info, req.vram, ctx, kv, device_prefill=prefill, n_batch=opts.n_batch)
+        if cache
+        and req is not None
+        and req.vram is not None
+        and req.expert_slots is None
+        and req.context_tiers
+        else ()
+    )
     base = replace(opts, n_ctx=asked)
     return PlacementPlan(
         load=_load_config(base, info, req, device, whole),
@@ -138,8 +150,10 @@ def plan(
         else None,
         calibration=_calibration(header.path, req, calibration) if cache and req is not None else _NO_NEED,
         notes=tuple(_notes(header.path, info, req, n_ctx, ctx, whole, device))
-        + ((choice.note,) if choice is not None else ()),
+        + ((choice.note,) if choice is not None else ())
+        + ((describe_steps(steps, req.vram),) if steps and req is not None and req.vram is not None else ()),
         context_table=table,
+        context_steps=steps,
     )
 
 

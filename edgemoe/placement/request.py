@@ -44,6 +44,9 @@ class CacheRequest:
     precalc_from: int | None = (
         None  # DAOP's pre-calculation of the cached layers from this one on (None: off)
     )
+    # with a budget: the context created in steps as the conversation grows, each step's unused KV bytes as
+    # expert slots (edgemoe.runtime.context_tiers; False: the whole context from the start)
+    context_tiers: bool = True
 
     @property
     def policy(self) -> str:
@@ -129,6 +132,7 @@ def cache_request(
     device_prefill: int = 0,
     device_prefill_ahead: str = "all",
     precalc_from: int | None = None,
+    context_tiers: bool = True,
     **policy_options: Any,
 ) -> CacheRequest:
     """A checked CacheRequest; policy None picks default_policy(). `policy_options`: the options that belong to
@@ -156,6 +160,7 @@ def cache_request(
         device_prefill,
         device_prefill_ahead,
         precalc_from,
+        context_tiers,
     )
     check_request(req)
     return req

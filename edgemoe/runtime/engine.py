@@ -34,12 +34,13 @@ from . import chat, generation, native
 from .cache_config import CacheConfig
 from .chat import ChatMessage, ChatSession
 from .config import LoadConfig, default_threads
+from .context_tiers import ContextResizer, ContextTiers, check_tiers
 from .draft_model import make_source
 from .exclusive import ThreadGuard
 from .expert_cache import CacheController, ExpertCache
 from .gating import Gating
 from .generation import GenerateOptions, Generation, Timings
-from .handle import NativeHandle
+from .handle import KvCacheInfo, NativeHandle
 from .hooks import HookChain
 from .prediction import GraphPredictors
 from .prompt_cache import KVSnapshot
@@ -101,7 +102,6 @@ class Engine:
         self.n_batch = self.handle.n_batch
         self.graph_nodes = self.handle.graph_nodes
         self.flash_attn = self.handle.flash_attn  # what "auto" resolved to
-        self.kv_cache = self.handle.kv_cache  # the KV cache llama.cpp made (None: the model has none)
         self.last: Generation | None = None  # the result of the last generate()/stream()
         self._guard = ThreadGuard(self.path.name)
         self._vocab = Vocabulary(self.handle)
@@ -110,6 +110,13 @@ class Engine:
         self.routing = Routing(self.handle, header, self.info, self.gating, self.prefetch)
         self._seq = KVSequence(self.handle, self._vocab, self._guard, self.routing)
         self.speculation: Speculation | None = None  # set_speculation: the draft source stream() verifies
+        self.tiers: ContextResizer | None = None  # set_context_tiers: the context grown in steps
+        self._ids_check = False  # set_ids_check's setting, put on a re-created context again
+
+    @property
+    def kv_cache(self) -> KvCacheInfo | None:
+        """The KV cache llama.cpp made for the context as it is now (None: the model has none)."""
+        return self.handle.kv_cache
 
     @property
     def experts(self) -> CacheController | None:
@@ -234,7 +241,6 @@ class Engine:
             gen = generation.run(
                 self._seq,
                 self._vocab,
-                self.experts,
                 prompt,
                 max_tokens=max_tokens,
                 sampling=params,
@@ -324,7 +330,39 @@ class Engine:
         """Check every id row this engine hands a device's mul_mat_id / add_id (a GPU's, or the RPC stand-in's):
         only valid, distinct ids per token (docs/architecture.md, "Id rows on a device"). Slow: tests and doctor;
         EDGEMOE_CHECK_IDS=1 turns it on for every Engine."""
+        self._ids_check = on
         native.moe_set_ids_check(self.handle.ctx, on)
+
+    def _after_resize(self) -> None:
+        if self._ids_check:
+            native.moe_set_ids_check(self.handle.ctx, True)
+
+    # -- context tiers ------------------------------------------------------------------
+    def set_context_tiers(self, tiers: ContextTiers | None) -> ContextResizer | None:
+        """Create the context in steps (edgemoe.runtime.context_tiers): at the smallest of `tiers` that holds the
+        sequence, with that tier's expert slots, re-created at the next when it would outgrow it. The last tier is
+        the whole context (n_ctx); none holds fewer tokens than a batch. None: the whole context from now on."""
+        with self._guard.hold():
+            old = self.tiers
+            if old is not None and old.current != old.tiers.tiers[-1]:
+                old.resize(old.tiers.tiers[-1], len(self._seq.tokens))  # the whole context again
+            self.tiers = self._seq.fit = None
+            if tiers is None:
+                return None
+            check_tiers(
+                tiers,
+                n_ctx=self.n_ctx,
+                n_batch=self.n_batch,
+                moe_layers=list(self.info.moe_layers),
+                n_expert=self.info.n_expert,
+            )
+            self.tiers = ContextResizer(
+                self.handle, self.routing, self.prefetch, tiers, carry=self._seq, after=self._after_resize
+            )
+            self._seq.fit = self.tiers.fit
+            if not self._seq.tokens:
+                self.tiers.fit(1, 0)  # an empty sequence starts at the smallest tier
+            return self.tiers
 
     def ids_check(self) -> dict[str, int | str]:
         """The checker's counts since set_ids_check(): nodes and rows checked, rows with a negative, out-of-range or

@@ -13,7 +13,6 @@ from typing import TypedDict
 
 from ..errors import EdgeMoeError
 from ..speculation.config import SpeculationStats
-from .expert_cache import CacheController
 from .sampling import Sampler, SamplingParams
 from .sequence import KVSequence
 from .speculative import Speculator
@@ -105,10 +104,15 @@ def plain_tokens(seq: KVSequence, sampler: Sampler) -> Generator[int, None, None
         seq.decode([tok])
 
 
+def _mark(seq: KVSequence, phase: str) -> None:
+    experts = seq.routing.experts
+    if experts is not None:
+        experts.mark(phase)
+
+
 def run(
     seq: KVSequence,
     vocab: Vocabulary,
-    experts: CacheController | None,
     prompt: str | Sequence[int],
     *,
     max_tokens: int,
@@ -118,17 +122,16 @@ def run(
     speculator: Speculator | None = None,
 ) -> Generator[tuple[int, str], None, Generation]:
     """Engine.stream's loop: prefill `prompt` into seq, then sample and decode up to max_tokens; yields (token id,
-    text piece) and returns the Generation. `experts`: the engine's expert cache, whose hit rates it splits.
+    text piece) and returns the Generation. The engine's expert cache (seq.routing.experts, read at each mark: a
+    context tier's step makes a new one) splits its hit rates into the prefill's and the decode's.
     `speculator`: verify proposed tokens in batches (edgemoe.runtime.speculative) instead of one per decode."""
     t0 = time.perf_counter()
     ids = vocab.tokenize(prompt, parse_special=parse_special) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise EdgeMoeError("the prompt is empty after tokenization; give some text")
-    if experts is not None:
-        experts.mark("start")
+    _mark(seq, "start")
     n_eval = seq.prefill(ids)
-    if experts is not None:
-        experts.mark("decode")
+    _mark(seq, "decode")
     t_prefill = time.perf_counter()
     sampler: Sampler | None = None
     if speculator is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -142,7 +142,13 @@ class NativeHandle:
         self._vocab_p: Any = lib.llama_model_get_vocab(self._model_p)
         assert self._vocab_p is not None  # a loaded model always has one
         self._ctx_p: Any = None
-        self._init_context(path, config)
+        self._path, self._config = path, config
+        try:
+            self._init_context(path, config)
+        except ModelLoadError:
+            lib.llama_model_free(self._model_p)
+            self._model_p = None
+            raise
 
     def _init_context(self, path: Path, config: LoadConfig) -> None:
         n_ctx_train = lib.llama_model_n_ctx_train(self.model)
@@ -153,8 +159,6 @@ class NativeHandle:
         with native.captured_log() as logged:
             self._ctx_p = lib.llama_init_from_model(self._model_p, cparams)
         if not self._ctx_p:
-            lib.llama_model_free(self._model_p)
-            self._model_p = None
             raise ModelLoadError(
                 f"llama.cpp could not create a context of {n_ctx} tokens for {path}: "
                 f"{native.recent_error(mark)[-300:]}; try a smaller `n_ctx`"
@@ -167,6 +171,20 @@ class NativeHandle:
         # what "auto" resolved to ("unknown" only where llama.cpp's log did not say)
         self.flash_attn = flash_attn_resolved(config, logged)
         self.kv_cache: KvCacheInfo | None = kv_cache_logged(logged)  # None: the model has no KV cache
+
+    def resize(self, n_ctx: int) -> None:
+        """Free the context and create one of n_ctx tokens in its place (same model, same settings): the KV cache,
+        everything set on the context (hook, expert cache, gating, predictors) and its compute buffers go with
+        the old one, so the caller re-applies them (edgemoe.runtime.context_tiers). ModelLoadError where llama.cpp
+        cannot create it (a context of the old size is then made again, empty)."""
+        old = self.n_ctx
+        lib.llama_free(self.ctx)
+        self._ctx_p = None
+        try:
+            self._init_context(self._path, replace(self._config, n_ctx=n_ctx))
+        except ModelLoadError:
+            self._init_context(self._path, replace(self._config, n_ctx=old))  # the size that fitted before
+            raise
 
     def _get(self, pointer: Any) -> Any:
         if pointer is None:

@@ -121,6 +121,8 @@ class GraphPredictors:
         self.handle = handle
         self.info = info
         self._n_out: dict[int, int] = {}  # target layer -> ids per token of its predictor in the graph
+        # what set() was last given (reapply(): on a new context of the same model)
+        self._given: tuple[list[Predictor], int | None, str] | None = None
 
     def set(
         self, predictors: Sequence[Predictor] | None, *, n_out: int | None = None, weights: str = "f32"
@@ -135,6 +137,7 @@ class GraphPredictors:
             raise EdgeMoeError(f"predictor weights {weights!r}: use one of {', '.join(WEIGHT_TYPES)}")
         native.moe_clear_predictors(self.handle.ctx)
         self._n_out = {}
+        self._given = None
         if not predictors:
             return []
         for pred in predictors:
@@ -143,7 +146,14 @@ class GraphPredictors:
         nps = native_predictors(predictors, n_out=n_out if n_out is not None else default_n_out(k))
         for p in nps:
             self._set_one(p, weights)
+        self._given = (list(predictors), n_out, weights)
         return sorted(self._n_out)
+
+    def reapply(self) -> None:
+        """Put the predictors set last into the handle's context again (after it was re-created)."""
+        if self._given is not None:
+            predictors, n_out, weights = self._given
+            self.set(predictors, n_out=n_out, weights=weights)
 
     def _set_one(self, p: NativePredictor, weights: str) -> None:
         ctx = self.handle.ctx

@@ -91,6 +91,9 @@ class Routing:
         self.hooks: HookChain | None = None  # the routing callback's chain (None: no callback)
         self.policies: list[RoutePolicy] = []  # the user's, before the cache controller
         self.experts: CacheController | None = None  # the expert cache (Engine.enable_expert_cache)
+        # what the cache was made from (None: no cache): a re-created context gets it again (context_tiers)
+        self.cache_config: CacheConfig | None = None
+        self.cache_device: object = None
 
     def set_policies(self, policies: Sequence[RoutePolicy] | None) -> HookChain | None:
         """Route every MoE layer of every ubatch through these policies (None or [] removes the hook)."""
@@ -188,8 +191,10 @@ class Routing:
             if isinstance(self.experts, NativePromoeController):
                 self.prefetch.set(None)
             self.close_experts()
+        self.cache_config, self.cache_device = None, None
         if config is not None:
             self._open_experts(config, device)
+            self.cache_config, self.cache_device = config, device
         self.rewire()
         if config is not None and config.precalc_from is not None and self.needs_callback():
             log.warning(

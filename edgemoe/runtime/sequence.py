@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,8 @@ class KVSequence:
         self.n_ctx = handle.n_ctx
         self.n_batch = handle.n_batch
         self.tokens: list[int] = []  # tokens whose K/V are in the cache, in order
+        # context tiers (Engine.set_context_tiers): called with (tokens needed, tokens kept) before the cache grows
+        self.fit: Callable[[int, int], None] | None = None
 
     def reset(self) -> None:
         """Forget the KV cache."""
@@ -43,6 +45,8 @@ class KVSequence:
 
     def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
         """Append tokens to the sequence, n_batch at a time; logits of the last (or every) token."""
+        if self.fit is not None:
+            self.fit(len(self.tokens) + len(tokens), len(self.tokens))
         mem = lib.llama_get_memory(self.handle.ctx)
         for start in range(0, len(tokens), self.n_batch):
             with (
@@ -96,6 +100,8 @@ class KVSequence:
             )
         keep = min(common_prefix(self.tokens, tokens), len(tokens) - 1)  # re-evaluate one for fresh logits
         self.truncate(keep)
+        if self.fit is not None and keep == 0:
+            self.fit(len(tokens), 0)  # nothing kept: the smallest context tier that holds the prompt
         self.decode(tokens[keep:])
         return len(tokens) - keep
 
@@ -153,6 +159,22 @@ class KVSequence:
 
     def restore(self, snap: KVSnapshot) -> None:
         """Make the KV cache hold snap's tokens again (the next prompt then reuses what it shares)."""
+        if self.fit is not None:
+            self.fit(len(snap.tokens) + 1, 0)  # the tier that holds them and the next token
+        self.load(snap)
+
+    # -- CarryKV (edgemoe.runtime.context_tiers): the K/V across a re-created context -------------------------------
+    def save(self, n: int) -> KVSnapshot:
+        """The first n tokens' KV state in host memory (the rest forgotten)."""
+        self.truncate(n)
+        return self.snapshot()
+
+    def cleared(self) -> None:
+        """The context was re-created: its KV cache is empty."""
+        self.tokens = []
+
+    def load(self, snap: KVSnapshot) -> None:
+        """restore() within the context as it is."""
         with self.guard.hold(native=True):
             ctx = self.handle.ctx
             lib.llama_memory_clear(lib.llama_get_memory(ctx), True)  # pyright: ignore[reportArgumentType]  # takes NULL too
