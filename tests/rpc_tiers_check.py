@@ -21,6 +21,7 @@ from test_context_tiers import CFG, _walk, tiers_for
 from edgemoe.runtime import native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.sampling import GREEDY
 
 
 def walk(path: Path, cfg: LoadConfig, ids: list[int], device: object | None) -> tuple[list[np.ndarray], dict]:
@@ -40,6 +41,20 @@ def walk(path: Path, cfg: LoadConfig, ids: list[int], device: object | None) -> 
     return out, info
 
 
+def short_hit_rate(path: Path, device: object, tiers: bool) -> float | None:
+    """The decode hit rate of a short conversation (a 100-token prompt, 48 tokens generated: the first step), the
+    LRU cache at the whole context's slots, with tiers at the first step's."""
+    with Engine(path, CFG) as eng:
+        n_expert = eng.info.n_expert
+        eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=LruConfig()), device=device)
+        if tiers:
+            eng.set_context_tiers(tiers_for(n_expert))
+        prompt = [int(x) for x in np.random.default_rng(2).integers(10, eng.n_vocab - 10, 100)]
+        eng.generate(prompt, max_tokens=48, sampling=GREEDY, ignore_eog=True)
+        assert eng.experts is not None
+        return eng.experts.stats()["decode_hit_rate"]
+
+
 def main(path: Path) -> dict[str, object]:
     with Engine(path, CFG) as eng:
         rng = np.random.default_rng(1)
@@ -51,6 +66,7 @@ def main(path: Path) -> dict[str, object]:
     got, info = walk(path, CFG, ids, dev)
     out["standin_equal"] = all(np.array_equal(a, b) for a, b in zip(got, ref, strict=True))
     out["standin"] = info
+    out["short_hit_rate"] = {"tiers": short_hit_rate(path, dev, True), "whole": short_hit_rate(path, dev, False)}
     gpu = replace(CFG, n_gpu_layers=999, cpu_expert_layers=layers, op_offload=False)
     stock_gpu, _ = walk(path, gpu, ids, None)
     got, info = walk(path, gpu, ids, dev)

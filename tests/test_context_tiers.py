@@ -270,3 +270,26 @@ def test_tiers_on_the_rpc_device_equal_stock(tmp_path: Path) -> None:
             assert out[layout]["stats"]["hits"] > 0, out[layout]
             checks = out[layout]["ids_check"]
             assert checks["n_rows"] > 0 and checks["n_negative"] == checks["n_range"] == checks["n_repeat"] == 0
+        # the same tokens through an LRU of more slots: never fewer hits (LRU's inclusion property), here more
+        rates = out["short_hit_rate"]
+        assert rates["tiers"] > rates["whole"], (path.name, rates)
+        print(path.name, "decode hit rate of a short conversation, tiers vs whole context:", rates)
+
+
+def test_simulate_takes_the_kv_cache_types() -> None:
+    """simulate plans the KV cache of -ctk/-ctv as plan does (a q8_0 cache leaves the slots more), and refuses a
+    quantized V cache without flash attention."""
+    import json
+
+    from edgemoe.cli import cli
+
+    path = FIXTURE_MODELS[-1]
+    info = read_model_info(path)
+    vram = str(budget_for_slots(info, 4, 8192))
+    args = ["simulate", str(path), "--profile", "rtx4060-laptop", "--vram", vram, "--ctx", "8192", "--json"]
+    runner = CliRunner()
+    f16 = json.loads(runner.invoke(cli, args, catch_exceptions=False).output)
+    q8 = json.loads(runner.invoke(cli, [*args, "-ctk", "q8_0", "-ctv", "q8_0"], catch_exceptions=False).output)
+    assert q8["slots_per_layer"] > f16["slots_per_layer"] == 4
+    bad = runner.invoke(cli, [*args, "-ctv", "q8_0", "-fa", "off"])
+    assert bad.exit_code != 0 and "needs flash attention" in bad.output

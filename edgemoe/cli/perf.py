@@ -194,6 +194,7 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
     "the projected engine's flash attention (auto: on, as llama.cpp resolves it on the CPU and CUDA); a profile "
     "that measured the CPU's decode attention prices it with or without"
 )
+@kv_type_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def simulate(
@@ -218,11 +219,13 @@ def simulate(
     draft_max: int,
     acceptances: tuple[float, ...],
     flash_attn: FlashAttn,
+    attention: AttentionOptions,
     as_json: bool,
     plot: Path | None,
 ) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
+    from ..gguf.kv_types import KvTypes, is_quantized
     from ..perf.model.report import plot_simulation
     from ..perf.model.simulate import PrecalcSpec, SimSpec
     from ..perf.model.simulate import simulate as run
@@ -231,6 +234,11 @@ def simulate(
 
     if (gating is None) != (threshold is None):
         raise click.UsageError("--gating and --threshold go together")
+    if is_quantized(attention.cache_type_v) and flash_attn == "off":
+        raise click.UsageError(
+            f"--cache-type-v {attention.cache_type_v} needs flash attention (llama.cpp reads a quantized V "
+            "cache only in it): drop --flash-attn off or use --cache-type-v f16"
+        )
     if precalc_from is not None and blocking_loads:
         raise click.UsageError(
             "--precalc-from needs the cache's tables in the graph, which --blocking-loads "
@@ -255,6 +263,7 @@ def simulate(
         device_prefill=device_prefill,
         precalc=PrecalcSpec(precalc_from, precalc_recall, precalc_precision) if precalc_from else None,
         flash_attn=flash_attn,
+        kv=KvTypes(attention.cache_type_k, attention.cache_type_v),
     )
     trace, where, profile_used = _routing_trace(model, trace_path, routing)
     if gate is not None and profile_used is not None:
