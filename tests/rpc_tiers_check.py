@@ -58,7 +58,7 @@ def short_hit_rate(path: Path, device: object, tiers: bool) -> float | None:
 def main(path: Path) -> dict[str, object]:
     with Engine(path, CFG) as eng:
         rng = np.random.default_rng(1)
-        ids = [int(x) for x in rng.integers(10, eng.n_vocab - 10, 1000)]
+        ids = [int(x) for x in rng.integers(10, eng.n_vocab - 10, 1100)]
         layers = tuple(eng.info.moe_layers)
     ref, _ = walk(path, CFG, ids, None)  # stock, before the RPC device exists
     dev = native.rpc_loopback_device()
