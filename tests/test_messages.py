@@ -94,6 +94,7 @@ def test_the_scan_sees_flags_in_messages_and_fstrings() -> None:
         ("`blocking=True` loads a miss first", "--blocking-loads loads a miss first"),
         ("raise `n_ctx`; run `make install`", "raise --ctx; run `make install`"),
         ("`prefetch_distance=0`: use >= 1", "--prefetch-distance 0: use >= 1"),
+        ("`context_tiers=False` keeps it whole", "--no-context-tiers keeps it whole"),
     ],
 )
 def test_the_cli_shows_its_flags(library: str, cli_text: str) -> None:

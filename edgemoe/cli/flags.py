@@ -58,6 +58,8 @@ def as_flags(message: str, table: Mapping[str, str]) -> str:
         value = m.group(2)
         if value is None or value == "True":
             return flag
+        if value == "False":  # an on/off flag's other half (click's --x/--no-x)
+            return f"--no-{flag[2:]}"
         return f"{flag} {value.strip(chr(39) + chr(34))}"
 
     return _SPAN.sub(sub, message)

@@ -59,5 +59,5 @@ def describe_steps(steps: tuple[TierStep, ...], budget_bytes: int) -> str:
     return (
         f"note: at `vram={format_size(budget_bytes)!r}` the context grows in steps {ctx} as the conversation "
         f"does, with {slots} expert slots per layer beside them (the KV cache a step does not use yet holds "
-        "experts); `context_tiers=False` (--no-context-tiers) keeps the whole context from the start"
+        "experts); `context_tiers=False` keeps the whole context from the start"
     )
