@@ -231,9 +231,9 @@ def batch_opts() -> list[Decorator]:
             "n_ubatch",
             type=int,
             default=None,
-            help="tokens per prefill ubatch, at most --batch and the context (default: with --vram on a GPU, "
-            "the ubatch the plan projects fastest for a long prompt, from --profile or this machine's profile, "
-            "said in a note; else 512)",
+            help="tokens per prefill ubatch, at most --batch and the context (default: with --vram and "
+            "--device-prefill on a GPU, the ubatch the plan picks for a long prompt on --profile or this "
+            "machine's profile, its compute buffer out of the slots, said in a note; else 512)",
         ),
     ]
 
