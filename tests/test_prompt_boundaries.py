@@ -150,3 +150,40 @@ def test_a_prompt_restored_from_a_boundary_equals_a_fresh_prefill_bitwise(engine
     assert engine.last is not None and engine.last.timings.prompt_tokens == len(b) - 192
     assert got_tokens == fresh_tokens
     assert np.array_equal(got.view(np.uint32), fresh.view(np.uint32))
+
+
+def test_a_streamed_chunked_prefill_pings_and_stores_its_boundary() -> None:
+    """Through the app: a 64-token chunk, a prompt of several chunks, keep-alives every 5 ms: pings come before the
+    first token (while the prompt is evaluated, a chunk at a time) and the reply's stats count the boundary."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from edgemoe.runtime.sampling import GREEDY as T0
+    from edgemoe.serve.app import ServerConfig, create_app
+    from edgemoe.serve.worker import EngineWorker
+
+    config = LoadConfig(n_ctx=1024, n_batch=CHUNK, n_ubatch=CHUNK, n_threads=2)
+    with Engine(FIXTURE_MODELS[0], config) as eng:
+        worker = EngineWorker(eng, 2, prompt_cache=PromptCache(64 << 20))
+        app = create_app(worker, ServerConfig(model_id="m", sampling=T0, max_tokens=4, ping_s=0.005))
+        worker.start()
+        prompt = " ".join(f"line {i} of the file" for i in range(80))
+
+        async def stream() -> str:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2,
+                                                                "stream": True, "temperature": 0})
+                return r.text
+
+        try:
+            body = asyncio.run(stream())
+        finally:
+            worker.stop()
+    events = [e for e in body.split("\n\n") if e]
+    first_data = next(i for i, e in enumerate(events) if e.startswith("data: {"))
+    assert any(e == ": ping" for e in events[:first_data]), events[:first_data + 1]
+    last = json.loads(next(e for e in reversed(events) if e.startswith("data: {"))[6:])
+    assert last["edgemoe"]["prompt_cache"]["boundary_stored"] == 1, last["edgemoe"]["prompt_cache"]
