@@ -7,8 +7,8 @@ tokens (more than two ubatches of 512, one whole ubatch of 2048 and a part of th
 that size, then DECODE_STEPS decode steps; stock (no cache) and each VARIANTS entry (the lru cache with half the
 experts on the RPC device, device prefill on) must give the same logits bitwise, the prompt's last token's and each
 decode step's. A variant is a name and CacheConfig fields: a later switch (prefill borrowing slots) is one more
-entry. Writes {file: {ubatch: {variant: {"equal", "prefill_layers", "n_ubatch"}}}} or {file: {"error": "..."}} as
-JSON to argv[1], as it goes.
+entry. Writes {file: {ubatch: {variant: {"equal", "prefill_layers", "prefill_ubatches", "n_ubatch"}}}} or
+{file: {"error": "..."}} as JSON to argv[1], as it goes.
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ def check(path: Path, dev: object, ubatch: int) -> dict[str, object]:
             res[name] = {
                 "equal": same(got, ref),
                 "prefill_layers": pf["layers"] if pf else 0,
+                "prefill_ubatches": pf["ubatches"] if pf else 0,
                 "n_ubatch": eng.n_ubatch,
             }
     return res
