@@ -18,7 +18,7 @@ from test_ops import backend_ops_exe
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
-STEPS = ["build", "synth", "doctor", "tests", "ops", "sanitizer", "calibration", "bench", "profile"]
+STEPS = ["build", "synth", "doctor", "tests", "ops", "sanitizer", "calibration", "bench", "prefill", "profile"]
 
 
 def _run(mode: str, out: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -36,21 +36,26 @@ def test_dry_run_runs_every_step_and_returns_at_most_8_files(tmp_path: Path) -> 
     seconds = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["bench.json", "doctor.json", "gpu-tests.txt", "logs.tar.gz", "summary.txt"]
+    assert files == ["bench.json", "doctor.json", "gpu-tests.txt", "logs.tar.gz", "prefill.json", "summary.txt"]
     summary = (out / "summary.txt").read_text().splitlines()
     status = {line.split()[1]: line.split()[0] for line in summary[:-1]}
     assert status == {**{s: "ok" for s in STEPS}, "profile": "capped"}, summary  # the profile is cut at 3 s
-    assert summary[-1].startswith("total: ") and summary[-1].endswith(f"0 failed steps, 5 files in {out}")
+    assert summary[-1].startswith("total: ") and summary[-1].endswith(f"0 failed steps, 6 files in {out}")
     assert json.loads((out / "doctor.json").read_text())["ok"] is True
     rows = [r["name"] for r in json.loads((out / "bench.json").read_text())["rows"]]
     assert rows[0].startswith("stock") and {"edgemoe lru", "edgemoe static", "edgemoe daop"} <= {
         " ".join(r.split()[:2]) for r in rows}, rows
+    # the prefill rows (issue 41): each records the ubatch it ran (on the CPU nothing is planned: llama.cpp's 512,
+    # cut to the bench's 256-token context)
+    prefill = json.loads((out / "prefill.json").read_text())
+    assert prefill["prompt_tokens"] == 64 and [r["n_ubatch"] for r in prefill["rows"]] == [256] * len(prefill["rows"])
+    assert any(r["name"].endswith("+device prefill") for r in prefill["rows"]), prefill["rows"]
     tests = (out / "gpu-tests.txt").read_text().splitlines()
     assert len(tests) == 2 and all(t.split()[0] in ("pass", "skip") for t in tests), tests
     with tarfile.open(out / "logs.tar.gz") as tf:
         names = set(tf.getnames())
     assert {"logs/doctor.err", "logs/backend-ops.log", "logs/sanitizer.log", "logs/bench.err", "logs/build.log",
-            "logs/synth.log"} <= names
+            "logs/synth.log", "logs/prefill.err"} <= names
     assert sum(n.startswith("logs/tests/") and n.endswith(".log") for n in names) == 2
     assert "76/76 tests passed" in (work / "logs" / "backend-ops.log").read_text()
     assert (work / "tiny-qwen3moe.gguf").stat().st_size > 0  # written in the background beside the build

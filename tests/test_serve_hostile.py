@@ -173,7 +173,8 @@ def test_health_and_cache_figures_per_key(srv: Server) -> None:
     assert r.json()["edgemoe"]["prompt_cache"] == mine
     theirs = srv.health(api_key=OTHER_KEY)
     assert theirs["prompt_cache"] == {"entries": 0, "bytes": 0, "capacity_bytes": CACHE_MIB << 20,
-                                      "stored": 0, "hits": 0, "misses": 0}
+                                      "stored": 0, "hits": 0, "misses": 0, "boundary_stored": 0,
+                                      "restored_tokens": 0}
     assert set(theirs) >= {"status", "busy", "queued", "max_queue"}
 
 

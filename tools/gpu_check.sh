@@ -5,9 +5,10 @@
 #   python3 tools/device_pack.py        # here, with network: fills .devcarry/ (trimmed sdist, wheels)
 #   bash tools/gpu_check.sh all         # there: build, then every check below; under 540 s on paper
 #   bash tools/gpu_check.sh warm        # there, on a warm machine: the same without the build when .build/ and
-#                                       # the installed stamp are there from the last call
+#                                       # the installed stamp are there from the last call, plus the 8K-token
+#                                       # prefill rows (step prefill, which `all` has no time left for)
 #   bash tools/gpu_check.sh dry-run     # anywhere (CI: tests/test_gpu_check.py): every step with CPU stand-ins
-#   bash tools/gpu_check.sh build|doctor|tests|bench|profile|diag    # one step alone
+#   bash tools/gpu_check.sh build|doctor|tests|bench|prefill|profile|diag    # one step alone
 #   GPU_CHECK_WORK=/tmp/gpu-check.X bash tools/gpu_check.sh pack      # a run's logs into $OUT again
 #
 # Time budget of `all` on a 16-core H100 (each cap is a `timeout`; a step past it is cut, the rest still run):
@@ -24,11 +25,16 @@
 #   | bench at 8 GiB, 512-token prompt: stock, lru, static, daop,     |   110 | one process, five rows and four    |
 #   |   then the best stock row and each policy with prompt lookup    |       | "+lookup" rows (acceptance, tok/step)|
 #   | edgemoe profile                                                 |    30 | capped: did not finish in 120 s    |
+#   | (warm, prefill only) 8K-token prefill at 8 GiB, -ub planned on  |   240 | four rows: a model load, an 8K     |
+#   |   PREFILL_PROFILE: stock -ot exps=CPU and best --n-cpu-moe at   |       | prefill, a reuse TTFT each, and    |
+#   |   stock's best -ub, edgemoe static, static + device prefill at  |       | their projections (not measured    |
+#   |   edgemoe's planned -ub (bench's `ub` column)                   |       | yet: no GPU was lent since)        |
 #   | tarball, summary                                                |     5 |                                    |
 #   | total                                                           |   520 | under the 540 s a call may take    |
 #
 # $OUT gets at most 8 files (the script checks): summary.txt (one line per step: status, seconds, cap),
-# gpu-tests.txt (one line per GPU test), doctor.json, bench.json, profile.json (when the profile finished)
+# gpu-tests.txt (one line per GPU test), doctor.json, bench.json, prefill.json (warm, prefill, dry-run),
+# profile.json (when the profile finished)
 # and logs.tar.gz (every log: build, doctor, each test's output, test-backend-ops, compute-sanitizer,
 # bench, profile). Without $OUT: out/gpu.
 #
@@ -36,7 +42,8 @@
 # BENCH_VRAM (default 8GiB), BENCH_MODEL (default /tmp/qwen3-30b-a3b.Q4_K.gguf), TEST_JOBS (default 8),
 # BENCH_EXTRA (more bench options, e.g. "--compare-overlap --device-prefill 32 --precalc-from 30": each adds rows
 # and time, so give BENCH_CAP more seconds and run it as `bench` alone or in a `warm` call),
-# GPU_CHECK_PRELOAD_LIBSTDCXX (default 1: LD_PRELOAD the system libstdc++.so.6 into everything after the
+# PREFILL_PROFILE (default h100-server: the profile the prefill rows' -ub is planned on; a file or bundled name),
+# PREFILL_CAP (default 240), GPU_CHECK_PRELOAD_LIBSTDCXX (default 1: LD_PRELOAD the system libstdc++.so.6 into everything after the
 # build, the workaround for libggml-cuda's static C++ runtime of issue 37; set 0 once the link fix is in),
 # GPU_CHECK_DRY=1 (the same as dry-run).
 set -uo pipefail
@@ -60,7 +67,8 @@ if [ "$DRY" = 1 ]; then
     SYNTH_OUT=$WORK/tiny-qwen3moe.gguf
     SYNTH_PRESET=tiny-qwen3moe
     BENCH_ARGS=(--prompt-tokens 32 --gen-tokens 4 -t 1)  # one thread: no spinning against a busy CI machine
-    CAP_BUILD=30 CAP_SYNTH=30 CAP_CHECKS=60 CAP_BENCH=45 CAP_PROFILE=3
+    PREFILL_ARGS=(--prompt-tokens 64 --gen-tokens 2 --device-prefill 16 -t 1)
+    CAP_BUILD=30 CAP_SYNTH=30 CAP_CHECKS=60 CAP_BENCH=45 CAP_PROFILE=3 CAP_PREFILL=60
     SANITIZER=()
     OPS_BACKEND=CPU
 else
@@ -69,7 +77,8 @@ else
     SYNTH_OUT=$BENCH_MODEL
     SYNTH_PRESET=qwen3-30b-a3b
     BENCH_ARGS=(--prompt-tokens 512 --gen-tokens 32)
-    CAP_BUILD=285 CAP_SYNTH=15 CAP_CHECKS=75 CAP_BENCH=${BENCH_CAP:-110} CAP_PROFILE=30
+    PREFILL_ARGS=(--prompt-tokens 8192 --gen-tokens 2 --device-prefill 256)
+    CAP_BUILD=285 CAP_SYNTH=15 CAP_CHECKS=75 CAP_BENCH=${BENCH_CAP:-110} CAP_PROFILE=30 CAP_PREFILL=${PREFILL_CAP:-240}
     SANITIZER=(compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20)
     OPS_BACKEND=CUDA0
 fi
@@ -238,6 +247,25 @@ for row in r["rows"]:
 EOF
 }
 
+step_prefill() {  # issue 41: an 8K-token prompt's prefill, each side at the -ub the plan picks on PREFILL_PROFILE
+    local t0=$SECONDS
+    timeout "$CAP_PREFILL" "$PY" -m edgemoe.cli bench "$BENCH_MODEL" --vram "${BENCH_VRAM:-8GiB}" "${PREFILL_ARGS[@]}" \
+        --policy static --profile "${PREFILL_PROFILE:-h100-server}" --json \
+        > "$WORK/prefill.json" 2> "$LOGS/prefill.err"
+    local rc=$?
+    record prefill "$(status_of $rc)" $((SECONDS - t0)) "$CAP_PREFILL"
+    "$PY" - "$WORK/prefill.json" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as err:
+    sys.exit(f"prefill: no report ({err})")
+print(" ", r["device"], "vram", r["vram"], "prompt", r["prompt_tokens"], r["ubatch_note"] or "-ub 512")
+for row in r["rows"]:  # (the bench's projections beside them are at -ub 512: not printed)
+    print(f'  {row["name"]:32} -ub {row["n_ubatch"]:5}  prefill {row["prefill_tps"]:8.1f}  TTFT {row["ttft_s"]:6.2f} s')
+EOF
+}
+
 step_profile() {
     local t0=$SECONDS
     timeout "$CAP_PROFILE" "$PY" -m edgemoe.cli profile --out "$WORK/profile.json" > "$LOGS/profile.log" 2>&1
@@ -247,7 +275,7 @@ step_profile() {
 finish() {  # logs.tar.gz and the few files that come back; at most MAX_OUT_FILES in $OUT
     local f n
     tar -czf "$OUTDIR/logs.tar.gz" -C "$WORK" logs
-    for f in summary.txt gpu-tests.txt doctor.json bench.json profile.json; do
+    for f in summary.txt gpu-tests.txt doctor.json bench.json prefill.json profile.json; do
         [ -s "$WORK/$f" ] && cp "$WORK/$f" "$OUTDIR/$f"
     done
     n=$(find "$OUTDIR" -type f | wc -l)
@@ -259,11 +287,12 @@ finish() {  # logs.tar.gz and the few files that come back; at most MAX_OUT_FILE
     [ "$FAILED" = 0 ]
 }
 
-check_all() {  # everything after the build
+check_all() {  # everything after the build (the prefill rows where the call has the time: warm, dry-run)
     runtime_env
     wait_synth
     step_checks
     step_bench
+    [ "$MODE" = all ] || step_prefill
     step_profile
 }
 
@@ -319,8 +348,9 @@ case "$MODE" in
     doctor) runtime_env; check_doctor; summarize_doctor ;;
     tests) runtime_env; check_tests; cat "$WORK/gpu-tests.txt" ;;
     bench) runtime_env; CAP_SYNTH=${SYNTH_CAP:-240}; start_synth; wait_synth; step_bench; finish ;;
+    prefill) runtime_env; CAP_SYNTH=${SYNTH_CAP:-240}; start_synth; wait_synth; step_prefill; finish ;;
     profile) runtime_env; step_profile; finish ;;
     diag) runtime_env; step_diag ;;
     pack) finish ;;  # GPU_CHECK_WORK=<a run's work folder>: its logs into $OUT again
-    *) echo "usage: $0 all|warm|dry-run|build|doctor|tests|bench|profile|diag|pack" >&2; exit 2 ;;
+    *) echo "usage: $0 all|warm|dry-run|build|doctor|tests|bench|prefill|profile|diag|pack" >&2; exit 2 ;;
 esac

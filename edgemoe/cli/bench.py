@@ -84,6 +84,16 @@ from .types import THREADS, GGUFPath, OutputPath, Size
     help="also run each policy with DAOP's pre-calculation from layer L ('... +precalc L' rows; generate "
     "--precalc-from), projected at the rates each row measures",
 )
+@click.option(
+    "-ub",
+    "--ubatch",
+    "n_ubatch",
+    type=click.IntRange(min=1),
+    default=None,
+    help="every row's prefill ubatch (default: on a GPU with a GPU --profile, stock rows at stock's fastest "
+    "-ub and +device prefill rows at edgemoe's planned one, as `edgemoe plan --prompt-tokens` projects them for "
+    "the prompt; else 512); the 'ub' column says what each row ran",
+)
 @attention_options
 @speculation_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
@@ -102,6 +112,7 @@ def bench(
     assign: str | None,
     device_prefill: int,
     precalc_from: int | None,
+    n_ubatch: int | None,
     attention: AttentionOptions,
     speculation: Any,
     as_json: bool,
@@ -133,6 +144,7 @@ def bench(
         assign=assign,
         device_prefill=device_prefill,
         precalc_from=precalc_from,
+        n_ubatch=n_ubatch,
         **attention.load_kwargs(),
         speculation=speculation if speculation.on else None,
     )

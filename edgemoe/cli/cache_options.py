@@ -115,7 +115,8 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--profile",
             default=None,
-            help="--assign's machine profile: a bundled name (rtx4060-laptop, rtx4090-desktop, "
+            help="--assign's machine profile, and with --vram the one the prefill ubatch is planned on (-ub): "
+            "a bundled name (rtx4060-laptop, rtx4090-desktop, "
             "h100-server, and the backtest's machines: docs/research/performance-model.md) or a file; "
             "default: this machine's (`edgemoe profile`)",
         ),

@@ -50,6 +50,7 @@ def _open_engine(
         n_ctx=run.n_ctx,
         n_threads=run.threads,
         n_gpu_layers=run.gpu_layers,
+        **run.batch_kwargs(),
         **run.attention.load_kwargs(),
         calibration=gating.calibration if gating is not None else None,
         gating=gating,

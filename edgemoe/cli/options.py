@@ -152,6 +152,15 @@ class RunOptions:
     n_ctx: int  # context length (0: with a budget, the plan's pick; else the model's, at most 4096)
     gpu_layers: int  # layers stock llama.cpp offloads whole to the GPU
     attention: AttentionOptions = AttentionOptions()  # flash attention and the KV cache's types
+    n_batch: int | None = None  # tokens per llama_decode in prefill (None: 512, or what holds the ubatch)
+    n_ubatch: int | None = (
+        None  # tokens per prefill ubatch (None: the plan's pick with a budget on a GPU, else 512)
+    )
+
+    def batch_kwargs(self) -> dict[str, int]:
+        """open_engine's n_batch / n_ubatch where given (the plan decides the rest)."""
+        given = {"n_batch": self.n_batch, "n_ubatch": self.n_ubatch}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 def run_options(f: Any) -> Any:
@@ -197,9 +206,36 @@ def run_options(f: Any) -> Any:
             show_default=True,
             help="layers stock llama.cpp offloads whole to the GPU (CUDA builds)",
         ),
+        *batch_opts(),
         *_attention_opts(),
     ]
     return option_group("run", opts, _run)(f)
+
+
+def batch_opts() -> list[Decorator]:
+    """-b/--batch and -ub/--ubatch (llama.cpp's), given to the command as `n_batch` and `n_ubatch` (None: not
+    given)."""
+    return [
+        click.option(
+            "-b",
+            "--batch",
+            "n_batch",
+            type=int,
+            default=None,
+            help="tokens per llama_decode call in prefill, the chunk a long prompt is prefilled in (default: 512, "
+            "or the ubatch where that is larger)",
+        ),
+        click.option(
+            "-ub",
+            "--ubatch",
+            "n_ubatch",
+            type=int,
+            default=None,
+            help="tokens per prefill ubatch, at most --batch and the context (default: with --vram and "
+            "--device-prefill on a GPU, the ubatch the plan picks for a long prompt on --profile or this "
+            "machine's profile, its compute buffer out of the slots, said in a note; else 512)",
+        ),
+    ]
 
 
 def _run(
@@ -213,6 +249,8 @@ def _run(
     threads: int,
     n_ctx: int,
     gpu_layers: int,
+    n_batch: int | None,
+    n_ubatch: int | None,
     flash_attn: FlashAttn,
     cache_type_k: KvCacheType,
     cache_type_v: KvCacheType,
@@ -228,7 +266,7 @@ def _run(
         seed=DEFAULT_SEED if seed is None else seed,
     )
     attention = AttentionOptions(flash_attn, cache_type_k, cache_type_v)
-    return RunOptions(sampling, threads, n_ctx, gpu_layers, attention)
+    return RunOptions(sampling, threads, n_ctx, gpu_layers, attention, n_batch, n_ubatch)
 
 
 def speculation_options(f: Any) -> Any:

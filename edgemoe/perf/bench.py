@@ -23,7 +23,7 @@ from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..gguf.info import ModelInfo, model_info
 from ..gguf.kv_types import KvCacheType, KvTypes
-from ..placement.budget import slots_beside_prefill_buffers
+from ..placement.budget import PLAN_UBATCH, slots_beside_prefill_buffers
 from ..placement.planner import Device, budget_request
 from ..placement.planner import plan as plan_placement
 from ..policies.registry import policy_spec
@@ -33,6 +33,7 @@ from ..runtime.config import FlashAttn
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.sampling import GREEDY
 from ..speculation.config import SpeculationConfig
+from .bench_ubatch import BenchUbatches, bench_ubatches
 
 WARMUP_PROMPT = 16  # tokens of the prompt each configuration's warm-up generation (2 tokens) starts from
 REUSE_QUESTION = 32  # new tokens at the end of the second request on the same prefix (reuse TTFT)
@@ -62,6 +63,9 @@ class BenchSpec:
     cache_type_v: KvCacheType = "f16"
     # also run the best stock row and each policy's first row with this speculative decoding ("... +lookup" rows)
     speculation: SpeculationConfig | None = None
+    # every row's prefill ubatch (-ub); None: on a GPU with a GPU profile the prefill plan's for stock and +device
+    # prefill rows (edgemoe.perf.bench_ubatch), else 512
+    n_ubatch: int | None = None
 
 
 @dataclass
@@ -86,6 +90,7 @@ class BenchRow:
     # from host memory as `edgemoe serve`'s prompt cache does
     reuse_ttft_s: float | None = None
     speculation: dict[str, Any] | None = None  # SpeculationStats.to_dict() of the measured generation
+    n_ubatch: int = PLAN_UBATCH  # the prefill ubatch it ran (-ub)
 
 
 @dataclass
@@ -100,6 +105,7 @@ class BenchResult:
     n_cpu_moe: int | None
     rows: list[BenchRow] = field(default_factory=list)
     projection_note: str = ""
+    ubatch_note: str = ""  # how the rows' ubatches were picked (empty: llama.cpp's 512 for every row)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -174,6 +180,8 @@ class _CacheRows:
     expert_budget_bytes: int
     cached: LoadConfig  # the load config of a row with the expert cache
     costs: dict[int, Any] | None  # the assigner's costs (--assign)
+    header: Any = None  # the model's parsed header (the ubatches' compute buffers)
+    ubatches: BenchUbatches = BenchUbatches()
 
     def enable(self, cfg: CacheConfig) -> Callable[[Engine], None]:
         """The row's setup: the expert cache with `cfg` on the bench's device."""
@@ -276,10 +284,17 @@ def _device_prefill_row(
         b.n_ctx,
         KvTypes(spec.cache_type_k, spec.cache_type_v),
     )
+    u = b.ubatches.device_prefill
+    load = b.cached
+    if u != load.n_ubatch:  # the larger compute buffer comes out of every layer's slots
+        extra = b.ubatches.extra_bytes(b.header, b.n_ctx, u, spec.flash_attn != "off")
+        fewer = -(-extra // b.info.slot_bytes) if b.info.slot_bytes else 0
+        pf_slots = {il: max(0, n - fewer) for il, n in pf_slots.items()}
+        load = replace(load, n_batch=max(load.n_batch, u), n_ubatch=u)
     pf_cfg = replace(cfg, slots_per_layer=pf_slots, prefill_min_tokens=spec.device_prefill)
     per_layer = sum(pf_slots.values()) // max(1, len(pf_slots))
     note = "; ".join(notes + [f"{per_layer} slots/layer beside the prefill buffers"])
-    return (f"{name} +device prefill", "edgemoe", b.cached, b.enable(pf_cfg), note)
+    return (f"{name} +device prefill", "edgemoe", load, b.enable(pf_cfg), note)
 
 
 def _run_rows(
@@ -304,9 +319,21 @@ def _run_rows(
             res.rows.append(BenchRow(name, kind, 0.0, 0.0, 0.0, 0.0, None, note=f"skipped: {err}"))
             continue
         generated = generated or tokens
+        ub = min(cfg.n_ubatch, cfg.n_batch, cfg.n_ctx or cfg.n_ubatch)
         res.rows.append(
             BenchRow(
-                name, kind, pre, dec, ttft, tpot, vram, cache, note, reuse_ttft_s=reuse, speculation=spec
+                name,
+                kind,
+                pre,
+                dec,
+                ttft,
+                tpot,
+                vram,
+                cache,
+                note,
+                reuse_ttft_s=reuse,
+                speculation=spec,
+                n_ubatch=ub,
             )
         )
     return generated
@@ -339,10 +366,21 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         cache_type_k=spec.cache_type_k,
         cache_type_v=spec.cache_type_v,
     )
+    ubs = bench_ubatches(
+        header,
+        vram=spec.vram,
+        n_ctx=n_ctx,
+        prompt_tokens=spec.prompt_tokens,
+        flash_attn=spec.flash_attn != "off",
+        kv=KvTypes(spec.cache_type_k, spec.cache_type_v),
+        given=spec.n_ubatch,
+        profile=spec.profile,
+        on_gpu=on_gpu,
+    )
     base = LoadConfig(
         n_ctx=n_ctx,
-        n_batch=512,
-        n_ubatch=512,
+        n_batch=max(PLAN_UBATCH, ubs.cache),
+        n_ubatch=ubs.cache,
         n_threads=spec.threads,
         n_gpu_layers=999 if on_gpu else 0,
         flash_attn=spec.flash_attn,
@@ -363,22 +401,15 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         gen_tokens=spec.gen_tokens,
         slots_per_layer=slots,
         n_cpu_moe=n_cpu,
+        ubatch_note=ubs.note,
     )
     prompt = _prompt(info, spec.prompt_tokens)
-    rows: list[_Row] = [("stock -ot exps=CPU", "stock", replace(base, cpu_expert_layers=cpu_moe), None, "")]
-    if on_gpu and n_cpu is not None and n_cpu < len(moe):
-        rows.append(
-            (
-                f"stock --n-cpu-moe {n_cpu}",
-                "stock",
-                replace(base, cpu_expert_layers=moe[:n_cpu] or None),
-                None,
-                "",
-            )
-        )
+    rows = _stock_rows(base, moe, cpu_moe, n_cpu if on_gpu else None, ubs)
     cached = replace(base, cpu_expert_layers=cpu_moe)
     costs = _assign_costs(path, spec) if spec.assign else None
-    b = _CacheRows(info, spec, dev, n_ctx, slots, placement.budget.expert_budget_bytes, cached, costs)
+    b = _CacheRows(
+        info, spec, dev, n_ctx, slots, placement.budget.expert_budget_bytes, cached, costs, header, ubs
+    )
     again = rows[
         -1:
     ]  # with speculation: the best stock layout's row (the last stock one), each policy's first
@@ -395,6 +426,27 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         project(res, path, spec, base, prompt + generated[:-1], len(prompt), on_gpu)
     _stock_ratios(res)
     return res
+
+
+def _stock_rows(
+    base: LoadConfig,
+    moe: tuple[int, ...],
+    cpu_moe: tuple[int, ...] | None,
+    n_cpu: int | None,
+    ubs: BenchUbatches,
+) -> list[_Row]:
+    """Stock's rows at stock's -ub: every expert on the CPU (-ot exps=CPU), and on a GPU the best --n-cpu-moe
+    (`n_cpu`, or the one beside the planned ubatch's compute buffer) where it keeps some experts there."""
+    stock = replace(base, n_batch=max(base.n_batch, ubs.stock), n_ubatch=ubs.stock)
+    rows: list[_Row] = [("stock -ot exps=CPU", "stock", replace(stock, cpu_expert_layers=cpu_moe), None, "")]
+    if n_cpu is not None and ubs.stock_n_cpu_moe is not None:
+        n_cpu = ubs.stock_n_cpu_moe
+    if n_cpu is not None and n_cpu < len(moe):
+        layers = moe[:n_cpu] or None
+        rows.append(
+            (f"stock --n-cpu-moe {n_cpu}", "stock", replace(stock, cpu_expert_layers=layers), None, "")
+        )
+    return rows
 
 
 def _assign_costs(path: Path, spec: BenchSpec) -> dict[int, Any]:
@@ -541,7 +593,7 @@ def format_table(res: BenchResult) -> str:
     )
     lines = [
         head,
-        f"{'configuration':<26} {'prefill t/s':>11} {'decode t/s':>10} {'TTFT ms':>8} {'reuse ms':>8} "
+        f"{'configuration':<26} {'ub':>5} {'prefill t/s':>11} {'decode t/s':>10} {'TTFT ms':>8} {'reuse ms':>8} "
         f"{'TPOT ms':>8} "
         f"{'VRAM GiB':>8} {'decode x':>8} {'prefill x':>9} {'hit rate':>8} {'proj dec':>8} {'err':>6}  note",
     ]
@@ -561,13 +613,14 @@ def format_table(res: BenchResult) -> str:
             else r.note
         )
         lines.append(
-            f"{r.name:<26} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} {reuse:>8} "
+            f"{r.name:<26} {r.n_ubatch:>5} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} {reuse:>8} "
             f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8} {proj:>8} {err:>6}  {note}"
         )
     lines.append(
         f"reuse ms: TTFT of a second request on the same prefix with {REUSE_QUESTION} new tokens, its KV "
         "state restored from host memory (serve's prompt cache)"
     )
+    lines.append(f"ub: the prefill ubatch (-ub) the row ran; {res.ubatch_note or 'llama.cpp default 512'}")
     if res.projection_note:
         lines.append(f"proj dec: PROJECTED decode tok/s, {res.projection_note}")
     elif any(r.kind for r in res.rows):

@@ -15,6 +15,7 @@ from ..speculation.config import SpeculationConfig
 from .install import Notify, install_cache, install_gating
 from .planner import Device, plan
 from .request import CacheRequest, cache_request
+from .ubatch import machine_profile, with_prefill_ubatch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -41,8 +42,10 @@ def open_engine(
     instead. With neither budget nor slots it loads as stock llama.cpp does. `n_ctx` 0: with a budget, the context
     the plan picks for it (edgemoe.placement.context.default_context, said in a note); else the model's, at most
     4096; a context given is never changed. `load`: LoadConfig's n_threads, n_gpu_layers, flash_attn ("auto": on
-    where the backend supports it) and the KV cache's types (cache_type_k, cache_type_v), which go to the engine;
-    a budget's plan reserves the KV cache of those types. `gating`
+    where the backend supports it), the KV cache's types (cache_type_k, cache_type_v) and n_batch / n_ubatch
+    (llama.cpp's -b / -ub), which go to the engine; a budget's plan reserves the KV cache of those types. With a
+    budget on a GPU (or with the cache request's machine `profile` named), the plan picks the prefill ubatch
+    for a long prompt (edgemoe.placement.ubatch, said in a note) unless n_ubatch is given; else it is 512. `gating`
     (edgemoe.calibration.adaptive.GatingOptions) turns on adaptive top-k; `speculation` speculative decoding
     (Engine.set_speculation: a draft model is opened then). Notes for the user go to `notify`.
     The placement is planned once from the file's header (edgemoe.placement.plan), before the model loads; a
@@ -58,14 +61,12 @@ def open_engine(
     elif vram is not None or expert_slots is not None or policy is not None:
         raise TypeError("give the cache's options in `cache` or as vram/expert_slots/policy, not both")
     header = check_gguf(path)  # once: the plan and the engine (and its expert cache) share it
-    placement = plan(
-        header,
-        cache,
-        n_ctx=n_ctx,
-        device=this_device(),
-        calibration=calibration,
-        **load,
-    )
+    device = this_device()
+    placement = plan(header, cache, n_ctx=n_ctx, device=device, calibration=calibration, **load)
+    if cache.vram is not None and (device is not None or cache.profile is not None):
+        prof = machine_profile(cache.profile)
+        if prof is not None:
+            placement = with_prefill_ubatch(header, placement, cache, prof)
     engine = Engine(path, placement.load, header=header)
     for note in placement.notes:
         notify(note)

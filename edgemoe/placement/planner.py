@@ -21,7 +21,7 @@ from ..gguf.kv_types import FlashAttn, KvTypes
 from ..policies.daop import precalc_targets
 from ..policies.registry import policy_spec
 from ..runtime.cache_config import checked_slots
-from ..runtime.config import LoadConfig, LoadOptions
+from ..runtime.config import DEFAULT_BATCH, LoadConfig, LoadOptions, check_batches
 from .budget import (
     SlotBudget,
     best_n_cpu_moe,
@@ -80,6 +80,10 @@ class PlacementPlan:
     context_table: ContextTable | None = None
     # the context created in steps, each with its slots, the last n_ctx (): the whole context from the start
     context_steps: tuple[TierStep, ...] = ()
+    # the tokens per prefill ubatch the engine runs (load.n_ubatch, at most the context) and why: given, the
+    # default, or picked for a long prompt by edgemoe.placement.ubatch (the budget and a machine profile)
+    prefill_ubatch: int = DEFAULT_BATCH
+    prefill_ubatch_reason: str = "llama.cpp's default -ub"
 
     @property
     def expert_budget_bytes(self) -> int | None:
@@ -123,8 +127,9 @@ def plan(
     whole = bool(req and info.is_moe and budget is not None and holds_every_expert(info, budget, prefill))
     cache = req is not None and info.is_moe and not whole
     slots = _slots(info, req, budget) if cache and req is not None else None
+    n_batch, n_ubatch = _batches(load, ctx)
     steps = (
-        context_steps(info, req.vram, ctx, kv, device_prefill=prefill, n_batch=opts.n_batch)
+        context_steps(info, req.vram, ctx, kv, device_prefill=prefill, n_batch=n_batch)
         if cache
         and req is not None
         and req.vram is not None
@@ -132,7 +137,7 @@ def plan(
         and req.context_tiers
         else ()
     )
-    base = replace(opts, n_ctx=asked)
+    base = replace(opts, n_ctx=asked, n_batch=n_batch, n_ubatch=n_ubatch)
     return PlacementPlan(
         load=_load_config(base, info, req, device, whole),
         n_ctx=ctx,
@@ -154,7 +159,21 @@ def plan(
         + ((describe_steps(steps, req.vram),) if steps and req is not None and req.vram is not None else ()),
         context_table=table,
         context_steps=steps,
+        prefill_ubatch=min(n_ubatch, ctx),
+        prefill_ubatch_reason="given (`n_ubatch`)"
+        if "n_ubatch" in load
+        else PlacementPlan.prefill_ubatch_reason,
     )
+
+
+def _batches(load: LoadOptions, ctx: int) -> tuple[int, int]:
+    """(n_batch, n_ubatch) of the load options, each checked where given; a ubatch given alone gets a batch that
+    holds it (llama.cpp would clamp the ubatch to the batch instead)."""
+    batch, ubatch = load.get("n_batch"), load.get("n_ubatch")
+    check_batches(batch, ubatch, ctx)
+    n_ubatch = ubatch if ubatch is not None else DEFAULT_BATCH
+    n_batch = batch if batch is not None else max(DEFAULT_BATCH, n_ubatch)
+    return n_batch, min(n_ubatch, n_batch)
 
 
 def _contexts(

@@ -37,7 +37,9 @@ class CacheRequest:
     blocking: bool = False  # the policies that load misses: load a missed expert before its layer runs
     alloc: str | None = None  # "equal", "dp", or None: dp when the calibration has a routing trace
     assign: str | None = None  # lru, dali: the CPU/GPU assigner of each route's loads (None: none)
-    profile: str | None = None  # assign's machine profile (a bundled name or a file; None: this machine's)
+    # the machine profile of assign's costs and of a budget's prefill ubatch (edgemoe.placement.ubatch; a bundled
+    # name or a file; None: this machine's)
+    profile: str | None = None
     degrade: float | None = None  # DAOP's graceful degradation ratio (None: off)
     device_prefill: int = 0  # prefill ubatches of this many tokens or more run on the cache's device (0: off)
     device_prefill_ahead: str = "all"  # what they copy one cached layer ahead (PREFILL_AHEAD)
@@ -171,8 +173,11 @@ def check_request(r: CacheRequest) -> None:
     own options were checked as its record was built: policy_record)."""
     if r.vram is not None and r.expert_slots is not None:
         raise PlacementError("give `vram` or `expert_slots`, not both")
-    if r.profile is not None and r.assign is None:
-        raise PlacementError("`profile` gives `assign` its costs: add `assign='ratio'` (or greedy)")
+    if r.profile is not None and r.assign is None and r.vram is None:
+        raise PlacementError(
+            "`profile` gives `assign` its costs and plans a budget's prefill ubatch: add `assign='ratio'` "
+            "(or greedy), or `vram`"
+        )
     if (r.assign is not None or r.degrade is not None) and not r.enabled:
         raise PlacementError("`assign` and `degrade` act on the expert cache: give `vram` or `expert_slots`")
     if r.device_prefill and not r.enabled:

@@ -29,12 +29,31 @@ def planned_ctx(n_ctx: int, n_ctx_train: int) -> int:
     return n_ctx or min(n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
 
 
+DEFAULT_BATCH = 512  # LoadConfig's n_batch and n_ubatch: what the CPU tests compare bitwise against stock at
+
+
+def check_batches(n_batch: int | None, n_ubatch: int | None, n_ctx: int) -> None:
+    """Refuse a batch or ubatch given by the user that llama.cpp would clamp or refuse (None: not given): each
+    at least 1, the ubatch at most the batch and neither beyond a context of n_ctx tokens (0: not known yet)."""
+    for name, n in (("n_batch", n_batch), ("n_ubatch", n_ubatch)):
+        if n is not None and n < 1:
+            raise InvalidConfigError(f"`{name}={n}`: give at least 1 token")
+        if n is not None and n_ctx and n > n_ctx:
+            raise InvalidConfigError(f"`{name}={n}`: the context holds {n_ctx} tokens; give at most that")
+    if n_batch is not None and n_ubatch is not None and n_ubatch > n_batch:
+        raise InvalidConfigError(
+            f"`n_ubatch={n_ubatch}` is larger than `n_batch={n_batch}`: give a ubatch of at most the batch"
+        )
+
+
 class LoadOptions(TypedDict, total=False):
     """The LoadConfig fields a placement forwards as they are (edgemoe.placement.plan, open_engine: typed
     **kwargs); LoadConfig's comments say what each means."""
 
     n_threads: int
     n_gpu_layers: int
+    n_batch: int
+    n_ubatch: int
     flash_attn: FlashAttn
     cache_type_k: KvCacheType
     cache_type_v: KvCacheType
@@ -43,8 +62,8 @@ class LoadOptions(TypedDict, total=False):
 @dataclass(frozen=True)
 class LoadConfig:
     n_ctx: int = 0  # context length; 0 = the model's training context, capped at 4096
-    n_batch: int = 512  # tokens per llama_decode call during prefill
-    n_ubatch: int = 512  # physical micro-batch
+    n_batch: int = DEFAULT_BATCH  # tokens per llama_decode call during prefill (llama.cpp's -b)
+    n_ubatch: int = DEFAULT_BATCH  # physical micro-batch, at most n_batch (llama.cpp's -ub)
     n_threads: int = 0  # 0 = default_threads()
     n_gpu_layers: int = 0  # layers offloaded by stock llama.cpp (experts handled by later patches)
     use_mmap: bool = True
@@ -121,6 +140,8 @@ class LoadConfig:
                 f"context {self.n_ctx}, batch {self.n_batch}, ubatch {self.n_ubatch}: "
                 "the context must be >= 0 (0: the model's) and the batches >= 1"
             )
+        if self.n_ubatch > self.n_batch:
+            check_batches(self.n_batch, self.n_ubatch, 0)  # llama.cpp would clamp it silently
         k = self.expert_used_count
         if k is not None and n_expert == 0:
             raise InvalidConfigError(

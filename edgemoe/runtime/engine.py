@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,7 @@ from ..speculation.config import SpeculationConfig
 from . import chat, generation, native
 from .cache_config import CacheConfig
 from .chat import ChatMessage, ChatSession
-from .config import LoadConfig, default_threads
+from .config import DEFAULT_BATCH, LoadConfig, default_threads
 from .context_tiers import ContextResizer, ContextTiers, check_tiers
 from .draft_model import make_source
 from .exclusive import ThreadGuard
@@ -100,6 +100,7 @@ class Engine:
         self.n_threads = self.handle.n_threads
         self.n_ctx = self.handle.n_ctx
         self.n_batch = self.handle.n_batch
+        self.n_ubatch = self.handle.n_ubatch  # the prefill ubatch llama.cpp runs (at most n_batch)
         self.graph_nodes = self.handle.graph_nodes
         self.flash_attn = self.handle.flash_attn  # what "auto" resolved to
         self.last: Generation | None = None  # the result of the last generate()/stream()
@@ -209,6 +210,12 @@ class Engine:
         """A copy of the KV state of the tokens evaluated so far."""
         return self._seq.snapshot()
 
+    def watch_prefill(self, on_chunk: Callable[[int], None] | None) -> None:
+        """Call `on_chunk(n)` between the chunks of every prefill from now on (n_batch tokens each, from where
+        the prefill starts; n: the tokens the KV cache then holds), e.g. to snapshot a chunk boundary; None:
+        stop."""
+        self._seq.on_chunk = on_chunk
+
     def restore(self, snap: KVSnapshot) -> None:
         """Make the KV cache hold snap's tokens again (the next prompt then reuses what it shares)."""
         self._seq.restore(snap)
@@ -275,7 +282,11 @@ class Engine:
 
     def _open_draft(self, path: str) -> Engine:
         """A draft model's Engine beside this one: the same context, threads and batch, on the CPU."""
-        return Engine(path, LoadConfig(n_ctx=self.n_ctx, n_threads=self.n_threads, n_batch=self.n_batch))
+        ubatch = min(DEFAULT_BATCH, self.n_batch)  # llama.cpp's default, as before -ub existed
+        return Engine(
+            path,
+            LoadConfig(n_ctx=self.n_ctx, n_threads=self.n_threads, n_batch=self.n_batch, n_ubatch=ubatch),
+        )
 
     def chat_template(self) -> str | None:
         return chat.chat_template(self.handle.model)

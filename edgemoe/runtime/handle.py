@@ -167,6 +167,7 @@ class NativeHandle:
         if os.environ.get("EDGEMOE_CHECK_IDS", "") not in ("", "0"):
             native.moe_set_ids_check(self.ctx, True)  # doctor, the GPU check: every device id row checked
         self.n_batch: int = cparams.n_batch
+        self.n_ubatch: int = cparams.n_ubatch
         self.graph_nodes = graph_nodes_logged(logged)
         # what "auto" resolved to ("unknown" only where llama.cpp's log did not say)
         self.flash_attn = flash_attn_resolved(config, logged)

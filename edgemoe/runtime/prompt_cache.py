@@ -5,6 +5,8 @@
 - Engine.snapshot / restore (edgemoe.runtime.sequence.KVSequence) take the one sequence's KV state
   (llama_state_seq_get_data) and restore one (llama_state_seq_set_data), so that the engine's prefix reuse
   then trims it to what the next prompt shares.
+- chunk_boundary: where, in a prefill of n_batch-token chunks, the state worth keeping is taken (serve's
+  edgemoe.serve.prefix_cache snapshots it there, Engine.watch_prefill).
 """
 
 from __future__ import annotations
@@ -49,12 +51,22 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def chunk_boundary(start: int, n_prompt: int, chunk: int) -> int | None:
+    """The deepest chunk boundary a prefill passes: it evaluates a prompt of n_prompt tokens from `start` (the
+    tokens the KV cache holds already) in chunks of `chunk`, and stops between chunks at start + k x chunk
+    before the one that holds the prompt's last token; None when that chunk is the first (or chunk is 0)."""
+    if chunk <= 0 or n_prompt - 1 - start < chunk:
+        return None
+    return start + (n_prompt - 1 - start) // chunk * chunk
+
+
 @dataclass(frozen=True)
 class KVSnapshot:
     """The KV state of one sequence holding exactly `tokens`."""
 
     tokens: tuple[int, ...]
     data: Any  # a ctypes uint8 array (or any object with len()), as llama_state_seq_get_data wrote it
+    boundary: bool = False  # taken at a prefill's chunk boundary (not the live state at a switch)
 
     @property
     def nbytes(self) -> int:

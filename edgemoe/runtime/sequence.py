@@ -37,28 +37,36 @@ class KVSequence:
         self.tokens: list[int] = []  # tokens whose K/V are in the cache, in order
         # context tiers (Engine.set_context_tiers): called with (tokens needed, tokens kept) before the cache grows
         self.fit: Callable[[int, int], None] | None = None
+        # called between a prefill's chunks (n_batch tokens each, from where it starts) with the tokens then
+        # held: a chunk boundary, where serve's prompt cache may take a snapshot (None: nobody watches)
+        self.on_chunk: Callable[[int], None] | None = None
 
     def reset(self) -> None:
         """Forget the KV cache."""
         lib.llama_memory_clear(lib.llama_get_memory(self.handle.ctx), True)  # pyright: ignore[reportArgumentType]  # takes NULL too
         self.tokens = []
 
-    def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
-        """Append tokens to the sequence, n_batch at a time; logits of the last (or every) token."""
+    def decode(
+        self,
+        tokens: Sequence[int],
+        *,
+        all_logits: bool = False,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> None:
+        """Append tokens to the sequence, n_batch at a time; logits of the last (or every) token. `on_chunk` is
+        called after each chunk but the last with the tokens then held (outside the native call)."""
         if self.fit is not None:
             self.fit(len(self.tokens) + len(tokens), len(self.tokens))
         mem = lib.llama_get_memory(self.handle.ctx)
         for start in range(0, len(tokens), self.n_batch):
+            last = start + self.n_batch >= len(tokens)
             with (
                 self.guard.hold(native=True),
                 deferred_interrupts(),
             ):  # Ctrl-C during the decode is raised after it, never in a hook
-                self.decode_chunk(
-                    mem,
-                    tokens[start : start + self.n_batch],
-                    all_logits,
-                    last=start + self.n_batch >= len(tokens),
-                )
+                self.decode_chunk(mem, tokens[start : start + self.n_batch], all_logits, last=last)
+            if on_chunk is not None and not last:
+                on_chunk(len(self.tokens))
 
     def decode_chunk(self, mem: Any, chunk: Sequence[int], all_logits: bool, *, last: bool) -> None:
         """One llama_decode of at most n_batch tokens; on failure the KV cache is as before it."""
@@ -102,7 +110,7 @@ class KVSequence:
         self.truncate(keep)
         if self.fit is not None and keep == 0:
             self.fit(len(tokens), 0)  # nothing kept: the smallest context tier that holds the prompt
-        self.decode(tokens[keep:])
+        self.decode(tokens[keep:], on_chunk=self.on_chunk)
         return len(tokens) - keep
 
     def truncate(self, n: int) -> None:

@@ -9,7 +9,13 @@ Before a prompt is evaluated, PrefixReuse.prepare:
 3. restores the stored state of the same key sharing the longest prefix with the prompt, when it
    shares more than the live state does.
 
-The engine's prefill then evaluates only what follows the shared prefix.
+The engine's prefill then evaluates only what follows the shared prefix, in chunks of n_batch tokens. With a
+`chunk` (the engine's n_batch), a prompt whose prefill runs past a chunk also leaves a state in the store, taken
+at its deepest chunk boundary (runtime.prompt_cache.chunk_boundary) while the prefill runs: the conversation's
+next turn finds it even where the live state is gone and could not be kept (another conversation ran, the
+reply was cancelled, its whole state was larger than the store). One state per conversation: a state drops the
+scope's states whose tokens it extends (PromptCache.put), the live state kept at a switch drops the boundary
+it grew from, and no boundary is taken where a stored state holds it already (docs/serve.md).
 """
 
 from __future__ import annotations
@@ -19,20 +25,25 @@ from collections import Counter
 from typing import Any
 
 from ..errors import EdgeMoeError
-from ..runtime.prompt_cache import PromptCache, common_prefix
+from ..runtime.prompt_cache import KVSnapshot, PromptCache, chunk_boundary, common_prefix
 
 log = logging.getLogger(__name__)
 
 
 class PrefixReuse:
-    def __init__(self, engine: Any, store: PromptCache | None) -> None:
+    def __init__(self, engine: Any, store: PromptCache | None, *, chunk: int = 0) -> None:
         self.engine = engine
         self.store = store
+        self.chunk = chunk  # the prefill's chunk (the engine's n_batch); 0: no states taken at boundaries
         self.owner: str | None = None  # the scope of the live state
         # per scope: what one API key may see of the store (never another key's figures)
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self.stored: Counter[str] = Counter()
+        self.boundaries: Counter[str] = Counter()  # states taken at a chunk boundary and stored
+        self.restored: Counter[str] = (
+            Counter()
+        )  # prompt tokens a restore brought back (not in the live state)
         self._held: dict[str, tuple[int, int]] = {}  # scope -> (entries, bytes), as prepare() left them
 
     def stats(self, scope: str) -> dict[str, int]:
@@ -46,11 +57,13 @@ class PrefixReuse:
             "stored": self.stored[scope],
             "hits": self.hits[scope],
             "misses": self.misses[scope],
+            "boundary_stored": self.boundaries[scope],
+            "restored_tokens": self.restored[scope],
         }
 
     def _publish(self) -> None:
         held: dict[str, tuple[int, int]] = {}
-        for scope in set(self.stored) | set(self.hits) | set(self.misses):
+        for scope in set(self.stored) | set(self.hits) | set(self.misses) | set(self.boundaries):
             snaps = list(self.store.scoped(scope)) if self.store is not None else []
             held[scope] = (len(snaps), sum(s.nbytes for s in snaps))
         self._held = held  # one assignment: readers see the old figures or the new ones
@@ -69,15 +82,44 @@ class PrefixReuse:
         if len(live) > shared:  # the prompt (or a restore) throws away part of the live state
             self._keep(live)
         if self.store is not None:
-            snap, _ = self.store.lookup(scope, ids, longer_than=shared)
+            snap, n = self.store.lookup(scope, ids, longer_than=shared)
             (self.misses if snap is None else self.hits)[scope] += 1
             if snap is not None:
                 try:
                     eng.restore(snap)
+                    self.restored[scope] += min(n, len(ids) - 1) - min(shared, len(ids) - 1)
                 except EdgeMoeError as err:  # the prompt is then evaluated in full
                     log.warning("prompt cache: %s", err)
             self._publish()
-        return eng.cached_prefix(ids)
+        cached = eng.cached_prefix(ids)
+        self._watch(scope, ids, cached)
+        return cached
+
+    def _watch(self, scope: str, ids: list[int], cached: int) -> None:
+        """Have the prefill that follows store its state at its deepest chunk boundary (where none is stored)."""
+        if not self.chunk or self.store is None:
+            return
+        at = chunk_boundary(cached, len(ids), self.chunk)
+        store = self.store
+        if at is None or at < store.min_prefix or store.covers(scope, ids[:at]):
+            self.engine.watch_prefill(None)
+            return
+
+        def on_chunk(n: int) -> None:
+            if n != at:
+                return
+            self.engine.watch_prefill(None)
+            snap = self.engine.snapshot()
+            if store.put(scope, KVSnapshot(snap.tokens, snap.data, boundary=True)):
+                self.boundaries[scope] += 1
+                self._publish()
+
+        self.engine.watch_prefill(on_chunk)
+
+    def done(self) -> None:
+        """The request is over: a boundary its prefill did not reach is not taken later."""
+        if self.chunk:
+            self.engine.watch_prefill(None)
 
     def _keep(self, live: tuple[int, ...]) -> None:
         """Store the live state under its owner, unless a stored state covers it already."""

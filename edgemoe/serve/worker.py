@@ -146,7 +146,8 @@ class EngineWorker:
         self.engine = engine
         self.max_queue = max_queue
         self.template = template
-        self.reuse = PrefixReuse(engine, prompt_cache)
+        # states kept at the prefill's chunk boundaries, every n_batch tokens (0: a stand-in engine has none)
+        self.reuse = PrefixReuse(engine, prompt_cache, chunk=getattr(engine, "n_batch", 0))
         self.scripted = scripted
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._main, name="edgemoe-engine", daemon=True)
@@ -211,6 +212,7 @@ class EngineWorker:
             except Exception as err:  # noqa: BLE001 - one bad request must not end the worker
                 job.emit("error", internal_error(err))
             finally:
+                self.reuse.done()
                 self._current = None
                 self.served += 1
 

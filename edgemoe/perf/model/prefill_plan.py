@@ -40,6 +40,9 @@ from .workload import Workload, build_workload, prompt_workload
 
 UBATCHES = (512, 1024, 2048, 4096)  # the ubatches the plan chooses among (llama.cpp's -ub)
 PROMPTS = (2048, 8192, 32768)  # the prompt lengths `edgemoe plan` projects by default
+# an engine's larger compute buffer stays allocated and takes expert slots from decode for good: it opens at the
+# smallest ubatch within this share of the fastest one's projected prefill (settled)
+NEAR_FASTEST = 0.05
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,13 @@ def _choose(name: str, kind: str, opts: Sequence[UbatchOption]) -> PrefillChoice
     )
     reason = f"-ub {best.n_ubatch} is the fastest that fits: {each}"
     return PrefillChoice(name, kind, best, tuple(opts), reason)
+
+
+def settled(choice: PrefillChoice) -> UbatchOption:
+    """The ubatch an engine opens with: the smallest of the choice's whose projected prefill is within
+    NEAR_FASTEST of its fastest (edgemoe.placement.ubatch, bench's +device prefill rows)."""
+    floor = (1 - NEAR_FASTEST) * choice.best.prefill_tps
+    return min((o for o in choice.options if o.prefill_tps >= floor), key=lambda o: o.n_ubatch)
 
 
 def _placed(o: UbatchOption) -> str:

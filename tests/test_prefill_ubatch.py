@@ -1,0 +1,140 @@
+"""The prefill ubatch in the runtime (issue 41): -b/-ub validated, a given -ub reaching the engine, and with a budget,
+--device-prefill and a GPU profile the plan's pick (edgemoe.placement.ubatch) with its slots; bench's rows' ubatches."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import FIXTURE_MODELS
+
+from edgemoe.cli import cli
+from edgemoe.errors import InvalidConfigError
+from edgemoe.gguf.header import check_gguf
+from edgemoe.gguf.kv_types import F16_KV
+from edgemoe.perf.bench_ubatch import bench_ubatches
+from edgemoe.perf.model.profile import load_profile
+from edgemoe.placement import Device, cache_request, open_engine, plan
+from edgemoe.placement.ubatch import with_prefill_ubatch
+from edgemoe.runtime.config import LoadConfig, check_batches
+
+MODEL = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
+LAPTOP = "rtx4060-laptop"
+
+
+@pytest.mark.parametrize("batch, ubatch, ctx, match", [
+    (None, 0, 256, "at least 1"),
+    (0, None, 256, "at least 1"),
+    (512, 1024, 4096, "larger than `n_batch=512`"),
+    (None, 1024, 512, "the context holds 512"),
+    (4096, None, 1024, "the context holds 1024"),
+])
+def test_a_bad_batch_or_ubatch_is_one_typed_line(batch: int | None, ubatch: int | None, ctx: int, match: str) -> None:
+    with pytest.raises(InvalidConfigError, match=match) as err:
+        check_batches(batch, ubatch, ctx)
+    assert "\n" not in str(err.value)
+    check_batches(ubatch, ubatch, max(ctx, 4096)) if ubatch else None  # the same ubatch with a batch that holds it
+
+
+def test_a_load_config_s_ubatch_above_its_batch_is_refused() -> None:
+    with pytest.raises(InvalidConfigError, match="`n_ubatch=1024` is larger"):
+        LoadConfig(n_batch=512, n_ubatch=1024).validate(n_expert=8, n_expert_used=2)
+    LoadConfig(n_ctx=256).validate(n_expert=8, n_expert_used=2)  # the default 512 under a small context: clamped
+
+
+def test_the_plan_keeps_512_or_takes_a_given_ubatch_with_a_batch_that_holds_it() -> None:
+    header = check_gguf(MODEL)
+    p = plan(header, None, n_ctx=2048, device=None)
+    assert (p.load.n_batch, p.load.n_ubatch, p.prefill_ubatch) == (512, 512, 512)
+    p = plan(header, None, n_ctx=2048, device=None, n_ubatch=1024)
+    assert (p.load.n_batch, p.load.n_ubatch, p.prefill_ubatch) == (1024, 1024, 1024)
+    assert "given" in p.prefill_ubatch_reason
+    with pytest.raises(InvalidConfigError, match="context holds 2048"):
+        plan(header, None, n_ctx=2048, device=None, n_ubatch=4096)
+
+
+def test_the_engine_opens_with_the_given_ubatch() -> None:
+    with open_engine(MODEL, n_ctx=1024, n_ubatch=1024) as eng:
+        assert (eng.n_batch, eng.n_ubatch) == (1024, 1024)
+    with open_engine(MODEL, n_ctx=1024) as eng:
+        assert (eng.n_batch, eng.n_ubatch) == (512, 512)
+
+
+def _synthetic_30b(tmp_path: Path) -> Path:
+    from edgemoe.gguf.synth import write_synthetic
+
+    return write_synthetic("qwen3-30b-a3b", tmp_path / "q30.gguf", shape_only=True, progress=False)
+
+
+def test_the_plan_picks_a_larger_ubatch_for_device_prefill_out_of_the_slots(tmp_path: Path) -> None:
+    header = check_gguf(_synthetic_30b(tmp_path))
+    req = cache_request(vram=8 << 30, policy="manual", device_prefill=256)
+    base = plan(header, req, n_ctx=8192, device=Device("CUDA0"))
+    picked = with_prefill_ubatch(header, base, req, load_profile(LAPTOP))
+    assert base.prefill_ubatch == 512 and picked.prefill_ubatch > 512
+    assert picked.load.n_ubatch == picked.prefill_ubatch <= picked.load.n_batch
+    assert picked.slots_per_layer is not None and base.slots_per_layer is not None
+    assert picked.slots_per_layer < base.slots_per_layer  # the larger compute buffer came out of the slots
+    assert f"-ub {picked.prefill_ubatch} is the smallest within 5%" in picked.prefill_ubatch_reason
+    assert any(n.startswith(f"note: prefill ubatch {picked.prefill_ubatch}") for n in picked.notes)
+    # a -ub given wins; no device prefill, no pick
+    given = plan(header, req, n_ctx=8192, device=Device("CUDA0"), n_ubatch=1024)
+    assert with_prefill_ubatch(header, given, req, load_profile(LAPTOP)) == given
+    plain = cache_request(vram=8 << 30, policy="manual")
+    p = plan(header, plain, n_ctx=8192, device=Device("CUDA0"))
+    assert with_prefill_ubatch(header, p, plain, load_profile(LAPTOP)) == p
+
+
+def test_open_engine_runs_the_plan_s_ubatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a budget, device prefill and a named profile, the engine opens at what with_prefill_ubatch planned
+    (the fixture's vocabulary makes any larger ubatch too big for a budget that leaves a cache: stubbed)."""
+    from edgemoe.gguf.info import read_model_info
+    from edgemoe.placement import open as open_mod
+    from edgemoe.placement.budget import budget_for_slots, prefill_buffer_bytes
+
+    seen = []
+
+    def planned(header, placement, request, prof):  # type: ignore[no-untyped-def]
+        seen.append(prof.name)
+        load = replace(placement.load, n_batch=1024, n_ubatch=1024)
+        return replace(placement, load=load, prefill_ubatch=1024)
+
+    monkeypatch.setattr(open_mod, "with_prefill_ubatch", planned)
+    info = read_model_info(MODEL)
+    vram = budget_for_slots(info, 8, 2048) + prefill_buffer_bytes(info)
+    cache = cache_request(vram=vram, policy="lru", device_prefill=16, profile=LAPTOP)
+    with open_engine(MODEL, cache=cache, n_ctx=2048) as eng:
+        assert eng.n_ubatch == 1024 and eng.experts is not None
+    assert seen and "4060" in seen[0]
+    with open_engine(MODEL, cache=replace(cache, profile=None), n_ctx=2048) as eng:  # no GPU, no profile: 512
+        assert eng.n_ubatch == 512
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--ubatch", "0"], "--ubatch 0: give at least 1"),
+    (["--batch", "256", "--ubatch", "512"], "--ubatch 512 is larger than --batch 256"),
+])
+def test_generate_refuses_a_bad_ubatch(args: list[str], match: str) -> None:
+    res = CliRunner().invoke(cli, ["generate", str(MODEL), "-p", "hi", "-n", "2", "--ctx", "512", *args])
+    assert res.exit_code != 0 and match in res.output, res.output
+
+
+def test_every_running_command_has_the_batch_options() -> None:
+    for cmd in ("chat", "generate", "serve", "bench"):
+        out = CliRunner().invoke(cli, [cmd, "--help"]).output
+        assert "--ubatch" in out, cmd
+        assert cmd == "bench" or "--batch" in out, cmd
+
+
+def test_bench_s_rows_take_the_plan_s_ubatches(tmp_path: Path) -> None:
+    header = check_gguf(_synthetic_30b(tmp_path))
+    kw = dict(vram=8 << 30, n_ctx=8192, prompt_tokens=8192, flash_attn=True, kv=F16_KV)
+    cpu = bench_ubatches(header, **kw, given=None, profile=Path(LAPTOP), on_gpu=False)  # type: ignore[arg-type]
+    assert (cpu.stock, cpu.device_prefill, cpu.cache, cpu.note) == (512, 512, 512, "")
+    given = bench_ubatches(header, **kw, given=1024, profile=None, on_gpu=True)  # type: ignore[arg-type]
+    assert (given.stock, given.device_prefill, given.cache) == (1024, 1024, 1024)
+    gpu = bench_ubatches(header, **kw, given=None, profile=Path(LAPTOP), on_gpu=True)  # type: ignore[arg-type]
+    assert gpu.stock > 512 and gpu.device_prefill > 512 and gpu.cache == 512
+    assert gpu.stock_n_cpu_moe is not None and f"stock {gpu.stock}" in gpu.note
