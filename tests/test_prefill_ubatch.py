@@ -78,6 +78,14 @@ def test_the_plan_picks_a_larger_ubatch_for_device_prefill_out_of_the_slots(tmp_
     assert picked.slots_per_layer < base.slots_per_layer  # the larger compute buffer came out of the slots
     assert f"-ub {picked.prefill_ubatch} is the smallest within 5%" in picked.prefill_ubatch_reason
     assert any(n.startswith(f"note: prefill ubatch {picked.prefill_ubatch}") for n in picked.notes)
+    # the context steps (tiers) keep the larger compute buffer out of every step's slots too, and none holds fewer
+    # tokens than the batch
+    assert [s.n_ctx for s in base.context_steps] == [s.n_ctx for s in picked.context_steps] == [4096, 8192]
+    assert picked.context_steps[-1].slots_per_layer == picked.slots_per_layer
+    assert all(a.slots_per_layer > b.slots_per_layer
+               for a, b in zip(base.context_steps, picked.context_steps, strict=True))
+    assert all(s.n_ctx >= picked.load.n_batch for s in picked.context_steps)
+    assert sum("the context grows in steps" in n for n in picked.notes) == 1
     # a -ub given wins; no device prefill, no pick
     given = plan(header, req, n_ctx=8192, device=Device("CUDA0"), n_ubatch=1024)
     assert with_prefill_ubatch(header, given, req, load_profile(LAPTOP)) == given

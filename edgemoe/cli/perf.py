@@ -94,6 +94,31 @@ def profile(out: Path | None, threads: int, model: Path | None, as_json: bool) -
     click.echo(f"profile written to {path}", err=True)
 
 
+def _check_simulate(
+    gating: str | None,
+    threshold: float | None,
+    precalc_from: int | None,
+    blocking_loads: bool,
+    attention: AttentionOptions,
+    flash_attn: FlashAttn,
+) -> None:
+    """simulate's refusals of option combinations, as usage errors."""
+    from ..gguf.kv_types import is_quantized
+
+    if (gating is None) != (threshold is None):
+        raise click.UsageError("--gating and --threshold go together")
+    if is_quantized(attention.cache_type_v) and flash_attn == "off":
+        raise click.UsageError(
+            f"--cache-type-v {attention.cache_type_v} needs flash attention (llama.cpp reads a quantized V "
+            "cache only in it): drop --flash-attn off or use --cache-type-v f16"
+        )
+    if precalc_from is not None and blocking_loads:
+        raise click.UsageError(
+            "--precalc-from needs the cache's tables in the graph, which --blocking-loads "
+            "replaces with the routing hook: drop one"
+        )
+
+
 @click.command()
 @click.argument("model", type=GGUFPath())
 @_routing_options(
@@ -225,25 +250,14 @@ def simulate(
 ) -> None:
     """Project decode/prefill tokens/s, TTFT, hit rate and PCIe traffic of stock llama.cpp placements and
     edgemoe policies onto a machine profile by replaying a routing trace. Every figure is a projection."""
-    from ..gguf.kv_types import KvTypes, is_quantized
+    from ..gguf.kv_types import KvTypes
     from ..perf.model.report import plot_simulation
     from ..perf.model.simulate import PrecalcSpec, SimSpec
     from ..perf.model.simulate import simulate as run
     from ..perf.model.workload import GatingSpec
     from ..policies.gating import GatingRule
 
-    if (gating is None) != (threshold is None):
-        raise click.UsageError("--gating and --threshold go together")
-    if is_quantized(attention.cache_type_v) and flash_attn == "off":
-        raise click.UsageError(
-            f"--cache-type-v {attention.cache_type_v} needs flash attention (llama.cpp reads a quantized V "
-            "cache only in it): drop --flash-attn off or use --cache-type-v f16"
-        )
-    if precalc_from is not None and blocking_loads:
-        raise click.UsageError(
-            "--precalc-from needs the cache's tables in the graph, which --blocking-loads "
-            "replaces with the routing hook: drop one"
-        )
+    _check_simulate(gating, threshold, precalc_from, blocking_loads, attention, flash_attn)
     prof = _sim_profile(profile_name)
     gate = (
         GatingSpec(GatingRule(gating), float(threshold))

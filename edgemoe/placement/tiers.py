@@ -9,6 +9,7 @@ edgemoe.placement.context is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..gguf.info import ModelInfo, format_size
@@ -26,8 +27,11 @@ class TierStep:
     expert_budget_bytes: int  # the bytes those slots have (a dp allocation splits them)
 
 
-def _step(info: ModelInfo, budget_bytes: int, n_ctx: int, kv: KvTypes, device_prefill: bool) -> TierStep:
-    sb = slot_budget(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, device_prefill), kv=kv)
+def _step(
+    info: ModelInfo, budget_bytes: int, n_ctx: int, kv: KvTypes, device_prefill: bool, extra: int
+) -> TierStep:
+    reserve = vram_reserve(info, device_prefill) + extra
+    sb = slot_budget(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=reserve, kv=kv)
     slots = info.n_expert if holds_every_expert(info, sb, device_prefill) else sb.experts_per_layer
     return TierStep(n_ctx, slots, sb.expert_budget_bytes)
 
@@ -40,16 +44,21 @@ def context_steps(
     *,
     device_prefill: bool = False,
     n_batch: int = 512,
+    extra_reserve: Callable[[int], int] = lambda n_ctx: 0,
 ) -> tuple[TierStep, ...]:
     """The steps up to n_ctx (the engine's context) at `budget_bytes`, the last n_ctx itself; () where no smaller
-    context gives a slot more (the whole context from the start)."""
-    last = _step(info, budget_bytes, n_ctx, kv, device_prefill)
+    context gives a slot more (the whole context from the start). `extra_reserve(n_ctx)`: bytes kept out of the
+    slots beyond the plan's reserve at that context (a larger prefill ubatch's compute buffer)."""
+    last = _step(info, budget_bytes, n_ctx, kv, device_prefill, extra_reserve(n_ctx))
     steps = [last]
     for c in sorted((c for c in TABLE_CTX if n_batch <= c < n_ctx), reverse=True):
-        step = _step(info, budget_bytes, c, kv, device_prefill)
+        step = _step(info, budget_bytes, c, kv, device_prefill, extra_reserve(c))
         if step.slots_per_layer > steps[0].slots_per_layer:
             steps.insert(0, step)
     return tuple(steps) if len(steps) > 1 else ()
+
+
+STEPS_NOTE = "the context grows in steps"  # how describe_steps' note is found again (a re-plan replaces it)
 
 
 def describe_steps(steps: tuple[TierStep, ...], budget_bytes: int) -> str:
@@ -57,7 +66,7 @@ def describe_steps(steps: tuple[TierStep, ...], budget_bytes: int) -> str:
     ctx = " -> ".join(str(s.n_ctx) for s in steps)
     slots = " -> ".join(str(s.slots_per_layer) for s in steps)
     return (
-        f"note: at `vram={format_size(budget_bytes)!r}` the context grows in steps {ctx} as the conversation "
+        f"note: at `vram={format_size(budget_bytes)!r}` {STEPS_NOTE} {ctx} as the conversation "
         f"does, with {slots} expert slots per layer beside them (the KV cache a step does not use yet holds "
         "experts); `context_tiers=False` keeps the whole context from the start"
     )

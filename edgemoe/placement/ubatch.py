@@ -19,6 +19,7 @@ from ..gguf.kv_types import KvTypes
 from .budget import slot_budget, ubatch_reserve_bytes, vram_reserve
 from .planner import PlacementPlan
 from .request import CacheRequest
+from .tiers import STEPS_NOTE, context_steps, describe_steps
 
 if TYPE_CHECKING:
     from ..perf.model.prefill_plan import PrefillChoice
@@ -74,15 +75,31 @@ def with_prefill_ubatch(
         f"note: prefill ubatch {u} (`n_ubatch`; the compute buffer takes {extra / 2**20:.0f} MiB more out of the budget, "
         f"{slots} expert slots per MoE layer); give `n_ubatch` to choose another"
     )
+    n_batch = max(load.n_batch, u)
+    steps, notes = placement.context_steps, placement.notes
+    if steps:  # each context step keeps the larger compute buffer out of its slots too
+        fa = load.flash_attn != "off"
+        steps = context_steps(
+            info,
+            request.vram,
+            placement.n_ctx,
+            kv,
+            device_prefill=True,
+            n_batch=n_batch,
+            extra_reserve=lambda c: ubatch_reserve_bytes(info, c, u, flash_attn=fa),
+        )
+        notes = tuple(n for n in notes if STEPS_NOTE not in n)
+        notes += (describe_steps(steps, request.vram),) if steps else ()
     return replace(
         placement,
-        load=replace(load, n_batch=max(load.n_batch, u), n_ubatch=u),
+        load=replace(load, n_batch=n_batch, n_ubatch=u),
         slots_per_layer=slots,
         budget=budget,
         reserve_bytes=placement.reserve_bytes + extra,
         prefill_ubatch=u,
         prefill_ubatch_reason=why,
-        notes=(*placement.notes, note),
+        context_steps=steps,
+        notes=(*notes, note),
     )
 
 
