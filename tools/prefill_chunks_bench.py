@@ -1,7 +1,7 @@
 """Issue 41's CPU figures (docs/benchmarks.md, "Prefill ubatch and chunk boundaries"):
 
 1. prefill tok/s of a long prompt at each ubatch (-ub, with a batch that holds it), stock and with the lru expert
-   cache on the CPU stand-in (half the experts);
+   cache on the CPU stand-in (half the experts), repetitions interleaved;
 2. the time to first token of a serve turn whose prompt is restored from a chunk boundary (serve's PrefixReuse:
    the first turn's live state was dropped for another key's request and did not fit the store, its boundary
    state did) against the same prompt prefilled in full.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +41,39 @@ def _ctx(n: int) -> int:
     return -(-(n + 2 * QUESTION + 64) // 256) * 256
 
 
-def prefill_rates(model: Path, n: int, threads: int) -> list[dict[str, Any]]:
-    """Prefill tok/s of an n-token prompt at each ubatch: stock, then lru with half the experts (best of 2)."""
-    rows = []
-    for u in UBATCHES:
-        for cache in (False, True):
-            cfg = LoadConfig(n_ctx=_ctx(n), n_batch=u, n_ubatch=u, n_threads=threads, use_extra_bufts=False)
-            with Engine(model, cfg) as eng:
+def prefill_rates(model: Path, n: int, threads: int, reps: int) -> list[dict[str, Any]]:
+    """Prefill tok/s of an n-token prompt at each ubatch, stock and lru with half the experts: every engine open at
+    once, the repetitions interleaved (a shared machine's load hits them alike), the best and the median kept."""
+    rows: dict[tuple[int, bool], list[float]] = {}
+    with ExitStack() as stack:
+        engines = {}
+        for u in UBATCHES:
+            for cache in (False, True):
+                cfg = LoadConfig(
+                    n_ctx=_ctx(n), n_batch=u, n_ubatch=u, n_threads=threads, use_extra_bufts=False
+                )
+                eng = stack.enter_context(Engine(model, cfg))
                 if cache:
                     eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 2, policy=LruConfig()))
-                prompt = _tokens(eng.n_vocab, n, 0)
-                eng.generate(prompt[:16], max_tokens=1, sampling=GREEDY)  # warm-up
-                best = 0.0
-                for _ in range(2):
-                    eng.reset()
-                    g = eng.generate(prompt, max_tokens=1, sampling=GREEDY)
-                    best = max(best, g.timings.prompt_tps)
-            rows.append({"n_ubatch": u, "cache": "lru half" if cache else "stock", "prefill_tps": round(best, 1)})
-    return rows
+                engines[(u, cache)] = eng
+        prompt = _tokens(next(iter(engines.values())).n_vocab, n, 0)
+        for eng in engines.values():
+            eng.generate(prompt[:16], max_tokens=1, sampling=GREEDY)  # warm-up
+        for _ in range(reps):
+            for key, eng in engines.items():
+                eng.reset()
+                rows.setdefault(key, []).append(
+                    eng.generate(prompt, max_tokens=1, sampling=GREEDY).timings.prompt_tps
+                )
+    return [
+        {
+            "n_ubatch": u,
+            "cache": "lru half" if cache else "stock",
+            "prefill_tps_best": round(max(tps), 1),
+            "prefill_tps_median": round(float(np.median(tps)), 1),
+        }
+        for (u, cache), tps in rows.items()
+    ]
 
 
 def boundary_ttft(model: Path, n: int, threads: int) -> dict[str, Any]:
@@ -109,12 +125,13 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--prompt-tokens", type=int, default=4000)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5, help="interleaved prefills per configuration")
     args = ap.parse_args()
     out = {
         "model": args.model.name,
         "prompt_tokens": args.prompt_tokens,
         "threads": args.threads,
-        "prefill": prefill_rates(args.model, args.prompt_tokens, args.threads),
+        "prefill": prefill_rates(args.model, args.prompt_tokens, args.threads, args.reps),
         "boundary_restore": boundary_ttft(args.model, args.prompt_tokens, args.threads),
     }
     print(json.dumps(out, indent=1))
