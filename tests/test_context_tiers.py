@@ -294,3 +294,26 @@ def test_simulate_takes_the_kv_cache_types() -> None:
     assert q8["slots_per_layer"] > f16["slots_per_layer"] == 4
     bad = runner.invoke(cli, [*args, "-ctv", "q8_0", "-fa", "off"])
     assert bad.exit_code != 0 and "needs flash attention" in bad.output
+
+
+def test_bench_runs_a_tiers_row() -> None:
+    """bench --ctx N --context-tiers: each policy's first row again with the context created in steps."""
+    import json
+
+    from edgemoe.cli import cli
+
+    path = FIXTURE_MODELS[0]
+    info = read_model_info(path)
+    budget = budget_for_slots(info, info.n_expert // 4, 32768)
+    args = ["bench", str(path), "--vram", str(budget), "--prompt-tokens", "48", "--gen-tokens", "4", "--policy", "lru",
+            "--ctx", "32768", "--context-tiers", "-t", "2", "--json"]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    rows = {r["name"]: r for r in json.loads(res.output[res.output.index("{"):])["rows"]}
+    plain = next(r for n, r in rows.items() if n.startswith("edgemoe lru") and "+" not in n)
+    tiers = next(r for n, r in rows.items() if n.startswith("edgemoe lru") and n.endswith(" +tiers"))
+    assert tiers["decode_tps"] > 0 and plain["decode_tps"] > 0 and "skipped" not in tiers["note"], tiers
+    assert f"steps 16384:{info.n_expert}/32768:{info.n_expert // 4}" in tiers["note"], tiers["note"]
+    # the short bench runs at the 16384 step, where every expert has a slot; the whole context leaves fewer
+    assert set(tiers["cache"]["slots_per_layer"].values()) == {info.n_expert}
+    assert sum(plain["cache"]["slots_per_layer"].values()) < sum(tiers["cache"]["slots_per_layer"].values())

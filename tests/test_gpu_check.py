@@ -18,7 +18,8 @@ from test_ops import backend_ops_exe
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
-STEPS = ["build", "synth", "doctor", "tests", "ops", "sanitizer", "calibration", "bench", "prefill", "profile"]
+STEPS = ["build", "synth", "doctor", "tests", "ops", "sanitizer", "calibration", "bench", "prefill", "ctx",
+         "profile"]
 
 
 def _run(mode: str, out: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -36,11 +37,12 @@ def test_dry_run_runs_every_step_and_returns_at_most_8_files(tmp_path: Path) -> 
     seconds = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["bench.json", "doctor.json", "gpu-tests.txt", "logs.tar.gz", "prefill.json", "summary.txt"]
+    assert files == ["bench.json", "ctx.json", "doctor.json", "gpu-tests.txt", "logs.tar.gz", "prefill.json",
+                     "summary.txt"]
     summary = (out / "summary.txt").read_text().splitlines()
     status = {line.split()[1]: line.split()[0] for line in summary[:-1]}
     assert status == {**{s: "ok" for s in STEPS}, "profile": "capped"}, summary  # the profile is cut at 3 s
-    assert summary[-1].startswith("total: ") and summary[-1].endswith(f"0 failed steps, 6 files in {out}")
+    assert summary[-1].startswith("total: ") and summary[-1].endswith(f"0 failed steps, 7 files in {out}")
     assert json.loads((out / "doctor.json").read_text())["ok"] is True
     rows = [r["name"] for r in json.loads((out / "bench.json").read_text())["rows"]]
     assert rows[0].startswith("stock") and {"edgemoe lru", "edgemoe static", "edgemoe daop"} <= {
@@ -50,12 +52,18 @@ def test_dry_run_runs_every_step_and_returns_at_most_8_files(tmp_path: Path) -> 
     prefill = json.loads((out / "prefill.json").read_text())
     assert prefill["prompt_tokens"] == 64 and [r["n_ubatch"] for r in prefill["rows"]] == [256] * len(prefill["rows"])
     assert any(r["name"].endswith("+device prefill") for r in prefill["rows"]), prefill["rows"]
+    # the 32K-context rows (issue 42; 8192 on the fixture): f16 and q8_0 KV; at f16 a +tiers row at the 4096 step
+    # (at q8_0 the fixture's budget holds every expert at 8192 already: no step gains a slot, no row)
+    ctx = json.loads((out / "ctx.json").read_text())
+    assert sorted(ctx) == ["f16", "q8_0"] and all(r["decode_tps"] > 0 for run in ctx.values() for r in run["rows"])
+    tiers = [r for r in ctx["f16"]["rows"] if r["name"].endswith("+tiers")]
+    assert tiers and "steps 4096:32/8192:8" in tiers[0]["note"], ctx["f16"]["rows"]
     tests = (out / "gpu-tests.txt").read_text().splitlines()
     assert len(tests) == 2 and all(t.split()[0] in ("pass", "skip") for t in tests), tests
     with tarfile.open(out / "logs.tar.gz") as tf:
         names = set(tf.getnames())
     assert {"logs/doctor.err", "logs/backend-ops.log", "logs/sanitizer.log", "logs/bench.err", "logs/build.log",
-            "logs/synth.log", "logs/prefill.err"} <= names
+            "logs/synth.log", "logs/prefill.err", "logs/ctx-f16.err", "logs/ctx-q8_0.err"} <= names
     assert sum(n.startswith("logs/tests/") and n.endswith(".log") for n in names) == 2
     assert "76/76 tests passed" in (work / "logs" / "backend-ops.log").read_text()
     assert (work / "tiny-qwen3moe.gguf").stat().st_size > 0  # written in the background beside the build

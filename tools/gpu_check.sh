@@ -6,9 +6,10 @@
 #   bash tools/gpu_check.sh all         # there: build, then every check below; under 540 s on paper
 #   bash tools/gpu_check.sh warm        # there, on a warm machine: the same without the build when .build/ and
 #                                       # the installed stamp are there from the last call, plus the 8K-token
-#                                       # prefill rows (step prefill, which `all` has no time left for)
+#                                       # prefill rows (step prefill) and the 32K-context rows (step ctx), which
+#                                       # `all` has no time left for
 #   bash tools/gpu_check.sh dry-run     # anywhere (CI: tests/test_gpu_check.py): every step with CPU stand-ins
-#   bash tools/gpu_check.sh build|doctor|tests|bench|prefill|profile|diag    # one step alone
+#   bash tools/gpu_check.sh build|doctor|tests|bench|prefill|ctx|profile|diag    # one step alone
 #   GPU_CHECK_WORK=/tmp/gpu-check.X bash tools/gpu_check.sh pack      # a run's logs into $OUT again
 #
 # Time budget of `all` on a 16-core H100 (each cap is a `timeout`; a step past it is cut, the rest still run):
@@ -29,11 +30,14 @@
 #   |   PREFILL_PROFILE: stock -ot exps=CPU and best --n-cpu-moe at   |       | prefill, a reuse TTFT each, and    |
 #   |   stock's best -ub, edgemoe static, static + device prefill at  |       | their projections (not measured    |
 #   |   edgemoe's planned -ub (bench's `ub` column)                   |       | yet: no GPU was lent since)        |
+#   | (warm, ctx only) a 32K context at 8 GiB, f16 then q8_0 KV:      |   240 | two benches of five rows, each a   |
+#   |   stock rows, edgemoe static and static +tiers (the context in  |       | model load and a 512-token prompt  |
+#   |   steps, issue 42)                                              |       | (not measured yet)                 |
 #   | tarball, summary                                                |     5 |                                    |
 #   | total                                                           |   520 | under the 540 s a call may take    |
 #
 # $OUT gets at most 8 files (the script checks): summary.txt (one line per step: status, seconds, cap),
-# gpu-tests.txt (one line per GPU test), doctor.json, bench.json, prefill.json (warm, prefill, dry-run),
+# gpu-tests.txt (one line per GPU test), doctor.json, bench.json, prefill.json (warm, prefill, dry-run), ctx.json (warm, ctx, dry-run),
 # profile.json (when the profile finished)
 # and logs.tar.gz (every log: build, doctor, each test's output, test-backend-ops, compute-sanitizer,
 # bench, profile). Without $OUT: out/gpu.
@@ -43,7 +47,7 @@
 # BENCH_EXTRA (more bench options, e.g. "--compare-overlap --device-prefill 32 --precalc-from 30": each adds rows
 # and time, so give BENCH_CAP more seconds and run it as `bench` alone or in a `warm` call),
 # PREFILL_PROFILE (default h100-server: the profile the prefill rows' -ub is planned on; a file or bundled name),
-# PREFILL_CAP (default 240), GPU_CHECK_PRELOAD_LIBSTDCXX (default 1: LD_PRELOAD the system libstdc++.so.6 into everything after the
+# PREFILL_CAP (default 240), CTX_CAP (default 240), GPU_CHECK_PRELOAD_LIBSTDCXX (default 1: LD_PRELOAD the system libstdc++.so.6 into everything after the
 # build, the workaround for libggml-cuda's static C++ runtime of issue 37; set 0 once the link fix is in),
 # GPU_CHECK_DRY=1 (the same as dry-run).
 set -uo pipefail
@@ -68,6 +72,13 @@ if [ "$DRY" = 1 ]; then
     SYNTH_PRESET=tiny-qwen3moe
     BENCH_ARGS=(--prompt-tokens 32 --gen-tokens 4 -t 1)  # one thread: no spinning against a busy CI machine
     PREFILL_ARGS=(--prompt-tokens 64 --gen-tokens 2 --device-prefill 16 -t 1)
+    CTX_ARGS=(--ctx 8192 --prompt-tokens 32 --gen-tokens 2 -t 1)
+    CAP_CTX=60
+    # a budget under which the fixture's 8192-token context leaves 8 slots per layer and its 4096 step more
+    CTX_VRAM=$("$PY" -c 'import sys
+from edgemoe.gguf.info import read_model_info
+from edgemoe.placement.budget import budget_for_slots
+print(budget_for_slots(read_model_info(sys.argv[1]), 8, 8192))' "$BENCH_MODEL")
     CAP_BUILD=30 CAP_SYNTH=30 CAP_CHECKS=60 CAP_BENCH=45 CAP_PROFILE=3 CAP_PREFILL=60
     SANITIZER=()
     OPS_BACKEND=CPU
@@ -78,6 +89,8 @@ else
     SYNTH_PRESET=qwen3-30b-a3b
     BENCH_ARGS=(--prompt-tokens 512 --gen-tokens 32)
     PREFILL_ARGS=(--prompt-tokens 8192 --gen-tokens 2 --device-prefill 256)
+    CTX_ARGS=(--ctx 32768 --prompt-tokens 512 --gen-tokens 32)
+    CAP_CTX=${CTX_CAP:-240}
     CAP_BUILD=285 CAP_SYNTH=15 CAP_CHECKS=75 CAP_BENCH=${BENCH_CAP:-110} CAP_PROFILE=30 CAP_PREFILL=${PREFILL_CAP:-240}
     SANITIZER=(compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20)
     OPS_BACKEND=CUDA0
@@ -266,6 +279,32 @@ for row in r["rows"]:  # (the bench's projections beside them are at -ub 512: no
 EOF
 }
 
+step_ctx() {  # issue 42: a 32K context at the budget, f16 and q8_0 KV, static with and without context tiers
+    local t0=$SECONDS kv rc=0
+    for kv in f16 q8_0; do
+        timeout "$CAP_CTX" "$PY" -m edgemoe.cli bench "$BENCH_MODEL" --vram "${CTX_VRAM:-${BENCH_VRAM:-8GiB}}" "${CTX_ARGS[@]}" \
+            --policy static --context-tiers -ctk "$kv" -ctv "$kv" --json \
+            > "$WORK/ctx-$kv.json" 2> "$LOGS/ctx-$kv.err" || rc=$?
+    done
+    record ctx "$(status_of $rc)" $((SECONDS - t0)) "$CAP_CTX"
+    "$PY" - "$WORK" <<'PYEOF'
+import json, pathlib, sys
+work = pathlib.Path(sys.argv[1])
+runs = {}
+for kv in ("f16", "q8_0"):
+    try:
+        runs[kv] = json.loads((work / f"ctx-{kv}.json").read_text())
+    except (OSError, ValueError) as err:
+        print(f"  ctx {kv}: no report ({err})")
+(work / "ctx.json").write_text(json.dumps(runs, indent=1))
+for kv, r in runs.items():
+    print(" ", kv, r["device"], "vram", r["vram"], "slots", r["slots_per_layer"])
+    for row in r["rows"]:
+        ratio = f'  x{row["ratio_decode"]:.2f}' if row.get("ratio_decode") else ""
+        print(f'  {row["name"]:32} prefill {row["prefill_tps"]:8.1f}  decode {row["decode_tps"]:7.2f}{ratio}  {row["note"]}')
+PYEOF
+}
+
 step_profile() {
     local t0=$SECONDS
     timeout "$CAP_PROFILE" "$PY" -m edgemoe.cli profile --out "$WORK/profile.json" > "$LOGS/profile.log" 2>&1
@@ -275,7 +314,7 @@ step_profile() {
 finish() {  # logs.tar.gz and the few files that come back; at most MAX_OUT_FILES in $OUT
     local f n
     tar -czf "$OUTDIR/logs.tar.gz" -C "$WORK" logs
-    for f in summary.txt gpu-tests.txt doctor.json bench.json prefill.json profile.json; do
+    for f in summary.txt gpu-tests.txt doctor.json bench.json prefill.json ctx.json profile.json; do
         [ -s "$WORK/$f" ] && cp "$WORK/$f" "$OUTDIR/$f"
     done
     n=$(find "$OUTDIR" -type f | wc -l)
@@ -293,6 +332,7 @@ check_all() {  # everything after the build (the prefill rows where the call has
     step_checks
     step_bench
     [ "$MODE" = all ] || step_prefill
+    [ "$MODE" = all ] || step_ctx
     step_profile
 }
 
@@ -349,8 +389,9 @@ case "$MODE" in
     tests) runtime_env; check_tests; cat "$WORK/gpu-tests.txt" ;;
     bench) runtime_env; CAP_SYNTH=${SYNTH_CAP:-240}; start_synth; wait_synth; step_bench; finish ;;
     prefill) runtime_env; CAP_SYNTH=${SYNTH_CAP:-240}; start_synth; wait_synth; step_prefill; finish ;;
+    ctx) runtime_env; CAP_SYNTH=${SYNTH_CAP:-240}; start_synth; wait_synth; step_ctx; finish ;;
     profile) runtime_env; step_profile; finish ;;
     diag) runtime_env; step_diag ;;
     pack) finish ;;  # GPU_CHECK_WORK=<a run's work folder>: its logs into $OUT again
-    *) echo "usage: $0 all|warm|dry-run|build|doctor|tests|bench|prefill|profile|diag|pack" >&2; exit 2 ;;
+    *) echo "usage: $0 all|warm|dry-run|build|doctor|tests|bench|prefill|ctx|profile|diag|pack" >&2; exit 2 ;;
 esac

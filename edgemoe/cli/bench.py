@@ -94,6 +94,21 @@ from .types import THREADS, GGUFPath, OutputPath, Size
     "-ub and +device prefill rows at edgemoe's planned one, as `edgemoe plan --prompt-tokens` projects them for "
     "the prompt; else 512); the 'ub' column says what each row ran",
 )
+@click.option(
+    "--ctx",
+    "n_ctx",
+    type=click.IntRange(min=0),
+    default=0,
+    help="every row's context (the KV cache each allocates; default 0: the prompt and the generated tokens, "
+    "rounded up to 256)",
+)
+@click.option(
+    "--context-tiers",
+    is_flag=True,
+    help="also run each policy's first row with its context created in steps (generate's default with --vram; "
+    "'... +tiers' rows): the smallest of the plan's steps that holds the tokens, with that step's slots; "
+    "rows only where --ctx leaves a step below it",
+)
 @attention_options
 @speculation_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
@@ -113,6 +128,8 @@ def bench(
     device_prefill: int,
     precalc_from: int | None,
     n_ubatch: int | None,
+    n_ctx: int,
+    context_tiers: bool,
     attention: AttentionOptions,
     speculation: Any,
     as_json: bool,
@@ -145,6 +162,8 @@ def bench(
         device_prefill=device_prefill,
         precalc_from=precalc_from,
         n_ubatch=n_ubatch,
+        n_ctx=n_ctx,
+        context_tiers=context_tiers,
         **attention.load_kwargs(),
         speculation=speculation if speculation.on else None,
     )

@@ -26,10 +26,12 @@ from ..gguf.kv_types import KvCacheType, KvTypes
 from ..placement.budget import PLAN_UBATCH, slots_beside_prefill_buffers
 from ..placement.planner import Device, budget_request
 from ..placement.planner import plan as plan_placement
+from ..placement.tiers import context_steps
 from ..policies.registry import policy_spec
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, calibrated_config
 from ..runtime.config import FlashAttn
+from ..runtime.context_tiers import ContextTier, ContextTiers
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.sampling import GREEDY
 from ..speculation.config import SpeculationConfig
@@ -46,6 +48,8 @@ class BenchSpec:
     gen_tokens: int = 64
     threads: int = 0
     n_ctx: int = 0  # 0: prompt + gen rounded up
+    # also run each policy's first row with the context created in steps ("... +tiers"; where n_ctx has a step)
+    context_tiers: bool = False
     policies: tuple[str, ...] = ("lru", "static")
     calibration: Path | None = None
     profile: Path | None = None  # this machine's profile for the projections (None: none are made)
@@ -247,6 +251,8 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
                 b, allocation.slots if allocation.alloc != "equal" else None, cfg, name, notes
             )
         )
+    if spec.context_tiers:
+        rows += _tiers_rows(b, cfg, name, notes)
     if spec.precalc_from is not None:
         rows.append(
             (
@@ -258,6 +264,24 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
             )
         )
     return rows
+
+
+def _tiers_rows(b: _CacheRows, cfg: CacheConfig, name: str, notes: list[str]) -> list[_Row]:
+    """The +tiers row (none where the bench's context has no step below it): the cache as the policy's row,
+    then the context re-created at the smallest step that holds the tokens, with that step's equal slots."""
+    spec = b.spec
+    kv = KvTypes(spec.cache_type_k, spec.cache_type_v)
+    steps = context_steps(b.info, spec.vram, b.n_ctx, kv, n_batch=b.cached.n_batch)
+    if not steps:
+        return []
+    tiers = ContextTiers(tuple(ContextTier(s.n_ctx, s.slots_per_layer) for s in steps[:-1]))
+
+    def setup(eng: Engine) -> None:
+        eng.enable_expert_cache(cfg, device=b.dev)
+        eng.set_context_tiers(ContextTiers((*tiers.tiers, ContextTier(eng.n_ctx, cfg.slots_per_layer))))
+
+    steps_note = "steps " + "/".join(f"{s.n_ctx}:{s.slots_per_layer}" for s in steps)
+    return [(f"{name} +tiers", "edgemoe", b.cached, setup, "; ".join([*notes, steps_note]))]
 
 
 def _speculating(row: _Row, speculation: SpeculationConfig) -> _Row:
