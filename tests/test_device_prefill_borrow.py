@@ -132,3 +132,47 @@ def test_borrowing_refusals(fixture_model: Path) -> None:
         c.set_prefill(MIN_TOKENS)  # its own buffers still work
         st = c.prefill_stats()
         assert st is not None and "borrow" not in st
+
+
+def test_cli_borrows_the_slots(fixture_model: Path) -> None:
+    """--device-prefill-borrow: the buffers in borrowed slots, the slots lent once and refilled; without
+    --device-prefill it is a usage error that says what to add."""
+    import json
+
+    from click.testing import CliRunner
+
+    from edgemoe.cli.main import cli
+
+    runner = CliRunner()
+    slots = str(read_model_info(fixture_model).n_expert // 2)
+    res = runner.invoke(cli, ["generate", str(fixture_model), "-p", "hello " * 40, "-n", "4", "--expert-slots", slots,
+                              "--device-prefill-borrow"])
+    assert res.exit_code != 0 and "add --device-prefill N" in res.output
+    res = runner.invoke(cli, ["generate", str(fixture_model), "-p", "hello " * 40, "-n", "4", "--expert-slots", slots,
+                              "--device-prefill", "8", "--device-prefill-borrow", "--json"])
+    assert res.exit_code == 0, res.output
+    pf = json.loads(res.stdout.strip().splitlines()[-1])["cache"]["prefill"]
+    assert pf["ubatches"] >= 1 and pf["borrow"]["lends"] == 1 and pf["borrow"]["refilled"] > 0, pf
+    assert "buffers in borrowed slots" in res.stderr
+
+
+def test_plan_gives_the_buffers_bytes_to_the_slots() -> None:
+    """With borrowing the budget keeps the two buffers' bytes for slots; too few slots to hold them: refused."""
+    from edgemoe.gguf.header import check_gguf
+    from edgemoe.placement.budget import VRAM_RESERVE, borrow_fits, prefill_buffer_bytes
+    from edgemoe.placement.planner import plan
+    from edgemoe.placement.request import PlacementError, cache_request
+
+    path = sorted((Path(__file__).resolve().parent.parent / "models").glob("*qwen3moe*.gguf"))[0]
+    header, info = check_gguf(path), read_model_info(path)
+    vram = info.dense_bytes + VRAM_RESERVE + 2 * 2**20 + 16 * info.slot_bytes  # about 16 slots per layer
+    plans = {}
+    for borrow in (False, True):
+        req = cache_request(vram=vram, policy="lru", device_prefill=32, device_prefill_borrow=borrow)
+        plans[borrow] = plan(header, req, n_ctx=512, device=None)
+    slots = {b: p.slots_per_layer or 0 for b, p in plans.items()}
+    assert plans[False].reserve_bytes - plans[True].reserve_bytes == prefill_buffer_bytes(info)
+    assert slots[True] > slots[False] > 0 and borrow_fits(info, slots[True]), slots
+    with pytest.raises(PlacementError, match="device_prefill_borrow"):
+        plan(header, cache_request(expert_slots=1, policy="lru", device_prefill=32, device_prefill_borrow=True),
+             n_ctx=512, device=None)
