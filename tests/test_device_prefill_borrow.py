@@ -132,6 +132,9 @@ def test_borrowing_refusals(fixture_model: Path) -> None:
         c.set_prefill(MIN_TOKENS)  # its own buffers still work
         st = c.prefill_stats()
         assert st is not None and "borrow" not in st
+        with pytest.raises(ExpertCacheError, match="prefill_borrow"):  # refused: llama.cpp turned prefill off
+            c.set_prefill(MIN_TOKENS, borrow=True)
+        assert c.prefill_stats() is None and c.prefill_min_tokens == 0
 
 
 def test_cli_borrows_the_slots(fixture_model: Path) -> None:

@@ -232,6 +232,8 @@ class ExpertCache:
             raise ExpertCacheError(f"prefill from {min_tokens} tokens: use 0 (off) or a positive token count")
         native.moe_cache_set_prefill_borrow(self._ctx, borrow)  # applies to the set_prefill below
         rc = native.moe_cache_set_prefill(self._ctx, min_tokens, native.MOE_PREFILL_AHEAD[ahead])
+        if rc != 0:  # llama.cpp turned device prefill off
+            self.prefill_min_tokens, self.prefill_borrow = 0, False
         if rc == -3:
             raise ExpertCacheError(
                 "the cached layers' slots cannot hold the two prefill buffers (a whole layer's experts each): "
