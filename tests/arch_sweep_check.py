@@ -33,6 +33,10 @@ Checks, each against stock llama.cpp on the same GGUF:
   == stock bitwise, the decode rows finite, every MoE layer after a MoE layer taking experts early in every
   decode step (with k = 2 of 2 experts the prediction names every routed expert: none late); with every
   expert resident nothing is computed early and the logits are stock's bitwise.
+- cache-borrow: device prefill (CPU stand-in) whose buffers borrow the slots of the last cached layers,
+  every expert slotted: two prompts (lent, evicted, refilled after each) with decode steps == stock
+  logits bitwise; a model whose slots cannot hold the two buffers (one cached layer) is refused with a
+  typed error instead.
 """
 from __future__ import annotations
 
@@ -391,11 +395,56 @@ def check_speculate(path: Path) -> dict:
     return dict(ok=True, detail="speculation with the lru cache == one token per decode (" + "; ".join(seen) + ")")
 
 
+def _borrow_session(path: Path, toks: list[int], n_decode: int, borrow: bool | None) -> tuple[np.ndarray, dict | None]:
+    """Two prompts (each a fresh sequence) and their decode steps; borrow None: no cache, else the lru cache
+    with every expert slotted and device prefill from 8 tokens, borrowing the slots or not."""
+    from edgemoe import Engine, LoadConfig
+    from edgemoe.gguf.info import read_model_info
+    from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+
+    info = read_model_info(path)
+    with Engine(path, LoadConfig(**PLAIN)) as eng:
+        cache = None
+        if borrow is not None:
+            cache = eng.enable_expert_cache(CacheConfig(info.n_expert, policy=LruConfig(), prefill_min_tokens=8,
+                                                        prefill_borrow=borrow))
+        rows: list[np.ndarray] = []
+        for _ in range(2):
+            rows += list(eng.eval_logits(toks[:-n_decode]))
+            for tok in toks[-n_decode:]:
+                eng.feed([tok])
+                rows.append(np.array(eng.logits(-1)))
+        return np.stack(rows), (cache.prefill_stats() if cache is not None else None)
+
+
+def check_cache_borrow(path: Path) -> dict:
+    from edgemoe.gguf.info import read_model_info
+    from edgemoe.runtime.expert_cache import ExpertCacheError
+
+    info = read_model_info(path)
+    toks = _tokens(info.n_vocab, 48)
+    ref, _ = _borrow_session(path, toks, 12, None)
+    try:
+        got, st = _borrow_session(path, toks, 12, True)
+    except ExpertCacheError as err:
+        if len(info.moe_layers) < 2 and "prefill_borrow" in str(err):
+            return dict(ok=True, detail=f"refused with {len(info.moe_layers)} cached layer: {err}"[:300])
+        raise
+    b = (st or {}).get("borrow") or {}
+    used = ", ".join(f"{k} {b.get(k)}" for k in ("lent_layers", "lends", "evicted", "refilled", "refused"))
+    if not np.array_equal(got, ref):
+        return dict(ok=False, detail=f"borrowing slots vs stock ({used}): " + _diff(got, ref))
+    if b.get("lends") != 2 or not b.get("refilled") or not b.get("evicted"):
+        return dict(ok=False, detail=f"the slots were not lent and refilled twice ({used})")
+    return dict(ok=True, detail=f"borrowing slots == stock bitwise ({used})")
+
+
 CHECKS = {"generate": check_generate, "speculate": check_speculate, "gating-top1": check_gating_top1, "cache": check_cache,
           "cache-static": check_cache_static, "cache-daop": check_cache_daop, "cache-dali": check_cache_dali,
           "scale-applies": check_scale_applies, "cache-promoe": check_cache_promoe,
           "cache-dali-prefetch": check_cache_dali_prefetch, "cache-assign": check_cache_assign,
-          "cache-degrade": check_cache_degrade, "cache-precalc": check_cache_precalc}
+          "cache-degrade": check_cache_degrade, "cache-precalc": check_cache_precalc,
+          "cache-borrow": check_cache_borrow}
 
 
 def main(argv: list[str]) -> int:

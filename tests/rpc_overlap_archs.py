@@ -7,7 +7,8 @@ overlapped device split per cached MoE layer and ubatch when on and none when of
 {file: result} to the file named by argv[1]; a result is {"equal_on", "equal_off", "n_overlap_on",
 "n_overlap_off", "n_ubatch", "n_moe_layers", "equal_prefill", "prefill_layers", "ids_check", "equal_checked"} or
 {"error": "..."}; prefill: the same cache with the prompt's experts outside the slots run on the device from the
-prefill buffers; ids_check: the checker's counts (llama_moe_set_ids_check) over that run, made once more with it on.
+prefill buffers; ids_check: the checker's counts (llama_moe_set_ids_check) over that run, made once more with it on;
+"equal_borrow", "borrow", "borrow_ids_check" (or "borrow_refused"): the prefill buffers borrowing the slots.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+from edgemoe.runtime.expert_cache import ExpertCacheError
 
 CFG = LoadConfig(n_ctx=128, n_batch=32, n_ubatch=32, n_threads=2, use_extra_bufts=False, op_offload=False)
 
@@ -67,7 +69,24 @@ def check(path: Path, dev: object) -> dict[str, object]:
         got = run(eng, toks)
         res["ids_check"] = eng.ids_check()
     res["equal_checked"] = all(np.array_equal(a, b) for a, b in zip(got, ref))
+    res.update(check_borrow(path, dev, toks, ref))
     return res
+
+
+def check_borrow(path: Path, dev: object, toks: list[int], ref: list[np.ndarray]) -> dict[str, object]:
+    """The prefill buffers over the last cached layers' slots (every expert slotted), the session twice (lent and
+    refilled each time) with the id-row checker on; a model with one cached layer cannot lend them (refused)."""
+    with Engine(path, CFG) as eng:
+        eng.set_ids_check(True)
+        cfg = CacheConfig(eng.info.n_expert, policy=LruConfig(), prefill_min_tokens=8, prefill_borrow=True)
+        try:
+            cache = eng.enable_expert_cache(cfg, device=dev)
+        except ExpertCacheError as err:
+            return {"equal_borrow": None, "borrow_refused": str(err)}
+        got = run(eng, toks) + run(eng, toks)
+        pf = cache.prefill_stats() if cache is not None else None
+        return {"equal_borrow": all(np.array_equal(a, b) for a, b in zip(got, ref + ref)),
+                "borrow": (pf or {}).get("borrow"), "borrow_ids_check": eng.ids_check()}
 
 
 def main(out_file: Path, paths: list[Path]) -> None:

@@ -24,6 +24,8 @@ have (arch_models.rewrite_gguf). Per architecture:
   MoE layer taking experts early at every decode step; every expert resident == stock bitwise. The output
   changes by design, so its arithmetic is checked against the torch reference on the fixtures
   (tests/test_precalc.py); models whose first layer is dense have no such layer here (nothing runs early).
+- cache-borrow: device prefill whose buffers borrow the last cached layers' slots, two prompts with decode
+  steps == stock logits bitwise, lent and refilled twice (a model with one cached layer: refused, typed).
 test_one_expert_per_token runs them on copies with expert_used_count 1 (the router chooses one of
 the two experts); test_with_optional_expert_scales on the files with the per-expert ffn_*_exps.scale
 tensors and test_files_as_llama_cpp_wrote_them_load loads the files as written, for a few
@@ -55,7 +57,8 @@ import arch_models  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
 # the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
 # variant file those of its VARIANT_CHECKS
-BASE_WORKER_CHECKS = ("generate", "speculate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali", "cache-precalc")
+BASE_WORKER_CHECKS = ("generate", "speculate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali", "cache-precalc",
+                      "cache-borrow")
 WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "cache-dali-prefetch", "cache-assign", "cache-degrade",
                  "scale-applies")
 TIMEOUT_S = 180
@@ -80,6 +83,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("refact", "cache-assign"): _REFACT + " (the cache was not used)",
     ("refact", "cache-degrade"): _REFACT + " (the cache was not used)",
     ("refact", "cache-precalc"): _REFACT + " (no layer took experts early)",
+    ("refact", "cache-borrow"): _REFACT + " (lent, but nothing routed to refill them with)",
 }
 # (arch, check) that compare dropping experts with stock at a smaller top-k, where that cannot be equal;
 # only where k >= 2 (the .k1 copies have nothing to drop: verify skips drop-last, gating-top1 is skipped)
@@ -410,6 +414,11 @@ def test_native_dali_cache_equals_stock(sweep: SweepPool, entry: dict) -> None:
 @check("cache-precalc")
 def test_precalc_runs_and_leaves_the_prompt_alone(sweep: SweepPool, entry: dict) -> None:
     _assert(sweep, entry, "", "cache-precalc")
+
+
+@check("cache-borrow")
+def test_prefill_buffers_borrowing_the_slots_equal_stock(sweep: SweepPool, entry: dict) -> None:
+    _assert(sweep, entry, "", "cache-borrow")
 
 
 @check("k1", variant="k1")

@@ -144,6 +144,28 @@ def test_every_cache_path_hands_the_device_valid_ids(tmp_path: Path) -> None:
     assert len(equal) > 10 and all(equal.values()), equal
     assert out["precalc"]["nmse"] < 1e-9, out["precalc"]
 
+def test_borrowed_slots_on_rpc_device_equal_stock(tmp_path: Path) -> None:
+    """Device prefill whose buffers borrow the slots (tests/test_device_prefill_borrow.py) on the RPC device,
+    ubatches of 512, 1024 and 2048 tokens, the CLI's GPU layout: a session of two prompts over several ubatches,
+    decode, a cut KV cache and a restored snapshot == stock bitwise, with and without the id-row checker (no
+    device reads a lent slot's bytes as an expert: every id row valid and distinct), lent and refilled twice."""
+    for path in FIXTURE_MODELS:
+        result = tmp_path / f"{path.stem}.json"
+        proc = subprocess.run([sys.executable, str(HERE / "rpc_borrow_check.py"), str(path), str(result)],
+                              capture_output=True, text=True, timeout=900, cwd=HERE)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = json.loads(result.read_text())
+        assert out["device"].startswith("RPC"), out
+        for n_ubatch in ("512", "1024", "2048"):
+            r = out[n_ubatch]
+            assert r["equal_plain"] and r["equal_checked"], (path.name, n_ubatch, r)
+            ids = r["ids_check"]
+            assert ids["n_nodes"] > 0 and ids["n_negative"] == ids["n_range"] == ids["n_repeat"] == 0, ids
+            b = r["prefill"]["borrow"]
+            assert b["lends"] == 2 and b["refilled"] > 0 and b["evicted"] > 0 and b["refused"] > 0, (n_ubatch, b)
+            assert r["prefill"]["ubatches"] == 5 and r["prefill"]["late"] == 0, r["prefill"]
+
+
 def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
     """The CPU/GPU overlap on each architecture's random-weight model (test-llama-archs' writer), cache on the RPC
     device: logits bitwise = stock with overlap on and off, an overlapped device split at least for every
@@ -166,6 +188,14 @@ def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
         # every id row handed to the device valid and distinct (tests/test_ids_check.py)
         ids = r["ids_check"]
         assert r["equal_checked"] and ids["n_negative"] == ids["n_range"] == ids["n_repeat"] == 0, (name, ids)
+        # the prefill buffers borrowing the slots: bitwise, valid ids, lent and refilled at each prompt; a model
+        # with one cached layer has too few slots to lend
+        if r["equal_borrow"] is None:
+            assert r["n_moe_layers"] < 2 and "prefill_borrow" in r["borrow_refused"], (name, r)
+        else:
+            bc, b = r["borrow_ids_check"], r["borrow"]
+            assert r["equal_borrow"] and bc["n_negative"] == bc["n_range"] == bc["n_repeat"] == 0, (name, r)
+            assert b["lends"] == 2 and (b["refilled"] > 0 or name.removesuffix(".gguf") in NO_MOE_GRAPH), (name, b)
         if name.removesuffix(".gguf") in NO_MOE_GRAPH:
             assert r["n_overlap_on"] == 0 == r["prefill_layers"], (name, r)
         else:

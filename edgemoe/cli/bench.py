@@ -77,6 +77,12 @@ from .types import THREADS, GGUFPath, OutputPath, Size
     "generate --device-prefill), its slots leaving room for the two prefill buffers",
 )
 @click.option(
+    "--device-prefill-borrow",
+    is_flag=True,
+    help="with --device-prefill, also run each policy with the prefill buffers in borrowed slots ('... +device "
+    "prefill borrow' rows; generate --device-prefill-borrow), every slot of the budget kept",
+)
+@click.option(
     "--precalc-from",
     type=click.IntRange(min=1),
     default=None,
@@ -126,6 +132,7 @@ def bench(
     compare_overlap: bool,
     assign: str | None,
     device_prefill: int,
+    device_prefill_borrow: bool,
     precalc_from: int | None,
     n_ubatch: int | None,
     n_ctx: int,
@@ -160,6 +167,7 @@ def bench(
         compare_overlap=compare_overlap,
         assign=assign,
         device_prefill=device_prefill,
+        device_prefill_borrow=device_prefill_borrow,
         precalc_from=precalc_from,
         n_ubatch=n_ubatch,
         n_ctx=n_ctx,

@@ -150,6 +150,14 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "(nothing: each layer copies what it routes, the GPU waiting)",
         ),
         click.option(
+            "--device-prefill-borrow",
+            is_flag=True,
+            help="with --device-prefill, its two buffers borrow the slots of the last cached layers while a "
+            "prompt is prefilled instead of coming out of --vram beside the slots (about two layers of "
+            "experts more slots in decode); those layers are refilled after the prompt with the experts it "
+            'routed most (docs/expert-cache.md, "Borrowing the slots")',
+        ),
+        click.option(
             "--precalc-from",
             type=click.IntRange(min=1),
             default=None,

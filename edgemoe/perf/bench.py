@@ -60,6 +60,7 @@ class BenchSpec:
     # also run each policy with prefill ubatches of this many tokens on the device ("... +device prefill" rows,
     # the two prefill buffers come out of the slots' budget); 0: not
     device_prefill: int = 0
+    device_prefill_borrow: bool = False  # also a '+device prefill borrow' row: its buffers in borrowed slots
     # also run each policy with DAOP's pre-calculation from this layer ("... +precalc L" rows); None: not
     precalc_from: int | None = None
     flash_attn: FlashAttn = "auto"  # every row's (LoadConfig's)
@@ -251,6 +252,10 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
                 b, allocation.slots if allocation.alloc != "equal" else None, cfg, name, notes
             )
         )
+    if spec.device_prefill and spec.device_prefill_borrow:
+        borrowed = replace(cfg, prefill_min_tokens=spec.device_prefill, prefill_borrow=True)
+        note = "; ".join(notes + ["every slot kept: the prefill buffers borrow the last layers' slots"])
+        rows.append((f"{name} +device prefill borrow", "edgemoe", b.cached, b.enable(borrowed), note))
     if spec.context_tiers:
         rows += _tiers_rows(b, cfg, name, notes)
     if spec.precalc_from is not None:

@@ -173,10 +173,21 @@ def slot_budget(
     )
 
 
+# bytes a layer's slot tensors may add to its slots' for alignment (up to 11 tensors padded to 256 bytes)
+BORROW_SLACK = 4096
+
+
 def prefill_buffer_bytes(info: ModelInfo) -> int:
     """The two prefill buffers of `--device-prefill`: each holds the largest MoE layer's experts."""
     per_layer = [info.bytes_per_expert_by_layer[il] * info.n_expert for il in info.moe_layers]
     return 2 * max(per_layer, default=0)
+
+
+def borrow_fits(info: ModelInfo, slots_per_layer: int) -> bool:
+    """Device prefill's two buffers fit in the slots of the MoE layers (llama_moe_cache_set_prefill_borrow lends
+    whole layers from the last one back; BORROW_SLACK per layer for its slot tensors' padding)."""
+    held = sum(slots_per_layer * info.bytes_per_expert_by_layer[il] for il in info.moe_layers)
+    return held >= prefill_buffer_bytes(info) + BORROW_SLACK * len(info.moe_layers)
 
 
 def vram_reserve(info: ModelInfo, device_prefill: bool = False) -> int:

@@ -119,6 +119,7 @@ def install_cache(
         degrade=req.degrade,
         prefill_min_tokens=req.device_prefill,
         prefill_ahead=req.device_prefill_ahead,
+        prefill_borrow=req.device_prefill_borrow,
         precalc_from=req.precalc_from,
     )
     engine.enable_expert_cache(cfg, device=dev)
@@ -169,7 +170,7 @@ def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.Gg
         + (f" (graceful degradation r={req.degrade})" if req.degrade is not None else "")
         + (
             f" (prefill ubatches of {req.device_prefill}+ tokens on the device, "
-            f"{req.device_prefill_ahead} ahead)"
+            f"{req.device_prefill_ahead} ahead{', buffers in borrowed slots' if req.device_prefill_borrow else ''})"
             if req.device_prefill
             else ""
         )

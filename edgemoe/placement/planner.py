@@ -25,10 +25,12 @@ from ..runtime.config import DEFAULT_BATCH, LoadConfig, LoadOptions, check_batch
 from .budget import (
     SlotBudget,
     best_n_cpu_moe,
+    borrow_fits,
     context_reserve_bytes,
     engine_ctx,
     estimate_kv_cache_bytes,
     holds_every_expert,
+    prefill_buffer_bytes,
     slot_budget,
     vram_reserve,
 )
@@ -115,7 +117,7 @@ def plan(
     opts = LoadConfig(**load)  # the load settings given, LoadConfig's defaults for the rest
     info = model_info(header)
     req = request if request is not None and request.enabled else None
-    prefill = bool(req and req.device_prefill)
+    prefill = bool(req and req.reserves_prefill_buffers)  # borrowed ones cost no budget
     kv = KvTypes(opts.cache_type_k, opts.cache_type_v)
     table, choice = _contexts(info, req, n_ctx, kv, opts.flash_attn)
     asked = choice.n_ctx if choice is not None else n_ctx
@@ -137,6 +139,8 @@ def plan(
         and req.context_tiers
         else ()
     )
+    if slots is not None and req is not None and req.device_prefill_borrow:
+        check_borrow_fits(info, slots)
     base = replace(opts, n_ctx=asked, n_batch=n_batch, n_ubatch=n_ubatch)
     return PlacementPlan(
         load=_load_config(base, info, req, device, whole),
@@ -182,13 +186,24 @@ def _contexts(
     """A budget's context x KV type table, and the context picked for it where none is asked (n_ctx 0)."""
     if req is None or req.vram is None:
         return None, None
-    prefill = bool(req.device_prefill)
+    prefill = req.reserves_prefill_buffers
     table = context_table(info, req.vram, flash_attn=flash_attn, device_prefill=prefill)
     choice = default_context(info, req.vram, kv, device_prefill=prefill) if not n_ctx else None
     return table, choice
 
 
 _NO_NEED = CalibrationNeed(what="", stages=(), missing=(), directory=None)
+
+
+def check_borrow_fits(info: ModelInfo, slots_per_layer: int) -> None:
+    """`device_prefill_borrow` needs the slots of the last cached layers to hold device prefill's two buffers."""
+    if not borrow_fits(info, slots_per_layer):
+        need = prefill_buffer_bytes(info) / 2**20
+        raise PlacementError(
+            f"`device_prefill_borrow`: {slots_per_layer} slot(s) in each of the {len(info.moe_layers)} MoE layers "
+            f"cannot hold device prefill's two buffers ({need:.0f} MiB, a whole layer's experts each): give "
+            "more `vram`/`expert_slots` or leave `device_prefill_borrow` off"
+        )
 
 
 def check_precalc_from(info: ModelInfo, first_layer: int) -> None:

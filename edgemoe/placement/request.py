@@ -49,6 +49,9 @@ class CacheRequest:
     # with a budget: the context created in steps as the conversation grows, each step's unused KV bytes as
     # expert slots (edgemoe.runtime.context_tiers; False: the whole context from the start)
     context_tiers: bool = True
+    # device prefill's two buffers borrow the slots of the last cached layers while a prompt is prefilled
+    # (refilled after it) instead of coming out of the budget beside the slots
+    device_prefill_borrow: bool = False
 
     @property
     def policy(self) -> str:
@@ -58,6 +61,11 @@ class CacheRequest:
     @property
     def enabled(self) -> bool:
         return self.vram is not None or self.expert_slots is not None
+
+    @property
+    def reserves_prefill_buffers(self) -> bool:
+        """Device prefill's two buffers come out of the budget beside the slots (not borrowed from them)."""
+        return bool(self.device_prefill) and not self.device_prefill_borrow
 
 
 def _given(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -135,6 +143,7 @@ def cache_request(
     device_prefill_ahead: str = "all",
     precalc_from: int | None = None,
     context_tiers: bool = True,
+    device_prefill_borrow: bool = False,
     **policy_options: Any,
 ) -> CacheRequest:
     """A checked CacheRequest; policy None picks default_policy(). `policy_options`: the options that belong to
@@ -163,6 +172,7 @@ def cache_request(
         device_prefill_ahead,
         precalc_from,
         context_tiers,
+        device_prefill_borrow,
     )
     check_request(req)
     return req
@@ -187,6 +197,10 @@ def check_request(r: CacheRequest) -> None:
     if r.device_prefill_ahead not in PREFILL_AHEAD:
         raise PlacementError(
             f"`device_prefill_ahead={r.device_prefill_ahead!r}`: one of {', '.join(PREFILL_AHEAD)}"
+        )
+    if r.device_prefill_borrow and not r.device_prefill:
+        raise PlacementError(
+            "`device_prefill_borrow` lends the slots to `device_prefill`'s buffers: add `device_prefill=N`"
         )
     if r.device_prefill_ahead != "all" and not r.device_prefill:
         raise PlacementError(

@@ -62,7 +62,7 @@ def with_prefill_ubatch(
     u = min(best.n_ubatch, placement.n_ctx)
     info = model_info(header)
     load = placement.load
-    reserve = vram_reserve(info, device_prefill=True)
+    reserve = vram_reserve(info, device_prefill=request.reserves_prefill_buffers)
     kv = KvTypes(load.cache_type_k, load.cache_type_v)
     extra = ubatch_reserve_bytes(info, placement.n_ctx, u, flash_attn=load.flash_attn != "off")
     budget = slot_budget(info, request.vram, n_ctx=placement.n_ctx, reserve_bytes=reserve + extra, kv=kv)
@@ -84,7 +84,7 @@ def with_prefill_ubatch(
             request.vram,
             placement.n_ctx,
             kv,
-            device_prefill=True,
+            device_prefill=request.reserves_prefill_buffers,
             n_batch=n_batch,
             extra_reserve=lambda c: ubatch_reserve_bytes(info, c, u, flash_attn=fa),
         )

@@ -68,6 +68,10 @@ class CacheConfig:
     # "predicted" (those the in-graph predictor from this layer names: promoe's), "routed" (nothing ahead: each
     # layer copies what it routes at its routing callback, the compute waiting)
     prefill_ahead: str = "all"
+    # the two prefill buffers borrow the slots of the last cached layers instead of their own memory: those
+    # layers' experts are evicted when a prefill ubatch starts and refilled after the prefill (at the first
+    # smaller ubatch) with the experts it routed most in each; the budget then gives the buffers' bytes to slots
+    prefill_borrow: bool = False
     # DAOP's pre-calculation: in ubatches of at most precalc_max_tokens tokens (decode), each cached
     # MoE layer from this index on has its experts predicted at the MoE layer before by its own router on that
     # layer's input (gate reuse); the predicted ones outside its slots run on that input, on the CPU, while the

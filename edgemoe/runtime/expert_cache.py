@@ -92,6 +92,7 @@ class ExpertCache:
             None  # (hits, misses) at prefill start, end
         )
         self.prefill_min_tokens = 0  # set_prefill
+        self.prefill_borrow = False  # set_prefill(borrow=True)
         self.precalc: tuple[int, int] | None = None  # set_precalc: (first layer, most tokens)
         self.n_expert = n_expert
         self.n_slots = checked_slots(slots_per_layer, moe_layers, n_expert)
@@ -219,16 +220,25 @@ class ExpertCache:
             "slots_total": sum(self.n_slots.values()),
         }
 
-    def set_prefill(self, min_tokens: int, ahead: str = "all") -> None:
+    def set_prefill(self, min_tokens: int, ahead: str = "all", *, borrow: bool = False) -> None:
         """Run prefill ubatches of min_tokens+ tokens on the cache's device from two prefill buffers, copied one
-        cached layer ahead (0: off)."""
+        cached layer ahead (0: off). borrow: the buffers lie over the slots of the last cached layers, lent while
+        a prefill runs and refilled after it with the experts it routed most, instead of memory of their own."""
         if ahead not in native.MOE_PREFILL_AHEAD:
             raise ExpertCacheError(
                 f"prefill ahead {ahead!r}: use one of {', '.join(native.MOE_PREFILL_AHEAD)}"
             )
         if min_tokens < 0:
             raise ExpertCacheError(f"prefill from {min_tokens} tokens: use 0 (off) or a positive token count")
+        native.moe_cache_set_prefill_borrow(self._ctx, borrow)  # applies to the set_prefill below
         rc = native.moe_cache_set_prefill(self._ctx, min_tokens, native.MOE_PREFILL_AHEAD[ahead])
+        if rc != 0:  # llama.cpp turned device prefill off
+            self.prefill_min_tokens, self.prefill_borrow = 0, False
+        if rc == -3:
+            raise ExpertCacheError(
+                "the cached layers' slots cannot hold the two prefill buffers (a whole layer's experts each): "
+                "give the cache more slots or leave `prefill_borrow` off"
+            )
         if rc != 0:
             raise ExpertCacheError(
                 f"llama.cpp could not allocate the two prefill buffers ({rc}): "
@@ -236,6 +246,20 @@ class ExpertCache:
                 "`device_prefill` off"
             )
         self.prefill_min_tokens = min_tokens
+        self.prefill_borrow = borrow and min_tokens > 0
+
+    def prefill_return(self) -> int:
+        """Give the slots lent to the prefill buffers back now (a generation's first decode step does it
+        anyway) and queue their refill: the experts queued (0: none were lent)."""
+        return native.moe_cache_prefill_return(self._ctx)
+
+    def borrow_stats(self) -> dict[str, int] | None:
+        """The lent slots (None: not borrowing): layers, slots and bytes lent; prefills that borrowed them, the
+        experts evicted then, refilled after (and their bytes), and the loads refused while lent."""
+        if not self.prefill_borrow:
+            return None
+        lib.llama_synchronize(self._ctx)
+        return native.moe_cache_borrow_stats(self._ctx)
 
     def prefill_stats(self) -> dict[str, Any] | None:
         """The prefill buffers' counters since the last reset (None: off): ubatches and layers run from them, the
@@ -246,9 +270,11 @@ class ExpertCache:
         lib.llama_synchronize(self._ctx)
         st = native.moe_cache_prefill_stats(self._ctx)
         ahead = st["ahead"]
+        borrow = self.borrow_stats()
         return {
             **st,
             "min_tokens": self.prefill_min_tokens,
+            **({"borrow": borrow} if borrow is not None else {}),
             "ahead_precision": st["ahead_used"] / ahead if ahead else None,
             "late_share": st["late"] / st["needed"] if st["needed"] else None,
         }

@@ -235,7 +235,7 @@ class Routing:
     ) -> None:
         """Set up cache's prefill and pre-calculation and put its controller in self.experts."""
         if config.prefill_min_tokens:
-            cache.set_prefill(config.prefill_min_tokens, config.prefill_ahead)
+            cache.set_prefill(config.prefill_min_tokens, config.prefill_ahead, borrow=config.prefill_borrow)
         if config.precalc_from is not None:
             cache.set_precalc(config.precalc_from, config.precalc_max_tokens)
         self.experts = experts = (

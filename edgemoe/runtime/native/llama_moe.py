@@ -463,6 +463,48 @@ def moe_cache_prefill_stats(ctx: LlamaContext) -> dict[str, int]:
     return {name: int(getattr(s, name)) for name, *_ in MoePrefillStats._fields_}
 
 
+class MoeBorrowStats(ctypes.Structure):
+    """struct llama_moe_borrow_stats: the slots lent to the prefill buffers."""
+
+    _fields_ = [
+        ("lent_layers", ctypes.c_uint64),  # cached layers whose slots hold the buffers (0: not borrowing)
+        ("lent_slots", ctypes.c_uint64),  # their slots
+        ("lends", ctypes.c_uint64),  # prefills that borrowed them
+        ("evicted", ctypes.c_uint64),  # experts evicted from them at those lends
+        ("refilled", ctypes.c_uint64),  # experts queued into them after the prefills (the most routed)
+        ("refill_bytes", ctypes.c_uint64),  # those experts' bytes
+        ("refused", ctypes.c_uint64),  # loads into them refused while lent
+        ("lent_bytes", ctypes.c_uint64),  # the slots' bytes the buffers lie over
+    ]
+
+
+# int32_t llama_moe_cache_set_prefill_borrow(struct llama_context * ctx, bool borrow);
+_moe_cache_set_prefill_borrow = declare(
+    "llama_moe_cache_set_prefill_borrow", [ctypes.c_void_p, ctypes.c_bool], ctypes.c_int32
+)
+# int32_t llama_moe_cache_prefill_return(struct llama_context * ctx);
+_moe_cache_prefill_return = declare("llama_moe_cache_prefill_return", [ctypes.c_void_p], ctypes.c_int32)
+# struct llama_moe_borrow_stats llama_moe_cache_get_borrow_stats(const struct llama_context * ctx);
+_moe_cache_get_borrow_stats = declare("llama_moe_cache_get_borrow_stats", [ctypes.c_void_p], MoeBorrowStats)
+
+
+def moe_cache_set_prefill_borrow(ctx: LlamaContext, borrow: bool) -> int:
+    """The prefill buffers lie over the slots of the last cached layers, lent from a prefill's first ubatch to
+    its end and then refilled with the experts it routed most, instead of an allocation of their own. What
+    moe_cache_set_prefill returns; -3 when the cached layers' slots cannot hold the two buffers."""
+    return int(_moe_cache_set_prefill_borrow(ctx, borrow))
+
+
+def moe_cache_prefill_return(ctx: LlamaContext) -> int:
+    """Give the lent slots back now and queue their refill: the experts queued (0: none lent, -1: no cache)."""
+    return int(_moe_cache_prefill_return(ctx))
+
+
+def moe_cache_borrow_stats(ctx: LlamaContext) -> dict[str, int]:
+    s = _moe_cache_get_borrow_stats(ctx)
+    return {name: int(getattr(s, name)) for name, *_ in MoeBorrowStats._fields_}
+
+
 class MoePrecalcStats(ctypes.Structure):
     """struct llama_moe_precalc_stats: DAOP's pre-calculation counters."""
 
