@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURE_MODELS
+from rpc_child import run_child
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tools"))
@@ -25,11 +26,7 @@ NO_MOE_GRAPH = {"refact": "llama.cpp's refact graph (src/models/refact.cpp) runs
 
 def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
     for path in FIXTURE_MODELS:
-        result = tmp_path / f"{path.stem}.json"
-        proc = subprocess.run([sys.executable, str(HERE / "rpc_cache_check.py"), str(path), str(result)],
-                              capture_output=True, text=True, timeout=600, cwd=HERE)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out = json.loads(result.read_text())
+        out = run_child("rpc_cache_check.py", path, tmp_path)
         assert out["device"].startswith("RPC"), out
         assert out["sync_loads_equal"], (path.name, out)
         assert out["async_loads_equal"], (path.name, out)
@@ -150,11 +147,7 @@ def test_borrowed_slots_on_rpc_device_equal_stock(tmp_path: Path) -> None:
     decode, a cut KV cache and a restored snapshot == stock bitwise, with and without the id-row checker (no
     device reads a lent slot's bytes as an expert: every id row valid and distinct), lent and refilled twice."""
     for path in FIXTURE_MODELS:
-        result = tmp_path / f"{path.stem}.json"
-        proc = subprocess.run([sys.executable, str(HERE / "rpc_borrow_check.py"), str(path), str(result)],
-                              capture_output=True, text=True, timeout=900, cwd=HERE)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out = json.loads(result.read_text())
+        out = run_child("rpc_borrow_check.py", path, tmp_path, timeout=900)
         assert out["device"].startswith("RPC"), out
         for n_ubatch in ("512", "1024", "2048"):
             r = out[n_ubatch]

@@ -252,17 +252,10 @@ def test_cli_takes_no_context_tiers() -> None:
 def test_tiers_on_the_rpc_device_equal_stock(tmp_path: Path) -> None:
     """The cache on a device that is not the CPU (llama.cpp's RPC backend on loopback), and the GPU layout whose KV
     cache lives on that device: each step re-creates it there."""
-    import json
-    import subprocess
-    import sys
+    from rpc_child import run_child
 
-    here = Path(__file__).resolve().parent
     for path in FIXTURE_MODELS:
-        result = tmp_path / f"{path.stem}.json"
-        proc = subprocess.run([sys.executable, str(here / "rpc_tiers_check.py"), str(path), str(result)],
-                              capture_output=True, text=True, timeout=600, cwd=here)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out = json.loads(result.read_text())
+        out = run_child("rpc_tiers_check.py", path, tmp_path)
         assert out["device"].startswith("RPC"), out
         for layout in ("standin", "gpu_layout"):
             assert out[f"{layout}_equal"], (path.name, layout, out[layout])

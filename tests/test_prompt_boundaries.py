@@ -10,8 +10,9 @@ import pytest
 from conftest import FIXTURE_MODELS
 
 from edgemoe import GREEDY, Engine, LoadConfig
-from edgemoe.runtime.prompt_cache import KVSnapshot, PromptCache, chunk_boundary, common_prefix
+from edgemoe.runtime.prompt_cache import PromptCache, chunk_boundary
 from edgemoe.serve.prefix_cache import PrefixReuse
+from test_serve_parts import FakeEngine
 
 CHUNK = 64
 
@@ -24,29 +25,13 @@ def test_the_deepest_boundary_a_prefill_passes(start: int, n: int, want: int | N
     assert chunk_boundary(start, n, 0) is None
 
 
-class ChunkedFake:
-    """Engine's KV-state part with a prefill in chunks that calls the watcher between them."""
+class ChunkedFake(FakeEngine):
+    """Engine's KV-state part (test_serve_parts' fake) with a prefill in chunks that calls the watcher between
+    them."""
 
     def __init__(self) -> None:
-        self.kv: list[int] = []
+        super().__init__()
         self.watch: Callable[[int], None] | None = None
-        self.snapshots = 0
-
-    def kv_tokens(self) -> tuple[int, ...]:
-        return tuple(self.kv)
-
-    def reset(self) -> None:
-        self.kv = []
-
-    def snapshot(self) -> KVSnapshot:
-        self.snapshots += 1
-        return KVSnapshot(tuple(self.kv), bytes(4 * len(self.kv)))
-
-    def restore(self, s: KVSnapshot) -> None:
-        self.kv = list(s.tokens)
-
-    def cached_prefix(self, tokens: list[int]) -> int:
-        return min(common_prefix(self.kv, tokens), len(tokens) - 1)
 
     def watch_prefill(self, on_chunk: Callable[[int], None] | None) -> None:
         self.watch = on_chunk
