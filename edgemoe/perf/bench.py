@@ -26,12 +26,11 @@ from ..gguf.kv_types import KvCacheType, KvTypes
 from ..placement.budget import PLAN_UBATCH, slots_beside_prefill_buffers
 from ..placement.planner import Device, budget_request
 from ..placement.planner import plan as plan_placement
-from ..placement.tiers import context_steps
+from ..placement.tiers import context_steps, engine_tiers
 from ..policies.registry import policy_spec
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, calibrated_config
 from ..runtime.config import FlashAttn
-from ..runtime.context_tiers import ContextTier, ContextTiers
 from ..runtime.engine import Engine, LoadConfig
 from ..runtime.sampling import GREEDY
 from ..speculation.config import SpeculationConfig
@@ -257,7 +256,7 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
         note = "; ".join(notes + ["every slot kept: the prefill buffers borrow the last layers' slots"])
         rows.append((f"{name} +device prefill borrow", "edgemoe", b.cached, b.enable(borrowed), note))
     if spec.context_tiers:
-        rows += _tiers_rows(b, cfg, name, notes)
+        rows += _tiers_rows(b, cfg, pol, name, notes)
     if spec.precalc_from is not None:
         rows.append(
             (
@@ -271,19 +270,22 @@ def _policy_rows(b: _CacheRows, pol: str) -> list[_Row]:
     return rows
 
 
-def _tiers_rows(b: _CacheRows, cfg: CacheConfig, name: str, notes: list[str]) -> list[_Row]:
-    """The +tiers row (none where the bench's context has no step below it): the cache as the policy's row,
-    then the context re-created at the smallest step that holds the tokens, with that step's equal slots."""
+def _tiers_rows(b: _CacheRows, cfg: CacheConfig, pol: str, name: str, notes: list[str]) -> list[_Row]:
+    """The +tiers row (none where the bench's context has no step below it): the cache as the policy's row, then
+    the context re-created at the smallest step that holds the tokens, each step's slots allocated as the row's
+    (equal, or dp over the step's bytes), as `generate --vram` does."""
     spec = b.spec
     kv = KvTypes(spec.cache_type_k, spec.cache_type_v)
     steps = context_steps(b.info, spec.vram, b.n_ctx, kv, n_batch=b.cached.n_batch)
     if not steps:
         return []
-    tiers = ContextTiers(tuple(ContextTier(s.n_ctx, s.slots_per_layer) for s in steps[:-1]))
 
     def setup(eng: Engine) -> None:
         eng.enable_expert_cache(cfg, device=b.dev)
-        eng.set_context_tiers(ContextTiers((*tiers.tiers, ContextTier(eng.n_ctx, cfg.slots_per_layer))))
+        tiers = engine_tiers(
+            b.info, steps, eng.n_ctx, cfg, alloc=spec.alloc, policy=pol, calibration=spec.calibration
+        )
+        eng.set_context_tiers(tiers)
 
     steps_note = "steps " + "/".join(f"{s.n_ctx}:{s.slots_per_layer}" for s in steps)
     return [(f"{name} +tiers", "edgemoe", b.cached, setup, "; ".join([*notes, steps_note]))]

@@ -4,7 +4,7 @@ engine, the allocation across layers, the policy's config record, the assigner's
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,10 +16,10 @@ from ..gguf.header import GgufHeader
 from ..policies.registry import completed
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, PolicyConfig, StaticConfig
-from ..runtime.context_tiers import ContextTier, ContextTiers
 from ..runtime.engine import Engine
 from .planner import PlacementPlan, calibration_needs
 from .request import CacheRequest, PlacementError
+from .tiers import engine_tiers
 
 log = logging.getLogger(__name__)
 
@@ -124,31 +124,18 @@ def install_cache(
     )
     engine.enable_expert_cache(cfg, device=dev)
     if placement.context_steps:
-        engine.set_context_tiers(_tiers(engine, req, placement, calibration, cfg))
+        tiers = engine_tiers(
+            engine.info,
+            placement.context_steps,
+            engine.n_ctx,
+            cfg,
+            alloc=req.alloc,
+            policy=req.policy,
+            calibration=calibration,
+            **req.config.allocation_options(),
+        )
+        engine.set_context_tiers(tiers)
     notify(_describe(engine, req, describe(allocation), dev))
-
-
-def _tiers(
-    engine: Engine, req: CacheRequest, placement: PlacementPlan, calibration: Path | None, cfg: CacheConfig
-) -> ContextTiers:
-    """The plan's context steps as the engine's tiers, each step's slots allocated as the whole context's were
-    (equal, or dp over the step's bytes); the last is the engine's context with the cache as installed."""
-    tiers = []
-    for step in placement.context_steps[:-1]:
-        slots: int | Mapping[int, int] = step.slots_per_layer
-        if cfg.alloc != "equal":
-            slots = allocate_slots(
-                engine.info,
-                alloc=req.alloc,
-                policy=req.policy,
-                calibration=calibration,
-                slots_per_layer=step.slots_per_layer,
-                budget_bytes=step.expert_budget_bytes,
-                **req.config.allocation_options(),
-            ).slots
-        tiers.append(ContextTier(step.n_ctx, slots))
-    tiers.append(ContextTier(engine.n_ctx, cfg.slots_per_layer))
-    return ContextTiers(tuple(tiers))
 
 
 def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.GgmlDevice | None) -> str:

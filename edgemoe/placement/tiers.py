@@ -9,11 +9,15 @@ edgemoe.placement.context is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from ..calibration.slot_alloc import allocate_slots
 from ..gguf.info import ModelInfo, format_size
 from ..gguf.kv_types import KvTypes
+from ..runtime.cache_config import CacheConfig
+from ..runtime.context_tiers import ContextTier, ContextTiers
 from .budget import holds_every_expert, slot_budget, vram_reserve
 from .context import TABLE_CTX
 
@@ -56,6 +60,29 @@ def context_steps(
         if step.slots_per_layer > steps[0].slots_per_layer:
             steps.insert(0, step)
     return tuple(steps) if len(steps) > 1 else ()
+
+
+def engine_tiers(
+    info: ModelInfo,
+    steps: tuple[TierStep, ...],
+    n_ctx: int,
+    cache: CacheConfig,
+    **allocation: Any,
+) -> ContextTiers:
+    """The steps as the tiers of an engine of n_ctx tokens whose expert cache is `cache` (Engine.set_context_tiers):
+    each step but the last with its slots allocated as the cache's were (equal, or `allocation`'s allocate_slots
+    keywords, e.g. dp, over the step's bytes), then the engine's context with the cache's own slots."""
+
+    def slots(step: TierStep) -> int | Mapping[int, int]:
+        if cache.alloc == "equal":
+            return step.slots_per_layer
+        return allocate_slots(
+            info, slots_per_layer=step.slots_per_layer, budget_bytes=step.expert_budget_bytes, **allocation
+        ).slots
+
+    return ContextTiers(
+        (*(ContextTier(s.n_ctx, slots(s)) for s in steps[:-1]), ContextTier(n_ctx, cache.slots_per_layer))
+    )
 
 
 STEPS_NOTE = "the context grows in steps"  # how describe_steps' note is found again (a re-plan replaces it)
