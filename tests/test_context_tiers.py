@@ -310,3 +310,19 @@ def test_bench_runs_a_tiers_row() -> None:
     # the short bench runs at the 16384 step, where every expert has a slot; the whole context leaves fewer
     assert set(tiers["cache"]["slots_per_layer"].values()) == {info.n_expert}
     assert sum(plain["cache"]["slots_per_layer"].values()) < sum(tiers["cache"]["slots_per_layer"].values())
+
+
+def test_a_snapshot_of_the_whole_context_restores_into_a_smaller_step() -> None:
+    """A state holding every cell of the context, restored while a new prompt keeps the context at its smallest
+    step: the context grows to the last step (there is no room for a next token, but the state fits)."""
+    path = FIXTURE_MODELS[0]
+    with Engine(path, CFG) as eng:
+        eng.enable_expert_cache(CacheConfig(eng.info.n_expert // 4, policy=LruConfig()))
+        eng.set_context_tiers(tiers_for(eng.info.n_expert))
+        ids = [int(x) for x in np.random.default_rng(3).integers(10, eng.n_vocab - 10, eng.n_ctx)]
+        eng.feed(ids)
+        full = eng.snapshot()
+        eng.prefill(ids[500:540])  # shares nothing: back to the smallest step
+        assert eng.handle.n_ctx == 256
+        eng.restore(full)
+        assert eng.kv_tokens() == tuple(ids) and eng.handle.n_ctx == eng.n_ctx

@@ -168,7 +168,8 @@ class KVSequence:
     def restore(self, snap: KVSnapshot) -> None:
         """Make the KV cache hold snap's tokens again (the next prompt then reuses what it shares)."""
         if self.fit is not None:
-            self.fit(len(snap.tokens) + 1, 0)  # the tier that holds them and the next token
+            # the tier that holds them and the next token (a state of the whole context: the last tier)
+            self.fit(min(len(snap.tokens) + 1, self.n_ctx), 0)
         self.load(snap)
 
     # -- CarryKV (edgemoe.runtime.context_tiers): the K/V across a re-created context -------------------------------
