@@ -33,6 +33,11 @@ Checks, each against stock llama.cpp on the same GGUF:
   == stock bitwise, the decode rows finite, every MoE layer after a MoE layer taking experts early in every
   decode step (with k = 2 of 2 experts the prediction names every routed expert: none late); with every
   expert resident nothing is computed early and the logits are stock's bitwise.
+- context-tiers: the context created in steps (256 then 512 tokens, the lru cache with half the experts then
+  one slot): filled across the step (the K/V carried over), a new prompt that sends it back to the first step, a
+  snapshot restored into the last == stock logits bitwise; a model whose output a re-created context would
+  change (edgemoe.runtime.context_tiers.tiers_refusal: deepseek4's KV state, LongRoPE's factors) is refused with
+  a typed error instead.
 - cache-borrow: device prefill (CPU stand-in) whose buffers borrow the slots of the last cached layers,
   every expert slotted: two prompts (lent, evicted, refilled after each) with decode steps == stock
   logits bitwise; a model whose slots cannot hold the two buffers (one cached layer) is refused with a
@@ -439,12 +444,59 @@ def check_cache_borrow(path: Path) -> dict:
     return dict(ok=True, detail=f"borrowing slots == stock bitwise ({used})")
 
 
+def _tiers_walk(path: Path, toks: list[int], tiers: bool) -> tuple[np.ndarray, list[list[int]]]:
+    """The context filled across its steps (a prompt in the first, one past it, decode steps into the last), a
+    snapshot restored after a new prompt sent the context back to its smallest step; tiers False: stock."""
+    from edgemoe import Engine, LoadConfig
+    from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+    from edgemoe.runtime.context_tiers import ContextTier, ContextTiers
+
+    with Engine(path, LoadConfig(**{**PLAIN, "n_ctx": 512})) as eng:
+        if tiers:
+            n = eng.info.n_expert
+            eng.enable_expert_cache(CacheConfig(1, policy=LruConfig()))
+            eng.set_context_tiers(ContextTiers((ContextTier(256, max(1, n // 2)), ContextTier(512, 1))))
+        rows: list[np.ndarray] = []
+        for chunk in (toks[:200], toks[200:300], *([t] for t in toks[300:304])):
+            eng.feed(chunk)
+            rows.append(np.array(eng.logits(-1)))
+        snap = eng.snapshot()
+        eng.prefill(toks[400:440])  # shares nothing with the sequence
+        rows.append(np.array(eng.logits(-1)))
+        eng.restore(snap)
+        eng.feed(toks[304:310])
+        rows.append(np.array(eng.logits(-1)))
+        steps = [[r.from_ctx, r.to_ctx] for r in eng.tiers.resizes] if eng.tiers is not None else []
+        return np.stack(rows), steps
+
+
+def check_context_tiers(path: Path) -> dict:
+    from edgemoe.errors import InvalidConfigError
+    from edgemoe.gguf.header import check_gguf
+    from edgemoe.gguf.info import read_model_info
+    from edgemoe.runtime.context_tiers import tiers_refusal
+
+    toks = _tokens(read_model_info(path).n_vocab, 440)
+    ref, _ = _tiers_walk(path, toks, False)
+    try:
+        got, steps = _tiers_walk(path, toks, True)
+    except InvalidConfigError as err:
+        if tiers_refusal(check_gguf(path)) is not None and "context tiers would change" in str(err):
+            return dict(ok=True, detail=f"refused: {err}"[:300])
+        raise
+    if not np.array_equal(got, ref):
+        return dict(ok=False, detail=f"context tiers (steps {steps}) vs stock: " + _diff(got, ref))
+    if steps[:2] != [[512, 256], [256, 512]] or [256, 512] not in steps[3:]:
+        return dict(ok=False, detail=f"the context did not step 512 -> 256 -> 512, back and up again: {steps}")
+    return dict(ok=True, detail=f"context tiers == stock bitwise (steps {steps})")
+
+
 CHECKS = {"generate": check_generate, "speculate": check_speculate, "gating-top1": check_gating_top1, "cache": check_cache,
           "cache-static": check_cache_static, "cache-daop": check_cache_daop, "cache-dali": check_cache_dali,
           "scale-applies": check_scale_applies, "cache-promoe": check_cache_promoe,
           "cache-dali-prefetch": check_cache_dali_prefetch, "cache-assign": check_cache_assign,
           "cache-degrade": check_cache_degrade, "cache-precalc": check_cache_precalc,
-          "cache-borrow": check_cache_borrow}
+          "cache-borrow": check_cache_borrow, "context-tiers": check_context_tiers}
 
 
 def main(argv: list[str]) -> int:

@@ -26,6 +26,8 @@ have (arch_models.rewrite_gguf). Per architecture:
   (tests/test_precalc.py); models whose first layer is dense have no such layer here (nothing runs early).
 - cache-borrow: device prefill whose buffers borrow the last cached layers' slots, two prompts with decode
   steps == stock logits bitwise, lent and refilled twice (a model with one cached layer: refused, typed).
+- context-tiers: the context created in steps (256, 512) and re-created across them, with a new prompt and a
+  restored snapshot == stock logits bitwise (deepseek4, LongRoPE models: refused, typed).
 test_one_expert_per_token runs them on copies with expert_used_count 1 (the router chooses one of
 the two experts); test_with_optional_expert_scales on the files with the per-expert ffn_*_exps.scale
 tensors and test_files_as_llama_cpp_wrote_them_load loads the files as written, for a few
@@ -58,7 +60,7 @@ WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
 # the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
 # variant file those of its VARIANT_CHECKS
 BASE_WORKER_CHECKS = ("generate", "speculate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali", "cache-precalc",
-                      "cache-borrow")
+                      "cache-borrow", "context-tiers")
 WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "cache-dali-prefetch", "cache-assign", "cache-degrade",
                  "scale-applies")
 TIMEOUT_S = 180

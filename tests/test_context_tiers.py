@@ -326,3 +326,26 @@ def test_a_snapshot_of_the_whole_context_restores_into_a_smaller_step() -> None:
         assert eng.handle.n_ctx == 256
         eng.restore(full)
         assert eng.kv_tokens() == tuple(ids) and eng.handle.n_ctx == eng.n_ctx
+
+
+def test_models_whose_output_a_re_created_context_changes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deepseek4 (its KV state does not carry over exactly) and LongRoPE models (llama.cpp picks their rope
+    factors by the context's size) get no steps: the plan says why, and Engine.set_context_tiers refuses (the arch
+    sweep's context-tiers check runs both on the random-weight models)."""
+    from types import SimpleNamespace
+
+    import edgemoe
+    from edgemoe.placement import planner
+    from edgemoe.runtime.context_tiers import INEXACT, LONGROPE, tiers_refusal
+
+    def header(arch: str, *names: str) -> object:
+        return SimpleNamespace(architecture=arch, tensors=tuple(SimpleNamespace(name=n) for n in names))
+
+    assert tiers_refusal(header("deepseek4", "blk.0.attn_q.weight")) == INEXACT["deepseek4"]  # type: ignore[arg-type]
+    assert tiers_refusal(header("phimoe", "rope_factors_long.weight")) == LONGROPE  # type: ignore[arg-type]
+    assert tiers_refusal(header("qwen3moe", "blk.0.attn_q.weight")) is None  # type: ignore[arg-type]
+    path = FIXTURE_MODELS[0]
+    budget = budget_for_slots(read_model_info(path), 2, 32768)
+    monkeypatch.setattr(planner, "tiers_refusal", lambda h: LONGROPE)
+    p = plan(edgemoe.gguf.header.check_gguf(path), cache_request(vram=budget), n_ctx=32768, device=None)
+    assert p.context_steps == () and f"note: the context is created whole (no context tiers): {LONGROPE}" in p.notes

@@ -22,6 +22,7 @@ from ..policies.daop import precalc_targets
 from ..policies.registry import policy_spec
 from ..runtime.cache_config import checked_slots
 from ..runtime.config import DEFAULT_BATCH, LoadConfig, LoadOptions, check_batches
+from ..runtime.context_tiers import tiers_refusal
 from .budget import (
     SlotBudget,
     best_n_cpu_moe,
@@ -130,13 +131,13 @@ def plan(
     cache = req is not None and info.is_moe and not whole
     slots = _slots(info, req, budget) if cache and req is not None else None
     n_batch, n_ubatch = _batches(load, ctx)
+    tiered = (
+        cache and req is not None and req.vram is not None and req.expert_slots is None and req.context_tiers
+    )
+    refusal = tiers_refusal(header) if tiered else None
     steps = (
         context_steps(info, req.vram, ctx, kv, device_prefill=prefill, n_batch=n_batch)
-        if cache
-        and req is not None
-        and req.vram is not None
-        and req.expert_slots is None
-        and req.context_tiers
+        if tiered and refusal is None and req is not None and req.vram is not None
         else ()
     )
     if slots is not None and req is not None and req.device_prefill_borrow:
@@ -160,7 +161,8 @@ def plan(
         calibration=_calibration(header.path, req, calibration) if cache and req is not None else _NO_NEED,
         notes=tuple(_notes(header.path, info, req, n_ctx, ctx, whole, device))
         + ((choice.note,) if choice is not None else ())
-        + ((describe_steps(steps, req.vram),) if steps and req is not None and req.vram is not None else ()),
+        + ((describe_steps(steps, req.vram),) if steps and req is not None and req.vram is not None else ())
+        + ((f"note: the context is created whole (no context tiers): {refusal}",) if refusal else ()),
         context_table=table,
         context_steps=steps,
         prefill_ubatch=min(n_ubatch, ctx),

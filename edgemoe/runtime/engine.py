@@ -34,7 +34,7 @@ from . import chat, generation, native
 from .cache_config import CacheConfig
 from .chat import ChatMessage, ChatSession
 from .config import DEFAULT_BATCH, LoadConfig, default_threads
-from .context_tiers import ContextResizer, ContextTiers, check_tiers
+from .context_tiers import ContextResizer, ContextTiers, check_tiers, tiers_refusal
 from .draft_model import make_source
 from .exclusive import ThreadGuard
 from .expert_cache import CacheController, ExpertCache
@@ -360,6 +360,11 @@ class Engine:
             self.tiers = self._seq.fit = None
             if tiers is None:
                 return None
+            refusal = tiers_refusal(self.header)
+            if refusal is not None:
+                raise InvalidConfigError(
+                    f"context tiers would change {self.path.name}'s output: {refusal}; run it without them"
+                )
             check_tiers(
                 tiers,
                 n_ctx=self.n_ctx,
