@@ -43,9 +43,12 @@ def test_info_matches_gguf_reader(tiny_gguf: Path) -> None:
     nbytes = {t.name: int(t.n_bytes) for t in reader.tensors}
 
     assert info.total_tensor_bytes == sum(nbytes.values())
-    assert info.expert_bytes_total == sum(n for name, n in nbytes.items() if "_exps" in name)
-    assert info.shared_expert_bytes == sum(n for name, n in nbytes.items() if "_shexp" in name)
-    assert info.expert_bytes_total + info.dense_bytes == info.total_tensor_bytes
+    trunk = info.n_layer - info.n_nextn  # MTP blocks (blk.{trunk}..) count as mtp_bytes only
+    mtp = {name for name in nbytes if name.startswith(tuple(f"blk.{il}." for il in range(trunk, info.n_layer)))}
+    assert info.mtp_bytes == sum(nbytes[name] for name in mtp)
+    assert info.expert_bytes_total == sum(n for name, n in nbytes.items() if "_exps" in name and name not in mtp)
+    assert info.shared_expert_bytes == sum(n for name, n in nbytes.items() if "_shexp" in name and name not in mtp)
+    assert info.expert_bytes_total + info.dense_bytes + info.mtp_bytes == info.total_tensor_bytes
     assert sum(info.bytes_by_type.values()) == info.total_tensor_bytes
     for qtype, total in info.bytes_by_type.items():
         assert total == sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == qtype)
@@ -55,7 +58,8 @@ def test_info_matches_gguf_reader(tiny_gguf: Path) -> None:
     preset = PRESETS[str(reader.fields["edgemoe.synthetic.preset"].contents())]
     assert info.architecture == preset.arch
     assert (info.n_layer, info.n_embd, info.n_head, info.n_head_kv) == (
-        preset.n_layer, preset.n_embd, preset.n_head, preset.n_head_kv)
+        preset.n_layer + preset.n_nextn, preset.n_embd, preset.n_head, preset.n_head_kv)
+    assert (info.n_nextn, info.mtp_heads) == (preset.n_nextn, preset.n_nextn > 0)
     assert (info.n_expert, info.n_expert_used) == (preset.n_expert, preset.n_expert_used)
     assert info.is_moe == preset.is_moe
     assert info.moe_layers == (tuple(range(preset.n_layer_dense_lead, preset.n_layer)) if preset.is_moe else ())

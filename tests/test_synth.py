@@ -167,7 +167,8 @@ def test_written_file_matches_plan(tiny_gguf: Path) -> None:
         assert int(rt.n_bytes) == pt.nbytes, pt.name
     arch = PRESETS[preset].arch
     assert reader.fields[Keys.General.ARCHITECTURE].contents() == arch
-    assert reader.fields[Keys.LLM.BLOCK_COUNT.format(arch=arch)].contents() == PRESETS[preset].n_layer
+    p = PRESETS[preset]
+    assert reader.fields[Keys.LLM.BLOCK_COUNT.format(arch=arch)].contents() == p.n_layer + p.n_nextn
     assert len(reader.fields[Keys.Tokenizer.LIST].data) == PRESETS[preset].n_vocab
     assert tiny_gguf.stat().st_size < 8 * 2**20
 

@@ -279,7 +279,8 @@ def speculation_options(f: Any) -> Any:
             type=click.Choice(SPECULATE_MODES),
             default=None,
             help="speculative decoding: lookup proposes what followed the context's last tokens earlier in it; "
-            "draft runs --draft-model; mtp waits for a model with MTP heads (docs/speculation.md). "
+            "draft runs --draft-model; mtp runs the model's own MTP heads where it has them, e.g. DeepSeek-V3 "
+            "and GLM-4.5 (docs/speculation.md). "
             "Default: off, or draft with --draft-model",
         ),
         click.option(

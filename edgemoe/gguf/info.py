@@ -89,16 +89,23 @@ class ModelInfo:
     n_expert_used: int
     n_expert_shared: int  # 0 if the model has no shared expert
     n_ff_exp: int  # feed-forward length of one routed expert, 0 if dense
-    moe_layers: tuple[int, ...]  # layers holding routed-expert tensors
+    moe_layers: tuple[int, ...]  # trunk layers holding routed-expert tensors (MTP blocks left out)
     expert_tensors: Mapping[int, tuple[ExpertTensorInfo, ...]]  # per MoE layer
     bytes_per_expert: int  # one expert of the first MoE layer (all its _exps slices)
     bytes_per_expert_by_layer: Mapping[int, int]
     expert_bytes_total: int  # all routed-expert tensors (is_expert_tensor)
     shared_expert_bytes: int  # "_shexp" tensors (also counted in dense_bytes)
-    dense_bytes: int  # everything that is not a routed expert
+    dense_bytes: int  # everything that is not a routed expert (nor in an MTP block)
     total_tensor_bytes: int
     bytes_by_type: Mapping[str, int]
     sliding_window: int  # 0 if no sliding-window attention
+    n_nextn: int = 0  # MTP (NextN) blocks after the trunk, counted in n_layer (nextn_predict_layers)
+    mtp_heads: bool = (
+        False  # the file carries the MTP blocks' tensors (a trunk-only conversion keeps the key only)
+    )
+    mtp_bytes: int = (
+        0  # the MTP blocks' tensors, in neither expert_bytes_total nor dense_bytes (loaded for MTP only)
+    )
 
     @property
     def is_moe(self) -> bool:
@@ -148,15 +155,19 @@ def model_info(header: GgufHeader) -> ModelInfo:
     head = n_embd // n_head if n_head else 0
     n_embd_head_k = _int(meta, key(attn.KEY_LENGTH), head)
 
+    n_layer = _int(meta, key(llm.BLOCK_COUNT))
+    n_nextn = _int(meta, key(llm.NEXTN_PREDICT_LAYERS))
     expert_tensors: dict[int, list[ExpertTensorInfo]] = {}
     by_type: dict[str, int] = {}
-    expert_total = shared_total = total = embd_rows = 0
+    expert_total = shared_total = total = embd_rows = mtp_total = 0
     for t in header.tensors:
         total += t.nbytes
         by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.nbytes
         if t.name == _TOKEN_EMBD:
             embd_rows = t.shape[-1]
-        if is_expert_tensor(t.name):
+        if n_nextn and (m := _LAYER_RE.match(t.name)) and int(m.group(1)) >= n_layer - n_nextn:
+            mtp_total += t.nbytes  # loaded only for MTP drafting (edgemoe.runtime.mtp)
+        elif is_expert_tensor(t.name):
             expert_total += t.nbytes
             expert_tensors.setdefault(_layer_of(t.name), []).append(
                 ExpertTensorInfo(
@@ -180,7 +191,7 @@ def model_info(header: GgufHeader) -> ModelInfo:
         file_size=header.file_size,
         architecture=arch,
         name=str(meta.get(Keys.General.NAME, "")),
-        n_layer=_int(meta, key(llm.BLOCK_COUNT)),
+        n_layer=n_layer,
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=_int(meta, key(attn.HEAD_COUNT_KV), n_head),
@@ -200,10 +211,14 @@ def model_info(header: GgufHeader) -> ModelInfo:
         bytes_per_expert_by_layer=MappingProxyType(per_layer),
         expert_bytes_total=expert_total,
         shared_expert_bytes=shared_total,
-        dense_bytes=total - expert_total,
+        dense_bytes=total - expert_total - mtp_total,
         total_tensor_bytes=total,
         bytes_by_type=MappingProxyType(dict(sorted(by_type.items()))),
         sliding_window=_int(meta, key(attn.SLIDING_WINDOW)),
+        n_nextn=n_nextn,
+        mtp_bytes=mtp_total,
+        mtp_heads=n_nextn > 0
+        and f"blk.{n_layer - 1}.nextn.eh_proj.weight" in {t.name for t in header.tensors},
     )
 
 
@@ -259,6 +274,9 @@ def info_to_dict(info: ModelInfo) -> dict[str, Any]:
         "shared_expert_bytes": info.shared_expert_bytes,
         "dense_bytes": info.dense_bytes,
         "total_tensor_bytes": info.total_tensor_bytes,
+        "n_nextn": info.n_nextn,
+        "mtp_heads": info.mtp_heads,
+        "mtp_bytes": info.mtp_bytes,
         "bytes_by_type": dict(info.bytes_by_type),
         "expert_tensors": {
             str(layer): [

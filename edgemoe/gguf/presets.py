@@ -50,6 +50,7 @@ class SynthPreset:
     n_layer_dense_lead: int = 0  # deepseek2: leading layers with a dense FFN
     qkv_bias: bool = False  # q/k/v projection biases (qwen2moe, gpt-oss)
     mla: MlaConfig | None = None
+    n_nextn: int = 0  # MTP (NextN) blocks after the trunk (deepseek2: nextn_predict_layers)
     sliding_window: int = 0  # gpt-oss: every other layer
     rope_freq_base: float = 10000.0
     rms_eps: float = 1e-6
@@ -206,6 +207,23 @@ PRESETS: dict[str, SynthPreset] = {
             mla=MlaConfig(
                 kv_lora_rank=128, q_lora_rank=0, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64
             ),
+            **{**_TINY, "n_head_kv": 1, "head_dim": 96},
+        ),
+        SynthPreset(  # DeepSeek-V3's layout: q_lora and one MTP (NextN) block, which llama.cpp's MTP graph needs
+            "tiny-deepseek2-mtp",
+            "deepseek2",
+            "test",
+            n_layer=3,
+            n_ff=512,
+            n_expert=8,
+            n_expert_used=2,
+            n_ff_exp=256,
+            n_expert_shared=1,
+            n_layer_dense_lead=1,
+            mla=MlaConfig(
+                kv_lora_rank=128, q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64
+            ),
+            n_nextn=1,
             **{**_TINY, "n_head_kv": 1, "head_dim": 96},
         ),
         SynthPreset("tiny-llama-dense", "llama", "test", n_layer=2, n_ff=512, **_TINY),
@@ -457,6 +475,17 @@ def _block_deepseek2(p: SynthPreset, il: int) -> list[_Spec]:
     )
 
 
+def _nextn(p: SynthPreset, il: int) -> list[_Spec]:
+    """What an MTP (NextN) block adds to an ordinary block: the projection of [embedding; hidden state] and
+    its norms. The optional vocabulary-sized tensors are left out: llama.cpp then uses token_embd and output."""
+    return [
+        (_tn(T.NEXTN_EH_PROJ, il), (2 * p.n_embd, p.n_embd), Role.ATTN),
+        (_tn(T.NEXTN_ENORM, il), (p.n_embd,), Role.NORM),
+        (_tn(T.NEXTN_HNORM, il), (p.n_embd,), Role.NORM),
+        (_tn(T.NEXTN_SHARED_HEAD_NORM, il), (p.n_embd,), Role.NORM),
+    ]
+
+
 _BLOCKS: dict[str, Callable[[SynthPreset, int], list[_Spec]]] = {
     "qwen3moe": _block_qwen3moe,
     "llama": _block_llama,
@@ -490,8 +519,9 @@ def plan_tensors(
         (_tn(T.OUTPUT_NORM), (p.n_embd,), Role.NORM),
         (_tn(T.OUTPUT), (p.n_embd, p.n_vocab), Role.OUTPUT),
     ]
-    for il in range(n_layers_for(p, layers)):
-        block = _BLOCKS[p.arch](p, il)
+    n_trunk = n_layers_for(p, layers)
+    for il in range(n_trunk + p.n_nextn):  # MTP blocks follow the trunk, numbered after its last layer
+        block = _BLOCKS[p.arch](p, il) + (_nextn(p, il) if il >= n_trunk else [])
         specs += block
         if expert_scales:
             specs += [

@@ -114,7 +114,9 @@ def _add_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
 def _add_hparams(w: GGUFWriter, p: SynthPreset, n_layer: int) -> None:
     w.add_context_length(p.n_ctx_train)
     w.add_embedding_length(p.n_embd)
-    w.add_block_count(n_layer)
+    w.add_block_count(n_layer + p.n_nextn)  # llama.cpp counts the MTP blocks among the blocks
+    if p.n_nextn:
+        w.add_nextn_predict_layers(p.n_nextn)
     w.add_feed_forward_length(p.n_ff)
     w.add_head_count(p.n_head)
     w.add_head_count_kv(p.n_head_kv)
@@ -192,7 +194,7 @@ def write_synthetic(
 ) -> Path:
     """Write a random-weight GGUF of `preset_name` to `out_path` and return the path.
 
-    `layers` keeps only the first N blocks; `qtype` is the type of the large matrices
+    `layers` keeps only the first N blocks of the trunk (MTP blocks follow, renumbered); `qtype` is the type of the large matrices
     (norms stay F32, the router F32, embeddings/output as llama-quantize's *_M mixes);
     `expert_scales` adds per-expert scales to the routed experts (plan_tensors).
     `shape_only` leaves every tensor's bytes as a hole of zeros (a sparse file that takes no disk space):

@@ -292,8 +292,10 @@ def _tiers_rows(b: _CacheRows, cfg: CacheConfig, pol: str, name: str, notes: lis
 
 
 def _speculating(row: _Row, speculation: SpeculationConfig) -> _Row:
-    """`row` again with speculative decoding ("... +lookup")."""
+    """`row` again with speculative decoding ("... +lookup"); `mtp` loads the model's MTP heads for it."""
     name, kind, cfg, setup_fn, note = row
+    if speculation.mode == "mtp":
+        cfg = replace(cfg, load_mtp=True)
 
     def setup(eng: Engine) -> None:
         if setup_fn is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,7 @@ def open_engine(
     budget on a GPU (or with the cache request's machine `profile` named), the plan picks the prefill ubatch
     for a long prompt (edgemoe.placement.ubatch, said in a note) unless n_ubatch is given; else it is 512. `gating`
     (edgemoe.calibration.adaptive.GatingOptions) turns on adaptive top-k; `speculation` speculative decoding
-    (Engine.set_speculation: a draft model is opened then). Notes for the user go to `notify`.
+    (Engine.set_speculation: a draft model is opened then; `mtp` loads the model's MTP heads). Notes for the user go to `notify`.
     The placement is planned once from the file's header (edgemoe.placement.plan), before the model loads; a
     policy whose calibration the model lacks is calibrated on this engine before its cache is installed.
 
@@ -67,7 +68,10 @@ def open_engine(
         prof = machine_profile(cache.profile)
         if prof is not None:
             placement = with_prefill_ubatch(header, placement, cache, prof)
-    engine = Engine(path, placement.load, header=header)
+    load_config = placement.load
+    if speculation is not None and speculation.mode == "mtp":
+        load_config = replace(load_config, load_mtp=True)  # the MTP blocks load only for drafting with them
+    engine = Engine(path, load_config, header=header)
     for note in placement.notes:
         notify(note)
     try:

@@ -81,6 +81,9 @@ class LoadConfig:
     # (llama.cpp's -ot exps=CPU for all of them, --n-cpu-moe N for the first N); None: llama.cpp decides
     cpu_expert_layers: tuple[int, ...] | None = None
     op_offload: bool = True  # llama.cpp moves big-batch ops on host weights to a GPU (its default)
+    # load the model's MTP (NextN) blocks, for speculation with them (edgemoe.runtime.mtp); their experts stay
+    # in CPU memory
+    load_mtp: bool = False
 
     def __post_init__(self) -> None:
         fa: object = self.flash_attn

@@ -1,5 +1,5 @@
 """Draft sources that run a model: a small GGUF with the target's vocabulary (`--draft-model`), and the factory
-that builds an Engine's draft source from its SpeculationConfig.
+that builds an Engine's draft source from its SpeculationConfig (the model's own MTP heads: edgemoe.runtime.mtp).
 
 The draft model has its own Engine (its own context and KV cache, on the CPU: Engine._open_draft). Each proposal
 makes the draft's KV cache hold the context (reusing the common prefix, so only the tokens since the last
@@ -22,10 +22,6 @@ from ..speculation.source import DraftSource
 
 SAME_VOCAB = "speculation needs a draft with the same vocabulary (a smaller model of the same family)"
 VOCAB_PROBE = 4096  # token pieces compared between the target and the draft (spread over the vocabulary)
-MTP_BLOCKER = (
-    "speculation with MTP heads waits on a model that carries them and on bindings this build lacks "
-    "(docs/speculation.md): use `lookup` or `draft`"
-)
 
 
 class DraftEngine(Protocol):
@@ -88,10 +84,13 @@ def check_same_vocab(target: DraftEngine, draft: DraftEngine) -> None:
 
 
 def make_source(
-    config: SpeculationConfig, target: DraftEngine, open_draft: Callable[[str], DraftEngine]
+    config: SpeculationConfig,
+    target: DraftEngine,
+    open_draft: Callable[[str], DraftEngine],
+    open_mtp: Callable[[], DraftSource],
 ) -> DraftSource:
     """The draft source config.mode names, for `target` (an opened Engine); `open_draft(path)` opens a draft
-    model's Engine."""
+    model's Engine, `open_mtp()` the target's MTP heads (edgemoe.runtime.mtp)."""
     if config.mode == "lookup":
         return PromptLookup(config.ngram_max, config.ngram_min)
     if config.mode == "draft":
@@ -104,5 +103,5 @@ def make_source(
             raise
         return DraftModel(draft)
     if config.mode == "mtp":
-        raise InvalidConfigError(MTP_BLOCKER)
+        return open_mtp()
     raise InvalidConfigError(f"speculation mode {config.mode!r} has no draft source")

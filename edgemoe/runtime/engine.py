@@ -42,6 +42,7 @@ from .gating import Gating
 from .generation import GenerateOptions, Generation, Timings
 from .handle import KvCacheInfo, NativeHandle
 from .hooks import HookChain
+from .mtp import MtpDrafter, check_mtp
 from .prediction import GraphPredictors
 from .prompt_cache import KVSnapshot
 from .routing import Routing
@@ -96,6 +97,8 @@ class Engine:
         )
         # values llama.cpp would abort on, with the expert_used_count override in place of the file's
         validate_hparams(header, expert_used_count=self.config.expert_used_count)
+        if self.config.load_mtp:
+            check_mtp(header, self.info)  # llama.cpp asserts (aborts) where it cannot run them
         self.handle = NativeHandle(self.path, self.config, self.info)
         self.n_threads = self.handle.n_threads
         self.n_ctx = self.handle.n_ctx
@@ -274,11 +277,26 @@ class Engine:
         """Verify proposed tokens in batches from now on (None or mode off: one token per decode). A draft model
         is opened here, and the previous source closed."""
         if self.speculation is not None:
+            self._seq.mirror = None
             self.speculation.source.close()
             self.speculation = None
         if config is not None and config.on:
-            self.speculation = Speculation(config, make_source(config, self, self._open_draft))
+            self.speculation = Speculation(
+                config, make_source(config, self, self._open_draft, self._open_mtp)
+            )
         return self.speculation
+
+    def _open_mtp(self) -> MtpDrafter:
+        """The model's MTP heads as a draft source, in a context beside this one that mirrors every decode."""
+        if not self.config.load_mtp:
+            raise InvalidConfigError(
+                f"{self.path.name} was opened without its MTP heads: open it with `load_mtp=True` (open_engine "
+                "does, given `mtp` speculation)"
+            )
+        with self._guard.hold(native=True):
+            drafter = MtpDrafter(self.handle, self.config, self.n_ctx)
+        self._seq.mirror = drafter
+        return drafter
 
     def _open_draft(self, path: str) -> Engine:
         """A draft model's Engine beside this one: the same context, threads and batch, on the CPU."""
@@ -347,6 +365,8 @@ class Engine:
     def _after_resize(self) -> None:
         if self._ids_check:
             native.moe_set_ids_check(self.handle.ctx, True)
+        if isinstance(self._seq.mirror, MtpDrafter):
+            self._seq.mirror.attach()  # the new context keeps the hidden rows the MTP heads read
 
     # -- context tiers ------------------------------------------------------------------
     def set_context_tiers(self, tiers: ContextTiers | None) -> ContextResizer | None:

@@ -91,11 +91,14 @@ def kv_overrides(config: LoadConfig, info: ModelInfo) -> ctypes.Array[lib.llama_
     return arr
 
 
-def buft_overrides(config: LoadConfig) -> Any:
-    """The buffer-type overrides that keep config.cpu_expert_layers' experts on the CPU; None: none."""
-    if not config.cpu_expert_layers:
+def buft_overrides(config: LoadConfig, info: ModelInfo) -> Any:
+    """The buffer-type overrides that keep config.cpu_expert_layers' experts on the CPU, and the MTP blocks' where
+    they are loaded (llama.cpp offloads them first); None: none."""
+    mtp = range(info.n_layer - info.n_nextn, info.n_layer) if config.load_mtp and config.n_gpu_layers else ()
+    cpu = {*(config.cpu_expert_layers or ()), *mtp}
+    if not cpu:
         return None
-    layers = "|".join(str(i) for i in sorted(config.cpu_expert_layers))
+    layers = "|".join(str(i) for i in sorted(cpu))
     return native.cpu_overrides([rf"^blk\.({layers})\.ffn_(gate_up|up|gate|down)_exps"])
 
 
@@ -125,9 +128,10 @@ class NativeHandle:
         mparams.n_gpu_layers = config.n_gpu_layers
         mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP if config.use_mmap else lib.LLAMA_LOAD_MODE_NONE
         mparams.use_extra_bufts = config.use_extra_bufts
+        mparams.load_mtp = config.load_mtp
         # both arrays are read by llama.cpp while it loads: kept alive with the handle
         self.kv_overrides = kv_overrides(config, info)
-        self.buft_overrides = buft_overrides(config)
+        self.buft_overrides = buft_overrides(config, info)
         if self.buft_overrides is not None:
             mparams.tensor_buft_overrides = ctypes.cast(self.buft_overrides, ctypes.c_void_p)  # pyright: ignore[reportAttributeAccessIssue]  # a pointer field the stub types as an array
         if self.kv_overrides is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -22,6 +22,26 @@ from .native import lib
 from .prompt_cache import KVSnapshot, common_prefix
 from .routing import Routing
 from .vocab import Vocabulary
+
+
+class SequenceMirror(Protocol):
+    """What follows the sequence's K/V decode by decode (edgemoe.runtime.mtp: the MTP heads' context)."""
+
+    def decoded(self, tokens: Sequence[int], start: int) -> None:
+        """Right after the llama_decode of tokens at positions start.. (its outputs still readable)."""
+        ...
+
+    def truncated(self, n: int) -> None:
+        """The first n tokens were kept."""
+        ...
+
+    def restored(self, tokens: Sequence[int]) -> None:
+        """The K/V was replaced by a restored state of these tokens."""
+        ...
+
+    def cleared(self) -> None:
+        """The K/V was emptied."""
+        ...
 
 
 class KVSequence:
@@ -40,11 +60,14 @@ class KVSequence:
         # called between a prefill's chunks (n_batch tokens each, from where it starts) with the tokens then
         # held: a chunk boundary, where serve's prompt cache may take a snapshot (None: nobody watches)
         self.on_chunk: Callable[[int], None] | None = None
+        self.mirror: SequenceMirror | None = None  # told of every decode, truncation and clearing
 
     def reset(self) -> None:
         """Forget the KV cache."""
         lib.llama_memory_clear(lib.llama_get_memory(self.handle.ctx), True)  # pyright: ignore[reportArgumentType]  # takes NULL too
         self.tokens = []
+        if self.mirror is not None:
+            self.mirror.cleared()
 
     def decode(
         self,
@@ -88,6 +111,8 @@ class KVSequence:
             if err is not None:
                 raise err  # a policy raised inside the hook: llama.cpp aborted the decode
             raise EdgeMoeError(f"llama_decode failed with code {rc} at position {len(self.tokens)}")
+        if self.mirror is not None:
+            self.mirror.decoded(chunk, len(self.tokens))
         self.routing.flush_loads()
         self.tokens.extend(chunk)
 
@@ -117,6 +142,8 @@ class KVSequence:
         """Keep the first n tokens' K/V and forget the rest (speculation's rejected proposals)."""
         lib.llama_memory_seq_rm(lib.llama_get_memory(self.handle.ctx), 0, n, -1)  # pyright: ignore[reportArgumentType]  # takes NULL too
         del self.tokens[n:]
+        if self.mirror is not None:
+            self.mirror.truncated(n)
 
     def check_logits(self, idx: int = -1) -> None:
         """Raise NonFiniteLogitsError when output idx of the last decode has a NaN or inf, or one value for
@@ -179,7 +206,7 @@ class KVSequence:
         return self.snapshot()
 
     def cleared(self) -> None:
-        """The context was re-created: its KV cache is empty."""
+        """The context was re-created: its KV cache is empty (until load(): the mirror is told then)."""
         self.tokens = []
 
     def load(self, snap: KVSnapshot) -> None:
@@ -195,3 +222,5 @@ class KVSequence:
                 f"({snap.nbytes} bytes): the cache was cleared instead"
             )
         self.tokens = list(snap.tokens)
+        if self.mirror is not None:
+            self.mirror.restored(self.tokens)

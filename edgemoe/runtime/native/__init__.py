@@ -5,6 +5,7 @@
 - elf: a library's dynamic table and the C++ runtime check (no edgemoe import: the build tools load it by path);
 - llama_moe: the llama_moe_* functions (include/llama.h of the patched tree), each under its C prototype;
 - ggml: devices, buffer types, type ids, the RPC stand-in device, the registries and versions doctor reports;
+- nextn: the MTP heads' hidden-state functions (patch 0015's C names);
 - cuda: the CUDA runtime's and driver's versions and the GPU's PCIe link (doctor).
 
 The microbenchmarks' ggml graph bindings live beside them, in edgemoe.perf.measure.ggml_graph. Callers use
@@ -124,3 +125,4 @@ from .loader import (  # noqa: F401
     supports_gpu_offload,
     system_info,
 )
+from .nextn import embeddings_nextn, embeddings_nextn_ith, has_nextn, set_embeddings_nextn  # noqa: F401
