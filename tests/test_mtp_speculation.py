@@ -236,3 +236,38 @@ def test_generate_and_bench_run_mtp(make_tiny_gguf) -> None:  # type: ignore[no-
     rows = json.loads(res.stdout[res.stdout.index("{"):])["rows"]
     spec = [r for r in rows if r["speculation"] is not None]
     assert len(spec) == 2 and all(r["name"].endswith(" +mtp") and r["decode_tps"] > 0 for r in spec)
+
+
+def test_mtp_with_the_cache_on_the_rpc_device(make_tiny_gguf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from rpc_child import run_child
+
+    out = run_child("rpc_mtp_check.py", make_tiny_gguf(MTP), tmp_path)
+    assert out["device"].startswith("RPC"), out
+    assert out["equal"] and out["stats"]["drafted"] > 0, out["stats"]
+    assert out["cache"]["hits"] > 0 and out["cache"]["misses"] > 0, out["cache"]
+    checks = out["ids_check"]
+    assert checks["n_rows"] > 0 and checks["n_negative"] == checks["n_range"] == checks["n_repeat"] == 0, checks
+
+
+def test_mtp_across_context_tiers(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    """A context re-created at a larger step keeps handing its hidden rows to the MTP context (attach), and the
+    MTP K/V is kept across the resize: the output equals plain greedy and proposals go on after each resize."""
+    from edgemoe.runtime.context_tiers import ContextTier, ContextTiers
+
+    path = make_tiny_gguf(MTP)
+    cfg = LoadConfig(n_ctx=512, n_batch=64, n_ubatch=64, load_mtp=True)
+    with Engine(path, cfg) as eng:
+        n_expert = eng.info.n_expert
+        eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=LruConfig()))
+        want = _greedy(eng, 200)
+    with Engine(path, cfg) as eng:
+        eng.enable_expert_cache(CacheConfig(n_expert // 2, policy=LruConfig()))
+        tiers = eng.set_context_tiers(ContextTiers((ContextTier(128, n_expert * 3 // 4), ContextTier(512, n_expert // 2))))
+        assert tiers is not None
+        eng.set_speculation(SpeculationConfig(mode="mtp", draft_max=4))
+        got = _greedy(eng, 200)
+        assert [r.to_ctx for r in tiers.resizes][-1] == 512
+        spec = eng.last.speculation if eng.last is not None else None
+        assert got == want and spec is not None
+        # proposals after the resize (the prompt is 22 tokens, the resize comes at 128): about one per step
+        assert spec.drafted > spec.steps // 2, spec

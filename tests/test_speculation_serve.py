@@ -54,3 +54,21 @@ def test_a_bad_speculate_value_is_a_400(server: Server) -> None:
     r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", headers={"x-api-key": API_KEY}, timeout=30,
                    json={"model": MODEL_ID, "prompt": "hi", "max_tokens": 2, "speculate": "yes"})
     assert r.status_code == 400, r.text
+
+
+def test_mtp_heads_through_serve_and_its_prompt_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--speculate mtp on a model with MTP heads: replies equal plain greedy, also for a second prompt that reuses
+    the first one's KV prefix (the MTP context follows the truncation and the restored state)."""
+    from edgemoe.gguf.synth import write_synthetic
+
+    tmp = tmp_path_factory.mktemp("serve-mtp")
+    model = write_synthetic("tiny-deepseek2-mtp", tmp / "mtp.gguf", progress=False)
+    with running(tmp / "server.log", "--speculate", "mtp", "--draft-max", "3", model=model) as srv:
+        for prompt in (PROMPT, PROMPT + " what light", PROMPT):
+            body = {"model": model.stem, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            out = _post(srv, "/v1/completions", body)
+            with Engine(model, LoadConfig(n_ctx=512, n_threads=1)) as eng:
+                want = eng.generate(prompt, max_tokens=16, sampling=GREEDY).text
+            assert out["choices"][0]["text"] == want
+            spec = out["edgemoe"]["speculation"]
+            assert spec["mode"] == "mtp" and spec["steps"] > 0

@@ -8,6 +8,7 @@ import ctypes
 
 import numpy as np
 
+from ...errors import EdgeMoeError
 from .loader import LlamaContext, declare
 
 # void llama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
@@ -49,7 +50,9 @@ def embeddings_nextn(ctx: LlamaContext, n_rows: int, n_embd: int) -> np.ndarray:
     valid only until the next decode)."""
     ptr = _get_embeddings_nextn(ctx)
     if not ptr:
-        raise RuntimeError("llama.cpp kept no NextN hidden states for the last decode")
+        raise EdgeMoeError(
+            "llama.cpp kept no NextN hidden states for the last decode (llama_set_embeddings_nextn is off)"
+        )
     return np.ctypeslib.as_array(ptr, shape=(n_rows, n_embd)).copy()
 
 
@@ -57,5 +60,5 @@ def embeddings_nextn_ith(ctx: LlamaContext, i: int, n_embd: int) -> np.ndarray:
     """A copy of output i's hidden-state row of the last decode (n_embd float32)."""
     ptr = _get_embeddings_nextn_ith(ctx, i)
     if not ptr:
-        raise RuntimeError(f"llama.cpp kept no NextN hidden state for output {i} of the last decode")
+        raise EdgeMoeError(f"llama.cpp kept no NextN hidden state for output {i} of the last decode")
     return np.ctypeslib.as_array(ptr, shape=(n_embd,)).copy()
