@@ -20,9 +20,13 @@ from edgemoe.perf.model.prefill_plan import UBATCHES, PrefillPlanner, PrefillSpe
 from edgemoe.perf.model.profile import load_profile
 from edgemoe.perf.model.workload import prompt_workload
 from edgemoe.placement.budget import (
+    BORROW_SLACK,
     PLAN_UBATCH,
     best_n_cpu_moe,
+    borrow_fits,
     compute_buffer_bytes,
+    lent_layers,
+    prefill_buffer_bytes,
     ubatch_reserve_bytes,
 )
 
@@ -87,9 +91,10 @@ def test_the_plan_picks_a_larger_ubatch_out_of_the_slots_and_stock_at_its_own_be
     spec = PrefillSpec(vram=8 * 2**30, n_ctx=4096)
     p = PrefillPlanner(shape, trace, prof, spec).project(8192)
     assert p.n_ctx == 8192  # the prompt's KV cache is placed with it
-    stock, ours = p.choices
+    stock, ours, lent = p.choices
     assert (stock.kind, ours.kind) == ("stock", "edgemoe") and ours.config == "edgemoe-static-device-prefill"
-    for c in (stock, ours):
+    assert (lent.kind, lent.config, lent.borrow, ours.borrow) == ("edgemoe", ours.config + "-borrow", True, False)
+    for c in (stock, ours, lent):
         assert [o.n_ubatch for o in c.options] == list(UBATCHES)
         assert c.best.prefill_tps == max(o.prefill_tps for o in c.options)
         assert c.best.n_ubatch >= 512 and f"-ub {c.best.n_ubatch}" in c.reason
@@ -106,6 +111,13 @@ def test_the_plan_picks_a_larger_ubatch_out_of_the_slots_and_stock_at_its_own_be
     assert ours.best.n_ubatch > 512 and stock.best.n_ubatch > 512
     assert ours.best.prefill_tps > ours.options[0].prefill_tps and ours.options[0].bound == "copy"
     assert ours.best.prefill_tps >= stock.best.prefill_tps
+    # borrowing: decode keeps the slots of a budget without the buffers, the last layers lent to them while the
+    # prompt runs (no slot there: every routed expert copied), at about the same prefill on this card
+    for o, b in zip(ours.options, lent.options, strict=True):
+        assert b.slots_per_layer is not None and o.slots_per_layer is not None
+        assert b.slots_per_layer > o.slots_per_layer and b.lent_layers == lent_layers(info, b.slots_per_layer) > 0
+        assert o.lent_layers == 0 and abs(b.prefill_tps / o.prefill_tps - 1) < 0.05
+    assert lent.best.prefill_tps >= 0.95 * ours.best.prefill_tps
     # prompts past the model's training context are skipped, said
     some, notes = project_prompts(shape, trace, prof, spec, (2048, 10**6))
     assert [x.prompt_tokens for x in some] == [2048] and "training context" in notes[0] and "fastest" in notes[1]
@@ -119,8 +131,21 @@ def test_plan_prompt_tokens_cli(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     (p,) = d["prefill"]
-    assert p["prompt_tokens"] == 2048 and [c["kind"] for c in p["choices"]] == ["stock", "edgemoe"]
+    assert p["prompt_tokens"] == 2048 and [c["kind"] for c in p["choices"]] == ["stock", "edgemoe", "edgemoe"]
+    assert [c["borrow"] for c in p["choices"]] == [False, False, True]
     assert all(c["best"]["n_ubatch"] in UBATCHES and c["best"]["prefill_tps"] > 0 for c in p["choices"])
     text = CliRunner().invoke(cli, args, catch_exceptions=False).output
     assert "prefill of a 2048-token prompt" in text and "time to first token" in text
     assert "8192-token prompt" not in text  # --prompt-tokens: that prompt alone
+
+
+def test_the_lent_layers_are_the_fewest_from_the_last_back_that_hold_both_buffers() -> None:
+    info = read_model_info(QWEN)
+    per = {il: info.bytes_per_expert_by_layer[il] for il in info.moe_layers}
+    need = prefill_buffer_bytes(info)
+    for slots in range(1, info.n_expert + 1):
+        n = lent_layers(info, slots)
+        assert (n > 0) == borrow_fits(info, slots)
+        if n:
+            held = [slots * per[il] - BORROW_SLACK for il in reversed(info.moe_layers)]
+            assert sum(held[:n]) >= need > sum(held[: n - 1])

@@ -86,6 +86,12 @@ def test_the_plan_picks_a_larger_ubatch_for_device_prefill_out_of_the_slots(tmp_
                for a, b in zip(base.context_steps, picked.context_steps, strict=True))
     assert all(s.n_ctx >= picked.load.n_batch for s in picked.context_steps)
     assert sum("the context grows in steps" in n for n in picked.notes) == 1
+    # borrowing: the borrowing side's pick, with the slots of a budget without the buffers
+    lend = cache_request(vram=8 << 30, policy="manual", device_prefill=256, device_prefill_borrow=True)
+    lent = with_prefill_ubatch(header, plan(header, lend, n_ctx=8192, device=Device("CUDA0")), lend,
+                               load_profile(LAPTOP))
+    assert "device-prefill-borrow on" in lent.prefill_ubatch_reason
+    assert lent.slots_per_layer is not None and lent.slots_per_layer > picked.slots_per_layer
     # a -ub given wins; no device prefill, no pick
     given = plan(header, req, n_ctx=8192, device=Device("CUDA0"), n_ubatch=1024)
     assert with_prefill_ubatch(header, given, req, load_profile(LAPTOP)) == given

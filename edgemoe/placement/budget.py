@@ -190,6 +190,17 @@ def borrow_fits(info: ModelInfo, slots_per_layer: int) -> bool:
     return held >= prefill_buffer_bytes(info) + BORROW_SLACK * len(info.moe_layers)
 
 
+def lent_layers(info: ModelInfo, slots_per_layer: int) -> int:
+    """How many MoE layers, from the last one back, lend their whole slot ranges to device prefill's two buffers
+    while a prompt is prefilled (0: they do not hold them; borrow_fits)."""
+    need, held = prefill_buffer_bytes(info), 0
+    for n, il in enumerate(reversed(info.moe_layers), 1):
+        held += slots_per_layer * info.bytes_per_expert_by_layer[il] - BORROW_SLACK
+        if held >= need:
+            return n
+    return 0
+
+
 def vram_reserve(info: ModelInfo, device_prefill: bool = False) -> int:
     """VRAM kept out of the expert slots: VRAM_RESERVE for llama.cpp's compute buffers, and with `--device-prefill`
     its two prefill buffers."""

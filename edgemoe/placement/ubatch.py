@@ -127,4 +127,5 @@ def _choice(
         kv=KvTypes(load.cache_type_k, load.cache_type_v),
     )
     projection = PrefillPlanner(shape, trace, prof, spec).project(_prompt(placement))
-    return next((c for c in projection.choices if c.kind == "edgemoe"), None)
+    borrow = request.device_prefill_borrow
+    return next((c for c in projection.choices if c.kind == "edgemoe" and c.borrow == borrow), None)

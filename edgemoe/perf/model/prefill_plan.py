@@ -10,6 +10,10 @@ For each candidate ubatch (UBATCHES, at most the prompt and the context) each si
 that buffer and the prompt is replayed through the simulator (edgemoe.perf.model.sim); each side gets its
 fastest ubatch, so stock is compared at its best -ub, not at 512. The prompt's routing is the trace's prefill
 tokens in order, repeated (workload.prompt_workload). Every figure is a projection.
+
+edgemoe is projected twice: with the two prefill buffers beside the slots, and with them over the slots of the
+last cached layers while the prompt is prefilled (--device-prefill-borrow): the slots decode keeps are then those
+of a budget without the buffers, and the lent layers run the prompt with no slot (every routed expert copied).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from ...gguf.kv_types import F16_KV, KvTypes
 from ...placement.budget import (
     PLAN_UBATCH,
     best_n_cpu_moe,
+    borrow_fits,
     compute_buffer_bytes,
     engine_ctx,
+    lent_layers,
     slot_budget,
     ubatch_reserve_bytes,
     vram_reserve,
@@ -62,11 +68,12 @@ class UbatchOption:
     n_ubatch: int
     compute_buffer_bytes: int  # llama.cpp's compute buffer at this ubatch (estimate)
     extra_reserve_bytes: int  # beyond the plan's reserve: out of the slots, or stock's GPU layers
-    slots_per_layer: int | None  # edgemoe: its expert slots beside the buffers (None: stock)
+    slots_per_layer: int | None  # edgemoe: its expert slots beside the buffers, decode's (None: stock)
     n_cpu_moe: int | None  # stock: its --n-cpu-moe beside the buffer (None: edgemoe)
     prefill_tps: float
     ttft_s: float  # the whole prompt's prefill: the time to the first token
     bound: str  # the resource busiest during the prefill: "copy", "gpu", "cpu" or "host"
+    lent_layers: int = 0  # borrowing: the last cached layers whose slots hold the prefill buffers meanwhile
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class PrefillChoice:
     best: UbatchOption
     options: tuple[UbatchOption, ...]  # every candidate that fits, smallest ubatch first
     reason: str
+    borrow: bool = False  # edgemoe's prefill buffers over the slots of its last cached layers
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ class PrefillPlanner:
         cands = [u for u in spec.ubatches if u <= min(n_tokens, ctx)] or [PLAN_UBATCH]
         stock: list[UbatchOption] = []
         ours: list[UbatchOption] = []
+        lent: list[UbatchOption] = []
         note = ""
         for u in cands:
             work = prompt_workload(
@@ -118,11 +127,15 @@ class PrefillPlanner:
                 stock.append(opt)
             if (opt := self._edgemoe(work, ctx, u)) is not None:
                 ours.append(opt)
+            if (opt := self._edgemoe(work, ctx, u, borrow=True)) is not None:
+                lent.append(opt)
+        name = f"edgemoe-{spec.policy}-device-prefill"
         choices = [
-            _choose(name, kind, opts)
-            for name, kind, opts in (
-                ("stock", "stock", stock),
-                (f"edgemoe-{spec.policy}-device-prefill", "edgemoe", ours),
+            _choose(name, kind, opts, borrow=borrow)
+            for name, kind, opts, borrow in (
+                ("stock", "stock", stock, False),
+                (name, "edgemoe", ours, False),
+                (name + "-borrow", "edgemoe", lent, True),
             )
             if opts
         ]
@@ -145,19 +158,23 @@ class PrefillPlanner:
         tps, ttft, bound = self._replay(cfg, work)
         return UbatchOption(u, buf, extra, None, n, tps, ttft, bound)
 
-    def _edgemoe(self, work: Workload, ctx: int, u: int) -> UbatchOption | None:
-        """edgemoe with --device-prefill at ubatch u: the slots the budget leaves beside the buffers."""
+    def _edgemoe(self, work: Workload, ctx: int, u: int, *, borrow: bool = False) -> UbatchOption | None:
+        """edgemoe with --device-prefill at ubatch u: the slots the budget leaves beside the buffers; borrowing,
+        those of a budget without them, the last layers' lent to them during the prompt (None: they do not fit)."""
         info, spec = self.shape.info, self.spec
         buf, extra = self._reserve(ctx, u)
-        reserve = vram_reserve(info, device_prefill=True) + extra
+        reserve = vram_reserve(info, device_prefill=not borrow) + extra
         budget = slot_budget(info, spec.vram, n_ctx=ctx, reserve_bytes=reserve, kv=spec.kv)
-        if not budget.dense_fits:
+        n = budget.experts_per_layer
+        if not budget.dense_fits or (borrow and not borrow_fits(info, n)):
             return None
-        slots = {il: budget.experts_per_layer for il in self.shape.moe_layers}
+        moe = self.shape.moe_layers
+        lent = lent_layers(info, n) if borrow else 0
+        slots = {il: 0 if i >= len(moe) - lent else n for i, il in enumerate(moe)}
         name = f"edgemoe-{spec.policy}-device-prefill"
         cfg = Config(name, "edgemoe", policy=spec.policy, slots=slots, device_prefill=True)
         tps, ttft, bound = self._replay(cfg, work)
-        return UbatchOption(u, buf, extra, budget.experts_per_layer, None, tps, ttft, bound)
+        return UbatchOption(u, buf, extra, n, None, tps, ttft, bound, lent_layers=lent)
 
     def _replay(self, cfg: Config, work: Workload) -> tuple[float, float, str]:
         """(prefill tok/s, seconds, the busiest resource) of the prompt through `cfg` on the GPU."""
@@ -188,13 +205,13 @@ def _bound(acc: Acc, prof: MachineProfile, *, pinned: bool) -> str:
     return max(busy, key=lambda k: busy[k])
 
 
-def _choose(name: str, kind: str, opts: Sequence[UbatchOption]) -> PrefillChoice:
+def _choose(name: str, kind: str, opts: Sequence[UbatchOption], *, borrow: bool = False) -> PrefillChoice:
     best = max(opts, key=lambda o: o.prefill_tps)
     each = ", ".join(
         f"-ub {o.n_ubatch}: {o.prefill_tps:.0f} tok/s ({o.bound}-bound, " + _placed(o) + ")" for o in opts
     )
     reason = f"-ub {best.n_ubatch} is the fastest that fits: {each}"
-    return PrefillChoice(name, kind, best, tuple(opts), reason)
+    return PrefillChoice(name, kind, best, tuple(opts), reason, borrow)
 
 
 def settled(choice: PrefillChoice) -> UbatchOption:
@@ -205,7 +222,11 @@ def settled(choice: PrefillChoice) -> UbatchOption:
 
 
 def _placed(o: UbatchOption) -> str:
-    return f"{o.slots_per_layer} slots" if o.slots_per_layer is not None else f"--n-cpu-moe {o.n_cpu_moe}"
+    if o.slots_per_layer is None:
+        return f"--n-cpu-moe {o.n_cpu_moe}"
+    return f"{o.slots_per_layer} slots" + (
+        f", the last {o.lent_layers} layers' lent" if o.lent_layers else ""
+    )
 
 
 def project_prompts(
