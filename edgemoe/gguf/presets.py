@@ -74,6 +74,18 @@ _TINY: dict[str, Any] = {
     "tiny": True,
 }
 
+_TINY_DEEPSEEK2: dict[str, Any] = {  # both tiny deepseek2 presets: one dense lead layer, then MoE
+    "n_layer": 3,
+    "n_ff": 512,
+    "n_expert": 8,
+    "n_expert_used": 2,
+    "n_ff_exp": 256,
+    "n_layer_dense_lead": 1,
+    **_TINY,
+    "n_head_kv": 1,
+    "head_dim": 96,
+}
+
 PRESETS: dict[str, SynthPreset] = {
     p.name: p
     for p in (
@@ -197,34 +209,22 @@ PRESETS: dict[str, SynthPreset] = {
             "tiny-deepseek2",
             "deepseek2",
             "test",
-            n_layer=3,
-            n_ff=512,
-            n_expert=8,
-            n_expert_used=2,
-            n_ff_exp=256,
             n_expert_shared=2,
-            n_layer_dense_lead=1,
             mla=MlaConfig(
                 kv_lora_rank=128, q_lora_rank=0, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64
             ),
-            **{**_TINY, "n_head_kv": 1, "head_dim": 96},
+            **_TINY_DEEPSEEK2,
         ),
         SynthPreset(  # DeepSeek-V3's layout: q_lora and one MTP (NextN) block, which llama.cpp's MTP graph needs
             "tiny-deepseek2-mtp",
             "deepseek2",
             "test",
-            n_layer=3,
-            n_ff=512,
-            n_expert=8,
-            n_expert_used=2,
-            n_ff_exp=256,
             n_expert_shared=1,
-            n_layer_dense_lead=1,
             mla=MlaConfig(
                 kv_lora_rank=128, q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64
             ),
             n_nextn=1,
-            **{**_TINY, "n_head_kv": 1, "head_dim": 96},
+            **_TINY_DEEPSEEK2,
         ),
         SynthPreset("tiny-llama-dense", "llama", "test", n_layer=2, n_ff=512, **_TINY),
         SynthPreset(
