@@ -271,3 +271,32 @@ def test_mtp_across_context_tiers(make_tiny_gguf) -> None:  # type: ignore[no-un
         assert got == want and spec is not None
         # proposals after the resize (the prompt is 22 tokens, the resize comes at 128): about one per step
         assert spec.drafted > spec.steps // 2, spec
+
+
+def test_the_plan_keeps_the_mtp_heads_out_of_the_slots(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    """With `load_mtp` the budget keeps the MTP heads' weights (but their routed experts), their compute buffer and
+    KV cache out of the slots; open_engine plans that way for `mtp` speculation and says so."""
+    from edgemoe import open_engine
+    from edgemoe.gguf.header import check_gguf
+    from edgemoe.placement.budget import mtp_reserve_bytes
+    from edgemoe.placement.planner import Device, plan
+    from edgemoe.placement.request import cache_request
+
+    path = make_tiny_gguf(MTP)
+    header = check_gguf(path)
+    info = read_model_info(path)
+    assert 0 < info.mtp_dense_bytes < info.mtp_bytes  # its routed experts are the rest
+    vram = info.dense_bytes + 6 * info.slot_bytes + (600 << 20)
+    req = cache_request(vram=vram, policy="lru")
+    plain = plan(header, req, n_ctx=256, device=Device("CUDA0"))
+    mtp = plan(header, req, n_ctx=256, device=Device("CUDA0"), load_mtp=True)
+    extra = mtp_reserve_bytes(info, 256, 256, flash_attn=True)
+    assert mtp.load.load_mtp and not plain.load.load_mtp and extra > info.mtp_dense_bytes
+    assert mtp.reserve_bytes - plain.reserve_bytes == extra
+    assert plain.budget is not None and mtp.budget is not None
+    assert plain.budget.expert_budget_bytes - mtp.budget.expert_budget_bytes == extra
+    assert any("MTP heads take" in n for n in mtp.notes) and not any("MTP" in n for n in plain.notes)
+    notes: list[str] = []
+    with open_engine(path, vram=vram, n_ctx=256, speculation=SpeculationConfig(mode="mtp"), notify=notes.append) as eng:
+        assert eng.config.load_mtp and eng.speculation is not None and eng.speculation.source.name == "mtp"
+    assert any("MTP heads take" in n for n in notes)

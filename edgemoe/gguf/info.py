@@ -100,12 +100,11 @@ class ModelInfo:
     bytes_by_type: Mapping[str, int]
     sliding_window: int  # 0 if no sliding-window attention
     n_nextn: int = 0  # MTP (NextN) blocks after the trunk, counted in n_layer (nextn_predict_layers)
-    mtp_heads: bool = (
-        False  # the file carries the MTP blocks' tensors (a trunk-only conversion keeps the key only)
-    )
-    mtp_bytes: int = (
-        0  # the MTP blocks' tensors, in neither expert_bytes_total nor dense_bytes (loaded for MTP only)
-    )
+    # the file carries the MTP blocks' tensors (a trunk-only conversion keeps the key only)
+    mtp_heads: bool = False
+    # the MTP blocks' tensors, in neither expert_bytes_total nor dense_bytes (loaded for MTP only)
+    mtp_bytes: int = 0
+    mtp_dense_bytes: int = 0  # those of them that are not routed experts: what MTP drafting puts on a GPU
 
     @property
     def is_moe(self) -> bool:
@@ -159,7 +158,7 @@ def model_info(header: GgufHeader) -> ModelInfo:
     n_nextn = _int(meta, key(llm.NEXTN_PREDICT_LAYERS))
     expert_tensors: dict[int, list[ExpertTensorInfo]] = {}
     by_type: dict[str, int] = {}
-    expert_total = shared_total = total = embd_rows = mtp_total = 0
+    expert_total = shared_total = total = embd_rows = mtp_total = mtp_dense = 0
     for t in header.tensors:
         total += t.nbytes
         by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.nbytes
@@ -167,6 +166,7 @@ def model_info(header: GgufHeader) -> ModelInfo:
             embd_rows = t.shape[-1]
         if n_nextn and (m := _LAYER_RE.match(t.name)) and int(m.group(1)) >= n_layer - n_nextn:
             mtp_total += t.nbytes  # loaded only for MTP drafting (edgemoe.runtime.mtp)
+            mtp_dense += 0 if is_expert_tensor(t.name) else t.nbytes
         elif is_expert_tensor(t.name):
             expert_total += t.nbytes
             expert_tensors.setdefault(_layer_of(t.name), []).append(
@@ -217,6 +217,7 @@ def model_info(header: GgufHeader) -> ModelInfo:
         sliding_window=_int(meta, key(attn.SLIDING_WINDOW)),
         n_nextn=n_nextn,
         mtp_bytes=mtp_total,
+        mtp_dense_bytes=mtp_dense,
         mtp_heads=n_nextn > 0
         and f"blk.{n_layer - 1}.nextn.eh_proj.weight" in {t.name for t in header.tensors},
     )
@@ -277,6 +278,7 @@ def info_to_dict(info: ModelInfo) -> dict[str, Any]:
         "n_nextn": info.n_nextn,
         "mtp_heads": info.mtp_heads,
         "mtp_bytes": info.mtp_bytes,
+        "mtp_dense_bytes": info.mtp_dense_bytes,
         "bytes_by_type": dict(info.bytes_by_type),
         "expert_tensors": {
             str(layer): [

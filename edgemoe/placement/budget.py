@@ -77,7 +77,7 @@ def estimate_kv_cache_bytes(info: ModelInfo, n_ctx: int, kv: KvTypes = F16_KV) -
         per_token_layer = kv_bytes(kv.k, info.n_head_kv * info.n_embd_head_k) + kv_bytes(
             kv.v, info.n_head_kv * info.n_embd_head_v
         )
-    return info.n_layer * n_ctx * per_token_layer
+    return (info.n_layer - info.n_nextn) * n_ctx * per_token_layer  # the MTP blocks' own: mtp_reserve_bytes
 
 
 # what edgemoe leaves free on the GPU for compute buffers and the like when it plans --vram, at contexts up to
@@ -199,6 +199,21 @@ def lent_layers(info: ModelInfo, slots_per_layer: int) -> int:
         if held >= need:
             return n
     return 0
+
+
+def mtp_reserve_bytes(
+    info: ModelInfo, n_ctx: int, n_ubatch: int, kv: KvTypes = F16_KV, *, flash_attn: bool
+) -> int:
+    """What drafting with the model's MTP heads (edgemoe.runtime.mtp) takes on the GPU: the MTP blocks' weights
+    but their routed experts (those stay in CPU memory), the MTP context's compute buffer (as the model's, at the
+    same ubatch) and its KV cache of one layer per block. 0 for a model without MTP heads."""
+    if not info.mtp_heads:
+        return 0
+    n_trunk = max(1, info.n_layer - info.n_nextn)
+    kv_bytes = estimate_kv_cache_bytes(info, n_ctx, kv) * info.n_nextn // n_trunk
+    return (
+        info.mtp_dense_bytes + compute_buffer_bytes(info, n_ctx, n_ubatch, flash_attn=flash_attn) + kv_bytes
+    )
 
 
 def vram_reserve(info: ModelInfo, device_prefill: bool = False) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,15 +62,17 @@ def open_engine(
         raise TypeError("give the cache's options in `cache` or as vram/expert_slots/policy, not both")
     header = check_gguf(path)  # once: the plan and the engine (and its expert cache) share it
     device = this_device()
+    if speculation is not None and speculation.mode == "mtp":
+        load = {
+            **load,
+            "load_mtp": True,
+        }  # the MTP blocks load only for drafting with them; the plan reserves them
     placement = plan(header, cache, n_ctx=n_ctx, device=device, calibration=calibration, **load)
     if cache.vram is not None and (device is not None or cache.profile is not None):
         prof = machine_profile(cache.profile)
         if prof is not None:
             placement = with_prefill_ubatch(header, placement, cache, prof)
-    load_config = placement.load
-    if speculation is not None and speculation.mode == "mtp":
-        load_config = replace(load_config, load_mtp=True)  # the MTP blocks load only for drafting with them
-    engine = Engine(path, load_config, header=header)
+    engine = Engine(path, placement.load, header=header)
     for note in placement.notes:
         notify(note)
     try:

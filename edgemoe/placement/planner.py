@@ -31,6 +31,7 @@ from .budget import (
     engine_ctx,
     estimate_kv_cache_bytes,
     holds_every_expert,
+    mtp_reserve_bytes,
     prefill_buffer_bytes,
     slot_budget,
     vram_reserve,
@@ -123,20 +124,25 @@ def plan(
     table, choice = _contexts(info, req, n_ctx, kv, opts.flash_attn)
     asked = choice.n_ctx if choice is not None else n_ctx
     ctx = engine_ctx(asked, info.n_ctx_train)
-    reserve = vram_reserve(info, prefill) + context_reserve_bytes(info, ctx)
+    n_batch, n_ubatch = _batches(load, ctx)
+    mtp = load_reserve_bytes(info, opts, ctx, min(n_ubatch, ctx))  # the MTP heads' draft context, where loaded
+    reserve = vram_reserve(info, prefill) + mtp + context_reserve_bytes(info, ctx)
     budget = None
     if req is not None and req.vram is not None:
-        budget = slot_budget(info, req.vram, n_ctx=ctx, reserve_bytes=vram_reserve(info, prefill), kv=kv)
+        budget = slot_budget(
+            info, req.vram, n_ctx=ctx, reserve_bytes=vram_reserve(info, prefill) + mtp, kv=kv
+        )
     whole = bool(req and info.is_moe and budget is not None and holds_every_expert(info, budget, prefill))
     cache = req is not None and info.is_moe and not whole
     slots = _slots(info, req, budget) if cache and req is not None else None
-    n_batch, n_ubatch = _batches(load, ctx)
     tiered = (
         cache and req is not None and req.vram is not None and req.expert_slots is None and req.context_tiers
     )
     refusal = tiers_refusal(header) if tiered else None
     steps = (
-        context_steps(info, req.vram, ctx, kv, device_prefill=prefill, n_batch=n_batch)
+        context_steps(
+            info, req.vram, ctx, kv, device_prefill=prefill, n_batch=n_batch, extra_reserve=lambda c: mtp
+        )
         if tiered and refusal is None and req is not None and req.vram is not None
         else ()
     )
@@ -162,13 +168,30 @@ def plan(
         notes=tuple(_notes(header.path, info, req, n_ctx, ctx, whole, device))
         + ((choice.note,) if choice is not None else ())
         + ((describe_steps(steps, req.vram),) if steps and req is not None and req.vram is not None else ())
-        + ((f"note: the context is created whole (no context tiers): {refusal}",) if refusal else ()),
+        + ((f"note: the context is created whole (no context tiers): {refusal}",) if refusal else ())
+        + ((_mtp_note(mtp),) if mtp and budget is not None else ()),
         context_table=table,
         context_steps=steps,
         prefill_ubatch=min(n_ubatch, ctx),
         prefill_ubatch_reason="given (`n_ubatch`)"
         if "n_ubatch" in load
         else PlacementPlan.prefill_ubatch_reason,
+    )
+
+
+def load_reserve_bytes(info: ModelInfo, load: LoadConfig, n_ctx: int, n_ubatch: int) -> int:
+    """What a load setting keeps out of the slots beyond the plan's reserve: the MTP heads' weights, compute buffer
+    and KV cache (placement.budget.mtp_reserve_bytes) where `load_mtp` is on; else 0."""
+    if not load.load_mtp:
+        return 0
+    kv = KvTypes(load.cache_type_k, load.cache_type_v)
+    return mtp_reserve_bytes(info, n_ctx, n_ubatch, kv, flash_attn=load.flash_attn != "off")
+
+
+def _mtp_note(nbytes: int) -> str:
+    return (
+        f"note: the MTP heads take {format_size(nbytes)} of the budget (their weights but the routed experts, the "
+        "draft context's compute buffer and KV cache)"
     )
 
 

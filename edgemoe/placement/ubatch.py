@@ -17,7 +17,7 @@ from ..gguf.header import GgufHeader
 from ..gguf.info import model_info
 from ..gguf.kv_types import KvTypes
 from .budget import slot_budget, ubatch_reserve_bytes, vram_reserve
-from .planner import PlacementPlan
+from .planner import PlacementPlan, load_reserve_bytes
 from .request import CacheRequest
 from .tiers import STEPS_NOTE, context_steps, describe_steps
 
@@ -62,7 +62,10 @@ def with_prefill_ubatch(
     u = min(best.n_ubatch, placement.n_ctx)
     info = model_info(header)
     load = placement.load
-    reserve = vram_reserve(info, device_prefill=request.reserves_prefill_buffers)
+    mtp = load_reserve_bytes(
+        info, load, placement.n_ctx, u
+    )  # the MTP context's buffer grows with the ubatch too
+    reserve = vram_reserve(info, device_prefill=request.reserves_prefill_buffers) + mtp
     kv = KvTypes(load.cache_type_k, load.cache_type_v)
     extra = ubatch_reserve_bytes(info, placement.n_ctx, u, flash_attn=load.flash_attn != "off")
     budget = slot_budget(info, request.vram, n_ctx=placement.n_ctx, reserve_bytes=reserve + extra, kv=kv)
@@ -86,7 +89,7 @@ def with_prefill_ubatch(
             kv,
             device_prefill=request.reserves_prefill_buffers,
             n_batch=n_batch,
-            extra_reserve=lambda c: ubatch_reserve_bytes(info, c, u, flash_attn=fa),
+            extra_reserve=lambda c: ubatch_reserve_bytes(info, c, u, flash_attn=fa) + mtp,
         )
         notes = tuple(n for n in notes if STEPS_NOTE not in n)
         notes += (describe_steps(steps, request.vram),) if steps else ()

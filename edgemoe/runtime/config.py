@@ -57,6 +57,7 @@ class LoadOptions(TypedDict, total=False):
     flash_attn: FlashAttn
     cache_type_k: KvCacheType
     cache_type_v: KvCacheType
+    load_mtp: bool
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,9 @@ class ModelShape:
         """The shape from a header already parsed (an open Engine's `header`)."""
         path = header.path
         info = model_info(header)
-        dense: dict[int, list[Weights]] = {il: [] for il in range(info.n_layer)}
-        expert: dict[int, list[Weights]] = {il: [] for il in range(info.n_layer)}
+        n_trunk = info.n_layer - info.n_nextn  # MTP blocks run in a draft context, not in a decode step
+        dense: dict[int, list[Weights]] = {il: [] for il in range(n_trunk)}
+        expert: dict[int, list[Weights]] = {il: [] for il in range(n_trunk)}
         head = embd = None
         for t in header.tensors:
             m = _BLOCK.match(t.name)
@@ -109,11 +110,10 @@ class ModelShape:
                     expert[il].append(Weights(t.qtype.name, t.nbytes // t.shape[-1]))
             else:
                 dense[il].append(Weights(t.qtype.name, t.nbytes))
-        kv_token = estimate_kv_cache_bytes(info, 1) // max(1, info.n_layer)
+        kv_token = estimate_kv_cache_bytes(info, 1) // max(1, n_trunk)
         heads = info.n_head * (info.n_embd_head_k + info.n_embd_head_v)
         layers = tuple(
-            LayerShape(il, tuple(dense[il]), tuple(expert[il]), kv_token, 2 * heads)
-            for il in range(info.n_layer)
+            LayerShape(il, tuple(dense[il]), tuple(expert[il]), kv_token, 2 * heads) for il in range(n_trunk)
         )
         out = head or embd or Weights("F16", 2 * info.n_vocab * info.n_embd)
         return cls(name=Path(path).name, layers=layers, head=out, info=info)
