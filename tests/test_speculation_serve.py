@@ -64,7 +64,11 @@ def test_mtp_heads_through_serve_and_its_prompt_cache(tmp_path_factory: pytest.T
 
     tmp = tmp_path_factory.mktemp("serve-mtp")
     model = write_synthetic("tiny-deepseek2-mtp", tmp / "mtp.gguf", progress=False)
-    with running(tmp / "server.log", "--speculate", "mtp", "--draft-max", "3", model=model) as srv:
+    # flash attention off: llama.cpp's CPU flash attention gives this MLA model's last prompt token other logits
+    # (by 0.024) in a batch of 70 queries than alone, so a reused prefix flips near-ties with or without
+    # speculation (docs/speculation.md, near-ties)
+    args = ("--speculate", "mtp", "--draft-max", "3", "--flash-attn", "off")
+    with running(tmp / "server.log", *args, model=model) as srv:
         for prompt in (PROMPT, PROMPT + " what light", PROMPT):
             body = {"model": model.stem, "prompt": prompt, "max_tokens": 16, "temperature": 0}
             out = _post(srv, "/v1/completions", body)
