@@ -125,9 +125,8 @@ def plan(
     asked = choice.n_ctx if choice is not None else n_ctx
     ctx = engine_ctx(asked, info.n_ctx_train)
     n_batch, n_ubatch = _batches(load, ctx)
-    mtp = load_reserve_bytes(
-        info, opts, ctx, min(n_ubatch, ctx)
-    )  # the MTP heads' draft context, where loaded
+    # the MTP heads' draft context, where loaded
+    mtp = load_reserve_bytes(info, opts, ctx, min(n_ubatch, ctx))
     reserve = vram_reserve(info, prefill) + mtp + context_reserve_bytes(info, ctx)
     budget = None
     if req is not None and req.vram is not None:
