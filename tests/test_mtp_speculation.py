@@ -300,3 +300,16 @@ def test_the_plan_keeps_the_mtp_heads_out_of_the_slots(make_tiny_gguf) -> None: 
     with open_engine(path, vram=vram, n_ctx=256, speculation=SpeculationConfig(mode="mtp"), notify=notes.append) as eng:
         assert eng.config.load_mtp and eng.speculation is not None and eng.speculation.source.name == "mtp"
     assert any("MTP heads take" in n for n in notes)
+
+
+def test_an_mtp_context_that_cannot_be_made_is_a_typed_error(make_tiny_gguf, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from edgemoe.errors import EdgeMoeError
+    from edgemoe.runtime import mtp
+
+    with Engine(make_tiny_gguf(MTP), LoadConfig(n_ctx=128, load_mtp=True)) as eng:
+        made = lib.llama_init_from_model
+        monkeypatch.setattr(mtp.lib, "llama_init_from_model", lambda *a: None)  # as when the buffers do not fit
+        with pytest.raises(EdgeMoeError, match="could not create the MTP context.*`n_ubatch`"):
+            eng.set_speculation(SpeculationConfig(mode="mtp"))
+        monkeypatch.setattr(mtp.lib, "llama_init_from_model", made)
+        assert eng.speculation is None and eng.generate(PROMPT, max_tokens=4, sampling=GREEDY).tokens

@@ -102,10 +102,12 @@ class MtpDrafter:
         cparams = context_params(config, n_ctx, handle.n_threads)
         cparams.ctx_type = lib.LLAMA_CONTEXT_TYPE_MTP
         cparams.n_rs_seq = 0
+        mark = native.log_mark()
         self._ctx: Any = lib.llama_init_from_model(handle.model, cparams)
         if not self._ctx:
             raise EdgeMoeError(
-                f"llama.cpp could not create the MTP context of {handle.name} ({n_ctx} tokens)"
+                f"llama.cpp could not create the MTP context of {handle.name} ({n_ctx} tokens): "
+                f"{native.recent_error(mark)[-300:]}; try a smaller `n_ctx` or `n_ubatch`"
             )
         native.set_embeddings_nextn(self._ctx, True, masked=True)  # the draft's own row, for its outputs only
         self.attach()
