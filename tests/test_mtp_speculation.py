@@ -313,3 +313,11 @@ def test_an_mtp_context_that_cannot_be_made_is_a_typed_error(make_tiny_gguf, mon
             eng.set_speculation(SpeculationConfig(mode="mtp"))
         monkeypatch.setattr(mtp.lib, "llama_init_from_model", made)
         assert eng.speculation is None and eng.generate(PROMPT, max_tokens=4, sampling=GREEDY).tokens
+
+
+def test_inspect_names_the_mtp_heads(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    out = CliRunner().invoke(cli, ["inspect", str(make_tiny_gguf(MTP))])
+    assert out.exit_code == 0, out.output
+    assert "MTP heads    1 block(s) after the trunk's 3 layers" in out.output and "`mtp`" in out.output
+    plain = CliRunner().invoke(cli, ["inspect", str(make_tiny_gguf("tiny-deepseek2"))])
+    assert plain.exit_code == 0 and "MTP" not in plain.output

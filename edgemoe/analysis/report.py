@@ -14,6 +14,8 @@ def format_info(info: ModelInfo) -> str:
         f"layers       {info.n_layer} (n_embd {info.n_embd}, heads {info.n_head}/{info.n_head_kv} kv, "
         f"vocab {info.n_vocab}, train ctx {info.n_ctx_train})",
     ]
+    if info.n_nextn:
+        lines.append(_mtp_line(info))
     if not info.is_moe:
         lines.append("experts      none: dense model (edgemoe's MoE features are off)")
     else:
@@ -43,6 +45,17 @@ def format_info(info: ModelInfo) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def _mtp_line(info: ModelInfo) -> str:
+    """The MTP (NextN) blocks: counted in the layers above, loaded only for speculation with them."""
+    if not info.mtp_heads:
+        return f"MTP heads    {info.n_nextn} announced but without tensors (a trunk-only conversion): none to draft with"
+    return (
+        f"MTP heads    {info.n_nextn} block(s) after the trunk's {info.n_layer - info.n_nextn} layers, "
+        f"{format_size(info.mtp_bytes)} ({format_size(info.mtp_dense_bytes)} outside their routed experts); "
+        "speculation mode `mtp` drafts with them (docs/speculation.md)"
+    )
 
 
 def format_stats(d: dict[str, Any]) -> str:
