@@ -321,3 +321,28 @@ def test_inspect_names_the_mtp_heads(make_tiny_gguf) -> None:  # type: ignore[no
     assert "MTP heads    1 block(s) after the trunk's 3 layers" in out.output and "`mtp`" in out.output
     plain = CliRunner().invoke(cli, ["inspect", str(make_tiny_gguf("tiny-deepseek2"))])
     assert plain.exit_code == 0 and "MTP" not in plain.output
+
+
+def test_the_drafter_holds_hidden_rows_and_kv_of_kept_tokens_only(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    """A truncation cuts the hidden rows too (a row of a dropped token never pairs with a later one), and after a
+    gap the MTP K/V is kept by position: restoring the state it mirrors keeps it, and proposals go on."""
+    with Engine(make_tiny_gguf(MTP), LoadConfig(n_ctx=256, load_mtp=True)) as eng:
+        spec = eng.set_speculation(SpeculationConfig(mode="mtp", draft_max=4))
+        assert spec is not None and isinstance(spec.source, MtpDrafter)
+        drafter = spec.source
+        prompt = eng.tokenize(PROMPT)
+        p = len(prompt)
+        eng.prefill(prompt)
+        eng.prefill([*prompt, 5, 6, 7, 8, 9])  # one decode of the five
+        eng.truncate(p + 2)
+        assert drafter.hidden(p + 1) is not None and drafter.hidden(p + 2) is None
+        snap = eng.snapshot()  # prompt + [5, 6]
+        eng.reset()
+        eng.prefill(prompt[:5])
+        eng.restore(snap)  # the mirror keeps the 5 tokens it shares, then a gap
+        eng.feed([10])  # mirrored from position p + 2 on
+        assert (drafter.first, drafter.next_pos) == (p + 2, p + 3)
+        live = eng.snapshot()
+        eng.restore(live)  # the same tokens: the MTP K/V after the gap is kept
+        assert (drafter.first, drafter.next_pos) == (p + 2, p + 3)
+        assert len(drafter.propose([*live.tokens, 11], 4)) == 4

@@ -111,13 +111,11 @@ class MtpDrafter:
             )
         native.set_embeddings_nextn(self._ctx, True, masked=True)  # the draft's own row, for its outputs only
         self.attach()
-        self.next_pos = 0  # the MTP K/V holds positions [0, next_pos) (0 also after a gap: cleared)
-        self.tokens: list[int] = []  # the tokens of those positions
-        # the target's hidden row at position pos (pos -1: the zeros the first token pairs with)
-        self.pending: tuple[int, np.ndarray] | None = (-1, np.zeros(self.n_embd, np.float32))
-        self.rows: tuple[int, np.ndarray] | None = (
-            None  # the last target decode's rows and its first position
-        )
+        # the tokens whose MTP K/V is held, from position `first` (0, or where the mirror started again after a gap)
+        self.first = 0
+        self.tokens: list[int] = []
+        # the last target decode's hidden rows and its first position, cut to the tokens the target kept
+        self.rows: tuple[int, np.ndarray] | None = None
 
     def attach(self) -> None:
         """Make the target context keep every batch token's hidden row (again after a context tier's resize)."""
@@ -129,66 +127,76 @@ class MtpDrafter:
             raise EdgeMoeError("the MTP drafter is closed")
         return self._ctx
 
+    @property
+    def next_pos(self) -> int:
+        """The position the MTP K/V continues at."""
+        return self.first + len(self.tokens)
+
+    def hidden(self, pos: int) -> np.ndarray | None:
+        """The target's hidden row at position pos, which the token at pos + 1 pairs with: zeros before the first
+        token (pos -1); None where it is gone (a truncation deeper than the last decode, a restored state)."""
+        if pos == -1:
+            return np.zeros(self.n_embd, np.float32)
+        if self.rows is not None and 0 <= pos - self.rows[0] < len(self.rows[1]):
+            return self.rows[1][pos - self.rows[0]]
+        return None
+
     # -- the mirror of the target's sequence ---------------------------------------------------------------------
     def decoded(self, tokens: Sequence[int], start: int) -> None:
         """The target decoded tokens at positions start..: write their MTP K/V, each token with the hidden row
         of the one before it (zeros where that row is gone: after a restored KV state)."""
         rows = native.embeddings_nextn(self.handle.ctx, len(tokens), self.n_embd)
-        prev = self.pending[1] if self.pending is not None and self.pending[0] == start - 1 else None
+        prev = self.hidden(start - 1)
         if self.next_pos != start:  # a gap (a restored KV state): start over from here
             self._forget(0)
+            self.first = start
         h = np.empty((len(tokens), self.n_embd), np.float32)
         h[0] = prev if prev is not None else 0.0
         h[1:] = rows[:-1]
         self.rows = (start, rows)
-        self.pending = (start + len(tokens) - 1, rows[-1])
         if self._decode(tokens, start, h, last_logits=False):
-            self.next_pos = start + len(tokens)
             self.tokens.extend(tokens)
         else:
             self._forget(0)
 
     def truncated(self, n: int) -> None:
-        """The target kept its first n tokens."""
+        """The target kept its first n tokens: so do the MTP K/V and the hidden rows."""
         if self.next_pos > n:
             self._forget(n)
-        if self.pending is not None and self.pending[0] == n - 1:
-            return
-        self.pending = None
-        if self.rows is not None and self.rows[0] <= n - 1 < self.rows[0] + len(self.rows[1]):
-            self.pending = (n - 1, self.rows[1][n - 1 - self.rows[0]])
-        elif n == 0:
-            self.pending = (-1, np.zeros(self.n_embd, np.float32))
+        if self.rows is not None:
+            start, rows = self.rows
+            self.rows = (start, rows[: max(0, n - start)])
 
     def restored(self, tokens: Sequence[int]) -> None:
         """The target's K/V was replaced by a state of these tokens (serve's prompt cache, a context tier's
         resize): the MTP K/V keeps what it shares with them; past that, the mirror starts again at the next
         decode, its first token paired with zeros."""
-        self.truncated(common_prefix(self.tokens, tokens))
+        self.truncated(self.first + common_prefix(self.tokens, tokens[self.first :]))
 
     def cleared(self) -> None:
         """The target's KV cache was emptied."""
         self._forget(0)
         self.rows = None
-        self.pending = (-1, np.zeros(self.n_embd, np.float32))
 
     def _forget(self, n: int) -> None:
+        """Keep the MTP K/V of the positions before n (none at or before the first held)."""
         mem: Any = lib.llama_get_memory(self.ctx)
-        if n == 0:
+        if n <= self.first:
             lib.llama_memory_clear(mem, True)
+            self.first, self.tokens = 0, []
         else:
             lib.llama_memory_seq_rm(mem, 0, n, -1)
-        self.next_pos = n
-        del self.tokens[n:]
+            del self.tokens[n - self.first :]
 
     # -- drafting ------------------------------------------------------------------------------------------------
     def propose(self, context: Sequence[int], n: int) -> list[int]:
         """Up to n greedy guesses after context (its last token sampled, not yet decoded by the target); [] where
         the MTP K/V is not in step with the target (after a restored KV state, until the next prompt)."""
         pos0 = len(context) - 1
-        if n <= 0 or self.next_pos != pos0 or self.pending is None or self.pending[0] != pos0 - 1:
+        h = self.hidden(pos0 - 1)
+        if n <= 0 or self.next_pos != pos0 or h is None:
             return []
-        tok, h = context[-1], self.pending[1]
+        tok = context[-1]
         out: list[int] = []
         try:
             for i in range(n):
