@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -143,40 +144,55 @@ def replay_kept(policy: Any, rec: Recorder, chunks: Any, timing: Any, *, sensor:
     return r.hits / max(1, r.hits + r.misses), cpu_reads / max(1, tokens)
 
 
+@dataclass
+class Replays:
+    """One fixture's replay setup, and the one-token-per-step run's replays (the same for every draft source)."""
+
+    info: Any
+    cal: Path
+    chunks: Any
+    pred: Any
+    settings: list[Any]
+    one_token: dict[tuple[int, str, str], tuple[float, float]] = field(default_factory=dict)
+
+    def policy(self, kind: str, slots: int, timing: Any) -> Any:
+        layers = list(self.info.moe_layers)
+        return make(kind, {il: slots for il in layers}, layers, self.cal, {"promoe": self.pred}, self.info.n_expert,
+                    timing)
+
+    def rows(self, plain: Recorder, spec: Recorder) -> list[tuple[int, str, str, dict[str, tuple[float, float]]]]:
+        """Per slot count, copy timing and policy: (hit rate, CPU reads per kept token) of each run."""
+        out = []
+        for slots in (self.info.n_expert // 4, self.info.n_expert // 2):
+            for key, lt in self.settings:
+                timing = lt.timing if lt is not None else None
+                for kind in ("lru", "promoe"):
+                    if (slots, key, kind) not in self.one_token:
+                        self.one_token[slots, key, kind] = replay_kept(
+                            self.policy(kind, slots, timing), plain, self.chunks, timing, sensor=True)
+                    runs = {"one_token": self.one_token[slots, key, kind]}
+                    for name, sensor in (("sensor", True), ("kept_only", False)):
+                        runs[name] = replay_kept(self.policy(kind, slots, timing), spec, self.chunks, timing,
+                                                 sensor=sensor)
+                    out.append((slots, key, kind, runs))
+        return out
+
+
 def model_rows(model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    info = read_model_info(model)
     cal = find_calibration(model).path
-    chunks = expert_chunk_bytes(model, list(read_model_info(model).moe_layers))
+    chunks = expert_chunk_bytes(model, list(info.moe_layers))
     pred, note = prefetch_predictor(model, cal, "mlp", 2)
     assert note is None, note
     settings = timings(args.reference, float(np.mean([sum(c) for c in chunks.values()])))[:2]
     rows = []
     for corpus in CORPORA:
         plain, plain_tokens, _ = record(model, corpus, args, "off")
+        setup = Replays(info, cal, chunks, pred, settings)
         for source in ("lookup", "draft"):
             spec, spec_tokens, stats = record(model, corpus, args, source)
             differ = next((i for i, (a, b) in enumerate(zip(plain_tokens, spec_tokens, strict=False)) if a != b), None)
-            rows += replays(model, corpus, source, (plain, spec, stats, differ), pred, cal, settings)
-    return rows
-
-
-def replays(model: Path, corpus: Path, source: str, runs: tuple[Recorder, Recorder, Any, int | None], pred: Any,
-            cal: Path, settings: list[Any]) -> list[dict[str, Any]]:
-    """Every replay of one recorded pair (one token per step, speculation with `source`)."""
-    info = read_model_info(model)
-    layers, E = list(info.moe_layers), info.n_expert
-    chunks = expert_chunk_bytes(model, layers)
-    plain, spec, stats, differ = runs
-    rows = []
-    for slots in (E // 4, E // 2):
-        n_slots = {il: slots for il in layers}
-        for key, lt in settings:
-            timing = lt.timing if lt is not None else None
-            for kind in ("lru", "promoe"):
-                def pol(kind: str = kind, timing: Any = timing, n_slots: dict[int, int] = n_slots) -> Any:
-                    return make(kind, n_slots, layers, cal, {"promoe": pred}, E, timing)
-
-                runs = {name: replay_kept(pol(), rec, chunks, timing, sensor=sensor) for name, rec, sensor in
-                        (("one_token", plain, True), ("sensor", spec, True), ("kept_only", spec, False))}
+            for slots, key, kind, runs in setup.rows(plain, spec):
                 row = {"model": model.name, "corpus": corpus.stem, "source": source, "slots": slots,
                        "timing": key, "policy": kind,
                        **{name: hit for name, (hit, _) in runs.items()},

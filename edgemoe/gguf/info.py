@@ -158,16 +158,16 @@ def model_info(header: GgufHeader) -> ModelInfo:
     n_nextn = _int(meta, key(llm.NEXTN_PREDICT_LAYERS))
     expert_tensors: dict[int, list[ExpertTensorInfo]] = {}
     by_type: dict[str, int] = {}
-    expert_total = shared_total = total = embd_rows = mtp_total = mtp_dense = 0
+    expert_total = shared_total = total = embd_rows = 0
+    mtp = _MtpTally(n_layer, n_nextn)
     for t in header.tensors:
         total += t.nbytes
         by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.nbytes
         if t.name == _TOKEN_EMBD:
             embd_rows = t.shape[-1]
-        if n_nextn and (m := _LAYER_RE.match(t.name)) and int(m.group(1)) >= n_layer - n_nextn:
-            mtp_total += t.nbytes  # loaded only for MTP drafting (edgemoe.runtime.mtp)
-            mtp_dense += 0 if is_expert_tensor(t.name) else t.nbytes
-        elif is_expert_tensor(t.name):
+        if mtp.add(t.name, t.nbytes):
+            continue  # loaded only for MTP drafting (edgemoe.runtime.mtp)
+        if is_expert_tensor(t.name):
             expert_total += t.nbytes
             expert_tensors.setdefault(_layer_of(t.name), []).append(
                 ExpertTensorInfo(
@@ -211,16 +211,37 @@ def model_info(header: GgufHeader) -> ModelInfo:
         bytes_per_expert_by_layer=MappingProxyType(per_layer),
         expert_bytes_total=expert_total,
         shared_expert_bytes=shared_total,
-        dense_bytes=total - expert_total - mtp_total,
+        dense_bytes=total - expert_total - mtp.nbytes,
         total_tensor_bytes=total,
         bytes_by_type=MappingProxyType(dict(sorted(by_type.items()))),
         sliding_window=_int(meta, key(attn.SLIDING_WINDOW)),
         n_nextn=n_nextn,
-        mtp_bytes=mtp_total,
-        mtp_dense_bytes=mtp_dense,
-        mtp_heads=n_nextn > 0
-        and f"blk.{n_layer - 1}.nextn.eh_proj.weight" in {t.name for t in header.tensors},
+        mtp_bytes=mtp.nbytes,
+        mtp_dense_bytes=mtp.dense_bytes,
+        mtp_heads=mtp.heads,
     )
+
+
+@dataclass
+class _MtpTally:
+    """The MTP (NextN) blocks' tensors, the last n_nextn of n_layer blocks: their bytes, those outside their
+    routed experts, and whether the tensor llama.cpp requires of the last one is there."""
+
+    n_layer: int
+    n_nextn: int
+    nbytes: int = 0
+    dense_bytes: int = 0
+    heads: bool = False
+
+    def add(self, name: str, nbytes: int) -> bool:
+        """Count the tensor if an MTP block holds it; whether one does."""
+        m = _LAYER_RE.match(name) if self.n_nextn else None
+        if m is None or int(m.group(1)) < self.n_layer - self.n_nextn:
+            return False
+        self.nbytes += nbytes
+        self.dense_bytes += 0 if is_expert_tensor(name) else nbytes
+        self.heads = self.heads or name == f"blk.{self.n_layer - 1}.nextn.eh_proj.weight"
+        return True
 
 
 def is_expert_tensor(name: str) -> bool:

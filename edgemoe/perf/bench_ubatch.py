@@ -61,9 +61,8 @@ def bench_ubatches(
     trace = routing_for_model(info.n_expert, info.n_expert_used, len(info.moe_layers)).trace
     spec = PrefillSpec(vram, n_ctx, flash_attn=flash_attn, kv=kv)
     projection = PrefillPlanner(shape, trace, prof, spec).project(min(prompt_tokens, n_ctx))
-    by_kind = {
-        c.kind: c for c in projection.choices if not c.borrow
-    }  # bench's +device prefill row does not borrow
+    # bench's +device prefill row does not borrow
+    by_kind = {c.kind: c for c in projection.choices if not c.borrow}
     stock, ours = by_kind.get("stock"), by_kind.get("edgemoe")
     s_ub = stock.best.n_ubatch if stock is not None else PLAN_UBATCH
     s_cpu = stock.best.n_cpu_moe if stock is not None else None

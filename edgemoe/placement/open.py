@@ -63,10 +63,8 @@ def open_engine(
     header = check_gguf(path)  # once: the plan and the engine (and its expert cache) share it
     device = this_device()
     if speculation is not None and speculation.mode == "mtp":
-        load = {
-            **load,
-            "load_mtp": True,
-        }  # the MTP blocks load only for drafting with them; the plan reserves them
+        # the MTP blocks load only for drafting with them; the plan reserves them
+        load = {**load, "load_mtp": True}
     placement = plan(header, cache, n_ctx=n_ctx, device=device, calibration=calibration, **load)
     if cache.vram is not None and (device is not None or cache.profile is not None):
         prof = machine_profile(cache.profile)

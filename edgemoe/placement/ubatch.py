@@ -62,9 +62,8 @@ def with_prefill_ubatch(
     u = min(best.n_ubatch, placement.n_ctx)
     info = model_info(header)
     load = placement.load
-    mtp = load_reserve_bytes(
-        info, load, placement.n_ctx, u
-    )  # the MTP context's buffer grows with the ubatch too
+    # the MTP context's compute buffer grows with the ubatch too
+    mtp = load_reserve_bytes(info, load, placement.n_ctx, u)
     reserve = vram_reserve(info, device_prefill=request.reserves_prefill_buffers) + mtp
     kv = KvTypes(load.cache_type_k, load.cache_type_v)
     extra = ubatch_reserve_bytes(info, placement.n_ctx, u, flash_attn=load.flash_attn != "off")
