@@ -152,3 +152,43 @@ def test_bench_s_rows_take_the_plan_s_ubatches(tmp_path: Path) -> None:
     gpu = bench_ubatches(header, **kw, given=None, profile=Path(LAPTOP), on_gpu=True)  # type: ignore[arg-type]
     assert gpu.stock > 512 and gpu.device_prefill > 512 and gpu.cache == 512
     assert gpu.stock_n_cpu_moe is not None and f"stock {gpu.stock}" in gpu.note
+
+
+def test_bench_projects_each_gpu_row_at_the_ubatch_it_ran() -> None:
+    """On a GPU, stock runs at its best -ub with the --n-cpu-moe beside that buffer and +device prefill at its own
+    -ub with fewer slots: their projections are the simulator's at those, not at the cached rows' 512."""
+    from test_perfmodel import QWEN, skewed_trace
+
+    from edgemoe.gguf.info import read_model_info
+    from edgemoe.perf.bench import BenchResult, BenchRow, _own_ubatch_projections
+    from edgemoe.perf.model.simulate import SimSpec, simulate
+
+    tr, prof = skewed_trace(QWEN, n_seq=2, prefill=96, decode=8), load_profile("rtx4060-laptop")
+    base = SimSpec(vram=600 * 2**20, n_ctx=512, n_ubatch=32, policies=("lru",), warmup_seqs=1, overlap=True)
+    first = {c.name for c in simulate(QWEN, tr, prof, base).configs}
+    moe = len(read_model_info(QWEN).moe_layers)
+    slots = {il: 5 for il in read_model_info(QWEN).moe_layers}
+
+    def row(name: str, kind: str, ub: int, cache: dict[str, object] | None = None) -> BenchRow:
+        return BenchRow(name, kind, 1.0, 1.0, 1.0, 1.0, None, cache=cache, n_ubatch=ub)
+
+    res = BenchResult(model="m", device="d", vram=base.vram, threads=2, prompt_tokens=96, gen_tokens=8,
+                      slots_per_layer=8, n_cpu_moe=None, rows=[
+                          row("stock -ot exps=CPU", "stock", 32),  # at the cached rows' ubatch: the main run's
+                          row(f"stock --n-cpu-moe {moe - 2}", "stock", 64),
+                          row("edgemoe lru", "edgemoe", 32),
+                          row("edgemoe lru +device prefill", "edgemoe", 64, {"slots_per_layer": slots}),
+                      ])
+    out = _own_ubatch_projections(res, QWEN, tr, prof, base, first)
+    assert set(out) == {f"stock --n-cpu-moe {moe - 2}", "edgemoe lru +device prefill"}
+    stock = simulate(QWEN, tr, prof, replace(base, n_ubatch=64, n_cpu_moe=moe - 2, policies=()))
+    want = next(c for c in stock.configs if c.name == f"stock-n-cpu-moe-{moe - 2}")
+    assert out[f"stock --n-cpu-moe {moe - 2}"] == want
+    at_32 = simulate(QWEN, tr, prof, replace(base, n_cpu_moe=moe - 2, policies=()))
+    assert next(c for c in at_32.configs if c.name == want.name).prefill_tps != want.prefill_tps
+    pf = replace(base, n_ubatch=64, device_prefill=True, device_prefill_slots=slots)
+    want = next(c for c in simulate(QWEN, tr, prof, pf).configs if c.name == "edgemoe-lru-device-prefill")
+    assert out["edgemoe lru +device prefill"] == want
+    beside = next(c for c in simulate(QWEN, tr, prof, replace(pf, device_prefill_slots=None)).configs
+                  if c.name == want.name)
+    assert beside.hit_rate != want.hit_rate  # the row's own 5 slots, not what the budget leaves

@@ -98,7 +98,7 @@ from .types import THREADS, GGUFPath, OutputPath, Size
     default=None,
     help="every row's prefill ubatch (default: on a GPU with a GPU --profile, stock rows at stock's fastest "
     "-ub and +device prefill rows at edgemoe's planned one, as `edgemoe plan --prompt-tokens` projects them for "
-    "the prompt; else 512); the 'ub' column says what each row ran",
+    "the prompt; else 512); the 'ub' column says what each row ran, and each row is projected at its own",
 )
 @click.option(
     "--ctx",

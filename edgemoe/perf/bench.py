@@ -542,24 +542,26 @@ def project(
                 record_trace(eng, tokens, ctx=base.n_ctx, mode="decode", prefill_tokens=n_prompt),
             ]
         )
-    sim = simulate(
-        path,
-        trace,
-        prof,
-        SimSpec(
-            vram=spec.vram if on_gpu else 0,
-            n_ctx=base.n_ctx,
-            n_ubatch=base.n_ubatch,
-            warmup_seqs=1,
-            # the performance model has no prefetcher: promoe is not projected
-            policies=tuple(p for p in spec.policies if policy_spec(p).projected),
-            calibration=spec.calibration,
-            overlap=True,
-            flash_attn=spec.flash_attn,
-        ),
+    sim_spec = SimSpec(
+        vram=spec.vram if on_gpu else 0,
+        n_ctx=base.n_ctx,
+        n_ubatch=base.n_ubatch,
+        warmup_seqs=1,
+        # the performance model has no prefetcher: promoe is not projected
+        policies=tuple(p for p in spec.policies if policy_spec(p).projected),
+        calibration=spec.calibration,
+        overlap=True,
+        flash_attn=spec.flash_attn,
     )  # the edgemoe rows run overlapped
+    sim = simulate(path, trace, prof, sim_spec)
     by_name = {c.name: c for c in sim.configs}
+    at_own_ubatch = _own_ubatch_projections(res, path, trace, prof, sim_spec, set(by_name)) if on_gpu else {}
     for row in res.rows:
+        if row.name in at_own_ubatch and row.decode_tps > 0:
+            c = at_own_ubatch[row.name]
+            row.projected_decode_tps, row.projected_prefill_tps = c.decode_tps, c.prefill_tps
+            row.projection_error = c.decode_tps / row.decode_tps - 1
+            continue
         key = _sim_name(row, on_gpu)
         if (
             key is None
@@ -576,6 +578,43 @@ def project(
     res.projection_note = f"projected with profile {spec.profile}" + (
         f"; {sim.workload_note}" if sim.workload_note else ""
     )
+
+
+def _own_ubatch_projections(
+    res: BenchResult, path: Path, trace: Any, prof: Any, sim_spec: Any, projected: set[str]
+) -> dict[str, Any]:
+    """The simulator's configuration of each GPU row that ran otherwise than `sim_spec` (whose configurations are
+    `projected`) places it: stock at its best -ub with the --n-cpu-moe beside that buffer, +device prefill at its own
+    -ub with the slots it ran. By row name: each projected at the ubatch it ran, not at the cached rows'."""
+    from .model.simulate import simulate
+
+    out: dict[str, Any] = {}
+    stock_runs: dict[tuple[int, int | None], list[BenchRow]] = {}
+    for row in res.rows:
+        key = _sim_name(row, True)
+        if (
+            row.kind == "stock"
+            and key is not None
+            and (row.n_ubatch != sim_spec.n_ubatch or key not in projected)
+        ):
+            n_cpu = int(key.rsplit("-", 1)[1]) if key.startswith("stock-n-cpu-moe-") else None
+            stock_runs.setdefault((row.n_ubatch, n_cpu), []).append(row)
+    for (ub, n_cpu), rows in stock_runs.items():
+        sim = simulate(path, trace, prof, replace(sim_spec, n_ubatch=ub, n_cpu_moe=n_cpu, policies=()))
+        found = {c.name: c for c in sim.configs}
+        out |= {r.name: found[k] for r in rows if (k := _sim_name(r, True)) in found}
+    for row in res.rows:
+        pol = row.name.split(" ")[1] if row.name.startswith("edgemoe ") else ""
+        if not row.name.endswith(" +device prefill") or not row.cache or pol not in sim_spec.policies:
+            continue
+        slots = {int(il): int(n) for il, n in row.cache["slots_per_layer"].items()}
+        pf_spec = replace(
+            sim_spec, n_ubatch=row.n_ubatch, policies=(pol,), device_prefill=True, device_prefill_slots=slots
+        )
+        for c in simulate(path, trace, prof, pf_spec).configs:
+            if c.name == f"edgemoe-{pol}-device-prefill":
+                out[row.name] = c
+    return out
 
 
 def _project_precalc(

@@ -91,6 +91,10 @@ class SimSpec:
     verify: int = 1
     flash_attn: FlashAttn = "auto"  # the engine's (LoadConfig's): "auto" is on, as llama.cpp resolves it
     kv: KvTypes = F16_KV  # the KV cache's types (-ctk / -ctv): the budget reserves a cache of these
+    # stock's --n-cpu-moe (None: the placement's at this budget; a larger ubatch's compute buffer may raise it)
+    n_cpu_moe: int | None = None
+    # the -device-prefill variants' slots per MoE layer (None: what the budget leaves beside the two buffers)
+    device_prefill_slots: Mapping[int, int] | None = None
 
     @property
     def flash_attn_on(self) -> bool:
@@ -131,8 +135,12 @@ def plan_configs(
     slots = budget.experts_per_layer
     per_layer = dict(spec.slots) if spec.slots is not None else {il: slots for il in moe}
     # --device-prefill's two buffers come out of the slots' budget
-    prefill_slots = slots_beside_prefill_buffers(shape.info, per_layer, spec.vram, placement.n_ctx)
-    n_cpu = placement.n_cpu_moe
+    prefill_slots = (
+        dict(spec.device_prefill_slots)
+        if spec.device_prefill_slots is not None
+        else slots_beside_prefill_buffers(shape.info, per_layer, spec.vram, placement.n_ctx)
+    )
+    n_cpu = placement.n_cpu_moe if spec.n_cpu_moe is None else spec.n_cpu_moe
     cfgs = [Config("stock-ot-exps-cpu", "stock")]
     if n_cpu is not None and n_cpu < len(moe):
         cfgs.append(Config(f"stock-n-cpu-moe-{n_cpu}", "stock", gpu_expert_layers=frozenset(moe[n_cpu:])))
