@@ -107,3 +107,54 @@ def test_projection_follows_the_published_configuration(tmp_path):
     assert half.projected_tps > all_cpu.projected_tps
     assert lru64.projected_hit_rate > lru8.projected_hit_rate
     assert lru64.projected_tps > lru8.projected_tps
+
+
+# --------------------------------------------------------------------------- the prefill rows
+
+@pytest.fixture(scope="module")
+def prefill_projections(tmp_path_factory):
+    from edgemoe.perf.model.backtest_prefill import backtest_prefill, load_published_prefill
+
+    return backtest_prefill(load_published_prefill(), tmp_path_factory.mktemp("prefill-shapes"))
+
+
+def test_prefill_rows_are_sourced_and_resolvable():
+    from edgemoe.perf.model.backtest_prefill import load_published_prefill
+
+    rows = load_published_prefill()
+    assert len(rows) >= 10 and len({r.id for r in rows}) == len(rows)
+    assert any(r.n_ubatch >= 512 for r in rows) and any(r.n_ubatch < 512 for r in rows)
+    for r in rows:
+        assert r.source and r.conditions and r.published_tps > 0 and r.n_ubatch <= r.prompt_tokens
+        assert r.profile in bundled_profiles(), r.id
+        assert f"-ub {r.n_ubatch}" in r.conditions and f"pp{r.prompt_tokens}" in r.conditions
+
+
+def test_prefill_docs_table_regenerates(prefill_projections):
+    from edgemoe.perf.model.backtest_prefill import prefill_markdown
+
+    body = DOC.read_text().split("<!-- backtest-prefill:begin -->\n", 1)[1].split("<!-- backtest-prefill:end -->")[0]
+    assert body == prefill_markdown(prefill_projections)
+
+
+def test_prefill_stats_are_computed_from_the_rows(prefill_projections):
+    from edgemoe.perf.model.backtest_prefill import LARGE_UBATCH, prefill_error_stats
+
+    stats = prefill_error_stats(prefill_projections)
+    large = [p.error for p in prefill_projections if p.row.n_ubatch >= LARGE_UBATCH]
+    assert stats["large_ubatch"]["rows"] == len(large) and stats["all"]["rows"] == len(prefill_projections)
+    assert stats["large_ubatch"]["worst_error"] == max(large, key=abs)
+
+
+def test_a_prefill_row_replays_the_whole_model_on_the_gpu(tmp_path):
+    """The row's prompt in ubatches of its -ub, every expert resident: more tokens per ubatch is faster until the
+    GPU's compute binds, and a model the GPU cannot hold is refused."""
+    from edgemoe.perf.model.backtest_prefill import PublishedPrefill, backtest_prefill
+
+    base = {"model": "qwen3-30b-a3b", "quant": "Q4_0", "profile": "rtx4090-desktop", "prompt_tokens": 1024,
+            "published_tps": 1.0, "source": "test", "conditions": "test"}
+    small, large = backtest_prefill([PublishedPrefill(id="a", n_ubatch=64, **base),
+                                     PublishedPrefill(id="b", n_ubatch=1024, **base)], tmp_path)
+    assert large.projected_tps > small.projected_tps and large.bound == "gpu"
+    with pytest.raises(ValueError, match="not held whole"):
+        backtest_prefill([PublishedPrefill(id="c", n_ubatch=512, **{**base, "profile": "rtx4060-laptop"})], tmp_path)

@@ -118,6 +118,11 @@ def test_the_plan_picks_a_larger_ubatch_out_of_the_slots_and_stock_at_its_own_be
         assert b.slots_per_layer > o.slots_per_layer and b.lent_layers == lent_layers(info, b.slots_per_layer) > 0
         assert o.lent_layers == 0 and abs(b.prefill_tps / o.prefill_tps - 1) < 0.05
     assert lent.best.prefill_tps >= 0.95 * ours.best.prefill_tps
+    # the ceiling: every expert resident, nothing copied, whatever the budget; no option passes it, and this
+    # GPU-bound prompt at 8 GiB comes within 1% of it (what the copies left of the prompt's time)
+    assert p.ceiling_ubatch in UBATCHES and all(o.prefill_tps <= p.ceiling_tps for c in p.choices for o in c.options)
+    assert ours.best.bound == "gpu" and ours.best.prefill_tps > 0.99 * p.ceiling_tps
+    assert stock.options[0].prefill_tps < 0.5 * p.ceiling_tps  # stock at 512: copy-bound, far below it
     # prompts past the model's training context are skipped, said
     some, notes = project_prompts(shape, trace, prof, spec, (2048, 10**6))
     assert [x.prompt_tokens for x in some] == [2048] and "training context" in notes[0] and "fastest" in notes[1]
@@ -136,6 +141,7 @@ def test_plan_prompt_tokens_cli(tmp_path: Path) -> None:
     assert all(c["best"]["n_ubatch"] in UBATCHES and c["best"]["prefill_tps"] > 0 for c in p["choices"])
     text = CliRunner().invoke(cli, args, catch_exceptions=False).output
     assert "prefill of a 2048-token prompt" in text and "time to first token" in text
+    assert f"every expert resident, at -ub {p['ceiling_ubatch']}: {p['ceiling_tps']:.0f} tok/s" in text
     assert "8192-token prompt" not in text  # --prompt-tokens: that prompt alone
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The performance model against published measurements (docs/research/performance-model.md, "Backtest").
 
-Projects every row of edgemoe/perf/published/measurements.json on its machine profile and writes the table
-into docs/research/performance-model.md between its markers, and the rows as JSON:
+Projects every row of edgemoe/perf/published/measurements.json on its machine profile and writes the tables
+into docs/research/performance-model.md between their markers (decode rows: "backtest", prefill rows:
+"backtest-prefill"), and the rows as JSON:
 
     .venv/bin/python tools/backtest.py --docs docs/research/performance-model.md --json docs/figures/backtest.json
     .venv/bin/python tools/backtest.py            # print the table only
@@ -18,17 +19,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgemoe.perf.model.backtest import backtest, error_stats, load_published, markdown
+from edgemoe.perf.model.backtest_prefill import (backtest_prefill, load_published_prefill, prefill_error_stats,
+                                                 prefill_markdown)
 
-BEGIN, END = "<!-- backtest:begin -->", "<!-- backtest:end -->"
 
-
-def replace_between_markers(text: str, body: str) -> str:
-    """`text` with what lies between the backtest markers replaced by `body`."""
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
+def replace_between_markers(text: str, body: str, name: str = "backtest") -> str:
+    """`text` with what lies between the `name` markers replaced by `body`."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    head, sep, rest = text.partition(begin)
+    _, sep2, tail = rest.partition(end)
     if not sep or not sep2:
-        raise SystemExit(f"the document has no {BEGIN} ... {END} section to write the table into")
-    return f"{head}{BEGIN}\n{body}{END}{tail}"
+        raise SystemExit(f"the document has no {begin} ... {end} section to write the table into")
+    return f"{head}{begin}\n{body}{end}{tail}"
 
 
 def main() -> None:
@@ -40,16 +42,22 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         projections = backtest(load_published(), args.shapes or Path(tmp))
-    table = markdown(projections)
+        prefill = backtest_prefill(load_published_prefill(), args.shapes or Path(tmp))
+    table, prefill_table = markdown(projections), prefill_markdown(prefill)
     print(table)
+    print(prefill_table)
     if args.docs:
-        args.docs.write_text(replace_between_markers(args.docs.read_text(), table))
+        text = replace_between_markers(args.docs.read_text(), table)
+        args.docs.write_text(replace_between_markers(text, prefill_table, "backtest-prefill"))
     if args.json:
         rows = [{**p.row.__dict__, "projected_tps": p.projected_tps,
                  "projected_hit_rate": p.projected_hit_rate, "error": p.error, "routing": p.routing,
                  "bottleneck": p.bottleneck} for p in projections]
-        args.json.write_text(json.dumps({"projected": True, "rows": rows, "stats": error_stats(projections)},
-                                        indent=1) + "\n")
+        prefill_rows = [{**p.row.__dict__, "projected_tps": p.projected_tps, "error": p.error, "bound": p.bound}
+                        for p in prefill]
+        args.json.write_text(json.dumps({"projected": True, "rows": rows, "stats": error_stats(projections),
+                                         "prefill_rows": prefill_rows,
+                                         "prefill_stats": prefill_error_stats(prefill)}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -406,7 +406,8 @@ def _routing_trace(model: Path, trace_path: Path | None, routing: str | None) ->
     default=None,
     metavar="N",
     help="project the prefill of an N-token prompt (default: 2048, 8192 and 32768 tokens, those the model's "
-    "training context holds), stock and edgemoe each at its fastest ubatch; needs a GPU profile",
+    "training context holds), stock and edgemoe each at its fastest ubatch, and the GPU's ceiling with every "
+    "expert resident; needs a GPU profile",
 )
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def plan(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...analysis.trace import Trace
 from ...gguf.kv_types import F16_KV, KvTypes
@@ -95,6 +96,10 @@ class PrefillProjection:
     flash_attn: bool
     choices: tuple[PrefillChoice, ...]  # stock first (absent where its dense part does not fit), then edgemoe
     notes: tuple[str, ...] = field(default=())
+    # the GPU alone, every expert resident (a card that held the whole model), at its fastest candidate ubatch:
+    # no placement at any budget prefills faster on this profile (0.0: not projected)
+    ceiling_tps: float = 0.0
+    ceiling_ubatch: int = 0
 
 
 class PrefillPlanner:
@@ -117,12 +122,14 @@ class PrefillPlanner:
         ours: list[UbatchOption] = []
         lent: list[UbatchOption] = []
         note = ""
+        ceiling = (0.0, 0)
         for u in cands:
             work = prompt_workload(
                 self.trace, self.shape.moe_layers, self.shape.n_expert, self.shape.n_expert_used,
                 n_tokens=n_tokens, n_ubatch=u,
             )  # fmt: skip
             note = note or work.note
+            ceiling = max(ceiling, (self._resident(work), u))
             if (opt := self._stock(work, ctx, u)) is not None:
                 stock.append(opt)
             if (opt := self._edgemoe(work, ctx, u)) is not None:
@@ -139,7 +146,13 @@ class PrefillPlanner:
             )
             if opts
         ]
-        return PrefillProjection(n_tokens, ctx, spec.flash_attn, tuple(choices), (note,) if note else ())
+        notes = (note,) if note else ()
+        return PrefillProjection(n_tokens, ctx, spec.flash_attn, tuple(choices), notes, *ceiling)
+
+    def _resident(self, work: Workload) -> float:
+        """Prefill tok/s with every expert on the GPU and nothing copied, whatever the budget."""
+        cfg = Config("every-expert-resident", "stock", gpu_expert_layers=frozenset(self.shape.moe_layers))
+        return self._replay(cfg, work)[0]
 
     def _reserve(self, ctx: int, u: int) -> tuple[int, int]:
         """(the compute buffer at ubatch u, what it needs beyond the plan's reserve)."""
@@ -177,20 +190,30 @@ class PrefillPlanner:
         return UbatchOption(u, buf, extra, n, None, tps, ttft, bound, lent_layers=lent)
 
     def _replay(self, cfg: Config, work: Workload) -> tuple[float, float, str]:
-        """(prefill tok/s, seconds, the busiest resource) of the prompt through `cfg` on the GPU."""
-        shape, prof = self.shape, self.prof
-        policy = None
-        if cfg.policy is not None:
-            policy = make_policy(
-                cfg.policy, dict(cfg.slots), n_expert=shape.n_expert, frequency=self.frequency
-            )
-        features = config_features(cfg, shape, prof, policy, overlap=cfg.kind == "edgemoe")
-        run = Run(shape, prof, self.nodes, features, on_gpu=True)
-        acc = Acc()
-        for s in work.steps:
-            run.step(s, acc)
-        n = sum(s.n_tokens for s in work.steps)
-        return (n / acc.time if acc.time else 0.0), acc.time, _bound(acc, prof, pinned=cfg.device_prefill)
+        return replay_prompt(self.shape, self.prof, cfg, work, nodes=self.nodes, frequency=self.frequency)
+
+
+def replay_prompt(
+    shape: ModelShape,
+    prof: MachineProfile,
+    cfg: Config,
+    work: Workload,
+    *,
+    nodes: tuple[int, int],
+    frequency: Any = None,
+) -> tuple[float, float, str]:
+    """(prefill tok/s, seconds, the busiest resource) of a prompt's workload through `cfg` on the GPU; a cache
+    policy that places by routing counts takes `frequency`."""
+    policy = None
+    if cfg.policy is not None:
+        policy = make_policy(cfg.policy, dict(cfg.slots), n_expert=shape.n_expert, frequency=frequency)
+    features = config_features(cfg, shape, prof, policy, overlap=cfg.kind == "edgemoe")
+    run = Run(shape, prof, nodes, features, on_gpu=True)
+    acc = Acc()
+    for s in work.steps:
+        run.step(s, acc)
+    n = sum(s.n_tokens for s in work.steps)
+    return (n / acc.time if acc.time else 0.0), acc.time, _bound(acc, prof, pinned=cfg.device_prefill)
 
 
 def _bound(acc: Acc, prof: MachineProfile, *, pinned: bool) -> str:
@@ -265,4 +288,9 @@ def format_prefill(projections: Sequence[PrefillProjection]) -> list[str]:
                 f"time to first token {b.ttft_s:.1f} s, {b.bound}-bound"
             )
             lines.append(f"      why: {c.reason}")
+        if p.ceiling_tps:
+            lines.append(
+                f"    the GPU alone, every expert resident, at -ub {p.ceiling_ubatch}: {p.ceiling_tps:.0f} tok/s "
+                "(no placement at any budget prefills faster on this profile)"
+            )
     return lines

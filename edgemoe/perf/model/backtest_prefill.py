@@ -1,0 +1,149 @@
+"""The prefill side of the backtest: published prompt-processing speeds (llama-bench ppN) of a model held whole
+on one GPU, at the ubatch given (`prefill_rows` of edgemoe/perf/published/measurements.json), projected by the
+prefill planner's replay (edgemoe.perf.model.prefill_plan.replay_prompt) on that machine's profile, with the
+error of the projection. Every expert is resident, so nothing is copied: the rows test the GPU's compute and
+launch terms alone, the bound of every GPU-bound prefill row `edgemoe plan` prints.
+
+`tools/backtest.py` writes the table that docs/research/performance-model.md carries ("Backtest of the prefill
+compute"); tests/test_backtest.py checks that it regenerates.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from ...analysis.trace import Trace
+from .backtest import routing_trace
+from .costmodel import ModelShape
+from .prefill_plan import replay_prompt
+from .profile import load_profile
+from .shapes import shape_file, with_k_m_mix
+from .sim.config import Config
+from .simulate import estimate_graph_nodes
+from .workload import prompt_workload
+
+LARGE_UBATCH = 512  # the smallest ubatch the prefill plan chooses among (prefill_plan.UBATCHES)
+
+# the synthetic writer's type for a published one: Q4_0 as Q4_K (both 4.5 bits per weight, and a spec profile
+# prices a product by its weights per byte), a *_K_M mix as its main type
+_PRICED_AS = {"Q4_0": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K_M": "Q6_K"}
+
+
+@dataclass(frozen=True)
+class PublishedPrefill:
+    """One published prefill measurement (a `prefill_rows` entry of measurements.json)."""
+
+    id: str
+    model: str  # shape name (edgemoe.perf.model.shapes)
+    quant: str
+    profile: str  # bundled machine profile
+    n_ubatch: int  # llama.cpp's -ub
+    prompt_tokens: int  # the prompt's length (llama-bench's ppN)
+    published_tps: float
+    source: str
+    conditions: str
+
+
+@dataclass(frozen=True)
+class PrefillBacktest:
+    row: PublishedPrefill
+    projected_tps: float
+    bound: str  # the resource the replay found busiest: "gpu", "host", ...
+
+    @property
+    def error(self) -> float:
+        """Projected over published, less one (+0.10: projected 10% faster than measured)."""
+        return self.projected_tps / self.row.published_tps - 1.0
+
+
+def load_published_prefill(path: str | Path | None = None) -> list[PublishedPrefill]:
+    """The bundled prefill measurements (or those of another file of the same format)."""
+    text = (
+        Path(path).read_text()
+        if path is not None
+        else (resources.files("edgemoe.perf") / "published" / "measurements.json").read_text()
+    )
+    return [PublishedPrefill(**r) for r in json.loads(text).get("prefill_rows", [])]
+
+
+def whole_model_shape(row: PublishedPrefill, shape_dir: Path) -> ModelShape:
+    """The row's model shape; refuses one larger than its GPU (the rows hold the whole model there)."""
+    qtype = _PRICED_AS.get(row.quant.upper(), row.quant.upper())
+    shape = with_k_m_mix(ModelShape.read(shape_file(row.model, qtype, shape_dir)), row.quant)
+    gpu = load_profile(row.profile).gpu
+    if gpu is None or shape.total_bytes > gpu.mem_bytes:
+        raise ValueError(
+            f"row {row.id}: {row.model} ({row.quant}, {shape.total_bytes / 2**30:.1f} GiB) is not held whole by "
+            f"profile {row.profile}'s GPU: a prefill row is a model on one GPU"
+        )
+    return shape
+
+
+def project_prefill(
+    row: PublishedPrefill, *, shape_dir: Path, trace_cache: dict[tuple[int, int, int], tuple[Trace, str]]
+) -> PrefillBacktest:
+    """The row's prompt, in ubatches of its -ub, through stock llama.cpp with every layer on the GPU."""
+    shape = whole_model_shape(row, shape_dir)
+    moe = shape.moe_layers
+    key = (shape.n_expert, shape.n_expert_used, len(moe))
+    if key not in trace_cache:
+        trace_cache[key] = routing_trace(shape.n_expert, shape.n_expert_used, len(moe))
+    work = prompt_workload(
+        trace_cache[key][0],
+        moe,
+        shape.n_expert,
+        shape.n_expert_used,
+        n_tokens=row.prompt_tokens,
+        n_ubatch=row.n_ubatch,
+    )
+    cfg = Config("stock-ngl-99", "stock", gpu_expert_layers=frozenset(moe))
+    prof = load_profile(row.profile)
+    tps, _, bound = replay_prompt(shape, prof, cfg, work, nodes=estimate_graph_nodes(shape))
+    return PrefillBacktest(row, tps, bound)
+
+
+def backtest_prefill(rows: Sequence[PublishedPrefill], shape_dir: Path) -> list[PrefillBacktest]:
+    cache: dict[tuple[int, int, int], tuple[Trace, str]] = {}
+    return [project_prefill(r, shape_dir=shape_dir, trace_cache=cache) for r in rows]
+
+
+def prefill_error_stats(projections: Sequence[PrefillBacktest]) -> dict[str, dict[str, float]]:
+    """Count, median absolute error and the worst error (signed): of every row, and of the rows at the ubatches
+    the prefill plan chooses among (LARGE_UBATCH and up)."""
+    out = {}
+    for name, keep in (("all", 0), ("large_ubatch", LARGE_UBATCH)):
+        errs = [p.error for p in projections if p.row.n_ubatch >= keep]
+        if errs:
+            out[name] = {
+                "rows": len(errs),
+                "median_abs_error": statistics.median(abs(e) for e in errs),
+                "worst_error": max(errs, key=abs),
+            }
+    return out
+
+
+def prefill_markdown(projections: Sequence[PrefillBacktest]) -> str:
+    """The docs' table: one line per row, then the error statistics."""
+    lines = [
+        "| row | GPU profile | model (quant) | prompt | -ub | published tok/s | projected | error | bound | source |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for p in projections:
+        r = p.row
+        lines.append(
+            f"| {r.id} | {r.profile} | {r.model} ({r.quant}) | {r.prompt_tokens} | {r.n_ubatch} | "
+            f"{r.published_tps:.1f} | {p.projected_tps:.1f} | {100 * p.error:+.0f}% | {p.bound} | {r.source} |"
+        )
+    lines.append("")
+    labels = {"all": "every row", "large_ubatch": f"rows at -ub {LARGE_UBATCH} and up"}
+    for name, s in prefill_error_stats(projections).items():
+        lines.append(
+            f"- **{labels[name]}** ({s['rows']:.0f}): median absolute error {100 * s['median_abs_error']:.1f}%, "
+            f"worst {100 * s['worst_error']:+.0f}%"
+        )
+    return "\n".join(lines) + "\n"
