@@ -16,7 +16,7 @@ from edgemoe.cli import cli
 from edgemoe.gguf.header import check_gguf
 from edgemoe.gguf.info import read_model_info
 from edgemoe.perf.model.costmodel import ModelShape
-from edgemoe.perf.model.prefill_plan import UBATCHES, PrefillPlanner, PrefillSpec, project_prompts
+from edgemoe.perf.model.prefill_plan import UBATCHES, PrefillPlanner, PrefillSpec, project_prompts, settled
 from edgemoe.perf.model.profile import load_profile
 from edgemoe.perf.model.workload import prompt_workload
 from edgemoe.placement.budget import (
@@ -123,6 +123,11 @@ def test_the_plan_picks_a_larger_ubatch_out_of_the_slots_and_stock_at_its_own_be
     assert p.ceiling_ubatch in UBATCHES and all(o.prefill_tps <= p.ceiling_tps for c in p.choices for o in c.options)
     assert ours.best.bound == "gpu" and ours.best.prefill_tps > 0.99 * p.ceiling_tps
     assert stock.options[0].prefill_tps < 0.5 * p.ceiling_tps  # stock at 512: copy-bound, far below it
+    # decode's first tokens after it, each edgemoe side at the ubatch an engine opens with
+    d, o, b = p.decode_after, settled(ours), settled(lent)
+    assert d is not None and d.decode_tokens == 64 and d.beside_tps > 0 and d.borrow_tps > 0
+    assert (d.beside.n_ubatch, d.beside.slots_per_layer) == (o.n_ubatch, o.slots_per_layer)
+    assert (d.borrow.slots_per_layer, d.borrow.lent_layers) == (b.slots_per_layer, b.lent_layers) and d.refill_s > 0
     # prompts past the model's training context are skipped, said
     some, notes = project_prompts(shape, trace, prof, spec, (2048, 10**6))
     assert [x.prompt_tokens for x in some] == [2048] and "training context" in notes[0] and "fastest" in notes[1]
@@ -142,6 +147,8 @@ def test_plan_prompt_tokens_cli(tmp_path: Path) -> None:
     text = CliRunner().invoke(cli, args, catch_exceptions=False).output
     assert "prefill of a 2048-token prompt" in text and "time to first token" in text
     assert f"every expert resident, at -ub {p['ceiling_ubatch']}: {p['ceiling_tps']:.0f} tok/s" in text
+    d = p["decode_after"]
+    assert f"decode of the first 64 tokens after it: {d['beside_tps']:.1f} tok/s" in text
     assert "8192-token prompt" not in text  # --prompt-tokens: that prompt alone
 
 
@@ -155,3 +162,44 @@ def test_the_lent_layers_are_the_fewest_from_the_last_back_that_hold_both_buffer
         if n:
             held = [slots * per[il] - BORROW_SLACK for il in reversed(info.moe_layers)]
             assert sum(held[:n]) >= need > sum(held[: n - 1])
+
+
+def test_decode_after_a_borrowed_prompt_refills_the_lent_layers_over_the_copy_stream() -> None:
+    """The lent layers come back empty: with a link too slow for any refill to land in 64 tokens their experts all
+    run on the CPU (as with no slot there); with an instant one decode runs as if the refill were resident; lending
+    nothing is the other side exactly."""
+    from dataclasses import replace
+
+    from edgemoe.perf.model.prefill_decode import SideSlots, decode_after_prompt
+    from edgemoe.perf.model.prompt_replay import replay_prompt
+    from edgemoe.perf.model.sim.config import Config
+    from edgemoe.perf.model.simulate import estimate_graph_nodes, static_frequency
+
+    shape = ModelShape.read(QWEN)
+    info = shape.info
+    trace = routing_for_model(info.n_expert, info.n_expert_used, len(info.moe_layers)).trace
+    prof = load_profile("rtx4060-laptop")
+    moe = shape.moe_layers
+    whole = static_frequency(prompt_workload(trace, moe, info.n_expert, info.n_expert_used, n_tokens=256,
+                                             n_ubatch=256))
+    kw = dict(policy="static", frequency=whole, nodes=estimate_graph_nodes(shape), prompt_tokens=512)
+    side, lent = SideSlots(256, 12), SideSlots(256, 12, lent_layers=3)
+    same = decode_after_prompt(shape, trace, prof, beside=side, borrow=side, **kw)  # type: ignore[arg-type]
+    assert same is not None and same.borrow_tps == same.beside_tps and same.refill_bytes == 0
+    d = decode_after_prompt(shape, trace, prof, beside=side, borrow=lent, **kw)  # type: ignore[arg-type]
+    assert d is not None and d.refill_bytes == 12 * sum(shape.expert_bytes(il) for il in moe[-3:])
+    assert d.refill_s == pytest.approx(d.refill_bytes / prof.link.loads_bw)
+    slow = replace(prof, link=replace(prof.link, h2d_loads=1.0))
+    fast = replace(prof, link=replace(prof.link, h2d_loads=1e18))
+    never = decode_after_prompt(shape, trace, slow, beside=side, borrow=lent, **kw)  # type: ignore[arg-type]
+    at_once = decode_after_prompt(shape, trace, fast, beside=side, borrow=lent, **kw)  # type: ignore[arg-type]
+    assert never is not None and at_once is not None
+    assert never.borrow_tps < d.borrow_tps <= at_once.borrow_tps  # 0.1 ms of refill: landed by the lent layers
+    from edgemoe.perf.model.prefill_decode import decode_steps
+
+    work = decode_steps(trace, shape, kv_start=512, n=64)
+    empty = Config("e", "edgemoe", policy="static", slots={il: 0 if il in moe[-3:] else 12 for il in moe})
+    want = replay_prompt(shape, prof, empty, work, nodes=estimate_graph_nodes(shape), frequency=whole)[0]
+    assert never.borrow_tps == pytest.approx(want, rel=1e-9)
+    assert decode_after_prompt(shape, trace, prof, beside=side, borrow=lent,  # type: ignore[arg-type]
+                               **{**kw, "policy": "lru"}) is None  # the refill is a placement by counts

@@ -1,6 +1,6 @@
 """The prefill side of the backtest: published prompt-processing speeds (llama-bench ppN) of a model held whole
 on one GPU, at the ubatch given (`prefill_rows` of edgemoe/perf/published/measurements.json), projected by the
-prefill planner's replay (edgemoe.perf.model.prefill_plan.replay_prompt) on that machine's profile, with the
+prefill planner's replay (edgemoe.perf.model.prompt_replay) on that machine's profile, with the
 error of the projection. Every expert is resident, so nothing is copied: the rows test the GPU's compute and
 launch terms alone, the bound of every GPU-bound prefill row `edgemoe plan` prints.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 from ...analysis.trace import Trace
 from .backtest import routing_trace
 from .costmodel import ModelShape
-from .prefill_plan import replay_prompt
 from .profile import load_profile
+from .prompt_replay import replay_prompt
 from .shapes import shape_file, with_k_m_mix
 from .sim.config import Config
 from .simulate import estimate_graph_nodes

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ...analysis.trace import Trace
 from ...gguf.kv_types import F16_KV, KvTypes
@@ -35,13 +34,11 @@ from ...placement.budget import (
     ubatch_reserve_bytes,
     vram_reserve,
 )
-from ...policies.residency import make_policy
 from .costmodel import ModelShape
+from .prefill_decode import DecodeAfterPrompt, SideSlots, decode_after_prompt
 from .profile import MachineProfile
+from .prompt_replay import replay_prompt
 from .sim.config import Config
-from .sim.feature import Acc
-from .sim.features import config_features
-from .sim.run import Run
 from .simulate import estimate_graph_nodes, static_frequency
 from .workload import Workload, build_workload, prompt_workload
 
@@ -100,6 +97,8 @@ class PrefillProjection:
     # no placement at any budget prefills faster on this profile (0.0: not projected)
     ceiling_tps: float = 0.0
     ceiling_ubatch: int = 0
+    # decode's first tokens after the prompt, the buffers beside the slots and borrowing (None: not projected)
+    decode_after: DecodeAfterPrompt | None = None
 
 
 class PrefillPlanner:
@@ -147,7 +146,21 @@ class PrefillPlanner:
             if opts
         ]
         notes = (note,) if note else ()
-        return PrefillProjection(n_tokens, ctx, spec.flash_attn, tuple(choices), notes, *ceiling)
+        after = self._decode_after(n_tokens, choices)
+        return PrefillProjection(n_tokens, ctx, spec.flash_attn, tuple(choices), notes, *ceiling, after)
+
+    def _decode_after(self, n_tokens: int, choices: Sequence[PrefillChoice]) -> DecodeAfterPrompt | None:
+        """Decode after the prompt on each edgemoe side, at the ubatch an engine opens with."""
+        by = {c.borrow: settled(c) for c in choices if c.kind == "edgemoe"}
+        if set(by) != {False, True}:
+            return None
+        beside, lent = (
+            SideSlots(o.n_ubatch, o.slots_per_layer or 0, o.lent_layers) for o in (by[False], by[True])
+        )
+        return decode_after_prompt(
+            self.shape, self.trace, self.prof, policy=self.spec.policy, frequency=self.frequency,
+            nodes=self.nodes, prompt_tokens=n_tokens, beside=beside, borrow=lent,
+        )  # fmt: skip
 
     def _resident(self, work: Workload) -> float:
         """Prefill tok/s with every expert on the GPU and nothing copied, whatever the budget."""
@@ -191,41 +204,6 @@ class PrefillPlanner:
 
     def _replay(self, cfg: Config, work: Workload) -> tuple[float, float, str]:
         return replay_prompt(self.shape, self.prof, cfg, work, nodes=self.nodes, frequency=self.frequency)
-
-
-def replay_prompt(
-    shape: ModelShape,
-    prof: MachineProfile,
-    cfg: Config,
-    work: Workload,
-    *,
-    nodes: tuple[int, int],
-    frequency: Any = None,
-) -> tuple[float, float, str]:
-    """(prefill tok/s, seconds, the busiest resource) of a prompt's workload through `cfg` on the GPU; a cache
-    policy that places by routing counts takes `frequency`."""
-    policy = None
-    if cfg.policy is not None:
-        policy = make_policy(cfg.policy, dict(cfg.slots), n_expert=shape.n_expert, frequency=frequency)
-    features = config_features(cfg, shape, prof, policy, overlap=cfg.kind == "edgemoe")
-    run = Run(shape, prof, nodes, features, on_gpu=True)
-    acc = Acc()
-    for s in work.steps:
-        run.step(s, acc)
-    n = sum(s.n_tokens for s in work.steps)
-    return (n / acc.time if acc.time else 0.0), acc.time, _bound(acc, prof, pinned=cfg.device_prefill)
-
-
-def _bound(acc: Acc, prof: MachineProfile, *, pinned: bool) -> str:
-    """The resource busiest over a prefill: the copies over the link (--device-prefill's at the pinned rate, op
-    offload's at the pageable one, which the run counts in the GPU's time: op offload copies, then computes), the
-    GPU's compute, the CPU's, or the host's launches and calls."""
-    link = prof.link
-    rate = (link.loads_bw if pinned else link.h2d_pageable) if link is not None else 0.0
-    copy = acc.pcie / rate if rate else 0.0
-    gpu = acc.gpu if pinned else acc.gpu - copy
-    busy = {"copy": copy, "gpu": gpu, "cpu": acc.cpu, "host": acc.host}
-    return max(busy, key=lambda k: busy[k])
 
 
 def _choose(name: str, kind: str, opts: Sequence[UbatchOption], *, borrow: bool = False) -> PrefillChoice:
@@ -288,6 +266,14 @@ def format_prefill(projections: Sequence[PrefillProjection]) -> list[str]:
                 f"time to first token {b.ttft_s:.1f} s, {b.bound}-bound"
             )
             lines.append(f"      why: {c.reason}")
+        if (d := p.decode_after) is not None:
+            lines.append(
+                f"    decode of the first {d.decode_tokens} tokens after it: {d.beside_tps:.1f} tok/s with "
+                f"{d.beside.slots_per_layer} slots beside the buffers (-ub {d.beside.n_ubatch}), {d.borrow_tps:.1f} "
+                f"borrowing ({d.borrow.slots_per_layer} slots at -ub {d.borrow.n_ubatch}, {d.borrow.lent_layers} "
+                f"layers refilled: {d.refill_bytes / 2**20:.0f} MiB, {1e3 * d.refill_s:.0f} ms of copies), "
+                f"{d.ratio:.3f}x"
+            )
         if p.ceiling_tps:
             lines.append(
                 f"    the GPU alone, every expert resident, at -ub {p.ceiling_ubatch}: {p.ceiling_tps:.0f} tok/s "

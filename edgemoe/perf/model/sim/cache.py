@@ -23,10 +23,13 @@ class ExpertCache(Feature):
         self.caller_issues = False  # the caller sends the loads itself (no load worker on this device)
 
     def start(self, run: RunState) -> None:
-        gpu = run.prof.gpu
-        self.caller_issues = run.on_gpu and gpu is not None and not load_worker_default(gpu.name)
+        self.set_caller_issues(run)
         run.stream.queue(self.policy.initial_loads(), start=0.0)
         run.clock = run.stream.free  # the initial placement is loaded before the first token
+
+    def set_caller_issues(self, run: RunState) -> None:
+        gpu = run.prof.gpu
+        self.caller_issues = run.on_gpu and gpu is not None and not load_worker_default(gpu.name)
 
     def begin_step(self, run: RunState, s: Step) -> None:
         self.pending = []

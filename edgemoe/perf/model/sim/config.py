@@ -69,3 +69,6 @@ class Config:
     pageable_loads: bool = False
     # the host reads each cached layer's routing before its experts run, one device-to-host synchronisation
     host_routed: bool = False
+    # the run starts right after a prompt prefilled in these layers' slots (--device-prefill-borrow): their
+    # placement is copied as it starts, each expert on the CPU until its load lands (sim/refill.py)
+    refilling: frozenset[int] = frozenset()

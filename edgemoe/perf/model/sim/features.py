@@ -18,6 +18,7 @@ from .host_routed import HostRouted
 from .offload import OpOffload
 from .overlap import Overlap
 from .precalc import Precalc
+from .refill import RefillingCache
 from .stock import GpuExpertLayers
 
 
@@ -30,7 +31,7 @@ def config_features(
     if cfg.gpu_expert_layers:
         out.append(GpuExpertLayers(cfg.gpu_expert_layers))
     if policy is not None:
-        out.append(ExpertCache(policy))
+        out.append(RefillingCache(policy, cfg.refilling) if cfg.refilling else ExpertCache(policy))
     if cfg.gated:
         out.append(Gate())
     if cfg.assign is not None:
