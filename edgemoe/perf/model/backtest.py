@@ -76,14 +76,19 @@ class Projection:
         return self.projected_tps / self.row.published_tps - 1.0
 
 
-def load_published(path: str | Path | None = None) -> list[Published]:
-    """The bundled measurements (or another file of the same format)."""
+def read_measurements(path: str | Path | None = None) -> dict[str, Any]:
+    """The bundled measurements.json (or another file of the same format), parsed."""
     text = (
         Path(path).read_text()
         if path is not None
         else (resources.files("edgemoe.perf") / "published" / "measurements.json").read_text()
     )
-    return [Published(**r) for r in json.loads(text)["rows"]]
+    return dict(json.loads(text))
+
+
+def load_published(path: str | Path | None = None) -> list[Published]:
+    """The bundled decode measurements (or those of another file of the same format)."""
+    return [Published(**r) for r in read_measurements(path)["rows"]]
 
 
 def _qtype(quant: str) -> str:

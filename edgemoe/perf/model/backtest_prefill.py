@@ -10,15 +10,13 @@ compute"); tests/test_backtest.py checks that it regenerates.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from ...analysis.trace import Trace
-from .backtest import routing_trace
+from .backtest import read_measurements, routing_trace
 from .costmodel import ModelShape
 from .profile import load_profile
 from .prompt_replay import replay_prompt
@@ -63,12 +61,7 @@ class PrefillBacktest:
 
 def load_published_prefill(path: str | Path | None = None) -> list[PublishedPrefill]:
     """The bundled prefill measurements (or those of another file of the same format)."""
-    text = (
-        Path(path).read_text()
-        if path is not None
-        else (resources.files("edgemoe.perf") / "published" / "measurements.json").read_text()
-    )
-    return [PublishedPrefill(**r) for r in json.loads(text).get("prefill_rows", [])]
+    return [PublishedPrefill(**r) for r in read_measurements(path).get("prefill_rows", [])]
 
 
 def whole_model_shape(row: PublishedPrefill, shape_dir: Path) -> ModelShape:
