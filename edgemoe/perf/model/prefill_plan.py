@@ -94,7 +94,7 @@ class PrefillProjection:
     choices: tuple[PrefillChoice, ...]  # stock first (absent where its dense part does not fit), then edgemoe
     notes: tuple[str, ...] = field(default=())
     # the GPU alone, every expert resident (a card that held the whole model), at its fastest candidate ubatch:
-    # no placement at any budget prefills faster on this profile (0.0: not projected)
+    # no placement of the experts in the GPU's memory prefills faster on this profile (0.0: not projected)
     ceiling_tps: float = 0.0
     ceiling_ubatch: int = 0
     # decode's first tokens after the prompt, the buffers beside the slots and borrowing (None: not projected)
@@ -277,6 +277,6 @@ def format_prefill(projections: Sequence[PrefillProjection]) -> list[str]:
         if p.ceiling_tps:
             lines.append(
                 f"    the GPU alone, every expert resident, at -ub {p.ceiling_ubatch}: {p.ceiling_tps:.0f} tok/s "
-                "(no placement at any budget prefills faster on this profile)"
+                "(no placement of the experts in its memory prefills faster on this profile)"
             )
     return lines
