@@ -230,12 +230,17 @@ def test_generate_and_bench_run_mtp(make_tiny_gguf) -> None:  # type: ignore[no-
     plain, mtp = generate(), generate("--speculate", "mtp", "--draft-max", "3")
     assert mtp["tokens"] == plain["tokens"] and mtp["speculation"]["mode"] == "mtp"
     assert mtp["speculation"]["steps"] > 0 and mtp["speculation"]["drafted"] > 0
-    res = CliRunner().invoke(cli, ["bench", model, "--vram", "2MiB", "--prompt-tokens", "32", "--gen-tokens", "8",
+    res = CliRunner().invoke(cli, ["bench", model, "--vram", "518MiB", "--prompt-tokens", "32", "--gen-tokens", "8",
                                    "-t", "1", "--policy", "lru", "--speculate", "mtp", "--profile", "none", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout[res.stdout.index("{"):])["rows"]
     spec = [r for r in rows if r["speculation"] is not None]
     assert len(spec) == 2 and all(r["name"].endswith(" +mtp") and r["decode_tps"] > 0 for r in spec)
+    # the +mtp cache row is planned beside the heads: the slots their bytes leave
+    lru, lru_mtp = (next(r for r in rows if r["name"] == n) for n in ("edgemoe lru", "edgemoe lru +mtp"))
+    assert "beside the MTP heads" in lru_mtp["note"]
+    per = [set(r["cache"]["slots_per_layer"].values()) for r in (lru, lru_mtp)]
+    assert max(per[1]) < max(per[0]), per
 
 
 def test_mtp_with_the_cache_on_the_rpc_device(make_tiny_gguf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -23,7 +23,7 @@ from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..gguf.info import ModelInfo, model_info
 from ..gguf.kv_types import KvCacheType, KvTypes
-from ..placement.budget import PLAN_UBATCH, slots_beside_prefill_buffers
+from ..placement.budget import PLAN_UBATCH, best_n_cpu_moe, mtp_reserve_bytes, slots_beside_prefill_buffers
 from ..placement.planner import Device, budget_request
 from ..placement.planner import plan as plan_placement
 from ..placement.tiers import context_steps, engine_tiers
@@ -451,6 +451,10 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         again.append(policy_rows[0])
         rows += policy_rows
     if spec.speculation is not None and spec.speculation.on:
+        if (
+            spec.speculation.mode == "mtp"
+        ):  # the MTP heads' reserve comes out of the slots and stock's GPU layers
+            again = _beside_mtp_heads(b, base, moe, cpu_moe, n_cpu if on_gpu else None)
         rows += [_speculating(r, spec.speculation) for r in again]
     generated = _run_rows(res, rows, path, prompt, spec.gen_tokens, progress)
     if spec.profile is not None and generated:
@@ -480,6 +484,33 @@ def _stock_rows(
             (f"stock --n-cpu-moe {n_cpu}", "stock", replace(stock, cpu_expert_layers=layers), None, "")
         )
     return rows
+
+
+def _beside_mtp_heads(
+    b: _CacheRows, base: LoadConfig, moe: tuple[int, ...], cpu_moe: tuple[int, ...] | None, n_cpu: int | None
+) -> list[_Row]:
+    """The rows `--speculate mtp` runs again, planned beside the MTP heads (placement.budget.mtp_reserve_bytes):
+    the best stock layout with the --n-cpu-moe that leaves room for them, each policy's first row with the slots
+    their bytes leave (the heads' routed experts stay in CPU memory)."""
+    spec, info = b.spec, b.info
+    kv = KvTypes(spec.cache_type_k, spec.cache_type_v)
+    fa = spec.flash_attn != "off"
+    mtp = mtp_reserve_bytes(info, b.n_ctx, b.cached.n_ubatch, kv, flash_attn=fa)
+    ubs = b.ubatches
+    if n_cpu is not None:
+        extra = ubs.extra_bytes(b.header, b.n_ctx, ubs.stock, fa) + mtp
+        n_cpu = best_n_cpu_moe(info, spec.vram, b.n_ctx, kv, extra_bytes=extra)
+        n_cpu = len(moe) if n_cpu is None else n_cpu
+    stock = _stock_rows(base, moe, cpu_moe, n_cpu, replace(ubs, stock_n_cpu_moe=n_cpu))[-1:]
+    fewer = -(-mtp // info.slot_bytes) if info.slot_bytes else 0
+    heads = replace(b, slots=max(0, b.slots - fewer), expert_budget_bytes=max(0, b.expert_budget_bytes - mtp))
+    note = f"{heads.slots} slots/layer beside the MTP heads ({mtp / 2**20:.0f} MiB)"
+    return stock + [_noted(_policy_rows(heads, pol)[0], note) for pol in spec.policies]
+
+
+def _noted(row: _Row, note: str) -> _Row:
+    name, kind, cfg, setup, before = row
+    return (name, kind, cfg, setup, "; ".join(x for x in (before, note) if x))
 
 
 def _assign_costs(path: Path, spec: BenchSpec) -> dict[int, Any]:
