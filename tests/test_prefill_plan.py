@@ -149,6 +149,8 @@ def test_plan_prompt_tokens_cli(tmp_path: Path) -> None:
     assert f"every expert resident, at -ub {p['ceiling_ubatch']}: {p['ceiling_tps']:.0f} tok/s" in text
     d = p["decode_after"]
     assert f"decode of the first 64 tokens after it: {d['beside_tps']:.1f} tok/s" in text
+    long = next(line for line in text.splitlines() if "PROJECTED for long prompts" in line)
+    assert f"--ctx {p['n_ctx']} " in long and "--device-prefill 32" in long and "-ub " in long
     assert "8192-token prompt" not in text  # --prompt-tokens: that prompt alone
 
 
@@ -203,3 +205,30 @@ def test_decode_after_a_borrowed_prompt_refills_the_lent_layers_over_the_copy_st
     assert never.borrow_tps == pytest.approx(want, rel=1e-9)
     assert decode_after_prompt(shape, trace, prof, beside=side, borrow=lent,  # type: ignore[arg-type]
                                **{**kw, "policy": "lru"}) is None  # the refill is a placement by counts
+
+
+def test_the_long_prompt_flags_follow_the_projection() -> None:
+    """plan's long-prompt command: device prefill at the ubatch an engine opens with, borrowing where it keeps
+    prefill within 3% and decode's first tokens no slower; nothing where stock prefills as fast."""
+    from dataclasses import replace
+
+    from edgemoe.perf.model.prefill_decode import DecodeAfterPrompt, SideSlots
+    from edgemoe.perf.model.prefill_plan import PrefillChoice, PrefillProjection, UbatchOption, prefill_flags
+
+    def opt(u: int, tps: float) -> UbatchOption:
+        return UbatchOption(u, 0, 0, 8, None, tps, 8192 / tps, "gpu")
+
+    def choice(kind: str, borrow: bool, *tps: float) -> PrefillChoice:
+        opts = tuple(opt(u, t) for u, t in zip((1024, 2048), tps, strict=False))
+        return PrefillChoice(kind, kind, max(opts, key=lambda o: o.prefill_tps), opts, "", borrow)
+
+    after = DecodeAfterPrompt(64, SideSlots(2048, 36), 50.0, SideSlots(2048, 41, 7), 51.0, 1, 0.1)
+    p = PrefillProjection(8192, 8192, True, (choice("stock", False, 800.0), choice("edgemoe", False, 1350, 1400),
+                                            choice("edgemoe", True, 1340, 1390)), decode_after=after)
+    ctx, flags, why = prefill_flags([p]) or (0, "", "")
+    assert ctx == 8192 and flags == "-ub 1024 --device-prefill 32 --device-prefill-borrow"  # 1340: within 5%
+    assert "1340 tok/s on the 8192-token prompt against stock's best 800" in why and "5 more slots" in why
+    slower = replace(p, decode_after=replace(after, borrow_tps=49.0))
+    assert (prefill_flags([slower]) or (0, "", ""))[1] == "-ub 1024 --device-prefill 32"  # decode slower: no borrow
+    stock_wins = replace(p, choices=(choice("stock", False, 1500.0), *p.choices[1:]))
+    assert prefill_flags([stock_wins]) is None and prefill_flags([]) is None

@@ -428,7 +428,9 @@ def plan(
     """What a VRAM budget holds: dense part, KV cache, expert slots per MoE layer (equal and DP), the expected
     hit rate of each policy and, with a GPU profile, projected decode/prefill speeds, the fastest
     configuration (edgemoe's, with the command that runs it, or stock's where stock is faster), the prefill of
-    long prompts (time to first token) at the ubatch each side prefills fastest with; then the expert slots at
+    long prompts (time to first token) at the ubatch each side prefills fastest with, the GPU's ceiling with
+    every expert resident, decode's first tokens after the prompt with and without borrowing the slots, and the
+    command for long prompts where edgemoe prefills faster than stock; then the expert slots at
     each context length (4K..128K, up to the model's training context) and KV cache type, with a GPU profile the
     static policy's projected speeds at them."""
     from ..analysis.trace import Trace

@@ -34,7 +34,14 @@ from ...placement.planner import plan as plan_placement
 from ...policies.registry import policy_spec
 from .context_speeds import project_context_table
 from .costmodel import ModelShape
-from .prefill_plan import PROMPTS, PrefillProjection, PrefillSpec, format_prefill, project_prompts
+from .prefill_plan import (
+    PROMPTS,
+    PrefillProjection,
+    PrefillSpec,
+    format_prefill,
+    prefill_flags,
+    project_prompts,
+)
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 
@@ -390,6 +397,11 @@ def format_layouts(plan: Layouts) -> str:
             f"{sg['stock']}: `{sg['command']}`"
         )
     lines += format_prefill(plan.prefill)
+    long = prefill_flags(plan.prefill)
+    if sg is not None and not sg["stock_faster"] and long is not None:
+        ctx, flags, why = long
+        command = sg["command"].replace(f" --ctx {plan.n_ctx} ", f" --ctx {ctx} ")
+        lines.append(f"  PROJECTED for long prompts: `{command} {flags}`: {why}")
     if plan.contexts is not None and plan.contexts.rows:
         lines += ["  " + line for line in format_context_table(plan.contexts, plan.n_ctx).splitlines()]
     lines += [f"  note: {n}" for n in plan.notes]

@@ -38,7 +38,7 @@ from .costmodel import ModelShape
 from .prefill_decode import DecodeAfterPrompt, SideSlots, decode_after_prompt
 from .profile import MachineProfile
 from .prompt_replay import replay_prompt
-from .sim.config import Config
+from .sim.config import OFFLOAD_MIN_TOKENS, Config
 from .simulate import estimate_graph_nodes, static_frequency
 from .workload import Workload, build_workload, prompt_workload
 
@@ -280,3 +280,35 @@ def format_prefill(projections: Sequence[PrefillProjection]) -> list[str]:
                 "(no placement of the experts in its memory prefills faster on this profile)"
             )
     return lines
+
+
+def prefill_flags(projections: Sequence[PrefillProjection]) -> tuple[int, str, str] | None:
+    """The context and chat flags that run the longest projected prompt as the plan's edgemoe side does
+    (--device-prefill from the simulator's threshold; --device-prefill-borrow where borrowing keeps prefill within
+    3% and decode's first tokens no slower; -ub the one an engine opens with, `settled`), and why; None where
+    stock's best prefills it at least as fast."""
+    if not projections:
+        return None
+    p = max(projections, key=lambda x: x.prompt_tokens)
+    by = {(c.kind, c.borrow): c for c in p.choices}
+    stock, ours, lent = by.get(("stock", False)), by.get(("edgemoe", False)), by.get(("edgemoe", True))
+    if stock is None or ours is None or ours.best.prefill_tps <= stock.best.prefill_tps:
+        return None
+    d = p.decode_after
+    borrow = (
+        lent is not None
+        and lent.best.prefill_tps >= 0.97 * ours.best.prefill_tps
+        and (d is None or d.ratio >= 1.0)
+    )
+    o = settled(lent if borrow and lent is not None else ours)
+    flags = f"-ub {o.n_ubatch} --device-prefill {OFFLOAD_MIN_TOKENS}" + (
+        " --device-prefill-borrow" if borrow else ""
+    )
+    why = (
+        f"{o.prefill_tps:.0f} tok/s on the {p.prompt_tokens}-token prompt against stock's best "
+        f"{stock.best.prefill_tps:.0f} at -ub {stock.best.n_ubatch} ({o.prefill_tps / stock.best.prefill_tps:.2f}x)"
+    )
+    if borrow and d is not None:
+        more = d.borrow.slots_per_layer - d.beside.slots_per_layer
+        why += f"; borrowing keeps {more} more slots per layer for decode ({d.ratio:.3f}x its first tokens)"
+    return p.n_ctx, flags, why
