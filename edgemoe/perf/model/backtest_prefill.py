@@ -2,7 +2,8 @@
 on one GPU, at the ubatch given (`prefill_rows` of edgemoe/perf/published/measurements.json), projected by the
 prefill planner's replay (edgemoe.perf.model.prompt_replay) on that machine's profile, with the
 error of the projection. Every expert is resident, so nothing is copied: the rows test the GPU's compute and
-launch terms alone, the bound of every GPU-bound prefill row `edgemoe plan` prints.
+launch terms alone, the bound of every GPU-bound prefill row `edgemoe plan` prints. llama-bench prompts are
+random tokens: the replay's routing is a random draw of each token's experts (`random_prompt_trace`), not text's.
 
 `tools/backtest.py` writes the table that docs/research/performance-model.md carries ("Backtest of the prefill
 compute"); tests/test_backtest.py checks that it regenerates.
@@ -15,8 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...analysis.trace import Trace
-from .backtest import read_measurements, routing_trace
+import numpy as np
+
+from ...analysis.trace import PREFILL, Trace
+from .backtest import read_measurements
 from .costmodel import ModelShape
 from .profile import load_profile
 from .prompt_replay import replay_prompt
@@ -77,17 +80,36 @@ def whole_model_shape(row: PublishedPrefill, shape_dir: Path) -> ModelShape:
     return shape
 
 
+def random_prompt_trace(n_expert: int, k: int, n_layer: int, n_tokens: int, seed: int = 0) -> Trace:
+    """A prompt of random tokens' routing, as llama-bench's ppN prompts are: each token's k experts drawn
+    uniformly in every layer. Text's routing keeps to fewer experts per ubatch (the bundled routing profiles),
+    which a small ubatch would read less of."""
+    rng = np.random.default_rng(seed)
+    draws = rng.random((n_tokens, n_layer, n_expert), dtype=np.float32)
+    ids = np.argsort(draws, axis=-1)[..., :k].astype(np.int32)
+    return Trace(
+        tokens=np.zeros(n_tokens, np.int32),
+        layers=np.arange(n_layer, dtype=np.int32),
+        ids=ids,
+        weights=np.full((n_tokens, n_layer, k), 1.0 / k, np.float32),
+        phase=np.full(n_tokens, PREFILL, np.uint8),
+        seq=np.zeros(n_tokens, np.int32),
+        meta={"n_expert": n_expert, "model": "random tokens"},
+    )
+
+
 def project_prefill(
-    row: PublishedPrefill, *, shape_dir: Path, trace_cache: dict[tuple[int, int, int], tuple[Trace, str]]
+    row: PublishedPrefill, *, shape_dir: Path, trace_cache: dict[tuple[int, int, int, int], Trace]
 ) -> PrefillBacktest:
-    """The row's prompt, in ubatches of its -ub, through stock llama.cpp with every layer on the GPU."""
+    """The row's prompt of random tokens, in ubatches of its -ub, through stock llama.cpp with every layer on
+    the GPU."""
     shape = whole_model_shape(row, shape_dir)
     moe = shape.moe_layers
-    key = (shape.n_expert, shape.n_expert_used, len(moe))
+    key = (shape.n_expert, shape.n_expert_used, len(moe), row.prompt_tokens)
     if key not in trace_cache:
-        trace_cache[key] = routing_trace(shape.n_expert, shape.n_expert_used, len(moe))
+        trace_cache[key] = random_prompt_trace(*key)
     work = prompt_workload(
-        trace_cache[key][0],
+        trace_cache[key],
         moe,
         shape.n_expert,
         shape.n_expert_used,
@@ -101,7 +123,7 @@ def project_prefill(
 
 
 def backtest_prefill(rows: Sequence[PublishedPrefill], shape_dir: Path) -> list[PrefillBacktest]:
-    cache: dict[tuple[int, int, int], tuple[Trace, str]] = {}
+    cache: dict[tuple[int, int, int, int], Trace] = {}
     return [project_prefill(r, shape_dir=shape_dir, trace_cache=cache) for r in rows]
 
 
