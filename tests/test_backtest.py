@@ -158,3 +158,45 @@ def test_a_prefill_row_replays_the_whole_model_on_the_gpu(tmp_path):
     assert large.projected_tps > small.projected_tps and large.bound == "gpu"
     with pytest.raises(ValueError, match="not held whole"):
         backtest_prefill([PublishedPrefill(id="c", n_ubatch=512, **{**base, "profile": "rtx4060-laptop"})], tmp_path)
+    # a dense model has no routing; a prompt after a deep KV cache attends over it
+    dense = {**base, "model": "llama-3-8b", "prompt_tokens": 512}
+    fresh, deep = backtest_prefill([PublishedPrefill(id="d", n_ubatch=256, **dense),
+                                    PublishedPrefill(id="e", n_ubatch=256, depth=32768, **dense)], tmp_path)
+    assert fresh.bound == deep.bound == "gpu" and deep.projected_tps < 0.8 * fresh.projected_tps
+
+
+def test_prefill_fitted_table_regenerates(tmp_path_factory):
+    from edgemoe.perf.model.backtest_prefill import (FITTED_RATES, backtest_prefill, load_published_prefill,
+                                                     prefill_markdown)
+
+    fitted = backtest_prefill(load_published_prefill(), tmp_path_factory.mktemp("fitted-shapes"), FITTED_RATES)
+    text = DOC.read_text()
+    body = text.split("<!-- backtest-prefill-fitted:begin -->\n", 1)[1].split("<!-- backtest-prefill-fitted:end -->")[0]
+    assert body == prefill_markdown(fitted)
+
+
+def test_kind_rates_price_the_experts_and_the_attention_apart():
+    """A roofline's expert and attention rates (0: its flops) price those products alone; with_kind_rates scales
+    each from the profile's flops and says so."""
+    import dataclasses
+
+    from edgemoe.perf.model.costmodel import LayerCosts, ModelShape
+    from edgemoe.perf.model.profile import load_profile, with_kind_rates
+
+    qwen = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
+    shape = ModelShape.read(qwen)
+    prof = load_profile("rtx4060-laptop")
+    assert prof.gpu is not None and prof.gpu.roofline.expert_flops == prof.gpu.roofline.attn_flops == 0.0
+    fast = with_kind_rates(prof, dense=1.0, expert=2.0, attention=4.0)
+    assert fast.gpu is not None and "experts 2x" in fast.name and "attention 4x" in fast.notes
+    il = shape.moe_layers[0]
+    big = 4096  # compute-bound: each product's time halves with twice its rate
+    base, scaled = LayerCosts.of(prof.gpu, shape), LayerCosts.of(fast.gpu, shape)
+    assert scaled.dense(il, big) == pytest.approx(base.dense(il, big))
+    assert scaled.expert(il, big) == pytest.approx(base.expert(il, big) / 2)
+    roof = dataclasses.replace(prof.gpu.roofline, mem_bw=1e30)  # the attention's flops term alone
+    a0 = LayerCosts.of(dataclasses.replace(prof.gpu, roofline=roof), shape).attention(il, big, 8192)
+    a1 = LayerCosts.of(dataclasses.replace(prof.gpu, roofline=dataclasses.replace(roof, attn_flops=4 * roof.flops)),
+                       shape).attention(il, big, 8192)
+    assert a1 == pytest.approx(a0 / 4)
+    assert with_kind_rates(dataclasses.replace(prof, gpu=None), dense=2, expert=2, attention=2).gpu is None

@@ -3,7 +3,8 @@
 
 Projects every row of edgemoe/perf/published/measurements.json on its machine profile and writes the tables
 into docs/research/performance-model.md between their markers (decode rows: "backtest", prefill rows:
-"backtest-prefill"), and the rows as JSON:
+"backtest-prefill", the prefill rows at the fitted per-kind GPU rates: "backtest-prefill-fitted"), and the rows
+as JSON:
 
     .venv/bin/python tools/backtest.py --docs docs/research/performance-model.md --json docs/figures/backtest.json
     .venv/bin/python tools/backtest.py            # print the table only
@@ -19,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgemoe.perf.model.backtest import backtest, error_stats, load_published, markdown
-from edgemoe.perf.model.backtest_prefill import (backtest_prefill, load_published_prefill, prefill_error_stats,
-                                                 prefill_markdown)
+from edgemoe.perf.model.backtest_prefill import (FITTED_RATES, backtest_prefill, load_published_prefill,
+                                                 prefill_error_stats, prefill_markdown)
 
 
 def replace_between_markers(text: str, body: str, name: str = "backtest") -> str:
@@ -43,12 +44,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         projections = backtest(load_published(), args.shapes or Path(tmp))
         prefill = backtest_prefill(load_published_prefill(), args.shapes or Path(tmp))
-    table, prefill_table = markdown(projections), prefill_markdown(prefill)
+        fitted = backtest_prefill(load_published_prefill(), args.shapes or Path(tmp), FITTED_RATES)
+    table, prefill_table, fitted_table = markdown(projections), prefill_markdown(prefill), prefill_markdown(fitted)
     print(table)
     print(prefill_table)
+    print(fitted_table)
     if args.docs:
         text = replace_between_markers(args.docs.read_text(), table)
-        args.docs.write_text(replace_between_markers(text, prefill_table, "backtest-prefill"))
+        text = replace_between_markers(text, prefill_table, "backtest-prefill")
+        args.docs.write_text(replace_between_markers(text, fitted_table, "backtest-prefill-fitted"))
     if args.json:
         rows = [{**p.row.__dict__, "projected_tps": p.projected_tps,
                  "projected_hit_rate": p.projected_hit_rate, "error": p.error, "routing": p.routing,
@@ -57,7 +61,9 @@ def main() -> None:
                         for p in prefill]
         args.json.write_text(json.dumps({"projected": True, "rows": rows, "stats": error_stats(projections),
                                          "prefill_rows": prefill_rows,
-                                         "prefill_stats": prefill_error_stats(prefill)}, indent=1) + "\n")
+                                         "prefill_stats": prefill_error_stats(prefill),
+                                         "prefill_fitted_rates": FITTED_RATES,
+                                         "prefill_fitted_stats": prefill_error_stats(fitted)}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,18 +21,24 @@ import numpy as np
 from ...analysis.trace import PREFILL, Trace
 from .backtest import read_measurements
 from .costmodel import ModelShape
-from .profile import load_profile
+from .profile import load_profile, with_kind_rates
 from .prompt_replay import replay_prompt
 from .shapes import shape_file, with_k_m_mix
 from .sim.config import Config
 from .simulate import estimate_graph_nodes
-from .workload import prompt_workload
+from .workload import Step, Workload, prompt_workload
 
 LARGE_UBATCH = 512  # the smallest ubatch the prefill plan chooses among (prefill_plan.UBATCHES)
+# the GPU rates the rows call for, per kind of product, as multiples of a specification profile's flops (half the
+# dense FP16 tensor peak with FP32 accumulation): dense products 1.6x (80% of that peak: the Llama 3 8B rows),
+# routed experts 0.8x (40%: gpt-oss-20b at -ub 1024 and 2048), attention 1.4x (70%: the rows at depth 32768).
+# Fitted one kind at a time in that order, each on its rows with the kinds before it fitted; not in the bundled
+# profiles (docs/research/performance-model.md, "Backtest of the prefill compute")
+FITTED_RATES = (1.6, 0.8, 1.4)
 
 # the synthetic writer's type for a published one: Q4_0 as Q4_K (both 4.5 bits per weight, and a spec profile
-# prices a product by its weights per byte), a *_K_M mix as its main type
-_PRICED_AS = {"Q4_0": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K_M": "Q6_K"}
+# prices a product by its weights per byte), a *_K_S or *_K_M mix as its main type
+_PRICED_AS = {"Q4_0": "Q4_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K_M": "Q6_K"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class PublishedPrefill:
     published_tps: float
     source: str
     conditions: str
+    depth: int = 0  # tokens already in the KV cache before the prompt (llama-bench's ppN@dD)
 
 
 @dataclass(frozen=True)
@@ -99,32 +106,44 @@ def random_prompt_trace(n_expert: int, k: int, n_layer: int, n_tokens: int, seed
 
 
 def project_prefill(
-    row: PublishedPrefill, *, shape_dir: Path, trace_cache: dict[tuple[int, int, int, int], Trace]
+    row: PublishedPrefill,
+    *,
+    shape_dir: Path,
+    trace_cache: dict[tuple[int, int, int, int], Trace],
+    rates: tuple[float, float, float] | None = None,
 ) -> PrefillBacktest:
     """The row's prompt of random tokens, in ubatches of its -ub, through stock llama.cpp with every layer on
-    the GPU."""
+    the GPU; `rates`: the GPU's dense, expert and attention products at these multiples of its flops."""
     shape = whole_model_shape(row, shape_dir)
     moe = shape.moe_layers
-    key = (shape.n_expert, shape.n_expert_used, len(moe), row.prompt_tokens)
-    if key not in trace_cache:
-        trace_cache[key] = random_prompt_trace(*key)
-    work = prompt_workload(
-        trace_cache[key],
-        moe,
-        shape.n_expert,
-        shape.n_expert_used,
-        n_tokens=row.prompt_tokens,
-        n_ubatch=row.n_ubatch,
-    )
+    n, u = row.prompt_tokens, row.n_ubatch
+    if moe:
+        key = (shape.n_expert, shape.n_expert_used, len(moe), n)
+        if key not in trace_cache:
+            trace_cache[key] = random_prompt_trace(*key)
+        work = prompt_workload(
+            trace_cache[key], moe, shape.n_expert, shape.n_expert_used, n_tokens=n, n_ubatch=u
+        )
+    else:  # a dense model: no routing
+        steps = (Step(PREFILL, 0, a, np.zeros((min(u, n - a), 0, 0), np.int32)) for a in range(0, n, u))
+        work = Workload(tuple(steps), (), 0)
+    if row.depth:
+        work = Workload(
+            tuple(Step(s.phase, s.seq, s.kv_len + row.depth, s.ids) for s in work.steps), moe, work.n_expert
+        )
     cfg = Config("stock-ngl-99", "stock", gpu_expert_layers=frozenset(moe))
     prof = load_profile(row.profile)
+    if rates is not None:
+        prof = with_kind_rates(prof, dense=rates[0], expert=rates[1], attention=rates[2])
     tps, _, bound = replay_prompt(shape, prof, cfg, work, nodes=estimate_graph_nodes(shape))
     return PrefillBacktest(row, tps, bound)
 
 
-def backtest_prefill(rows: Sequence[PublishedPrefill], shape_dir: Path) -> list[PrefillBacktest]:
+def backtest_prefill(
+    rows: Sequence[PublishedPrefill], shape_dir: Path, rates: tuple[float, float, float] | None = None
+) -> list[PrefillBacktest]:
     cache: dict[tuple[int, int, int, int], Trace] = {}
-    return [project_prefill(r, shape_dir=shape_dir, trace_cache=cache) for r in rows]
+    return [project_prefill(r, shape_dir=shape_dir, trace_cache=cache, rates=rates) for r in rows]
 
 
 def prefill_error_stats(projections: Sequence[PrefillBacktest]) -> dict[str, dict[str, float]]:
@@ -151,7 +170,8 @@ def prefill_markdown(projections: Sequence[PrefillBacktest]) -> str:
     for p in projections:
         r = p.row
         lines.append(
-            f"| {r.id} | {r.profile} | {r.model} ({r.quant}) | {r.prompt_tokens} | {r.n_ubatch} | "
+            f"| {r.id} | {r.profile} | {r.model} ({r.quant}) | {r.prompt_tokens}{f'@d{r.depth}' if r.depth else ''} | "
+            f"{r.n_ubatch} | "
             f"{r.published_tps:.1f} | {p.projected_tps:.1f} | {100 * p.error:+.0f}% | {p.bound} | {r.source} |"
         )
     lines.append("")

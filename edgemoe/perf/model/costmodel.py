@@ -182,7 +182,8 @@ class LayerCosts:
         pairs = tokens * kv_len + tokens * (tokens + 1) // 2
         roof = self.dev.roofline
         bw = (roof.cache_bw or roof.mem_bw) if self.hot else roof.mem_bw
-        return (kv_len + tokens) * ly.kv_bytes_per_token / bw + pairs * ly.attn_flops_per_pair / roof.flops
+        flops = roof.attn_flops or roof.flops
+        return (kv_len + tokens) * ly.kv_bytes_per_token / bw + pairs * ly.attn_flops_per_pair / flops
 
     def expert(self, il: int, tokens: int) -> float:
         """What one routed expert adds to its layer's expert products over `tokens` tokens routed to it (the

@@ -17,7 +17,7 @@ import functools
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, cast
@@ -99,13 +99,25 @@ class Roofline:
     flops: float  # multiply-add throughput of the matrix kernels, 2 flops each, per second
     cache_bw: float = 0.0  # bytes/s from the last-level cache (0: as mem_bw)
     fixed_s: float = 0.0  # per product (kernel launch, thread wake-up)
+    # the routed experts' products (mul_mat_id) and the attention's (flash attention's QK^T and PV), where they
+    # run at another rate than the dense products (0: at `flops`)
+    expert_flops: float = 0.0
+    attn_flops: float = 0.0
+
+    def curve(self, qtype: str) -> Curve:
+        """The dense products of a type."""
+        return self._curve(qtype, self.flops)
+
+    def expert_curve(self, qtype: str) -> Curve:
+        """The routed experts' products of a type."""
+        return self._curve(qtype, self.expert_flops or self.flops)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - a frozen, hashable value object
-    def curve(self, qtype: str) -> Curve:
+    def _curve(self, qtype: str, flops: float) -> Curve:
         wpb = weights_per_byte(qtype)
 
         def point(c: int) -> RatePoint:
-            compute = 2.0 * c * wpb / self.flops
+            compute = 2.0 * c * wpb / flops
             return RatePoint(
                 c,
                 self.fixed_s,
@@ -187,8 +199,9 @@ class DeviceProfile:
         return self.matmul.get(qtype) or self.roofline.curve(qtype)
 
     def expert_curve(self, qtype: str) -> Curve:
-        """Measured expert curve of the type, else its dense one (mul_mat_id reads weights as mul_mat does)."""
-        return self.expert.get(qtype) or self.matmul_curve(qtype)
+        """Measured expert curve of the type, else its measured dense one (mul_mat_id reads weights as mul_mat
+        does), else the roofline's experts."""
+        return self.expert.get(qtype) or self.matmul.get(qtype) or self.roofline.expert_curve(qtype)
 
 
 @dataclass(frozen=True)
@@ -287,10 +300,15 @@ def _attention_times(d: Mapping[str, Any]) -> AttentionTimes:
 def _device(d: Mapping[str, Any]) -> DeviceProfile:
     r = d["roofline"]
     roof = Roofline(
-        float(r["mem_bw"]), float(r["flops"]), float(r.get("cache_bw", 0.0)), float(r.get("fixed_s", 0.0))
+        float(r["mem_bw"]),
+        float(r["flops"]),
+        float(r.get("cache_bw", 0.0)),
+        float(r.get("fixed_s", 0.0)),
+        float(r.get("expert_flops", 0.0)),
+        float(r.get("attn_flops", 0.0)),
     )
-    if roof.mem_bw <= 0 or roof.flops <= 0:
-        raise ValueError("roofline mem_bw and flops must be positive")
+    if roof.mem_bw <= 0 or roof.flops <= 0 or roof.expert_flops < 0 or roof.attn_flops < 0:
+        raise ValueError("roofline mem_bw and flops must be positive (expert_flops, attn_flops: 0 or more)")
     return DeviceProfile(
         name=str(d["name"]),
         mem_bytes=int(d["mem_bytes"]),
@@ -303,6 +321,25 @@ def _device(d: Mapping[str, Any]) -> DeviceProfile:
         attention=_curve(d["attention"]) if d.get("attention") else None,
         decode_attention=tuple(_attention_times(a) for a in d.get("decode_attention", ())),
         op_offload=bool(d.get("op_offload", True)),
+    )
+
+
+def with_kind_rates(prof: MachineProfile, *, dense: float, expert: float, attention: float) -> MachineProfile:
+    """`prof` with its GPU's dense products at `dense` times its roofline's flops, the routed experts' at `expert`
+    times and the attention's at `attention` times (the prefill backtest's fitted rates, docs/research/
+    performance-model.md); the name and notes say so. A profile without a GPU is returned as it is."""
+    if prof.gpu is None:
+        return prof
+    roof = prof.gpu.roofline
+    scaled = replace(
+        roof, flops=dense * roof.flops, expert_flops=expert * roof.flops, attn_flops=attention * roof.flops
+    )
+    rates = f"dense products {dense:g}x, experts {expert:g}x, attention {attention:g}x the roofline's flops"
+    return replace(
+        prof,
+        name=f"{prof.name}; {rates}",
+        gpu=replace(prof.gpu, roofline=scaled),
+        notes=f"{prof.notes} Scaled: {rates}.".strip(),
     )
 
 

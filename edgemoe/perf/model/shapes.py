@@ -34,7 +34,16 @@ QWEN35_35B_A3B = SynthPreset(
     n_ff_shexp=512,
     rope_freq_base=1e7,
 )
-EXTRA_SHAPES = {p.name: p for p in (QWEN35_35B_A3B,)}
+# Llama 3 8B (meta-llama/Meta-Llama-3-8B config.json: 32 layers, hidden 4096, 32 query heads of 128 with 8 KV
+# heads, feed-forward 14336, vocabulary 128,256): llama.cpp's "llama 8B", the dense model of its CUDA benchmark
+# tables, for the prefill backtest's dense matrices and attention
+LLAMA3_8B = SynthPreset(
+    "llama-3-8b", "llama", "meta-llama/Meta-Llama-3-8B",
+    n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_vocab=128256, n_ctx_train=8192,
+    n_ff=14336, rope_freq_base=500000.0, rms_eps=1e-5,
+)  # fmt: skip
+
+EXTRA_SHAPES = {p.name: p for p in (QWEN35_35B_A3B, LLAMA3_8B)}
 
 
 def shape_preset(name: str) -> SynthPreset:
