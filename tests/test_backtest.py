@@ -200,3 +200,25 @@ def test_kind_rates_price_the_experts_and_the_attention_apart():
                        shape).attention(il, big, 8192)
     assert a1 == pytest.approx(a0 / 4)
     assert with_kind_rates(dataclasses.replace(prof, gpu=None), dense=2, expert=2, attention=2).gpu is None
+
+
+def test_kind_rates_profile_tool_writes_a_loadable_scaled_profile(tmp_path):
+    import subprocess
+    import sys
+
+    from edgemoe.perf.model.backtest_prefill import FITTED_RATES
+    from edgemoe.perf.model.profile import load_profile
+
+    out = tmp_path / "fitted.json"
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "kind_rates_profile.py"), "rtx4060-laptop",
+                          "--out", str(out)], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    base, fitted = load_profile("rtx4060-laptop"), load_profile(out)
+    assert base.gpu is not None and fitted.gpu is not None
+    d, e, a = FITTED_RATES
+    assert fitted.gpu.roofline.flops == pytest.approx(d * base.gpu.roofline.flops)
+    assert fitted.gpu.roofline.expert_flops == pytest.approx(e * base.gpu.roofline.flops)
+    assert fitted.gpu.roofline.attn_flops == pytest.approx(a * base.gpu.roofline.flops)
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "kind_rates_profile.py"), "rtx4060-laptop",
+                          "--out", str(out), "--rates", "1,2"], capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "three numbers" in bad.stderr
