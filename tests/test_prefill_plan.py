@@ -207,13 +207,14 @@ def test_decode_after_a_borrowed_prompt_refills_the_lent_layers_over_the_copy_st
                                **{**kw, "policy": "lru"}) is None  # the refill is a placement by counts
 
 
-def test_the_long_prompt_flags_follow_the_projection() -> None:
+def test_the_long_prompt_command_follows_the_projection() -> None:
     """plan's long-prompt command: device prefill at the ubatch an engine opens with, borrowing where it keeps
     prefill within 3% and decode's first tokens no slower; nothing where stock prefills as fast."""
     from dataclasses import replace
 
+    from edgemoe.perf.model.layouts import long_prompt
     from edgemoe.perf.model.prefill_decode import DecodeAfterPrompt, SideSlots
-    from edgemoe.perf.model.prefill_plan import PrefillChoice, PrefillProjection, UbatchOption, prefill_flags
+    from edgemoe.perf.model.prefill_plan import PrefillChoice, PrefillProjection, UbatchOption, long_prompt_run
 
     def opt(u: int, tps: float) -> UbatchOption:
         return UbatchOption(u, 0, 0, 8, None, tps, 8192 / tps, "gpu")
@@ -225,10 +226,15 @@ def test_the_long_prompt_flags_follow_the_projection() -> None:
     after = DecodeAfterPrompt(64, SideSlots(2048, 36), 50.0, SideSlots(2048, 41, 7), 51.0, 1, 0.1)
     p = PrefillProjection(8192, 8192, True, (choice("stock", False, 800.0), choice("edgemoe", False, 1350, 1400),
                                             choice("edgemoe", True, 1340, 1390)), decode_after=after)
-    ctx, flags, why = prefill_flags([p]) or (0, "", "")
-    assert ctx == 8192 and flags == "-ub 1024 --device-prefill 32 --device-prefill-borrow"  # 1340: within 5%
-    assert "1340 tok/s on the 8192-token prompt against stock's best 800" in why and "5 more slots" in why
-    slower = replace(p, decode_after=replace(after, borrow_tps=49.0))
-    assert (prefill_flags([slower]) or (0, "", ""))[1] == "-ub 1024 --device-prefill 32"  # decode slower: no borrow
+    run = long_prompt_run([p])
+    assert run is not None and (run.n_ctx, run.n_ubatch, run.borrow, run.more_slots) == (8192, 1024, True, 5)
+    sg = {"config": "edgemoe-daop", "allocation": "equal"}
+    lp = long_prompt(sg, run, model="m.gguf", vram=8 << 30)
+    assert lp["command"] == ("edgemoe chat m.gguf --vram 8GiB --ctx 8192 --policy daop --alloc equal -ub 1024 "
+                             "--device-prefill 32 --device-prefill-borrow")
+    assert "1340 tok/s on the 8192-token prompt against stock's best 800" in lp["why"] and "5 more slots" in lp["why"]
+    slower = long_prompt_run([replace(p, decode_after=replace(after, borrow_tps=49.0))])  # decode slower: no borrow
+    assert slower is not None and not slower.borrow
+    assert long_prompt(sg, slower, model="m.gguf", vram=8 << 30)["command"].endswith("-ub 1024 --device-prefill 32")
     stock_wins = replace(p, choices=(choice("stock", False, 1500.0), *p.choices[1:]))
-    assert prefill_flags([stock_wins]) is None and prefill_flags([]) is None
+    assert long_prompt_run([stock_wins]) is None and long_prompt_run([]) is None

@@ -36,10 +36,11 @@ from .context_speeds import project_context_table
 from .costmodel import ModelShape
 from .prefill_plan import (
     PROMPTS,
+    LongPromptRun,
     PrefillProjection,
     PrefillSpec,
     format_prefill,
-    prefill_flags,
+    long_prompt_run,
     project_prompts,
 )
 from .profile import MachineProfile
@@ -68,6 +69,9 @@ class Layouts:
     # the fastest projected decode among edgemoe's rows against the best stock row, and the command that runs it
     # (None without projected speeds)
     suggestion: dict[str, Any] | None = None
+    # with a GPU profile, where edgemoe prefills the longest projected prompt faster than stock: the command that
+    # runs it so (the suggestion's policy, device prefill at the settled ubatch, borrowing where it pays) and why
+    long_prompt: dict[str, Any] | None = None
     # with a GPU profile: each prompt's prefill, stock and edgemoe at their fastest ubatch (prefill_plan.py)
     prefill: list[PrefillProjection] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -165,6 +169,9 @@ def make_layouts(
         )
     else:
         lay.suggestion = suggest(lay.expected, model=str(model), vram=vram, n_ctx=n_ctx)
+    run = long_prompt_run(lay.prefill)
+    if lay.suggestion is not None and not lay.suggestion["stock_faster"] and run is not None:
+        lay.long_prompt = long_prompt(lay.suggestion, run, model=str(model), vram=vram)
     lay.notes.append(
         "promoe is not in the plan: the performance model replays no prefetcher (docs/research/prefetch.md)"
     )
@@ -345,6 +352,29 @@ def suggest(expected: list[dict[str, Any]], *, model: str, vram: int, n_ctx: int
     }
 
 
+def long_prompt(sg: dict[str, Any], run: LongPromptRun, *, model: str, vram: int) -> dict[str, Any]:
+    """The `edgemoe chat` command of `run` with the suggestion's policy and allocation, and why."""
+    q, v, c, u = shlex.quote(model), size_arg(vram), run.n_ctx, run.n_ubatch
+    pol, alloc, n = sg["config"].removeprefix("edgemoe-"), sg["allocation"], run.device_prefill_min_tokens
+    if run.borrow:
+        command = (
+            f"edgemoe chat {q} --vram {v} --ctx {c} --policy {pol} --alloc {alloc} -ub {u} --device-prefill {n} "
+            "--device-prefill-borrow"
+        )
+    else:
+        command = f"edgemoe chat {q} --vram {v} --ctx {c} --policy {pol} --alloc {alloc} -ub {u} --device-prefill {n}"
+    why = (
+        f"{run.prefill_tps:.0f} tok/s on the {run.prompt_tokens}-token prompt against stock's best "
+        f"{run.stock_tps:.0f} at -ub {run.stock_ubatch} ({run.prefill_tps / run.stock_tps:.2f}x)"
+    )
+    if run.borrow and run.decode_ratio:
+        why += (
+            f"; borrowing keeps {run.more_slots} more slots per layer for decode ({run.decode_ratio:.3f}x its first "
+            "tokens)"
+        )
+    return {"command": command, "why": why, "run": asdict(run), "projected": True}
+
+
 def _hit_rate_only() -> MachineProfile:
     """Any GPU profile replays the policies' hit rates the same; its speeds are not reported."""
     from .profile import load_profile
@@ -397,11 +427,8 @@ def format_layouts(plan: Layouts) -> str:
             f"{sg['stock']}: `{sg['command']}`"
         )
     lines += format_prefill(plan.prefill)
-    long = prefill_flags(plan.prefill)
-    if sg is not None and not sg["stock_faster"] and long is not None:
-        ctx, flags, why = long
-        command = sg["command"].replace(f" --ctx {plan.n_ctx} ", f" --ctx {ctx} ")
-        lines.append(f"  PROJECTED for long prompts: `{command} {flags}`: {why}")
+    if (lp := plan.long_prompt) is not None:
+        lines.append(f"  PROJECTED for long prompts: `{lp['command']}`: {lp['why']}")
     if plan.contexts is not None and plan.contexts.rows:
         lines += ["  " + line for line in format_context_table(plan.contexts, plan.n_ctx).splitlines()]
     lines += [f"  note: {n}" for n in plan.notes]

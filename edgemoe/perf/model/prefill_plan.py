@@ -282,11 +282,26 @@ def format_prefill(projections: Sequence[PrefillProjection]) -> list[str]:
     return lines
 
 
-def prefill_flags(projections: Sequence[PrefillProjection]) -> tuple[int, str, str] | None:
-    """The context and chat flags that run the longest projected prompt as the plan's edgemoe side does
-    (--device-prefill from the simulator's threshold; --device-prefill-borrow where borrowing keeps prefill within
-    3% and decode's first tokens no slower; -ub the one an engine opens with, `settled`), and why; None where
-    stock's best prefills it at least as fast."""
+@dataclass(frozen=True)
+class LongPromptRun:
+    """How to run the longest projected prompt as the plan's edgemoe side does: device prefill from the
+    simulator's threshold, at the ubatch an engine opens with (`settled`), borrowing the slots where that keeps
+    prefill within 3% and decode's first tokens no slower."""
+
+    n_ctx: int
+    prompt_tokens: int
+    n_ubatch: int
+    device_prefill_min_tokens: int
+    borrow: bool
+    prefill_tps: float
+    stock_tps: float  # stock's best for the same prompt
+    stock_ubatch: int
+    more_slots: int = 0  # borrowing: decode's slots per layer beyond the other side's
+    decode_ratio: float = 0.0  # borrowing: decode's first tokens over the other side's (0.0: not projected)
+
+
+def long_prompt_run(projections: Sequence[PrefillProjection]) -> LongPromptRun | None:
+    """The run for the longest projected prompt; None where stock's best prefills it at least as fast."""
     if not projections:
         return None
     p = max(projections, key=lambda x: x.prompt_tokens)
@@ -301,14 +316,8 @@ def prefill_flags(projections: Sequence[PrefillProjection]) -> tuple[int, str, s
         and (d is None or d.ratio >= 1.0)
     )
     o = settled(lent if borrow and lent is not None else ours)
-    flags = f"-ub {o.n_ubatch} --device-prefill {OFFLOAD_MIN_TOKENS}" + (
-        " --device-prefill-borrow" if borrow else ""
-    )
-    why = (
-        f"{o.prefill_tps:.0f} tok/s on the {p.prompt_tokens}-token prompt against stock's best "
-        f"{stock.best.prefill_tps:.0f} at -ub {stock.best.n_ubatch} ({o.prefill_tps / stock.best.prefill_tps:.2f}x)"
-    )
-    if borrow and d is not None:
-        more = d.borrow.slots_per_layer - d.beside.slots_per_layer
-        why += f"; borrowing keeps {more} more slots per layer for decode ({d.ratio:.3f}x its first tokens)"
-    return p.n_ctx, flags, why
+    more, ratio = (d.borrow.slots_per_layer - d.beside.slots_per_layer, d.ratio) if borrow and d else (0, 0.0)
+    return LongPromptRun(
+        p.n_ctx, p.prompt_tokens, o.n_ubatch, OFFLOAD_MIN_TOKENS, borrow, o.prefill_tps,
+        stock.best.prefill_tps, stock.best.n_ubatch, more, ratio,
+    )  # fmt: skip
