@@ -19,11 +19,7 @@ class RefillingCache(ExpertCache):
     def start(self, run: RunState) -> None:
         self.set_caller_issues(run)
         loads = self.policy.initial_loads()
-        kept = [ld for ld in loads if ld.layer not in self.lent]
-        run.stream.queue(kept, start=0.0)
-        for ld in kept:  # resident before the prompt: nothing to copy now
-            run.stream.ready[(ld.layer, ld.expert)] = 0.0
-        run.stream.free = 0.0
+        run.stream.place([ld for ld in loads if ld.layer not in self.lent])  # resident before the prompt
         run.stream.queue([ld for ld in loads if ld.layer in self.lent], start=0.0)
         run.clock = 0.0
 

@@ -27,10 +27,7 @@ class CopyStream:
         t = max(self.free, start)
         nbytes = 0
         for ld in loads:
-            slots = self.resident.setdefault(ld.layer, {})
-            for e in [e for e, s in slots.items() if s == ld.slot or e == ld.expert]:
-                del slots[e]
-            slots[ld.expert] = ld.slot
+            self._hold(ld)
             b = self.shape.expert_bytes(ld.layer)
             nbytes += b
             if self.link is not None:
@@ -39,3 +36,16 @@ class CopyStream:
             self.ready[(ld.layer, ld.expert)] = t
         self.free = t
         return nbytes
+
+    def place(self, loads: list[Any]) -> None:
+        """Hold `loads` as resident already (placed before the run: nothing to copy, ready from the start)."""
+        for ld in loads:
+            self._hold(ld)
+            self.ready[(ld.layer, ld.expert)] = 0.0
+
+    def _hold(self, ld: Any) -> None:
+        """Slot ld.slot of layer ld.layer holds ld.expert (whatever held that slot, or that expert, no longer)."""
+        slots = self.resident.setdefault(ld.layer, {})
+        for e in [e for e, s in slots.items() if s == ld.slot or e == ld.expert]:
+            del slots[e]
+        slots[ld.expert] = ld.slot
