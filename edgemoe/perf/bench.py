@@ -23,8 +23,8 @@ from ..errors import EdgeMoeError
 from ..gguf.header import check_gguf
 from ..gguf.info import ModelInfo, model_info
 from ..gguf.kv_types import KvCacheType, KvTypes
-from ..placement.budget import PLAN_UBATCH, best_n_cpu_moe, mtp_reserve_bytes, slots_beside_prefill_buffers
-from ..placement.planner import Device, budget_request
+from ..placement.budget import PLAN_UBATCH, best_n_cpu_moe, slots_beside_prefill_buffers
+from ..placement.planner import Device, budget_request, load_reserve_bytes
 from ..placement.planner import plan as plan_placement
 from ..placement.tiers import context_steps, engine_tiers
 from ..policies.registry import policy_spec
@@ -451,9 +451,8 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
         again.append(policy_rows[0])
         rows += policy_rows
     if spec.speculation is not None and spec.speculation.on:
-        if (
-            spec.speculation.mode == "mtp"
-        ):  # the MTP heads' reserve comes out of the slots and stock's GPU layers
+        # the MTP heads' reserve comes out of the slots and stock's GPU layers
+        if spec.speculation.mode == "mtp":
             again = _beside_mtp_heads(b, base, moe, cpu_moe, n_cpu if on_gpu else None)
         rows += [_speculating(r, spec.speculation) for r in again]
     generated = _run_rows(res, rows, path, prompt, spec.gen_tokens, progress)
@@ -492,13 +491,13 @@ def _beside_mtp_heads(
     """The rows `--speculate mtp` runs again, planned beside the MTP heads (placement.budget.mtp_reserve_bytes):
     the best stock layout with the --n-cpu-moe that leaves room for them, each policy's first row with the slots
     their bytes leave (the heads' routed experts stay in CPU memory)."""
-    spec, info = b.spec, b.info
-    kv = KvTypes(spec.cache_type_k, spec.cache_type_v)
-    fa = spec.flash_attn != "off"
-    mtp = mtp_reserve_bytes(info, b.n_ctx, b.cached.n_ubatch, kv, flash_attn=fa)
-    ubs = b.ubatches
+    spec, info, ubs = b.spec, b.info, b.ubatches
+    with_heads = replace(b.cached, load_mtp=True)
+    mtp = load_reserve_bytes(info, with_heads, b.n_ctx, b.cached.n_ubatch)
     if n_cpu is not None:
+        fa = with_heads.flash_attn != "off"
         extra = ubs.extra_bytes(b.header, b.n_ctx, ubs.stock, fa) + mtp
+        kv = KvTypes(with_heads.cache_type_k, with_heads.cache_type_v)
         n_cpu = best_n_cpu_moe(info, spec.vram, b.n_ctx, kv, extra_bytes=extra)
         n_cpu = len(moe) if n_cpu is None else n_cpu
     stock = _stock_rows(base, moe, cpu_moe, n_cpu, replace(ubs, stock_n_cpu_moe=n_cpu))[-1:]
@@ -588,22 +587,19 @@ def project(
     by_name = {c.name: c for c in sim.configs}
     at_own_ubatch = _own_ubatch_projections(res, path, trace, prof, sim_spec, set(by_name)) if on_gpu else {}
     for row in res.rows:
-        if row.name in at_own_ubatch and row.decode_tps > 0:
-            c = at_own_ubatch[row.name]
-            row.projected_decode_tps, row.projected_prefill_tps = c.decode_tps, c.prefill_tps
-            row.projection_error = c.decode_tps / row.decode_tps - 1
+        c = at_own_ubatch.get(row.name)
+        if c is None:
+            key = _sim_name(row, on_gpu)
+            if (
+                key is None
+                and on_gpu
+                and spec.precalc_from is not None
+                and row.name.endswith(f" +precalc {spec.precalc_from}")
+            ):
+                key = _project_precalc(row, path, trace, prof, spec, base, by_name)
+            c = by_name.get(key) if key is not None else None
+        if c is None or row.decode_tps <= 0:
             continue
-        key = _sim_name(row, on_gpu)
-        if (
-            key is None
-            and on_gpu
-            and spec.precalc_from is not None
-            and row.name.endswith(f" +precalc {spec.precalc_from}")
-        ):
-            key = _project_precalc(row, path, trace, prof, spec, base, by_name)
-        if key is None or key not in by_name or row.decode_tps <= 0:
-            continue
-        c = by_name[key]
         row.projected_decode_tps, row.projected_prefill_tps = c.decode_tps, c.prefill_tps
         row.projection_error = c.decode_tps / row.decode_tps - 1
     res.projection_note = f"projected with profile {spec.profile}" + (
