@@ -496,7 +496,10 @@ def _beside_mtp_heads(
     mtp = load_reserve_bytes(info, with_heads, b.n_ctx, b.cached.n_ubatch)
     if n_cpu is not None:
         fa = with_heads.flash_attn != "off"
-        extra = ubs.extra_bytes(b.header, b.n_ctx, ubs.stock, fa) + mtp
+        # the MTP context's compute buffer is the model's at the row's own ubatch
+        extra = ubs.extra_bytes(b.header, b.n_ctx, ubs.stock, fa) + load_reserve_bytes(
+            info, with_heads, b.n_ctx, ubs.stock
+        )
         kv = KvTypes(with_heads.cache_type_k, with_heads.cache_type_v)
         n_cpu = best_n_cpu_moe(info, spec.vram, b.n_ctx, kv, extra_bytes=extra)
         n_cpu = len(moe) if n_cpu is None else n_cpu
