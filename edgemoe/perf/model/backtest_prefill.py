@@ -21,7 +21,7 @@ import numpy as np
 from ...analysis.trace import PREFILL, Trace
 from .backtest import read_measurements
 from .costmodel import ModelShape
-from .profile import load_profile, with_kind_rates
+from .profile import MachineProfile, load_profile, with_kind_rates
 from .prompt_replay import replay_prompt
 from .shapes import shape_file, with_k_m_mix
 from .sim.config import Config
@@ -74,11 +74,12 @@ def load_published_prefill(path: str | Path | None = None) -> list[PublishedPref
     return [PublishedPrefill(**r) for r in read_measurements(path).get("prefill_rows", [])]
 
 
-def whole_model_shape(row: PublishedPrefill, shape_dir: Path) -> ModelShape:
-    """The row's model shape; refuses one larger than its GPU (the rows hold the whole model there)."""
+def whole_model_shape(row: PublishedPrefill, shape_dir: Path, prof: MachineProfile) -> ModelShape:
+    """The row's model shape; refuses one larger than the GPU of `prof`, the row's profile (the rows hold the
+    whole model there)."""
     qtype = _PRICED_AS.get(row.quant.upper(), row.quant.upper())
     shape = with_k_m_mix(ModelShape.read(shape_file(row.model, qtype, shape_dir)), row.quant)
-    gpu = load_profile(row.profile).gpu
+    gpu = prof.gpu
     if gpu is None or shape.total_bytes > gpu.mem_bytes:
         raise ValueError(
             f"row {row.id}: {row.model} ({row.quant}, {shape.total_bytes / 2**30:.1f} GiB) is not held whole by "
@@ -114,7 +115,8 @@ def project_prefill(
 ) -> PrefillBacktest:
     """The row's prompt of random tokens, in ubatches of its -ub, through stock llama.cpp with every layer on
     the GPU; `rates`: the GPU's dense, expert and attention products at these multiples of its flops."""
-    shape = whole_model_shape(row, shape_dir)
+    prof = load_profile(row.profile)
+    shape = whole_model_shape(row, shape_dir, prof)
     moe = shape.moe_layers
     n, u = row.prompt_tokens, row.n_ubatch
     if moe:
@@ -132,7 +134,6 @@ def project_prefill(
             tuple(Step(s.phase, s.seq, s.kv_len + row.depth, s.ids) for s in work.steps), moe, work.n_expert
         )
     cfg = Config("stock-ngl-99", "stock", gpu_expert_layers=frozenset(moe))
-    prof = load_profile(row.profile)
     if rates is not None:
         prof = with_kind_rates(prof, dense=rates[0], expert=rates[1], attention=rates[2])
     tps, _, bound = replay_prompt(shape, prof, cfg, work, nodes=estimate_graph_nodes(shape))

@@ -356,6 +356,8 @@ def long_prompt(sg: dict[str, Any], run: LongPromptRun, *, model: str, vram: int
     """The `edgemoe chat` command of `run` with the suggestion's policy and allocation, and why."""
     q, v, c, u = shlex.quote(model), size_arg(vram), run.n_ctx, run.n_ubatch
     pol, alloc, n = sg["config"].removeprefix("edgemoe-"), sg["allocation"], run.device_prefill_min_tokens
+    # each command whole in one literal: a flag outside a command line would be a library message naming a CLI
+    # flag (tests/test_messages.py)
     if run.borrow:
         command = (
             f"edgemoe chat {q} --vram {v} --ctx {c} --policy {pol} --alloc {alloc} -ub {u} --device-prefill {n} "
