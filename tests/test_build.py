@@ -183,7 +183,7 @@ def test_install_backend_ops_puts_a_working_binary_and_the_headers_in_place(tmp_
     ggml headers beside it, and the series' cases passing on the CPU with it."""
     import subprocess
 
-    from edgemoe.analysis.op_tests import BACKEND_OPS_NAME, NATIVE_TOOLS_DIR, check_output, series_total
+    from edgemoe.runtime.op_tests import BACKEND_OPS_NAME, NATIVE_TOOLS_DIR, check_output, series_total
 
     dest = tmp_path / NATIVE_TOOLS_DIR
     exe = bl.install_backend_ops(LLAMA_TREE, bl.installed_lib_dir(sys.executable), dest)

@@ -21,7 +21,7 @@ from edgemoe.analysis.doctor import (
     StepResult,
     sanitizer_signal,
 )
-from edgemoe.analysis.op_tests import BACKEND_OPS_ENV, series_total
+from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, series_total
 from edgemoe.cli.main import cli
 from test_ops import backend_ops_exe
 

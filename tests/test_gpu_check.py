@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from edgemoe.analysis.op_tests import BACKEND_OPS_ENV
+from edgemoe.runtime.op_tests import BACKEND_OPS_ENV
 from test_ops import backend_ops_exe
 
 ROOT = Path(__file__).resolve().parent.parent

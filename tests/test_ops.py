@@ -5,7 +5,7 @@ backend the library has: CPU, the CPU repack buffer, and CUDA when built with it
 the ops' cases to llama.cpp's own tests/test-backend-ops.cpp, which compares a backend with the CPU.
 
 Headers and test-backend-ops come from the installed package (tools/build_llama.py puts them in the venv's
-edgemoe.analysis.op_tests.NATIVE_TOOLS_DIR), else from the patched tree under .build/.
+edgemoe.runtime.op_tests.NATIVE_TOOLS_DIR), else from the patched tree under .build/.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import llama_cpp
-from edgemoe.analysis.op_tests import BACKEND_OPS_NAME, SERIES_CASES, installed_include_dir, native_tools_dir
+from edgemoe.runtime.op_tests import BACKEND_OPS_NAME, SERIES_CASES, installed_include_dir, native_tools_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "tests" / "native"

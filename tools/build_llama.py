@@ -35,7 +35,7 @@ import llama_git  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(ROOT))
-from edgemoe.analysis.op_tests import BACKEND_OPS_NAME, NATIVE_TOOLS_DIR  # noqa: E402  (stdlib only)
+from edgemoe.runtime.op_tests import BACKEND_OPS_NAME, NATIVE_TOOLS_DIR  # noqa: E402  (stdlib only)
 SDIST_NAME = "llama_cpp_python-0.3.36"
 SDIST_VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"

@@ -138,7 +138,7 @@ wait_synth() {
 
 build_cmds() {  # the build; in a dry run only what needs no CUDA: the venv's llama_cpp and test-backend-ops
     if [ "$DRY" = 1 ]; then
-        "$PY" -c 'import llama_cpp, edgemoe.analysis.op_tests as o; print("stub build: llama_cpp", llama_cpp.__version__, "test-backend-ops", o.backend_ops_binary())'
+        "$PY" -c 'import llama_cpp, edgemoe.runtime.op_tests as o; print("stub build: llama_cpp", llama_cpp.__version__, "test-backend-ops", o.backend_ops_binary())'
         return
     fi
     "$PY" -m pip install -q --no-deps .devcarry/wheels/*.whl || return 1
@@ -193,7 +193,7 @@ check_tests() {  # pytest -m gpu, one process per test: a crash ends its own tes
 
 check_ops() {
     local exe
-    exe=$("$PY" -c 'from edgemoe.analysis.op_tests import backend_ops_binary; print(backend_ops_binary())') || return 1
+    exe=$("$PY" -c 'from edgemoe.runtime.op_tests import backend_ops_binary; print(backend_ops_binary())') || return 1
     timeout "$CAP_CHECKS" "$exe" test -b "$OPS_BACKEND" -o "$SERIES_OPS" > "$LOGS/backend-ops.log" 2>&1
 }
 

@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..runtime.op_tests import OpTestError, run_series_cases
 from .doctor_child import N_TOKENS
-from .op_tests import OpTestError, run_series_cases
 
 log = logging.getLogger(__name__)
 
