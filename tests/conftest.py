@@ -1,10 +1,17 @@
 """Shared test fixtures: the bundled fixture models and a stock llama-cpp-python reference."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# the suite's devices other than the CPU (the RPC stand-in) take skipped ids filled and masked, whatever a self-test
+# or the caller's environment would pick, so that their checks of splits and id rows hold; the raw mode, the
+# self-test that picks a mode and both modes on every architecture are tested explicitly (tests/test_device_ids.py,
+# tests/test_ids_check.py, tests/test_cache_rpc.py), each setting EDGEMOE_DEVICE_IDS for its own processes
+os.environ["EDGEMOE_DEVICE_IDS"] = "fill"
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_MODELS = sorted((ROOT / "models").glob("*.gguf"))

@@ -2,7 +2,8 @@
 afterwards): one scenario on a fixture with the RPC device standing in for a GPU and the id-row checker on.
 
 argv: MODEL SCENARIO OUT.json. Writes {"check": the checker's counts, "nmse": the logits against the same run on the
-CPU, "equal": bitwise equal to it}. Scenarios:
+CPU, "equal": bitwise equal to it, "device_ids": the device's id-row mode and where it came from}. The mode is the
+environment's (EDGEMOE_DEVICE_IDS, LLAMA_MOE_DEVICE_IDS_DUMMY). Scenarios:
 - cache: the lru cache on the device (half the experts), the prompt in one ubatch, then four decode steps;
 - prefill: the same with the prompt's other experts run from the device's prefill buffers;
 - gating: every layer and its experts on the device, adaptive top-k in the graph on every ubatch;
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from edgemoe.policies.gating import GatingPolicy, GatingRule
-from edgemoe.runtime import native
+from edgemoe.runtime import device_ids, native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.analysis.verify import FnPolicy
@@ -66,8 +67,9 @@ def main(path: Path, scenario: str) -> dict[str, object]:
         setup(eng, scenario, dev)
         got = run(eng, toks)
         check = eng.ids_check()
+        modes = device_ids.as_dicts(eng.device_ids)
     nmse = float(((got - ref) ** 2).mean() / (ref**2).mean())
-    return {"check": check, "nmse": nmse, "equal": bool(np.array_equal(got, ref))}
+    return {"check": check, "nmse": nmse, "equal": bool(np.array_equal(got, ref)), "device_ids": modes}
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tools"))
 import arch_models  # noqa: E402
 
+def holds(check: dict, mode: str) -> bool:
+    """The id-row checker's counts keep the mode's contract: no id past the last row and no repeat; fill also no -1."""
+    return check["n_range"] == check["n_repeat"] == 0 and (mode == "raw" or check["n_negative"] == 0)
+
+
 # architectures whose graph never routes through build_moe_ffn: nothing is cached, nothing overlaps
 NO_MOE_GRAPH = {"refact": "llama.cpp's refact graph (src/models/refact.cpp) runs a dense FFN, never build_moe_ffn"}
 
@@ -120,22 +125,23 @@ def test_cache_on_rpc_device_equals_stock(tmp_path: Path) -> None:
         assert all(ok for _, ok, _ in out["bench_rows"]), out["bench_rows"]
 
 
-def test_every_cache_path_hands_the_device_valid_ids(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["fill", "raw"])
+def test_every_cache_path_hands_the_device_the_ids_of_its_mode(tmp_path: Path, mode: str) -> None:
     """rpc_cache_check.py once more with the id-row checker on in every engine (EDGEMOE_CHECK_IDS=1, tests/
-    test_ids_check.py): manual loads, lru, the CLI's GPU layout, staging, ProMoE's predictor and prefetch, device
-    prefill, pre-calculation and gating in the graph hand the RPC device only valid, distinct ids, and every run
-    still equals its reference (the checker stops the graph at every device MUL_MAT_ID, so the counts of host
-    syncs and overlapped splits are left to the test above)."""
+    test_ids_check.py), in each id-row mode: manual loads, lru, the CLI's GPU layout, staging, ProMoE's predictor
+    and prefetch, device prefill, pre-calculation and gating in the graph hand the RPC device only valid, distinct
+    ids (raw: and -1 where skipped), and every run still equals its reference (the checker stops the graph at every
+    device MUL_MAT_ID, so the counts of host syncs and overlapped splits are left to the test above)."""
     path = FIXTURE_MODELS[0]
     result = tmp_path / "checked.json"
     proc = subprocess.run([sys.executable, str(HERE / "rpc_cache_check.py"), str(path), str(result)],
                           capture_output=True, text=True, timeout=900, cwd=HERE,
-                          env={**os.environ, "EDGEMOE_CHECK_IDS": "1"})
+                          env={**os.environ, "EDGEMOE_CHECK_IDS": "1", "EDGEMOE_DEVICE_IDS": mode})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(result.read_text())
     ids = out["ids_check"]
     assert ids["n_nodes"] > 0 and ids["n_rows"] > 0, ids
-    assert ids["n_negative"] == ids["n_range"] == ids["n_repeat"] == 0 and ids["first"] == "", ids
+    assert holds(ids, mode) and (ids["n_negative"] > 0) == (mode == "raw"), ids
     equal = {k: v for k, v in out.items() if k.endswith("_equal")}
     equal |= {k: v["equal"] for k, v in out.items() if isinstance(v, dict) and "equal" in v}
     assert len(equal) > 10 and all(equal.values()), equal
@@ -159,10 +165,12 @@ def test_borrowed_slots_on_rpc_device_equal_stock(tmp_path: Path) -> None:
             assert r["prefill"]["ubatches"] == 5 and r["prefill"]["late"] == 0, r["prefill"]
 
 
-def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["fill", "raw"])
+def test_overlap_on_every_moe_architecture(tmp_path: Path, mode: str) -> None:
     """The CPU/GPU overlap on each architecture's random-weight model (test-llama-archs' writer), cache on the RPC
     device: logits bitwise = stock with overlap on and off, an overlapped device split at least for every
-    cached layer and ubatch when on (deepseek4 has more device-to-CPU hand-overs), none when off."""
+    cached layer and ubatch when on (deepseek4 has more device-to-CPU hand-overs), none when off. In both id-row
+    modes (EDGEMOE_DEVICE_IDS): the device's skipped ids filled and masked, or handed over as -1."""
     try:
         manifest = arch_models.ensure()
     except Exception as err:  # noqa: BLE001 - the sweep's own test reports a failed build
@@ -170,7 +178,8 @@ def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
     paths = [str(arch_models.DEFAULT_OUT / e["file"]) for e in arch_models.moe_entries(manifest)]
     result = tmp_path / "overlap.json"
     proc = subprocess.run([sys.executable, str(HERE / "rpc_overlap_archs.py"), str(result), *paths],
-                          capture_output=True, text=True, timeout=900, cwd=HERE)
+                          capture_output=True, text=True, timeout=900, cwd=HERE,
+                          env={**os.environ, "EDGEMOE_DEVICE_IDS": mode})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(result.read_text())
     assert len(out) == len(paths) > 40
@@ -178,16 +187,17 @@ def test_overlap_on_every_moe_architecture(tmp_path: Path) -> None:
         assert "error" not in r, (name, r)
         assert r["equal_on"] and r["equal_off"] and r["n_overlap_off"] == 0, (name, r)
         assert r["equal_prefill"], (name, r)  # device prefill: the prompt's other experts from the prefill buffers
-        # every id row handed to the device valid and distinct (tests/test_ids_check.py)
+        # every id row handed to the device as its mode promises (tests/test_ids_check.py): no id past the last row,
+        # no repeat, and with fill no -1
         ids = r["ids_check"]
-        assert r["equal_checked"] and ids["n_negative"] == ids["n_range"] == ids["n_repeat"] == 0, (name, ids)
+        assert r["equal_checked"] and holds(ids, mode), (name, ids)
         # the prefill buffers borrowing the slots: bitwise, valid ids, lent and refilled at each prompt; a model
         # with one cached layer has too few slots to lend
         if r["equal_borrow"] is None:
             assert r["n_moe_layers"] < 2 and "prefill_borrow" in r["borrow_refused"], (name, r)
         else:
             bc, b = r["borrow_ids_check"], r["borrow"]
-            assert r["equal_borrow"] and bc["n_negative"] == bc["n_range"] == bc["n_repeat"] == 0, (name, r)
+            assert r["equal_borrow"] and holds(bc, mode), (name, r)
             assert b["lends"] == 2 and (b["refilled"] > 0 or name.removesuffix(".gguf") in NO_MOE_GRAPH), (name, b)
         if name.removesuffix(".gguf") in NO_MOE_GRAPH:
             assert r["n_overlap_on"] == 0 == r["prefill_layers"], (name, r)

@@ -18,6 +18,7 @@ from edgemoe.analysis.doctor import (
     format_report,
     op_step,
     run_doctor,
+    run_step,
     StepResult,
     sanitizer_signal,
 )
@@ -26,7 +27,7 @@ from edgemoe.cli.main import cli
 from test_ops import backend_ops_exe
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
-STEPS = ["build", "devices", "cpu", "rpc ngl=0", "rpc ngl=999", "cli cpu", "cli cache", "ops CPU"]
+STEPS = ["build", "devices", "cpu", "rpc ngl=0", "rpc ngl=999", "cli cpu", "cli cache", "ops CPU", "ids"]
 # the crash doctor names when a child dies by SIGSEGV (under `make asan-test` ASan catches it and exits)
 SEGV = "a fatal signal (AddressSanitizer)" if "libasan" in os.environ.get("LD_PRELOAD", "") else "SIGSEGV"
 
@@ -68,6 +69,10 @@ def test_cpu_and_rpc_steps_pass_and_match_stock() -> None:
     assert cached["prompt_tokens"] == plain["prompt_tokens"] >= MIN_PROMPT_TOKENS
     assert cached["cache"]["misses"] > 0, cached
     assert report.step("ops CPU").data == {"backend": "CPU", "passed": series_total(), "total": series_total()}
+    # the RPC device's id-row mode: the suite's override (tests/conftest.py), shown in the report
+    ids = report.step("ids").data["devices"]
+    assert [(d["device"], d["mode"], d["source"]) for d in ids] == [("RPC0", "fill", "override")], ids
+    assert "RPC0: fill (override)" in format_report(report)
     text = format_report(report)
     assert "gpu      none" in text and "result   all steps passed" in text
     assert "ops CPU" in text and f"{series_total()}/{series_total()} of the series' op cases passed" in text
@@ -100,7 +105,7 @@ def test_wrong_tokens_in_the_cli_cache_prefill_fail_the_cli_step(monkeypatch: py
 
 FAILING_CASE = (
     "MUL_MAT_ID_SKIP(type_a=q4_K,type_b=f32,n_mats=8,n_used=4,b=0,m=64,n=129,k=256,amax=1.000000,m_v=0,"
-    "p_skip=0.300000): [MUL_MAT_ID_SKIP] NMSE = 0.912000000 > 0.000500000 \x1b[1;31mFAIL\x1b[0m"
+    "skip=some): [MUL_MAT_ID_SKIP] NMSE = 0.912000000 > 0.000500000 \x1b[1;31mFAIL\x1b[0m"
 )
 
 
@@ -109,6 +114,18 @@ def _fake_backend_ops(tmp_path: Path, body: str, monkeypatch: pytest.MonkeyPatch
     exe.write_text("#!/bin/sh\n" + body)
     exe.chmod(0o755)
     monkeypatch.setenv(BACKEND_OPS_ENV, str(exe))
+
+
+def test_ids_step_runs_the_devices_self_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """doctor's ids step without an override: the RPC device's id-row cases run (again, whatever is recorded) and
+    pick raw, which is recorded for the engines that open after it."""
+    monkeypatch.delenv("EDGEMOE_DEVICE_IDS")
+    monkeypatch.setenv("EDGEMOE_CACHE_DIR", str(tmp_path))
+    res = run_step("ids", {"kind": "device-ids", "rpc": True}, 300)
+    assert res.ok, res.error
+    [dev] = res.data["devices"]
+    assert (dev["device"], dev["mode"], dev["source"], dev["note"]) == ("RPC0", "raw", "self-test", ""), dev
+    assert json.loads((tmp_path / "device-ids.json").read_text()), "recorded"
 
 
 def test_a_failing_series_case_fails_the_op_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

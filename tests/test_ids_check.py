@@ -1,14 +1,13 @@
-"""Id rows on a device (patch "moe: id rows that a device's mul_mat_id accepts"): a device's mul_mat_id and
-add_id kernels (CUDA's) read every id as a row of the stacked tensor and assume no id repeats within a token's
-row, while the CPU's skip an id < 0. llama_moe_set_ids_check counts the rows a device would misread; the
-RPC device stands in for a GPU (tests/ids_check_child.py runs each scenario in a process of its own).
+"""Id rows on a device in both modes: a device's mul_mat_id and add_id get the skipped slots (-1) of the cache's
+misses, a gate's or a hook's drops either as they are ("raw": for a device whose kernels proved they skip them) or
+filled with spare rows and masked ("fill"). llama_moe_set_ids_check counts the rows each mode hands over; the RPC
+device stands in for a GPU (tests/ids_check_child.py runs each scenario in a process of its own).
 
-- the expert cache, device prefill, gating and a hook's drops hand the device only valid, distinct ids, and
-  their logits equal the CPU's (bitwise for the cache, whose layers' non-expert part runs on the CPU in both);
-- with LLAMA_MOE_DEVICE_IDS_RAW=1 (the series' rows before the fill: a miss is -1) the checker counts the -1 rows,
-  with =dummy (every miss on slot 0, a design that repeats ids) the repeated rows: the checker sees what crashed
-  CUDA's MMQ.
-The same checker runs on every architecture in tests/test_cache_rpc.py.
+- fill: only valid, distinct ids per token (no -1, nothing past the last row, no repeat);
+- raw: -1 where skipped and otherwise valid, distinct ids (the -1 are counted: the mode does hand them over);
+- both: the logits equal the CPU's (bitwise for the cache, whose layers' non-expert part runs on the CPU in both);
+- LLAMA_MOE_DEVICE_IDS_DUMMY=1 (every miss on slot 0, a design that repeats ids): the checker counts the repeats.
+The same checker runs on every architecture in both modes in tests/test_cache_rpc.py.
 """
 from __future__ import annotations
 
@@ -24,55 +23,57 @@ from conftest import FIXTURE_MODELS
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "ids_check_child.py"
+MODES = ("fill", "raw")
 
 
-def run_child(tmp_path: Path, model: Path, scenario: str, *, raw: str = "") -> dict:
-    """raw: LLAMA_MOE_DEVICE_IDS_RAW for the child: "1" the raw rows (-1 where skipped), "dummy" row 0 for every
-    skipped id (the one-dummy-slot design, which repeats ids)."""
-    out = tmp_path / f"{model.stem}-{scenario}-{raw}.json"
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_DEVICE_IDS_RAW"}
-    if raw:
-        env["LLAMA_MOE_DEVICE_IDS_RAW"] = raw
+def run_child(tmp_path: Path, model: Path, scenario: str, *, mode: str, dummy: bool = False) -> dict:
+    """One scenario on the RPC device with EDGEMOE_DEVICE_IDS=mode; dummy: every skipped id filled with row 0."""
+    out = tmp_path / f"{model.stem}-{scenario}-{mode}-{dummy}.json"
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_MOE_DEVICE_IDS_DUMMY"}
+    env["EDGEMOE_DEVICE_IDS"] = mode
+    if dummy:
+        env["LLAMA_MOE_DEVICE_IDS_DUMMY"] = "1"
     proc = subprocess.run([sys.executable, str(CHILD), str(model), scenario, str(out)], capture_output=True,
                           text=True, timeout=300, cwd=HERE, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def clean(check: dict) -> bool:
-    return check["n_negative"] == check["n_range"] == check["n_repeat"] == 0 and check["first"] == ""
+def holds(check: dict, mode: str) -> bool:
+    """The mode's contract: no id past the last row and no repeat; fill also no -1."""
+    ok = check["n_range"] == check["n_repeat"] == 0
+    return ok and (mode == "raw" or (check["n_negative"] == 0 and check["first"] == ""))
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("model", FIXTURE_MODELS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("scenario", ["cache", "prefill"])
-def test_cache_hands_the_device_valid_distinct_ids(tmp_path: Path, model: Path, scenario: str) -> None:
-    r = run_child(tmp_path, model, scenario)
-    assert r["check"]["n_nodes"] > 0 and r["check"]["n_rows"] > 0, r
-    assert clean(r["check"]), r
+def test_cache_hands_the_device_the_rows_of_its_mode(tmp_path: Path, model: Path, scenario: str, mode: str) -> None:
+    r = run_child(tmp_path, model, scenario, mode=mode)
+    assert [(d["device"], d["mode"], d["source"]) for d in r["device_ids"]] == [("RPC0", mode, "override")], r
+    check = r["check"]
+    assert check["n_nodes"] > 0 and check["n_rows"] > 0, r
+    assert holds(check, mode), r
+    if mode == "raw":  # the misses reach the device as -1: no fill ran
+        assert check["n_negative"] > 0 and " -1" in check["first"], check
     assert r["equal"], r
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("scenario", ["gating", "hook-drop"])
-def test_drops_on_a_device_are_filled_and_zeroed(tmp_path: Path, scenario: str) -> None:
-    r = run_child(tmp_path, FIXTURE_MODELS[0], scenario)
-    assert r["check"]["n_nodes"] > 0 and clean(r["check"]), r
+def test_drops_on_a_device_in_each_mode(tmp_path: Path, scenario: str, mode: str) -> None:
+    r = run_child(tmp_path, FIXTURE_MODELS[0], scenario, mode=mode)
+    assert r["check"]["n_nodes"] > 0 and holds(r["check"], mode), r
+    assert (r["check"]["n_negative"] > 0) == (mode == "raw"), r["check"]
     # every layer on the device against every layer on the CPU: the same kernels, the drops applied by the CPU's
-    # skips there and by the fill and mask here
+    # skips there and by the device's skips (raw) or the fill and mask (fill) here
     assert r["nmse"] < 1e-9, r
-
-
-def test_checker_counts_the_rows_of_the_raw_tables(tmp_path: Path) -> None:
-    r = run_child(tmp_path, FIXTURE_MODELS[0], "cache", raw="1")
-    check = r["check"]
-    assert check["n_negative"] > 0 and check["n_range"] == check["n_repeat"] == 0, check
-    assert " -1" in check["first"], check
-    assert r["equal"], r  # the RPC device runs the CPU's kernels, which skip the -1 ids: only the checker sees them
 
 
 def test_checker_counts_repeated_ids(tmp_path: Path) -> None:
     # a routing hook cannot repeat an expert (llama.cpp refuses the decode), and the tables never map two experts
     # to one slot: the repeats come from the one-dummy-slot design, every miss of a row on slot 0
-    r = run_child(tmp_path, FIXTURE_MODELS[0], "cache", raw="dummy")
+    r = run_child(tmp_path, FIXTURE_MODELS[0], "cache", mode="fill", dummy=True)
     check = r["check"]
     assert check["n_repeat"] > 0 and check["n_negative"] == check["n_range"] == 0, check
     assert r["equal"], r  # the mask zeroes the dummy rows; the CPU's kernels read repeats as they are

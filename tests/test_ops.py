@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import llama_cpp
+from rpc_server import rpc_server
 from edgemoe.runtime.op_tests import BACKEND_OPS_NAME, SERIES_CASES, installed_include_dir, native_tools_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,14 +31,15 @@ BACKEND_OPS_CASES = SERIES_CASES
 LIB_DIR = Path(llama_cpp.__file__).parent / "lib"
 
 
-def build_native(name: str, out_dir: Path, source: Path | None = None) -> Path:
-    """Compile tests/native/<name>.cpp (or source) against the patched headers and the venv's libggml."""
+def build_native(name: str, out_dir: Path, source: Path | None = None, extra_include: list[Path] | None = None) -> Path:
+    """Compile tests/native/<name>.cpp (or source) against the patched headers (and extra_include) and the venv's
+    libggml."""
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed for the op tests"
     assert (GGML_INCLUDE / "ggml.h").exists(), f"no ggml.h in {installed_include_dir()} or {GGML_INCLUDE}: run `make install`"
     exe = out_dir / name
     src = source or NATIVE / f"{name}.cpp"
-    cmd = [cxx, "-std=c++17", "-O1", "-Wall", str(src), f"-I{GGML_INCLUDE}",
+    cmd = [cxx, "-std=c++17", "-O1", "-Wall", str(src), f"-I{GGML_INCLUDE}", *(f"-I{d}" for d in extra_include or []),
            f"-L{LIB_DIR}", "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{LIB_DIR}", "-o", str(exe)]
     subprocess.run(cmd, check=True)
     return exe
@@ -50,12 +52,13 @@ def backend_ops_exe(out_dir: Path) -> Path:
     return build_native("test-backend-ops", out_dir, LLAMA_SRC / "tests" / "test-backend-ops.cpp")
 
 
-def run_backend_ops(out_dir: Path, backend: str) -> str:
-    """llama.cpp's test-backend-ops of the patched tree (installed, or built into out_dir) run on one backend with
-    the series' cases only; its output (asserted to pass)."""
+def run_backend_ops(out_dir: Path, backend: str, rpc: str | None = None) -> str:
+    """llama.cpp's test-backend-ops of the patched tree (installed, or built into out_dir) run on one backend (rpc:
+    an RPC server's HOST:PORT) with the series' cases only; its output (asserted to pass)."""
     exe = backend_ops_exe(out_dir)
     ops = ",".join(BACKEND_OPS_CASES)
-    proc = subprocess.run([str(exe), "-b", backend, "-o", ops], capture_output=True, text=True, timeout=900)
+    cmd = [str(exe), "-b", backend, "-o", ops, *(["--rpc", rpc] if rpc else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     n_cases = sum(BACKEND_OPS_CASES.values())
     assert f"{n_cases}/{n_cases} tests passed" in proc.stdout, proc.stdout[-3000:]
@@ -90,3 +93,24 @@ def test_backend_ops_cases_of_the_series_run_on_the_cpu(tmp_path: Path) -> None:
     decisions equal to the Python rules) are the standalone programs' above.
     """
     run_backend_ops(tmp_path, "CPU")
+
+
+def test_backend_ops_cases_of_the_series_run_on_the_rpc_device(tmp_path: Path) -> None:
+    """The same cases on a device behind llama.cpp's RPC server (test-backend-ops --rpc, a patch of the series): the
+    stand-in for a GPU compared with the CPU backend, the -1 ids carried over the protocol to the server's kernels."""
+    with rpc_server() as endpoint:
+        out = run_backend_ops(tmp_path, "RPC0", rpc=endpoint)
+    assert f"Backend RPC0[{endpoint}]" in out, out[-2000:]  # the cases ran on the server's device
+
+
+def test_a_host_buffer_no_device_computes_on_is_the_cpus(tmp_path: Path) -> None:
+    """llm_moe_buft_is_device (llama-moe-graph.h): a branch whose experts sit in a device's host buffer that its
+    backend does not compute on (CUDA_Host, pinned: the layers past -ngl) is the CPU's branch, not the device's
+    (which would hand the CPU the spare rows and move the masked product to the GPU). The truth table, then real
+    buffer types: the RPC device's own buffer (a device's) and the CPU's buffer seen from the RPC device (a host
+    buffer it does not compute on)."""
+    exe = build_native("test_moe_device_class", tmp_path, extra_include=[LLAMA_SRC / "include", LLAMA_SRC / "src"])
+    with rpc_server() as endpoint:
+        proc = subprocess.run([str(exe), endpoint], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rpc buffer: device" in proc.stdout and "cpu buffer on rpc: cpu" in proc.stdout, proc.stdout

@@ -219,6 +219,8 @@ def run_doctor(model: Path, *, rpc: bool = False, timeout: float = 180.0) -> Doc
     steps += device_steps(model, gpus, rpc, timeout)
     steps += cli_steps(model, rpc and not gpus, timeout)
     steps += [op_step(backend, timeout) for backend in gpus or ["CPU"]]
+    if gpus or rpc:
+        steps.append(run_step("ids", {"kind": "device-ids", "rpc": rpc and not gpus}, timeout))
     system = system_info()
     system["gpu"] = bool(gpus)
     return DoctorReport(system, tuple(steps))
@@ -233,6 +235,12 @@ def _detail(data: dict[str, Any]) -> str:
         return f"{data.get('device')}: tokens {data.get('tokens')}"
     if "passed" in data:
         return f"{data['passed']}/{data['total']} of the series' op cases passed"
+    if "devices" in data and all("mode" in d for d in data["devices"]):
+        # each device's id-row mode: raw (its kernels take -1) or fill (a CPU round trip per layer), and why
+        return "; ".join(
+            f"{d['device']}: {d['mode']} ({d['source']}){' ' + d['note'] if d['note'] else ''}"
+            for d in data["devices"]
+        )[:400]
     return ""
 
 

@@ -127,6 +127,18 @@ def generate(model: str, n_gpu_layers: int, rpc: bool) -> dict[str, Any]:
     return {"device": device, "tokens": tokens}
 
 
+def device_ids_info(rpc: bool) -> dict[str, Any]:
+    """Each device's id-row mode, its self-test run again (and recorded) unless EDGEMOE_DEVICE_IDS forces one."""
+    _phase("ids", "import")
+    from ..runtime import device_ids, native
+
+    if rpc:
+        _phase("ids", "rpc")
+        native.rpc_loopback_device()
+    _phase("ids", "self-test")
+    return {"devices": device_ids.as_dicts(device_ids.resolve("auto", fresh=True))}
+
+
 def _inject_prefill_fault(fault: str) -> None:
     """EDGEMOE_DOCTOR_FAULT=cli:prefill[:wrong]: a fault only in a multi-token ubatch with an expert cache."""
     from ..runtime.sequence import KVSequence
@@ -187,6 +199,8 @@ def run(step: dict[str, Any]) -> dict[str, Any]:
         return generate(step["model"], int(step["n_gpu_layers"]), bool(step.get("rpc")))
     if kind == "cli":
         return cli_generate(list(step["argv"]), bool(step.get("rpc")))
+    if kind == "device-ids":
+        return device_ids_info(bool(step.get("rpc")))
     raise ValueError(f"unknown doctor step {kind!r}")
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import EdgeMoeError
+from ..paths import cache_dir
 
 if TYPE_CHECKING:
     from ..predictors import Predictor
@@ -39,15 +40,6 @@ class CalibrationError(EdgeMoeError):
 
 
 # -- where calibration data lives ------------------------------------------------------------
-def cache_dir() -> Path:
-    """EDGEMOE_CACHE_DIR, else $XDG_CACHE_HOME/edgemoe, else ~/.cache/edgemoe."""
-    env = os.environ.get("EDGEMOE_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "edgemoe"
-
-
 def model_sha256(path: str | os.PathLike[str]) -> str:
     """sha256 of a model file, read in 4 MiB chunks; remembered per (path, size, mtime) in the cache."""
     p = Path(path).resolve()

@@ -42,8 +42,10 @@ def doctor(model_path: Path, rpc: bool, timeout: float, as_json: bool) -> None:
     timeout, it loads the model on the CPU and with 0 and all layers on each GPU, generates 4 greedy tokens and
     compares them with the CPU's; runs `edgemoe generate` on a 64+ token prompt with an expert cache of 2 slots
     per MoE layer on the GPU (the RPC device with --rpc) and compares its tokens with a plain CPU run's; and
-    runs the series' test-backend-ops cases on each GPU (the CPU without one). A crash or a hang is reported as
-    that step's failure. Exits 1 when a step fails, naming the first.
+    runs the series' test-backend-ops cases on each GPU (the CPU without one); and runs each GPU's id-row
+    self-test again, showing the mode engines will use there (raw: skipped experts' ids reach the GPU as -1;
+    fill: a CPU round trip per layer; EDGEMOE_DEVICE_IDS=raw|fill overrides it). A crash or a hang is reported
+    as that step's failure. Exits 1 when a step fails, naming the first.
     """
     report = run_doctor(model_path, rpc=rpc, timeout=timeout)
     click.echo(json.dumps(report.to_json(), indent=1) if as_json else format_report(report))

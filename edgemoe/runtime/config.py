@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 from ..errors import InvalidConfigError
 from ..gguf.kv_types import FLASH_ATTN, KV_CACHE_TYPES, FlashAttn, KvCacheType, block_size, is_quantized
@@ -28,6 +28,11 @@ def planned_ctx(n_ctx: int, n_ctx_train: int) -> int:
     before loading (the engine's rule; llama.cpp may round it up to a multiple of 256)."""
     return n_ctx or min(n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
 
+
+# how a device's mul_mat_id / add_id get skipped ids (edgemoe.runtime.device_ids): "auto" runs each device's recorded
+# id-row self-test, "raw" / "fill" force one mode on every device
+DeviceIdsSetting = Literal["auto", "raw", "fill"]
+DEVICE_IDS_SETTINGS: tuple[DeviceIdsSetting, ...] = ("auto", "raw", "fill")
 
 DEFAULT_BATCH = 512  # LoadConfig's n_batch and n_ubatch: what the CPU tests compare bitwise against stock at
 
@@ -85,8 +90,15 @@ class LoadConfig:
     # load the model's MTP (NextN) blocks, for speculation with them (edgemoe.runtime.mtp); their experts stay
     # in CPU memory
     load_mtp: bool = False
+    # skipped ids on a device: "auto" (its id-row self-test, recorded once per device and build; EDGEMOE_DEVICE_IDS
+    # overrides it), "raw" (-1 as is) or "fill" (spare rows and a mask) on every device; docs/architecture.md
+    device_ids: DeviceIdsSetting = "auto"
 
     def __post_init__(self) -> None:
+        if self.device_ids not in DEVICE_IDS_SETTINGS:
+            raise InvalidConfigError(
+                f"device_ids {self.device_ids!r}: use one of {', '.join(DEVICE_IDS_SETTINGS)}"
+            )
         fa: object = self.flash_attn
         if isinstance(fa, bool):  # the bool of edgemoe <= 0.x configs
             object.__setattr__(self, "flash_attn", "on" if fa else "off")

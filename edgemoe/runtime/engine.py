@@ -35,6 +35,7 @@ from .cache_config import CacheConfig
 from .chat import ChatMessage, ChatSession
 from .config import DEFAULT_BATCH, LoadConfig, default_threads
 from .context_tiers import ContextResizer, ContextTiers, check_tiers, tiers_refusal
+from .device_ids import DeviceIdsChoice
 from .draft_model import make_source
 from .exclusive import ThreadGuard
 from .expert_cache import CacheController, ExpertCache
@@ -399,6 +400,12 @@ class Engine:
             if not self._seq.tokens:
                 self.tiers.fit(1, 0)  # an empty sequence starts at the smallest tier
             return self.tiers
+
+    @property
+    def device_ids(self) -> list[DeviceIdsChoice]:
+        """How each device other than the CPU gets skipped ids ("raw" or "fill", and why): LoadConfig.device_ids,
+        else EDGEMOE_DEVICE_IDS, else the device's recorded id-row self-test (edgemoe.runtime.device_ids)."""
+        return list(self.handle.device_ids)
 
     def ids_check(self) -> dict[str, int | str]:
         """The checker's counts since set_ids_check(): nodes and rows checked, rows with a negative, out-of-range or

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from ..errors import EngineClosedError, ModelLoadError
 from ..gguf.info import ModelInfo
 from ..gguf.kv_types import ggml_type
-from . import native
+from . import device_ids, native
 from .config import FlashAttn, LoadConfig, default_threads
 from .native import lib
 
@@ -124,6 +124,8 @@ class NativeHandle:
         """Load the model at path and create its context (ModelLoadError when llama.cpp cannot)."""
         self.name = path.name  # for the messages
         lib.llama_backend_init()
+        # before the model holds a device: a self-test reaches a device (an RPC server serves one client at a time)
+        self.device_ids = device_ids.resolve(config.device_ids)
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
         mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP if config.use_mmap else lib.LLAMA_LOAD_MODE_NONE
@@ -168,6 +170,8 @@ class NativeHandle:
                 f"{native.recent_error(mark)[-300:]}; try a smaller `n_ctx`"
             )
         self.n_ctx: int = lib.llama_n_ctx(self.ctx)
+        for choice in self.device_ids:
+            native.moe_set_device_ids(self.ctx, native.GgmlDevice(choice.handle), choice.raw)
         if os.environ.get("EDGEMOE_CHECK_IDS", "") not in ("", "0"):
             native.moe_set_ids_check(self.ctx, True)  # doctor, the GPU check: every device id row checked
         self.n_batch: int = cparams.n_batch

@@ -24,7 +24,9 @@ from pathlib import Path
 NATIVE_TOOLS_DIR = Path("share") / "edgemoe"
 BACKEND_OPS_NAME = "test-backend-ops"
 # the series' cases in llama.cpp's test-backend-ops (op name -> how many cases it registers)
-SERIES_CASES = {"MUL_MAT_ID_SKIP": 36, "ADD_ID_SKIP": 4, "MOE_GATE": 36}
+SERIES_CASES = {"MUL_MAT_ID_SKIP": 168, "ADD_ID_SKIP": 6, "MOE_GATE": 36}
+# of those, the id-row cases: skipped ids (-1) on every mul_mat_id / add_id path of a device (a device's self-test)
+ID_ROW_CASES = {op: SERIES_CASES[op] for op in ("MUL_MAT_ID_SKIP", "ADD_ID_SKIP")}
 # a stand-in binary for doctor's tests (a script printing a failing case, one that crashes)
 BACKEND_OPS_ENV = "EDGEMOE_TEST_BACKEND_OPS"
 
@@ -67,32 +69,32 @@ def backend_ops_binary() -> Path:
     return exe
 
 
-def series_total() -> int:
-    return sum(SERIES_CASES.values())
+def series_total(cases: dict[str, int] | None = None) -> int:
+    return sum((cases or SERIES_CASES).values())
 
 
-def first_failure(output: str) -> str | None:
+def first_failure(output: str, cases: dict[str, int] | None = None) -> str | None:
     """The first case line that did not end in OK (FAIL, not supported, an error), without colour codes."""
     for line in _ANSI.sub("", output).splitlines():
         text = line.strip()
-        if text.startswith(tuple(f"{op}(" for op in SERIES_CASES)) and not text.endswith(": OK"):
+        if text.startswith(tuple(f"{op}(" for op in cases or SERIES_CASES)) and not text.endswith(": OK"):
             return text[:300]
     return None
 
 
-def check_output(backend: str, returncode: int, output: str) -> int:
+def check_output(backend: str, returncode: int, output: str, cases: dict[str, int] | None = None) -> int:
     """The number of cases that passed; OpTestError naming the first failing case or the crash otherwise."""
-    total = series_total()
+    total = series_total(cases)
     if returncode < 0:
         sig = signal.Signals(-returncode).name
-        last = first_failure(output) or _last_line(output)
+        last = first_failure(output, cases) or _last_line(output)
         raise OpTestError(
             f"test-backend-ops crashed with {sig} on {backend}" + (f" after: {last}" if last else "")
         )
     m = _SUMMARY.search(_ANSI.sub("", output))
     passed = int(m.group(1)) if m else 0
     counted = int(m.group(2)) if m else 0
-    failure = first_failure(output)
+    failure = first_failure(output, cases)
     if returncode == 0 and passed == counted == total and failure is None:
         return passed
     what = f"{passed}/{total} of the series' cases passed on {backend}"
@@ -107,10 +109,14 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def run_series_cases(backend: str, *, timeout: float = 120.0) -> OpTestRun:
-    """test-backend-ops with the series' cases on one backend (CUDA0, CPU); OpTestError unless all pass."""
+def run_series_cases(
+    backend: str, *, timeout: float = 120.0, cases: dict[str, int] | None = None, rpc: str | None = None
+) -> OpTestRun:
+    """test-backend-ops with the series' cases (or `cases` of them) on one backend (CUDA0, CPU; RPC0 with rpc, the
+    HOST:PORT of its server); OpTestError unless all pass."""
+    cases = cases or SERIES_CASES
     exe = backend_ops_binary()
-    cmd = [str(exe), "test", "-b", backend, "-o", ",".join(SERIES_CASES)]
+    cmd = [str(exe), "test", "-b", backend, "-o", ",".join(cases), *(["--rpc", rpc] if rpc else [])]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -118,5 +124,5 @@ def run_series_cases(backend: str, *, timeout: float = 120.0) -> OpTestRun:
         raise OpTestError(
             f"test-backend-ops gave no answer on {backend} after {timeout:.0f} s (a hang): killed"
         ) from err
-    passed = check_output(backend, proc.returncode, proc.stdout + proc.stderr)
-    return OpTestRun(backend, passed, series_total(), time.perf_counter() - t0)
+    passed = check_output(backend, proc.returncode, proc.stdout + proc.stderr, cases)
+    return OpTestRun(backend, passed, series_total(cases), time.perf_counter() - t0)

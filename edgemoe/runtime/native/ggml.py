@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 from ...errors import NativeLibraryError
 from .loader import (
@@ -93,6 +94,24 @@ _RpcStartServer = ctypes.CFUNCTYPE(
 _RpcAddServer = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
 
 
+def _rpc_server(port: int, n_threads: int) -> tuple[int, Callable[[], None]]:
+    """The RPC registry and a call that serves this process's CPU backend on 127.0.0.1:port (blocking)."""
+    reg = _reg_by_name(b"RPC") if _reg_by_name is not None else None
+    if not reg:
+        raise NativeLibraryError("llama.cpp was built without the RPC backend: run `make install`")
+    start = _RpcStartServer(_reg_proc(reg, b"ggml_backend_rpc_start_server"))
+    cpu = _dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    endpoint = f"127.0.0.1:{port}".encode()
+    devs = (ctypes.c_void_p * 1)(cpu)
+    return reg, lambda: start(endpoint, None, n_threads, 1, devs)
+
+
+def serve_rpc(port: int, n_threads: int = 1) -> None:
+    """Serve this process's CPU backend as llama.cpp's RPC server on 127.0.0.1:port, until the process ends (one
+    client at a time): a device for other processes (test-backend-ops --rpc)."""
+    _rpc_server(port, n_threads)[1]()
+
+
 def rpc_loopback_device(port: int | None = None, n_threads: int = 1) -> GgmlDevice:
     """Start llama.cpp's RPC server on 127.0.0.1:port (None: a free port) in this process (serving the CPU
     backend from a daemon thread), register it, and return its device: a GPU-type device with its own
@@ -106,17 +125,12 @@ def rpc_loopback_device(port: int | None = None, n_threads: int = 1) -> GgmlDevi
     if port is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            port = int(s.getsockname()[1])
 
-    reg = _reg_by_name(b"RPC") if _reg_by_name is not None else None
-    if not reg:
-        raise NativeLibraryError("llama.cpp was built without the RPC backend: run `make install`")
-    start = _RpcStartServer(_reg_proc(reg, b"ggml_backend_rpc_start_server"))
+    reg, serve = _rpc_server(int(port), n_threads)
     add = _RpcAddServer(_reg_proc(reg, b"ggml_backend_rpc_add_server"))
-    cpu = _dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
     endpoint = f"127.0.0.1:{port}".encode()
-    devs = (ctypes.c_void_p * 1)(cpu)
-    threading.Thread(target=start, args=(endpoint, None, n_threads, 1, devs), daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
     time.sleep(0.3)  # the server binds its socket
     server = add(endpoint)
     if not server or _reg_dev_count(server) < 1:
@@ -229,6 +243,8 @@ _dev_get = declare("ggml_backend_dev_get", [ctypes.c_size_t], ctypes.c_void_p, g
 _dev_get_props = declare(
     "ggml_backend_dev_get_props", [ctypes.c_void_p, ctypes.POINTER(DevProps)], None, ggml_base_lib
 )
+# ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
+_dev_reg = declare("ggml_backend_dev_backend_reg", [ctypes.c_void_p], ctypes.c_void_p, ggml_base_lib)
 # typedef struct ggml_backend_feature * (*ggml_backend_get_features_t)(ggml_backend_reg_t reg);
 _GetFeatures = ctypes.CFUNCTYPE(ctypes.POINTER(BackendFeature), ctypes.c_void_p)
 
@@ -256,6 +272,14 @@ def backend_registries() -> list[tuple[str, dict[str, str]]]:
                 j += 1
         out.append((_reg_name(reg).decode(), features))
     return out
+
+
+def device_registry(dev: int) -> str:
+    """The name of the registry a device belongs to ("CUDA", "RPC[127.0.0.1:50052]", ...), "" if unknown."""
+    if _dev_reg is None or _reg_name is None:
+        return ""
+    reg = _dev_reg(dev)
+    return _reg_name(reg).decode() if reg else ""
 
 
 def devices() -> list[tuple[int, DevProps]]:

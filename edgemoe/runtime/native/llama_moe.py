@@ -207,6 +207,32 @@ def moe_ids_check(ctx: LlamaContext) -> dict[str, int | str]:
     return out
 
 
+# enum llama_moe_device_ids: how a device's mul_mat_id / add_id get skipped ids
+MOE_DEVICE_IDS_FILL, MOE_DEVICE_IDS_RAW = 0, 1
+
+# void llama_moe_set_device_ids(struct llama_context * ctx, ggml_backend_dev_t dev, enum llama_moe_device_ids mode);
+_moe_set_device_ids = declare(
+    "llama_moe_set_device_ids", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], None
+)
+# enum llama_moe_device_ids llama_moe_get_device_ids(const struct llama_context * ctx, ggml_backend_dev_t dev);
+_moe_get_device_ids = declare("llama_moe_get_device_ids", [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int)
+
+
+def moe_set_device_ids(ctx: LlamaContext, dev: GgmlDevice | None, raw: bool) -> None:
+    """Device dev's (None: every device's) mul_mat_id / add_id get skipped ids as -1 (raw) or filled with spare rows
+    and masked (the default) in the graphs built from now on."""
+    if _moe_set_device_ids is None:
+        missing_native()
+    _moe_set_device_ids(ctx, dev, MOE_DEVICE_IDS_RAW if raw else MOE_DEVICE_IDS_FILL)
+
+
+def moe_device_ids_raw(ctx: LlamaContext, dev: GgmlDevice | None) -> bool:
+    """Whether device dev gets skipped ids as -1."""
+    if _moe_get_device_ids is None:
+        missing_native()
+    return int(_moe_get_device_ids(ctx, dev)) == MOE_DEVICE_IDS_RAW
+
+
 # int32_t llama_moe_set_predictor(struct llama_context * ctx, int32_t il_src, int32_t il_target,
 #                                 int32_t n_out, int32_t n_hidden, enum ggml_type type, const float * w1,
 #                                 const float * b1, const float * w2, const float * b2, const float * skip);

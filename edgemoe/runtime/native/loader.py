@@ -24,7 +24,7 @@ from . import elf
 
 # The patch level this edgemoe needs: set once by the series' first patch (patches/README.md); raise it with
 # the C side when the API these bindings use changes.
-REQUIRED_PATCH_LEVEL = 28
+REQUIRED_PATCH_LEVEL = 29
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,11 @@ def _sibling(soname: str) -> ctypes.CDLL | None:
 ggml_lib = _sibling("libggml.so.0")
 ggml_cpu_lib = _sibling("libggml-cpu.so.0")
 ggml_base_lib = _sibling("libggml-base.so.0")
+
+
+def library_path() -> str:
+    """The path of the libllama this process loaded."""
+    return str(getattr(_cdll, "_name", ""))
 
 
 def patch_level() -> int:
