@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from edgemoe.runtime.op_tests import BACKEND_OPS_ENV
+from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, series_total
 from test_ops import backend_ops_exe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,9 +65,30 @@ def test_dry_run_runs_every_step_and_returns_at_most_8_files(tmp_path: Path) -> 
     assert {"logs/doctor.err", "logs/backend-ops.log", "logs/sanitizer.log", "logs/bench.err", "logs/build.log",
             "logs/synth.log", "logs/prefill.err", "logs/ctx-f16.err", "logs/ctx-q8_0.err"} <= names
     assert sum(n.startswith("logs/tests/") and n.endswith(".log") for n in names) == 2
-    assert "76/76 tests passed" in (work / "logs" / "backend-ops.log").read_text()
+    assert f"{series_total()}/{series_total()} tests passed" in (work / "logs" / "backend-ops.log").read_text()
     assert (work / "tiny-qwen3moe.gguf").stat().st_size > 0  # written in the background beside the build
     assert seconds < 180, seconds  # about 45 s on an idle 2-core machine
+
+
+def test_dry_run_of_the_id_row_rows(tmp_path: Path) -> None:
+    """`ids` with CPU stand-ins: the op cases first, then the bench's stock rows and lru in both id-row modes with
+    CUDA graphs on and off (four runs in ids.json), then the rows after a long prompt (depth.json)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    proc = _run("ids", out, {"GPU_CHECK_WORK": str(work), "GPU_CHECK_DRY": "1",
+                             BACKEND_OPS_ENV: str(backend_ops_exe(tmp_path))})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["depth.json", "ids.json", "logs.tar.gz", "summary.txt"]
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in summary[:-1]] == [["ok", s] for s in ("synth", "ops", "ids", "depth")]
+    ids = json.loads((out / "ids.json").read_text())
+    assert sorted(ids) == sorted(f"ids-{m}-graphs-{g}" for g in ("off", "on") for m in ("fill", "raw")), list(ids)
+    for run in ids.values():
+        names = [r["name"] for r in run["rows"]]
+        assert names[0].startswith("stock") and any(n.startswith("edgemoe lru") for n in names), names
+        assert all(r["decode_tps"] > 0 for r in run["rows"]), run["rows"]
+    depth = json.loads((out / "depth.json").read_text())
+    assert depth["prompt_tokens"] == 256 and any(r["name"].startswith("edgemoe lru") for r in depth["rows"])
 
 
 @pytest.mark.parametrize("extra", [3, 4])

@@ -8,8 +8,11 @@
 #                                       # the installed stamp are there from the last call, plus the 8K-token
 #                                       # prefill rows (step prefill) and the 32K-context rows (step ctx), which
 #                                       # `all` has no time left for
+#   bash tools/gpu_check.sh ids         # there, warm: the op cases, then lru at 8 GiB in both id-row modes
+#                                       # (raw, fill) with CUDA graphs on and off, stock beside each (step ids),
+#                                       # and decode after a 16K-token prompt for stock and lru (step depth)
 #   bash tools/gpu_check.sh dry-run     # anywhere (CI: tests/test_gpu_check.py): every step with CPU stand-ins
-#   bash tools/gpu_check.sh build|doctor|tests|bench|prefill|ctx|profile|diag    # one step alone
+#   bash tools/gpu_check.sh build|ops|doctor|tests|bench|prefill|ctx|depth|profile|diag    # one step alone
 #   GPU_CHECK_WORK=/tmp/gpu-check.X bash tools/gpu_check.sh pack      # a run's logs into $OUT again
 #
 # Time budget of `all` on a 16-core H100 (each cap is a `timeout`; a step past it is cut, the rest still run):
@@ -19,8 +22,10 @@
 #   | build: wheels, CUDA sm_90 build, test-backend-ops, edgemoe;     |   285 | 235 s and 263 s on two H100s, plus |
 #   |   the synthetic qwen3-30b-a3b written in the background         |       | ~20 s for test-backend-ops         |
 #   | wait for the synthetic model (if the build finished first)      |    15 |                                    |
-#   | checks, in parallel: doctor; pytest -m gpu, one process per     |    75 | 26 tests on the tiny fixtures;     |
-#   |   test, 8 at a time; test-backend-ops' series cases on CUDA0;   |       | each of the five has this cap      |
+#   | ops: test-backend-ops' series cases on CUDA0 (the id rows of    |    30 | 210 small cases: seconds on a GPU  |
+#   |   every mul_mat_id path first), before anything could crash     |       |                                    |
+#   | checks, in parallel: doctor (the device's id-row mode too);     |    75 | 26 tests on the tiny fixtures;     |
+#   |   pytest -m gpu, one process per test, 8 at a time;            |       | each of the four has this cap      |
 #   |   compute-sanitizer memcheck of one cache test; the synthetic   |       |                                    |
 #   |   model's calibration (static, daop) for the bench              |       |                                    |
 #   | bench at 8 GiB, 512-token prompt: stock, lru, static, daop,     |   110 | one process, five rows and four    |
@@ -34,7 +39,13 @@
 #   |   stock rows, edgemoe static and static +tiers (the context in  |       | model load and a 512-token prompt  |
 #   |   steps, issue 42)                                              |       | (not measured yet)                 |
 #   | tarball, summary                                                |     5 |                                    |
-#   | total                                                           |   520 | under the 540 s a call may take    |
+#   | total                                                           |   550 | at the 540 s a call may take: the  |
+#   |                                                                 |       | profile (30) is the step cut first |
+#
+# `ids` (a warm call after `all`): ops (30), then four benches of stock's rows and lru at 8 GiB with a 512-token
+# prompt, EDGEMOE_DEVICE_IDS=raw and =fill, each with CUDA graphs on and with GGML_CUDA_DISABLE_GRAPHS=1 (cap
+# IDS_CAP, default 240: about 50 s each), then `depth`: stock and lru decoding 32 tokens after a 16K-token prompt
+# (cap DEPTH_CAP, default 240). ids.json and depth.json come back.
 #
 # $OUT gets at most 8 files (the script checks): summary.txt (one line per step: status, seconds, cap),
 # gpu-tests.txt (one line per GPU test), doctor.json, bench.json, prefill.json (warm, prefill, dry-run), ctx.json (warm, ctx, dry-run),
@@ -79,7 +90,10 @@ if [ "$DRY" = 1 ]; then
 from edgemoe.gguf.info import read_model_info
 from edgemoe.placement.budget import budget_for_slots
 print(budget_for_slots(read_model_info(sys.argv[1]), 8, 8192))' "$BENCH_MODEL")
-    CAP_BUILD=30 CAP_SYNTH=30 CAP_CHECKS=60 CAP_BENCH=45 CAP_PROFILE=3 CAP_PREFILL=60
+    IDS_ARGS=(--prompt-tokens 32 --gen-tokens 4 -t 1)
+    DEPTH_ARGS=(--prompt-tokens 256 --gen-tokens 4 -t 1)
+    CAP_BUILD=30 CAP_SYNTH=30 CAP_CHECKS=60 CAP_BENCH=45 CAP_PROFILE=3 CAP_PREFILL=60 CAP_OPS=30 CAP_IDS=120
+    CAP_DEPTH=60
     SANITIZER=()
     OPS_BACKEND=CPU
 else
@@ -91,7 +105,10 @@ else
     PREFILL_ARGS=(--prompt-tokens 8192 --gen-tokens 2 --device-prefill 256)
     CTX_ARGS=(--ctx 32768 --prompt-tokens 512 --gen-tokens 32)
     CAP_CTX=${CTX_CAP:-240}
+    IDS_ARGS=(--prompt-tokens 512 --gen-tokens 32)
+    DEPTH_ARGS=(--prompt-tokens 16384 --gen-tokens 32)
     CAP_BUILD=285 CAP_SYNTH=15 CAP_CHECKS=75 CAP_BENCH=${BENCH_CAP:-110} CAP_PROFILE=30 CAP_PREFILL=${PREFILL_CAP:-240}
+    CAP_OPS=30 CAP_IDS=${IDS_CAP:-240} CAP_DEPTH=${DEPTH_CAP:-240}
     SANITIZER=(compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20)
     OPS_BACKEND=CUDA0
 fi
@@ -127,10 +144,11 @@ start_synth() {  # the bench's model, written in the background while the build 
 wait_synth() {
     local t0=$SECONDS rc=0
     if [ -n "${SYNTH_PID:-}" ]; then
-        # the cap counts from now: the writer has run beside the build
-        ( sleep "$CAP_SYNTH"; kill "$SYNTH_PID" 2>/dev/null ) & local guard=$!
+        # the cap counts from now: the writer has run beside the build (a polled cap: a sleeping guard
+        # process would hold the caller's pipe open for the whole cap)
+        while kill -0 "$SYNTH_PID" 2>/dev/null && [ $((SECONDS - t0)) -lt "$CAP_SYNTH" ]; do sleep 1; done
+        kill "$SYNTH_PID" 2>/dev/null
         wait "$SYNTH_PID"; rc=$?
-        kill "$guard" 2>/dev/null
         [ -f "$SYNTH_OUT" ] || [ "$rc" != 0 ] || rc=1
     fi
     record synth "$(status_of "$rc")" $((SECONDS - t0)) "$CAP_SYNTH"
@@ -191,10 +209,16 @@ check_tests() {  # pytest -m gpu, one process per test: a crash ends its own tes
     return "$rc"
 }
 
-check_ops() {
-    local exe
-    exe=$("$PY" -c 'from edgemoe.runtime.op_tests import backend_ops_binary; print(backend_ops_binary())') || return 1
-    timeout "$CAP_CHECKS" "$exe" test -b "$OPS_BACKEND" -o "$SERIES_OPS" > "$LOGS/backend-ops.log" 2>&1
+step_ops() {  # the series' op cases on the GPU first: a kernel that misreads a skipped id crashes here, not in a test
+    local t0=$SECONDS exe rc
+    exe=$("$PY" -c 'from edgemoe.runtime.op_tests import backend_ops_binary; print(backend_ops_binary())')
+    rc=$?
+    if [ $rc = 0 ]; then
+        timeout "$CAP_OPS" "$exe" test -b "$OPS_BACKEND" -o "$SERIES_OPS" > "$LOGS/backend-ops.log" 2>&1
+        rc=$?
+    fi
+    record ops "$(status_of $rc)" $((SECONDS - t0)) "$CAP_OPS"
+    grep -E "tests passed|FAIL|crash|error" "$LOGS/backend-ops.log" | head -n 5
 }
 
 check_sanitizer() {
@@ -207,8 +231,8 @@ check_calibration() {  # what the bench's static and daop rows need, made beside
         --expert-slots 8 --policy static > "$LOGS/calibration.log" 2>&1
 }
 
-step_checks() {  # the five checks at once: the GPU and 16 cores hold them
-    local t0=$SECONDS names=(doctor tests ops sanitizer calibration) pids=() i
+step_checks() {  # the four checks at once: the GPU and 16 cores hold them
+    local t0=$SECONDS names=(doctor tests sanitizer calibration) pids=() i
     for i in "${names[@]}"; do
         if [ "$i" = calibration ] && [ ! -f "$BENCH_MODEL" ]; then pids+=(""); continue; fi
         ( t=$SECONDS; "check_$i"; rc=$?; echo "$rc $((SECONDS - t))" > "$WORK/$i.rc" ) &
@@ -223,7 +247,6 @@ step_checks() {  # the five checks at once: the GPU and 16 cores hold them
     echo "checks: $((SECONDS - t0)) s"
     summarize_doctor
     grep -v '^\(pass\|skip\) ' "$WORK/gpu-tests.txt" 2>/dev/null
-    grep -E "tests passed|FAIL" "$LOGS/backend-ops.log" | head -n 5
     grep -E "ERROR SUMMARY|passed|failed" "$LOGS/sanitizer.log" | tail -n 2
 }
 
@@ -305,6 +328,60 @@ for kv, r in runs.items():
 PYEOF
 }
 
+print_rows() {  # print_rows FILE...: each bench report's rows, decode ratios against the best stock row of its run
+    "$PY" - "$@" <<'EOF'
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        r = json.load(open(path))
+    except (OSError, ValueError) as err:
+        print(f"  {path}: no report ({err})")
+        continue
+    rows = r["rows"]
+    stock = max((x["decode_tps"] for x in rows if x["name"].startswith("stock")), default=0.0)
+    print(" ", path.rsplit("/", 1)[-1], r["device"], "vram", r["vram"], "prompt", r["prompt_tokens"])
+    for row in rows:
+        ratio = f"x{row['decode_tps'] / stock:.2f}" if stock else "-"
+        print(f'  {row["name"]:28} prefill {row["prefill_tps"]:8.1f}  decode {row["decode_tps"]:7.2f}  {ratio}')
+EOF
+}
+
+step_ids() {  # lru in both id-row modes, CUDA graphs on and off, stock's rows beside each in the same run
+    local t0=$SECONDS rc=0 mode graphs files=() f
+    for graphs in on off; do
+        for mode in raw fill; do
+            f="$WORK/ids-$mode-graphs-$graphs.json"
+            files+=("$f")
+            local graph_env=()
+            [ "$graphs" = off ] && graph_env=(GGML_CUDA_DISABLE_GRAPHS=1)
+            env EDGEMOE_DEVICE_IDS="$mode" "${graph_env[@]}" \
+                timeout "$CAP_IDS" "$PY" -m edgemoe.cli bench "$BENCH_MODEL" --vram "${BENCH_VRAM:-8GiB}" \
+                "${IDS_ARGS[@]}" --policy lru --profile none --json > "$f" 2> "$LOGS/ids-$mode-$graphs.err" || rc=$?
+        done
+    done
+    "$PY" - "$WORK/ids.json" "${files[@]}" <<'EOF' || rc=1
+import json, pathlib, sys
+runs = {}
+for p in map(pathlib.Path, sys.argv[2:]):
+    try:
+        runs[p.stem] = json.loads(p.read_text())
+    except (OSError, ValueError) as err:
+        runs[p.stem] = {"error": str(err)}
+pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1))
+EOF
+    record ids "$(status_of $rc)" $((SECONDS - t0)) "$CAP_IDS"
+    print_rows "${files[@]}"
+}
+
+step_depth() {  # decode after a 16K-token prompt: stock's rows and lru (mainline halves from 16K to 160K)
+    local t0=$SECONDS rc
+    timeout "$CAP_DEPTH" "$PY" -m edgemoe.cli bench "$BENCH_MODEL" --vram "${BENCH_VRAM:-8GiB}" "${DEPTH_ARGS[@]}" \
+        --policy lru --profile none --json > "$WORK/depth.json" 2> "$LOGS/depth.err"
+    rc=$?
+    record depth "$(status_of $rc)" $((SECONDS - t0)) "$CAP_DEPTH"
+    print_rows "$WORK/depth.json"
+}
+
 step_profile() {
     local t0=$SECONDS
     timeout "$CAP_PROFILE" "$PY" -m edgemoe.cli profile --out "$WORK/profile.json" > "$LOGS/profile.log" 2>&1
@@ -314,7 +391,7 @@ step_profile() {
 finish() {  # logs.tar.gz and the few files that come back; at most MAX_OUT_FILES in $OUT
     local f n
     tar -czf "$OUTDIR/logs.tar.gz" -C "$WORK" logs
-    for f in summary.txt gpu-tests.txt doctor.json bench.json prefill.json ctx.json profile.json; do
+    for f in summary.txt gpu-tests.txt doctor.json bench.json prefill.json ctx.json ids.json depth.json profile.json; do
         [ -s "$WORK/$f" ] && cp "$WORK/$f" "$OUTDIR/$f"
     done
     n=$(find "$OUTDIR" -type f | wc -l)
@@ -329,6 +406,7 @@ finish() {  # logs.tar.gz and the few files that come back; at most MAX_OUT_FILE
 check_all() {  # everything after the build (the prefill rows where the call has the time: warm, dry-run)
     runtime_env
     wait_synth
+    step_ops
     step_checks
     step_bench
     [ "$MODE" = all ] || step_prefill
@@ -385,6 +463,11 @@ case "$MODE" in
         else step_build; fi && check_all
         finish ;;
     build) step_build; finish ;;
+    ops) runtime_env; step_ops; finish ;;
+    ids)
+        runtime_env; CAP_SYNTH=${SYNTH_CAP:-240}; start_synth; wait_synth
+        step_ops; step_ids; step_depth; finish ;;
+    depth) runtime_env; CAP_SYNTH=${SYNTH_CAP:-240}; start_synth; wait_synth; step_depth; finish ;;
     doctor) runtime_env; check_doctor; summarize_doctor ;;
     tests) runtime_env; check_tests; cat "$WORK/gpu-tests.txt" ;;
     bench) runtime_env; CAP_SYNTH=${SYNTH_CAP:-240}; start_synth; wait_synth; step_bench; finish ;;
@@ -393,5 +476,5 @@ case "$MODE" in
     profile) runtime_env; step_profile; finish ;;
     diag) runtime_env; step_diag ;;
     pack) finish ;;  # GPU_CHECK_WORK=<a run's work folder>: its logs into $OUT again
-    *) echo "usage: $0 all|warm|dry-run|build|doctor|tests|bench|prefill|ctx|profile|diag|pack" >&2; exit 2 ;;
+    *) echo "usage: $0 all|warm|ids|dry-run|build|ops|doctor|tests|bench|prefill|ctx|depth|profile|diag|pack" >&2; exit 2 ;;
 esac
