@@ -112,7 +112,8 @@ def test_patch_level_is_set_once_to_what_the_python_side_requires() -> None:
     touching = {name: levels for name, levels in setters.items() if levels}
     first = bl.read_series(ROOT / "patches")[0].name
     assert touching == {first: [str(required)]}
-    later = [p.name for p in bl.read_series(ROOT / "patches")[1:] if "edgemoe_patch_level" in p.read_text()]
+    later = [p.name for p in bl.read_series(ROOT / "patches")[1:]
+             if re.search(r"^[+-][^+-].*edgemoe_patch_level", p.read_text(), re.M)]
     assert later == []
 
 
@@ -141,9 +142,11 @@ def test_moe_code_lives_in_its_own_files() -> None:
     (src/llama-moe-hook.*, src/llama-moe-cache.*) and build_moe_ffn calls steps in src/llama-moe-graph.*, so an
     upgrade meets few hunks in llama-context.cpp and llama-graph.cpp."""
     added, removed = series_lines_per_file("+"), series_lines_per_file("-")
-    assert added["src/llama-context.cpp"] < 100 and added["src/llama-context.h"] < 30, added
+    # what the series leaves in a file: a line one patch adds and a later one replaces counts once
+    net = {name: n - removed.get(name, 0) for name, n in added.items()}
+    assert net["src/llama-context.cpp"] < 80 and net["src/llama-context.h"] < 30, net
     # build_moe_ffn: a few calls, upstream's expert FFN moved whole into build_moe_experts (its tail moves after it)
-    assert added["src/llama-graph.cpp"] < 150 and removed["src/llama-graph.cpp"] < 70, (added, removed)
+    assert added["src/llama-graph.cpp"] < 160 and removed["src/llama-graph.cpp"] < 70, (added, removed)
     assert added["src/llama-graph.h"] < 80, added
     for name in ("src/llama-moe-hook.h", "src/llama-moe-hook.cpp", "src/llama-moe-cache.h", "src/llama-moe-cache.cpp",
                  "src/llama-moe-graph.h", "src/llama-moe-graph.cpp"):
@@ -192,3 +195,27 @@ def test_install_backend_ops_puts_a_working_binary_and_the_headers_in_place(tmp_
     proc = subprocess.run([str(exe), "test", "-b", "CPU", "-o", "MUL_MAT_ID_SKIP,ADD_ID_SKIP,MOE_GATE"],
                           capture_output=True, text=True, timeout=300)
     assert check_output("CPU", proc.returncode, proc.stdout) == series_total()
+
+
+@pytest.mark.skipif(not (LLAMA_TREE / "src").exists(), reason="no patched tree under .build/src (make install)")
+def test_the_moe_code_reaches_the_context_through_a_seam_and_is_split_by_concern() -> None:
+    """The applied tree: llama_context has no friend among the MoE structs, whose sources name none of its private
+    members (they call graph_invalidate(), graph_active(), get_backend() and the getters); the cache is split by
+    concern (device prefill and each native policy in a file of its own, behind llama_moe_policy_i), no MoE source
+    over 800 lines, the cache's under 1,200."""
+    src = LLAMA_TREE / "src"
+    assert not re.search(r"\bfriend\s+struct\s+llama_moe_", (src / "llama-context.h").read_text())
+    sizes = {}
+    for f in sorted(src.glob("llama-moe-*.cpp")):
+        text = f.read_text()
+        for private in ("gf_res_prev_active", "sched_need_reserve", "backends"):
+            assert not re.search(rf"\b{private}\b", text), (f.name, private)
+        sizes[f.name] = len(text.splitlines())
+    assert sizes["llama-moe-cache.cpp"] < 1200 and max(sizes.values()) <= 800, sizes
+    for name in ("prefill", "policy", "policy-lru", "policy-window", "policy-swap", "policy-prefetch"):
+        assert f"llama-moe-{name}.cpp" in sizes, sorted(sizes)
+    policies = "".join((src / f"llama-moe-policy-{n}.cpp").read_text() for n in ("lru", "window", "swap", "prefetch"))
+    assert len(re.findall(r"^struct llama_moe_policy_\w+ : llama_moe_policy_(?:i|placed) \{", policies, re.M)) == 4
+    # the context calls the cache and the hook; it reads none of their fields
+    ctx = (src / "llama-context.cpp").read_text()
+    assert not re.search(r"moe_(?:cache|hook)->(?!\w+\()", ctx), re.findall(r"moe_(?:cache|hook)->\w+", ctx)

@@ -30,3 +30,13 @@ def test_the_pattern_finds_the_forms_that_were_used() -> None:
     for text in ("(patch 0016)", "patches 0016, 0024", "(0008)", "0005/0006 that", "since 0024 the", "patch 0006's"):
         assert PATCH_NUMBER.search(text), text
     assert not PATCH_NUMBER.search("0.0016 s, 2026-11-25, 10024 tokens")
+
+
+def test_upgrading_lists_the_mirrored_structs_of_the_module() -> None:
+    """docs/upgrading-llama.md carries the list of C structs edgemoe mirrors as edgemoe.runtime.native.structs has
+    it, not a hand-written one that drifts (it named 6 of 8 once)."""
+    from edgemoe.runtime.native import structs
+
+    text = (ROOT / "docs" / "upgrading-llama.md").read_text(encoding="utf-8")
+    listed = text.split("<!-- structs: begin -->\n", 1)[1].split("<!-- structs: end -->", 1)[0]
+    assert listed == structs.markdown()

@@ -22,6 +22,7 @@ from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.policies.gating import GatingPolicy, GatingRule, keep_mask
 from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+from edgemoe.runtime.gating import NATIVE_RULE  # enum ggml_moe_gate_rule, the op's and the API's one numbering
 from test_ops import build_native
 
 pytest_plugins = ["conftest_synth"]
@@ -30,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
 MIXTRAL = ROOT / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun."
-NATIVE_RULE = {GatingRule.SCORE: 0, GatingRule.SER: 1, GatingRule.SENSITIVITY: 2}  # enum ggml_moe_gate_rule
 
 
 class _Recorder:

@@ -13,7 +13,8 @@ from ..policies.gating import GatingPolicy, GatingRule
 from . import native
 from .handle import NativeHandle
 
-_NATIVE_RULE = {
+# each rule's number in enum ggml_moe_gate_rule, the one C numbering of the op and of llama_moe_set_gating
+NATIVE_RULE = {
     GatingRule.SCORE: native.MOE_GATING_SCORE,
     GatingRule.SER: native.MOE_GATING_SER,
     GatingRule.SENSITIVITY: native.MOE_GATING_SENSITIVITY,
@@ -42,7 +43,7 @@ class Gating:
             return
         sens = [policy.layer_sensitivity(il) for il in range(self.n_layer)]
         if (
-            native.moe_set_gating(ctx, _NATIVE_RULE[policy.rule], policy.threshold, sens, policy.decode_only)
+            native.moe_set_gating(ctx, NATIVE_RULE[policy.rule], policy.threshold, sens, policy.decode_only)
             != 0
         ):
             raise EdgeMoeError(

@@ -10,30 +10,10 @@ from ...errors import NativeLibraryError
 from ...runtime.native.ggml import GGML_BACKEND_DEVICE_TYPE_CPU, device_by_type, device_name, reg_proc_address
 from ...runtime.native.ggml import cpu_buffer_type as _cpu_buffer_type
 from ...runtime.native.loader import GgmlDevice, declare, ggml_base_lib, ggml_cpu_lib, require_ggml_functions
+from ...runtime.native.structs import GgmlInitParams, ThreadpoolParams
 
 # enum ggml_status
 GGML_STATUS_SUCCESS = 0
-# GGML_MAX_N_THREADS (config.MAX_THREADS): the size of ggml_threadpool_params.cpumask
-_GGML_MAX_N_THREADS = 512
-
-
-class GgmlInitParams(ctypes.Structure):
-    """struct ggml_init_params { size_t mem_size; void * mem_buffer; bool no_alloc; }"""
-
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
-
-
-class ThreadpoolParams(ctypes.Structure):
-    """struct ggml_threadpool_params (ggml.h); filled by ggml_threadpool_params_init."""
-
-    _fields_ = [
-        ("cpumask", ctypes.c_bool * _GGML_MAX_N_THREADS),  # all false: the default affinity
-        ("n_threads", ctypes.c_int),
-        ("prio", ctypes.c_int),  # enum ggml_sched_priority
-        ("poll", ctypes.c_uint32),  # 0 no polling .. 100 aggressive
-        ("strict_cpu", ctypes.c_bool),
-        ("paused", ctypes.c_bool),
-    ]
 
 
 _vp, _sz, _i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64

@@ -21,10 +21,6 @@ from .ggml import (  # noqa: F401  # noqa: F401
     GGML_TYPE_I8,
     GGML_TYPE_I32,
     GGML_TYPES,
-    BackendFeature,
-    DevCaps,
-    DevProps,
-    TensorBuftOverride,
     backend_registries,
     cpu_buffer_type,
     cpu_overrides,
@@ -133,3 +129,4 @@ from .loader import (  # noqa: F401
     system_info,
 )
 from .nextn import embeddings_nextn, embeddings_nextn_ith, has_nextn, set_embeddings_nextn  # noqa: F401
+from .structs import BackendFeature, DevCaps, DevProps, TensorBuftOverride  # noqa: F401

@@ -15,6 +15,7 @@ from .loader import (
     ggml_lib,
     require_ggml_functions,
 )
+from .structs import BackendFeature, DevProps, TensorBuftOverride
 
 # -- ggml device and buffer-type lookups (libggml / libggml-cpu beside libllama) ------------------------
 # enum ggml_backend_dev_type (ACCEL 2, IGPU 3)
@@ -139,12 +140,6 @@ def rpc_loopback_device(port: int | None = None, n_threads: int = 1) -> GgmlDevi
     return GgmlDevice(int(_reg_dev_get(server, 0)))
 
 
-class TensorBuftOverride(ctypes.Structure):
-    """struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }"""
-
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
 def cpu_overrides(patterns: list[str]) -> ctypes.Array[TensorBuftOverride]:
     """A NULL-terminated override list putting tensors matching the regexes in plain CPU buffers."""
     if _cpu_buft is None:
@@ -190,39 +185,6 @@ GGML_TYPES = {
 GGML_TYPE_F32 = GGML_TYPES["F32"]
 GGML_TYPE_I32 = GGML_TYPES["I32"]
 GGML_TYPE_I8 = GGML_TYPES["I8"]
-
-
-# -- what `edgemoe doctor` reports: ggml's version, its registries and devices, the CUDA runtime ----------
-class DevCaps(ctypes.Structure):
-    """struct ggml_backend_dev_caps"""
-
-    _fields_ = [
-        ("async_", ctypes.c_bool),
-        ("host_buffer", ctypes.c_bool),
-        ("buffer_from_host_ptr", ctypes.c_bool),
-        ("events", ctypes.c_bool),
-        ("mmap_support", ctypes.c_bool),
-    ]
-
-
-class DevProps(ctypes.Structure):
-    """struct ggml_backend_dev_props"""
-
-    _fields_ = [
-        ("name", ctypes.c_char_p),
-        ("description", ctypes.c_char_p),
-        ("memory_free", ctypes.c_size_t),
-        ("memory_total", ctypes.c_size_t),
-        ("type", ctypes.c_int),
-        ("device_id", ctypes.c_char_p),
-        ("caps", DevCaps),
-    ]
-
-
-class BackendFeature(ctypes.Structure):
-    """struct ggml_backend_feature { const char * name; const char * value; }"""
-
-    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_char_p)]
 
 
 # const char * ggml_version(void);

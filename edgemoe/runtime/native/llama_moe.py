@@ -8,28 +8,20 @@ from typing import Any
 import numpy as np
 
 from .loader import GgmlDevice, LlamaContext, declare, missing_native
+from .structs import (
+    MoeBorrowStats,
+    MoeCacheStats,
+    MoeIdsCheck,
+    MoePrecalcStats,
+    MoePrefetchStats,
+    MoePrefillStats,
+    MoeRoute,
+    MoeStats,
+)
 
 # enum llama_moe_hook_flags
 MOE_HOOK_PROBS = 1 << 0
 MOE_HOOK_GATE_INP = 1 << 1
-
-
-class MoeRoute(ctypes.Structure):
-    """struct llama_moe_route: one MoE layer of one ubatch, after top-k, before the experts run."""
-
-    _fields_ = [
-        ("il", ctypes.c_int32),
-        ("n_tokens", ctypes.c_int32),
-        ("n_expert", ctypes.c_int32),
-        ("n_expert_used", ctypes.c_int32),
-        ("n_embd", ctypes.c_int32),
-        ("probs", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_expert] or NULL
-        ("gate_inp", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_embd] or NULL
-        ("ids", ctypes.POINTER(ctypes.c_int32)),  # [n_tokens][n_expert_used], editable, -1 drops
-        ("weights", ctypes.POINTER(ctypes.c_float)),  # [n_tokens][n_expert_used], editable
-        ("weight_rule", ctypes.c_int32),  # enum llama_moe_weight_rule of the layer
-        ("weight_scale", ctypes.c_float),  # applied after the rule
-    ]
 
 
 # typedef bool (*llama_moe_hook_fn)(struct llama_moe_route * route, void * user_data);
@@ -46,32 +38,6 @@ def moe_set_hook(ctx: LlamaContext, fn: Any | None, flags: int) -> None:
     if _moe_set_hook is None:
         missing_native()
     _moe_set_hook(ctx, fn if fn is not None else MoeHookFn(), None, flags)
-
-
-class MoeCacheStats(ctypes.Structure):
-    """struct llama_moe_cache_stats: counters since the cache was made or the stats reset."""
-
-    _fields_ = [
-        ("hits", ctypes.c_uint64),  # routed slots computed from the cache
-        ("misses", ctypes.c_uint64),  # routed slots computed from the model's tensors (layers with a cache)
-        ("loads", ctypes.c_uint64),  # experts copied into slots
-        ("bytes_loaded", ctypes.c_uint64),
-        ("prefetches", ctypes.c_uint64),  # loads queued by llama_moe_cache_prefetch
-        ("chunks", ctypes.c_uint64),  # chunks issued (gate/up/down byte ranges)
-        ("us_blocked", ctypes.c_uint64),  # host time spent waiting for copies
-        ("preempted", ctypes.c_uint64),  # queued or copying loads dropped before completing
-        ("us_issue", ctypes.c_uint64),  # host time queueing copies (the CPU stand-in: the copies themselves)
-        ("load_waits", ctypes.c_uint64),  # loads the compute stream waited for at a ubatch start
-        ("chunks_async", ctypes.c_uint64),  # of the chunks, those the load worker issued
-        ("us_worker", ctypes.c_uint64),  # host time the caller waited for the worker to finish a chunk
-        ("chunks_staged", ctypes.c_uint64),  # of the chunks, those sent from a staging buffer
-        ("routes_async", ctypes.c_uint64),  # ubatches whose routes the worker's policy step processed
-        ("waits_timed", ctypes.c_uint64),  # of the load waits, those the worker timed
-        (
-            "us_load_wait",
-            ctypes.c_uint64,
-        ),  # their time from the compute's wait to the copies' end: an upper bound
-    ]
 
 
 # enum llama_moe_cache_state
@@ -120,26 +86,14 @@ _moe_cache_get_stats = declare("llama_moe_cache_get_stats", [ctypes.c_void_p], M
 _moe_cache_reset_stats = declare("llama_moe_cache_reset_stats", [ctypes.c_void_p], None)
 
 
-# enum llama_moe_gating_rule
-MOE_GATING_NONE = 0
-MOE_GATING_SCORE = 1
-MOE_GATING_SER = 2
-MOE_GATING_SENSITIVITY = 3
+# enum ggml_moe_gate_rule: the rule of llama_moe_set_gating and of the ggml_moe_gate op (one numbering)
+MOE_GATING_NONE = -1  # LLAMA_MOE_GATING_OFF
+MOE_GATING_SCORE = 0  # GGML_MOE_GATE_SCORE
+MOE_GATING_SER = 1  # GGML_MOE_GATE_SER
+MOE_GATING_SENSITIVITY = 2  # GGML_MOE_GATE_SENSITIVITY
 
 
-class MoeStats(ctypes.Structure):
-    """struct llama_moe_stats: what the MoE control path did since the last reset."""
-
-    _fields_ = [
-        ("n_ubatch", ctypes.c_uint64),  # ubatches computed
-        ("n_host_syncs", ctypes.c_uint64),  # graph cuts at MoE layers for the routing callback
-        ("n_routed", ctypes.c_uint64),  # slots in the layers gated in the graph
-        ("n_dropped", ctypes.c_uint64),  # of these, slots the gating rule dropped
-        ("n_overlap", ctypes.c_uint64),  # device splits that ran on while the CPU computed (cache overlap)
-    ]
-
-
-# int32_t llama_moe_set_gating(struct llama_context * ctx, enum llama_moe_gating_rule rule, double threshold,
+# int32_t llama_moe_set_gating(struct llama_context * ctx, enum ggml_moe_gate_rule rule, double threshold,
 #                              const double * sensitivity, bool decode_only);
 _moe_set_gating = declare(
     "llama_moe_set_gating",
@@ -169,19 +123,6 @@ def moe_stats(ctx: LlamaContext) -> dict[str, int]:
 
 def moe_reset_stats(ctx: LlamaContext) -> None:
     _moe_reset_stats(ctx)
-
-
-class MoeIdsCheck(ctypes.Structure):
-    """struct llama_moe_ids_check: rows of ids that a device's mul_mat_id / add_id would misread."""
-
-    _fields_ = [
-        ("n_nodes", ctypes.c_uint64),  # MUL_MAT_ID / ADD_ID nodes on a non-CPU backend checked
-        ("n_rows", ctypes.c_uint64),  # id rows (one per token and node) checked
-        ("n_negative", ctypes.c_uint64),  # rows with an id < 0
-        ("n_range", ctypes.c_uint64),  # rows with an id past the stacked tensor's last expert (slot)
-        ("n_repeat", ctypes.c_uint64),  # rows with an id twice
-        ("first", ctypes.c_char * 128),  # the first failing node and row, "" when none
-    ]
 
 
 # void llama_moe_set_ids_check(struct llama_context * ctx, bool on);
@@ -404,20 +345,6 @@ def moe_cache_set_predicted_prefetch(ctx: LlamaContext, blocking: bool, admit_by
     return int(_moe_cache_set_predicted_prefetch(ctx, blocking, admit_bytes))
 
 
-class MoePrefetchStats(ctypes.Structure):
-    """struct llama_moe_prefetch_stats: the native promoe policy's counters."""
-
-    _fields_ = [
-        ("issued", ctypes.c_uint64),  # speculative loads queued for a prediction
-        ("useful", ctypes.c_uint64),  # ... resident when their layer routed, which used the expert
-        ("preempted", ctypes.c_uint64),  # ... dropped before their last chunk was issued
-        ("predicted", ctypes.c_uint64),  # experts predicted for layers that then routed (sum |P|)
-        ("in_time", ctypes.c_uint64),  # of those, resident when the layer routed
-        ("routed", ctypes.c_uint64),  # experts the predicted layers used (sum |A|)
-        ("correct", ctypes.c_uint64),  # of those, predicted (sum |P & A|)
-    ]
-
-
 # struct llama_moe_prefetch_stats llama_moe_cache_get_prefetch_stats(const struct llama_context * ctx);
 _moe_cache_get_prefetch_stats = declare(
     "llama_moe_cache_get_prefetch_stats", [ctypes.c_void_p], MoePrefetchStats
@@ -449,24 +376,6 @@ MOE_PREFILL_PREDICTED = 2  # those the in-graph predictor from this layer names 
 MOE_PREFILL_AHEAD = {"routed": MOE_PREFILL_ROUTED, "all": MOE_PREFILL_ALL, "predicted": MOE_PREFILL_PREDICTED}
 
 
-class MoePrefillStats(ctypes.Structure):
-    """struct llama_moe_prefill_stats: the prefill buffers' counters."""
-
-    _fields_ = [
-        (
-            "ubatches",
-            ctypes.c_uint64,
-        ),  # ubatches that ran their cached layers' other experts from the buffers
-        ("layers", ctypes.c_uint64),  # cached layers that ran so
-        ("needed", ctypes.c_uint64),  # experts those layers ran from the buffers (routed, outside the slots)
-        ("ahead", ctypes.c_uint64),  # experts copied one cached layer ahead
-        ("ahead_used", ctypes.c_uint64),  # of those, the ones their layer needed
-        ("late", ctypes.c_uint64),  # experts copied at their layer's routing callback (the compute waited)
-        ("bytes", ctypes.c_uint64),  # bytes copied into the buffers
-        ("buf_bytes", ctypes.c_uint64),  # the size of the two buffers
-    ]
-
-
 # int32_t llama_moe_cache_set_prefill(struct llama_context * ctx, int32_t n_min_tokens, enum llama_moe_prefill_ahead ahead);
 _moe_cache_set_prefill = declare(
     "llama_moe_cache_set_prefill", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int], ctypes.c_int32
@@ -487,21 +396,6 @@ def moe_cache_set_prefill(ctx: LlamaContext, n_min_tokens: int, ahead: int = MOE
 def moe_cache_prefill_stats(ctx: LlamaContext) -> dict[str, int]:
     s = _moe_cache_get_prefill_stats(ctx)
     return {name: int(getattr(s, name)) for name, *_ in MoePrefillStats._fields_}
-
-
-class MoeBorrowStats(ctypes.Structure):
-    """struct llama_moe_borrow_stats: the slots lent to the prefill buffers."""
-
-    _fields_ = [
-        ("lent_layers", ctypes.c_uint64),  # cached layers whose slots hold the buffers (0: not borrowing)
-        ("lent_slots", ctypes.c_uint64),  # their slots
-        ("lends", ctypes.c_uint64),  # prefills that borrowed them
-        ("evicted", ctypes.c_uint64),  # experts evicted from them at those lends
-        ("refilled", ctypes.c_uint64),  # experts queued into them after the prefills (the most routed)
-        ("refill_bytes", ctypes.c_uint64),  # those experts' bytes
-        ("refused", ctypes.c_uint64),  # loads into them refused while lent
-        ("lent_bytes", ctypes.c_uint64),  # the slots' bytes the buffers lie over
-    ]
 
 
 # int32_t llama_moe_cache_set_prefill_borrow(struct llama_context * ctx, bool borrow);
@@ -529,17 +423,6 @@ def moe_cache_prefill_return(ctx: LlamaContext) -> int:
 def moe_cache_borrow_stats(ctx: LlamaContext) -> dict[str, int]:
     s = _moe_cache_get_borrow_stats(ctx)
     return {name: int(getattr(s, name)) for name, *_ in MoeBorrowStats._fields_}
-
-
-class MoePrecalcStats(ctypes.Structure):
-    """struct llama_moe_precalc_stats: DAOP's pre-calculation counters."""
-
-    _fields_ = [
-        ("layers", ctypes.c_uint64),  # layer runs that took pre-calculated experts
-        ("computed", ctypes.c_uint64),  # experts computed one layer early (predicted, outside the slots)
-        ("used", ctypes.c_uint64),  # of those, the ones their layer routed
-        ("late", ctypes.c_uint64),  # routed experts outside the slots not pre-calculated: run at their layer
-    ]
 
 
 # int32_t llama_moe_cache_set_precalc(struct llama_context * ctx, int32_t il_first, int32_t n_max_tokens);

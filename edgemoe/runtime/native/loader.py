@@ -24,7 +24,7 @@ from . import elf
 
 # The patch level this edgemoe needs: set once by the series' first patch (patches/README.md); raise it with
 # the C side when the API these bindings use changes.
-REQUIRED_PATCH_LEVEL = 29
+REQUIRED_PATCH_LEVEL = 30
 
 log = logging.getLogger(__name__)
 
