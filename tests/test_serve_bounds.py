@@ -1,0 +1,148 @@
+"""The server's bounds as pure parts, without a server or llama.cpp: JSON depth and strict JSON, the tool-call
+parser on hostile text, the stop-string automaton against a plain reference, Host values, echoed values, the
+control-token guard's placeholders, and OpenAI's rule for tool messages."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from edgemoe.serve.checks import check_tool_answers
+from edgemoe.serve.errors import MAX_MESSAGE_CHARS, APIError, echo
+from edgemoe.serve.front import HostPolicy, parse_host
+from edgemoe.serve.limits import MAX_CALL_DEPTH, BodyBudget, JSONRefused, json_depth, loads_strict
+from edgemoe.serve.specials import SpecialGuard
+from edgemoe.serve.stops import StopScanner
+from edgemoe.serve.tools import parse_call, split_calls
+
+
+# -- JSON ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, depth", [
+    ("1", 0), ("[]", 1), ('{"a": [1, {"b": []}]}', 4), ('"[[[["', 0), ('["]]]\\"[[", [1]]', 2),
+    ("[" * 100_000 + "]" * 100_000, 100_000), ('{"a": "\\\\"}', 1),
+])
+def test_json_depth_counts_brackets_outside_strings(text: str, depth: int) -> None:
+    assert json_depth(text) == depth == json_depth(text.encode())
+
+
+@pytest.mark.parametrize("text", ['{"x": NaN}', "[Infinity]", "[-Infinity]", "[1e400]", "9" * 4400,
+                                  '["\\ud800"]', '{"\\udc00": 1}', "[" * 65 + "]" * 65, "[1,", ""])
+def test_loads_strict_refuses_what_clients_cannot_read_back(text: str) -> None:
+    with pytest.raises(JSONRefused):
+        loads_strict(text, MAX_CALL_DEPTH)
+
+
+def test_loads_strict_reads_json() -> None:
+    text = '{"a": [1, 2.5, -0.0, 1e308, "\\ud83d\\ude00", null, true], "b": "' + "9" * 4300 + '"}'
+    assert loads_strict(text, MAX_CALL_DEPTH) == json.loads(text)
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "f", "arguments": {"x": NaN}}', '{"name": "f", "arguments": {"x": 1e999}}',
+    '{"name": "f", "arguments": {"x": ' + "1" * 5000 + "}}", '{"name": "f", "arguments": {"x": "\\ud800"}}',
+    '{"name": "f", "arguments": ' + "[" * 3000 + "]" * 3000 + "}", '{"name": "f", "arguments": "{\\"x\\": NaN}"}',
+    '{"name": "a b", "arguments": {}}', '{"name": "\\ud800", "arguments": {}}', '{"name": 1, "arguments": {}}',
+])
+def test_calls_no_client_can_read_back_are_text(body: str) -> None:
+    assert parse_call(body) is None
+    text = f"hi <tool_call>{body}</tool_call> there"
+    assert split_calls(text) == (text, [])
+
+
+def test_a_valid_call_still_parses() -> None:
+    call = parse_call('{"name": "read_file", "arguments": {"path": "\\ud83d\\ude00", "n": 1e308}}')
+    assert call is not None and call.arguments == {"path": "\U0001f600", "n": 1e308}
+    assert json.loads(call.arguments_json, parse_constant=lambda c: pytest.fail(c)) == call.arguments
+
+
+# -- stop strings ------------------------------------------------------------------------------------------
+def reference(stops: list[str], text: str) -> tuple[str, str | None]:
+    """The text before the first place where a stop string is complete (the longest of those ending there)."""
+    stops = [s for s in stops if s]
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            hit = max(done, key=len)
+            return text[: end - len(hit)], hit
+    return text, None
+
+
+def test_stop_scanner_matches_the_reference_however_the_text_is_split() -> None:
+    rnd = random.Random(5)
+    for _ in range(3000):
+        stops = ["".join(rnd.choice("ab") for _ in range(rnd.randint(0, 4))) for _ in range(rnd.randint(0, 4))]
+        text = "".join(rnd.choice("abc") for _ in range(rnd.randint(0, 14)))
+        scanner, out, i = StopScanner(stops), "", 0
+        hit = False
+        while i < len(text) and not hit:
+            k = rnd.randint(1, 4)
+            piece, i = text[i:i + k], i + k
+            emitted, hit = scanner.push(piece)
+            out += emitted
+            assert not scanner.buf or any(s.startswith(scanner.buf) for s in scanner.stops)  # only a stop's start
+        out += "" if hit else scanner.flush()
+        assert (out, scanner.hit) == reference(stops, text), (stops, text)
+
+
+# -- Host -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, host", [
+    ("localhost", "localhost"), ("LocalHost.:8080", "localhost"), ("[::1]:80", "::1"), ("127.0.0.1:", "127.0.0.1"),
+    ("a b", None), ("x:99999", None), ("[::1", None), ("[::g]", None), ("a/b", None), ("u@h", None), ("h:p", None),
+])
+def test_parse_host(value: str, host: str | None) -> None:
+    assert parse_host(value) == host
+
+
+def test_host_policy() -> None:
+    local = HostPolicy(bound="127.0.0.1", names=("box.lan",))
+    for host in ("localhost", "a.localhost", "127.0.0.1", "127.9.9.9", "::1", "::ffff:127.0.0.1", "box.lan"):
+        assert local.allows(host), host
+    for host in ("attacker.example", "localhost.attacker.example", "10.0.0.1", "", "0.0.0.0"):
+        assert not local.allows(host), host
+    wildcard = HostPolicy(bound="0.0.0.0")
+    assert wildcard.allows("10.0.0.1") and wildcard.allows("::1") and not wildcard.allows("evil.example")
+    assert HostPolicy(any_host=True).allows("evil.example")
+
+
+# -- errors echo little -------------------------------------------------------------------------------
+def test_echo_and_message_caps() -> None:
+    assert echo("abc") == "'abc'"
+    long = echo("x" * 10_000)
+    assert len(long) < 120 and "10000 characters" in long
+    err = APIError(400, "m" * 100_000, param="p" * 100_000)
+    assert len(err.message) <= MAX_MESSAGE_CHARS + 10 and err.param is not None and len(err.param) < 1100
+
+
+def test_body_budget() -> None:
+    budget = BodyBudget(10)
+    assert budget.take(6) and not budget.take(5) and budget.take(4)
+    budget.give(10)
+    assert budget.held == 0 and budget.take(10)
+
+
+# -- placeholders never rewrite client text ------------------------------------------------------------
+def test_placeholders_are_not_client_text() -> None:
+    guard = SpecialGuard([f"<|t{i}|>" for i in range(1500)])  # more control tokens than one plane of pairs
+    text = "\U00100000\U00100001 \U0010fffd <|t0|> <|t1499|> \uffff"
+    swapped, changed = guard.neutralize(text)
+    assert changed and "<|" not in swapped
+    assert guard.restore(swapped) == text
+
+
+# -- OpenAI tool messages ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("messages, param", [
+    ([("user", [], None), ("assistant", ["a"], None), ("tool", [], "b")], "messages.2.tool_call_id"),
+    ([("user", [], None), ("tool", [], "a")], "messages.1.tool_call_id"),
+    ([("assistant", ["a", "b"], None), ("tool", [], "a"), ("user", [], None)], "messages.0.tool_calls"),
+    ([("assistant", ["a"], None), ("tool", [], "a"), ("user", [], None), ("tool", [], "a")], "messages.3.tool_call_id"),
+])
+def test_tool_messages_must_answer_calls(messages: list[tuple[str, list[str], str | None]], param: str) -> None:
+    with pytest.raises(APIError) as err:
+        check_tool_answers(messages)
+    assert err.value.param == param
+
+
+def test_answered_calls_and_an_open_last_call_pass() -> None:
+    check_tool_answers([("user", [], None), ("assistant", ["a", "b"], None), ("tool", [], "b"), ("tool", [], "a"),
+                        ("assistant", [], None), ("user", [], None), ("assistant", ["c"], None)])
