@@ -90,6 +90,37 @@ def _bind(host: str, port: int) -> socket.socket:
     help="seconds a request body may take to arrive (llama-server's default); slower ones are answered 408",
 )
 @click.option(
+    "--max-bodies-mib",
+    type=click.IntRange(min=1),
+    default=None,
+    help="request bodies held at once while they arrive, over all connections; past it 503 (Anthropic "
+    "API: 529)  [default: 8 x --max-body-mib]",
+)
+@click.option(
+    "--header-timeout",
+    "header_timeout_s",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="seconds a request's line and headers may take to arrive (from the connection's start or the previous "
+    "response's end); slower or idle connections are closed",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="connections open at once (fewer where the limit of open files is lower); past it the connection "
+    "idle the longest is closed",
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="a Host name to answer without --api-key, besides localhost, loopback addresses and --host "
+    "(repeatable; with --api-key any Host is answered)",
+)
+@click.option(
     "--scripted-replies",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
@@ -118,6 +149,10 @@ def serve(
     prompt_cache_mib: int | None,
     max_body_mib: int,
     read_timeout_s: float,
+    max_bodies_mib: int | None,
+    header_timeout_s: float,
+    max_connections: int,
+    allowed_hosts: tuple[str, ...],
     scripted_replies: Path | None,
     max_tokens: int,
     run: RunOptions,
@@ -137,7 +172,9 @@ def serve(
 
         from ..runtime.prompt_cache import PromptCache, default_capacity
         from ..serve.app import DrainingServer, ServerConfig, create_app
+        from ..serve.front import HostPolicy
         from ..serve.template import load_template
+        from ..serve.transport import BACKLOG, TransportLimits, fit_connections, protocol_class
         from ..serve.worker import EngineWorker
     except ImportError as err:
         raise click.ClickException(f"{INSTALL_HINT} ({err})") from err
@@ -153,6 +190,13 @@ def serve(
             api_keys=keys,
             max_body_bytes=max_body_mib << 20,
             read_timeout_s=read_timeout_s,
+            max_bodies_bytes=(max_bodies_mib or 8 * max_body_mib) << 20,
+            hosts=HostPolicy(bound=host, names=allowed_hosts, any_host=bool(keys)),
+        )
+        limits = TransportLimits(
+            header_timeout_s=header_timeout_s,
+            max_connections=fit_connections(max_connections),
+            write_timeout_s=read_timeout_s,
         )
         bos, eos = engine.template_tokens()
         template = load_template(engine.chat_template(), bos_token=bos, eos_token=eos)
@@ -163,13 +207,20 @@ def serve(
             max_queue,
             template=template,
             prompt_cache=store,
+            keep_live=len(keys) > 1,  # a key switch then does no work that depends on the other key's state
             scripted=_read_script(scripted_replies) if scripted_replies else None,
         )
         sock = _bind(host, port)
         bound = sock.getsockname()[1]
-        server: Any = DrainingServer(
-            uvicorn.Config(create_app(worker, config), log_level="info", timeout_graceful_shutdown=5), worker
+        uv_config = uvicorn.Config(
+            create_app(worker, config),
+            http=protocol_class(limits),
+            backlog=BACKLOG,
+            timeout_keep_alive=max(1, int(header_timeout_s)),
+            log_level="info",
+            timeout_graceful_shutdown=5,
         )
+        server: Any = DrainingServer(uv_config, worker)
         worker.start()
         tools = "tools" if template is not None and template.supports_tools else "no tools"
         prompts = f"prompt cache {capacity >> 20} MiB" if store is not None else "no prompt cache"
@@ -180,6 +231,12 @@ def serve(
             f"http://{host}:{bound}/v1" + (" (API key required)" if keys else ""),
             err=True,
         )
+        if limits.max_connections < max_connections:
+            click.echo(
+                f"note: at most {limits.max_connections} connections at once (the limit of open files, "
+                "`ulimit -n`, is lower than --max-connections needs)",
+                err=True,
+            )
         try:
             server.run(sockets=[sock])
         finally:
