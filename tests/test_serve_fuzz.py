@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-
 from serve_harness import CTX, THREADS, TOOL_TEMPLATE, tool_model
+
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.serve.app import ServerConfig, create_app
 from edgemoe.serve.specials import SpecialGuard, control_texts
@@ -91,7 +91,7 @@ def paths(node: Any, here: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
             yield from paths(v, (*here, i))
 
 
-DEPTHS = [3, 60, 127, 129, 500, 1000, 5000, 100_000]  # around the body's limit (128) and Python's recursion's
+DEPTHS = [3, 60, 127, 129, 500, 950, 1000, 5000, 100_000]  # around the body's limit (128) and Python's recursion's
 
 
 def deep_marker(rnd: random.Random) -> str:
@@ -124,8 +124,8 @@ def mutate(rnd: random.Random, body: Any) -> Any:
             parent[where[-1]] = deep_marker(rnd)
         elif op == 1:
             del parent[where[-1]]
-        elif isinstance(parent, dict):
-            parent[rnd.choice(STRINGS)] = random_value(rnd)
+        elif isinstance(parent, dict):  # a key added (nesting where nothing checks it: an ignored field)
+            parent[rnd.choice(STRINGS)] = deep_marker(rnd) if rnd.random() < 0.3 else random_value(rnd)
         else:
             parent.append(random_value(rnd))
     return body

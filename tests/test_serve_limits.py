@@ -290,6 +290,8 @@ def test_a_client_leaving_during_the_prompt_stops_its_evaluation(tmp_path: Path,
         usage = r.json()["usage"]
         # the live state holds only the chunks evaluated before the client left, not the whole prompt
         assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"] // 2, (usage, waited)
+        print(f"\nthe engine was free {waited:.2f} s after the client left; the prefill had evaluated "
+              f"{usage['prompt_tokens_details']['cached_tokens']} of {usage['prompt_tokens']} prompt tokens")
 
 
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
@@ -318,3 +320,26 @@ def test_sigterm_during_the_prompt_ends_the_stream_with_an_error(tmp_path: Path,
     else:
         assert "event: error" in text and "overloaded_error" in text and "message_stop" not in text, text[-600:]
     assert "Traceback" not in log and "graceful shutdown exceeded" not in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_key_switch_latency_benchmark(srv: Server, plain_engine: Engine) -> None:
+    """Benchmark (slow, prints, asserts no speed): another key's latency after this key left a short or a long
+    live state. `pytest -m slow -s tests/test_serve_limits.py -k latency` prints the figures."""
+    sizes = (100, CTX - 600)
+    bases = {n: words(plain_engine, n) for n in sizes}
+    latencies: dict[int, list[float]] = {n: [] for n in sizes}
+    runs: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(15):
+        for n in sizes:  # interleaved: the machine's load drifts alike for both
+            r = post(srv, "/completions", {"model": MODEL_ID, "prompt": f"{rep} {bases[n]}", "max_tokens": 1})
+            assert r.status_code == 200
+            wait_idle(srv)
+            t = time.perf_counter()
+            r = post(srv, "/completions", {"model": MODEL_ID, "prompt": "Hi.", "max_tokens": 1}, key=OTHER_KEY)
+            latencies[n].append(time.perf_counter() - t)
+            runs[n].append(r.json()["edgemoe"]["run_s"])
+    rows = [(n, sorted(latencies[n])[7], sorted(runs[n])[7]) for n in sizes]
+    print("\nthe other key's request (medians of 15) after this key left a live state of")
+    for n, latency, run in rows:
+        print(f"  {n} tokens: {latency * 1e3:.1f} ms at the client, {run * 1e3:.1f} ms on the engine thread")

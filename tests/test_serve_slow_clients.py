@@ -60,13 +60,15 @@ def test_two_thousand_idle_and_silent_connections(tmp_path: Path) -> None:
         try:
             t = time.monotonic()
             r = httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=1.0)  # a new client, answered at once
-            assert r.status_code == 200 and time.monotonic() - t < 1.0
+            answered = time.monotonic() - t
+            assert r.status_code == 200 and answered < 1.0
             deadline = t0 + HEADER_TIMEOUT_S + SLACK_S
             open_now = list(held)
             while open_now and time.monotonic() < deadline:
                 time.sleep(0.5)
                 open_now = [s for s in open_now if not closed(s)]
             assert not open_now, f"{len(open_now)} of {len(held)} connections still open after the header timeout"
+            closed_after = time.monotonic() - t0
             r = httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=1.0)
             assert r.status_code == 200
         finally:
@@ -75,3 +77,5 @@ def test_two_thousand_idle_and_silent_connections(tmp_path: Path) -> None:
         assert srv.alive()
     size = log.stat().st_size
     assert size < 1 << 20, f"the server's log grew to {size} bytes"
+    print(f"\n{len(held)} slow connections: a new client answered in {answered * 1e3:.0f} ms, all closed "
+          f"{closed_after:.1f} s after the first opened, the log {size} bytes")
