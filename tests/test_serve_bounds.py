@@ -1,10 +1,13 @@
 """The server's bounds as pure parts, without a server or llama.cpp: JSON depth and strict JSON, the tool-call
 parser on hostile text, the stop-string automaton against a plain reference, Host values, echoed values, the
-control-token guard's placeholders, and OpenAI's rule for tool messages."""
+control-token guard's placeholders, OpenAI's rule for tool messages, and the connection layer (idle connections
+closed oldest first, the header timeout, a client that reads nothing) on a stand-in transport."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+from typing import Any
 
 import pytest
 
@@ -15,6 +18,7 @@ from edgemoe.serve.limits import MAX_CALL_DEPTH, BodyBudget, JSONRefused, json_d
 from edgemoe.serve.specials import SpecialGuard
 from edgemoe.serve.stops import StopScanner
 from edgemoe.serve.tools import parse_call, split_calls
+from edgemoe.serve.transport import TransportLimits, protocol_class
 
 
 # -- JSON ------------------------------------------------------------------------------------------------
@@ -146,3 +150,97 @@ def test_tool_messages_must_answer_calls(messages: list[tuple[str, list[str], st
 def test_answered_calls_and_an_open_last_call_pass() -> None:
     check_tool_answers([("user", [], None), ("assistant", ["a", "b"], None), ("tool", [], "b"), ("tool", [], "a"),
                         ("assistant", [], None), ("user", [], None), ("assistant", ["c"], None)])
+
+
+# -- the connection layer, on a stand-in transport -----------------------------------------------------------
+class FakeTransport:
+    """What the protocol uses of an asyncio transport; records how it was ended."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.closed = self.aborted = False
+        self.written = b""
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"sockname": ("127.0.0.1", 8080), "peername": ("127.0.0.1", self.port)}.get(name, default)
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+    def can_write_eof(self) -> bool:
+        return False
+
+
+def connections(limits: TransportLimits, n: int) -> tuple[list[Any], list[FakeTransport]]:
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # never reached here
+        raise AssertionError
+
+    config = uvicorn.Config(app, log_level="warning")
+    config.load()
+    cls, state = protocol_class(limits), ServerState()
+    protos, transports = [], []
+    for i in range(n):
+        proto, transport = cls(config=config, server_state=state, app_state={}), FakeTransport(40000 + i)
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        protos.append(proto)
+        transports.append(transport)
+    return protos, transports
+
+
+def test_idle_connections_make_room_oldest_first_and_time_out() -> None:
+    async def run() -> list[FakeTransport]:
+        limits = TransportLimits(header_timeout_s=0.2, max_connections=3)
+        protos, transports = connections(limits, 3)
+        protos[1].data_received(b"GET / HTTP/1.1\r\n")  # part of a head: still waiting for one
+        more: list[Any] = []
+        more_t: list[FakeTransport] = []
+        cls = type(protos[0])
+        for i in range(2):  # two more: the two oldest idle ones make room
+            p = cls(config=protos[0].config, server_state=protos[0].server_state, app_state={})
+            t = FakeTransport(50000 + i)
+            p.connection_made(t)  # type: ignore[arg-type]
+            more.append(p)
+            more_t.append(t)
+        assert [t.closed for t in transports] == [True, True, False] and not any(t.closed for t in more_t)
+        await asyncio.sleep(0.4)
+        return transports + more_t
+
+    assert all(t.closed for t in asyncio.run(run()))  # the rest at the header timeout
+
+
+def test_a_client_that_reads_nothing_is_dropped() -> None:
+    async def run() -> FakeTransport:
+        protos, transports = connections(TransportLimits(write_timeout_s=0.1), 1)
+        protos[0].pause_writing()  # the transport's buffer is full: the client reads nothing
+        await asyncio.sleep(0.3)
+        return transports[0]
+
+    assert asyncio.run(run()).aborted
+
+
+def test_a_client_that_reads_again_is_kept() -> None:
+    async def run() -> FakeTransport:
+        protos, transports = connections(TransportLimits(write_timeout_s=0.1, header_timeout_s=5), 1)
+        protos[0].pause_writing()
+        protos[0].resume_writing()
+        await asyncio.sleep(0.3)
+        return transports[0]
+
+    t = asyncio.run(run())
+    assert not t.aborted and not t.closed
