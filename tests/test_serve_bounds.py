@@ -244,3 +244,22 @@ def test_a_client_that_reads_again_is_kept() -> None:
 
     t = asyncio.run(run())
     assert not t.aborted and not t.closed
+
+
+@pytest.mark.slow
+def test_stop_scanner_cost_benchmark() -> None:
+    """Benchmark (slow, prints, asserts no speed): the stop-string check at the bounds, 16 stop strings of 256
+    characters, one of whose start the output keeps matching (255 characters held back) while the others never
+    match. `pytest -m slow -s tests/test_serve_bounds.py -k cost` prints the figure."""
+    import time
+
+    from edgemoe.serve.worker import StopScanner as WorkerScanner  # what the worker runs
+
+    stops = ["a" * 255 + "b"] + [chr(ord("c") + i) + "a" * 255 for i in range(15)]
+    scanner = WorkerScanner(stops)
+    t = time.perf_counter()
+    for _ in range(600):
+        scanner.push("aaaa")
+    dt = time.perf_counter() - t
+    assert scanner.hit is None and len(scanner.buf) == 255
+    print(f"\nstop strings at the bounds: {dt / 600 * 1e6:.1f} us per token over 600 tokens")

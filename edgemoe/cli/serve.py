@@ -190,7 +190,7 @@ def serve(
             max_body_bytes=max_body_mib << 20,
             read_timeout_s=read_timeout_s,
             max_bodies_bytes=(max_bodies_mib or 8 * max_body_mib) << 20,
-            hosts=HostPolicy(bound=host, names=allowed_hosts, any_host=bool(keys)),
+            hosts=HostPolicy(bound=host, names=allowed_hosts),
         )
         limits = TransportLimits(header_timeout_s, max_connections, write_timeout_s=read_timeout_s)
         worker = _worker(engine, max_queue, prompt_cache_mib, len(keys), scripted_replies)

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from types import FrameType
 from typing import Any
@@ -49,7 +49,7 @@ class ServerConfig:
     count_concurrency: int = 1  # count_tokens requests tokenized at once (max_queue more may wait)
     # request bodies held at once while they arrive, on all connections; past it 503
     max_bodies_bytes: int = 64 << 20
-    hosts: HostPolicy = HostPolicy()  # the Host values answered (any, when there are api_keys)
+    hosts: HostPolicy = HostPolicy()  # the Host values answered without api_keys (with keys: any)
 
 
 def _sse(obj: dict[str, Any] | str) -> str:
@@ -370,7 +370,8 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         read_timeout_s=config.read_timeout_s,
         budget=BodyBudget(config.max_bodies_bytes),
     )
-    app.add_middleware(FrontMiddleware, hosts=config.hosts)  # the outermost: every path
+    hosts = replace(config.hosts, any_host=True) if config.api_keys else config.hosts  # keys guard it then
+    app.add_middleware(FrontMiddleware, hosts=hosts)  # the outermost: every path
     r = Routes(worker, config)
     app.add_api_route("/health", r.health, methods=["GET", "HEAD"])
     app.add_api_route("/v1/models", r.models, methods=["GET", "HEAD"])
