@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -134,11 +135,21 @@ def tool_model(directory: Path) -> Path:
     return GgufFile.read(MODEL).set("tokenizer.chat_template", GGUFValueType.STRING, TOOL_TEMPLATE).write(out)
 
 
-def start_server(log: Path, *extra: str, model: Path = MODEL) -> Server:
+def start_server(log: Path, *extra: str, model: Path = MODEL, api_key: bool = True,
+                 max_files: int | None = None) -> Server:
+    """api_key=False: a server without a key (the documented localhost default); max_files: the server's
+    RLIMIT_NOFILE, soft and hard (1024 is the usual soft limit)."""
+    key = ["--api-key", API_KEY] if api_key else []
     cmd = [sys.executable, "-m", "edgemoe", "serve", str(model), "--port", "0", "--ctx", str(CTX),
-           "--api-key", API_KEY, "--max-queue", str(MAX_QUEUE), "-t", str(THREADS), *extra]
+           *key, "--max-queue", str(MAX_QUEUE), "-t", str(THREADS), *extra]
+
+    def limit_files() -> None:
+        if max_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max_files, max_files))
+
     with log.open("wb") as out:  # a file, not a pipe: a full pipe would block the server
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                preexec_fn=limit_files)
     deadline = time.monotonic() + 60
     port = None
     while time.monotonic() < deadline and proc.poll() is None:
@@ -168,9 +179,10 @@ def stop_server(server: Server) -> str:
 
 
 @contextmanager
-def running(log: Path, *extra: str, model: Path = MODEL) -> Iterator[Server]:
+def running(log: Path, *extra: str, model: Path = MODEL, api_key: bool = True,
+            max_files: int | None = None) -> Iterator[Server]:
     """A server for the block; afterwards its log must show no traceback and no hanging handler."""
-    srv = start_server(log, *extra, model=model)
+    srv = start_server(log, *extra, model=model, api_key=api_key, max_files=max_files)
     try:
         yield srv
     finally:

@@ -158,7 +158,7 @@ def test_a_streamed_chunked_prefill_pings_and_stores_its_boundary() -> None:
 
         async def stream() -> str:
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
                 r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2,
                                                                 "stream": True, "temperature": 0})
                 return r.text

@@ -1,8 +1,8 @@
 """The serve app in-process (no HTTP server): a seeded fuzz of both APIs' request schemas, count_tokens'
 bound, 500s that keep internal text to the log, and client text that cannot forge control tokens.
 
-The fuzz mutates valid requests (a node replaced by a random JSON value, a key dropped or added, surrogates
-and control-token texts in strings, NaN) and sends them through the real app and engine, with a scripted
+The fuzz mutates valid requests (a node replaced by a random JSON value or by arrays and objects nested up to
+100,000 levels, a key dropped or added, surrogates and control-token texts in strings, NaN) and sends them through the real app and engine, with a scripted
 (empty) reply so that a valid request costs only its prompt's evaluation. No answer may be a 500, and every
 4xx must have the error shape of the path's API.
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-
 from serve_harness import CTX, THREADS, TOOL_TEMPLATE, tool_model
+
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.serve.app import ServerConfig, create_app
 from edgemoe.serve.specials import SpecialGuard, control_texts
@@ -89,6 +91,22 @@ def paths(node: Any, here: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
             yield from paths(v, (*here, i))
 
 
+DEPTHS = [3, 60, 127, 129, 500, 950, 1000, 5000, 100_000]  # around the body's limit (128) and Python's recursion's
+
+
+def deep_marker(rnd: random.Random) -> str:
+    """A string that cases() replaces with arrays and objects nested this deep (json.dumps would recurse)."""
+    return f"__deep_{rnd.choice(DEPTHS)}_{rnd.choice('[{')}__"
+
+
+def expand_deep(data: bytes) -> bytes:
+    def nest(m: re.Match[bytes]) -> bytes:
+        n, kind = int(m.group(1)), m.group(2)
+        return (b'[' * n + b'1' + b']' * n) if kind == b"[" else (b'{"a":' * n + b'1' + b'}' * n)
+
+    return re.sub(rb'"__deep_(\d+)_([\[{])__"', nest, data)
+
+
 def mutate(rnd: random.Random, body: Any) -> Any:
     body = json.loads(json.dumps(body))
     for _ in range(rnd.randint(1, 3)):
@@ -99,13 +117,15 @@ def mutate(rnd: random.Random, body: Any) -> Any:
         parent = body
         for step in where[:-1]:
             parent = parent[step]
-        op = rnd.randrange(3)
+        op = rnd.randrange(4)
         if op == 0:
             parent[where[-1]] = random_value(rnd)
+        elif op == 3:
+            parent[where[-1]] = deep_marker(rnd)
         elif op == 1:
             del parent[where[-1]]
-        elif isinstance(parent, dict):
-            parent[rnd.choice(STRINGS)] = random_value(rnd)
+        elif isinstance(parent, dict):  # a key added (nesting where nothing checks it: an ignored field)
+            parent[rnd.choice(STRINGS)] = deep_marker(rnd) if rnd.random() < 0.3 else random_value(rnd)
         else:
             parent.append(random_value(rnd))
     return body
@@ -118,7 +138,7 @@ def cases() -> Iterator[tuple[str, bytes]]:
         body = mutate(rnd, VALID[path])
         if isinstance(body, dict) and rnd.random() < 0.1:
             body["stream"] = True
-        data = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \ud800 escapes
+        data = expand_deep(json.dumps(body).encode())  # ensure_ascii: lone surrogates travel as \ud800 escapes
         if rnd.random() < 0.05:
             data = data[: rnd.randrange(len(data))]  # cut short: not JSON
         yield path, data
@@ -150,8 +170,9 @@ def assert_error_shape(path: str, r: httpx.Response) -> None:
         assert body["error"]["message"] and body["error"]["type"], body
 
 
-def test_schema_fuzz_gives_no_500_and_official_error_shapes(worker: EngineWorker) -> None:
-    client = TestClient(create_app(worker, config()), raise_server_exceptions=False)
+def test_schema_fuzz_gives_no_500_and_official_error_shapes(worker: EngineWorker,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    client = TestClient(create_app(worker, config()), base_url="http://localhost", raise_server_exceptions=False)
     statuses: dict[int, int] = {}
     for n, (path, data) in enumerate(cases()):
         r = client.post(path, content=data, headers={"content-type": "application/json"})
@@ -162,6 +183,8 @@ def test_schema_fuzz_gives_no_500_and_official_error_shapes(worker: EngineWorker
         elif r.headers["content-type"].startswith("application/json"):
             assert ("choices" in r.json()) != path.startswith("/v1/messages"), r.text[:400]
     assert statuses.get(200, 0) >= 20 and sum(v for k, v in statuses.items() if k >= 400) >= 100, statuses
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, errors[0].getMessage()  # no traceback in the log
 
 
 # -- count_tokens is bounded like generation ---------------------------------------------------
@@ -188,7 +211,7 @@ def test_count_tokens_waits_in_a_bounded_queue() -> None:
 
     async def run() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             tasks = [asyncio.create_task(client.post("/v1/messages/count_tokens", json=body))
                      for _ in range(max_queue + 3)]
             while sum(t.done() for t in tasks) < 2:
@@ -212,7 +235,7 @@ def test_a_500_keeps_the_exception_text_in_the_log(caplog: pytest.LogCaptureFixt
         raise RuntimeError("secret: /home/alice/.cache/model")
 
     worker.prompt_ids = fails  # type: ignore[method-assign]
-    client = TestClient(create_app(worker, config()), raise_server_exceptions=False)
+    client = TestClient(create_app(worker, config()), base_url="http://localhost", raise_server_exceptions=False)
     r = client.post("/v1/messages/count_tokens", json={"model": MODEL_ID, "messages": [
         {"role": "user", "content": "hi"}]})
     assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"

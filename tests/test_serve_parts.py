@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 import pytest
-
 from serve_harness import TOOL_TEMPLATE
+
 from edgemoe.runtime.prompt_cache import KVSnapshot, PromptCache, common_prefix
 from edgemoe.serve import anthropic as ant
 from edgemoe.serve.errors import APIError
@@ -106,15 +106,32 @@ def test_alternating_conversations_reuse_their_prefixes() -> None:
 
 
 def test_states_never_cross_api_keys() -> None:
+    """With several keys, each request's live state is stored when it is over (done(), on its own key's time):
+    a switch only empties the live state, whatever it held."""
+    eng = FakeEngine()
+    reuse = PrefixReuse(eng, PromptCache(1 << 20, min_prefix=4), keep_live=True)
+    prompt = list(range(50))
+    reuse.prepare("alice", prompt)
+    eng.run(prompt, [1, 2])
+    reuse.done()
+    snapshots = eng.snapshots
+    assert reuse.prepare("bob", prompt) == 0 and eng.kv == []  # the live state was alice's: emptied
+    assert eng.snapshots == snapshots  # and not stored then: the switch does no work that depends on it
+    eng.run(prompt, [1, 2])
+    reuse.done()
+    assert reuse.prepare("alice", prompt) == len(prompt) - 1  # alice's own stored state
+    assert reuse.prepare("mallory", prompt) == 0
+
+
+def test_a_key_switch_without_keep_live_drops_the_live_state() -> None:
     eng = FakeEngine()
     reuse = PrefixReuse(eng, PromptCache(1 << 20, min_prefix=4))
     prompt = list(range(50))
     reuse.prepare("alice", prompt)
     eng.run(prompt, [1, 2])
-    assert reuse.prepare("bob", prompt) == 0 and eng.kv == []  # the live state was alice's: emptied
-    eng.run(prompt, [1, 2])
-    assert reuse.prepare("alice", prompt) == len(prompt) - 1  # alice's own stored state
-    assert reuse.prepare("mallory", prompt) == 0
+    reuse.done()
+    assert reuse.prepare("bob", prompt) == 0 and eng.snapshots == 0
+    assert reuse.prepare("alice", prompt) == 0  # nothing was kept of it
 
 
 def test_without_a_store_only_the_live_state_is_reused() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,39 @@ def _bind(host: str, port: int) -> socket.socket:
     type=click.FloatRange(min=0.1),
     default=600.0,
     show_default=True,
-    help="seconds a request body may take to arrive (llama-server's default); slower ones are answered 408",
+    help="seconds a request body may take to arrive (llama-server's default; slower ones are answered 408), "
+    "and a client may go without reading any of a response (then it is disconnected)",
+)
+@click.option(
+    "--max-bodies-mib",
+    type=click.IntRange(min=1),
+    default=None,
+    help="request bodies held at once while they arrive, over all connections; past it 503 (Anthropic "
+    "API: 529)  [default: 8 x --max-body-mib]",
+)
+@click.option(
+    "--header-timeout",
+    "header_timeout_s",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="seconds a request's line and headers may take to arrive (from the connection's start or the previous "
+    "response's end); slower or idle connections are closed",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="connections open at once (fewer where the limit of open files is lower); past it the connection "
+    "idle the longest is closed",
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="a Host name to answer without --api-key, besides localhost, loopback addresses and --host "
+    "(repeatable; with --api-key any Host is answered)",
 )
 @click.option(
     "--scripted-replies",
@@ -118,6 +151,10 @@ def serve(
     prompt_cache_mib: int | None,
     max_body_mib: int,
     read_timeout_s: float,
+    max_bodies_mib: int | None,
+    header_timeout_s: float,
+    max_connections: int,
+    allowed_hosts: tuple[str, ...],
     scripted_replies: Path | None,
     max_tokens: int,
     run: RunOptions,
@@ -133,12 +170,11 @@ def serve(
     its KV state. The sampling options are the defaults for requests that leave them out.
     """
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  # the extra's check (the server is built by _http_server)
 
-        from ..runtime.prompt_cache import PromptCache, default_capacity
-        from ..serve.app import DrainingServer, ServerConfig, create_app
-        from ..serve.template import load_template
-        from ..serve.worker import EngineWorker
+        from ..serve.app import ServerConfig
+        from ..serve.front import HostPolicy
+        from ..serve.transport import TransportLimits
     except ImportError as err:
         raise click.ClickException(f"{INSTALL_HINT} ({err})") from err
 
@@ -153,30 +189,17 @@ def serve(
             api_keys=keys,
             max_body_bytes=max_body_mib << 20,
             read_timeout_s=read_timeout_s,
+            max_bodies_bytes=(max_bodies_mib or 8 * max_body_mib) << 20,
+            hosts=HostPolicy(bound=host, names=allowed_hosts),
         )
-        bos, eos = engine.template_tokens()
-        template = load_template(engine.chat_template(), bos_token=bos, eos_token=eos)
-        capacity = default_capacity() if prompt_cache_mib is None else prompt_cache_mib << 20
-        store = PromptCache(capacity) if capacity else None
-        worker = EngineWorker(
-            engine,
-            max_queue,
-            template=template,
-            prompt_cache=store,
-            scripted=_read_script(scripted_replies) if scripted_replies else None,
-        )
+        limits = TransportLimits(header_timeout_s, max_connections, write_timeout_s=read_timeout_s)
+        worker = _worker(engine, max_queue, prompt_cache_mib, len(keys), scripted_replies)
         sock = _bind(host, port)
         bound = sock.getsockname()[1]
-        server: Any = DrainingServer(
-            uvicorn.Config(create_app(worker, config), log_level="info", timeout_graceful_shutdown=5), worker
-        )
+        server = _http_server(worker, config, limits)
         worker.start()
-        tools = "tools" if template is not None and template.supports_tools else "no tools"
-        prompts = f"prompt cache {capacity >> 20} MiB" if store is not None else "no prompt cache"
-        kv = engine.config
-        attention = f"flash attention {engine.flash_attn}, KV cache K {kv.cache_type_k} V {kv.cache_type_v}"
         click.echo(
-            f"edgemoe serve: {config.model_id} (context {engine.n_ctx}, {attention}, {tools}, {prompts}) on "
+            f"edgemoe serve: {config.model_id} ({_what_it_serves(engine, worker.template, worker.reuse.store)}) on "
             f"http://{host}:{bound}/v1" + (" (API key required)" if keys else ""),
             err=True,
         )
@@ -185,6 +208,64 @@ def serve(
         finally:
             worker.stop()
             sock.close()
+
+
+def _worker(
+    engine: Any, max_queue: int, prompt_cache_mib: int | None, n_keys: int, script: Path | None
+) -> Any:
+    """The engine thread, with the model's chat template and the prompt cache (`prompt_cache_mib` None: the
+    default capacity; 0: none)."""
+    from ..runtime.prompt_cache import PromptCache, default_capacity
+    from ..serve.template import load_template
+    from ..serve.worker import EngineWorker
+
+    bos, eos = engine.template_tokens()
+    capacity = default_capacity() if prompt_cache_mib is None else prompt_cache_mib << 20
+    return EngineWorker(
+        engine,
+        max_queue,
+        template=load_template(engine.chat_template(), bos_token=bos, eos_token=eos),
+        prompt_cache=PromptCache(capacity) if capacity else None,
+        keep_live=n_keys > 1,  # a key switch then does no work that depends on the other key's state
+        scripted=_read_script(script) if script else None,
+    )
+
+
+def _what_it_serves(engine: Any, template: Any, store: Any) -> str:
+    """The start line's middle: the context, attention and KV types, tools, the prompt cache."""
+    kv = engine.config
+    tools = "tools" if template is not None and template.supports_tools else "no tools"
+    prompts = f"prompt cache {store.capacity_bytes >> 20} MiB" if store is not None else "no prompt cache"
+    return (
+        f"context {engine.n_ctx}, flash attention {engine.flash_attn}, KV cache K {kv.cache_type_k} "
+        f"V {kv.cache_type_v}, {tools}, {prompts}"
+    )
+
+
+def _http_server(worker: Any, config: Any, limits: Any) -> Any:
+    """uvicorn's server of the app, its connections held to `limits` (the connection cap fitted to the limit of
+    open files, said when that lowers it)."""
+    import uvicorn
+
+    from ..serve.app import DrainingServer, create_app
+    from ..serve.transport import BACKLOG, fit_connections, protocol_class
+
+    fitted = fit_connections(limits.max_connections)
+    if fitted < limits.max_connections:
+        click.echo(
+            f"note: at most {fitted} connections at once (the limit of open files, `ulimit -n`, is lower than "
+            f"--max-connections {limits.max_connections} needs)",
+            err=True,
+        )
+    uv_config = uvicorn.Config(
+        create_app(worker, config),
+        http=protocol_class(replace(limits, max_connections=fitted)),
+        backlog=BACKLOG,
+        timeout_keep_alive=max(1, int(limits.header_timeout_s)),
+        log_level="info",
+        timeout_graceful_shutdown=5,
+    )
+    return DrainingServer(uv_config, worker)
 
 
 def _read_script(path: Path) -> list[str]:

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from ..runtime.sampling import SamplingParams
 from .checks import check_object_schema, check_tool_name, refuse_lone_surrogates
-from .errors import APIError
+from .errors import APIError, echo
+from .limits import check_stops
 from .tools import ToolCall
 from .worker import Outcome
 
@@ -92,6 +93,10 @@ class CountTokensRequest(_Lenient):
             check_tool_name(t.name, f"tools.{i}.name")
             if t.type in (None, "custom"):
                 check_object_schema(t.input_schema, f"tools.{i}.input_schema")
+            if t.name in names:
+                raise APIError(
+                    400, f"tools.{i}.name: tool names must be unique ({t.name!r} repeats)", param="tools"
+                )
             names.add(t.name)
         choice = self.tool_choice
         if choice is not None and choice.type == "tool" and choice.name not in names:
@@ -137,11 +142,27 @@ class CountTokensRequest(_Lenient):
 
 
 def _check_tool_results(messages: list[AnthropicMessage]) -> None:
-    """Each tool_result must answer a tool_use of the message just before it (as the Messages API says)."""
+    """As the Messages API says: each tool_result answers a tool_use of the message just before it, each
+    tool_use of a message that another follows is answered in that next one, and tool_use ids are unique."""
     asked: set[str] = set()
+    seen: set[str] = set()
     for i, m in enumerate(messages):
         blocks = [] if isinstance(m.content, str) else m.content
+        unanswered = sorted(asked - {b.tool_use_id for b in blocks if b.type == "tool_result"})
+        if unanswered:
+            raise APIError(
+                400,
+                f"messages.{i - 1}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                f"{echo(', '.join(unanswered))}. Each `tool_use` block must have a corresponding `tool_result` "
+                "block in the next message.",
+                param=f"messages.{i - 1}",
+            )
         for j, b in enumerate(blocks):
+            if b.type == "tool_use" and b.id is not None:
+                if b.id in seen:
+                    where = f"messages.{i}.content.{j}"
+                    raise APIError(400, f"{where}: `tool_use` ids must be unique", param=where)
+                seen.add(b.id)
             if b.type == "tool_result" and (b.tool_use_id is None or b.tool_use_id not in asked):
                 raise APIError(
                     400,
@@ -203,7 +224,7 @@ class MessagesRequest(CountTokensRequest):
         return replace(default, **{k: v for k, v in given.items() if v is not None})
 
     def stops(self) -> tuple[str, ...]:
-        return tuple(self.stop_sequences or ())
+        return check_stops(tuple(self.stop_sequences or ()), "stop_sequences")
 
 
 _STOP_REASONS = {

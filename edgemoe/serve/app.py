@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from types import FrameType
 from typing import Any
@@ -26,10 +27,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runtime.sampling import SamplingParams
 from . import anthropic as ant
-from .errors import APIError, install_handlers
+from .errors import APIError, echo, install_handlers
+from .front import FrontMiddleware, HostPolicy
 from .guard import SCOPE_KEY, GuardMiddleware
+from .limits import BodyBudget
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, Reply
 from .tools import ToolCall
+from .transport import limit_accept_errors, widen_listen_queue
 from .worker import SHUTTING_DOWN, EngineWorker, Job, Outcome, QueueFullError, ShuttingDownError
 
 
@@ -43,6 +47,9 @@ class ServerConfig:
     read_timeout_s: float = 600.0  # a request body must arrive within it (llama-server's default), else 408
     ping_s: float = 5.0  # a streamed reply's keep-alive interval while the prompt is evaluated
     count_concurrency: int = 1  # count_tokens requests tokenized at once (max_queue more may wait)
+    # request bodies held at once while they arrive, on all connections; past it 503
+    max_bodies_bytes: int = 64 << 20
+    hosts: HostPolicy = HostPolicy()  # the Host values answered without api_keys (with keys: any)
 
 
 def _sse(obj: dict[str, Any] | str) -> str:
@@ -122,7 +129,7 @@ class Routes:
         if model != self.config.model_id:
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves {self.config.model_id!r}",
+                f"the model {echo(model)} does not exist; this server serves {self.config.model_id!r}",
                 param="model",
                 code="model_not_found",
             )
@@ -361,11 +368,14 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         keys=config.api_keys,
         max_body=config.max_body_bytes,
         read_timeout_s=config.read_timeout_s,
+        budget=BodyBudget(config.max_bodies_bytes),
     )
+    hosts = replace(config.hosts, any_host=True) if config.api_keys else config.hosts  # keys guard it then
+    app.add_middleware(FrontMiddleware, hosts=hosts)  # the outermost: every path
     r = Routes(worker, config)
-    app.add_api_route("/health", r.health, methods=["GET"])
-    app.add_api_route("/v1/models", r.models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", r.model, methods=["GET"])
+    app.add_api_route("/health", r.health, methods=["GET", "HEAD"])
+    app.add_api_route("/v1/models", r.models, methods=["GET", "HEAD"])
+    app.add_api_route("/v1/models/{model_id:path}", r.model, methods=["GET", "HEAD"])
     app.add_api_route("/v1/chat/completions", r.chat, methods=["POST"])
     app.add_api_route("/v1/completions", r.completions, methods=["POST"])
     app.add_api_route("/v1/messages", r.messages, methods=["POST"])
@@ -380,6 +390,11 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, worker: EngineWorker) -> None:
         super().__init__(config)
         self.worker = worker
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        limit_accept_errors(asyncio.get_running_loop())
+        await super().startup(sockets)
+        widen_listen_queue(sockets or [])
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # from a thread: the signal may have interrupted the loop while it held the queue's lock

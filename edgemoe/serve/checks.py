@@ -2,18 +2,21 @@
 
 - lone UTF-16 surrogates (valid JSON, `"\\ud800"`, but not text: UTF-8 cannot encode them);
 - tool names as OpenAI and Anthropic allow them (`^[a-zA-Z0-9_-]{1,64}$`), so none can carry template text;
-- tool parameter schemas: a JSON Schema of an object, as both APIs require.
+- tool parameter schemas: a JSON Schema of an object, as both APIs require;
+- OpenAI's tool messages: each answers a call of the assistant message before it, and every call of an
+  assistant message that others follow is answered.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic_core import PydanticCustomError
 
-from .errors import APIError
+from .errors import APIError, echo
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 LONE_SURROGATE = "lone_surrogate"  # the pydantic error type of a request holding one
@@ -70,7 +73,7 @@ def check_tool_name(name: str, param: str) -> None:
     if not TOOL_NAME.fullmatch(name):
         raise APIError(
             400,
-            f"{param}: {name[:80]!r} is not a valid tool name: use 1 to 64 letters, digits, "
+            f"{param}: {echo(name)} is not a valid tool name: use 1 to 64 letters, digits, "
             "underscores or hyphens (^[a-zA-Z0-9_-]{1,64}$)",
             param=param,
             code="invalid_value",
@@ -101,3 +104,39 @@ def _schema_problem(schema: dict[str, Any]) -> str | None:
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
         return "'required' must be a list of parameter names"
     return None
+
+
+def check_tool_answers(messages: Sequence[tuple[str, Sequence[str], str | None]]) -> None:
+    """OpenAI's rule for tool messages, given (role, the ids of its tool calls, the tool_call_id it answers) per
+    message: a tool message answers a call of the assistant message before its run of tool messages, and the
+    calls of an assistant message that another message follows are all answered (the last may stay open). A
+    tool message without an id is left to the message's own check."""
+    asked: list[str] = []  # the calls of the assistant message before this run of tool messages
+    answered: set[str] = set()
+    asker = -1
+    for i, (role, calls, answer) in enumerate(messages):
+        if role == "tool":
+            if answer is not None and answer not in asked:
+                raise APIError(
+                    400,
+                    f"messages.{i}.tool_call_id: {echo(answer)} answers no tool call: a tool message must "
+                    "answer a call in the tool_calls of the assistant message before it",
+                    param=f"messages.{i}.tool_call_id",
+                    code="invalid_value",
+                )
+            answered.add(answer or "")
+            continue
+        _check_answered(asker, asked, answered)
+        asked, answered, asker = (list(calls), set(), i) if calls else ([], set(), -1)
+
+
+def _check_answered(asker: int, asked: list[str], answered: set[str]) -> None:
+    missing = [c for c in asked if c not in answered]
+    if missing:
+        raise APIError(
+            400,
+            f"messages.{asker}.tool_calls: an assistant message with tool_calls must be followed by tool messages "
+            f"answering each tool_call_id; these have none: {echo(', '.join(missing))}",
+            param=f"messages.{asker}.tool_calls",
+            code="invalid_value",
+        )

@@ -2,6 +2,8 @@
 
 OpenAI (every path but /v1/messages): {"error": {"message", "type", "param", "code"}};
 Anthropic (/v1/messages...): {"type": "error", "error": {"type", "message"}}, and 529 where OpenAI's is 503.
+A message quotes a client's value through echo() (cut to ECHO_CHARS), and no message or param is ever longer
+than MAX_MESSAGE_CHARS: an error never sends a client's megabytes back.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ log = logging.getLogger(__name__)
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     503: "server_overloaded",
 }
 _ANTHROPIC_TYPES = {
@@ -36,10 +40,26 @@ _ANTHROPIC_TYPES = {
     408: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     503: "overloaded_error",
     529: "overloaded_error",
 }
 RETRY_AFTER_S = 2  # what a 503 / 529 asks a client to wait before it retries
+ECHO_CHARS = 80  # of a client's value quoted in a message
+MAX_MESSAGE_CHARS = 1000  # of a message (and a param), whatever it quotes
+
+
+def echo(value: object, limit: int = ECHO_CHARS) -> str:
+    """A client's value as a message quotes it: its repr, cut to `limit` characters and then saying how long
+    it was."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _capped(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "... (cut)"
 
 
 class SafeJSONResponse(JSONResponse):
@@ -66,12 +86,14 @@ class APIError(Exception):
         code: str | None = None,
         type: str | None = None,
     ) -> None:  # noqa: A002 - the field's name in the API
+        message = _capped(message)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else _capped(param)
         self.code = code
         self.type = type or _TYPES.get(status, "server_error")
+        self.extra_headers: dict[str, str] = {}  # e.g. a 405's Allow
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -82,10 +104,10 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         if self.status == 401:
-            return {"WWW-Authenticate": "Bearer"}
+            return {"WWW-Authenticate": "Bearer", **self.extra_headers}
         if self.status == 503:
-            return {"Retry-After": str(RETRY_AFTER_S)}
-        return {}
+            return {"Retry-After": str(RETRY_AFTER_S), **self.extra_headers}
+        return dict(self.extra_headers)
 
     def response(self, path: str = "") -> JSONResponse:
         """The JSON response, in the shape of the API that path belongs to."""
@@ -143,7 +165,9 @@ def install_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
-        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
+        error = APIError(exc.status_code, str(exc.detail))
+        error.extra_headers = dict(exc.headers or {})  # a 405's Allow
+        return error.response(request.url.path)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         return internal_error(exc).response(request.url.path)

@@ -7,7 +7,6 @@ Chat messages become the OpenAI-shaped dicts the chat template reads (template.p
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import replace
@@ -16,8 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from ..runtime.sampling import SamplingParams
-from .checks import check_object_schema, check_tool_name, refuse_lone_surrogates
-from .errors import APIError
+from .checks import check_object_schema, check_tool_answers, check_tool_name, refuse_lone_surrogates
+from .errors import APIError, echo
+from .limits import MAX_JSON_DEPTH, JSONRefused, check_stops, loads_strict
 from .tools import ToolCall
 from .worker import Outcome
 
@@ -108,11 +108,11 @@ def _call_to_template(call: ToolCallIn, param: str) -> dict[str, Any]:
     args = call.function.arguments
     if isinstance(args, str):
         try:
-            args = json.loads(args or "{}")
-        except json.JSONDecodeError:
+            args = loads_strict(args or "{}", MAX_JSON_DEPTH)
+        except JSONRefused as err:
             raise APIError(
                 400,
-                f"{param}.function.arguments is not a JSON object: {args[:80]!r}",
+                f"{param}.function.arguments is not a JSON object ({err}): {echo(args)}",
                 param=param,
                 code="invalid_value",
             ) from None
@@ -121,6 +121,9 @@ def _call_to_template(call: ToolCallIn, param: str) -> dict[str, Any]:
         "type": "function",
         "function": {"name": call.function.name, "arguments": args},
     }
+
+
+_NULL_IS_DEFAULT = ("n", "stream", "echo")
 
 
 class StreamOptions(_Lenient):
@@ -134,6 +137,14 @@ class GenerationRequest(_Lenient):
     @classmethod
     def _text_only(cls, data: Any) -> Any:
         return refuse_lone_surrogates(data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        """OpenAI takes `"n": null`, `"stream": null`... as the defaults."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if not (k in _NULL_IS_DEFAULT and v is None)}
+        return data
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -161,7 +172,7 @@ class GenerationRequest(_Lenient):
             raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
 
     def stops(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return check_stops((self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()), "stop")
 
     def limit(self, default: int) -> int:
         return self.max_tokens or self.max_completion_tokens or default
@@ -189,6 +200,9 @@ class ChatCompletionRequest(GenerationRequest):
             check_tool_name(t.function.name, f"tools.{i}.function.name")
             check_object_schema(t.function.parameters or {}, f"tools.{i}.function.parameters")
             names.add(t.function.name)
+        check_tool_answers(
+            [(m.role, [c.id or "" for c in m.tool_calls or []], m.tool_call_id) for m in self.messages]
+        )
         if isinstance(self.tool_choice, ToolChoice) and self.tool_choice.function.name not in names:
             raise APIError(
                 400,

@@ -2,7 +2,9 @@
 
 The model writes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (whitespace around the JSON
 allowed); ToolCallScanner turns a stream of text pieces into text events and ToolCall events, holding
-back a tail that may begin a tag. A call whose JSON does not parse is given back as text.
+back a tail that may begin a tag. A call whose JSON does not parse is given back as text, and so is one that
+no client could read back the same: NaN or Infinity, a number beyond a double or an integer beyond Python's
+4,300 digits, nesting deeper than MAX_CALL_DEPTH, a lone-surrogate escape, a name that is not a tool name.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from .checks import TOOL_NAME
+from .limits import MAX_CALL_DEPTH, JSONRefused, loads_strict
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -30,18 +35,23 @@ Event = str | ToolCall  # a piece of text, or a whole call
 
 
 def parse_call(body: str) -> ToolCall | None:
-    """The call in the text between the tags, or None when it is not {"name": str, "arguments": object}."""
+    """The call in the text between the tags, or None when it is not {"name": tool name, "arguments": object}
+    in strict JSON (limits.loads_strict)."""
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+        obj = loads_strict(body, MAX_CALL_DEPTH)
+    except JSONRefused:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if (
+        not isinstance(obj, dict)
+        or not isinstance(obj.get("name"), str)
+        or not TOOL_NAME.fullmatch(obj["name"])
+    ):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = loads_strict(args, MAX_CALL_DEPTH)
+        except JSONRefused:
             return None
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
 

@@ -4,8 +4,9 @@ The Engine is not thread-safe, so every use of its llama.cpp context (prefix reu
 counters) happens on this thread; only the chat template and the tokenizer, which read the model's
 vocabulary, also run on the server's threads (count_tokens). A Job carries its events back to the
 asyncio loop that submitted it: ("start", (prompt tokens, cached tokens)), ("delta", text),
-("tool_call", ToolCall), ("done", Outcome) or ("error", APIError). A job's `cancel()` (client gone)
-stops its generation at the next token, or skips it if it waits.
+("tool_call", ToolCall), ("done", Outcome) or ("error", APIError). A job's `cancel()` (client gone, or the
+server shutting down) stops its prompt's evaluation at the next chunk boundary (n_batch tokens), its
+generation at the next token, or skips it if it waits.
 
 Prompt caching (prefix_cache.py): before a prompt is evaluated, the live KV state is kept in the
 host-memory store when the prompt would throw part of it away, and a stored state sharing a longer
@@ -19,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +31,9 @@ from ..runtime.prompt_cache import PromptCache
 from ..runtime.sampling import GREEDY, SamplingParams
 from ..speculation.config import SpeculationStats
 from .errors import APIError, internal_error
-from .prefix_cache import PrefixReuse
+from .prefix_cache import PrefillStopped, PrefixReuse
 from .specials import SpecialGuard, control_texts
+from .stops import StopScanner
 from .template import ChatTemplate
 from .tools import ToolCall, ToolCallScanner
 
@@ -47,38 +49,6 @@ class ShuttingDownError(Exception):
 
 
 SHUTTING_DOWN = "the server is shutting down; the reply was cut short: retry on a running server"
-
-
-class StopScanner:
-    """Cuts generated text at the first stop string; holds back a tail that may begin one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.buf = ""
-        self.hit: str | None = None  # the stop string that ended the text
-
-    def push(self, piece: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was reached)."""
-        self.buf += piece
-        hits = [(i, s) for i, s in ((self.buf.find(s), s) for s in self.stops) if i >= 0]
-        if hits:
-            i, self.hit = min(hits)
-            out, self.buf = self.buf[:i], ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            hold = max(
-                hold,
-                next(
-                    (k for k in range(min(len(s) - 1, len(self.buf)), 0, -1) if self.buf.endswith(s[:k])), 0
-                ),
-            )
-        out, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold :]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
 
 
 @dataclass
@@ -131,6 +101,8 @@ class EngineWorker:
 
     template: the model's Jinja chat template (None: llama.cpp's built-in templates, no tools);
     prompt_cache: the host-memory store of KV states (None: only the live KV prefix is reused);
+    keep_live: store each request's live KV state under its key when it is over (a server with several keys:
+    a key switch then does no work that depends on the other key's state);
     scripted: replies to give in order instead of sampling (tests of the tool-call path).
     """
 
@@ -141,13 +113,16 @@ class EngineWorker:
         *,
         template: ChatTemplate | None = None,
         prompt_cache: PromptCache | None = None,
+        keep_live: bool = False,
         scripted: list[str] | None = None,
     ) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.template = template
-        # states kept at the prefill's chunk boundaries, every n_batch tokens (0: a stand-in engine has none)
-        self.reuse = PrefixReuse(engine, prompt_cache, chunk=getattr(engine, "n_batch", 0))
+        # the prefill's chunk boundaries, every n_batch tokens: states kept, cancellation (0: a stand-in engine)
+        self.reuse = PrefixReuse(
+            engine, prompt_cache, chunk=getattr(engine, "n_batch", 0), keep_live=keep_live
+        )
         self.scripted = scripted
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._main, name="edgemoe-engine", daemon=True)
@@ -268,7 +243,8 @@ class EngineWorker:
     def _chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """A chat's prompt ids: the template's control tokens parsed, the client's text as plain text."""
         (messages, tools), swapped = self.guard.neutralize([messages, tools])
-        text = _text(self.render(messages, tools), "messages")
+        text = self.render(messages, tools)
+        _text(self.guard.restore(text) if swapped else text, "messages")  # placeholders are not text
         bos = self.template.bos_token if self.template is not None else ""
         add_bos = not (self.engine.adds_bos() and bos and text.startswith(bos))  # the template wrote BOS
         return self.guard.tokenize(self.engine, text, add_bos=add_bos, swapped=swapped)
@@ -279,7 +255,7 @@ class EngineWorker:
         ids = self.prompt_ids(
             messages=job.messages, tools=job.tools, prompt=job.prompt, max_tokens=job.max_tokens
         )
-        cached = self.reuse.prepare(job.scope, ids)
+        cached = self.reuse.prepare(job.scope, ids, stop=job.cancelled.is_set)
         job.emit("start", (len(ids), cached))
         stops = StopScanner(job.stop)
         calls = ToolCallScanner() if job.tools else None
@@ -320,6 +296,8 @@ class EngineWorker:
                 if hit:
                     finish = "stop"
                     break
+        except PrefillStopped:  # cancelled while its prompt was evaluated
+            finish = "cancelled"
         finally:
             gen.close()
         if finish == "cancelled":
