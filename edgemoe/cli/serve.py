@@ -3,7 +3,6 @@ options."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
@@ -94,7 +93,8 @@ def _bind(host: str, port: int) -> socket.socket:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
     hidden=True,
-    help="tests: a JSON list of replies given in order instead of sampled ones",
+    help="tests: a JSON list of replies given instead of sampled ones (strings in order, or "
+    '{"when": REGEX, "reply": TEXT} for a prompt REGEX matches)',
 )
 @click.option(
     "-n",
@@ -187,8 +187,7 @@ def serve(
             sock.close()
 
 
-def _read_script(path: Path) -> list[str]:
-    replies = json.loads(path.read_text())
-    if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
-        raise click.ClickException(f"{path}: give a JSON list of strings (the replies, in order)")
-    return replies
+def _read_script(path: Path) -> Any:
+    from ..serve.scripted import Script
+
+    return Script.read(path)
