@@ -180,11 +180,24 @@ def serve(
             f"http://{host}:{bound}/v1" + (" (API key required)" if keys else ""),
             err=True,
         )
+        if engine.n_ctx < AGENT_CTX:
+            click.echo(f"warning: {agent_context_warning(engine.n_ctx)}", err=True)
         try:
             server.run(sockets=[sock])
         finally:
             worker.stop()
             sock.close()
+
+
+AGENT_CTX = 32768  # the smallest context that holds a coding agent's fixed prompt and a working conversation
+
+
+def agent_context_warning(n_ctx: int) -> str:
+    return (
+        f"the context holds {n_ctx} tokens: coding agents' fixed prompts (system prompt and tools) alone take "
+        "14K (OpenCode) to 28K (Qwen Code) tokens, and below that they fail or loop on compaction; give "
+        f"--ctx {AGENT_CTX} or more for them (docs/serve.md, 'Coding agents')"
+    )
 
 
 def _read_script(path: Path) -> Any:
