@@ -113,7 +113,12 @@ class ResponsesRequest(_Lenient):
                 out.append(_function(t, f"tools.{i}"))
             elif kind == "namespace":
                 check_tool_name(str(t.get("name", "")), f"tools.{i}.name")
-                for j, fn in enumerate(t.get("tools") or []):
+                inner = t.get("tools")
+                if not isinstance(inner, list) or not all(isinstance(fn, dict) for fn in inner):
+                    raise APIError(
+                        400, f"tools.{i}.tools must be a list of function tools", param=f"tools.{i}.tools"
+                    )
+                for j, fn in enumerate(inner):
                     out.append(_function(fn, f"tools.{i}.tools.{j}", namespace=str(t["name"])))
             elif kind == "custom":
                 out.append(_custom(t, f"tools.{i}"))
@@ -163,6 +168,8 @@ class ResponsesRequest(_Lenient):
                 tools, only=name, parallel=self.parallel_tool_calls is not False, param="tools"
             )
         fmt = (self.text or {}).get("format") or {}
+        if not isinstance(fmt, dict):
+            raise APIError(400, "text.format must be an object", param="text.format")
         kind = fmt.get("type", "text")
         if kind == "json_object":
             return json_constraint(None, "text.format")
@@ -242,9 +249,9 @@ def _add_item(out: list[dict[str, Any]], item: dict[str, Any], param: str) -> No
             try:
                 args = json.loads(args or "{}")
             except json.JSONDecodeError:
-                raise APIError(
-                    400, f"{param}.arguments is not a JSON object: {args[:80]!r}", param=f"{param}.arguments"
-                ) from None
+                args = None
+        if not isinstance(args, dict):
+            raise APIError(400, f"{param}.arguments is not a JSON object", param=f"{param}.arguments")
         call = {
             "id": str(item.get("call_id") or ""),
             "type": "function",

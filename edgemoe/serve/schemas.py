@@ -240,7 +240,8 @@ class ChatCompletionRequest(GenerationRequest):
         if kind == "json_object":
             return json_constraint(None, "response_format")
         if kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise APIError(
                     400,

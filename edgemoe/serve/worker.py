@@ -148,14 +148,14 @@ class EngineWorker:
         *,
         template: ChatTemplate | None = None,
         prompt_cache: PromptCache | None = None,
-        scripted: Script | None = None,
+        scripted: Script | list[str] | None = None,
     ) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.template = template
         # states kept at the prefill's chunk boundaries, every n_batch tokens (0: a stand-in engine has none)
         self.reuse = PrefixReuse(engine, prompt_cache, chunk=getattr(engine, "n_batch", 0))
-        self.scripted = scripted
+        self.scripted = Script.parse(scripted) if isinstance(scripted, list) else scripted
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._main, name="edgemoe-engine", daemon=True)
         self._current: Job | None = None
