@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +79,22 @@ def build_app(upstream: str, record: Path) -> Starlette:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--upstream", required=True, help="the server's base URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8081)
+    parser.add_argument("--port", type=int, default=8081, help="0: a free one (printed at start)")
     parser.add_argument("--record", type=Path, required=True, help="directory for the recorded requests")
     args = parser.parse_args()
-    uvicorn.run(build_app(args.upstream, args.record), host=args.host, port=args.port, log_level="warning")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    print(
+        f"agent_proxy: listening on http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True
+    )
+    config = uvicorn.Config(build_app(args.upstream, args.record), log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":
