@@ -50,7 +50,9 @@ def read_requests(record: Path) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("record", type=Path, help="the directory tools/agent_proxy.py wrote")
     parser.add_argument("--client", required=True)
     parser.add_argument("--version", required=True)
