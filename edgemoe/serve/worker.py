@@ -4,8 +4,8 @@ The Engine is not thread-safe, so every use of its llama.cpp context (prefix reu
 counters) happens on this thread; only the chat template and the tokenizer, which read the model's
 vocabulary, also run on the server's threads (count_tokens). A Job carries its events back to the
 asyncio loop that submitted it: ("start", (prompt tokens, cached tokens)), ("delta", text),
-("reasoning", text), ("tool_call", ToolCall), ("done", Outcome) or ("error", APIError). A job's `cancel()` (client gone)
-stops its generation at the next token, or skips it if it waits.
+("reasoning", text), ("tool_call", ToolCall), ("done", Outcome) or ("error", APIError). A job's
+`cancel()` (client gone) stops its generation at the next token, or skips it if it waits.
 
 Prompt caching (prefix_cache.py): before a prompt is evaluated, the live KV state is kept in the
 host-memory store when the prompt would throw part of it away, and a stored state sharing a longer
