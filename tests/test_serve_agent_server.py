@@ -228,3 +228,8 @@ def test_an_assistant_prefill_is_continued(sampled: Server, model: Path) -> None
         want = eng.generate(ids, max_tokens=8, sampling=GREEDY).text
     assert r.json()["content"][0]["text"] == want and want
     assert r.json()["usage"]["input_tokens"] + r.json()["usage"]["cache_read_input_tokens"] == len(ids)
+
+
+def test_a_context_below_the_agents_prompts_warns_at_start(scripted: Server) -> None:
+    log = scripted.log.read_text()
+    assert f"warning: the context holds {CTX} tokens" in log and "--ctx 32768" in log
