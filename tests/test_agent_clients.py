@@ -37,7 +37,8 @@ MODEL_ID = "tiny"
 README = "The marker of this project is PELICAN-42.\n"
 ANSWER = "The README names the marker PELICAN-42."
 AGAIN = "And once more"  # the second session's prompt
-RUN_TIMEOUT_S = 900  # a cold 28K-token prompt takes a few minutes on a 2-core CPU
+RUN_TIMEOUT_S = 1800  # a cold 28K-token prompt takes minutes on a busy 2-core CPU ...
+SLOW_MS = "1800000"  # ... longer than the clients wait for a first token (docs/serve.md, "On a slow machine")
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def run(s: Setup, cmd: list[str], env: dict[str, str]) -> subprocess.CompletedPr
 
 def claude_code(s: Setup, prompt: str, *, again: bool) -> str:
     block = setup_blocks("claude-code", s)["sh"]
-    env = client_env(s, DISABLE_AUTOUPDATER="1", **exports(block))
+    env = client_env(s, DISABLE_AUTOUPDATER="1", API_TIMEOUT_MS=SLOW_MS, **exports(block))
     out = run(s, [str(CLIENTS["claude-code"].bin), "-p", prompt, "--output-format", "json"], env).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["modelUsage"][MODEL_ID]["contextWindow"] == CTX  # the window the block tells it
@@ -235,7 +236,8 @@ def qwen_code(s: Setup, prompt: str, *, again: bool) -> str:
     blocks = setup_blocks("qwen-code", s)
     (s.home / ".qwen").mkdir(exist_ok=True)
     (s.home / ".qwen" / "settings.json").write_text(blocks["json"])
-    env = client_env(s, **exports(blocks["sh"]))
+    env = client_env(s, QWEN_STREAM_IDLE_TIMEOUT_MS=SLOW_MS, QWEN_STREAM_MAX_LIFETIME_MS=SLOW_MS,
+                     **exports(blocks["sh"]))
     cmd = [str(CLIENTS["qwen-code"].bin), *(["-c"] if again else []), "-p", prompt]
     return run(s, cmd, env).stdout
 
@@ -243,7 +245,9 @@ def qwen_code(s: Setup, prompt: str, *, again: bool) -> str:
 def codex(s: Setup, prompt: str, *, again: bool) -> str:
     codex_home = s.home / ".codex"
     codex_home.mkdir(exist_ok=True)
-    (codex_home / "config.toml").write_text(setup_blocks("codex", s)["toml"])
+    config = setup_blocks("codex", s)["toml"]
+    assert config.rstrip().endswith('wire_api = "responses"')  # the provider's table is last
+    (codex_home / "config.toml").write_text(f"{config}stream_idle_timeout_ms = {SLOW_MS}\n")
     env = client_env(s, CODEX_HOME=str(codex_home))
     head = [str(CLIENTS["codex"].bin), "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access"]
     return run(s, [*head, *(["resume", "--last"] if again else []), prompt], env).stdout

@@ -328,7 +328,7 @@ class EngineWorker:
         t_first: float | None = None
         scripted = self.scripted is not None
         gen = (
-            self._scripted(ids, text, job.max_tokens)
+            self._scripted(job, ids, text)
             if scripted
             else eng.stream(ids, max_tokens=job.max_tokens, sampling=sampling, speculate=job.speculate)
         )
@@ -346,6 +346,8 @@ class EngineWorker:
                     break
         finally:
             gen.close()
+        if finish is None and job.cancelled.is_set():  # during the prefill, and no token came after it
+            finish = "cancelled"
         if finish == "cancelled":
             job.emit("error", job.cut_short())
             return
@@ -372,14 +374,13 @@ class EngineWorker:
 
     _script_last: Generation
 
-    def _scripted(
-        self, ids: list[int], prompt: str, max_tokens: int
-    ) -> Generator[tuple[int, str], None, None]:
-        """The next scripted reply as if sampled: the prompt is evaluated for real (prefix reuse included)."""
-        eng = self.engine
+    def _scripted(self, job: Job, ids: list[int], prompt: str) -> Generator[tuple[int, str], None, None]:
+        """The next scripted reply as if sampled: the prompt is evaluated for real (prefix reuse included). A job
+        cancelled meanwhile (its client gave up during a long prefill) leaves the script as it was, for a retry."""
+        eng, max_tokens = self.engine, job.max_tokens
         first = eng.generate(ids, max_tokens=1, sampling=GREEDY)
         assert self.scripted is not None
-        text = self.scripted.take(prompt)
+        text = "" if job.cancelled.is_set() else self.scripted.take(prompt)
         reply = eng.tokenize(text, add_special=False, parse_special=True)
         for tok in reply[:max_tokens]:
             yield tok, eng.detokenize([tok])
