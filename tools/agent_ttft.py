@@ -40,7 +40,7 @@ MODEL_ID = "tiny"
 
 def poster(client: TestClient) -> Any:
     def post(path: str, body: dict[str, Any], key: str) -> dict[str, Any]:
-        r = client.post(path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=3600)
+        r = client.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
         if r.status_code != 200:
             raise RuntimeError(f"{path}: {r.status_code} {r.text[:300]}")
         return r.json()
