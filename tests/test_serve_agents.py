@@ -141,8 +141,8 @@ BAD = [  # (id, path, body, status, Anthropic error type)
      400, "invalid_request_error"),
     ("temperature-over-1", "/messages", {"model": MODEL_ID, "max_tokens": 4, "messages": USER, "temperature": 1.5},
      400, "invalid_request_error"),
-    ("image", "/messages", {"model": MODEL_ID, "max_tokens": 4, "messages": [
-        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]},
+    ("audio", "/messages", {"model": MODEL_ID, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "audio", "source": {"type": "base64", "data": ""}}]}]},
      400, "invalid_request_error"),
     ("wrong-model", "/messages", {"model": "nope", "max_tokens": 4, "messages": USER}, 404, "not_found_error"),
     ("too-long", "/messages", {"model": MODEL_ID, "max_tokens": 4,
@@ -165,11 +165,12 @@ def test_bad_requests_get_anthropic_errors(server: Server, path: str, body: Any,
 
 
 def test_context_overflow_says_the_numbers(server: Server) -> None:
-    r = messages_post(server, BAD[7][2])
-    assert f"the context holds {CTX}" in r.json()["error"]["message"]
-    counted = messages_post(server, {k: v for k, v in BAD[7][2].items() if k != "max_tokens"},
+    too_long = next(b[2] for b in BAD if b[0] == "too-long")
+    counted = messages_post(server, {k: v for k, v in too_long.items() if k != "max_tokens"},
                             path="/messages/count_tokens")
     assert counted.status_code == 200 and counted.json()["input_tokens"] > CTX  # counting needs no room
+    r = messages_post(server, too_long)  # in Anthropic's words, which Claude Code reads (not ours)
+    assert r.json()["error"]["message"] == f"prompt is too long: {counted.json()['input_tokens']} tokens > {CTX - 1} maximum"
 
 
 @pytest.mark.parametrize("route", ["openai", "anthropic"])
@@ -179,13 +180,14 @@ def test_context_overflow_names_the_prompt_max_tokens_and_the_context(server: Se
     counted = messages_post(server, {"model": MODEL_ID, "messages": messages}, path="/messages/count_tokens")
     n = counted.json()["input_tokens"]
     body = {"model": MODEL_ID, "max_tokens": 7, "messages": messages}
-    if route == "anthropic":
+    if route == "anthropic":  # Anthropic's own wording: the numbers Claude Code parses
         r = messages_post(server, body)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    else:
-        r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=30,
-                       headers={"Authorization": f"Bearer {API_KEY}"})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert r.json()["error"]["message"] == f"prompt is too long: {n} tokens > {CTX - 1} maximum"
+        return
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=30,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     message = r.json()["error"]["message"]
     assert f"the prompt is {n} tokens and max_tokens asks for 7 more, but the context holds {CTX}" in message
     assert server.alive()

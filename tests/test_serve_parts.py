@@ -10,6 +10,7 @@ from serve_harness import TOOL_TEMPLATE
 
 from edgemoe.runtime.prompt_cache import KVSnapshot, PromptCache, common_prefix
 from edgemoe.serve import anthropic as ant
+from edgemoe.serve.conversation import IMAGE_PLACEHOLDER
 from edgemoe.serve.errors import APIError
 from edgemoe.serve.prefix_cache import PrefixReuse
 from edgemoe.serve.template import ChatTemplate, load_template
@@ -226,9 +227,13 @@ def test_anthropic_messages_become_template_messages() -> None:
                                                                       "parameters": {"type": "object"}}}]
     image = ant.MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {}}]}]})
+    assert image.chat_messages() == [{"role": "user", "content": IMAGE_PLACEHOLDER}]  # no vision: a placeholder
+    assert image.notes() and "1 image" in image.notes()[0]
+    audio = ant.MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "audio", "source": {}}]}]})
     with pytest.raises(APIError) as exc:
-        image.chat_messages()
-    assert exc.value.status == 400 and "image" in exc.value.message
+        audio.chat_messages()
+    assert exc.value.status == 400 and "audio" in exc.value.message
 
 
 def parse_events(stream: str) -> list[tuple[str, dict[str, Any]]]:

@@ -3,7 +3,6 @@ options."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from dataclasses import replace
@@ -127,7 +126,8 @@ def _bind(host: str, port: int) -> socket.socket:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
     hidden=True,
-    help="tests: a JSON list of replies given in order instead of sampled ones",
+    help="tests: a JSON list of replies given instead of sampled ones (strings in order, or "
+    '{"when": REGEX, "reply": TEXT} for a prompt REGEX matches)',
 )
 @click.option(
     "-n",
@@ -203,11 +203,24 @@ def serve(
             f"http://{host}:{bound}/v1" + (" (API key required)" if keys else ""),
             err=True,
         )
+        if engine.n_ctx < AGENT_CTX:
+            click.echo(f"warning: {agent_context_warning(engine.n_ctx)}", err=True)
         try:
             server.run(sockets=[sock])
         finally:
             worker.stop()
             sock.close()
+
+
+AGENT_CTX = 32768  # the smallest context that holds a coding agent's fixed prompt and a working conversation
+
+
+def agent_context_warning(n_ctx: int) -> str:
+    return (
+        f"the context holds {n_ctx} tokens: coding agents' fixed prompts (system prompt and tools) alone take "
+        "14K (OpenCode) to 28K (Qwen Code) tokens, and below that they fail or loop on compaction; give "
+        f"--ctx {AGENT_CTX} or more for them (docs/serve.md, 'Coding agents')"
+    )
 
 
 def _worker(
@@ -268,8 +281,7 @@ def _http_server(worker: Any, config: Any, limits: Any) -> Any:
     return DrainingServer(uv_config, worker)
 
 
-def _read_script(path: Path) -> list[str]:
-    replies = json.loads(path.read_text())
-    if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
-        raise click.ClickException(f"{path}: give a JSON list of strings (the replies, in order)")
-    return replies
+def _read_script(path: Path) -> Any:
+    from ..serve.scripted import Script
+
+    return Script.read(path)

@@ -239,10 +239,10 @@ class Engine:
 
         The id is -1 for a final piece flushed from an incomplete UTF-8 sequence.
         ignore_eog keeps generating past end-of-generation tokens (benchmarks). speculate=False turns the
-        engine's speculation (set_speculation) off for this call.
+        engine's speculation (set_speculation) off for this call, as does a sampling grammar.
         """
         params = sampling or SamplingParams()
-        spec = self.speculation if speculate else None
+        spec = self.speculation if speculate and params.grammar is None else None  # drafts ignore grammars
         speculator = (
             Speculator(self._seq, self.routing, spec.source, params, draft_max=spec.config.draft_max)
             if spec is not None

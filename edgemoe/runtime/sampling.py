@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import EdgeMoeError
 from .native import lib
 
 DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed
@@ -24,6 +25,8 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # 1.0: off
     repeat_last_n: int = 64
     seed: int = DEFAULT_SEED
+    # GBNF with a `root` rule: only text it accepts is sampled (structured output, forced tool calls)
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -40,6 +43,13 @@ class Sampler:
         chain_params = lib.llama_sampler_chain_default_params()
         self._chain = chain = lib.llama_sampler_chain_init(chain_params)
         add = lambda s: lib.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if params.grammar is not None:  # first: the others then choose among the tokens it allows
+            grammar = lib.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
+            if not grammar:
+                lib.llama_sampler_free(chain)
+                self._chain = None
+                raise EdgeMoeError("llama.cpp could not parse the sampling grammar (its log says where)")
+            add(grammar)
         if params.repeat_penalty != 1.0:
             add(
                 lib.llama_sampler_init_penalties(

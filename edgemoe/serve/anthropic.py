@@ -1,9 +1,12 @@
 """The Anthropic Messages API's request model and response bodies (POST /v1/messages, count_tokens).
 
 Messages become the OpenAI-shaped dicts the chat template reads (template.py): the system prompt a
-first "system" message, `tool_use` blocks an assistant's "tool_calls", `tool_result` blocks "tool"
-messages. Unknown fields are accepted and ignored; content the server cannot honour (images,
-documents) is refused with a 400; server tools (web search...) are left out, client tools go to the model.
+first "system" message (Claude Code's billing block left out), `tool_use` blocks an assistant's "tool_calls",
+`tool_result` blocks "tool" messages, system turns inside `messages` system messages where they are, text
+blocks joined with "\n", images and documents placeholder text (conversation.py). Unknown fields are accepted
+and ignored; server tools (web search...) and `defer_loading` tools not yet loaded by a `tool_reference` are
+left out, client tools go to the model. A forced `tool_choice`, `disable_parallel_tool_use` and
+`output_config.format` are enforced (grammar.py, stream.py). Reasoning comes back as `thinking` blocks.
 """
 
 from __future__ import annotations
@@ -18,8 +21,18 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from ..runtime.sampling import SamplingParams
 from .checks import check_object_schema, check_tool_name, refuse_lone_surrogates
+from .conversation import (
+    DOCUMENT_PLACEHOLDER,
+    IMAGE_PLACEHOLDER,
+    drop_billing_line,
+    is_billing_block,
+    join_text,
+    media_notes,
+)
 from .errors import APIError, echo
+from .grammar import Constraint, json_constraint, tool_constraint
 from .limits import check_stops
+from .reasoning import Reasoning
 from .tools import ToolCall
 from .worker import Outcome
 
@@ -39,24 +52,29 @@ class Block(_Lenient):
     tool_use_id: str | None = None  # tool_result
     content: str | list[Block] | None = None
     is_error: StrictBool | None = None
+    tool_name: str | None = None  # tool_reference
 
     def plain(self, param: str) -> str:
         """The text of a text block (or of a tool_result's content)."""
         if self.type == "text":
             return self.text or ""
-        if self.type in ("thinking", "redacted_thinking"):
-            return ""  # earlier turns' thinking is not part of the prompt
+        if self.type in ("thinking", "redacted_thinking", "tool_reference"):
+            return ""  # earlier turns' thinking is not part of the prompt; a reference loads a tool (tools)
+        if self.type == "image":
+            return IMAGE_PLACEHOLDER
+        if self.type == "document":
+            return DOCUMENT_PLACEHOLDER
         raise APIError(
             400,
-            f"{param}: content blocks of type {self.type!r} are not supported here (text, "
-            "tool_use and tool_result are)",
+            f"{param}: content blocks of type {self.type!r} are not supported here (text, image, "
+            "document, tool_use and tool_result are)",
             param=param,
             code="unsupported_content",
         )
 
 
 class AnthropicMessage(_Lenient):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: a mid-conversation system turn (Claude Code's)
     content: str | list[Block]
 
 
@@ -65,6 +83,7 @@ class Tool(_Lenient):
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     type: str | None = None  # "custom" or none; server tools are refused
+    defer_loading: StrictBool | None = None  # left out of the prompt until a tool_reference loads it
 
 
 class ToolChoice(_Lenient):
@@ -73,12 +92,24 @@ class ToolChoice(_Lenient):
     disable_parallel_tool_use: StrictBool | None = None
 
 
+class OutputConfig(_Lenient):
+    format: dict[str, Any] | None = None  # {"type": "json_schema", "schema": ...}: enforced with a grammar
+
+
+class Thinking(_Lenient):
+    type: str | None = None
+    display: str | None = None  # "omitted": thinking blocks come back without their text
+
+
 class CountTokensRequest(_Lenient):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's name for output_config.format
+    thinking: Thinking | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -110,16 +141,29 @@ class CountTokensRequest(_Lenient):
 
     def chat_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if self.system:
-            system = (
-                self.system
-                if isinstance(self.system, str)
-                else "".join(b.plain(f"system.{i}") for i, b in enumerate(self.system))
-            )
+        if isinstance(self.system, str):
+            system = drop_billing_line(self.system)
+        else:  # the billing block changes with every session: no session could reuse another's prompt
+            blocks = [
+                b for b in self.system or [] if not (b.type == "text" and is_billing_block(b.text or ""))
+            ]
+            system = join_text(b.plain(f"system.{i}") for i, b in enumerate(blocks))
+        if system:
             out.append({"role": "system", "content": system})
         for i, m in enumerate(self.messages):
             out += _to_template(m, f"messages.{i}.content")
         return out
+
+    def notes(self) -> tuple[str, ...]:
+        blocks = [b for m in self.messages if not isinstance(m.content, str) for b in m.content]
+        blocks += [c for b in blocks if isinstance(b.content, list) for c in b.content]  # in tool results
+        return media_notes(sum(b.type == "image" for b in blocks), sum(b.type == "document" for b in blocks))
+
+    def loaded(self) -> set[str]:
+        """The deferred tools a tool_reference block (in a tool result) has loaded."""
+        blocks = [b for m in self.messages if not isinstance(m.content, str) for b in m.content]
+        blocks += [c for b in blocks if isinstance(b.content, list) for c in b.content]
+        return {str(b.tool_name or b.name) for b in blocks if b.type == "tool_reference"}
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
@@ -127,6 +171,7 @@ class CountTokensRequest(_Lenient):
         server_tools = [t.name for t in self.tools if t.type not in (None, "custom")]
         if server_tools:  # web search, code execution...: Anthropic runs those; a local model cannot
             log.info("ignoring server tools %s (only client tools reach the model)", ", ".join(server_tools))
+        loaded = self.loaded()
         return [
             {
                 "type": "function",
@@ -137,8 +182,35 @@ class CountTokensRequest(_Lenient):
                 },
             }
             for t in self.tools
-            if t.type in (None, "custom")
+            if t.type in (None, "custom") and (not t.defer_loading or t.name in loaded)
         ] or None
+
+    def constraint(self) -> Constraint | None:
+        """The grammar the reply must follow: a forced tool call (`any`, `tool`), or the output format."""
+        choice, tools = self.tool_choice, self.template_tools()
+        if choice is not None and choice.type in ("any", "tool") and tools:
+            only = choice.name if choice.type == "tool" else None
+            return tool_constraint(
+                tools, only=only, parallel=not choice.disable_parallel_tool_use, param="tools"
+            )
+        fmt = (self.output_config.format if self.output_config else None) or self.output_format
+        if not fmt:
+            return None
+        if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise APIError(
+                400,
+                'output_config.format: give {"type": "json_schema", "schema": {...}}',
+                param="output_config.format",
+            )
+        return json_constraint(fmt["schema"], "output_config.format.schema")
+
+    @property
+    def single_call(self) -> bool:
+        return self.tool_choice is not None and bool(self.tool_choice.disable_parallel_tool_use)
+
+    @property
+    def show_thinking(self) -> bool:
+        return self.thinking is None or self.thinking.display != "omitted"
 
 
 def _check_tool_results(messages: list[AnthropicMessage]) -> None:
@@ -147,6 +219,8 @@ def _check_tool_results(messages: list[AnthropicMessage]) -> None:
     asked: set[str] = set()
     seen: set[str] = set()
     for i, m in enumerate(messages):
+        if m.role == "system":
+            continue  # a system turn between a tool_use and its result separates nothing
         blocks = [] if isinstance(m.content, str) else m.content
         unanswered = sorted(asked - {b.tool_use_id for b in blocks if b.type == "tool_result"})
         if unanswered:
@@ -195,14 +269,14 @@ def _to_template(m: AnthropicMessage, param: str) -> list[dict[str, Any]]:
             body = (
                 b.content
                 if isinstance(b.content, str) or b.content is None
-                else "".join(c.plain(f"{where}.content") for c in b.content)
+                else join_text(c.plain(f"{where}.content.{k}") for k, c in enumerate(b.content))
             )
             results.append({"role": "tool", "tool_call_id": b.tool_use_id or "", "content": body or ""})
         else:
             text.append(b.plain(where))
     out = results
     if calls or text or not results:
-        msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+        msg: dict[str, Any] = {"role": m.role, "content": join_text(text)}
         if calls:
             msg["tool_calls"] = calls
         out = out + [msg]
@@ -249,19 +323,27 @@ def usage(out: Outcome) -> dict[str, int]:
 
 
 class MessageReply:
-    """The bodies of one /v1/messages reply: whole, or its server-sent events."""
+    """The bodies of one /v1/messages reply: whole, or its server-sent events. Reasoning comes as `thinking`
+    blocks (without their text when the request's thinking.display is "omitted"); no signature is made."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *, show_thinking: bool = True) -> None:
         self.model = model
+        self.show_thinking = show_thinking
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.index = -1  # of the open content block
         self.open: str | None = None  # its type
 
-    def whole(self, parts: list[str | ToolCall], out: Outcome) -> dict[str, Any]:
+    def whole(self, parts: list[str | ToolCall | Reasoning], out: Outcome) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
         for p in parts:
             if isinstance(p, ToolCall):
                 content.append({"type": "tool_use", "id": p.id, "name": p.name, "input": p.arguments})
+            elif isinstance(p, Reasoning):
+                text = p.text if self.show_thinking else ""
+                if content and content[-1]["type"] == "thinking":
+                    content[-1]["thinking"] += text
+                else:
+                    content.append({"type": "thinking", "thinking": text, "signature": ""})
             elif content and content[-1]["type"] == "text":
                 content[-1]["text"] += p
             else:
@@ -320,6 +402,23 @@ class MessageReply:
                 "type": "content_block_delta",
                 "index": self.index,
                 "delta": {"type": "text_delta", "text": piece},
+            },
+        )
+
+    def thinking(self, piece: str) -> str:
+        out = (
+            ""
+            if self.open == "thinking"
+            else self._begin({"type": "thinking", "thinking": "", "signature": ""})
+        )
+        if not self.show_thinking:
+            return out
+        return out + event(
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": {"type": "thinking_delta", "thinking": piece},
             },
         )
 

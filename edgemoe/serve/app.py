@@ -1,5 +1,5 @@
 """The routes: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/messages,
-/v1/messages/count_tokens, GET /health.
+/v1/messages/count_tokens, /v1/responses, GET /health.
 
 Every generation request becomes a Job for the one engine thread (worker.py). A client that goes away
 cancels its job: a streamed reply notices when the SSE stream is torn down, a whole reply through a
@@ -31,6 +31,8 @@ from .errors import APIError, echo, install_handlers
 from .front import FrontMiddleware, HostPolicy
 from .guard import SCOPE_KEY, GuardMiddleware
 from .limits import BodyBudget
+from .reasoning import Reasoning
+from .responses import ResponseReply, ResponsesRequest
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, Reply
 from .tools import ToolCall
 from .transport import limit_accept_errors, widen_listen_queue
@@ -178,6 +180,9 @@ class Routes:
             messages=body.chat_messages(),
             tools=body.template_tools(),
             speculate=body.speculate,
+            constraint=body.constraint(),
+            single_call=body.parallel_tool_calls is False,
+            notes=body.notes(),
         )
         return await self._openai(request, job, Reply("chat", self.config.model_id), body)
 
@@ -205,13 +210,39 @@ class Routes:
             messages=body.chat_messages(),
             tools=body.template_tools(),
             speculate=body.speculate,
+            constraint=body.constraint(),
+            single_call=body.single_call,
+            notes=body.notes(),
         )
-        reply = ant.MessageReply(self.config.model_id)
+        reply = ant.MessageReply(self.config.model_id, show_thinking=body.show_thinking)
         if body.stream:
             return await self._start_stream(
                 request, job, lambda start: self._anthropic_events(job, reply, start)
             )
-        parts: list[str | ToolCall] = []
+        parts: list[str | ToolCall | Reasoning] = []
+        out = await self._whole(request, job, parts)
+        return JSONResponse(reply.whole(parts, out))
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> Any:
+        """OpenAI's Responses API, as a chat (responses.py)."""
+        self.check_model(body.model)
+        body.check()
+        job = self._job(
+            request,
+            body.limit(self.config.max_tokens),
+            body.sampling(self.config.sampling),
+            (),
+            messages=body.chat_messages(),
+            tools=body.template_tools(),
+            speculate=body.speculate,
+            constraint=body.constraint(),
+            single_call=body.parallel_tool_calls is False,
+            notes=body.notes(),
+        )
+        reply = ResponseReply(self.config.model_id, body)
+        if body.stream:
+            return await self._start_stream(request, job, lambda _: self._responses_events(job, reply))
+        parts: list[str | ToolCall | Reasoning] = []
         out = await self._whole(request, job, parts)
         return JSONResponse(reply.whole(parts, out))
 
@@ -272,8 +303,8 @@ class Routes:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _whole(self, request: Request, job: Job, parts: list[str | ToolCall]) -> Outcome:
-        """Run a job to its end, collecting text pieces and tool calls; the client leaving cancels it."""
+    async def _whole(self, request: Request, job: Job, parts: list[str | ToolCall | Reasoning]) -> Outcome:
+        """Run a job to its end, collecting text pieces, reasoning and tool calls; the client leaving cancels it."""
         await self._begin(request, job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
@@ -281,7 +312,7 @@ class Routes:
                 event, value = await _next(job)
                 if event == "done":
                     return value
-                parts.append(value)
+                parts.append(Reasoning(value) if event == "reasoning" else value)
         finally:
             watcher.cancel()
             job.cancel()  # no-op once done; stops the engine if this handler was cancelled
@@ -291,10 +322,12 @@ class Routes:
             return await self._start_stream(
                 request, job, lambda _: self._openai_events(job, reply, body.include_usage)
             )
-        parts: list[str | ToolCall] = []
+        parts: list[str | ToolCall | Reasoning] = []
         out = await self._whole(request, job, parts)
         text = "".join(p for p in parts if isinstance(p, str))
-        return JSONResponse(reply.whole(text, out, [p for p in parts if isinstance(p, ToolCall)]))
+        calls = [p for p in parts if isinstance(p, ToolCall)]
+        reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
+        return JSONResponse(reply.whole(text, out, calls, reasoning))
 
     async def _openai_events(self, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
         n_calls = 0
@@ -311,6 +344,8 @@ class Routes:
                     yield ": ping\n\n"
                 elif event == "delta":
                     yield _sse(reply.chunk(value))
+                elif event == "reasoning":
+                    yield _sse(reply.reasoning_chunk(value))
                 elif event == "tool_call":
                     yield _sse(reply.tool_chunk(value, n_calls))
                     n_calls += 1
@@ -345,8 +380,33 @@ class Routes:
                     yield ant.PING
                 elif event == "delta":
                     yield reply.text(value)
+                elif event == "reasoning":
+                    yield reply.thinking(value)
                 elif event == "tool_call":
                     yield reply.tool_use(value)
+                else:
+                    yield reply.end(value)
+                    break
+        finally:
+            job.cancel()
+
+    async def _responses_events(self, job: Job, reply: ResponseReply) -> AsyncIterator[str]:
+        try:
+            yield reply.start()
+            while True:
+                try:
+                    event, value = await _next(job, self.config.ping_s)
+                except APIError as err:
+                    yield reply.failed(err)
+                    break
+                if event == "ping":
+                    yield ": ping\n\n"
+                elif event == "delta":
+                    yield reply.text(value)
+                elif event == "reasoning":
+                    yield reply.reasoning(value)
+                elif event == "tool_call":
+                    yield reply.tool_call(value)
                 else:
                     yield reply.end(value)
                     break
@@ -380,6 +440,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     app.add_api_route("/v1/completions", r.completions, methods=["POST"])
     app.add_api_route("/v1/messages", r.messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", r.count_tokens, methods=["POST"])
+    app.add_api_route("/v1/responses", r.responses, methods=["POST"])
     return app
 
 

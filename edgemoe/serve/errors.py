@@ -117,6 +117,21 @@ class APIError(Exception):
         return SafeJSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
 
+class ContextOverflow(APIError):
+    """A prompt the context cannot hold. Anthropic's clients read its numbers from Anthropic's own wording
+    (Claude Code then stops retrying and says "prompt is too long"), so the Messages API gets that."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, n_ctx: int, param: str) -> None:
+        super().__init__(400, message, param=param, code="context_length_exceeded")
+        self.prompt_tokens = prompt_tokens
+        self.n_ctx = n_ctx
+
+    def anthropic_body(self) -> dict[str, Any]:
+        # the longest prompt that fits leaves room for one token of reply
+        text = f"prompt is too long: {self.prompt_tokens} tokens > {self.n_ctx - 1} maximum"
+        return {"type": "error", "error": {"type": "invalid_request_error", "message": text}}
+
+
 def internal_error(exc: BaseException) -> APIError:
     """A 500 that names an incident id, never the exception's text; the traceback goes to the log."""
     incident = uuid.uuid4().hex[:12]

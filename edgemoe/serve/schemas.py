@@ -2,7 +2,9 @@
 
 Fields the server does not use (frequency_penalty, user, ...) are accepted and ignored, as
 other local servers do; fields it cannot honour (n > 1, logprobs) are refused with a 400.
-Chat messages become the OpenAI-shaped dicts the chat template reads (template.py).
+Chat messages become the OpenAI-shaped dicts the chat template reads (template.py): text parts joined
+with "\n", images and files as placeholder text (conversation.py). `response_format`, a forced
+`tool_choice` and `parallel_tool_calls: false` are enforced (grammar.py, stream.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from ..runtime.sampling import SamplingParams
 from .checks import check_object_schema, check_tool_answers, check_tool_name, refuse_lone_surrogates
+from .conversation import DOCUMENT_PLACEHOLDER, IMAGE_PLACEHOLDER, join_text, media_notes
 from .errors import APIError, echo
+from .grammar import Constraint, json_constraint, tool_constraint
 from .limits import MAX_JSON_DEPTH, JSONRefused, check_stops, loads_strict
 from .tools import ToolCall
 from .worker import Outcome
@@ -29,6 +33,22 @@ class _Lenient(BaseModel):
 class ContentPart(_Lenient):
     type: str
     text: str | None = None
+
+    def plain(self, param: str) -> str:
+        """The part as prompt text: media the model cannot read as a placeholder."""
+        if self.type in ("text", "input_text") and self.text is not None:
+            return self.text
+        if self.type in ("image_url", "input_image"):
+            return IMAGE_PLACEHOLDER
+        if self.type in ("file", "input_file"):
+            return DOCUMENT_PLACEHOLDER
+        raise APIError(
+            400,
+            f"{param}: content parts of type {self.type[:40]!r} are not supported (text, image_url and "
+            "file are; images and files reach the model as a placeholder)",
+            param=param,
+            code="unsupported_content",
+        )
 
 
 class FunctionCall(_Lenient):
@@ -71,20 +91,16 @@ class Message(_Lenient):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's reasoning (llama-server's field)
 
     def to_template(self, i: int) -> dict[str, Any]:
         if self.content is None or isinstance(self.content, str):
             text = self.content or ""
-        elif any(p.type != "text" or p.text is None for p in self.content):
-            raise APIError(
-                400,
-                "only text content parts are supported",
-                param=f"messages.{i}.content",
-                code="unsupported_content",
-            )
         else:
-            text = "".join(p.text or "" for p in self.content)
+            text = join_text(p.plain(f"messages.{i}.content.{j}") for j, p in enumerate(self.content))
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.role == "assistant" and self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [
                 _call_to_template(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(self.tool_calls)
@@ -190,8 +206,10 @@ class GenerationRequest(_Lenient):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolDef] | None = None
-    # "none" drops the tools; "auto", "required" and a named function are left to the model
+    # "none" drops the tools; "required" and a named function are enforced with a grammar
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # false: the reply ends after its first call
+    response_format: dict[str, Any] | None = None  # json_object / json_schema: enforced with a grammar
 
     def check(self) -> None:
         super().check()
@@ -214,6 +232,45 @@ class ChatCompletionRequest(GenerationRequest):
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+    def notes(self) -> tuple[str, ...]:
+        parts = [p for m in self.messages if isinstance(m.content, list) for p in m.content]
+        return media_notes(
+            sum(p.type in ("image_url", "input_image") for p in parts),
+            sum(p.type in ("file", "input_file") for p in parts),
+        )
+
+    def constraint(self) -> Constraint | None:
+        """The grammar the reply must follow: a forced tool call, or the response_format; None: free text."""
+        tools = self.template_tools()
+        choice = self.tool_choice
+        if tools and (choice == "required" or isinstance(choice, ToolChoice)):
+            only = choice.function.name if isinstance(choice, ToolChoice) else None
+            return tool_constraint(
+                tools, only=only, parallel=self.parallel_tool_calls is not False, param="tools"
+            )
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            return json_constraint(None, "response_format")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(
+                    400,
+                    "response_format.json_schema.schema must be a JSON Schema object",
+                    param="response_format.json_schema.schema",
+                )
+            return json_constraint(schema, "response_format.json_schema.schema")
+        if kind != "text":
+            raise APIError(
+                400,
+                f"response_format type {str(kind)[:40]!r} is not supported (text, json_object, json_schema)",
+                param="response_format.type",
+                code="unsupported_value",
+            )
+        return None
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         if not self.tools or self.tool_choice == "none":
@@ -270,10 +327,14 @@ class Reply:
             "function": {"name": call.name, "arguments": call.arguments_json},
         }
 
-    def whole(self, text: str, out: Outcome, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    def whole(
+        self, text: str, out: Outcome, calls: list[ToolCall] | None = None, reasoning: str = ""
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            if reasoning:
+                choice["message"]["reasoning_content"] = reasoning
             if calls:
                 choice["message"]["tool_calls"] = [self.tool_call(c) for c in calls]
         else:
@@ -297,6 +358,10 @@ class Reply:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice["text"] = text or ""
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def reasoning_chunk(self, text: str) -> dict[str, Any]:
+        choice = {"index": 0, "finish_reason": None, "logprobs": None, "delta": {"reasoning_content": text}}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def tool_chunk(self, call: ToolCall, index: int) -> dict[str, Any]:
         choice = {

@@ -4,9 +4,9 @@ The Engine is not thread-safe, so every use of its llama.cpp context (prefix reu
 counters) happens on this thread; only the chat template and the tokenizer, which read the model's
 vocabulary, also run on the server's threads (count_tokens). A Job carries its events back to the
 asyncio loop that submitted it: ("start", (prompt tokens, cached tokens)), ("delta", text),
-("tool_call", ToolCall), ("done", Outcome) or ("error", APIError). A job's `cancel()` (client gone, or the
-server shutting down) stops its prompt's evaluation at the next chunk boundary (n_batch tokens), its
-generation at the next token, or skips it if it waits.
+("reasoning", text), ("tool_call", ToolCall), ("done", Outcome) or ("error", APIError). A job's `cancel()`
+(client gone, or the server shutting down) stops its prompt's evaluation at the next chunk boundary (n_batch
+tokens), its generation at the next token, or skips it if it waits.
 
 Prompt caching (prefix_cache.py): before a prompt is evaluated, the live KV state is kept in the
 host-memory store when the prompt would throw part of it away, and a stored state sharing a longer
@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import EdgeMoeError
@@ -30,12 +30,16 @@ from ..runtime.generation import Generation
 from ..runtime.prompt_cache import PromptCache
 from ..runtime.sampling import GREEDY, SamplingParams
 from ..speculation.config import SpeculationStats
-from .errors import APIError, internal_error
+from .conversation import normalize, prefill_of, render_chat
+from .errors import APIError, ContextOverflow, internal_error
+from .grammar import Constraint
 from .prefix_cache import PrefillStopped, PrefixReuse
+from .reasoning import opens_reasoning
+from .scripted import Script
 from .specials import SpecialGuard, control_texts
 from .stops import StopScanner
+from .stream import ReplySplitter
 from .template import ChatTemplate
-from .tools import ToolCall, ToolCallScanner
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,9 @@ class Job:
     prompt: str | None = None
     scope: str = ""  # whose prompt-cache entries it may reuse (the API key's id)
     speculate: bool = True  # use the engine's speculative decoding, where it has one
+    constraint: Constraint | None = None  # a grammar the reply must follow (response_format, a forced call)
+    single_call: bool = False  # parallel tool calls off: the reply ends after its first call
+    notes: tuple[str, ...] = ()  # what the server changed in the request (the reply's edgemoe.notes)
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -103,7 +110,7 @@ class EngineWorker:
     prompt_cache: the host-memory store of KV states (None: only the live KV prefix is reused);
     keep_live: store each request's live KV state under its key when it is over (a server with several keys:
     a key switch then does no work that depends on the other key's state);
-    scripted: replies to give in order instead of sampling (tests of the tool-call path).
+    scripted: replies to give instead of sampling (tests of the tool-call path and of real clients).
     """
 
     def __init__(
@@ -114,7 +121,7 @@ class EngineWorker:
         template: ChatTemplate | None = None,
         prompt_cache: PromptCache | None = None,
         keep_live: bool = False,
-        scripted: list[str] | None = None,
+        scripted: Script | list[str] | None = None,
     ) -> None:
         self.engine = engine
         self.max_queue = max_queue
@@ -123,7 +130,7 @@ class EngineWorker:
         self.reuse = PrefixReuse(
             engine, prompt_cache, chunk=getattr(engine, "n_batch", 0), keep_live=keep_live
         )
-        self.scripted = scripted
+        self.scripted = Script.parse(scripted) if isinstance(scripted, list) else scripted
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._main, name="edgemoe-engine", daemon=True)
         self._current: Job | None = None
@@ -194,7 +201,8 @@ class EngineWorker:
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         """The prompt text of a chat through the model's template (thread-safe: no llama.cpp context)."""
         if self.template is not None:
-            return self.template.render(messages, tools)
+            return render_chat(self.template, messages, tools)
+        messages = normalize(messages)
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             raise APIError(
                 400,
@@ -203,8 +211,12 @@ class EngineWorker:
                 param="tools",
                 code="tools_unsupported",
             )
+        prefill = prefill_of(messages)
+        if prefill is not None:
+            messages = messages[:-1]
         try:
-            return self.engine.format_chat([ChatMessage(m["role"], m.get("content") or "") for m in messages])
+            chat = [ChatMessage(m["role"], m.get("content") or "") for m in messages]
+            return self.engine.format_chat(chat) + (prefill or "")
         except EdgeMoeError as err:  # no (known) chat template
             raise APIError(400, str(err), param="messages", code="no_chat_template") from err
 
@@ -220,59 +232,71 @@ class EngineWorker:
         """The prompt's token ids (thread-safe); APIError 400 when it is empty, or (fit) when it fills the context,
         naming the prompt's tokens, the `max_tokens` asked (where given) and the context. A prompt that fits with
         a reply that would not is served: the reply stops where the context ends (finish "length")."""
+        return self._prompt(messages, tools, prompt, fit=fit, max_tokens=max_tokens)[0]
+
+    def _prompt(
+        self,
+        messages: list[dict[str, Any]] | None,
+        tools: list[dict[str, Any]] | None,
+        prompt: str | None,
+        *,
+        fit: bool = True,
+        max_tokens: int | None = None,
+    ) -> tuple[list[int], str]:
+        """prompt_ids, and the prompt's text (a chat's as rendered, with placeholders for client control text)."""
         eng = self.engine
         chat = messages is not None
         param = "messages" if chat else "prompt"
         if messages is not None:
-            ids = self._chat_ids(messages, tools)
+            ids, text = self._chat_ids(messages, tools)
         else:
-            ids = eng.tokenize(_text(prompt or "", param), add_special=True, parse_special=False)
+            text = _text(prompt or "", param)
+            ids = eng.tokenize(text, add_special=True, parse_special=False)
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param=param)
         if fit and len(ids) >= eng.n_ctx:
             reply = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None else ""
-            raise APIError(
-                400,
+            raise ContextOverflow(
                 f"the prompt is {len(ids)} tokens{reply}, but the context holds {eng.n_ctx}; "
                 "shorten it or start the server with a larger context (`n_ctx`)",
+                prompt_tokens=len(ids),
+                n_ctx=eng.n_ctx,
                 param=param,
-                code="context_length_exceeded",
             )
-        return ids
+        return ids, text
 
-    def _chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        """A chat's prompt ids: the template's control tokens parsed, the client's text as plain text."""
+    def _chat_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[list[int], str]:
+        """A chat's prompt ids (the template's control tokens parsed, the client's text as plain text) and text."""
         (messages, tools), swapped = self.guard.neutralize([messages, tools])
         text = self.render(messages, tools)
         _text(self.guard.restore(text) if swapped else text, "messages")  # placeholders are not text
         bos = self.template.bos_token if self.template is not None else ""
         add_bos = not (self.engine.adds_bos() and bos and text.startswith(bos))  # the template wrote BOS
-        return self.guard.tokenize(self.engine, text, add_bos=add_bos, swapped=swapped)
+        return self.guard.tokenize(self.engine, text, add_bos=add_bos, swapped=swapped), text
 
     def _run(self, job: Job) -> None:
         eng = self.engine
         t_start = time.perf_counter()
-        ids = self.prompt_ids(
-            messages=job.messages, tools=job.tools, prompt=job.prompt, max_tokens=job.max_tokens
-        )
+        ids, text = self._prompt(job.messages, job.tools, job.prompt, max_tokens=job.max_tokens)
+        thinking = job.messages is not None and opens_reasoning(text)  # the template opened a reasoning block
+        sampling = job.sampling
+        if job.constraint is not None:
+            sampling = replace(sampling, grammar=job.constraint.grammar(reasoning_open=thinking))
         cached = self.reuse.prepare(job.scope, ids, stop=job.cancelled.is_set)
         job.emit("start", (len(ids), cached))
         stops = StopScanner(job.stop)
-        calls = ToolCallScanner() if job.tools else None
-        n_calls = 0
+        split = ReplySplitter(
+            tools=bool(job.tools),
+            reasoning=job.messages is not None,
+            reasoning_open=thinking,
+            single_call=job.single_call,
+        )
 
-        def emit(text: str, final: bool = False) -> None:
-            nonlocal n_calls
-            if calls is None:
-                events: list[str | ToolCall] = [text] if text else []
-            else:
-                events = calls.push(text) + (calls.flush() if final else [])
-            for e in events:
-                if isinstance(e, ToolCall):
-                    n_calls += 1
-                    job.emit("tool_call", e)
-                elif e:
-                    job.emit("delta", e)
+        def emit(piece: str, final: bool = False) -> None:
+            for kind, value in split.push(piece) + (split.flush() if final else []):
+                job.emit(kind, value)
 
         finish: str | None = None
         spec: SpeculationStats | None = None  # what speculation did (a completed generation's)
@@ -280,9 +304,9 @@ class EngineWorker:
         t_first: float | None = None
         scripted = self.scripted is not None
         gen = (
-            self._scripted(ids, job.max_tokens)
+            self._scripted(job, ids, text)
             if scripted
-            else eng.stream(ids, max_tokens=job.max_tokens, sampling=job.sampling, speculate=job.speculate)
+            else eng.stream(ids, max_tokens=job.max_tokens, sampling=sampling, speculate=job.speculate)
         )
         try:
             for tok, piece in gen:
@@ -291,15 +315,17 @@ class EngineWorker:
                     break
                 n_out += tok >= 0
                 t_first = t_first or time.perf_counter()
-                text, hit = stops.push(piece)
-                emit(text)
-                if hit:
+                out, hit = stops.push(piece)
+                emit(out)
+                if hit or split.done:  # a stop string, or the one tool call allowed
                     finish = "stop"
                     break
         except PrefillStopped:  # cancelled while its prompt was evaluated
             finish = "cancelled"
         finally:
             gen.close()
+        if finish is None and job.cancelled.is_set():  # during the prefill, and no token came after it
+            finish = "cancelled"
         if finish == "cancelled":
             job.emit("error", job.cut_short())
             return
@@ -317,7 +343,7 @@ class EngineWorker:
                 "ttft_s": (t_first or t_end) - t_start,
                 "decode_s": t_end - (t_first or t_end),
             }
-        if n_calls and finish == "stop" and stops.hit is None:
+        if split.n_calls and finish == "stop" and stops.hit is None:
             finish = "tool_calls"
         ext = self._extension(job, timings, t_start, t_end)
         if spec is not None:
@@ -326,12 +352,13 @@ class EngineWorker:
 
     _script_last: Generation
 
-    def _scripted(self, ids: list[int], max_tokens: int) -> Generator[tuple[int, str], None, None]:
-        """The next scripted reply as if sampled: the prompt is evaluated for real (prefix reuse included)."""
-        eng = self.engine
+    def _scripted(self, job: Job, ids: list[int], prompt: str) -> Generator[tuple[int, str], None, None]:
+        """The next scripted reply as if sampled: the prompt is evaluated for real (prefix reuse included). A job
+        cancelled meanwhile (its client gave up during a long prefill) leaves the script as it was, for a retry."""
+        eng, max_tokens = self.engine, job.max_tokens
         first = eng.generate(ids, max_tokens=1, sampling=GREEDY)
         assert self.scripted is not None
-        text = self.scripted.pop(0) if self.scripted else ""
+        text = "" if job.cancelled.is_set() else self.scripted.take(prompt)
         reply = eng.tokenize(text, add_special=False, parse_special=True)
         for tok in reply[:max_tokens]:
             yield tok, eng.detokenize([tok])
@@ -353,6 +380,8 @@ class EngineWorker:
             ext["cache"] = eng.experts.stats()
         if self.reuse.store is not None:
             ext["prompt_cache"] = self.reuse.stats(job.scope)
+        if job.notes:
+            ext["notes"] = list(job.notes)
         return ext
 
 
