@@ -4,20 +4,23 @@ The model writes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (whi
 allowed); ToolCallScanner turns a stream of text pieces into text events and ToolCall events, holding
 back a tail that may begin a tag. A call whose JSON does not parse is given back as text, and so is one that
 no client could read back the same: NaN or Infinity, a number beyond a double or an integer beyond Python's
-4,300 digits, nesting deeper than MAX_CALL_DEPTH, a lone-surrogate escape, a name that is not a tool name.
+4,300 digits, nesting deeper than MAX_CALL_DEPTH, a lone-surrogate escape, a name that is not a tool name (or
+namespace.name, the Responses API's flattened namespace tools).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks import TOOL_NAME
 from .limits import MAX_CALL_DEPTH, JSONRefused, loads_strict
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# a tool name as clients send it, or a Responses namespace tool's function flattened as namespace.name
+CALL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}(?:\.[a-zA-Z0-9_-]{1,64})?")
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ def parse_call(body: str) -> ToolCall | None:
     if (
         not isinstance(obj, dict)
         or not isinstance(obj.get("name"), str)
-        or not TOOL_NAME.fullmatch(obj["name"])
+        or not CALL_NAME.fullmatch(obj["name"])
     ):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
