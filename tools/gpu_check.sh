@@ -77,7 +77,7 @@ if [ "$DRY" = 1 ]; then
     # a budget under which the fixture's 8192-token context leaves 8 slots per layer and its 4096 step more
     CTX_VRAM=$("$PY" -c 'import sys
 from edgemoe.gguf.info import read_model_info
-from edgemoe.placement.budget import budget_for_slots
+from edgemoe.plan.reserve import budget_for_slots
 print(budget_for_slots(read_model_info(sys.argv[1]), 8, 8192))' "$BENCH_MODEL")
     CAP_BUILD=30 CAP_SYNTH=30 CAP_CHECKS=60 CAP_BENCH=45 CAP_PROFILE=3 CAP_PREFILL=60
     SANITIZER=()

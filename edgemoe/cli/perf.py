@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..analysis.routing_profile import routing_names
+from ..policies.registry import compared_policies, projected_policies
 from .flags import cli_text
 from .options import AttentionOptions, flash_attn_option, kv_type_options
-from .types import THREADS, Finite, GGUFPath, OutputPath, Size
+from .types import THREADS, Finite, GGUFPath, OutputPath, PolicyName, Size
 
 if TYPE_CHECKING:
     from ..gguf.kv_types import FlashAttn
@@ -149,10 +150,9 @@ def _check_simulate(
     "--policy",
     "policies",
     multiple=True,
-    type=click.Choice(["lru", "static", "dali", "daop"]),
-    default=("lru", "static"),
-    show_default=True,
-    help="edgemoe cache policies to project (repeatable)",
+    type=PolicyName(projected_policies),
+    default=None,
+    help="edgemoe cache policies to project (repeatable; default: " + ", ".join(compared_policies()) + ")",
 )
 @click.option(
     "--gating",
@@ -268,7 +268,7 @@ def simulate(
         vram=vram,
         n_ctx=n_ctx,
         n_ubatch=n_ubatch,
-        policies=policies,
+        policies=policies or compared_policies(),
         gated=gate is not None,
         blocking=blocking_loads,
         overlap=overlap,
@@ -441,7 +441,8 @@ def plan(
     from ..perf.model.layouts import make_layouts
     from ..perf.model.prefill_plan import PROMPTS
     from ..perf.model.profile import load_profile
-    from ..placement.budget import budget_for_slots, engine_ctx
+    from ..plan.budget import engine_ctx
+    from ..plan.reserve import budget_for_slots
 
     if vram is not None and expert_slots is not None:
         raise click.UsageError(
@@ -483,9 +484,7 @@ def plan(
 
         trace, where, _used = _routing_trace(model, trace_path, routing)
         kv = KvTypes(attention.cache_type_k, attention.cache_type_v)
-        sim = SimSpec(
-            vram=vram, n_ctx=result.n_ctx, policies=("lru", "static"), flash_attn=attention.flash_attn, kv=kv
-        )
+        sim = SimSpec(vram=vram, n_ctx=result.n_ctx, flash_attn=attention.flash_attn, kv=kv)
         spec_rows = _speculation(model, trace, prof, sim, draft_max, acceptances)
     _print_plan(result, spec_rows, where, as_json)
 

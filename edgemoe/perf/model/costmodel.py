@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ...gguf.header import GgufHeader, check_gguf
 from ...gguf.info import ModelInfo, is_expert_tensor, model_info
-from ...placement.budget import estimate_kv_cache_bytes
+from ...plan.budget import estimate_kv_cache_bytes
 from ...policies.assignment import CostModel, TransferMode
 from .profile import Curve, DeviceProfile, LinkProfile, MachineProfile, ProfileError, nearest_attention
 
