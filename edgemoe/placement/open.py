@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,8 @@ def open_engine(
         raise TypeError("give the cache's options in `cache` or as `vram`/`expert_slots`/`policy`, not both")
     header = check_gguf(path)  # once: the plan and the engine (and its expert cache) share it
     device = this_device()
+    if device is not None and cache.vram is not None:  # the budget's compute buffers measured, not estimated
+        device = replace(device, compute=measured_compute(path, header, load))
     if speculation is not None and speculation.mode == "mtp":
         # the MTP blocks load only for drafting with them; the plan reserves them
         load = {**load, "load_mtp": True}
@@ -89,6 +92,17 @@ def this_device() -> Device | None:
         return None
     free, _total = native.device_memory(dev)
     return Device(name=native.device_name(dev), free_bytes=free)
+
+
+def measured_compute(path: Path, header: Any, load: LoadOptions) -> Any:
+    """The compute buffers of `path` on this build's device as a plan with a budget loads it (every layer on the
+    device, the routed experts in CPU memory), measured by no_alloc loads (edgemoe.perf.measure.compute_buffers)."""
+    from ..gguf.info import model_info
+    from ..perf.measure.compute_buffers import MeasuredCompute
+    from ..runtime.config import LoadConfig
+
+    moe = tuple(model_info(header).moe_layers)
+    return MeasuredCompute(path, LoadConfig(**{**load, "n_gpu_layers": 999, "cpu_expert_layers": moe}))
 
 
 def prefill_pricing(name: str | None) -> PrefillPricing | None:

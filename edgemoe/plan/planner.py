@@ -35,7 +35,7 @@ from .budget import (
 from .calibration import NO_NEED, CalibrationNeed, calibration_need
 from .context import ContextChoice, ContextTable, context_table, default_context
 from .request import CacheRequest, PlacementError, cache_request
-from .reserve import Reserve, mtp_reserve_bytes, reserve_bytes, ubatch_reserve_bytes
+from .reserve import ComputeMeasure, Reserve, mtp_reserve_bytes, reserve_bytes, ubatch_reserve_bytes
 from .tiers import TierStep, context_steps, describe_steps
 from .ubatch import (
     DEFAULT_REASON,
@@ -56,6 +56,8 @@ class Device:
 
     name: str  # the ggml device's name, e.g. "CUDA0"
     free_bytes: int | None = None  # its free memory when measured (None: not measured)
+    # llama.cpp's compute buffers on it for this model, measured (None: estimated; edgemoe.plan.reserve)
+    compute: ComputeMeasure | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ def plan(
         kv=kv,
         device_prefill=bool(req and req.reserves_prefill_buffers),  # borrowed ones cost no budget
         mtp=opts.load_mtp,  # the MTP heads' draft context, where loaded
+        measured=device.compute if device is not None else None,
     )
     table, choice = _contexts(info, req, n_ctx, what, opts.flash_attn)
     asked = choice.n_ctx if choice is not None else n_ctx

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..gguf.info import ModelInfo
 from ..gguf.kv_types import F16_KV, KvTypes
@@ -20,6 +21,13 @@ from .budget import estimate_kv_cache_bytes, prefill_buffer_bytes, slot_budget
 VRAM_RESERVE = 512 * 2**20
 RESERVE_CTX = 4096
 PLAN_UBATCH = 512  # the engine's default n_ubatch
+
+
+class ComputeMeasure(Protocol):
+    """llama.cpp's compute buffer on the device measured for one context (edgemoe.perf.measure.compute_buffers: a
+    no_alloc load), in bytes; where the plan has one, it replaces compute_buffer_bytes' estimate."""
+
+    def __call__(self, n_ctx: int, n_ubatch: int, flash_attn: bool) -> int: ...
 
 
 def context_reserve_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = PLAN_UBATCH) -> int:
@@ -65,18 +73,28 @@ def ubatch_reserve_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int, *, flash_at
 
 
 def mtp_reserve_bytes(
-    info: ModelInfo, n_ctx: int, n_ubatch: int, kv: KvTypes = F16_KV, *, flash_attn: bool
+    info: ModelInfo,
+    n_ctx: int,
+    n_ubatch: int,
+    kv: KvTypes = F16_KV,
+    *,
+    flash_attn: bool,
+    measured: ComputeMeasure | None = None,
 ) -> int:
     """What drafting with the model's MTP heads (edgemoe.runtime.mtp) takes on the GPU: the MTP blocks' weights
     but their routed experts (those stay in CPU memory), the MTP context's compute buffer (as the model's, at the
-    same ubatch) and its KV cache of one layer per block. 0 for a model without MTP heads."""
+    same ubatch: `measured` where the device's was, else estimated) and its KV cache of one layer per block. 0 for
+    a model without MTP heads."""
     if not info.mtp_heads:
         return 0
     n_trunk = max(1, info.n_layer - info.n_nextn)
     kv_bytes = estimate_kv_cache_bytes(info, n_ctx, kv) * info.n_nextn // n_trunk
-    return (
-        info.mtp_dense_bytes + compute_buffer_bytes(info, n_ctx, n_ubatch, flash_attn=flash_attn) + kv_bytes
+    compute = (
+        measured(n_ctx, n_ubatch, flash_attn)
+        if measured is not None
+        else compute_buffer_bytes(info, n_ctx, n_ubatch, flash_attn=flash_attn)
     )
+    return info.mtp_dense_bytes + compute + kv_bytes
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,8 @@ class Reserve:
     kv: KvTypes = F16_KV  # the KV cache's types (the MTP heads' cache is of them)
     device_prefill: bool = False  # device prefill's two buffers come out of the budget (not borrowed)
     mtp: bool = False  # the MTP heads are loaded for drafting (LoadConfig.load_mtp)
+    # the device's compute buffers measured (None: compute_buffer_bytes' estimate, as where no device is at hand)
+    measured: ComputeMeasure | None = None
 
 
 PLAN_RESERVE = Reserve()  # the engine's defaults: 512-token ubatches, flash attention, an f16 KV cache
@@ -100,10 +120,17 @@ def reserve_bytes(info: ModelInfo, n_ctx: int, what: Reserve = PLAN_RESERVE) -> 
     PLAN_UBATCH tokens a ubatch, device prefill's two buffers where they come out of the budget, and the MTP
     heads' draft context (mtp_reserve_bytes) where they are loaded."""
     fa = what.flash_attn
-    total = VRAM_RESERVE + context_reserve_bytes(info, n_ctx)
-    total += ubatch_reserve_bytes(info, n_ctx, what.n_ubatch, flash_attn=fa)
+    if (
+        what.measured is not None
+    ):  # VRAM_RESERVE covers the buffer at RESERVE_CTX and PLAN_UBATCH; then its growth
+        base = what.measured(RESERVE_CTX, PLAN_UBATCH, fa)
+        total = VRAM_RESERVE + max(0, what.measured(n_ctx, what.n_ubatch, fa) - base)
+    else:
+        total = VRAM_RESERVE + context_reserve_bytes(info, n_ctx)
+        total += ubatch_reserve_bytes(info, n_ctx, what.n_ubatch, flash_attn=fa)
     total += prefill_buffer_bytes(info) if what.device_prefill else 0
-    total += mtp_reserve_bytes(info, n_ctx, what.n_ubatch, what.kv, flash_attn=fa) if what.mtp else 0
+    if what.mtp:
+        total += mtp_reserve_bytes(info, n_ctx, what.n_ubatch, what.kv, flash_attn=fa, measured=what.measured)
     return total
 
 
