@@ -13,7 +13,14 @@ from edgemoe.gguf.header import check_gguf
 from edgemoe.gguf.info import read_model_info
 from edgemoe.perf.measure.compute_buffers import MeasuredCompute, measure_grid
 from edgemoe.plan import Device, cache_request, plan
-from edgemoe.plan.reserve import PLAN_UBATCH, RESERVE_CTX, VRAM_RESERVE, Reserve, compute_buffer_bytes, reserve_bytes
+from edgemoe.plan.reserve import (
+    PLAN_UBATCH,
+    RESERVE_CTX,
+    VRAM_RESERVE,
+    Reserve,
+    compute_buffer_bytes,
+    reserve_bytes,
+)
 from edgemoe.runtime.config import LoadConfig
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
