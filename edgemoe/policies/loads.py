@@ -31,6 +31,11 @@ class Residency(Protocol):
     """What every residency policy is to the rest of edgemoe (its spec's `build` makes one): the loads it starts
     with, and its answer to each MoE layer's routed ids."""
 
+    @property
+    def n_slots(self) -> Mapping[int, int]:
+        """layer -> slots."""
+        ...
+
     blocking: bool  # a miss is loaded before its layer runs (else for the layer's next run)
 
     def initial_loads(self) -> list[Load]: ...

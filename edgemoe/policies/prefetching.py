@@ -4,6 +4,7 @@ engine's controllers talk to this protocol, never to a policy's class (edgemoe.p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -25,6 +26,11 @@ class Prediction:
 class Prefetcher(Protocol):
     """A prefetching policy: at each MoE layer its predictor names the experts of the layer `distance` ahead from
     the router input, which it queues on the cache model's copy stream; an LRU otherwise."""
+
+    @property
+    def n_slots(self) -> Mapping[int, int]:
+        """layer -> slots."""
+        ...
 
     predictor: Predictor
     distance: int  # MoE layers ahead it predicts

@@ -115,22 +115,23 @@ class RequestOption:
 
 
 R = TypeVar("R", bound=PolicyRecord)  # a policy's config record
-Build = Callable[[R, PolicyInputs], Residency]  # (record, inputs) -> the residency policy
+P = TypeVar("P", bound=Residency)  # the residency policy its spec builds
+Build = Callable[[R, PolicyInputs], P]  # (record, inputs) -> the residency policy
 AllSizes = Callable[
     [R, LayerReplay], tuple[np.ndarray, np.ndarray]
 ]  # -> (misses, loads) for t = 0..max_slots
-Native = Callable[[R, Residency], "NativeStep | None"]  # (record, policy) -> its step in the graph
+Native = Callable[[R, P], "NativeStep | None"]  # (record, policy) -> its step in the graph
 Prefetch = Callable[[R, PrefetchInputs], Prefetcher]  # (record, inputs) -> its prefetcher
 
 
 @dataclass(frozen=True)
-class PolicySpec(Generic[R]):
-    """One residency policy as the rest of edgemoe sees it, typed by its config record R."""
+class PolicySpec(Generic[R, P]):
+    """One residency policy as the rest of edgemoe sees it, typed by its config record R and its policy P."""
 
     name: str
     config: type[R]  # its frozen config record
     help: str  # one clause of --policy's help
-    build: Build[R]  # raises EdgeMoeError with what to pass where it cannot build from the inputs
+    build: Build[R, P]  # raises EdgeMoeError with what to pass where it cannot build from the inputs
     options: tuple[RequestOption, ...] = ()  # the request's options that are its own
     stages: tuple[str, ...] = ()  # calibration stages it always reads (edgemoe.calibration.stages)
     frequency_phase: str | None = None  # it places by router counts of this phase ("all", "decode")
@@ -138,7 +139,9 @@ class PolicySpec(Generic[R]):
     replay_as: str | None = None  # the policy whose replay stands for it in the dp allocation
     replayable: bool = True  # False: it loads nothing by itself, so there is nothing to replay
     projected: bool = True  # the performance model (perf.model.simulate) can replay it (not a prefetcher)
-    native: Native[R] | None = None  # its step inside llama.cpp's graph (None: it runs in the routing hook)
+    native: Native[R, P] | None = (
+        None  # its step inside llama.cpp's graph (None: it runs in the routing hook)
+    )
     # the prefetcher family: its prefetcher, run by the engine's prefetch controllers (None: not one)
     prefetch: Prefetch[R] | None = None
     in_graph_predictor: bool = (
@@ -168,11 +171,11 @@ class PolicySpec(Generic[R]):
         return "assign" in self.option_names
 
 
-_REGISTRY: dict[str, PolicySpec[Any]] = {}
+_REGISTRY: dict[str, PolicySpec[Any, Any]] = {}
 UNKNOWN = "unknown cache policy {name!r}: use one of {names}"
 
 
-def register(spec: PolicySpec[R]) -> PolicySpec[R]:
+def register(spec: PolicySpec[R, P]) -> PolicySpec[R, P]:
     """Make spec.name run spec (its record's `name` must be the same)."""
     if spec.config.name != spec.name:
         raise ValueError(
@@ -192,7 +195,7 @@ def policy_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def policy_spec(name: str) -> PolicySpec[Any]:
+def policy_spec(name: str) -> PolicySpec[Any, Any]:
     """The spec of the policy named `name`; an unknown name raises InvalidConfigError naming the known ones."""
     try:
         return _REGISTRY[name]
@@ -221,7 +224,7 @@ def compared_policies() -> tuple[str, ...]:
     return _compared_first([n for n in _REGISTRY if _REGISTRY[n].compared])
 
 
-def spec_of(config: R) -> PolicySpec[R]:
+def spec_of(config: R) -> PolicySpec[R, Any]:
     """The spec of the policy a config record describes."""
     return policy_spec(config.name)
 

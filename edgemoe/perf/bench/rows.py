@@ -21,7 +21,7 @@ from ...gguf.info import ModelInfo, model_info
 from ...gguf.kv_types import KvCacheType, KvTypes
 from ...placement.install import engine_tiers
 from ...plan.planner import Device, PlacementPlan, budget_request, plan
-from ...plan.request import cache_request
+from ...plan.request import CacheRequest, cache_request
 from ...plan.reserve import PLAN_UBATCH, mtp_reserve_bytes
 from ...plan.ubatch import PrefillQuestion
 from ...policies.registry import calibrated_config, compared_policies, policy_spec
@@ -159,16 +159,21 @@ def stock_rows(rp: RowPlanner, *, mtp: bool = False) -> list[BenchRow]:
     return rows
 
 
-def _cache(rp: RowPlanner, pol: str, p: PlacementPlan) -> tuple[CacheConfig, list[str]]:
-    """The row's expert cache from its plan's slots (allocated by the spec's alloc over the plan's bytes), with
-    the notes the allocation leaves; raises EdgeMoeError where the allocation cannot be made."""
+def _cache(rp: RowPlanner, pol: str, p: PlacementPlan, req: CacheRequest) -> tuple[CacheConfig, list[str]]:
+    """The row's expert cache from its plan's slots (allocated by the spec's alloc over the plan's bytes) and its
+    request's device prefill and pre-calculation, as install_cache sets them, with the notes the allocation
+    leaves; raises EdgeMoeError where the allocation cannot be made."""
     assert p.slots_per_layer is not None
     allocation = allocate_slots(
         rp.info, alloc=rp.spec.alloc, policy=pol, calibration=rp.spec.calibration,
         slots_per_layer=p.slots_per_layer, budget_bytes=p.expert_budget_bytes,
     )  # fmt: skip
     slots = p.slots_per_layer if allocation.alloc == "equal" else allocation.slots
-    cfg = CacheConfig(slots, policy=calibrated_config(pol, rp.spec.calibration), alloc=allocation.alloc)
+    cfg = CacheConfig(
+        slots, policy=calibrated_config(pol, rp.spec.calibration), alloc=allocation.alloc,
+        prefill_min_tokens=req.device_prefill, prefill_ahead=req.device_prefill_ahead,
+        prefill_borrow=req.device_prefill_borrow, precalc_from=req.precalc_from,
+    )  # fmt: skip
     notes = ([] if rp.device is not None else ["cache on the CPU stand-in"]) + (
         [allocation.note] if allocation.note else []
     )
@@ -188,11 +193,13 @@ def policy_row(
     asked = {"vram": rp.spec.vram, "policy": pol, "context_tiers": tiers, **(request or {})}
     u = None if pick and rp.pricing is not None else rp.ubatches.cache
     try:
-        p = rp.plan(cache_request(**asked), u, **load)
+        req = cache_request(**asked)
+        p = rp.plan(req, u, **load)
         if p.whole_model_fits and p.budget is not None:  # the bench measures the cache: one of every slot
             whole = {k: v for k, v in asked.items() if k not in ("vram", "context_tiers")}
-            p = rp.plan(cache_request(expert_slots=p.budget.experts_per_layer, **whole), u, **load)
-        cfg, notes = _cache(rp, pol, p)
+            req = cache_request(expert_slots=p.budget.experts_per_layer, **whole)
+            p = rp.plan(req, u, **load)
+        cfg, notes = _cache(rp, pol, p, req)
     except EdgeMoeError as err:  # reported as the policy's row, skipped
         return BenchRow(f"edgemoe {pol}{suffix}", "edgemoe", _stock_plan(rp), skip=str(err))
     name = f"edgemoe {pol}" + (" dp" if cfg is not None and cfg.alloc == "dp" else "") + suffix
