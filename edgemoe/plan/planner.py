@@ -134,7 +134,7 @@ def plan(
     asked = choice.n_ctx if choice is not None else n_ctx
     ctx = engine_ctx(asked, info.n_ctx_train)
     n_batch, n_ubatch = _batches(load, ctx)
-    stock = replace(what, n_ubatch=min(n_ubatch, ctx), device_prefill=False, mtp=False)
+    stock = replace(what, n_ubatch=min(n_ubatch, ctx), device_prefill=False)  # stock drafts with MTP too
     what = replace(what, n_ubatch=min(n_ubatch, ctx))
     budget = _split(info, req, ctx, what)
     whole = bool(
