@@ -154,7 +154,8 @@ def plan(
         check_borrow_fits(info, slots)
     base = replace(opts, n_ctx=asked, n_batch=n_batch, n_ubatch=n_ubatch)
     vram = req.vram if req is not None else None
-    mtp = mtp_reserve_bytes(info, ctx, what.n_ubatch, kv, flash_attn=what.flash_attn) if what.mtp else 0
+    fa, u = what.flash_attn, what.n_ubatch
+    mtp = mtp_reserve_bytes(info, ctx, u, kv, flash_attn=fa, measured=what.measured) if what.mtp else 0
     return PlacementPlan(
         load=_load_config(base, info, req, device, whole),
         n_ctx=ctx,
