@@ -20,7 +20,7 @@ _LAZY = {
     "SamplingParams": "runtime.sampling",
     "GREEDY": "runtime.sampling",
     "open_engine": "placement",
-    "CacheRequest": "placement",
+    "CacheRequest": "plan.request",
 }
 
 

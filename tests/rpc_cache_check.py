@@ -278,9 +278,11 @@ def main(path: Path) -> dict[str, object]:
     out["gated_overlap_stats"] = gated[1][1]
 
     # edgemoe bench's device configurations (numbers over loopback TCP mean nothing: the code paths run)
-    from edgemoe.perf.bench import BenchSpec, run_bench
+    from edgemoe.perf.bench.rows import BenchSpec
+    from edgemoe.perf.bench.run import run_bench
     from edgemoe.gguf.info import read_model_info
-    from edgemoe.placement.budget import VRAM_RESERVE, estimate_kv_cache_bytes
+    from edgemoe.plan.budget import estimate_kv_cache_bytes
+    from edgemoe.plan.reserve import VRAM_RESERVE
 
     info = read_model_info(path)
     budget = (info.dense_bytes + estimate_kv_cache_bytes(info, 256) + VRAM_RESERVE

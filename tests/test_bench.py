@@ -7,9 +7,9 @@ from pathlib import Path
 from click.testing import CliRunner
 from conftest import FIXTURE_MODELS
 
-from edgemoe.placement.budget import best_n_cpu_moe
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
+from edgemoe.plan.budget import best_n_cpu_moe
 
 
 def _rows(args: list[str]) -> dict[str, dict]:
@@ -84,14 +84,17 @@ def test_bench_daop() -> None:
 def test_best_n_cpu_moe_is_the_fewest_layers_that_fit() -> None:
     info = read_model_info(FIXTURE_MODELS[0])
     per_layer = info.bytes_per_expert_by_layer[0] * info.n_expert
-    fixed = best_n_cpu_moe(info, 10**12, 256)
+    from edgemoe.plan.budget import estimate_kv_cache_bytes
+    from edgemoe.plan.reserve import VRAM_RESERVE, reserve_bytes
+
+    reserve = reserve_bytes(info, 256)
+    assert reserve == VRAM_RESERVE
+    fixed = best_n_cpu_moe(info, 10**12, 256, reserve_bytes=reserve)
     assert fixed == 0  # everything fits
     n_layers = len(info.moe_layers)
-    from edgemoe.placement.budget import VRAM_RESERVE, estimate_kv_cache_bytes
-
     base = info.dense_bytes + estimate_kv_cache_bytes(info, 256) + VRAM_RESERVE
-    assert best_n_cpu_moe(info, base + 3 * per_layer, 256) == n_layers - 3
-    assert best_n_cpu_moe(info, base - 1, 256) is None
+    assert best_n_cpu_moe(info, base + 3 * per_layer, 256, reserve_bytes=reserve) == n_layers - 3
+    assert best_n_cpu_moe(info, base - 1, 256, reserve_bytes=reserve) is None
 
 
 def test_bench_assign_rows() -> None:
@@ -123,7 +126,7 @@ def test_bench_device_prefill_rows() -> None:
 def test_bench_precalc_rows() -> None:
     """--precalc-from adds a policy row with DAOP's pre-calculation (its counters in cache.precalc); a layer that
     leaves nothing to pre-calculate is a usage error. On a GPU the row is projected at the rates it measured
-    (_project_precalc, checked here on a made-up trace)."""
+    (its Projection, checked here on a made-up trace)."""
     args = ["bench", str(FIXTURE_MODELS[0]), "--vram", "520MiB", "--prompt-tokens", "32", "--gen-tokens", "8",
             "-t", "2", "--json", "--policy", "static", "--alloc", "equal", "--profile", "none"]
     rows = _rows([*args, "--precalc-from", "5"])
@@ -137,18 +140,22 @@ def test_bench_precalc_rows() -> None:
 
     from test_perfmodel import skewed_trace
 
-    from edgemoe.perf.bench import BenchRow, BenchSpec, _project_precalc
+    from edgemoe.gguf.header import check_gguf
+    from edgemoe.perf.bench.project import projections
+    from edgemoe.perf.bench.records import BenchRow, Projection, RowResult
     from edgemoe.perf.model.profile import load_profile
-    from edgemoe.runtime.engine import LoadConfig
+    from edgemoe.perf.model.simulate import SimSpec
+    from edgemoe.plan import plan
 
     trace = skewed_trace(FIXTURE_MODELS[0], n_seq=2, prefill=16, decode=16)
-    spec = BenchSpec(vram=520 * 2**20, precalc_from=5)
-    base = LoadConfig(n_ctx=256, n_ubatch=512)
-    by_name: dict = {}
-    row = BenchRow("edgemoe static +precalc 5", "edgemoe", 1.0, 1.0, 1.0, 1.0, None,
-                   cache={"precalc": {"early_share": 0.8, "precision": 0.75}})
-    key = _project_precalc(row, FIXTURE_MODELS[0], trace, load_profile("rtx4060-laptop"), spec, base, by_name)
-    assert key == "edgemoe-static-precalc" and by_name[key].decode_tps > 0
-    unmeasured = BenchRow("edgemoe static +precalc 5", "edgemoe", 1.0, 1.0, 1.0, 1.0, None, cache={"precalc": {}})
-    assert _project_precalc(unmeasured, FIXTURE_MODELS[0], trace, load_profile("rtx4060-laptop"), spec, base,
-                            {}) is None
+    base = SimSpec(vram=520 * 2**20, n_ctx=256, n_ubatch=512, warmup_seqs=1, policies=("static",), overlap=True)
+    placement = plan(check_gguf(FIXTURE_MODELS[0]), None, n_ctx=256, device=None)
+    proj = Projection("edgemoe-static-precalc", 512, policies=("static",), precalc_from=5)
+    row = BenchRow("edgemoe static +precalc 5", "edgemoe", placement, projection=proj)
+    measured = RowResult(row.name, "edgemoe", 1.0, 1.0, 1.0, 1.0, None,
+                         cache={"precalc": {"early_share": 0.8, "precision": 0.75}})
+    prof = load_profile("rtx4060-laptop")
+    found, _ = projections([row], [measured], FIXTURE_MODELS[0], trace, prof, base)
+    assert found[row.name].name == "edgemoe-static-precalc" and found[row.name].decode_tps > 0
+    unmeasured = RowResult(row.name, "edgemoe", 1.0, 1.0, 1.0, 1.0, None, cache={"precalc": {}})
+    assert projections([row], [unmeasured], FIXTURE_MODELS[0], trace, prof, base)[0] == {}

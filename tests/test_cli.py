@@ -171,7 +171,7 @@ def test_unexpected_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 def _half_the_experts() -> str:
     """A --vram (bytes) whose expert slots hold half of each MoE layer's experts at generate's context."""
     from edgemoe.gguf.info import read_model_info
-    from edgemoe.placement.budget import budget_for_slots
+    from edgemoe.plan.reserve import budget_for_slots
     from edgemoe.runtime.config import planned_ctx
 
     info = read_model_info(MODEL)

@@ -1,4 +1,4 @@
-"""Context tiers (edgemoe.runtime.context_tiers, edgemoe.placement.tiers): the context created in steps as the
+"""Context tiers (edgemoe.runtime.context_tiers, edgemoe.plan.tiers): the context created in steps as the
 sequence grows, each step's unused KV bytes as expert slots; issue 42's fallback for lending the KV cache's unwritten
 cells. The logits equal stock llama.cpp's at every length, across every step, with truncations, KV snapshots
 restored and new prompts in between, as serve does."""
@@ -16,8 +16,8 @@ from edgemoe.errors import InvalidConfigError, ModelLoadError
 from edgemoe.gguf.info import ModelInfo, read_model_info
 from edgemoe.gguf.kv_types import KvTypes
 from edgemoe.placement import cache_request, plan
-from edgemoe.placement.budget import budget_for_slots
-from edgemoe.placement.tiers import context_steps
+from edgemoe.plan.reserve import budget_for_slots
+from edgemoe.plan.tiers import context_steps
 from edgemoe.runtime.cache_config import CacheConfig, ExpertCacheError, LruConfig
 from edgemoe.runtime.context_tiers import ContextResizer, ContextTier, ContextTiers, check_tiers
 from edgemoe.runtime.engine import Engine, LoadConfig
@@ -335,7 +335,7 @@ def test_models_whose_output_a_re_created_context_changes_are_refused(monkeypatc
     from types import SimpleNamespace
 
     import edgemoe
-    from edgemoe.placement import planner
+    from edgemoe.plan import planner
     from edgemoe.runtime.context_tiers import INEXACT, LONGROPE, tiers_refusal
 
     def header(arch: str, *names: str) -> object:

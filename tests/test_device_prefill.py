@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from edgemoe.cli.main import cli
 from edgemoe.gguf.info import read_model_info
-from edgemoe.placement.budget import prefill_buffer_bytes
+from edgemoe.plan.budget import prefill_buffer_bytes
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig

@@ -162,9 +162,10 @@ def test_cli_borrows_the_slots(fixture_model: Path) -> None:
 def test_plan_gives_the_buffers_bytes_to_the_slots() -> None:
     """With borrowing the budget keeps the two buffers' bytes for slots; too few slots to hold them: refused."""
     from edgemoe.gguf.header import check_gguf
-    from edgemoe.placement.budget import VRAM_RESERVE, borrow_fits, prefill_buffer_bytes
-    from edgemoe.placement.planner import plan
-    from edgemoe.placement.request import PlacementError, cache_request
+    from edgemoe.plan.budget import borrow_fits, prefill_buffer_bytes
+    from edgemoe.plan.reserve import VRAM_RESERVE
+    from edgemoe.plan.planner import plan
+    from edgemoe.plan.request import PlacementError, cache_request
 
     path = sorted((Path(__file__).resolve().parent.parent / "models").glob("*qwen3moe*.gguf"))[0]
     header, info = check_gguf(path), read_model_info(path)

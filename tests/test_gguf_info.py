@@ -22,7 +22,7 @@ from edgemoe.gguf.info import (
     parse_size,
     read_model_info,
 )
-from edgemoe.placement.budget import estimate_kv_cache_bytes, slot_budget
+from edgemoe.plan.budget import estimate_kv_cache_bytes, slot_budget
 from edgemoe.gguf.presets import PRESETS
 
 pytest_plugins = ["conftest_synth"]
@@ -137,7 +137,7 @@ def test_read_model_info_is_header_only(tmp_path: Path) -> None:
     assert info.expert_bytes_total == n_bytes and info.bytes_per_expert == n_bytes // 64
 
 
-# --------------------------------------------------------------------------- slot_budget (edgemoe.placement.budget)
+# --------------------------------------------------------------------------- slot_budget (edgemoe.plan.budget)
 
 
 def test_slot_budget_counts_expert_slots(make_tiny_gguf: MakeGguf) -> None:
@@ -317,21 +317,24 @@ def test_known_architectures_match_vendored_llama_arch_cpp() -> None:
 def test_vram_reserve_grows_with_the_context_past_4096_tokens(tmp_path: Path) -> None:
     """Without flash attention llama.cpp's compute buffer holds one ubatch's attention scores (issue 29): the plan
     reserves them past 4096 tokens, and plan's budget for N slots, stock's --n-cpu-moe and the slots agree."""
-    from edgemoe.placement.budget import RESERVE_CTX, VRAM_RESERVE, best_n_cpu_moe, context_reserve_bytes
-    from edgemoe.placement.budget import slot_budget
     from edgemoe.gguf.synth import write_synthetic
-    from edgemoe.placement.budget import budget_for_slots
+    from edgemoe.plan.budget import best_n_cpu_moe, slot_budget
+    from edgemoe.plan.reserve import RESERVE_CTX, VRAM_RESERVE, budget_for_slots, context_reserve_bytes, reserve_bytes
 
     info = read_model_info(write_synthetic("qwen3-30b-a3b", tmp_path / "q.gguf", layers=2, shape_only=True,
                                            progress=False))
     assert context_reserve_bytes(info, RESERVE_CTX) == 0 == context_reserve_bytes(info, 512)
-    assert slot_budget(info, 8 * 2**30, n_ctx=4096, reserve_bytes=VRAM_RESERVE).reserve_bytes == VRAM_RESERVE
-    long = slot_budget(info, 8 * 2**30, n_ctx=16384, reserve_bytes=VRAM_RESERVE)
+    assert reserve_bytes(info, 4096) == VRAM_RESERVE
+    assert slot_budget(info, 8 * 2**30, n_ctx=4096, reserve_bytes=reserve_bytes(info, 4096)).reserve_bytes == VRAM_RESERVE
+    long = slot_budget(info, 8 * 2**30, n_ctx=16384, reserve_bytes=reserve_bytes(info, 16384))
     assert long.reserve_bytes == VRAM_RESERVE + (16384 - 4096) * 512 * info.n_head * 4
     assert slot_budget(info, 8 * 2**30, n_ctx=16384).reserve_bytes == 0  # no reserve asked: none added
     for n_ctx in (4096, 16384):
         vram = budget_for_slots(info, 8, n_ctx)
-        assert slot_budget(info, vram, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer == 8
-        assert slot_budget(info, vram - 1, n_ctx=n_ctx, reserve_bytes=VRAM_RESERVE).experts_per_layer == 7
+        reserve = reserve_bytes(info, n_ctx)
+        assert slot_budget(info, vram, n_ctx=n_ctx, reserve_bytes=reserve).experts_per_layer == 8
+        assert slot_budget(info, vram - 1, n_ctx=n_ctx, reserve_bytes=reserve).experts_per_layer == 7
     whole = budget_for_slots(info, info.n_expert, 16384)
-    assert best_n_cpu_moe(info, whole, 16384) == 0 and best_n_cpu_moe(info, whole - 1, 16384) == 1
+    stock = reserve_bytes(info, 16384)
+    assert best_n_cpu_moe(info, whole, 16384, reserve_bytes=stock) == 0
+    assert best_n_cpu_moe(info, whole - 1, 16384, reserve_bytes=stock) == 1

@@ -15,7 +15,8 @@ from edgemoe.cli.main import cli
 from edgemoe.errors import InvalidConfigError
 from edgemoe.gguf.info import read_model_info
 from edgemoe.gguf.kv_types import KvTypes
-from edgemoe.placement.budget import VRAM_RESERVE, estimate_kv_cache_bytes, slot_budget
+from edgemoe.plan.budget import estimate_kv_cache_bytes, slot_budget
+from edgemoe.plan.reserve import VRAM_RESERVE
 from edgemoe.gguf.kv_types import KV_CACHE_TYPES, kv_bytes
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.handle import flash_attn_resolved
@@ -45,9 +46,9 @@ def test_old_bool_flash_attn_reads_as_on_off() -> None:
 @pytest.mark.parametrize(
     "kwargs,words",
     [
-        ({"flash_attn": "yes"}, ["flash_attn 'yes'", "auto, on, off"]),
-        ({"cache_type_k": "q3_k"}, ["cache_type_k 'q3_k'", "q8_0"]),
-        ({"cache_type_v": "f32"}, ["cache_type_v 'f32'", "f16"]),
+        ({"flash_attn": "yes"}, ["`flash_attn='yes'`", "auto, on, off"]),
+        ({"cache_type_k": "q3_k"}, ["`cache_type_k='q3_k'`", "q8_0"]),
+        ({"cache_type_v": "f32"}, ["`cache_type_v='f32'`", "f16"]),
     ],
 )
 def test_unknown_values_refused(kwargs: dict[str, str], words: list[str]) -> None:
@@ -61,8 +62,8 @@ def test_quantized_v_without_flash_attention_refused(kind: str) -> None:
     with pytest.raises(InvalidConfigError) as err:
         LoadConfig(flash_attn="off", cache_type_v=kind)  # type: ignore[arg-type]
     msg = str(err.value)
-    assert "\n" not in msg and f"cache_type_v {kind}" in msg
-    assert 'flash_attn to "on" or "auto"' in msg and "cache_type_v to f16" in msg
+    assert "\n" not in msg and f"`cache_type_v={kind!r}`" in msg
+    assert "`flash_attn='on'` or `flash_attn='auto'`" in msg and "`cache_type_v='f16'`" in msg
     LoadConfig(flash_attn="off", cache_type_k=kind)  # type: ignore[arg-type]  # a quantized K is llama.cpp's too
 
 
@@ -179,7 +180,9 @@ def test_generate_takes_the_options() -> None:
 def test_generate_refuses_a_quantized_v_without_flash_attention() -> None:
     res = run("generate", str(MODEL), "-p", "KING:", "-n", "4", "--flash-attn", "off", "--cache-type-v", "q8_0")
     assert res.exit_code == 1
-    assert "cache_type_v q8_0 needs flash attention" in res.output and "Traceback" not in res.output
+    assert "--cache-type-v q8_0 needs flash attention" in res.output and "Traceback" not in res.output
+    assert "--flash-attn on or --flash-attn auto, or --cache-type-v f16" in res.output
+    assert "cache_type_v" not in res.output and "flash_attn" not in res.output  # the CLI's names, not the API's
 
 
 def test_perplexity_takes_the_options(tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """The package's layers: a module imports only from its own layer or the layers below it, and no
 package or module imports form a circle. Reads the sources with ast (imports inside functions and
-under TYPE_CHECKING included), so it needs neither llama.cpp nor torch."""
+under TYPE_CHECKING included, and the packages an import runs first: `import a.b.c` runs a/__init__ and
+a/b/__init__), so it needs neither llama.cpp nor torch; one test imports the pure model in a child whose
+llama_cpp cannot be imported."""
 from __future__ import annotations
 
 import ast
@@ -19,12 +21,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("edgemoe.policies", "edgemoe.predictors", "edgemoe.speculation"),
     ("edgemoe.runtime",),  # the one native binding and the Engine over it
     ("edgemoe.analysis",),  # traces, statistics, perplexity, verify, reports
-    # calibration stages and artifacts; performance by job (the pure model, this machine's measurements, the engine
-    # benchmark); the placement's plan (budget arithmetic, the request and its rules, plan()), which perf consumes
-    ("edgemoe.calibration", "edgemoe.perf", "edgemoe.perf.model", "edgemoe.perf.measure",
-     "edgemoe.placement.budget", "edgemoe.placement.context", "edgemoe.placement.planner",
-     "edgemoe.placement.request", "edgemoe.placement.tiers"),
+    ("edgemoe.calibration",),  # calibration stages and artifacts
+    # the planner (budget arithmetic, the one reserve, the request and its rules, plan()): pure, below perf
+    ("edgemoe.plan",),
+    # performance by job (the pure model, this machine's measurements, the engine benchmark)
+    ("edgemoe.perf", "edgemoe.perf.model", "edgemoe.perf.measure"),
     ("edgemoe.placement",),  # model + plan -> a running engine with its expert cache (open_engine, install)
+    ("edgemoe.perf.bench",),  # the engine benchmark: rows planned and opened as open_engine does, measured
     ("edgemoe.cli", "edgemoe.serve", "edgemoe.__main__"),  # command line; HTTP server (cli imports serve)
 )
 
@@ -57,8 +60,18 @@ def all_modules(pkg_dir: Path = PKG_DIR) -> dict[str, Path]:
     return {module_name(p, pkg_dir): p for p in sorted(pkg_dir.rglob("*.py"))}
 
 
+def parents_run(target: str, importer: str, known: Iterable[str]) -> set[str]:
+    """The packages importing `target` runs first (a.b for a.b.c), less those the importer's own import already
+    ran (its own ancestors: importing a.b.c from a.b.d finds a.b loaded)."""
+    known = set(known)
+    parts = target.split(".")
+    ancestors = {".".join(importer.split(".")[:i]) for i in range(1, importer.count(".") + 1)}
+    return {p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in known and p not in ancestors}
+
+
 def imports_of(name: str, path: Path, known: Iterable[str]) -> set[str]:
-    """The edgemoe modules `name` imports anywhere in its source (absolute and relative)."""
+    """The edgemoe modules `name` imports anywhere in its source (absolute and relative), with the packages each
+    import runs first (parents_run)."""
     known = set(known)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
@@ -80,6 +93,7 @@ def imports_of(name: str, path: Path, known: Iterable[str]) -> set[str]:
                 t = t.rpartition(".")[0]
             if t.startswith("edgemoe") and t != name:
                 out.add(t)
+                out |= parents_run(t, name, known) - {name}
     return out
 
 
@@ -198,8 +212,58 @@ def test_an_impure_import_in_the_model_is_caught(tmp_path: Path) -> None:
         dst.write_text(path.read_text())
     (copy / "perf/model/report.py").write_text((copy / "perf/model/report.py").read_text()
                                                + "from ..measure import microbench\n")
-    assert impure_model_imports(import_graph(copy)) == [
+    assert impure_model_imports(import_graph(copy)) == [  # the package's __init__ runs first
+        "edgemoe.perf.model.report imports edgemoe.perf.measure",
         "edgemoe.perf.model.report imports edgemoe.perf.measure.microbench"]
+
+
+def test_an_implicit_parent_import_is_caught(tmp_path: Path) -> None:
+    """`from edgemoe.placement.open import x` in the pure model runs edgemoe/placement/__init__ first: caught
+    even when the parent package imports what it imports lazily."""
+    mods = set(all_modules())
+    assert parents_run("edgemoe.placement.open", "edgemoe.perf.model.simulate", mods) == {
+        "edgemoe.placement"}
+    assert parents_run("edgemoe.plan.budget", "edgemoe.plan.planner", mods) == set()  # its own package
+    copy = tmp_path / "edgemoe"
+    for path in all_modules().values():
+        dst = copy / path.relative_to(PKG_DIR)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(path.read_text())
+    (copy / "placement/__init__.py").write_text('"""An eager package."""\nfrom .open import open_engine\n')
+    (copy / "placement/stub.py").write_text('"""Nothing."""\n')
+    (copy / "perf/model/report.py").write_text((copy / "perf/model/report.py").read_text()
+                                               + "from ...placement import stub\n")
+    graph = import_graph(copy)
+    assert "edgemoe.placement" in graph["edgemoe.perf.model.report"]
+    assert "edgemoe.perf.model.report (layer 7) imports edgemoe.placement (layer 8)" in layer_violations(graph)
+
+
+PURE_CHILD = """
+import importlib, pkgutil, sys
+sys.modules["llama_cpp"] = None  # any import of it raises ImportError
+import edgemoe.perf.model, edgemoe.plan
+names = [m.name for pkg in (edgemoe.perf.model, edgemoe.plan)
+         for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
+for name in names:
+    importlib.import_module(name)
+loaded = sorted(m for m in sys.modules if m.startswith(("edgemoe.runtime.", "edgemoe.placement")))
+print(len(names), loaded)
+"""
+
+
+def test_the_pure_model_imports_without_llama_cpp() -> None:
+    """Every module of edgemoe.perf.model and edgemoe.plan imports in a child where llama_cpp cannot be imported,
+    and loads neither the native binding nor the engine (only the runtime's pure config modules)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PURE_CHILD], capture_output=True, text=True, timeout=300,
+                         cwd=PKG_DIR.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    count, loaded = out.stdout.split(" ", 1)
+    assert int(count) > 20
+    assert not any(m.startswith(("edgemoe.runtime.native", "edgemoe.runtime.engine", "edgemoe.placement"))
+                   for m in eval(loaded)), loaded
 
 
 def test_a_circle_is_caught() -> None:

@@ -99,3 +99,52 @@ def test_the_scan_sees_flags_in_messages_and_fstrings() -> None:
 )
 def test_the_cli_shows_its_flags(library: str, cli_text: str) -> None:
     assert as_flags(library, flag_table(cli)) == cli_text
+
+
+# every refusal of the library a command shows (model, then arguments); each must come out in the CLI's flags
+FIXTURE = Path(__file__).resolve().parent.parent / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
+REFUSALS = [
+    ["generate", "-fa", "off", "-ctv", "q4_0"],
+    ["generate", "-ctk", "q3_k"],
+    ["generate", "--vram", "1GiB", "--expert-slots", "2"],
+    ["generate", "--expert-slots", "2", "--device-prefill-borrow"],
+    ["generate", "--expert-slots", "2", "--device-prefill-ahead", "routed"],
+    ["generate", "--device-prefill", "16"],
+    ["generate", "--precalc-from", "2"],
+    ["generate", "--assign", "ratio"],
+    ["generate", "--expert-slots", "2", "--policy", "static", "--blocking-loads"],
+    ["generate", "--expert-slots", "2", "--policy", "lru", "--dali-window", "4"],
+    ["generate", "--expert-slots", "2", "--policy", "lru", "--prefetch-distance", "2"],
+    ["generate", "--expert-slots", "99", "--policy", "lru"],
+    ["generate", "--expert-slots", "2", "--policy", "daop", "--precalc-from", "99"],
+    ["generate", "--expert-slots", "2", "--policy", "lru", "--profile", "rtx4060-laptop"],
+    ["generate", "--expert-slots", "2", "--policy", "lru", "--precalc-from", "2", "--degrade", "0.5"],
+    ["generate", "--batch", "256", "--ubatch", "512"],
+    ["generate", "--ctx", "256", "--ubatch", "1024"],
+    ["bench", "-fa", "off", "-ctv", "q8_0", "--profile", "none"],
+    ["bench", "--precalc-from", "99", "--profile", "none"],
+    ["chat", "-fa", "off", "-ctv", "q5_0"],
+]
+
+
+def _api_names() -> list[str]:
+    """The API's parameter names whose flag is spelt otherwise (`expert_slots` -> --expert-slots)."""
+    table = flag_table(cli)
+    return sorted(n for n in table if n != table[n].removeprefix("--"))
+
+
+@pytest.mark.parametrize("args", REFUSALS, ids=lambda a: " ".join(a))
+def test_every_refusal_shows_the_cli_s_flags(args: list[str]) -> None:
+    """Each library refusal, run through the command line, names its flags and no API parameter: neither a name
+    spelt otherwise as a flag (flash_attn, cache_type_v) nor a backticked parameter (`vram`)."""
+    from click.testing import CliRunner
+
+    cmd, *rest = args
+    extra = ["-p", "hi", "-n", "1"] if cmd == "generate" else []
+    res = CliRunner().invoke(cli, [cmd, str(FIXTURE), *extra, *rest])
+    assert res.exit_code != 0, res.output
+    assert "Traceback" not in res.output and "--" in res.output.split("Error:", 1)[-1], res.output
+    table = flag_table(cli)
+    leaked = [n for n in _api_names() if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", res.output)]
+    leaked += [n for n in table if f"`{n}`" in res.output or f"`{n}=" in res.output]
+    assert not leaked, f"{leaked} in {res.output!r}"

@@ -408,11 +408,12 @@ def test_device_prefill_copies_one_layer_ahead_of_its_experts() -> None:
     dp_slow = _by_name(simulate(QWEN, tr, slow, spec))["edgemoe-static-device-prefill"]
     assert dp_slow.prefill_tps < dp.prefill_tps / 5
     info = read_model_info(QWEN)
-    from edgemoe.placement.budget import VRAM_RESERVE, prefill_buffer_bytes, vram_reserve
-    from edgemoe.placement.budget import slot_budget
+    from edgemoe.plan.budget import prefill_buffer_bytes, slot_budget
+    from edgemoe.plan.reserve import VRAM_RESERVE, Reserve, reserve_bytes
 
-    assert vram_reserve(info, True) == VRAM_RESERVE + prefill_buffer_bytes(info) > vram_reserve(info) == VRAM_RESERVE
-    with_buf = slot_budget(info, spec.vram, n_ctx=512, reserve_bytes=vram_reserve(info, True))
+    buffers = reserve_bytes(info, 512, Reserve(device_prefill=True))
+    assert buffers == VRAM_RESERVE + prefill_buffer_bytes(info) > reserve_bytes(info, 512) == VRAM_RESERVE
+    with_buf = slot_budget(info, spec.vram, n_ctx=512, reserve_bytes=buffers)
     assert with_buf.experts_per_layer <= res.slots_per_layer
 
 

@@ -69,7 +69,7 @@ def test_open_engine_parses_the_header_once(monkeypatch: pytest.MonkeyPatch) -> 
     and the expert cache share it."""
     from edgemoe.gguf import header
     from edgemoe.gguf.info import read_model_info
-    from edgemoe.placement.budget import budget_for_slots
+    from edgemoe.plan.reserve import budget_for_slots
 
     budget = budget_for_slots(read_model_info(MODEL), 2, 256)
     parses: list[Path] = []

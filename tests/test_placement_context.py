@@ -1,4 +1,4 @@
-"""edgemoe.placement.context: the context length x KV type -> expert slots table of a budget, the context the plan
+"""edgemoe.plan.context: the context length x KV type -> expert slots table of a budget, the context the plan
 picks when none is asked, and where inspect, plan and the opening commands show them (issue 42, item 3)."""
 from __future__ import annotations
 
@@ -15,14 +15,9 @@ from edgemoe.gguf.header import check_gguf
 from edgemoe.gguf.info import ModelInfo, read_model_info
 from edgemoe.gguf.kv_types import KvTypes
 from edgemoe.placement import budget_request, cache_request, plan
-from edgemoe.placement.budget import budget_for_slots, slot_budget, vram_reserve
-from edgemoe.placement.context import (
-    KEEP_SLOTS,
-    TABLE_CTX,
-    context_table,
-    default_context,
-    format_context_table,
-)
+from edgemoe.plan.budget import slot_budget
+from edgemoe.plan.reserve import budget_for_slots, reserve_bytes
+from edgemoe.plan.context import KEEP_SLOTS, TABLE_CTX, context_table, default_context, format_context_table
 
 QWEN_FIXTURE = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 F16 = KvTypes()
@@ -62,7 +57,8 @@ def test_slots_fall_as_the_context_grows_and_a_quantized_cache_gives_some_back(i
         assert by[(c, "q8_0")].kv_cache_bytes * 16 == by[(c, "f16")].kv_cache_bytes * 8.5
     assert [r.needs_flash_attn for r in table.rows[:3]] == [False, True, True]
     # each row's slots are the budget arithmetic's at that context and type
-    sb = slot_budget(info, table.budget_bytes, n_ctx=16384, reserve_bytes=vram_reserve(info), kv=KvTypes("q8_0", "q8_0"))
+    sb = slot_budget(info, table.budget_bytes, n_ctx=16384, reserve_bytes=reserve_bytes(info, 16384),
+                     kv=KvTypes("q8_0", "q8_0"))
     assert by[(16384, "q8_0")].slots_per_layer == sb.experts_per_layer
 
 

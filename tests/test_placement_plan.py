@@ -12,14 +12,8 @@ from edgemoe.runtime.cache_config import ExpertCacheError
 from edgemoe.gguf.header import check_gguf
 from edgemoe.gguf.info import read_model_info
 from edgemoe.placement import Device, PlacementError, budget_request, cache_request, open_engine, plan
-from edgemoe.placement.budget import (
-    VRAM_RESERVE,
-    budget_for_slots,
-    context_reserve_bytes,
-    engine_ctx,
-    estimate_kv_cache_bytes,
-    prefill_buffer_bytes,
-)
+from edgemoe.plan.budget import engine_ctx, estimate_kv_cache_bytes, prefill_buffer_bytes
+from edgemoe.plan.reserve import VRAM_RESERVE, budget_for_slots, context_reserve_bytes
 from edgemoe.runtime.config import LoadConfig
 
 pytest_plugins = ["conftest_synth"]
@@ -128,8 +122,8 @@ def test_synthetic_headers(make_tiny_gguf) -> None:  # type: ignore[no-untyped-d
 
 
 def test_open_engine_splits_the_budget_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from edgemoe.placement import budget as budget_module
-    from edgemoe.placement import planner as plan_module
+    from edgemoe.plan import budget as budget_module
+    from edgemoe.plan import planner as plan_module
 
     vram = budget_for_slots(read_model_info(QWEN), 2, 256)
     calls: list[int] = []

@@ -12,7 +12,7 @@ from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
 from edgemoe.perf.model.layouts import make_layouts
 from edgemoe.perf.model.layouts import suggest
-from edgemoe.placement.budget import budget_for_slots
+from edgemoe.plan.reserve import budget_for_slots
 from edgemoe.perf.model.profile import load_profile
 from edgemoe.perf.model.simulate import SimSpec, simulate
 

@@ -1,9 +1,9 @@
 """The residency-policy registry (edgemoe.policies.registry): a policy is one module plus its registration.
 
 (a) A FIFO policy written to a module of its own (FIFO_MODULE, nothing else edited) runs through the replays,
-the user's request and the engine's cache on a fixture model. (b) No module of edgemoe tests a policy's name:
-no registered name compared or listed in an `in` test, no isinstance on a policy's config record outside its
-own module, no PolicyKind member.
+the user's request, the engine's cache on a fixture model, and `edgemoe plan`, `simulate` and `bench`. (b) No
+module of edgemoe tests a policy's name: no registered name compared or listed in an `in` test, no literal list
+of policy names, no isinstance on a policy's config record or class outside its own module, no PolicyKind member.
 """
 from __future__ import annotations
 
@@ -120,6 +120,33 @@ def test_fifo_is_requested_and_checked_like_the_others(fifo: object) -> None:
     assert cache_request(expert_slots=2).policy == "static"  # the default is unchanged
 
 
+def test_fifo_reaches_plan_simulate_and_bench(fifo: object, tmp_path: Path) -> None:
+    """Registered in a module of its own, fifo is a choice of --policy in plan's projections, simulate and bench,
+    and each runs it: no list of names anywhere else to add it to."""
+    from click.testing import CliRunner
+
+    from edgemoe.cli import cli
+
+    model = FIXTURE_MODELS[0]
+    planned = CliRunner().invoke(cli, ["plan", str(model), "--expert-slots", "2", "--json"], catch_exceptions=False)
+    assert planned.exit_code == 0, planned.output
+    assert "fifo" in planned.output
+    sim = CliRunner().invoke(cli, ["simulate", str(model), "--vram", "600MiB", "--ctx", "256", "--profile",
+                                   "rtx4060-laptop", "--policy", "fifo", "--json"], catch_exceptions=False)
+    assert sim.exit_code == 0, sim.output
+    assert "edgemoe-fifo" in sim.output
+    bench = CliRunner().invoke(cli, ["bench", str(model), "--vram", "520MiB", "--prompt-tokens", "32",
+                                     "--gen-tokens", "4", "-t", "2", "--alloc", "equal", "--policy", "fifo",
+                                     "--profile", "none", "--json"], catch_exceptions=False)
+    assert bench.exit_code == 0, bench.output
+    import json
+
+    rows = {r["name"]: r for r in json.loads(bench.stdout[bench.stdout.index("{"):])["rows"]}
+    assert rows["edgemoe fifo"]["decode_tps"] > 0 and rows["edgemoe fifo"]["cache"]["hits"] >= 0
+    for cmd in ("bench", "simulate"):
+        assert "fifo" in CliRunner().invoke(cli, [cmd, "--help"]).output, cmd
+
+
 @pytest.mark.parametrize("blocking", [False, True])
 def test_fifo_runs_in_the_engines_cache(fifo: object, blocking: bool) -> None:
     """Stock tokens, and the cache's counters equal the replay of the routes the run recorded."""
@@ -149,10 +176,15 @@ def test_fifo_runs_in_the_engines_cache(fifo: object, blocking: bool) -> None:
 # -- (b) no module tests a policy's name --------------------------------------------------------------------------
 def name_tests(source: str, module: str, names: set[str], records: dict[str, str]) -> list[str]:
     """The places in `source` (module `module`) that test a policy's identity: a registered name compared (==, !=,
-    is, in a literal tuple/list/set), isinstance on a policy's config record (records: class -> its module) outside
+    is, in a literal tuple/list/set), a literal list of two or more registered names (a choice or a default the
+    registry should give), isinstance on a policy's config record or class (records: class -> its module) outside
     its module, or a PolicyKind member."""
     found = []
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            listed = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+            if len(listed) >= 2:
+                found.append(f"line {node.lineno}: lists the policy names {', '.join(map(repr, listed))}")
         if isinstance(node, ast.Compare):
             for operand in [node.left, *node.comparators]:
                 items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
@@ -170,9 +202,22 @@ def name_tests(source: str, module: str, names: set[str], records: dict[str, str
     return found
 
 
+def policy_classes() -> dict[str, str]:
+    """The policies' classes (edgemoe/policies' classes named ...Policy that are not protocols) -> their modules."""
+    out = {}
+    for path in sorted((PKG / "policies").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Policy"):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                if "Protocol" not in bases:
+                    out[node.name] = module
+    return out
+
+
 def _registered() -> tuple[set[str], dict[str, str]]:
     specs = [policy_spec(n) for n in policy_names()]
-    return {s.name for s in specs}, {s.config.__name__: s.config.__module__ for s in specs}
+    return {s.name for s in specs}, {s.config.__name__: s.config.__module__ for s in specs} | policy_classes()
 
 
 def test_the_checker_finds_the_old_dispatch_patterns() -> None:
@@ -183,10 +228,17 @@ def test_the_checker_finds_the_old_dispatch_patterns() -> None:
         "if isinstance(config, (LruConfig, DaliConfig)):\n    pass\n"
         "if k is PolicyKind.MANUAL:\n    pass\n"
         'x = policy != "promoe"\n'
+        "assert isinstance(pol, PromoePolicy)\n"
+        'CHOICES = click.Choice(["lru", "dali", "static"])\n'
+        'def f(policies=("lru", "static")): pass\n'
     )
     found = name_tests(old, "edgemoe.placement.install", names, records)
-    assert len(found) == 7, found  # lru; static, manual; LruConfig, DaliConfig; PolicyKind.MANUAL; promoe
-    assert not name_tests('MODES = {"lru": 2}\nDEFAULT = "static"\n', "edgemoe.x", names, records)
+    # lru; static, manual (and their tuple); LruConfig, DaliConfig; PolicyKind.MANUAL; promoe; PromoePolicy; the
+    # choice's list and the default's tuple
+    assert len(found) == 11, found
+    assert sum("lists the policy names" in f for f in found) == 3 and any("PromoePolicy" in f for f in found)
+    assert not name_tests('MODES = {"lru": 2}\nDEFAULT = "static"\nONE = ("static",)\n', "edgemoe.x", names, records)
+    assert not name_tests("isinstance(p, PromoePolicy)\n", "edgemoe.policies.promoe", names, records)  # its own
 
 
 def test_no_module_tests_a_policys_name() -> None:

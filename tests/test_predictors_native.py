@@ -21,7 +21,7 @@ from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.gguf.info import read_model_info
-from edgemoe.placement.budget import slot_budget
+from edgemoe.plan.budget import slot_budget
 from edgemoe.runtime.prediction import default_n_out, device_bytes
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2

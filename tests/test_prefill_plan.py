@@ -19,16 +19,8 @@ from edgemoe.perf.model.costmodel import ModelShape
 from edgemoe.perf.model.prefill_plan import UBATCHES, PrefillPlanner, PrefillSpec, project_prompts, settled
 from edgemoe.perf.model.profile import load_profile
 from edgemoe.perf.model.workload import prompt_workload
-from edgemoe.placement.budget import (
-    BORROW_SLACK,
-    PLAN_UBATCH,
-    best_n_cpu_moe,
-    borrow_fits,
-    compute_buffer_bytes,
-    lent_layers,
-    prefill_buffer_bytes,
-    ubatch_reserve_bytes,
-)
+from edgemoe.plan.budget import BORROW_SLACK, best_n_cpu_moe, borrow_fits, lent_layers, prefill_buffer_bytes
+from edgemoe.plan.reserve import PLAN_UBATCH, Reserve, compute_buffer_bytes, reserve_bytes, ubatch_reserve_bytes
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 MIB = 2**20
@@ -105,7 +97,8 @@ def test_the_plan_picks_a_larger_ubatch_out_of_the_slots_and_stock_at_its_own_be
     for o in stock.options:
         extra = ubatch_reserve_bytes(info, 8192, o.n_ubatch, flash_attn=True)
         assert o.extra_reserve_bytes == extra
-        assert o.n_cpu_moe == best_n_cpu_moe(info, 8 * 2**30, 8192, extra_bytes=extra)
+        stock_reserve = reserve_bytes(info, 8192, Reserve(n_ubatch=o.n_ubatch))
+        assert o.n_cpu_moe == best_n_cpu_moe(info, 8 * 2**30, 8192, reserve_bytes=stock_reserve)
     assert stock.options[-1].n_cpu_moe > stock.options[0].n_cpu_moe
     # the ubatch is the lever: a larger one beats 512 on both sides, and edgemoe beats stock's best
     assert ours.best.n_ubatch > 512 and stock.best.n_ubatch > 512

@@ -1,5 +1,5 @@
 """The prefill ubatch in the runtime (issue 41): -b/-ub validated, a given -ub reaching the engine, and with a budget,
---device-prefill and a GPU profile the plan's pick (edgemoe.placement.ubatch) with its slots; bench's rows' ubatches."""
+--device-prefill and a GPU profile the plan's pick (edgemoe.plan.ubatch) with its slots; bench's rows' ubatches."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -12,11 +12,10 @@ from conftest import FIXTURE_MODELS
 from edgemoe.cli import cli
 from edgemoe.errors import InvalidConfigError
 from edgemoe.gguf.header import check_gguf
-from edgemoe.gguf.kv_types import F16_KV
-from edgemoe.perf.bench_ubatch import bench_ubatches
+from edgemoe.perf.bench.rows import BenchSpec, bench_ubatches
+from edgemoe.perf.model.prefill_plan import ProfilePricing
 from edgemoe.perf.model.profile import load_profile
 from edgemoe.placement import Device, cache_request, open_engine, plan
-from edgemoe.placement.ubatch import with_prefill_ubatch
 from edgemoe.runtime.config import LoadConfig, check_batches
 
 MODEL = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
@@ -70,8 +69,9 @@ def _synthetic_30b(tmp_path: Path) -> Path:
 def test_the_plan_picks_a_larger_ubatch_for_device_prefill_out_of_the_slots(tmp_path: Path) -> None:
     header = check_gguf(_synthetic_30b(tmp_path))
     req = cache_request(vram=8 << 30, policy="manual", device_prefill=256)
+    laptop = ProfilePricing(load_profile(LAPTOP))
     base = plan(header, req, n_ctx=8192, device=Device("CUDA0"))
-    picked = with_prefill_ubatch(header, base, req, load_profile(LAPTOP))
+    picked = plan(header, req, n_ctx=8192, device=Device("CUDA0"), profile=laptop)
     assert base.prefill_ubatch == 512 and picked.prefill_ubatch > 512
     assert picked.load.n_ubatch == picked.prefill_ubatch <= picked.load.n_batch
     assert picked.slots_per_layer is not None and base.slots_per_layer is not None
@@ -88,38 +88,53 @@ def test_the_plan_picks_a_larger_ubatch_for_device_prefill_out_of_the_slots(tmp_
     assert sum("the context grows in steps" in n for n in picked.notes) == 1
     # borrowing: the borrowing side's pick, with the slots of a budget without the buffers
     lend = cache_request(vram=8 << 30, policy="manual", device_prefill=256, device_prefill_borrow=True)
-    lent = with_prefill_ubatch(header, plan(header, lend, n_ctx=8192, device=Device("CUDA0")), lend,
-                               load_profile(LAPTOP))
+    lent = plan(header, lend, n_ctx=8192, device=Device("CUDA0"), profile=laptop)
     assert "device-prefill-borrow on" in lent.prefill_ubatch_reason
     assert lent.slots_per_layer is not None and lent.slots_per_layer > picked.slots_per_layer
     # a -ub given wins; no device prefill, no pick
     given = plan(header, req, n_ctx=8192, device=Device("CUDA0"), n_ubatch=1024)
-    assert with_prefill_ubatch(header, given, req, load_profile(LAPTOP)) == given
+    assert plan(header, req, n_ctx=8192, device=Device("CUDA0"), profile=laptop, n_ubatch=1024) == given
+    assert given.prefill_ubatch == 1024 and given.prefill_ubatch_reason == "given (`n_ubatch`)"
     plain = cache_request(vram=8 << 30, policy="manual")
     p = plan(header, plain, n_ctx=8192, device=Device("CUDA0"))
-    assert with_prefill_ubatch(header, p, plain, load_profile(LAPTOP)) == p
+    assert plan(header, plain, n_ctx=8192, device=Device("CUDA0"), profile=laptop) == p
 
 
 def test_open_engine_runs_the_plan_s_ubatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a budget, device prefill and a named profile, the engine opens at what with_prefill_ubatch planned
-    (the fixture's vocabulary makes any larger ubatch too big for a budget that leaves a cache: stubbed)."""
+    """With a budget, device prefill and a named profile, the engine opens at the ubatch plan() picked with the
+    profile's prefill model (the fixture's shape is not priced well by the laptop's profile: its pick stubbed)."""
     from edgemoe.gguf.info import read_model_info
     from edgemoe.placement import open as open_mod
-    from edgemoe.placement.budget import budget_for_slots, prefill_buffer_bytes
+    from edgemoe.plan.budget import prefill_buffer_bytes
+    from edgemoe.plan.reserve import budget_for_slots, ubatch_reserve_bytes
+    from edgemoe.plan.ubatch import UbatchPick
 
     seen = []
+    real = open_mod.prefill_pricing
 
-    def planned(header, placement, request, prof):  # type: ignore[no-untyped-def]
-        seen.append(prof.name)
-        load = replace(placement.load, n_batch=1024, n_ubatch=1024)
-        return replace(placement, load=load, prefill_ubatch=1024)
+    class Picked:
+        def __init__(self, name: str) -> None:
+            self.name = name
 
-    monkeypatch.setattr(open_mod, "with_prefill_ubatch", planned)
+        def pick_ubatch(self, header: object, question: object) -> UbatchPick:
+            return UbatchPick(640, "stubbed")  # a larger one's buffer would leave the fixture no slot
+
+    def pricing(name: str | None) -> Picked | None:
+        found = real(name)
+        if found is None:
+            return None
+        seen.append(found.name)
+        return Picked(found.name)
+
+    monkeypatch.setattr(open_mod, "prefill_pricing", pricing)
     info = read_model_info(MODEL)
     vram = budget_for_slots(info, 8, 2048) + prefill_buffer_bytes(info)
     cache = cache_request(vram=vram, policy="lru", device_prefill=16, profile=LAPTOP)
-    with open_engine(MODEL, cache=cache, n_ctx=2048) as eng:
-        assert eng.n_ubatch == 1024 and eng.experts is not None
+    notes: list[str] = []
+    with open_engine(MODEL, cache=cache, n_ctx=2048, notify=notes.append) as eng:
+        assert (eng.n_batch, eng.n_ubatch) == (640, 640) and eng.experts is not None
+    extra = ubatch_reserve_bytes(info, 2048, 640, flash_attn=True)
+    assert f"note: prefill ubatch 640 (`n_ubatch`; the compute buffer takes {extra / 2**20:.0f} MiB" in "".join(notes)
     assert seen and "4060" in seen[0]
     with open_engine(MODEL, cache=replace(cache, profile=None), n_ctx=2048) as eng:  # no GPU, no profile: 512
         assert eng.n_ubatch == 512
@@ -144,14 +159,19 @@ def test_every_running_command_has_the_batch_options() -> None:
 
 def test_bench_s_rows_take_the_plan_s_ubatches(tmp_path: Path) -> None:
     header = check_gguf(_synthetic_30b(tmp_path))
-    kw = dict(vram=8 << 30, n_ctx=8192, prompt_tokens=8192, flash_attn=True, kv=F16_KV)
-    cpu = bench_ubatches(header, **kw, given=None, profile=Path(LAPTOP), on_gpu=False)  # type: ignore[arg-type]
-    assert (cpu.stock, cpu.device_prefill, cpu.cache, cpu.note) == (512, 512, 512, "")
-    given = bench_ubatches(header, **kw, given=1024, profile=None, on_gpu=True)  # type: ignore[arg-type]
-    assert (given.stock, given.device_prefill, given.cache) == (1024, 1024, 1024)
-    gpu = bench_ubatches(header, **kw, given=None, profile=Path(LAPTOP), on_gpu=True)  # type: ignore[arg-type]
-    assert gpu.stock > 512 and gpu.device_prefill > 512 and gpu.cache == 512
-    assert gpu.stock_n_cpu_moe is not None and f"stock {gpu.stock}" in gpu.note
+    spec = BenchSpec(vram=8 << 30, prompt_tokens=8192, n_ctx=8192, flash_attn="auto")
+    cpu = bench_ubatches(header, spec, 8192, None)  # no GPU, or no GPU profile: llama.cpp's 512
+    assert (cpu.stock, cpu.cache, cpu.note) == (512, 512, "")
+    given = bench_ubatches(header, replace(spec, n_ubatch=1024), 8192, None)
+    assert (given.stock, given.cache) == (1024, 1024) and "given" in given.note
+    gpu = bench_ubatches(header, spec, 8192, ProfilePricing(load_profile(LAPTOP), prompt_tokens=8192))
+    assert gpu.stock > 512 and gpu.cache == 512
+    assert f"stock {gpu.stock} (--n-cpu-moe " in gpu.note and "--n-cpu-moe None" not in gpu.note
+    # the +device prefill rows' ubatch is plan()'s pick with the same prefill model
+    req = cache_request(vram=8 << 30, policy="lru", device_prefill=256)
+    picked = plan(header, req, n_ctx=8192, device=Device("CUDA0"),
+                  profile=ProfilePricing(load_profile(LAPTOP), prompt_tokens=8192))
+    assert picked.prefill_ubatch > 512 and f"+device prefill {picked.prefill_ubatch}" in gpu.note
 
 
 def test_bench_projects_each_gpu_row_at_the_ubatch_it_ran() -> None:
@@ -160,27 +180,29 @@ def test_bench_projects_each_gpu_row_at_the_ubatch_it_ran() -> None:
     from test_perfmodel import QWEN, skewed_trace
 
     from edgemoe.gguf.info import read_model_info
-    from edgemoe.perf.bench import BenchResult, BenchRow, _own_ubatch_projections
+    from edgemoe.perf.bench.project import projections
+    from edgemoe.perf.bench.records import BenchRow, Projection, RowResult
     from edgemoe.perf.model.simulate import SimSpec, simulate
 
     tr, prof = skewed_trace(QWEN, n_seq=2, prefill=96, decode=8), load_profile("rtx4060-laptop")
     base = SimSpec(vram=600 * 2**20, n_ctx=512, n_ubatch=32, policies=("lru",), warmup_seqs=1, overlap=True)
-    first = {c.name for c in simulate(QWEN, tr, prof, base).configs}
     moe = len(read_model_info(QWEN).moe_layers)
     slots = {il: 5 for il in read_model_info(QWEN).moe_layers}
-
-    def row(name: str, kind: str, ub: int, cache: dict[str, object] | None = None) -> BenchRow:
-        return BenchRow(name, kind, 1.0, 1.0, 1.0, 1.0, None, cache=cache, n_ubatch=ub)
-
-    res = BenchResult(model="m", device="d", vram=base.vram, threads=2, prompt_tokens=96, gen_tokens=8,
-                      slots_per_layer=8, n_cpu_moe=None, rows=[
-                          row("stock -ot exps=CPU", "stock", 32),  # at the cached rows' ubatch: the main run's
-                          row(f"stock --n-cpu-moe {moe - 2}", "stock", 64),
-                          row("edgemoe lru", "edgemoe", 32),
-                          row("edgemoe lru +device prefill", "edgemoe", 64, {"slots_per_layer": slots}),
-                      ])
-    out = _own_ubatch_projections(res, QWEN, tr, prof, base, first)
-    assert set(out) == {f"stock --n-cpu-moe {moe - 2}", "edgemoe lru +device prefill"}
+    placement = plan(check_gguf(QWEN), None, n_ctx=512, device=None)
+    projected = [
+        Projection("stock-ot-exps-cpu", 32),  # at the cached rows' ubatch: the main run's
+        Projection(f"stock-n-cpu-moe-{moe - 2}", 64, n_cpu_moe=moe - 2, policies=()),
+        Projection("edgemoe-lru", 32),
+        Projection("edgemoe-lru-device-prefill", 64, policies=("lru",), device_prefill_slots=slots),
+    ]
+    names = ["stock -ot exps=CPU", f"stock --n-cpu-moe {moe - 2}", "edgemoe lru", "edgemoe lru +device prefill"]
+    rows = [BenchRow(n, n.split()[0], placement, projection=p) for n, p in zip(names, projected, strict=True)]
+    results = [RowResult(r.name, r.kind, 1.0, 1.0, 1.0, 1.0, None, n_ubatch=r.projection.n_ubatch)  # type: ignore[union-attr]
+               for r in rows]
+    out, _ = projections(rows, results, QWEN, tr, prof, base)
+    assert set(out) == set(names)
+    main = {c.name: c for c in simulate(QWEN, tr, prof, base).configs}
+    assert out["stock -ot exps=CPU"] == main["stock-ot-exps-cpu"] and out["edgemoe lru"] == main["edgemoe-lru"]
     stock = simulate(QWEN, tr, prof, replace(base, n_ubatch=64, n_cpu_moe=moe - 2, policies=()))
     want = next(c for c in stock.configs if c.name == f"stock-n-cpu-moe-{moe - 2}")
     assert out[f"stock --n-cpu-moe {moe - 2}"] == want

@@ -200,3 +200,25 @@ def test_bounded_least_squares_matches_a_reference_solver() -> None:
         ref = optimize.lsq_linear(a, b, bounds=(lower, np.inf), tol=1e-12).x
         assert np.linalg.norm(a @ ours - b) <= np.linalg.norm(a @ ref - b) * (1 + 1e-6)
         assert (ours >= lower - 1e-12).all()
+
+
+def test_an_expert_reading_faster_than_its_types_matmul_from_memory_is_priced_at_the_matmuls_rate() -> None:
+    """Cold, at one or two tokens, an expert's products and a dense matmul both stream their weights from memory:
+    an expert rate faster per byte (the microbenchmark's pool held in a cache, as on a 2-core AMD EPYC VM) is
+    flagged and priced at the matmul's; hot, or at more tokens, the expert's own rate stands."""
+    from edgemoe.perf.model.costmodel import _per_byte, cached_expert_reads, expert_per_byte
+    from edgemoe.perf.model.profile import Curve, load_profile
+
+    spec = load_profile("rtx4060-laptop").cpu
+    matmul = spec.matmul_curve("Q4_K")  # the roofline's: a specification profile measured none
+    cpu = dataclasses.replace(spec, matmul={"Q4_K": matmul}, expert={"Q4_K": matmul})
+    fast = Curve(tuple(dataclasses.replace(p, s_per_byte=p.s_per_byte / 2) for p in matmul.points))
+    dev = dataclasses.replace(cpu, expert={"Q4_K": fast})
+    assert cached_expert_reads(cpu) == []
+    notes = cached_expert_reads(dev)
+    assert len(notes) == 2 and all("Q4_K experts read" in n and "priced at the matmuls' rate" in n for n in notes)
+    for t in (1, 2):
+        assert expert_per_byte(dev, "Q4_K", t, False) == _per_byte(matmul, t, False) > _per_byte(fast, t, False)
+    assert expert_per_byte(dev, "Q4_K", 8, False) == _per_byte(fast, 8, False)  # compute-bound: its own
+    assert expert_per_byte(dev, "Q4_K", 1, True) == _per_byte(fast, 1, True)  # hot: its own
+    assert expert_per_byte(cpu, "Q4_K", 1, False) == _per_byte(cpu.expert_curve("Q4_K"), 1, False)

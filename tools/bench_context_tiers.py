@@ -4,7 +4,7 @@ decode and prefill tok/s of the static cache at 1K, 4K, 16K and 32K tokens of co
 Qwen3-30B-A3B routing profile, for an 8 GB laptop and a 16 GB card, f16 and q8_0 KV, a 32K context.
 
 With tiers, a conversation of L tokens runs at the smallest step that holds it, with the slots the plan gives that
-step (edgemoe.placement.tiers.context_steps, the real counts); without, at the slots of the whole 32K context. Each
+step (edgemoe.plan.tiers.context_steps, the real counts); without, at the slots of the whole 32K context. Each
 distinct slot count is replayed once through the simulator (edgemoe.perf.model.simulate; the trace's own prompts,
 so attention over the conversation is the same on both sides and not in the figures). A step's pause is
 projected as its KV state copied to the host and back at the link's pageable rate plus the new step's slots
@@ -31,8 +31,8 @@ from edgemoe.gguf.info import ModelInfo, read_model_info  # noqa: E402
 from edgemoe.gguf.kv_types import KvTypes  # noqa: E402
 from edgemoe.perf.model.profile import MachineProfile, load_profile  # noqa: E402
 from edgemoe.perf.model.simulate import SimSpec, simulate  # noqa: E402
-from edgemoe.placement.budget import estimate_kv_cache_bytes  # noqa: E402
-from edgemoe.placement.tiers import TierStep, context_steps  # noqa: E402
+from edgemoe.plan.budget import estimate_kv_cache_bytes  # noqa: E402
+from edgemoe.plan.tiers import TierStep, context_steps  # noqa: E402
 
 GiB = 1 << 30
 CARDS = (("rtx4060-laptop", 8 * GiB), ("rtx5060ti-desktop", 16 * GiB))

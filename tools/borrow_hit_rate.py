@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgemoe.gguf.info import read_model_info
-from edgemoe.placement.budget import prefill_buffer_bytes
+from edgemoe.plan.budget import prefill_buffer_bytes
 from edgemoe.runtime import native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig

@@ -25,10 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgemoe.analysis.routing_profile import routing_for_model  # noqa: E402
 from edgemoe.gguf.info import read_model_info  # noqa: E402
-from edgemoe.placement.budget import VRAM_RESERVE, slot_budget  # noqa: E402
 from edgemoe.gguf.synth import write_synthetic  # noqa: E402
 from edgemoe.perf.model.profile import load_profile  # noqa: E402
 from edgemoe.perf.model.simulate import SimSpec, simulate  # noqa: E402
+from edgemoe.plan.budget import slot_budget  # noqa: E402
+from edgemoe.plan.reserve import VRAM_RESERVE  # noqa: E402
 
 # profiles with a preset of the same name, and the budgets (GiB) to project them at
 SHAPES = {"qwen3-30b-a3b": (8,), "mixtral-8x7b": (8,), "olmoe-1b-7b": (8, 3)}

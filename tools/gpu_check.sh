@@ -88,7 +88,7 @@ if [ "$DRY" = 1 ]; then
     # a budget under which the fixture's 8192-token context leaves 8 slots per layer and its 4096 step more
     CTX_VRAM=$("$PY" -c 'import sys
 from edgemoe.gguf.info import read_model_info
-from edgemoe.placement.budget import budget_for_slots
+from edgemoe.plan.reserve import budget_for_slots
 print(budget_for_slots(read_model_info(sys.argv[1]), 8, 8192))' "$BENCH_MODEL")
     IDS_ARGS=(--prompt-tokens 32 --gen-tokens 4 -t 1)
     DEPTH_ARGS=(--prompt-tokens 256 --gen-tokens 4 -t 1)

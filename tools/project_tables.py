@@ -38,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edgemoe.analysis.routing_model import routing_stats, synthesize_trace  # noqa: E402
 from edgemoe.analysis.routing_profile import profile_for_shape  # noqa: E402
 from edgemoe.analysis.trace import Trace  # noqa: E402
-from edgemoe.placement.budget import slot_budget, vram_reserve  # noqa: E402
 from edgemoe.perf.model.costmodel import ModelShape  # noqa: E402
 from edgemoe.perf.model.profile import load_profile  # noqa: E402
 from edgemoe.perf.model.simulate import ConfigResult, PrecalcSpec, SimResult, SimSpec, simulate  # noqa: E402
 from edgemoe.perf.model.workload import GatingSpec  # noqa: E402
+from edgemoe.plan.budget import slot_budget  # noqa: E402
+from edgemoe.plan.reserve import Reserve, reserve_bytes  # noqa: E402
 from edgemoe.policies.gating import GatingRule  # noqa: E402
 
 B = Path(".build")
@@ -148,7 +149,7 @@ def project_device_prefill(out: Path, gib: int) -> None:
         cells += [f"{by[n].decode_tps:.1f} ({by[n].decode_tps / dec:.2f}x)" for n in names[2:]]
         info = ModelShape.read(model).info
         with_buf = slot_budget(info, gib * 2**30, n_ctx=4096,
-                               reserve_bytes=vram_reserve(info, True)).experts_per_layer
+                               reserve_bytes=reserve_bytes(info, 4096, Reserve(device_prefill=True))).experts_per_layer
         print(f"| {shape} | {prof_name} | {res.slots_per_layer} ({with_buf}) | {pre:.0f} | {' | '.join(cells)} |")
         rows += [{"shape": shape, "profile": prof_name, "vram_gib": gib, "workload_note": res.workload_note,
                   "slots_with_buffers": with_buf, **c.__dict__} for c in res.configs]

@@ -26,10 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.placement import calibration_for  # noqa: E402
 from edgemoe.gguf.info import parse_size  # noqa: E402
-from edgemoe.perf.bench import BenchSpec, format_table, run_bench  # noqa: E402
+from edgemoe.perf.bench.report import format_table  # noqa: E402
+from edgemoe.perf.bench.rows import BenchSpec  # noqa: E402
+from edgemoe.perf.bench.run import run_bench  # noqa: E402
 from edgemoe.perf.measure.profiling import measure_profile  # noqa: E402
+from edgemoe.placement import calibration_for  # noqa: E402
 from edgemoe.runtime import native  # noqa: E402
 
 

@@ -42,7 +42,7 @@ def known_from_trace(
     """
     if trace.gate_inputs is None:
         raise PredictorError(
-            "the trace has no gate inputs: record it with gate_inputs=True (`edgemoe trace --gate-inputs`)"
+            "the trace has no gate inputs: record it with `gate_inputs=True` (`edgemoe trace --gate-inputs`)"
         )
     off, src = source_of(target, distance, len(trace.layers))
     prev = rows - 1 if prev_rows is None else prev_rows

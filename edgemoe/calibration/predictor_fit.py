@@ -64,7 +64,7 @@ def fit_predictors(
     from ..predictors.train import TrainData, train_first_layer, train_mlp
 
     if trace.gate_inputs is None:
-        raise PredictorError("the calibration trace has no gate inputs: record it with gate_inputs=True")
+        raise PredictorError("the calibration trace has no gate inputs: record it with `gate_inputs=True`")
     if tuple(int(x) for x in trace.layers) != spec.layers:
         raise PredictorError(
             f"the trace's MoE layers {list(trace.layers)} are not the model's {list(spec.layers)}"

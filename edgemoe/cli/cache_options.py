@@ -8,11 +8,11 @@ from typing import Any
 
 import click
 
-from ..placement import CacheRequest, cache_request
+from ..plan.request import CacheRequest, cache_request
 from ..policies.registry import policy_names, policy_spec
 from .flags import ALIASES, as_flags
 from .options import option_group
-from .types import Size
+from .types import PolicyName, Size
 
 
 def policy_help() -> str:
@@ -65,7 +65,7 @@ def cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="expert slots per MoE layer (instead of --vram; with --alloc dp the average)",
         ),
-        click.option("--policy", type=click.Choice(policy_names()), default=None, help=policy_help()),
+        click.option("--policy", type=PolicyName(), default=None, help=policy_help()),
         click.option("--alloc", type=click.Choice(["equal", "dp"]), default=None, help=ALLOC_HELP),
         click.option(
             "--dali-window",

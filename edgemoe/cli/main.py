@@ -16,7 +16,7 @@ import click
 
 from .. import __version__
 from ..errors import EdgeMoeError
-from ..placement import PlacementError
+from ..plan.request import PlacementError
 from . import analysis, bench, calibrate, doctor, model, perf, serve
 from .flags import cli_text
 

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from ..errors import EdgeMoeError
-from ..placement import CacheRequest
+from ..plan.request import CacheRequest
 from .cache_options import cache_options
 from .flags import cli_text
 from .options import (
@@ -98,9 +98,9 @@ def inspect(
     from ..analysis.rules import describe_rules, routing_rules
     from ..gguf.header import check_gguf
     from ..gguf.info import info_to_dict, model_info
-    from ..placement import budget_request, plan
-    from ..placement.budget import budget_to_dict, format_slot_budget
-    from ..placement.context import format_context_table, table_contexts
+    from ..plan.budget import budget_to_dict, format_slot_budget
+    from ..plan.context import format_context_table, table_contexts
+    from ..plan.planner import budget_request, plan
 
     header = check_gguf(model)
     info = model_info(header)

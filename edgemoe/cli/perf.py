@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..analysis.routing_profile import routing_names
+from ..policies.registry import compared_policies, projected_policies
 from .flags import cli_text
-from .options import AttentionOptions, flash_attn_option, kv_type_options
-from .types import THREADS, Finite, GGUFPath, OutputPath, Size
+from .options import AttentionOptions, flash_attn_option, kv_type_options, option_group
+from .types import THREADS, Finite, GGUFPath, OutputPath, PolicyName, Size
 
 if TYPE_CHECKING:
     from ..gguf.kv_types import FlashAttn
@@ -119,6 +120,55 @@ def _check_simulate(
         )
 
 
+def _placement_options(f: Any) -> Any:
+    """What simulate places: the budget, the context, the ubatch and the policies; given as `placed`."""
+    return option_group("placed", [
+        click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget; 0: CPU only"),
+        click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=4096, show_default=True,
+                     help="context the KV cache is planned for"),
+        click.option("--ubatch", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True),
+        click.option("--policy", "policies", multiple=True, type=PolicyName(projected_policies), default=None,
+                     help="edgemoe cache policies to project (repeatable; default: "
+                     + ", ".join(compared_policies()) + ")"),
+        click.option("--calibration", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="calibration directory for the static policy (default: placement from the trace's first "
+                     "half)"),
+    ], lambda **kw: kw)(f)  # fmt: skip
+
+
+def _variant_options(f: Any) -> Any:
+    """The edgemoe variants simulate adds and how edgemoe runs: gating, blocking loads, the overlap, an assigner,
+    device prefill, pre-calculation; given as `variants`."""
+    return option_group("variants", [
+        click.option("--gating", type=click.Choice(["score", "ser"]), default=None,
+                     help="add gated edgemoe configurations with this adaptive top-k rule (decode steps)"),
+        click.option("--threshold", type=Finite(0.0), default=None, help="the gating rule's threshold"),
+        click.option("--blocking-loads", is_flag=True,
+                     help="cache misses wait for their copy instead of running on the CPU"),
+        click.option("--overlap", is_flag=True,
+                     help="project edgemoe's CPU/GPU overlap within a layer, as the build runs a cache on a GPU by "
+                     "default (without it: the two branches one after the other, as with CacheConfig(overlap=False); "
+                     "stock llama.cpp's configurations always run them in turn)"),
+        click.option("--assign", type=click.Choice(["greedy", "ratio", "exact"]), default=None,
+                     help="add edgemoe variants whose prefill ubatches split experts between CPU and GPU with this "
+                     "assigner (DALI's greedy, the ratio cut, the exact optimum; CPU and GPU run at once)"),
+        click.option("--device-prefill", is_flag=True,
+                     help="add edgemoe variants whose prefill ubatches run every routed expert on the GPU, those "
+                     "outside the slots copied into a prefill buffer one cached layer ahead (generate's "
+                     "--device-prefill)"),
+        click.option("--precalc-from", type=click.IntRange(min=1), default=None, metavar="L",
+                     help="add edgemoe variants whose decode steps pre-calculate each cached MoE layer's CPU experts "
+                     "from layer L on one layer early (generate's --precalc-from), at the rates below"),
+        click.option("--precalc-recall", type=click.FloatRange(0.0, 1.0), default=0.78, show_default=True,
+                     help="share of a target layer's CPU expert work computed early (generate --json's "
+                     "cache.precalc.early_share; the default is the fixtures' from layer 5, docs/research/daop.md)"),
+        click.option("--precalc-precision", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.79,
+                     show_default=True,
+                     help="share of the early computations that are used (cache.precalc.precision; the fixtures' "
+                     "from layer 5)"),
+    ], lambda **kw: kw)(f)  # fmt: skip
+
+
 @click.command()
 @click.argument("model", type=GGUFPath())
 @_routing_options(
@@ -135,85 +185,8 @@ def _check_simulate(
     "h100-server, and the backtest's machines: docs/research/performance-model.md); default: this "
     "machine's measured profile",
 )
-@click.option("--vram", type=Size(), default="8GiB", show_default=True, help="GPU budget; 0: CPU only")
-@click.option(
-    "--ctx",
-    "n_ctx",
-    type=click.IntRange(min=16),
-    default=4096,
-    show_default=True,
-    help="context the KV cache is planned for",
-)
-@click.option("--ubatch", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option(
-    "--policy",
-    "policies",
-    multiple=True,
-    type=click.Choice(["lru", "static", "dali", "daop"]),
-    default=("lru", "static"),
-    show_default=True,
-    help="edgemoe cache policies to project (repeatable)",
-)
-@click.option(
-    "--gating",
-    type=click.Choice(["score", "ser"]),
-    default=None,
-    help="add gated edgemoe configurations with this adaptive top-k rule (decode steps)",
-)
-@click.option("--threshold", type=Finite(0.0), default=None, help="the gating rule's threshold")
-@click.option(
-    "--blocking-loads", is_flag=True, help="cache misses wait for their copy instead of running on the CPU"
-)
-@click.option(
-    "--overlap",
-    is_flag=True,
-    help="project edgemoe's CPU/GPU overlap within a layer, as the build runs a cache on a GPU by "
-    "default (without it: the two branches one after the other, as with CacheConfig(overlap=False); "
-    "stock llama.cpp's configurations always run them in turn)",
-)
-@click.option(
-    "--calibration",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="calibration directory for the static policy (default: placement from the trace's first half)",
-)
-@click.option(
-    "--assign",
-    type=click.Choice(["greedy", "ratio", "exact"]),
-    default=None,
-    help="add edgemoe variants whose prefill ubatches split experts between CPU and GPU with this "
-    "assigner (DALI's greedy, the ratio cut, the exact optimum; CPU and GPU run at once)",
-)
-@click.option(
-    "--device-prefill",
-    is_flag=True,
-    help="add edgemoe variants whose prefill ubatches run every routed expert on the GPU, those outside "
-    "the slots copied into a prefill buffer one cached layer ahead (generate's --device-prefill)",
-)
-@click.option(
-    "--precalc-from",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="L",
-    help="add edgemoe variants whose decode steps pre-calculate each cached MoE layer's CPU experts from "
-    "layer L on one layer early (generate's --precalc-from), at the rates below",
-)
-@click.option(
-    "--precalc-recall",
-    type=click.FloatRange(0.0, 1.0),
-    default=0.78,
-    show_default=True,
-    help="share of a target layer's CPU expert work computed early (generate --json's "
-    "cache.precalc.early_share; the default is the fixtures' from layer 5, docs/research/daop.md)",
-)
-@click.option(
-    "--precalc-precision",
-    type=click.FloatRange(0.0, 1.0, min_open=True),
-    default=0.79,
-    show_default=True,
-    help="share of the early computations that are used (cache.precalc.precision; the fixtures' from "
-    "layer 5)",
-)
+@_placement_options
+@_variant_options
 @_speculation_projection_options
 @flash_attn_option(
     "the projected engine's flash attention (auto: on, as llama.cpp resolves it on the CPU and CUDA); a profile "
@@ -227,20 +200,8 @@ def simulate(
     trace_path: Path | None,
     routing: str | None,
     profile_name: str | None,
-    vram: int,
-    n_ctx: int,
-    n_ubatch: int,
-    policies: tuple[str, ...],
-    gating: str | None,
-    threshold: float | None,
-    blocking_loads: bool,
-    overlap: bool,
-    calibration: Path | None,
-    assign: str | None,
-    device_prefill: bool,
-    precalc_from: int | None,
-    precalc_recall: float,
-    precalc_precision: float,
+    placed: dict[str, Any],
+    variants: dict[str, Any],
     draft_max: int,
     acceptances: tuple[float, ...],
     flash_attn: FlashAttn,
@@ -257,25 +218,28 @@ def simulate(
     from ..perf.model.workload import GatingSpec
     from ..policies.gating import GatingRule
 
-    _check_simulate(gating, threshold, precalc_from, blocking_loads, attention, flash_attn)
+    v = variants
+    gating, threshold, precalc_from = v["gating"], v["threshold"], v["precalc_from"]
+    _check_simulate(gating, threshold, precalc_from, v["blocking_loads"], attention, flash_attn)
     prof = _sim_profile(profile_name)
     gate = (
         GatingSpec(GatingRule(gating), float(threshold))
         if gating is not None and threshold is not None
         else None
     )
+    precalc = PrecalcSpec(precalc_from, v["precalc_recall"], v["precalc_precision"]) if precalc_from else None
     spec = SimSpec(
-        vram=vram,
-        n_ctx=n_ctx,
-        n_ubatch=n_ubatch,
-        policies=policies,
+        vram=placed["vram"],
+        n_ctx=placed["n_ctx"],
+        n_ubatch=placed["n_ubatch"],
+        policies=placed["policies"] or compared_policies(),
         gated=gate is not None,
-        blocking=blocking_loads,
-        overlap=overlap,
-        calibration=calibration,
-        assign=assign,
-        device_prefill=device_prefill,
-        precalc=PrecalcSpec(precalc_from, precalc_recall, precalc_precision) if precalc_from else None,
+        blocking=v["blocking_loads"],
+        overlap=v["overlap"],
+        calibration=placed["calibration"],
+        assign=v["assign"],
+        device_prefill=v["device_prefill"],
+        precalc=precalc,
         flash_attn=flash_attn,
         kv=KvTypes(attention.cache_type_k, attention.cache_type_v),
     )
@@ -441,7 +405,8 @@ def plan(
     from ..perf.model.layouts import make_layouts
     from ..perf.model.prefill_plan import PROMPTS
     from ..perf.model.profile import load_profile
-    from ..placement.budget import budget_for_slots, engine_ctx
+    from ..plan.budget import engine_ctx
+    from ..plan.reserve import budget_for_slots
 
     if vram is not None and expert_slots is not None:
         raise click.UsageError(
@@ -483,9 +448,7 @@ def plan(
 
         trace, where, _used = _routing_trace(model, trace_path, routing)
         kv = KvTypes(attention.cache_type_k, attention.cache_type_v)
-        sim = SimSpec(
-            vram=vram, n_ctx=result.n_ctx, policies=("lru", "static"), flash_attn=attention.flash_attn, kv=kv
-        )
+        sim = SimSpec(vram=vram, n_ctx=result.n_ctx, flash_attn=attention.flash_attn, kv=kv)
         spec_rows = _speculation(model, trace, prof, sim, draft_max, acceptances)
     _print_plan(result, spec_rows, where, as_json)
 

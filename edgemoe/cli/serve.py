@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from ..placement import CacheRequest
+from ..plan.request import CacheRequest
 from .cache_options import cache_options
 from .model import BUNDLED_MODEL, _open_engine
 from .options import RunOptions, gating_options, run_options, speculation_options

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +129,26 @@ class IntList(click.ParamType):
         if not out or min(out) < 1:
             self.fail(f"{value!r}: give one or more positive integers, e.g. 24,32,49", param, ctx)
         return out
+
+
+class PolicyName(click.ParamType):
+    """A registered residency policy's name, read from the registry when the command runs (a policy registered
+    after the CLI was imported is taken too): every one, or those `which` returns (e.g. the projected ones)."""
+
+    name = "POLICY"
+
+    def __init__(self, which: Callable[[], tuple[str, ...]] | None = None) -> None:
+        self.which = which
+
+    def names(self) -> tuple[str, ...]:
+        from ..policies.registry import policy_names
+
+        return self.which() if self.which is not None else policy_names()
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return "[" + "|".join(self.names()) + "]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        if value in self.names():
+            return str(value)
+        self.fail(f"{value!r} is not one of {', '.join(map(repr, self.names()))}", param, ctx)

@@ -1,10 +1,10 @@
-"""Install what a PlacementPlan (edgemoe.placement.plan) decided on an open engine: first-use calibration on that
+"""Install what a PlacementPlan (edgemoe.plan.plan) decided on an open engine: first-use calibration on that
 engine, the allocation across layers, the policy's config record, the assigner's costs; adaptive top-k."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,13 +13,16 @@ from ..calibration import auto
 from ..calibration.adaptive import GatingOptions, default_calibration_dir
 from ..calibration.slot_alloc import allocate_slots, describe
 from ..gguf.header import GgufHeader
+from ..gguf.info import ModelInfo
+from ..plan.calibration import calibration_needs
+from ..plan.planner import PlacementPlan
+from ..plan.request import CacheRequest, PlacementError
+from ..plan.tiers import TierStep
 from ..policies.registry import completed
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, PolicyConfig, StaticConfig
+from ..runtime.context_tiers import ContextTier, ContextTiers
 from ..runtime.engine import Engine
-from .planner import PlacementPlan, calibration_needs
-from .request import CacheRequest, PlacementError
-from .tiers import engine_tiers
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +167,30 @@ def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.Gg
         + (f" (DAOP pre-calculation from layer {req.precalc_from})" if req.precalc_from is not None else "")
     )
     return "\n".join(lines)
+
+
+def engine_tiers(
+    info: ModelInfo,
+    steps: tuple[TierStep, ...],
+    n_ctx: int,
+    cache: CacheConfig,
+    **allocation: Any,
+) -> ContextTiers:
+    """A plan's context steps as the tiers of an engine of n_ctx tokens whose expert cache is `cache`
+    (Engine.set_context_tiers): each step but the last with its slots allocated as the cache's were (equal, or
+    `allocation`'s allocate_slots keywords, e.g. dp, over the step's bytes), then the engine's context with the
+    cache's own slots."""
+
+    def slots(step: TierStep) -> int | Mapping[int, int]:
+        if cache.alloc == "equal":
+            return step.slots_per_layer
+        return allocate_slots(
+            info, slots_per_layer=step.slots_per_layer, budget_bytes=step.expert_budget_bytes, **allocation
+        ).slots
+
+    return ContextTiers(
+        (*(ContextTier(s.n_ctx, slots(s)) for s in steps[:-1]), ContextTier(n_ctx, cache.slots_per_layer))
+    )
 
 
 def gating_for(opts: GatingOptions, model: Path) -> GatingOptions:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ..errors import EdgeMoeError
-from .residency import Load
+from .loads import Load
 
 
 def load_worker_default(device_name: str) -> bool:

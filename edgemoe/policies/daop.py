@@ -194,7 +194,7 @@ class PromptSwapResidency:
         check_threshold(self.threshold)
         if self.prompt_tokens < 1:
             raise DaopError(
-                f"prompt_tokens {self.prompt_tokens}: DAOP swaps by a prompt of at least one token"
+                f"`prompt_tokens={self.prompt_tokens}`: DAOP swaps by a prompt of at least one token"
             )
         self._initial = {
             layer: initial_placement(np.asarray(self.frequency[layer]), n)

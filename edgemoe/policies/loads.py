@@ -27,6 +27,22 @@ class Reseedable(Protocol):
         ...
 
 
+class Residency(Protocol):
+    """What every residency policy is to the rest of edgemoe (its spec's `build` makes one): the loads it starts
+    with, and its answer to each MoE layer's routed ids."""
+
+    @property
+    def n_slots(self) -> Mapping[int, int]:
+        """layer -> slots."""
+        ...
+
+    blocking: bool  # a miss is loaded before its layer runs (else for the layer's next run)
+
+    def initial_loads(self) -> list[Load]: ...
+
+    def on_route(self, layer: int, ids: np.ndarray) -> list[Load]: ...
+
+
 def used_experts(ids: np.ndarray) -> list[int]:
     """Experts a ubatch's (n_tokens, k) ids use, in first-use order (dropped slots, -1, left out)."""
     flat = np.asarray(ids).reshape(-1)

@@ -37,13 +37,13 @@ within a token; those layers are cached as LRU does).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import EdgeMoeError
 from ..predictors.base import Known, Predictor, PredictorKind, topk_ids
 from .copy_queue import CacheModel, CopyTiming, LoadState, Priority
+from .prefetching import Prediction as Prediction  # re-exported: it lived here
 from .residency import Load, used_experts
 
 PROMOE_DISTANCE = 2  # ProMoE's stride: predict layer l+2 at layer l
@@ -58,13 +58,6 @@ def distance_refusal(distance: int) -> str | None:
 
 class PrefetchError(EdgeMoeError):
     """A prefetch policy was set up with a predictor or parameters it cannot use."""
-
-
-@dataclass(frozen=True, eq=False)  # identity: the tag of the loads it queued
-class Prediction:
-    target: int  # model layer (il) predicted
-    source: int  # model layer whose router input predicted it
-    experts: tuple[int, ...]  # best first
 
 
 def predicted_experts(scores: np.ndarray, per_token: int, cap: int) -> list[int]:

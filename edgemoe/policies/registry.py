@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
 from ..errors import InvalidConfigError
+from ..predictors.base import Predictor
+from .loads import Residency
+from .prefetching import Prefetcher
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class PrefetchInputs:
 
     slots: Mapping[int, int]  # layer -> slots
     layers: Sequence[int]  # the model's MoE layers
-    predictor: Any  # the edgemoe.predictors.Predictor its record asks for (prefetch_predictor), or gate reuse
+    predictor: Predictor  # the one its record asks for (prefetch_predictor), or gate reuse
     n_expert: int
 
 
@@ -108,40 +111,53 @@ class RequestOption:
     keyword: str  # edgemoe.placement.cache_request's keyword, e.g. "dali_window"
     field: str  # the record's field, e.g. "window"
     foreign: str  # the refusal when the request names another policy
-    unset: tuple[Any, ...] = (None,)  # the values that mean "not given"
+    unset: tuple[object, ...] = (None,)  # the values that mean "not given"
 
 
-Build = Callable[[Any, PolicyInputs], Any]  # (record, inputs) -> the policy (a residency policy)
+R = TypeVar("R", bound=PolicyRecord)  # a policy's config record
+P = TypeVar("P", bound=Residency)  # the residency policy its spec builds
+Build = Callable[[R, PolicyInputs], P]  # (record, inputs) -> the residency policy
 AllSizes = Callable[
-    [Any, LayerReplay], tuple[np.ndarray, np.ndarray]
+    [R, LayerReplay], tuple[np.ndarray, np.ndarray]
 ]  # -> (misses, loads) for t = 0..max_slots
+Native = Callable[[R, P], "NativeStep | None"]  # (record, policy) -> its step in the graph
+Prefetch = Callable[[R, PrefetchInputs], Prefetcher]  # (record, inputs) -> its prefetcher
 
 
 @dataclass(frozen=True)
-class PolicySpec:
-    """One residency policy as the rest of edgemoe sees it."""
+class PolicySpec(Generic[R, P]):
+    """One residency policy as the rest of edgemoe sees it, typed by its config record R and its policy P."""
 
     name: str
-    config: type[PolicyRecord]  # its frozen config record
+    config: type[R]  # its frozen config record
     help: str  # one clause of --policy's help
-    build: Build  # raises EdgeMoeError with what to pass where it cannot build from the inputs
+    build: Build[R, P]  # raises EdgeMoeError with what to pass where it cannot build from the inputs
     options: tuple[RequestOption, ...] = ()  # the request's options that are its own
     stages: tuple[str, ...] = ()  # calibration stages it always reads (edgemoe.calibration.stages)
     frequency_phase: str | None = None  # it places by router counts of this phase ("all", "decode")
-    all_sizes: AllSizes | None = None  # its exact vectorised replay for every slot count
+    all_sizes: AllSizes[R] | None = None  # its exact vectorised replay for every slot count
     replay_as: str | None = None  # the policy whose replay stands for it in the dp allocation
     replayable: bool = True  # False: it loads nothing by itself, so there is nothing to replay
     projected: bool = True  # the performance model (perf.model.simulate) can replay it (not a prefetcher)
-    native: Callable[[Any, Any], NativeStep | None] | None = None  # (record, policy) -> its step in the graph
-    prefetch: Callable[[Any, Any], Any] | None = None  # (record, PrefetchInputs) -> its prefetch policy
+    native: Native[R, P] | None = (
+        None  # its step inside llama.cpp's graph (None: it runs in the routing hook)
+    )
+    # the prefetcher family: its prefetcher, run by the engine's prefetch controllers (None: not one)
+    prefetch: Prefetch[R] | None = None
     in_graph_predictor: bool = (
         False  # its prefetcher can run inside llama.cpp with the predictor in the graph
     )
+    compared: int = 0  # bench and simulate run it when no --policy is given, in this order (0: they do not)
 
     @property
     def option_names(self) -> tuple[str, ...]:
         """Its record's fields (the options policy_config takes)."""
         return tuple(f.name for f in fields(self.config))
+
+    @property
+    def prefetches(self) -> bool:
+        """It is of the prefetcher family: its record may ask for a prefetcher (PolicyRecord.prefetcher)."""
+        return self.prefetch is not None
 
     @property
     def loads_misses(self) -> bool:
@@ -155,11 +171,11 @@ class PolicySpec:
         return "assign" in self.option_names
 
 
-_REGISTRY: dict[str, PolicySpec] = {}
+_REGISTRY: dict[str, PolicySpec[Any, Any]] = {}
 UNKNOWN = "unknown cache policy {name!r}: use one of {names}"
 
 
-def register(spec: PolicySpec) -> PolicySpec:
+def register(spec: PolicySpec[R, P]) -> PolicySpec[R, P]:
     """Make spec.name run spec (its record's `name` must be the same)."""
     if spec.config.name != spec.name:
         raise ValueError(
@@ -179,7 +195,7 @@ def policy_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def policy_spec(name: str) -> PolicySpec:
+def policy_spec(name: str) -> PolicySpec[Any, Any]:
     """The spec of the policy named `name`; an unknown name raises InvalidConfigError naming the known ones."""
     try:
         return _REGISTRY[name]
@@ -187,7 +203,28 @@ def policy_spec(name: str) -> PolicySpec:
         raise InvalidConfigError(UNKNOWN.format(name=name, names=", ".join(_REGISTRY))) from None
 
 
-def spec_of(config: PolicyRecord) -> PolicySpec:
+def _compared_first(names: list[str]) -> tuple[str, ...]:
+    """`names` with the compared policies first, in their order, then the others in registration order."""
+    return tuple(sorted(names, key=lambda n: (_REGISTRY[n].compared == 0, _REGISTRY[n].compared)))
+
+
+def benched_policies() -> tuple[str, ...]:
+    """The policies `edgemoe bench` can run against stock: those that load experts by themselves (not manual),
+    the compared ones first."""
+    return _compared_first([n for n in _REGISTRY if _REGISTRY[n].replayable])
+
+
+def projected_policies() -> tuple[str, ...]:
+    """The policies the performance model replays (`edgemoe simulate`, `edgemoe plan`): not the prefetchers."""
+    return tuple(n for n in benched_policies() if _REGISTRY[n].projected)
+
+
+def compared_policies() -> tuple[str, ...]:
+    """What bench and simulate compare with stock when no policy is named (the specs marked `compared`)."""
+    return _compared_first([n for n in _REGISTRY if _REGISTRY[n].compared])
+
+
+def spec_of(config: R) -> PolicySpec[R, Any]:
     """The spec of the policy a config record describes."""
     return policy_spec(config.name)
 

@@ -33,10 +33,11 @@ import numpy as np
 from .copy_queue import CacheModel, CopyStream, CopyTiming, NativeOp, Priority
 from .counters import PrefetchCounts as PrefetchCounts  # re-exported: they lived here
 from .counters import ReplayResult as ReplayResult
-from .promoe import Prediction, PromoePolicy
-from .residency import Load, ResidencyPolicy, used_experts
+from .loads import Residency
+from .prefetching import Prediction, Prefetcher
+from .residency import Load, used_experts
 
-AnyPolicy = ResidencyPolicy | PromoePolicy
+AnyPolicy = Residency | Prefetcher
 
 
 class PolicyDriver:
@@ -46,7 +47,7 @@ class PolicyDriver:
         self.policy = policy
         self.model = model
         self.stream = CopyStream(timing or CopyTiming())
-        self.result = ReplayResult(prefetch=PrefetchCounts() if isinstance(policy, PromoePolicy) else None)
+        self.result = ReplayResult(prefetch=PrefetchCounts() if isinstance(policy, Prefetcher) else None)
         self._counted = True
         for ld in policy.initial_loads():
             model.load(ld)
@@ -63,13 +64,13 @@ class PolicyDriver:
         """MoE layer `layer` routed `ids` (router input `hidden`): act; returns the native operations."""
         ids = np.asarray(ids)
         pol, model = self.policy, self.model
-        if isinstance(pol, PromoePolicy):
+        if isinstance(pol, Prefetcher):  # the family's protocol, not a policy's class
             pred = pol.take_prediction(layer)
             if pred is not None:
                 self._score(pred, ids)
         if not pol.blocking:
             self._count_hits(layer, ids)
-        if isinstance(pol, PromoePolicy):
+        if isinstance(pol, Prefetcher):
             pol.on_route(layer, ids, hidden, model)
         else:
             prio = Priority.PRECISE if pol.blocking else Priority.SPECULATIVE

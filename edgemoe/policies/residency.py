@@ -32,9 +32,9 @@ import numpy as np
 
 from ..errors import EdgeMoeError
 from .counters import ReplayResult
-from .daop import DAOP_SWAP_THRESHOLD, DaopPolicy, swap_pairs
+from .daop import DAOP_SWAP_THRESHOLD, swap_pairs
 from .loads import Load as Load  # re-exported: they lived here before loads.py
-from .loads import split_loads
+from .loads import Residency, split_loads
 from .loads import used_experts as used_experts
 from .registry import PolicyInputs, policy_config, policy_spec
 
@@ -205,7 +205,8 @@ class ManualPolicy:
         return []
 
 
-ResidencyPolicy = StaticPolicy | LruPolicy | DaliPolicy | DaopPolicy | ManualPolicy
+# any registered policy's (a fifo written to a module of its own too): the protocol the classes above satisfy
+ResidencyPolicy = Residency
 
 
 def load_frequency(

@@ -29,7 +29,6 @@ __all__ = [  # the records and their builders are re-exported: they lived here
     "policy_config",
     "policy_options",
 ]
-from . import native
 
 
 class ExpertCacheError(EdgeMoeError):
@@ -104,6 +103,8 @@ class CacheConfig:
             return False
         if self.async_loads is not None:
             return self.async_loads
+        from . import native  # here: the config itself is pure (the planner reads it without the library)
+
         return load_worker_default(native.device_name(device))
 
     def slots(self, moe_layers: Sequence[int], n_expert: int) -> dict[int, int]:

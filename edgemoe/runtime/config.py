@@ -63,6 +63,9 @@ class LoadOptions(TypedDict, total=False):
     cache_type_k: KvCacheType
     cache_type_v: KvCacheType
     load_mtp: bool
+    cpu_expert_layers: (
+        tuple[int, ...] | None
+    )  # stock's `-ot exps=CPU` / --n-cpu-moe layers (bench's stock rows)
 
 
 @dataclass(frozen=True)
@@ -103,16 +106,16 @@ class LoadConfig:
         if isinstance(fa, bool):  # the bool of edgemoe <= 0.x configs
             object.__setattr__(self, "flash_attn", "on" if fa else "off")
         elif fa not in FLASH_ATTN:
-            raise InvalidConfigError(f"flash_attn {fa!r}: use one of {', '.join(FLASH_ATTN)}")
+            raise InvalidConfigError(f"`flash_attn={fa!r}`: use one of {', '.join(FLASH_ATTN)}")
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in KV_CACHE_TYPES:
                 raise InvalidConfigError(
-                    f"{name} {getattr(self, name)!r}: use one of {', '.join(KV_CACHE_TYPES)}"
+                    f"`{name}={getattr(self, name)!r}`: use one of {', '.join(KV_CACHE_TYPES)}"
                 )
         if is_quantized(self.cache_type_v) and self.flash_attn == "off":
             raise InvalidConfigError(
-                f"cache_type_v {self.cache_type_v} needs flash attention (llama.cpp reads a quantized V cache "
-                'only in it): set flash_attn to "on" or "auto", or cache_type_v to f16'
+                f"`cache_type_v={self.cache_type_v!r}` needs flash attention (llama.cpp reads a quantized V cache "
+                "only in it): set `flash_attn='on'` or `flash_attn='auto'`, or `cache_type_v='f16'`"
             )
 
     @property
@@ -125,7 +128,7 @@ class LoadConfig:
         """Refuse KV cache types llama.cpp refuses for a model of these head sizes (MLA: the deepseek2 family)."""
         if mla and self.cache_type_k != self.cache_type_v:
             raise InvalidConfigError(
-                f"cache_type_k {self.cache_type_k} and cache_type_v {self.cache_type_v}: this model (MLA) "
+                f"`cache_type_k={self.cache_type_k!r}` and `cache_type_v={self.cache_type_v!r}`: this model (MLA) "
                 "caches K and V as one type; give both the same"
             )
         if self.flash_attn == "off":
@@ -137,7 +140,7 @@ class LoadConfig:
         for name, kind, head in checks:
             if head % block_size(kind):
                 raise InvalidConfigError(
-                    f"{name} {kind}: its blocks of {block_size(kind)} values do not divide this model's "
+                    f"`{name}={kind!r}`: its blocks of {block_size(kind)} values do not divide this model's "
                     f"head size {head}; use f16 or bf16"
                 )
 

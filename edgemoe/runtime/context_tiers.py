@@ -26,32 +26,16 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..errors import InvalidConfigError, ModelLoadError
-from ..gguf.header import GgufHeader
 from .cache_config import CacheConfig, checked_slots
 from .handle import NativeHandle
 from .prediction import GraphPredictors
 from .prompt_cache import KVSnapshot
 from .routing import Routing
 
-# architectures whose output a re-created context changes, with why (tests/arch_sweep_check.py, context-tiers)
-INEXACT = {
-    "deepseek4": "its compressed attention's KV state does not come back exactly through llama.cpp's sequence "
-    "state (llama_state_seq_get_data / _set_data), so a context carried to the next step computes other logits",
-}
-LONGROPE = (
-    "its rope factors are LongRoPE's, which llama.cpp picks by the context's size (short up to the original "
-    "context, long past it), so a context created at another step computes other logits"
-)
-
-
-def tiers_refusal(header: GgufHeader) -> str | None:
-    """Why context tiers would change this model's output (None: they do not): an architecture whose KV state
-    does not carry over exactly, or LongRoPE's rope factors (a `rope_factors_long` tensor)."""
-    if header.architecture in INEXACT:
-        return INEXACT[header.architecture]
-    if any(t.name.startswith("rope_factors_long") for t in header.tensors):
-        return LONGROPE
-    return None
+# re-exported: they lived here
+from .tier_rules import INEXACT as INEXACT
+from .tier_rules import LONGROPE as LONGROPE
+from .tier_rules import tiers_refusal as tiers_refusal
 
 
 @dataclass(frozen=True)

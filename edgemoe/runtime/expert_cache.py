@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from ..gguf.header import GgufHeader, check_gguf
 from ..policies.degrade import GracefulDegradation
 from ..policies.loads import Reseedable, split_loads
 from ..policies.miss_assignment import AssignedPolicy
-from ..policies.promoe import PromoePolicy
+from ..policies.prefetching import Prefetcher
 from ..policies.registry import NativeStep
 from ..policies.residency import Load, ResidencyPolicy
 from ..policies.route import RouteRecord
@@ -344,7 +344,7 @@ class CacheController:
     def __init__(
         self,
         cache: ExpertCache,
-        policy: ResidencyPolicy | AssignedPolicy | PromoePolicy,
+        policy: ResidencyPolicy | AssignedPolicy | Prefetcher,
         *,
         alloc: str = "equal",
         native_step: NativeStep | None = None,
@@ -396,16 +396,22 @@ class CacheController:
 
     def on_route(self, route: RouteRecord) -> None:
         self.flush()
-        assert not isinstance(self.policy, PromoePolicy)  # its controllers route it themselves
-        now, self.pending = split_loads(self.policy, self.policy.on_route(route.layer, route.ids))
+        policy = cast(
+            ResidencyPolicy | AssignedPolicy, self.policy
+        )  # a prefetcher's controller routes it itself
+        now, self.pending = split_loads(policy, policy.on_route(route.layer, route.ids))
         for ld in now:  # before this layer's experts run: the C side maps the ids after the hook
             self.cache.load(ld)
 
+    def graph_predictors(self) -> tuple[list[Any], int, Any] | None:
+        """The predictors llama.cpp's graph evaluates for this controller's policy, the experts per token they
+        name and their weights' type (None: none; a prefetcher run inside llama.cpp has one)."""
+        return None
+
     def report(self) -> dict[str, Any]:
         """What the controller adds to the cache's stats (the assigner's, the prefetcher's counters)."""
-        out: dict[str, Any] = (
-            {"assign": self.policy.report()} if isinstance(self.policy, AssignedPolicy) else {}
-        )
+        assigned = getattr(self.policy, "report", None)  # an assigner over the policy reports its counters
+        out: dict[str, Any] = {"assign": assigned()} if callable(assigned) else {}
         if self.degradation is not None:
             out["degrade"] = self.degradation.report()
         prefill = self.cache.prefill_stats()

@@ -26,7 +26,7 @@ from ..errors import EdgeMoeError
 from ..gguf.info import ModelInfo
 from ..policies.copy_queue import CacheModel, CancelOp, IssueOp, NativeOp, PrefetchOp, SyncOp
 from ..policies.kinds.copy_queue_options import CopyQueueOptions
-from ..policies.promoe import PromoePolicy
+from ..policies.prefetching import Prefetcher
 from ..policies.registry import PrefetchInputs, spec_of
 from ..policies.replay import PolicyDriver, PrefetchCounts
 from ..policies.residency import Load
@@ -62,7 +62,7 @@ def prefetch_predictor(
 
 
 def prefetch_report(
-    policy: PromoePolicy, config: CopyQueueOptions, pc: PrefetchCounts, **where: Any
+    policy: Prefetcher, config: CopyQueueOptions, pc: PrefetchCounts, **where: Any
 ) -> dict[str, Any]:
     """The `prefetch` object of the cache's report: the counters, the policy's settings, where it runs."""
     timing = config.copy_timing
@@ -83,7 +83,8 @@ def prefetch_report(
 
 
 class PrefetchController(CacheController):
-    """Runs PromoePolicy in the routing hook (a Python policy: llama.cpp calls back at every MoE layer)."""
+    """Runs a prefetcher (its spec's `prefetch`: promoe, dali's) in the routing hook (a Python policy: llama.cpp calls
+    back at every MoE layer)."""
 
     wants_gate_inp = True
     issues_own_loads = True  # its model of the copy queue counts the chunks it issues
@@ -91,13 +92,14 @@ class PrefetchController(CacheController):
     def __init__(
         self,
         cache: ExpertCache,
-        policy: PromoePolicy,
+        policy: Prefetcher,
         config: CopyQueueOptions,
         *,
         alloc: str = "equal",
         note: str | None = None,
     ) -> None:
         super().__init__(cache, policy, alloc=alloc)
+        self.prefetcher = policy
         self.driver = PolicyDriver(policy, CacheModel(cache.n_slots, cache.chunk_bytes), config.copy_timing)
         self.config = config
         self.note = note  # why the predictor is not the one asked for (None: it is)
@@ -143,25 +145,29 @@ class PrefetchController(CacheController):
 
     def report(self) -> dict[str, Any]:
         pc = self.driver.result.prefetch  # the same as replaying this run's routes
-        assert pc is not None and isinstance(self.policy, PromoePolicy)
-        return {**super().report(), "prefetch": prefetch_report(self.policy, self.config, pc, path="hook")}
+        assert pc is not None  # a prefetcher's driver counts its prefetches
+        return {
+            **super().report(),
+            "prefetch": prefetch_report(self.prefetcher, self.config, pc, path="hook"),
+        }
 
 
 class NativePromoeController(CacheController):
-    """Runs PromoePolicy inside llama.cpp (LLAMA_MOE_CACHE_POLICY_PROMOE, predicted prefetch) with the predictor in the
+    """Runs promoe's prefetcher inside llama.cpp (LLAMA_MOE_CACHE_POLICY_PROMOE, predicted prefetch) with the predictor in the
     graph: the same decisions at the same routing callbacks, no Python per layer. The engine sets the predictor
     (set_predictors) and takes it out with the cache."""
 
     def __init__(
         self,
         cache: ExpertCache,
-        policy: PromoePolicy,
+        policy: Prefetcher,
         config: PromoeConfig,
         *,
         alloc: str = "equal",
         note: str | None = None,
     ) -> None:
         super().__init__(cache, policy, alloc=alloc)
+        self.prefetcher = policy
         self.config = config
         self.note = note  # why the predictor is not the one asked for (None: it is)
 
@@ -183,13 +189,17 @@ class NativePromoeController(CacheController):
         native.moe_cache_set_predicted_prefetch(self.cache._ctx, self.policy.blocking, 0.0)
         super().set_mode(native.MOE_CACHE_POLICY_PREDICTED_PREFETCH)
 
+    def graph_predictors(self) -> tuple[list[Predictor], int, Any] | None:
+        """The predictor the graph evaluates for it, the experts per token it prefetches, the weights' type."""
+        p = self.prefetcher
+        return [p.predictor], p.per_token, self.config.weights
+
     def report(self) -> dict[str, Any]:
-        assert isinstance(self.policy, PromoePolicy)
         pc = PrefetchCounts(**native.moe_cache_prefetch_stats(self.cache._ctx))
         return {
             **super().report(),
             "prefetch": prefetch_report(
-                self.policy,
+                self.prefetcher,
                 self.config,
                 pc,
                 path="native",
@@ -199,7 +209,7 @@ class NativePromoeController(CacheController):
         }
 
 
-def native_promoe_refusal(config: PromoeConfig, policy: PromoePolicy, info: ModelInfo) -> str | None:
+def native_promoe_refusal(config: PromoeConfig, policy: Prefetcher, info: ModelInfo) -> str | None:
     """Why promoe cannot run inside llama.cpp with this configuration (None: it can)."""
     if config.native is False:
         return "asked for the routing hook (native=False)"

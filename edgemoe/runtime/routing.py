@@ -23,7 +23,6 @@ from ..gguf.info import ModelInfo
 from ..policies.assignment import make_assigner
 from ..policies.degrade import GracefulDegradation
 from ..policies.miss_assignment import AssignedPolicy
-from ..policies.promoe import PromoePolicy
 from ..policies.registry import NativeStep, PolicyInputs, spec_of
 from ..policies.residency import ResidencyPolicy
 from ..policies.route import RoutePolicy
@@ -34,7 +33,7 @@ from .gating import Gating
 from .handle import NativeHandle
 from .hooks import HookChain
 from .prediction import GraphPredictors
-from .prefetcher import NativePromoeController, make_prefetcher
+from .prefetcher import make_prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +187,7 @@ class Routing:
     def enable_expert_cache(self, config: CacheConfig | None, device: object = None) -> ExpertCache | None:
         """Engine.enable_expert_cache: the cache config describes (None: none) in place of the one before."""
         if self.experts is not None:
-            if isinstance(self.experts, NativePromoeController):
+            if self.experts.graph_predictors() is not None:  # its predictor leaves the graph with it
                 self.prefetch.set(None)
             self.close_experts()
         self.cache_config, self.cache_device = None, None
@@ -254,7 +253,7 @@ class Routing:
         )
         if config.degrade is not None:
             experts.degradation = GracefulDegradation(CacheResidency(cache), ratio=config.degrade)
-        if isinstance(experts, NativePromoeController):
-            pol = experts.policy
-            assert isinstance(pol, PromoePolicy)
-            self.prefetch.set([pol.predictor], n_out=pol.per_token, weights=experts.config.weights)
+        graph = experts.graph_predictors()  # a prefetcher run inside llama.cpp: its predictor in the graph
+        if graph is not None:
+            predictors, per_token, weights = graph
+            self.prefetch.set(predictors, n_out=per_token, weights=weights)

@@ -32,7 +32,7 @@ from ...calibration.card import cache_dir
 from ...gguf.info import read_model_info
 from ...gguf.presets import SynthPreset, get_preset
 from ...runtime.config import default_threads
-from ..model.costmodel import LayerCosts, ModelShape
+from ..model.costmodel import LayerCosts, ModelShape, cached_expert_reads
 from ..model.host_fit import HostFit, fit_host_terms
 from ..model.profile import (
     TOKEN_GRID,
@@ -277,6 +277,7 @@ def measure_profile(
         *_fit_notes(node_s, fit),
         *map(describe, cpu.decode_attention),
         _report_checks(checks, remeasured[0]),
+        *cached_expert_reads(cpu),
     ]
     notes.append(f"other processes used {others:.0%} of the CPUs while profiling")
     if others > BUSY_WARNING:

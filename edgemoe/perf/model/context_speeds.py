@@ -1,4 +1,4 @@
-"""Projected speeds for the context x KV type table of a budget (edgemoe.placement.context): each distinct slot
+"""Projected speeds for the context x KV type table of a budget (edgemoe.plan.context): each distinct slot
 count of the table replayed once through the simulator (edgemoe.perf.model.simulate) with the default policy over
 equal slots, and every row with that count takes its figures.
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ...analysis.trace import Trace
 from ...gguf.info import ModelInfo
-from ...placement.context import ContextTable
-from ...placement.request import DEFAULT_POLICY
+from ...plan.context import ContextTable
+from ...plan.request import DEFAULT_POLICY
 from .profile import MachineProfile
 from .simulate import SimSpec, simulate
 

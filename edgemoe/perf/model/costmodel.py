@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ...gguf.header import GgufHeader, check_gguf
 from ...gguf.info import ModelInfo, is_expert_tensor, model_info
-from ...placement.budget import estimate_kv_cache_bytes
+from ...plan.budget import estimate_kv_cache_bytes
 from ...policies.assignment import CostModel, TransferMode
 from .profile import Curve, DeviceProfile, LinkProfile, MachineProfile, ProfileError, nearest_attention
 
@@ -192,7 +192,7 @@ class LayerCosts:
         if key not in self._memo:
             ws = self.shape.layers[il].expert
             self._memo[key] = (
-                sum(w.nbytes * _per_byte(self.dev.expert_curve(w.qtype), tokens, self.hot) for w in ws)
+                sum(w.nbytes * expert_per_byte(self.dev, w.qtype, tokens, self.hot) for w in ws)
                 if ws and tokens > 0
                 else 0.0
             )
@@ -269,6 +269,38 @@ def layer_cost_model(
         transfer_mode=TransferMode.SERIAL,
         cpu_handoff_s=2 * link.latency_s + cpu.expert_fixed(il, handoff_tokens),
     )
+
+
+# token counts at which an expert's product streams its weights from memory as a dense matmul does (the profile
+# checks' memory-bound counts, edgemoe.perf.model.profile_checks.Tolerances.type_order_max_tokens)
+MEMORY_BOUND_TOKENS = 2
+
+
+def expert_per_byte(dev: DeviceProfile, qtype: str, tokens: int, hot: bool) -> float:
+    """Seconds per weight byte of a routed expert's products over `tokens` tokens. Cold at a memory-bound count
+    it is at least the same type's cold dense matmul's: both read their weights once from memory, so an expert
+    reading faster read its microbenchmark's pool from a cache (a VM's cores on two L3 slices hold twice the L3 it
+    reports); that rate contradicts the others and the matmul's is used (profile_checks.expert_reads_cached)."""
+    rate = _per_byte(dev.expert_curve(qtype), tokens, hot)
+    if hot or tokens > MEMORY_BOUND_TOKENS or qtype not in dev.matmul:
+        return rate
+    return max(rate, _per_byte(dev.matmul[qtype], tokens, hot=False))
+
+
+def cached_expert_reads(dev: DeviceProfile) -> list[str]:
+    """A note for each expert rate that contradicts its type's dense matmul (expert_per_byte prices it at the
+    matmul's): cold, at a memory-bound token count, faster per byte."""
+    out = []
+    for q, curve in sorted(dev.expert.items()):
+        for t in range(1, MEMORY_BOUND_TOKENS + 1):
+            if q in dev.matmul and (m := _per_byte(dev.matmul[q], t, False)) > (
+                e := _per_byte(curve, t, False)
+            ):
+                out.append(
+                    f"{q} experts read {1e-9 / e:.0f} GB/s cold at {t} token(s), faster than {q} matmuls' "
+                    f"{1e-9 / m:.0f} GB/s: their pool stayed in a cache; priced at the matmuls' rate"
+                )
+    return out
 
 
 def _per_byte(curve: Curve, tokens: int, hot: bool) -> float:

@@ -27,11 +27,11 @@ from ...errors import EdgeMoeError
 from ...gguf.header import check_gguf
 from ...gguf.info import ModelInfo, model_info, size_arg
 from ...gguf.kv_types import KvCacheType, KvTypes
-from ...placement.budget import SlotBudget
-from ...placement.context import ContextTable, format_context_table
-from ...placement.planner import PlacementPlan, budget_request
-from ...placement.planner import plan as plan_placement
-from ...policies.registry import policy_spec
+from ...plan.budget import SlotBudget
+from ...plan.context import ContextTable, format_context_table
+from ...plan.planner import PlacementPlan, budget_request
+from ...plan.planner import plan as plan_placement
+from ...policies.registry import policy_spec, projected_policies
 from .context_speeds import project_context_table
 from .costmodel import ModelShape
 from .prefill_plan import (
@@ -109,7 +109,7 @@ def make_layouts(
     trace: Trace | None = None,
     calibration: Path | None = None,
     profile: MachineProfile | None = None,
-    policies: tuple[str, ...] = ("lru", "static", "dali", "daop"),
+    policies: tuple[str, ...] | None = None,
     routing: str | None = None,
     cache_type_k: KvCacheType = "f16",
     cache_type_v: KvCacheType = "f16",
@@ -121,6 +121,7 @@ def make_layouts(
     `routing`: a bundled routing profile to project with instead of the calibration's trace (module docstring).
     With a GPU `profile`, also the prefill of `prompt_tokens`-token prompts (prefill_plan.py; `flash_attn`: "auto"
     is on with CUDA)."""
+    policies = projected_policies() if policies is None else policies  # every policy the model replays
     header = check_gguf(model)
     info = model_info(header)
     placement = plan_placement(

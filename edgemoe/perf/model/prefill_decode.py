@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...analysis.trace import DECODE, Trace
-from ...placement.budget import PLAN_UBATCH
+from ...plan.reserve import PLAN_UBATCH
 from ...policies.registry import policy_spec
 from .costmodel import ModelShape
 from .profile import MachineProfile

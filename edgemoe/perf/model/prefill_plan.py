@@ -4,7 +4,7 @@ token, for stock llama.cpp and for edgemoe with --device-prefill at the same VRA
 A prefill ubatch pays each copy of experts once, whatever its size: edgemoe's --device-prefill copies every
 layer's experts outside the slots per ubatch, stock's op offload the experts the ubatch uses in each layer kept on
 the CPU. More tokens per ubatch spread those bytes over more tokens, and cost VRAM: llama.cpp's compute buffer
-grows with the ubatch (placement.budget.compute_buffer_bytes; with flash attention mostly the logits' rows),
+grows with the ubatch (edgemoe.plan.reserve.compute_buffer_bytes; with flash attention mostly the logits' rows),
 which comes out of edgemoe's expert slots and out of the layers stock keeps on the GPU (a higher --n-cpu-moe).
 For each candidate ubatch (UBATCHES, at most the prompt and the context) each side is placed at the budget with
 that buffer and the prompt is replayed through the simulator (edgemoe.perf.model.sim); each side gets its
@@ -19,21 +19,15 @@ of a budget without the buffers, and the lent layers run the prompt with no slot
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ...analysis.routing_profile import routing_for_model
 from ...analysis.trace import Trace
+from ...gguf.header import GgufHeader
 from ...gguf.kv_types import F16_KV, KvTypes
-from ...placement.budget import (
-    PLAN_UBATCH,
-    best_n_cpu_moe,
-    borrow_fits,
-    compute_buffer_bytes,
-    engine_ctx,
-    lent_layers,
-    slot_budget,
-    ubatch_reserve_bytes,
-    vram_reserve,
-)
+from ...plan.budget import best_n_cpu_moe, borrow_fits, engine_ctx, lent_layers, slot_budget
+from ...plan.reserve import PLAN_UBATCH, Reserve, compute_buffer_bytes, reserve_bytes, ubatch_reserve_bytes
+from ...plan.ubatch import PrefillQuestion, UbatchPick
 from .costmodel import ModelShape
 from .prefill_decode import DecodeAfterPrompt, SideSlots, decode_after_prompt
 from .profile import MachineProfile
@@ -167,16 +161,17 @@ class PrefillPlanner:
         cfg = Config("every-expert-resident", "stock", gpu_expert_layers=frozenset(self.shape.moe_layers))
         return self._replay(cfg, work)[0]
 
-    def _reserve(self, ctx: int, u: int) -> tuple[int, int]:
-        """(the compute buffer at ubatch u, what it needs beyond the plan's reserve)."""
+    def _reserve(self, ctx: int, u: int, *, device_prefill: bool = False) -> tuple[int, int, int]:
+        """(the compute buffer at ubatch u, what it needs beyond the plan's reserve at 512, the whole reserve)."""
         info, fa = self.shape.info, self.spec.flash_attn
         buf = compute_buffer_bytes(info, ctx, u, flash_attn=fa)
-        return buf, ubatch_reserve_bytes(info, ctx, u, flash_attn=fa)
+        what = Reserve(n_ubatch=u, flash_attn=fa, kv=self.spec.kv, device_prefill=device_prefill)
+        return buf, ubatch_reserve_bytes(info, ctx, u, flash_attn=fa), reserve_bytes(info, ctx, what)
 
     def _stock(self, work: Workload, ctx: int, u: int) -> UbatchOption | None:
         """Stock llama.cpp at -ub u: its best --n-cpu-moe beside the larger buffer, the CPU's layers by op offload."""
-        buf, extra = self._reserve(ctx, u)
-        n = best_n_cpu_moe(self.shape.info, self.spec.vram, ctx, self.spec.kv, extra_bytes=extra)
+        buf, extra, reserve = self._reserve(ctx, u)
+        n = best_n_cpu_moe(self.shape.info, self.spec.vram, ctx, self.spec.kv, reserve_bytes=reserve)
         if n is None:
             return None
         moe = self.shape.moe_layers
@@ -188,8 +183,7 @@ class PrefillPlanner:
         """edgemoe with --device-prefill at ubatch u: the slots the budget leaves beside the buffers; borrowing,
         those of a budget without them, the last layers' lent to them during the prompt (None: they do not fit)."""
         info, spec = self.shape.info, self.spec
-        buf, extra = self._reserve(ctx, u)
-        reserve = vram_reserve(info, device_prefill=not borrow) + extra
+        buf, extra, reserve = self._reserve(ctx, u, device_prefill=not borrow)
         budget = slot_budget(info, spec.vram, n_ctx=ctx, reserve_bytes=reserve, kv=spec.kv)
         n = budget.experts_per_layer
         if not budget.dense_fits or (borrow and not borrow_fits(info, n)):
@@ -217,7 +211,7 @@ def _choose(name: str, kind: str, opts: Sequence[UbatchOption], *, borrow: bool 
 
 def settled(choice: PrefillChoice) -> UbatchOption:
     """The ubatch an engine opens with: the smallest of the choice's whose projected prefill is within
-    NEAR_FASTEST of its fastest (edgemoe.placement.ubatch, bench's +device prefill rows)."""
+    NEAR_FASTEST of its fastest (ProfilePricing, bench's +device prefill rows)."""
     floor = (1 - NEAR_FASTEST) * choice.best.prefill_tps
     return min((o for o in choice.options if o.prefill_tps >= floor), key=lambda o: o.n_ubatch)
 
@@ -321,3 +315,51 @@ def long_prompt_run(projections: Sequence[PrefillProjection]) -> LongPromptRun |
         p.n_ctx, p.prompt_tokens, o.n_ubatch, OFFLOAD_MIN_TOKENS, borrow, o.prefill_tps,
         stock.best.prefill_tps, stock.best.n_ubatch, more, ratio,
     )  # fmt: skip
+
+
+class ProfilePricing:
+    """Device prefill priced on a machine profile (edgemoe.plan.ubatch.PrefillPricing): edgemoe's side of the
+    prefill plan at its settled ubatch, the prompt's routing drawn from the bundled routing profile of the model's
+    shape. plan() asks it; open_engine and bench hand it over."""
+
+    def __init__(self, prof: MachineProfile, *, prompt_tokens: int | None = None) -> None:
+        self.prof = prof
+        self.prompt_tokens = prompt_tokens  # the prompt to plan for (None: the plan's question's)
+        self._memo: dict[tuple[str, PrefillQuestion], PrefillProjection] = {}
+
+    @property
+    def name(self) -> str:
+        return self.prof.name
+
+    def pick_ubatch(self, header: GgufHeader, question: PrefillQuestion) -> UbatchPick | None:
+        choice = self._choice(header, question, "edgemoe", question.borrow)
+        if choice is None:
+            return None
+        u = min(settled(choice).n_ubatch, question.n_ctx)
+        prompt = min(self.prompt_tokens, question.n_ctx) if self.prompt_tokens else question.prompt_tokens
+        why = (
+            f"{choice.config} on {self.prof.name}, a {prompt}-token prompt: -ub {u} is the smallest "
+            f"within {NEAR_FASTEST:.0%} of the fastest projected prefill ({choice.reason})"
+        )
+        return UbatchPick(u, why)
+
+    def stock_ubatch(self, header: GgufHeader, question: PrefillQuestion) -> UbatchOption | None:
+        """Stock llama.cpp's fastest -ub for the prompt, with its --n-cpu-moe beside that buffer (None: it does
+        not fit)."""
+        choice = self._choice(header, question, "stock", False)
+        return choice.best if choice is not None else None
+
+    def _choice(
+        self, header: GgufHeader, q: PrefillQuestion, kind: str, borrow: bool
+    ) -> PrefillChoice | None:
+        if self.prompt_tokens is not None:
+            q = replace(q, prompt_tokens=min(self.prompt_tokens, q.n_ctx))
+        key = (str(header.path), replace(q, borrow=False))  # one projection has both sides
+        if key not in self._memo:
+            shape = ModelShape.from_header(header)
+            info = shape.info
+            trace = routing_for_model(info.n_expert, info.n_expert_used, len(info.moe_layers)).trace
+            spec = PrefillSpec(q.vram, q.n_ctx, flash_attn=q.flash_attn, kv=q.kv)
+            self._memo[key] = PrefillPlanner(shape, trace, self.prof, spec).project(q.prompt_tokens)
+        choices = self._memo[key].choices
+        return next((c for c in choices if c.kind == kind and c.borrow == borrow), None)

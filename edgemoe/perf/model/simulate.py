@@ -20,7 +20,7 @@ The replay itself is edgemoe.perf.model.sim: a run over the configuration's feat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,11 @@ from ...analysis.trace import DECODE, PREFILL
 from ...errors import EdgeMoeError
 from ...gguf.header import check_gguf
 from ...gguf.kv_types import F16_KV, FlashAttn, KvTypes
-from ...placement.budget import slots_beside_prefill_buffers
-from ...placement.planner import Device, PlacementPlan, budget_request
-from ...placement.planner import plan as plan_placement
+from ...plan.planner import Device, PlacementPlan, budget_request
+from ...plan.planner import plan as plan_placement
+from ...plan.reserve import slots_beside_prefill_buffers
 from ...policies.daop import precalc_targets
-from ...policies.registry import policy_spec
+from ...policies.registry import compared_policies, policy_spec
 from ...policies.residency import ResidencyPolicy, make_policy
 from .costmodel import ModelShape
 from .profile import MachineProfile
@@ -70,7 +70,8 @@ class SimSpec:
     vram: int  # bytes of GPU memory the model may use (0: CPU only)
     n_ctx: int = 4096
     n_ubatch: int = 512
-    policies: tuple[str, ...] = ("lru", "static")
+    # the policies to project (default: the registry's comparison, lru and static)
+    policies: tuple[str, ...] = field(default_factory=compared_policies)
     gated: bool = False  # the workload carries a gate: add gated variants
     blocking: bool = False
     overlap: bool = False

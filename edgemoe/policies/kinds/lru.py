@@ -58,6 +58,7 @@ def _native(config: LruConfig, policy: LruPolicy) -> NativeStep | None:
 SPEC = register(
     PolicySpec(
         name="lru",
+        compared=1,  # bench's and simulate's default comparison (lru, then static)
         config=LruConfig,
         help="load misses for the next token",
         build=_build,

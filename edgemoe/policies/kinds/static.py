@@ -58,6 +58,7 @@ def _all_sizes(config: StaticConfig, r: LayerReplay) -> tuple[np.ndarray, np.nda
 SPEC = register(
     PolicySpec(
         name="static",
+        compared=2,  # bench's and simulate's default comparison (lru, then static)
         config=StaticConfig,
         help="the calibration's most frequent",
         build=_build,

@@ -1,10 +1,12 @@
-"""edgemoe.placement.plan(): a model, a cache request, a context and a target device to one PlacementPlan, computed once, before
-anything is loaded: the engine's load config, whether the whole model fits the budget, the expert slots and what
-the budget holds at the engine's context, the calibration stages still to make, and the notes for the user.
+"""edgemoe.plan.plan(): a model, a cache request, a context and a target device to one PlacementPlan, computed
+once, before anything is loaded: the engine's load config (its prefill ubatch included), whether the whole model
+fits the budget, the expert slots and what the budget holds at the engine's context, the calibration stages still
+to make, and the notes for the user.
 
-open_engine loads from it; `edgemoe inspect`, `plan`, bench and simulate print or consume it. It calls no
-native library: the device is a plain description (this_device() makes the one of this build). As vLLM sizes its
-KV cache: free memory measured once, turned into one config, handed to everything else.
+edgemoe.placement.open_engine loads from it; `edgemoe inspect`, `plan`, bench and simulate print or consume it. It
+calls no native library: the device is a plain description (edgemoe.placement.this_device() makes the one of
+this build), the prefill model a protocol (edgemoe.plan.ubatch). As vLLM sizes its KV cache: free memory measured
+once, turned into one config, handed to everything else.
 """
 
 from __future__ import annotations
@@ -13,32 +15,36 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..calibration import auto
-from ..calibration.adaptive import default_calibration_dir
 from ..gguf.header import GgufHeader
 from ..gguf.info import ModelInfo, format_size, model_info
 from ..gguf.kv_types import FlashAttn, KvTypes
 from ..policies.daop import precalc_targets
-from ..policies.registry import policy_spec
 from ..runtime.cache_config import checked_slots
 from ..runtime.config import DEFAULT_BATCH, LoadConfig, LoadOptions, check_batches
-from ..runtime.context_tiers import tiers_refusal
+from ..runtime.tier_rules import tiers_refusal
 from .budget import (
     SlotBudget,
     best_n_cpu_moe,
     borrow_fits,
-    context_reserve_bytes,
     engine_ctx,
     estimate_kv_cache_bytes,
     holds_every_expert,
-    mtp_reserve_bytes,
     prefill_buffer_bytes,
     slot_budget,
-    vram_reserve,
 )
+from .calibration import NO_NEED, CalibrationNeed, calibration_need
 from .context import ContextChoice, ContextTable, context_table, default_context
 from .request import CacheRequest, PlacementError, cache_request
+from .reserve import ComputeMeasure, Reserve, mtp_reserve_bytes, reserve_bytes, ubatch_reserve_bytes
 from .tiers import TierStep, context_steps, describe_steps
+from .ubatch import (
+    DEFAULT_REASON,
+    GIVEN_REASON,
+    PrefillPricing,
+    PrefillQuestion,
+    UbatchPick,
+    planned_prompt,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -50,16 +56,8 @@ class Device:
 
     name: str  # the ggml device's name, e.g. "CUDA0"
     free_bytes: int | None = None  # its free memory when measured (None: not measured)
-
-
-@dataclass(frozen=True)
-class CalibrationNeed:
-    """What the request's policy and allocation read from a calibration, and what the model's lacks."""
-
-    what: str  # the options that need it, for messages ("--policy static and --alloc dp"); "" when none
-    stages: tuple[str, ...]  # every stage they read
-    missing: tuple[str, ...]  # the stages the calibration directory does not have (all, when there is none)
-    directory: Path | None  # the directory given, else the model's (None: it has none yet)
+    # llama.cpp's compute buffers on it for this model, measured (None: estimated; edgemoe.plan.reserve)
+    compute: ComputeMeasure | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,7 @@ class PlacementPlan:
     slots_per_layer: int | None  # equal expert slots per MoE layer (None: no cache)
     slot_bytes: int  # one expert slot in every MoE layer together
     kv_cache_bytes: int  # the KV cache at n_ctx
-    reserve_bytes: int  # compute buffers at n_ctx (and --device-prefill's two buffers): kept out of the slots
+    reserve_bytes: int  # kept out of the slots at n_ctx: edgemoe.plan.reserve.reserve_bytes
     budget: SlotBudget | None  # how the request's budget splits at n_ctx (None: no --vram)
     n_cpu_moe: int | None  # stock llama.cpp's best --n-cpu-moe at the budget (None: no budget, or never fits)
     calibration: CalibrationNeed
@@ -85,9 +83,9 @@ class PlacementPlan:
     # the context created in steps, each with its slots, the last n_ctx (): the whole context from the start
     context_steps: tuple[TierStep, ...] = ()
     # the tokens per prefill ubatch the engine runs (load.n_ubatch, at most the context) and why: given, the
-    # default, or picked for a long prompt by edgemoe.placement.ubatch (the budget and a machine profile)
+    # default, or picked for a long prompt by the prefill model plan() was given (edgemoe.plan.ubatch)
     prefill_ubatch: int = DEFAULT_BATCH
-    prefill_ubatch_reason: str = "llama.cpp's default -ub"
+    prefill_ubatch_reason: str = DEFAULT_REASON
 
     @property
     def expert_budget_bytes(self) -> int | None:
@@ -107,49 +105,57 @@ def plan(
     *,
     n_ctx: int,
     device: Device | None,
+    profile: PrefillPricing | None = None,
     calibration: Path | None = None,
     **load: Unpack[LoadOptions],
 ) -> PlacementPlan:
     """The placement of `header`'s model for `request` (None: stock llama.cpp) at a context of `n_ctx` tokens (0:
-    for a budget, the context edgemoe.placement.context.default_context picks, said in a note; else the
-    model's, at most 4096) on `device` (None: no GPU), loaded with `load` (LoadConfig's threads, layers, flash
-    attention and KV cache types; the budget reserves a KV cache of those types). `calibration`: the directory to
-    use (None: the model's). Raises PlacementError for a request this model cannot run, before anything is
-    loaded."""
+    for a budget, the context edgemoe.plan.context.default_context picks, said in a note; else the model's, at
+    most 4096) on `device` (None: no GPU), loaded with `load` (LoadConfig's threads, layers, flash attention, KV
+    cache types, batch and ubatch; the budget reserves a KV cache of those types and the ubatch's compute buffer).
+    `profile`: what prices device prefill on the machine (edgemoe.plan.ubatch.PrefillPricing); with a budget and
+    device prefill and no `n_ubatch` given, the plan opens at the ubatch it picks, its larger compute buffer out of
+    the slots (else 512). `calibration`: the directory to use (None: the model's). The one writer of a plan: nothing
+    edits it afterwards. Raises PlacementError for a request this model cannot run, before anything is loaded."""
     opts = LoadConfig(**load)  # the load settings given, LoadConfig's defaults for the rest
     info = model_info(header)
     req = request if request is not None and request.enabled else None
-    prefill = bool(req and req.reserves_prefill_buffers)  # borrowed ones cost no budget
     kv = KvTypes(opts.cache_type_k, opts.cache_type_v)
-    table, choice = _contexts(info, req, n_ctx, kv, opts.flash_attn)
+    given = load.get("n_ubatch")
+    what = Reserve(
+        n_ubatch=given if given is not None else DEFAULT_BATCH,
+        flash_attn=opts.flash_attn != "off",
+        kv=kv,
+        device_prefill=bool(req and req.reserves_prefill_buffers),  # borrowed ones cost no budget
+        mtp=opts.load_mtp,  # the MTP heads' draft context, where loaded
+        measured=device.compute if device is not None else None,
+    )
+    table, choice = _contexts(info, req, n_ctx, what, opts.flash_attn)
     asked = choice.n_ctx if choice is not None else n_ctx
     ctx = engine_ctx(asked, info.n_ctx_train)
     n_batch, n_ubatch = _batches(load, ctx)
-    # the MTP heads' draft context, where loaded
-    mtp = load_reserve_bytes(info, opts, ctx, min(n_ubatch, ctx))
-    reserve = vram_reserve(info, prefill) + mtp + context_reserve_bytes(info, ctx)
-    budget = None
-    if req is not None and req.vram is not None:
-        budget = slot_budget(
-            info, req.vram, n_ctx=ctx, reserve_bytes=vram_reserve(info, prefill) + mtp, kv=kv
-        )
-    whole = bool(req and info.is_moe and budget is not None and holds_every_expert(info, budget, prefill))
-    cache = req is not None and info.is_moe and not whole
-    slots = _slots(info, req, budget) if cache and req is not None else None
-    tiered = (
-        cache and req is not None and req.vram is not None and req.expert_slots is None and req.context_tiers
+    stock = replace(what, n_ubatch=min(n_ubatch, ctx), device_prefill=False)  # stock drafts with MTP too
+    what = replace(what, n_ubatch=min(n_ubatch, ctx))
+    budget = _split(info, req, ctx, what)
+    whole = bool(
+        req and info.is_moe and budget is not None and holds_every_expert(info, budget, what.device_prefill)
     )
-    refusal = tiers_refusal(header) if tiered else None
-    steps = (
-        context_steps(
-            info, req.vram, ctx, kv, device_prefill=prefill, n_batch=n_batch, extra_reserve=lambda c: mtp
-        )
-        if tiered and refusal is None and req is not None and req.vram is not None
-        else ()
+    cache = req is not None and info.is_moe and not whole
+    pick = _pick(header, req, ctx, what, profile) if cache and given is None else None
+    if pick is not None:  # the larger compute buffer comes out of the slots
+        what = replace(what, n_ubatch=min(pick.n_ubatch, ctx))
+        n_batch, n_ubatch = max(n_batch, what.n_ubatch), what.n_ubatch
+        budget = _split(info, req, ctx, what)
+    slots = _slots(info, req, budget) if cache and req is not None else None
+    steps, refusal = (
+        _steps(header, info, req, ctx, n_batch, what) if cache and req is not None else ((), None)
     )
     if slots is not None and req is not None and req.device_prefill_borrow:
         check_borrow_fits(info, slots)
     base = replace(opts, n_ctx=asked, n_batch=n_batch, n_ubatch=n_ubatch)
+    vram = req.vram if req is not None else None
+    fa, u = what.flash_attn, what.n_ubatch
+    mtp = mtp_reserve_bytes(info, ctx, u, kv, flash_attn=fa, measured=what.measured) if what.mtp else 0
     return PlacementPlan(
         load=_load_config(base, info, req, device, whole),
         n_ctx=ctx,
@@ -160,33 +166,63 @@ def plan(
         slots_per_layer=slots,
         slot_bytes=info.slot_bytes,
         kv_cache_bytes=estimate_kv_cache_bytes(info, ctx, kv),
-        reserve_bytes=reserve,
+        reserve_bytes=reserve_bytes(info, ctx, what),
         budget=budget,
-        n_cpu_moe=best_n_cpu_moe(info, req.vram, ctx, kv)
-        if req is not None and req.vram is not None
+        n_cpu_moe=best_n_cpu_moe(info, vram, ctx, kv, reserve_bytes=reserve_bytes(info, ctx, stock))
+        if vram is not None
         else None,
-        calibration=_calibration(header.path, req, calibration) if cache and req is not None else _NO_NEED,
+        calibration=calibration_need(header.path, req, calibration) if cache and req is not None else NO_NEED,
         notes=tuple(_notes(header.path, info, req, n_ctx, ctx, whole, device))
         + ((choice.note,) if choice is not None else ())
-        + ((describe_steps(steps, req.vram),) if steps and req is not None and req.vram is not None else ())
+        + ((describe_steps(steps, vram),) if steps and vram is not None else ())
         + ((f"note: the context is created whole (no context tiers): {refusal}",) if refusal else ())
-        + ((_mtp_note(mtp),) if mtp and budget is not None else ()),
+        + ((_mtp_note(mtp),) if mtp and budget is not None else ())
+        + ((_ubatch_note(info, ctx, what, slots),) if pick is not None else ()),
         context_table=table,
         context_steps=steps,
         prefill_ubatch=min(n_ubatch, ctx),
-        prefill_ubatch_reason="given (`n_ubatch`)"
-        if "n_ubatch" in load
-        else PlacementPlan.prefill_ubatch_reason,
+        prefill_ubatch_reason=pick.reason if pick else GIVEN_REASON if given is not None else DEFAULT_REASON,
     )
 
 
-def load_reserve_bytes(info: ModelInfo, load: LoadConfig, n_ctx: int, n_ubatch: int) -> int:
-    """What a load setting keeps out of the slots beyond the plan's reserve: the MTP heads' weights, compute buffer
-    and KV cache (placement.budget.mtp_reserve_bytes) where `load_mtp` is on; else 0."""
-    if not load.load_mtp:
-        return 0
-    kv = KvTypes(load.cache_type_k, load.cache_type_v)
-    return mtp_reserve_bytes(info, n_ctx, n_ubatch, kv, flash_attn=load.flash_attn != "off")
+def _split(info: ModelInfo, req: CacheRequest | None, ctx: int, what: Reserve) -> SlotBudget | None:
+    """How the request's budget splits at ctx beside the reserve (None: no budget)."""
+    if req is None or req.vram is None:
+        return None
+    return slot_budget(info, req.vram, n_ctx=ctx, reserve_bytes=reserve_bytes(info, ctx, what), kv=what.kv)
+
+
+def _pick(
+    header: GgufHeader, req: CacheRequest | None, ctx: int, what: Reserve, profile: PrefillPricing | None
+) -> UbatchPick | None:
+    """The prefill model's ubatch for a budget with device prefill (None: not asked, or none fits)."""
+    if profile is None or req is None or req.vram is None or not req.device_prefill:
+        return None
+    question = PrefillQuestion(
+        req.vram, ctx, planned_prompt(ctx), what.flash_attn, what.kv, req.device_prefill_borrow
+    )
+    return profile.pick_ubatch(header, question)
+
+
+def _steps(
+    header: GgufHeader, info: ModelInfo, req: CacheRequest, ctx: int, n_batch: int, what: Reserve
+) -> tuple[tuple[TierStep, ...], str | None]:
+    """A budget's context steps (tiers), each keeping the plan's reserve out of its slots, and why the model
+    refuses them (None: it does not)."""
+    if req.vram is None or req.expert_slots is not None or not req.context_tiers:
+        return (), None
+    refusal = tiers_refusal(header)
+    if refusal is not None:
+        return (), refusal
+    return context_steps(info, req.vram, ctx, what.kv, n_batch=n_batch, reserve=what), None
+
+
+def _ubatch_note(info: ModelInfo, ctx: int, what: Reserve, slots: int | None) -> str:
+    extra = ubatch_reserve_bytes(info, ctx, what.n_ubatch, flash_attn=what.flash_attn)
+    return (
+        f"note: prefill ubatch {what.n_ubatch} (`n_ubatch`; the compute buffer takes {extra / 2**20:.0f} MiB more "
+        f"out of the budget, {slots} expert slots per MoE layer); give `n_ubatch` to choose another"
+    )
 
 
 def _mtp_note(nbytes: int) -> str:
@@ -207,18 +243,15 @@ def _batches(load: LoadOptions, ctx: int) -> tuple[int, int]:
 
 
 def _contexts(
-    info: ModelInfo, req: CacheRequest | None, n_ctx: int, kv: KvTypes, flash_attn: FlashAttn
+    info: ModelInfo, req: CacheRequest | None, n_ctx: int, what: Reserve, flash_attn: FlashAttn
 ) -> tuple[ContextTable | None, ContextChoice | None]:
-    """A budget's context x KV type table, and the context picked for it where none is asked (n_ctx 0)."""
+    """A budget's context x KV type table, and the context picked for it where none is asked (n_ctx 0), both with
+    the plan's reserve (its ubatch, device prefill's buffers, the MTP heads)."""
     if req is None or req.vram is None:
         return None, None
-    prefill = req.reserves_prefill_buffers
-    table = context_table(info, req.vram, flash_attn=flash_attn, device_prefill=prefill)
-    choice = default_context(info, req.vram, kv, device_prefill=prefill) if not n_ctx else None
+    table = context_table(info, req.vram, flash_attn=flash_attn, reserve=what)
+    choice = default_context(info, req.vram, what.kv, reserve=what) if not n_ctx else None
     return table, choice
-
-
-_NO_NEED = CalibrationNeed(what="", stages=(), missing=(), directory=None)
 
 
 def check_borrow_fits(info: ModelInfo, slots_per_layer: int) -> None:
@@ -262,27 +295,6 @@ def _load_config(
     if whole:
         return replace(base, n_gpu_layers=999)
     return replace(base, n_gpu_layers=999, cpu_expert_layers=tuple(info.moe_layers))
-
-
-def calibration_needs(
-    policies: tuple[str, ...], alloc: str | None, also: tuple[tuple[str, tuple[str, ...]], ...] = ()
-) -> tuple[str, tuple[str, ...]]:
-    """What the policies (their specs' stages), the options in `also` ((option, stages): a record's
-    extra_calibration, e.g. dali's prefetcher) and the allocation (dp: a routing trace) read from a calibration:
-    the options that need it, for messages, and the stages. ("", ()) when nothing is needed."""
-    needs = [(f"`policy={p!r}`", policy_spec(p).stages) for p in policies if policy_spec(p).stages]
-    needs += list(also)
-    needs += [("`alloc='dp'`", auto.STAGES_FOR["dp"])] if alloc == "dp" else []
-    stages = tuple(dict.fromkeys(s for _, ss in needs for s in ss))
-    return " and ".join(w for w, _ in needs), stages
-
-
-def _calibration(model: Path, req: CacheRequest, given: Path | None) -> CalibrationNeed:
-    also = tuple(x for x in (req.config.extra_calibration(),) if x is not None)
-    what, stages = calibration_needs((req.policy,), req.alloc, also)
-    directory = given or default_calibration_dir(model)
-    missing = auto.missing_stages(directory, stages) if stages else ()
-    return CalibrationNeed(what=what, stages=stages, missing=missing, directory=directory)
 
 
 def _notes(

@@ -4,8 +4,8 @@ asked (default_context).
 
 Every token of context is a KV cache cell (and, without flash attention, compute-buffer rows) taken from the
 expert slots; a quantized KV cache gives some of them back. Pure arithmetic over a model's ModelInfo, as
-edgemoe.placement.budget is; `edgemoe inspect` prints the table, `edgemoe plan` adds projected speeds
-(edgemoe.perf.model.context_speeds), and edgemoe.placement.plan() picks the context from it.
+edgemoe.plan.budget is; `edgemoe inspect` prints the table, `edgemoe plan` adds projected speeds
+(edgemoe.perf.model.context_speeds), and edgemoe.plan.plan() picks the context from it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 from ..gguf.info import ModelInfo, format_size
 from ..gguf.kv_types import KvCacheType, KvTypes, block_size, is_quantized
 from ..runtime.config import DEFAULT_MAX_CTX, FlashAttn
-from .budget import holds_every_expert, slot_budget, vram_reserve
+from .budget import holds_every_expert, slot_budget
+from .reserve import PLAN_RESERVE, Reserve, reserve_bytes
 
 # the table's contexts (those up to the model's training context), and its KV types (K and V the same)
 TABLE_CTX: tuple[int, ...] = (4096, 16384, 32768, 65536, 131072)
@@ -85,9 +86,10 @@ def _takes(info: ModelInfo, kind: KvCacheType) -> bool:
     return info.n_embd_head_k % block_size(kind) == 0 and info.n_embd_head_v % block_size(kind) == 0
 
 
-def _row(info: ModelInfo, budget_bytes: int, n_ctx: int, kv: KvTypes, device_prefill: bool) -> ContextRow:
-    sb = slot_budget(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=vram_reserve(info, device_prefill), kv=kv)
-    whole = sb.dense_fits and holds_every_expert(info, sb, device_prefill)
+def _row(info: ModelInfo, budget_bytes: int, n_ctx: int, kv: KvTypes, reserve: Reserve) -> ContextRow:
+    what = replace(reserve, kv=kv)
+    sb = slot_budget(info, budget_bytes, n_ctx=n_ctx, reserve_bytes=reserve_bytes(info, n_ctx, what), kv=kv)
+    whole = sb.dense_fits and holds_every_expert(info, sb, reserve.device_prefill)
     return ContextRow(
         n_ctx=n_ctx,
         kv_type=kv.k,
@@ -101,15 +103,17 @@ def _row(info: ModelInfo, budget_bytes: int, n_ctx: int, kv: KvTypes, device_pre
 
 
 def context_table(
-    info: ModelInfo, budget_bytes: int, *, flash_attn: FlashAttn = "auto", device_prefill: bool = False
+    info: ModelInfo, budget_bytes: int, *, flash_attn: FlashAttn = "auto", reserve: Reserve | None = None
 ) -> ContextTable | None:
     """The table of a MoE model at `budget_bytes` (None for a dense model: it has no expert slots). Each row's slots
-    are what edgemoe.placement.plan() leaves at that context and type (the same reserve, `device_prefill`'s
-    buffers included); types whose blocks do not divide the model's head sizes are left out."""
+    are what edgemoe.plan.plan() leaves at that context and type (the same `reserve`: device prefill's buffers and
+    the MTP heads included where the plan has them); types whose blocks do not divide the model's head sizes are
+    left out."""
     if not info.is_moe:
         return None
+    what = reserve if reserve is not None else Reserve(flash_attn=flash_attn != "off")
     rows = tuple(
-        _row(info, budget_bytes, c, KvTypes(t, t), device_prefill)
+        _row(info, budget_bytes, c, KvTypes(t, t), what)
         for c in table_contexts(info.n_ctx_train)
         for t in TABLE_KV
         if _takes(info, t)
@@ -125,12 +129,12 @@ class ContextChoice:
     note: str
 
 
-def _slots_at(info: ModelInfo, budget_bytes: int, n_ctx: int, kv: KvTypes, device_prefill: bool) -> int:
-    return _row(info, budget_bytes, n_ctx, kv, device_prefill).slots_per_layer
+def _slots_at(info: ModelInfo, budget_bytes: int, n_ctx: int, kv: KvTypes, reserve: Reserve) -> int:
+    return _row(info, budget_bytes, n_ctx, kv, reserve).slots_per_layer
 
 
 def default_context(
-    info: ModelInfo, budget_bytes: int, kv: KvTypes, *, device_prefill: bool = False
+    info: ModelInfo, budget_bytes: int, kv: KvTypes, *, reserve: Reserve = PLAN_RESERVE
 ) -> ContextChoice | None:
     """The context for a budget when none is asked: the largest of the table's (up to the training context) whose
     slots per layer at the KV types asked keep >= KEEP_SLOTS of those at 4096 tokens, and never fewer than the
@@ -139,11 +143,11 @@ def default_context(
     contexts = table_contexts(info.n_ctx_train)
     if not info.is_moe or not contexts:
         return None
-    base = _row(info, budget_bytes, DEFAULT_MAX_CTX, kv, device_prefill)
+    base = _row(info, budget_bytes, DEFAULT_MAX_CTX, kv, reserve)
     if not base.dense_fits or base.slots_per_layer == 0:
         return None
     need = max(math.ceil(KEEP_SLOTS * base.slots_per_layer), min(info.n_expert_used, base.slots_per_layer))
-    slots = {c: _slots_at(info, budget_bytes, c, kv, device_prefill) for c in contexts}
+    slots = {c: _slots_at(info, budget_bytes, c, kv, reserve) for c in contexts}
     chosen = max(c for c in contexts if slots[c] >= need)
     longer = [c for c in contexts if c > chosen]
     trained = (

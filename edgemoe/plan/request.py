@@ -37,7 +37,7 @@ class CacheRequest:
     blocking: bool = False  # the policies that load misses: load a missed expert before its layer runs
     alloc: str | None = None  # "equal", "dp", or None: dp when the calibration has a routing trace
     assign: str | None = None  # lru, dali: the CPU/GPU assigner of each route's loads (None: none)
-    # the machine profile of assign's costs and of a budget's prefill ubatch (edgemoe.placement.ubatch; a bundled
+    # the machine profile of assign's costs and of a budget's prefill ubatch (edgemoe.plan.ubatch; a bundled
     # name or a file; None: this machine's)
     profile: str | None = None
     degrade: float | None = None  # DAOP's graceful degradation ratio (None: off)
