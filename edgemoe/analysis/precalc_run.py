@@ -18,7 +18,7 @@ import numpy as np
 
 from ..runtime.engine import Engine
 from ..runtime.expert_cache import precalc_rates
-from .perplexity import chunk_tokens, log_softmax_nll
+from .perplexity import RowSink, chunk_tokens, log_softmax_nll
 
 
 def stepped_logits(
@@ -68,9 +68,10 @@ def precalc_run(
     first_layer: int,
     max_chunks: int | None = None,
     progress: Callable[[int], None] | None = None,
+    rows: RowSink | None = None,
 ) -> PrecalcRun:
     """Every chunk twice through the engine's expert cache: without the pre-calculation, then with it from
-    first_layer on (decode steps only). Leaves it off."""
+    first_layer on (decode steps only). Leaves it off. rows: given the scored rows with it (perplexity's)."""
     if engine.experts is None:
         raise ValueError("the pre-calculation acts on the expert cache: enable one first")
     cache = engine.experts
@@ -91,6 +92,8 @@ def precalc_run(
             for k in ("layers", "computed", "used", "late"):
                 stats[k] = stats.get(k, 0) + st.get(k, 0)
             nll += log_softmax_nll(on, targets)
+            if rows is not None:
+                rows(on, targets)
             nll_off += log_softmax_nll(off, targets)
             agree += int((on.argmax(-1) == off.argmax(-1)).sum())
             n += len(targets)

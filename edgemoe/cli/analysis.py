@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from ..analysis.routing_profile import routing_names
+from .kld_options import KldOptions, kld_options, kld_sink
 from .options import AttentionOptions, attention_options, gating_options
 from .types import THREADS, GGUFPath, IntList, OutputPath
 
@@ -339,6 +340,7 @@ def trace_synth(
 )
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
 @attention_options
+@kld_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def perplexity(
     model: Path,
@@ -352,9 +354,11 @@ def perplexity(
     prompt_tokens: int | None,
     threads: int,
     attention: AttentionOptions,
+    kld: KldOptions,
     as_json: bool,
 ) -> None:
-    """Held-out NLL and perplexity through edgemoe, and the expert activations computed.
+    """Held-out NLL and perplexity through edgemoe, and the expert activations computed; with
+    --kl-divergence-base / --kl-divergence, the KL divergence and top-token agreement against a base run.
 
     Gating and degradation apply to every scored token here (the text stands in for decode).
     """
@@ -379,6 +383,7 @@ def perplexity(
             32 if prompt_tokens is None else prompt_tokens,
             threads,
             attention,
+            kld,
             as_json,
         )
         return
@@ -391,33 +396,61 @@ def perplexity(
     with Engine(model, load) as eng:
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
         policy = build_gating(eng, gate)
-        policies: list[Any] = [policy] if policy is not None else []
-        deg = None
-        if degrade_ratio is not None and expert_slots is not None:
-            from ..analysis.daop import daop_degradation
-            from ..placement import calibration_for
-
-            cal = calibration_for(model, ("daop",), None, calibration, n_threads=eng.n_threads)
-            assert cal is not None  # calibrated on first use when missing
-            residency, deg = daop_degradation(
-                eng, cal, slots=min(expert_slots, eng.info.n_expert), ratio=degrade_ratio, prompt_tokens=skip
-            )
-            policies += [residency, deg]
+        deg_policies = _degradation(model, eng, calibration, degrade_ratio, expert_slots, skip)
+        policies: list[Any] = ([policy] if policy is not None else []) + deg_policies
+        run = {
+            "gating": gating.mode,
+            "threshold": policy.threshold if policy is not None else None,
+            "degrade": degrade_ratio,
+            "expert_slots": expert_slots,
+            "cache_type_k": attention.cache_type_k,
+            "cache_type_v": attention.cache_type_v,
+        }
+        sink = kld_sink(kld, eng, tokens, ctx=n_ctx, score_from=skip, run=run)
         with progress_bar(len(tokens), "perplexity", unit="tok") as bar:
-            res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar, score_from=skip)
+            res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar, score_from=skip, rows=sink)
         flash_attn = eng.flash_attn  # what "auto" resolved to
     d = {
         "model": str(model),
         "input": str(input_path),
-        "gating": gating.mode,
-        "threshold": policy.threshold if policy is not None else None,
+        **{k: run[k] for k in ("gating", "threshold")},
         "prompt_tokens": skip,
         "flash_attn": flash_attn,
-        "cache_type_k": attention.cache_type_k,
-        "cache_type_v": attention.cache_type_v,
+        **{k: run[k] for k in ("cache_type_k", "cache_type_v")},
         **res.to_dict(),
     }
-    _print_perplexity(d, res, deg, degrade_ratio, expert_slots, as_json)
+    deg = deg_policies[-1] if deg_policies else None
+    _print_perplexity(d, res, deg, degrade_ratio, expert_slots, as_json, _kld_report(d, sink))
+
+
+def _degradation(
+    model: Path,
+    eng: Any,
+    calibration: Path | None,
+    degrade_ratio: float | None,
+    expert_slots: int | None,
+    skip: int,
+) -> list[Any]:
+    """perplexity --degrade's route policies ([DAOP's residency, the degradation]; none without it)."""
+    if degrade_ratio is None or expert_slots is None:
+        return []
+    from ..analysis.daop import daop_degradation
+    from ..placement import calibration_for
+
+    cal = calibration_for(model, ("daop",), None, calibration, n_threads=eng.n_threads)
+    assert cal is not None  # calibrated on first use when missing
+    residency, deg = daop_degradation(
+        eng, cal, slots=min(expert_slots, eng.info.n_expert), ratio=degrade_ratio, prompt_tokens=skip
+    )
+    return [residency, deg]
+
+
+def _kld_report(d: dict[str, Any], sink: Any) -> list[str]:
+    """The KL-divergence sink's result into `d["kld"]` (the base written, or the comparison); its text lines."""
+    if sink is None:
+        return []
+    d["kld"], lines = sink.report()
+    return list(lines)
 
 
 def _precalc_slots(degrade_ratio: float | None, expert_slots: int | None) -> int:
@@ -453,8 +486,10 @@ def _print_perplexity(
     degrade_ratio: float | None,
     expert_slots: int | None,
     as_json: bool,
+    kld_lines: list[str],
 ) -> None:
-    """perplexity's result `d` (with the degradation `deg`'s report, if any) as JSON or as text."""
+    """perplexity's result `d` (with the degradation `deg`'s report, if any) as JSON or as text (then the
+    KL-divergence report's `kld_lines`)."""
     if deg is not None:
         d["degrade"] = {**deg.report(), "expert_slots": expert_slots}
     if as_json:
@@ -469,6 +504,8 @@ def _print_perplexity(
             f"degradation r={degrade_ratio}: {deg.n_replaced} of {deg.n_cpu} CPU expert executions moved "
             f"to resident experts ({(deg.cpu_avoided or 0.0):.1%}), {expert_slots} slots per MoE layer"
         )
+    if kld_lines:
+        click.echo("\n".join(kld_lines))
 
 
 def _precalc_perplexity(
@@ -482,9 +519,11 @@ def _precalc_perplexity(
     prompt_tokens: int,
     threads: int,
     attention: AttentionOptions,
+    kld: KldOptions,
     as_json: bool,
 ) -> None:
-    """perplexity --precalc-from: edgemoe.analysis.precalc_run over DAOP's placement (static, not swapped)."""
+    """perplexity --precalc-from: edgemoe.analysis.precalc_run over DAOP's placement (static, not swapped); the
+    KL-divergence options take the run with the pre-calculation."""
     from ..analysis.precalc_run import precalc_run
     from ..placement import check_precalc_from, enable_static_placement
     from ..progress import progress_bar
@@ -503,6 +542,8 @@ def _precalc_perplexity(
         check_precalc_from(eng.info, first_layer)
         enable_static_placement(eng, model, expert_slots, calibration)
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
+        desc = {"precalc_from": first_layer, "expert_slots": expert_slots, **attention.load_kwargs()}
+        sink = kld_sink(kld, eng, tokens, ctx=n_ctx, score_from=prompt_tokens, run=desc)
         with progress_bar(2 * len(tokens), "perplexity (without, with pre-calculation)", unit="tok") as bar:
             run = precalc_run(
                 eng,
@@ -511,6 +552,7 @@ def _precalc_perplexity(
                 prompt_tokens=prompt_tokens,
                 first_layer=first_layer,
                 progress=lambda k: bar(2 * k),
+                rows=sink,
             )
     d = {
         "model": str(model),
@@ -519,6 +561,7 @@ def _precalc_perplexity(
         "expert_slots": expert_slots,
         "precalc": run.to_dict(),
     }
+    kld_lines = _kld_report(d, sink)
     if as_json:
         click.echo(json.dumps(d))
         return
@@ -532,3 +575,5 @@ def _precalc_perplexity(
         f"pre-calculated {st['used']} of {st['used'] + st['late']} CPU expert executions "
         f"({(share or 0.0):.1%}); {st['computed'] - st['used']} computed for nothing"
     )
+    if kld_lines:
+        click.echo("\n".join(kld_lines))
