@@ -89,7 +89,7 @@ def test_base_file_round_trip_and_refusals(tmp_path: Path) -> None:
     back.check(_key(list(range(10))))
     with pytest.raises(KldBaseError, match="another model"):
         back.check(_key(list(range(10)), architecture="y"))
-    with pytest.raises(KldBaseError, match="--ctx 8 --prompt-tokens 0, this run has --ctx 16"):
+    with pytest.raises(KldBaseError, match="`ctx=8` `prompt_tokens=0`, this run has `ctx=16`"):
         back.check(_key(list(range(10)), ctx=16))
     with pytest.raises(KldBaseError, match="other tokens"):
         back.check(_key(list(range(1, 11))))

@@ -188,13 +188,13 @@ class KldBase:
             )
         if m["ctx"] != key.ctx or m["score_from"] != key.score_from:
             raise KldBaseError(
-                f"{name} was written with --ctx {m['ctx']} --prompt-tokens {m['score_from']}, this run has "
-                f"--ctx {key.ctx} --prompt-tokens {key.score_from}: use the base's settings"
+                f"{name} was written with `ctx={m['ctx']}` `prompt_tokens={m['score_from']}`, this run has "
+                f"`ctx={key.ctx}` `prompt_tokens={key.score_from}`: use the base's settings"
             )
         if m["n_tokens"] != len(key.tokens) or m["tokens_sha256"] != tokens_digest(key.tokens):
             raise KldBaseError(
                 f"{name} was written for other tokens ({m['n_tokens']} tokens, digest {m['tokens_sha256']}; this "
-                f"run: {len(key.tokens)}, {tokens_digest(key.tokens)}): use the same --input and --max-tokens"
+                f"run: {len(key.tokens)}, {tokens_digest(key.tokens)}): use the same `input_path` and `max_tokens`"
             )
 
 

@@ -435,12 +435,18 @@ def _degradation(
     if degrade_ratio is None or expert_slots is None:
         return []
     from ..analysis.daop import daop_degradation
+    from ..calibration.super_experts import protected_experts
     from ..placement import calibration_for
 
     cal = calibration_for(model, ("daop",), None, calibration, n_threads=eng.n_threads)
     assert cal is not None  # calibrated on first use when missing
     residency, deg = daop_degradation(
-        eng, cal, slots=min(expert_slots, eng.info.n_expert), ratio=degrade_ratio, prompt_tokens=skip
+        eng,
+        cal,
+        slots=min(expert_slots, eng.info.n_expert),
+        ratio=degrade_ratio,
+        prompt_tokens=skip,
+        protected=protected_experts(cal),
     )
     return [residency, deg]
 

@@ -36,6 +36,8 @@ from .ggml import (  # noqa: F401  # noqa: F401
     gpu_device,
     reg_proc_address,
     rpc_loopback_device,
+    tensor_f32,
+    tensor_name,
 )
 from .llama_moe import (  # noqa: F401
     MOE_CACHE_ABSENT,
