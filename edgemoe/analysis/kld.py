@@ -34,6 +34,12 @@ def row_kld(base: KldBase, rows: slice, logits: np.ndarray) -> np.ndarray:
     return kld
 
 
+def full_kld(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """(rows,) the exact KL(P || Q) over the whole vocabulary, P and Q given as logits (float64)."""
+    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+    return (np.exp(lp) * (lp - lq)).sum(1)
+
+
 def _mean_unc(x: np.ndarray) -> tuple[float, float]:
     """Mean and llama.cpp's uncertainty of it (0 with 10 values or fewer)."""
     n = len(x)

@@ -575,7 +575,8 @@ def _precalc_perplexity(
     share = st["early_share"]
     click.echo(
         f"nll {run.nll:.4f} with pre-calculation from layer {first_layer}, {run.nll_off:.4f} without "
-        f"({run.nll_change:+.2%}), top-1 agreement {run.top1_agreement:.3f}, {run.tokens} tokens"
+        f"({run.nll_change:+.2%}), top-1 agreement {run.top1_agreement:.3f}, mean KLD {run.mean_kld:.5f} from the "
+        f"run without it, {run.tokens} tokens"
     )
     click.echo(
         f"pre-calculated {st['used']} of {st['used'] + st['late']} CPU expert executions "

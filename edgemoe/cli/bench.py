@@ -117,6 +117,15 @@ from .types import THREADS, GGUFPath, OutputPath, Size
 )
 @attention_options
 @speculation_options
+@click.option(
+    "--kld",
+    "kld_base",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    metavar="BASE",
+    help="add the KL divergence and same-top rate against BASE (`edgemoe perplexity MODEL --input TEXT "
+    "--kl-divergence-base BASE`) of each row that changes the output: +precalc, a quantized KV cache",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def bench(
@@ -139,6 +148,7 @@ def bench(
     context_tiers: bool,
     attention: AttentionOptions,
     speculation: Any,
+    kld_base: Path | None,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -174,6 +184,7 @@ def bench(
         context_tiers=context_tiers,
         **attention.load_kwargs(),
         speculation=speculation if speculation.on else None,
+        kld_base=kld_base,
     )
     res = run_bench(model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True))
     if plot is not None:

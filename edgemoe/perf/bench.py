@@ -35,6 +35,7 @@ from ..runtime.engine import Engine, LoadConfig
 from ..runtime.sampling import GREEDY
 from ..speculation.config import SpeculationConfig
 from .bench_ubatch import BenchUbatches, bench_ubatches
+from .kld_column import kld_cells
 
 WARMUP_PROMPT = 16  # tokens of the prompt each configuration's warm-up generation (2 tokens) starts from
 REUSE_QUESTION = 32  # new tokens at the end of the second request on the same prefix (reuse TTFT)
@@ -70,6 +71,9 @@ class BenchSpec:
     # every row's prefill ubatch (-ub); None: on a GPU with a GPU profile the prefill plan's for stock and +device
     # prefill rows (edgemoe.perf.bench_ubatch), else 512
     n_ubatch: int | None = None
+    kld_base: Path | None = (
+        None  # --kld: each output-changing row's KL divergence against it (perf.kld_column)
+    )
 
 
 @dataclass
@@ -95,6 +99,7 @@ class BenchRow:
     reuse_ttft_s: float | None = None
     speculation: dict[str, Any] | None = None  # SpeculationStats.to_dict() of the measured generation
     n_ubatch: int = PLAN_UBATCH  # the prefill ubatch it ran (-ub)
+    kld: dict[str, Any] | None = None  # against BenchSpec.kld_base, where the row changes the output
 
 
 @dataclass
@@ -456,6 +461,10 @@ def run_bench(path: Path, spec: BenchSpec, progress: Callable[[str], None] | Non
             again = _beside_mtp_heads(b, base, moe, cpu_moe, n_cpu if on_gpu else None)
         rows += [_speculating(r, spec.speculation) for r in again]
     generated = _run_rows(res, rows, path, prompt, spec.gen_tokens, progress)
+    if spec.kld_base is not None:
+        from .kld_column import add_kld_column
+
+        add_kld_column(res.rows, rows, path, spec.kld_base, progress)
     if spec.profile is not None and generated:
         if progress:
             progress("projection (trace + performance model)")
@@ -697,7 +706,8 @@ def format_table(res: BenchResult) -> str:
         head,
         f"{'configuration':<26} {'ub':>5} {'prefill t/s':>11} {'decode t/s':>10} {'TTFT ms':>8} {'reuse ms':>8} "
         f"{'TPOT ms':>8} "
-        f"{'VRAM GiB':>8} {'decode x':>8} {'prefill x':>9} {'hit rate':>8} {'proj dec':>8} {'err':>6}  note",
+        f"{'VRAM GiB':>8} {'decode x':>8} {'prefill x':>9} {'hit rate':>8} {'proj dec':>8} {'err':>6} {'KLD':>7} "
+        f"{'same top':>8}  note",
     ]
     for r in res.rows:
         vram = f"{r.peak_vram_bytes / 2**30:.2f}" if r.peak_vram_bytes is not None else "-"
@@ -716,13 +726,18 @@ def format_table(res: BenchResult) -> str:
         )
         lines.append(
             f"{r.name:<26} {r.n_ubatch:>5} {r.prefill_tps:>11.1f} {r.decode_tps:>10.2f} {r.ttft_s * 1e3:>8.0f} {reuse:>8} "
-            f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8} {proj:>8} {err:>6}  {note}"
+            f"{r.tpot_s * 1e3:>8.1f} {vram:>8} {ratio:>8} {pratio:>9} {hit:>8} {proj:>8} {err:>6} "
+            f"{kld_cells(r.kld)[0]:>7} {kld_cells(r.kld)[1]:>8}  {note}"
         )
     lines.append(
         f"reuse ms: TTFT of a second request on the same prefix with {REUSE_QUESTION} new tokens, its KV "
         "state restored from host memory (serve's prompt cache)"
     )
     lines.append(f"ub: the prefill ubatch (-ub) the row ran; {res.ubatch_note or 'llama.cpp default 512'}")
+    if any(r.kld for r in res.rows):
+        lines.append(
+            "KLD, same top: against --kld's base, for the rows that change the output (perf.kld_column)"
+        )
     if res.projection_note:
         lines.append(f"proj dec: PROJECTED decode tok/s, {res.projection_note}")
     elif any(r.kind for r in res.rows):
