@@ -1,14 +1,14 @@
 """Super experts: found by calibration, never dropped by adaptive top-k nor swapped by graceful degradation.
 
 The fixtures have none (their largest down-projection peak is about 3x the median); a copy of the qwen3moe
-fixture with one expert's output channel scaled up has exactly one, and the guard keeps it."""
+fixture with one expert's output channel scaled up (tools/plant_super_expert.py) has exactly one, and the guard keeps
+it."""
 
 from __future__ import annotations
 
-import shutil
+import sys
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 from conftest import FIXTURE_MODELS
@@ -24,6 +24,9 @@ from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.cache_config import CacheConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from plant_super_expert import plant_super_expert  # noqa: E402
+
 QWEN = next(m for m in FIXTURE_MODELS if "qwen3moe" in m.name)
 LAYER, EXPERT, CHANNEL, SCALE = 0, 5, 7, 200.0
 TEXT = (
@@ -32,27 +35,10 @@ TEXT = (
 ) * 12
 
 
-def plant_super_expert(src: Path, dst: Path) -> None:
-    """Copy src with layer LAYER's expert EXPERT's down-projection output channel CHANNEL scaled by SCALE (its Q8_0
-    blocks' scales multiplied), the signature of a super expert."""
-    t = next(t for t in gguf.GGUFReader(str(src)).tensors if t.name == f"blk.{LAYER}.ffn_down_exps.weight")
-    assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0  # 34-byte blocks, an f16 scale first
-    n_ff, n_embd, _ = (int(x) for x in t.shape)
-    row = n_ff // 32 * 34
-    shutil.copyfile(src, dst)
-    with dst.open("r+b") as f:
-        for b in range(n_ff // 32):
-            at = t.data_offset + (EXPERT * n_embd + CHANNEL) * row + b * 34
-            f.seek(at)
-            d = np.frombuffer(f.read(2), np.float16)[0]
-            f.seek(at)
-            f.write(np.float16(float(d) * SCALE).tobytes())
-
-
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("planted") / "tiny-qwen3moe-planted.gguf"
-    plant_super_expert(QWEN, out)
+    plant_super_expert(QWEN, out, layer=LAYER, expert=EXPERT, channel=CHANNEL, scale=SCALE)
     return out
 
 

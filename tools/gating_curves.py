@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.calibration.adaptive import GatingOptions, build_gating  # noqa: E402
+from edgemoe.calibration.card import CARD, FORMAT_VERSION, write_json  # noqa: E402
+from edgemoe.calibration.run import _model_entry  # noqa: E402
 from edgemoe.calibration.sensitivity import save_validation_tokens  # noqa: E402
 from edgemoe.calibration.corpus import default_corpus_dir, split_corpus  # noqa: E402
 from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
@@ -84,6 +86,7 @@ def main() -> int:
         with Engine(model, LoadConfig(n_ctx=2 * CTX, n_batch=2 * CTX, n_ubatch=2 * CTX, n_threads=2)) as eng, \
                 tempfile.TemporaryDirectory() as tmp:
             calib = Path(tmp)
+            write_json(calib / CARD, {"format": FORMAT_VERSION, "model": _model_entry(model)})  # this model's
             sens = calibrate_sensitivity(model, eng, train_tokens(eng, 100_000, args.calib_tokens), ctx=CTX)
             sens.save(calib)
             save_validation_tokens(calib, train_tokens(eng, 400_000, args.valid_tokens))
