@@ -414,6 +414,8 @@ def perplexity(
         "model": str(model),
         "input": str(input_path),
         **{k: run[k] for k in ("gating", "threshold")},
+        # what calibration measured the threshold to cost on its validation text (None: a given threshold)
+        "threshold_cost": dict(policy.calibrated) if policy is not None and policy.calibrated else None,
         "prompt_tokens": skip,
         "flash_attn": flash_attn,
         **{k: run[k] for k in ("cache_type_k", "cache_type_v")},
