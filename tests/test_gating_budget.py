@@ -110,3 +110,29 @@ def test_gating_quality_table_and_plan(tmp_path: Path, monkeypatch: pytest.Monke
     r = CliRunner().invoke(cli, ["plan", str(QWEN), "--expert-slots", "8", "--calibration", str(cal), "--json",
                                  "--profile", "rtx4060-laptop"], catch_exceptions=False)
     assert json.loads(r.output)["gating_quality"]["rows"] == quality["rows"]
+
+
+def test_install_gating_says_what_the_threshold_costs_and_where_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edgemoe.placement import install_gating
+
+    monkeypatch.setenv("EDGEMOE_CACHE_DIR", str(tmp_path / "user-cache"))
+    cal = tmp_path / "cal"
+    shutil.copytree(ROOT / "calibrations" / QWEN.stem, cal)
+    entry = {"threshold": 0.3, "validation_reduction": 0.2, "mean_kld": 0.005, "same_top": 0.975,
+             "nll_increase": 0.001, "validation_tokens": 2048, "budget": {"max_mean_kld": 0.01, "min_same_top": 0.97}}
+    (cal / "thresholds.json").write_text(json.dumps({"ser@kld0.01/top0.97": entry}))
+    said: list[str] = []
+    with Engine(QWEN, LoadConfig(n_ctx=128, n_threads=2)) as eng:
+        install_gating(eng, GatingOptions(mode="ser", calibration=cal), notify=said.append)
+        assert eng.gating_path == "graph" and eng.gating_report()["calibrated"] == entry
+        (cal / "super_experts.json").write_text(json.dumps({
+            "peaks": {}, "routed": {}, "protected": [[0, 3]], "tokens": 1, "factor": 10.0, "quantile": 99.5,
+            "of_max": 0.1}))
+        install_gating(eng, GatingOptions(mode="ser", calibration=cal), notify=said.append)
+        assert eng.gating_path == "hook" and eng.gating_report()["protected"] == [[0, 3]]
+    assert said[0] == ("gating: ser, threshold 0.3, in the graph (prefill at full top-k); KL-divergence budget mean "
+                       "KLD <= 0.01 and same top >= 97%: 20.0% fewer expert activations, mean KLD 0.0050, same top "
+                       "97.5%, NLL +0.10% on 2048 validation tokens")
+    assert "in the routing hook (it protects the calibration's super experts)" in said[1]
