@@ -322,8 +322,8 @@ def trace_synth(
     help="DAOP's pre-calculation from MoE layer L on, as llama.cpp runs it: each chunk runs twice, its "
     "prompt in one ubatch and the rest one token at a time, without and with it, over an expert "
     "cache of --expert-slots per layer holding the calibration's most used decode experts (DAOP's "
-    "placement, not swapped); reports both NLLs, their top-1 agreement and the share of the CPU's "
-    "expert executions that ran a layer early",
+    "placement, not swapped); reports both NLLs, their top-1 agreement, the mean KL divergence between "
+    "them and the share of the CPU's expert executions that ran a layer early",
 )
 @click.option(
     "--expert-slots",
