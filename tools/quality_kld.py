@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""KL divergence and same-top rate beside the NLL change, on held-out text, for graceful degradation and the KV cache
-types (docs/research/daop.md, docs/research/benchmarks.md). Gating: tools/gating_curves.py; pre-calculation:
+"""KL divergence and same-top rate beside the NLL change, on held-out text, for adaptive top-k, graceful degradation
+and the KV cache types (docs/gating.md, docs/research/daop.md, docs/research/benchmarks.md). Pre-calculation:
 tools/precalc_eval.py.
 
+  nice -n 10 .venv/bin/python tools/quality_kld.py gating [--max-tokens 4096] [--json docs/figures/quality-gating.json]
   nice -n 10 .venv/bin/python tools/quality_kld.py degrade [--max-tokens 4096] [--json docs/figures/quality-degrade.json]
   nice -n 10 .venv/bin/python tools/quality_kld.py kv [--max-tokens 4096] [--json docs/figures/quality-kv.json]
 
@@ -14,6 +15,9 @@ edgemoe.analysis.kld_base, top 1024 = the whole vocabulary, so the KLD is exact)
   chunk's first 32 tokens are the prompt DAOP swaps its placement by, the rest is degraded and scored; N = E/4 and
   E/2 slots per MoE layer, R = 0.9, 0.8, 0.6, 0.4.
 - kv: `edgemoe perplexity -ctk T -ctv T --flash-attn on` for T = q8_0 and q4_0 against f16 (every row scored).
+- gating: `edgemoe perplexity --gating RULE` at the thresholds the bundled calibration's `gating` stage found on
+  its validation tokens (train split; calibrations/<model>/thresholds.json): 10%, 25% and 40% fewer activations
+  and the default (the KL-divergence budget's), every row scored and gated.
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ def _compare(eng: Engine, toks: list[int], skip: int, base: KldBase, base_nll: f
     res = perplexity(eng, toks, ctx=CTX, score_from=skip, policies=policies or [], rows=cmp)
     k = cmp.result()
     return {"tokens": res.tokens, "nll": res.nll, "dnll": res.nll - base_nll, "nll_rel": res.nll / base_nll - 1,
-            "mean_kld": k.mean_kld,
+            "reduction": res.activation_reduction, "mean_kld": k.mean_kld,
             "kld_99": k.kld_percentiles["99"], "same_top": k.same_top, "rms_dp": k.rms_dp}
 
 
@@ -103,7 +107,44 @@ def kv(max_tokens: int) -> list[dict[str, Any]]:
     return rows
 
 
+def gating(max_tokens: int) -> list[dict[str, Any]]:
+    from edgemoe.calibration.adaptive import GatingOptions, build_gating, threshold_key
+
+    rows = []
+    for model in MODELS:
+        cal = find_calibration(model).path
+        shipped = json.loads((cal / "thresholds.json").read_text())
+        with Engine(model, LoadConfig(n_ctx=CTX, n_batch=CTX, n_ubatch=CTX, n_threads=THREADS)) as eng:
+            for corpus in CORPORA:
+                toks = _tokens(eng, corpus, max_tokens)
+                base, base_nll = _base(eng, toks, 0)
+                for rule in ("fisher", "empirical", "score", "ser"):
+                    for target in (0.1, 0.25, 0.4, None):
+                        opts = GatingOptions(rule, target_reduction=target, calibration=cal, decode_only=False)
+                        if threshold_key(opts) not in shipped:  # the stage found none (over the budget at once)
+                            continue
+                        pol = build_gating(eng, opts)
+                        assert pol is not None and pol.calibrated is not None
+                        row = {"model": model.stem.split(".")[0], "corpus": corpus, "rule": rule, "target": target,
+                               "threshold": pol.threshold, "validation": dict(pol.calibrated),
+                               **_compare(eng, toks, 0, base, base_nll, [pol])}
+                        rows.append(row)
+                        print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
 def table(what: str, rows: list[dict[str, Any]]) -> str:
+    if what == "gating":
+        out = ["| model | rule | threshold | Shakespeare: NLL / mean KLD / same top (fewer activations) | Python docs |",
+               "|---|---|---|---|---|"]
+        for (m, rule, target) in dict.fromkeys((r["model"], r["rule"], r["target"]) for r in rows):
+            cells = [next(r for r in rows if (r["model"], r["rule"], r["target"], r["corpus"]) == (m, rule, target, c))
+                     for c in CORPORA]
+            name = f"{target:.0%}" if target is not None else "default (KLD budget)"
+            out.append(f"| {m} | {rule} | {name} | " + " | ".join(
+                f"{r['nll_rel']:+.2%} / {r['mean_kld']:.4f} / {r['same_top']:.1%} ({r['reduction']:.1%})"
+                for r in cells) + " |")
+        return "\n".join(out)
     if what == "degrade":
         out = ["| model | corpus | slots | r | NLL | mean KLD | same top | CPU executions avoided |",
                "|---|---|---|---|---|---|---|---|"]
@@ -119,7 +160,7 @@ def table(what: str, rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["degrade", "kv"])
+    ap.add_argument("what", choices=["gating", "degrade", "kv"])
     ap.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens per corpus (default 4096)")
     ap.add_argument("--json", type=Path, default=None, help="default: docs/figures/quality-<what>.json")
     ap.add_argument("--table", action="store_true", help="print the table of the JSON and stop")
@@ -129,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(args.what, json.loads(path.read_text())["rows"]))
         return
     t0 = time.monotonic()
-    rows = degrade(args.max_tokens) if args.what == "degrade" else kv(args.max_tokens)
+    rows = {"gating": gating, "degrade": degrade, "kv": kv}[args.what](args.max_tokens)
     doc = {"ctx": CTX, "prompt_tokens": PROMPT if args.what == "degrade" else 0, "max_tokens": args.max_tokens,
            "n_threads": THREADS, "rows": rows, "seconds": round(time.monotonic() - t0, 1)}
     path.parent.mkdir(parents=True, exist_ok=True)
