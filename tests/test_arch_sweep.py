@@ -7,6 +7,8 @@ have (arch_models.rewrite_gguf). Per architecture:
 - generate: Engine.generate, greedy, 16 tokens == llama_cpp.Llama's greedy ids;
 - verify: `edgemoe verify MODEL --json` passes (identity, drop-last == stock k-1, swap);
 - gating-cli: `edgemoe generate MODEL -p hi -n 4 --gating ser --threshold 0.9` runs;
+- kld: `edgemoe perplexity --kl-divergence-base` then `--kl-divergence` against itself (KLD 0, same top 1) and
+  with gating to the top-1 expert (KLD > 0);
 - gating-top1: gating to the top-1 expert, in the graph and in the hook, == stock with k = 1,
   bitwise (drop-last == stock k-1 for these k = 2 models);
 - cache: the lru expert cache on the CPU stand-in device == stock logits, bitwise.
@@ -46,6 +48,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -76,6 +79,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("rnd1", "generate"): _DIFFUSION,
     ("refact", "verify"): _REFACT + " (verify: 'the hook was never called')",
     ("refact", "gating-top1"): _REFACT,
+    ("refact", "kld"): _REFACT + " (nothing for gating to drop: KLD 0 with top-1 gating)",
     ("refact", "cache"): _REFACT + " (0 hits, 0 loads)",
     ("refact", "cache-static"): _REFACT + " (0 hits)",
     ("refact", "cache-dali"): _REFACT + " (0 hits, 0 loads)",
@@ -299,7 +303,31 @@ def _load_cli(path: Path) -> tuple[bool, str]:
     return True, "loads and generates"
 
 
-_CLI_JOBS = {"verify": _verify, "gating-cli": _gating_cli, "load": _load_cli}
+KLD_TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east.\n" * 20
+
+
+def _kld_cli(path: Path) -> tuple[bool, str]:
+    """`edgemoe perplexity --kl-divergence-base` then `--kl-divergence` against itself (KLD 0, the same top token
+    everywhere) and with gating to the top-1 expert (KLD > 0): one pass each."""
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        text, base = Path(tmp) / "t.txt", Path(tmp) / "base.kld"
+        text.write_text(KLD_TEXT)
+        for name, extra in (("base", ["--kl-divergence-base", str(base)]), ("self", ["--kl-divergence", str(base)]),
+                            ("top-1", ["--kl-divergence", str(base), "--gating", "score", "--threshold", "0"])):
+            proc, timeout = _run([sys.executable, "-m", "edgemoe", "perplexity", str(path), "--input", str(text),
+                                  "--ctx", "64", "--max-tokens", "192", "-t", "1", "--json", *extra])
+            out = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")] if proc else []
+            if proc is None or timeout or proc.returncode != 0 or not out:
+                return False, f"perplexity ({name}): {_why(proc, timeout)}"
+            runs[name] = json.loads(out[-1])["kld"]
+    same, gated = runs["self"], runs["top-1"]
+    ok = same["mean_kld"] == 0.0 and same["same_top"] == 1.0 and gated["mean_kld"] > 0.0
+    return ok, (f"{runs['base']['rows']} tokens; against itself KLD {same['mean_kld']:.3g}, same top "
+                f"{same['same_top']:.3f}; top-1 gating KLD {gated['mean_kld']:.3g}, same top {gated['same_top']:.3f}")
+
+
+_CLI_JOBS = {"verify": _verify, "gating-cli": _gating_cli, "load": _load_cli, "kld": _kld_cli}
 
 
 def _job(path: Path, name: str) -> tuple[str, str]:
@@ -386,6 +414,11 @@ def test_verify_passes(sweep: SweepPool, entry: dict) -> None:
 @check("gating-cli")
 def test_gating_cli_runs(sweep: SweepPool, entry: dict) -> None:
     _assert(sweep, entry, "", "gating-cli")
+
+
+@check("kld")
+def test_perplexity_kl_divergence(sweep: SweepPool, entry: dict) -> None:
+    _assert(sweep, entry, "", "kld")
 
 
 @check("gating-top1")

@@ -211,7 +211,8 @@ def test_the_moe_code_reaches_the_context_through_a_seam_and_is_split_by_concern
         for private in ("gf_res_prev_active", "sched_need_reserve", "backends"):
             assert not re.search(rf"\b{private}\b", text), (f.name, private)
         sizes[f.name] = len(text.splitlines())
-    assert sizes["llama-moe-cache.cpp"] < 1200 and max(sizes.values()) <= 800, sizes
+    others = {name: n for name, n in sizes.items() if name != "llama-moe-cache.cpp"}
+    assert sizes["llama-moe-cache.cpp"] < 1200 and max(others.values()) <= 800, sizes
     for name in ("prefill", "policy", "policy-lru", "policy-window", "policy-swap", "policy-prefetch"):
         assert f"llama-moe-{name}.cpp" in sizes, sorted(sizes)
     policies = "".join((src / f"llama-moe-policy-{n}.cpp").read_text() for n in ("lru", "window", "swap", "prefetch"))

@@ -198,7 +198,9 @@ def test_calibrate_and_predict_eval_cli(tmp_path: Path, _cache: Path) -> None:
     assert r.exit_code == 0, r.output
     out = _cache / "calibration" / model_sha256(QWEN)[:16]  # the default --out: the per-user cache
     card = json.loads((out / CARD).read_text())
-    assert card["stages"] == ["traces", "router_frequency", "routing", "predictors", "sensitivity"]
+    # every stage but the optional ones (gating)
+    assert card["stages"] == ["traces", "router_frequency", "routing", "predictors", "sensitivity", "super_experts"]
+    assert card["super_experts"]["protected"] == [] and (out / "super_experts.json").is_file()
     assert (out / "sensitivity.json").is_file() and (out / "gating_validation_tokens.npy").is_file()
     assert card["sensitivity"]["validation_tokens"] > 0 and len(card["sensitivity"]["empirical"]) == 8
     assert card["traces"]["tokens"] == 2048 and card["traces"]["mode"] == "decode"

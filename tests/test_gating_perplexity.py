@@ -124,8 +124,9 @@ def test_perplexity_cli(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["ppl"] > 1 and 0 < d["activation_reduction"] < 1 and d["tokens"] > 0
-    r = CliRunner().invoke(cli, ["perplexity", str(FIXTURE_MODELS[0]), "--input", str(inp), "--gating", "score"])
-    assert r.exit_code != 0 and "needs exactly one of --threshold" in r.output
+    r = CliRunner().invoke(cli, ["perplexity", str(FIXTURE_MODELS[0]), "--input", str(inp), "--gating", "score",
+                                 "--threshold", "0.5", "--target-reduction", "0.25"])
+    assert r.exit_code != 0 and "takes a --threshold or a --target-reduction, not both" in r.output
 
 
 def test_bisect_threshold_on_toy_curves() -> None:

@@ -19,8 +19,9 @@ PKG = Path(__file__).resolve().parent.parent / "edgemoe"
 CLI_DRIVERS = {"analysis/doctor.py", "analysis/doctor_child.py"}
 # a command to run, "`edgemoe calibrate MODEL --corpus FILE`" (to its closing backtick or the end of the text),
 # names that command's flags, not the flags of the call that failed
-# a piece of such a command built apart, f"--stage {s}" (flags with their values only, no words)
-ARGV_PIECE = re.compile(r"(?:\s*--[a-z][a-z-]* \{\}\s*)+")
+# a piece of such a command built apart, f"--stage {s}", or one argument of a child's argv, "--rpc" (flags with
+# their values only, no words)
+ARGV_PIECE = re.compile(r"(?:\s*--[a-z][a-z-]*(?: \{\})?\s*)+")
 COMMAND = re.compile(r"`(?:edgemoe|make|\S*python\S*|tools/)[^`\n]*`?|edgemoe [a-z][a-z-]*[^`\n]*")
 
 
@@ -82,7 +83,8 @@ def test_the_scan_sees_flags_in_messages_and_fstrings() -> None:
     texts = [t for _, t in _texts(tree)]
     assert "give --vram or {}" in texts
     assert "edgemoe calibrate M --corpus F" in texts
-    assert ARGV_PIECE.fullmatch("--stage {}") and not ARGV_PIECE.fullmatch("give --vram {}")
+    assert ARGV_PIECE.fullmatch("--stage {}") and ARGV_PIECE.fullmatch("--rpc")
+    assert not ARGV_PIECE.fullmatch("give --vram {}") and not ARGV_PIECE.fullmatch("use --rpc")
     assert COMMAND.sub("", "run `edgemoe calibrate M --corpus F` or pass --calibration") == "run  or pass --calibration"
 
 

@@ -67,8 +67,8 @@ def test_build_gating_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     model = FIXTURE_MODELS[-1]
     with Engine(model, LoadConfig(n_ctx=128, n_batch=128, n_ubatch=128)) as eng:
         assert build_gating(eng, GatingOptions()) is None
-        with pytest.raises(EdgeMoeError, match="exactly one of"):
-            build_gating(eng, GatingOptions(mode="score"))
+        with pytest.raises(EdgeMoeError, match="not both"):
+            build_gating(eng, GatingOptions(mode="score", threshold=0.5, target_reduction=0.25))
         # no --calibration: the model's own (the fixture's bundled one; a model without one is calibrated on
         # first use, tests/test_auto_calibration.py)
         fisher = build_gating(eng, GatingOptions(mode="fisher", threshold=0.1))
@@ -96,3 +96,5 @@ def test_build_gating_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         assert thresholds_cache_path(tmp_path).is_relative_to(tmp_path / "user-cache")
         assert thresholds_cache_path(tmp_path).exists()
         assert build_gating(eng, opts).threshold == pol.threshold  # from the cache
+        assert pol.calibrated is not None and abs(pol.calibrated["validation_reduction"] - red) < 0.03
+        assert 0 < pol.calibrated["mean_kld"] and 0 < pol.calibrated["same_top"] < 1  # what it costs, measured

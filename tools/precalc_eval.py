@@ -3,15 +3,17 @@
 CPU's expert executions it starts one layer early, for both fixtures (docs/research/daop.md, "Pre-calculation (§IV-C)").
 
   nice -n 10 .venv/bin/python tools/precalc_eval.py [--max-tokens 4096] [--json docs/figures/daop-precalc-run.json]
-  nice -n 10 .venv/bin/python tools/precalc_eval.py --max-tokens 300 --json .build/precalc/smoke.json  # smoke run
+  nice -n 10 .venv/bin/python tools/precalc_eval.py --max-tokens 300 --json /tmp/precalc-smoke.json  # smoke run
 
 Per fixture and slots, one engine (ctx 256, n_threads 2) with the static expert cache over the calibration's
 placement (`edgemoe perplexity --precalc-from`'s: equal slots per MoE layer, never swapped); per corpus and first
 target layer, edgemoe.analysis.precalc_run.precalc_run over the first --max-tokens held-out tokens (the last 10%
-of the corpus, edgemoe.calibration.corpus.split_corpus; written to .build/precalc/heldout-<corpus>.txt): every
+of the corpus, edgemoe.calibration.corpus.split_corpus; written to $TMPDIR/edgemoe-precalc/heldout-<corpus>.txt): every
 256-token chunk twice, its first 32 tokens as one ubatch, the rest one token per ubatch, without and with the
 pre-calculation. Targets 1-7 pre-calculate every MoE layer that has one before it, 5-7 the paper's late layers.
 
+The quality columns compare each run with the same run without the pre-calculation: NLL change, mean KL
+divergence of the next-token distributions (whole vocabulary) and top-1 agreement (llama.cpp's "same top p").
 precalc_run's counters: early_share = used / (used + late), the CPU expert executions *of the target layers*
 that ran early, and early_share_all = used / cpu_decode, the share of every MoE layer's decode CPU executions
 (the cache's misses in the single-token ubatches), the torch reference's "pre-calculated" column. Prints a
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,7 @@ MODELS = (("edgemoe-tiny-mixtral.Q4_K_M.gguf", (2, 4)), ("edgemoe-tiny-qwen3moe.
 CORPORA = ("tinyshakespeare", "python-docs")
 FIRST_LAYERS = (1, 5)
 CTX, PROMPT, THREADS = 256, 32, 2
-WORK = ROOT / ".build" / "precalc"
+WORK = Path(tempfile.gettempdir()) / "edgemoe-precalc"  # the held-out texts (.build is a shared, read-only tree)
 
 def heldout(corpus: str) -> Path:
     out = WORK / f"heldout-{corpus}.txt"
@@ -72,12 +75,13 @@ def run_model(model: Path, slots: int, max_tokens: int) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The docs/research/daop.md table."""
-    out = ["| model | corpus | slots | targets | NLL change | top-1 agreement | CPU executions early: target layers / "
-           "all layers | precision | wasted pre-calcs / token |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| model | corpus | slots | targets | NLL change | mean KLD | top-1 agreement (same top) | CPU executions "
+           "early: target layers / all layers | precision | wasted pre-calcs / token |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         st = r["stats"]
         out.append(f"| {r['model']} | {r['corpus']} | {r['slots']} | {r['targets']} | {r['nll_change']:+.2%} | "
-                   f"{r['top1_agreement']:.3f} | {st['early_share']:.1%} / {st['early_share_all']:.1%} | "
+                   f"{r['mean_kld']:.4f} | {r['top1_agreement']:.3f} | {st['early_share']:.1%} / {st['early_share_all']:.1%} | "
                    f"{st['precision']:.3f} | {r['wasted_per_token']:.2f} |")
     return "\n".join(out)
 

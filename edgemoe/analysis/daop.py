@@ -16,20 +16,35 @@ import numpy as np
 
 from ..policies.daop import PromptSwapResidency
 from ..policies.degrade import GracefulDegradation
+from ..policies.protected import ProtectedExperts
 from ..policies.residency import load_frequency
 from ..policies.route import RoutePolicy
 from ..runtime.engine import Engine
 
 
 def daop_degradation(
-    engine: Engine, calibration: Path, *, slots: int, ratio: float, prompt_tokens: int
+    engine: Engine,
+    calibration: Path,
+    *,
+    slots: int,
+    ratio: float,
+    prompt_tokens: int,
+    protected: ProtectedExperts | None = None,
 ) -> tuple[PromptSwapResidency, GracefulDegradation]:
-    """The two route policies, in chain order: DAOP's residency (`slots` in every MoE layer) and degradation."""
+    """The two route policies, in chain order: DAOP's residency (`slots` in every MoE layer) and degradation
+    (never swapping a `protected` expert)."""
     info = engine.info
     layers = list(info.moe_layers)
     freq = load_frequency(calibration, n_expert=info.n_expert, layers=layers, phase="decode")
     residency = PromptSwapResidency(freq, {il: slots for il in layers}, info.n_expert, prompt_tokens)
-    return residency, GracefulDegradation(residency, ratio=ratio, decode_only=False, skip_rows=prompt_tokens)
+    deg = GracefulDegradation(
+        residency,
+        ratio=ratio,
+        decode_only=False,
+        skip_rows=prompt_tokens,
+        protected=protected or ProtectedExperts(),
+    )
+    return residency, deg
 
 
 def greedy_agreement(

@@ -11,11 +11,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..policies.route import RoutePolicy, RouteRecord
-from ..runtime.engine import Engine
+
+if TYPE_CHECKING:
+    from ..runtime.engine import Engine
+
+# what perplexity hands each chunk's scored rows to: (logits (rows, n_vocab), next tokens (rows,))
+RowSink = Callable[[np.ndarray, np.ndarray], None]
 
 
 @dataclass(frozen=True)
@@ -82,9 +88,11 @@ def perplexity(
     max_chunks: int | None = None,
     progress: Callable[[int], None] | None = None,
     score_from: int = 0,
+    rows: RowSink | None = None,
 ) -> PerplexityResult:
     """Mean NLL of the chunks' tokens. score_from: the logits of each chunk's first rows are not scored
-    (the token at position score_from + 1 is the first scored)."""
+    (the token at position score_from + 1 is the first scored). rows: given each chunk's scored logits and
+    their next tokens (a KL-divergence base recorder or comparison, edgemoe.analysis.kld)."""
     bos = engine.bos_token() if engine.adds_bos() else None
     chunks = chunk_tokens(tokens, ctx, bos)[:max_chunks]
     counter = ActivationCounter()
@@ -95,7 +103,10 @@ def perplexity(
             logits = np.stack(engine.eval_logits(c))
             if len(c) - 1 <= score_from:
                 continue
-            nll += log_softmax_nll(logits[score_from:-1], np.array(c[score_from + 1 :]))
+            scored, targets = logits[score_from:-1], np.array(c[score_from + 1 :])
+            nll += log_softmax_nll(scored, targets)
+            if rows is not None:
+                rows(scored, targets)
             n += len(c) - 1 - score_from
             if progress:
                 progress(len(c))

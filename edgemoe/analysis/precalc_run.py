@@ -5,7 +5,8 @@ Each chunk is a fresh sequence: its first `prompt_tokens` tokens go in one ubatc
 pre-calculated), the rest one token per ubatch (decode steps, where the pre-calculation runs), every row's
 logits kept. The residency is whatever the engine's expert cache holds (a static placement keeps it the same
 for both runs). The gain is the share of the CPU's expert executions (routed, outside the slots) that ran a
-layer early; the cost the NLL of the rows after the prompt and the top-1 agreement with the run without it.
+layer early; the cost the NLL of the rows after the prompt, the top-1 agreement with the run without it and the
+mean KL divergence from it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 
 from ..runtime.engine import Engine
 from ..runtime.expert_cache import precalc_rates
-from .perplexity import chunk_tokens, log_softmax_nll
+from .kld import full_kld
+from .perplexity import RowSink, chunk_tokens, log_softmax_nll
 
 
 def stepped_logits(
@@ -45,11 +47,12 @@ class PrecalcRun:
     tokens: int  # scored rows (after each chunk's prompt)
     nll: float  # mean NLL with the pre-calculation
     nll_off: float  # the same rows without it
-    top1_agreement: float  # rows whose argmax is the same with and without it
+    top1_agreement: float  # rows whose argmax is the same with and without it (llama.cpp's "same top p")
     stats: dict[str, Any]  # the cache's precalc counters over the runs with it (ExpertCache.precalc_stats)
     # the decode steps' CPU expert executions (routed, outside the slots) in every MoE layer, with it: the
     # cache's misses; stats["used"] / cpu_decode is the share of all of them that ran a layer early
     cpu_decode: int = 0
+    mean_kld: float = 0.0  # mean KL(without || with) of the rows' next-token distributions, whole vocabulary
 
     @property
     def nll_change(self) -> float:
@@ -68,15 +71,16 @@ def precalc_run(
     first_layer: int,
     max_chunks: int | None = None,
     progress: Callable[[int], None] | None = None,
+    rows: RowSink | None = None,
 ) -> PrecalcRun:
     """Every chunk twice through the engine's expert cache: without the pre-calculation, then with it from
-    first_layer on (decode steps only). Leaves it off."""
+    first_layer on (decode steps only). Leaves it off. rows: given the scored rows with it (perplexity's)."""
     if engine.experts is None:
         raise ValueError("the pre-calculation acts on the expert cache: enable one first")
     cache = engine.experts
     bos = engine.bos_token() if engine.adds_bos() else None
     chunks = [c for c in chunk_tokens(tokens, ctx, bos)[:max_chunks] if len(c) - 1 > prompt_tokens]
-    nll = nll_off = 0.0
+    nll = nll_off = kld = 0.0
     n = agree = cpu_decode = 0
     stats: dict[str, Any] = {}
     try:
@@ -91,8 +95,11 @@ def precalc_run(
             for k in ("layers", "computed", "used", "late"):
                 stats[k] = stats.get(k, 0) + st.get(k, 0)
             nll += log_softmax_nll(on, targets)
+            if rows is not None:
+                rows(on, targets)
             nll_off += log_softmax_nll(off, targets)
             agree += int((on.argmax(-1) == off.argmax(-1)).sum())
+            kld += float(full_kld(off, on).sum())
             n += len(targets)
             if progress:
                 progress(len(c))
@@ -111,4 +118,5 @@ def precalc_run(
         top1_agreement=agree / max(n, 1),
         stats=stats,
         cpu_decode=cpu_decode,
+        mean_kld=kld / max(n, 1),
     )

@@ -89,6 +89,7 @@ STAGE_FILES = {
     "routing": "routing_trace.npz",
     "sensitivity": "sensitivity.json",
     "predictors": "predictors",
+    "super_experts": "super_experts.json",
 }
 
 

@@ -11,6 +11,10 @@ returning a dict that is merged into card.json under the stage's name. Built-in 
   (edgemoe.calibration.slot_alloc);
 - ``predictors``: every predictor kind (edgemoe.calibration.predictor_fit), predictors/*.npz.
 - ``sensitivity``: per-layer gating sensitivity (edgemoe.calibration.sensitivity).
+- ``super_experts``: the experts no rule may drop (edgemoe.calibration.super_experts), super_experts.json.
+- ``gating`` (optional: `--stage gating`): each adaptive top-k rule's threshold at 10/25/40% fewer activations
+  and within the KL-divergence budget, with what each costs (edgemoe.calibration.gating_stage),
+  gating_quality.json and thresholds.json; `edgemoe plan` prints it.
 
 This module holds the stage interface (StageContext, Stage) and the registry; the trace stages
 are in edgemoe.calibration.traces, the runner in edgemoe.calibration.run, the card in
@@ -95,6 +99,7 @@ class Stage:
     name: str  # key of its entry in card.json
     run: str | StageFn  # a function, or "module:function" imported only when the stage runs
     requires: tuple[str, ...] = ()  # stages that must run before it
+    optional: bool = False  # run only when asked for by name (a long measurement), not by default
 
     def resolve(self) -> StageFn:
         if callable(self.run):
@@ -109,6 +114,10 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
     Stage("routing", "edgemoe.calibration.slot_alloc:routing_stage", requires=("traces",)),
     Stage("predictors", "edgemoe.calibration.predictor_fit:predictors_stage", requires=("traces",)),
     Stage("sensitivity", "edgemoe.calibration.sensitivity:sensitivity_stage"),
+    Stage("super_experts", "edgemoe.calibration.super_experts:super_experts_stage"),
+    Stage(
+        "gating", "edgemoe.calibration.gating_stage:gating_stage", requires=("sensitivity",), optional=True
+    ),
 )
 _registered: list[Stage] = []
 _RESERVED = {
@@ -141,11 +150,12 @@ def all_stages() -> list[Stage]:
 
 
 def select_stages(names: Sequence[str] | None) -> list[Stage]:
-    """The stages to run, in registry order, with the stages they require; unknown names fail."""
+    """The stages to run, in registry order, with the stages they require; unknown names fail. None: every stage
+    but the optional ones."""
     stages = all_stages()
     by_name = {s.name: s for s in stages}
     if names is None:
-        return stages
+        return [s for s in stages if not s.optional]
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise CalibrationError(f"unknown calibration stage(s) {unknown}: use {', '.join(by_name)}")

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from ..analysis.routing_profile import routing_names
+from .kld_options import KldOptions, kld_options, kld_sink
 from .options import AttentionOptions, attention_options, gating_options
 from .types import THREADS, GGUFPath, IntList, OutputPath
 
@@ -321,8 +322,8 @@ def trace_synth(
     help="DAOP's pre-calculation from MoE layer L on, as llama.cpp runs it: each chunk runs twice, its "
     "prompt in one ubatch and the rest one token at a time, without and with it, over an expert "
     "cache of --expert-slots per layer holding the calibration's most used decode experts (DAOP's "
-    "placement, not swapped); reports both NLLs, their top-1 agreement and the share of the CPU's "
-    "expert executions that ran a layer early",
+    "placement, not swapped); reports both NLLs, their top-1 agreement, the mean KL divergence between "
+    "them and the share of the CPU's expert executions that ran a layer early",
 )
 @click.option(
     "--expert-slots",
@@ -339,6 +340,7 @@ def trace_synth(
 )
 @click.option("-t", "--threads", type=THREADS, default=0, envvar="EDGEMOE_THREADS")
 @attention_options
+@kld_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def perplexity(
     model: Path,
@@ -352,9 +354,11 @@ def perplexity(
     prompt_tokens: int | None,
     threads: int,
     attention: AttentionOptions,
+    kld: KldOptions,
     as_json: bool,
 ) -> None:
-    """Held-out NLL and perplexity through edgemoe, and the expert activations computed.
+    """Held-out NLL and perplexity through edgemoe, and the expert activations computed; with
+    --kl-divergence-base / --kl-divergence, the KL divergence and top-token agreement against a base run.
 
     Gating and degradation apply to every scored token here (the text stands in for decode).
     """
@@ -369,18 +373,10 @@ def perplexity(
     calibration = gating.calibration
     if precalc_from is not None:
         _precalc_perplexity(
-            model,
-            input_path,
-            n_ctx,
-            max_tokens,
-            calibration,
-            precalc_from,
-            _precalc_slots(degrade_ratio, expert_slots),
-            32 if prompt_tokens is None else prompt_tokens,
-            threads,
-            attention,
-            as_json,
-        )
+            model, input_path, n_ctx, max_tokens, calibration, precalc_from,
+            _precalc_slots(degrade_ratio, expert_slots), 32 if prompt_tokens is None else prompt_tokens,
+            threads, attention, kld, as_json,
+        )  # fmt: skip
         return
     skip = _scored_from(n_ctx, degrade_ratio, expert_slots, prompt_tokens)
     gate = replace(gating_for(gating, model), decode_only=False)
@@ -391,33 +387,69 @@ def perplexity(
     with Engine(model, load) as eng:
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
         policy = build_gating(eng, gate)
-        policies: list[Any] = [policy] if policy is not None else []
-        deg = None
-        if degrade_ratio is not None and expert_slots is not None:
-            from ..analysis.daop import daop_degradation
-            from ..placement import calibration_for
-
-            cal = calibration_for(model, ("daop",), None, calibration, n_threads=eng.n_threads)
-            assert cal is not None  # calibrated on first use when missing
-            residency, deg = daop_degradation(
-                eng, cal, slots=min(expert_slots, eng.info.n_expert), ratio=degrade_ratio, prompt_tokens=skip
-            )
-            policies += [residency, deg]
+        deg_policies = _degradation(model, eng, calibration, degrade_ratio, expert_slots, skip)
+        policies: list[Any] = ([policy] if policy is not None else []) + deg_policies
+        run = {
+            "gating": gating.mode,
+            "threshold": policy.threshold if policy is not None else None,
+            "degrade": degrade_ratio,
+            "expert_slots": expert_slots,
+            "cache_type_k": attention.cache_type_k,
+            "cache_type_v": attention.cache_type_v,
+        }
+        sink = kld_sink(kld, eng, tokens, ctx=n_ctx, score_from=skip, run=run)
         with progress_bar(len(tokens), "perplexity", unit="tok") as bar:
-            res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar, score_from=skip)
+            res = run_ppl(eng, tokens, ctx=n_ctx, policies=policies, progress=bar, score_from=skip, rows=sink)
         flash_attn = eng.flash_attn  # what "auto" resolved to
     d = {
         "model": str(model),
         "input": str(input_path),
-        "gating": gating.mode,
-        "threshold": policy.threshold if policy is not None else None,
+        **{k: run[k] for k in ("gating", "threshold")},
+        # what calibration measured the threshold to cost on its validation text (None: a given threshold)
+        "threshold_cost": dict(policy.calibrated) if policy is not None and policy.calibrated else None,
         "prompt_tokens": skip,
         "flash_attn": flash_attn,
-        "cache_type_k": attention.cache_type_k,
-        "cache_type_v": attention.cache_type_v,
+        **{k: run[k] for k in ("cache_type_k", "cache_type_v")},
         **res.to_dict(),
     }
-    _print_perplexity(d, res, deg, degrade_ratio, expert_slots, as_json)
+    deg = deg_policies[-1] if deg_policies else None
+    _print_perplexity(d, res, deg, degrade_ratio, expert_slots, as_json, _kld_report(d, sink))
+
+
+def _degradation(
+    model: Path,
+    eng: Any,
+    calibration: Path | None,
+    degrade_ratio: float | None,
+    expert_slots: int | None,
+    skip: int,
+) -> list[Any]:
+    """perplexity --degrade's route policies ([DAOP's residency, the degradation]; none without it)."""
+    if degrade_ratio is None or expert_slots is None:
+        return []
+    from ..analysis.daop import daop_degradation
+    from ..calibration.super_experts import protected_experts
+    from ..placement import calibration_for
+
+    cal = calibration_for(model, ("daop",), None, calibration, n_threads=eng.n_threads)
+    assert cal is not None  # calibrated on first use when missing
+    residency, deg = daop_degradation(
+        eng,
+        cal,
+        slots=min(expert_slots, eng.info.n_expert),
+        ratio=degrade_ratio,
+        prompt_tokens=skip,
+        protected=protected_experts(cal),
+    )
+    return [residency, deg]
+
+
+def _kld_report(d: dict[str, Any], sink: Any) -> list[str]:
+    """The KL-divergence sink's result into `d["kld"]` (the base written, or the comparison); its text lines."""
+    if sink is None:
+        return []
+    d["kld"], lines = sink.report()
+    return list(lines)
 
 
 def _precalc_slots(degrade_ratio: float | None, expert_slots: int | None) -> int:
@@ -453,8 +485,10 @@ def _print_perplexity(
     degrade_ratio: float | None,
     expert_slots: int | None,
     as_json: bool,
+    kld_lines: list[str],
 ) -> None:
-    """perplexity's result `d` (with the degradation `deg`'s report, if any) as JSON or as text."""
+    """perplexity's result `d` (with the degradation `deg`'s report, if any) as JSON or as text (then the
+    KL-divergence report's `kld_lines`)."""
     if deg is not None:
         d["degrade"] = {**deg.report(), "expert_slots": expert_slots}
     if as_json:
@@ -469,6 +503,8 @@ def _print_perplexity(
             f"degradation r={degrade_ratio}: {deg.n_replaced} of {deg.n_cpu} CPU expert executions moved "
             f"to resident experts ({(deg.cpu_avoided or 0.0):.1%}), {expert_slots} slots per MoE layer"
         )
+    if kld_lines:
+        click.echo("\n".join(kld_lines))
 
 
 def _precalc_perplexity(
@@ -482,9 +518,11 @@ def _precalc_perplexity(
     prompt_tokens: int,
     threads: int,
     attention: AttentionOptions,
+    kld: KldOptions,
     as_json: bool,
 ) -> None:
-    """perplexity --precalc-from: edgemoe.analysis.precalc_run over DAOP's placement (static, not swapped)."""
+    """perplexity --precalc-from: edgemoe.analysis.precalc_run over DAOP's placement (static, not swapped); the
+    KL-divergence options take the run with the pre-calculation."""
     from ..analysis.precalc_run import precalc_run
     from ..placement import check_precalc_from, enable_static_placement
     from ..progress import progress_bar
@@ -503,6 +541,8 @@ def _precalc_perplexity(
         check_precalc_from(eng.info, first_layer)
         enable_static_placement(eng, model, expert_slots, calibration)
         tokens = eng.tokenize(text, add_special=False)[:max_tokens]
+        desc = {"precalc_from": first_layer, "expert_slots": expert_slots, **attention.load_kwargs()}
+        sink = kld_sink(kld, eng, tokens, ctx=n_ctx, score_from=prompt_tokens, run=desc)
         with progress_bar(2 * len(tokens), "perplexity (without, with pre-calculation)", unit="tok") as bar:
             run = precalc_run(
                 eng,
@@ -511,6 +551,7 @@ def _precalc_perplexity(
                 prompt_tokens=prompt_tokens,
                 first_layer=first_layer,
                 progress=lambda k: bar(2 * k),
+                rows=sink,
             )
     d = {
         "model": str(model),
@@ -519,6 +560,7 @@ def _precalc_perplexity(
         "expert_slots": expert_slots,
         "precalc": run.to_dict(),
     }
+    kld_lines = _kld_report(d, sink)
     if as_json:
         click.echo(json.dumps(d))
         return
@@ -526,9 +568,12 @@ def _precalc_perplexity(
     share = st["early_share"]
     click.echo(
         f"nll {run.nll:.4f} with pre-calculation from layer {first_layer}, {run.nll_off:.4f} without "
-        f"({run.nll_change:+.2%}), top-1 agreement {run.top1_agreement:.3f}, {run.tokens} tokens"
+        f"({run.nll_change:+.2%}), top-1 agreement {run.top1_agreement:.3f}, mean KLD {run.mean_kld:.5f} from the "
+        f"run without it, {run.tokens} tokens"
     )
     click.echo(
         f"pre-calculated {st['used']} of {st['used'] + st['late']} CPU expert executions "
         f"({(share or 0.0):.1%}); {st['computed'] - st['used']} computed for nothing"
     )
+    if kld_lines:
+        click.echo("\n".join(kld_lines))

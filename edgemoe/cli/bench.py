@@ -81,6 +81,15 @@ def _row_options(f: Any) -> Any:
 )
 @attention_options
 @speculation_options
+@click.option(
+    "--kld",
+    "kld_base",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    metavar="BASE",
+    help="add the KL divergence and same-top rate against BASE (`edgemoe perplexity MODEL --input TEXT "
+    "--kl-divergence-base BASE`) of each row that changes the output: +precalc, a quantized KV cache",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--plot", type=OutputPath(), default=None, help="write a PNG bar chart")
 def bench(
@@ -90,6 +99,7 @@ def bench(
     profile_path: str | None,
     attention: AttentionOptions,
     speculation: Any,
+    kld_base: Path | None,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -115,7 +125,7 @@ def bench(
     )
     spec = BenchSpec(
         **run, **rows, policies=policies, calibration=calibration, profile=profile, **attention.load_kwargs(),
-        speculation=speculation if speculation.on else None,
+        speculation=speculation if speculation.on else None, kld_base=kld_base,
     )  # fmt: skip
     res: BenchResult = run_bench(
         model, spec, progress=lambda name: click.echo(f"running {name} ...", err=True)

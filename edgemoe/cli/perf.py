@@ -396,7 +396,9 @@ def plan(
     every expert resident, decode's first tokens after the prompt with and without borrowing the slots, and the
     command for long prompts where edgemoe prefills faster than stock; then the expert slots at
     each context length (4K..128K, up to the model's training context) and KV cache type, with a GPU profile the
-    static policy's projected speeds at them."""
+    static policy's projected speeds at them; and the calibration's adaptive top-k table, where it has one
+    (`edgemoe calibrate --stage gating`: each rule's NLL, mean KL divergence and same-top rate at 10/25/40% fewer
+    activations and at the default threshold)."""
     from ..analysis.trace import Trace
     from ..calibration.adaptive import default_calibration_dir
     from ..gguf.info import read_model_info
@@ -450,22 +452,31 @@ def plan(
         kv = KvTypes(attention.cache_type_k, attention.cache_type_v)
         sim = SimSpec(vram=vram, n_ctx=result.n_ctx, flash_attn=attention.flash_attn, kv=kv)
         spec_rows = _speculation(model, trace, prof, sim, draft_max, acceptances)
-    _print_plan(result, spec_rows, where, as_json)
+    _print_plan(result, spec_rows, where, as_json, cal if cal is not None and cal.exists() else None)
 
 
-def _print_plan(result: Any, spec_rows: Any, where: str, as_json: bool) -> None:
-    """plan's output: the layouts and, where projected, speculation's rows and the routing they replayed (one JSON
-    object with --json)."""
+def _print_plan(
+    result: Any, spec_rows: Any, where: str, as_json: bool, calibration: Path | None = None
+) -> None:
+    """plan's output: the layouts and, where projected, speculation's rows and the routing they replayed; the
+    adaptive top-k costs of the `calibration`, where it has them (gating_quality.json; one JSON object with
+    --json)."""
+    from ..calibration.gating_stage import format_gating_quality, load_gating_quality
     from ..perf.model.layouts import format_layouts
     from ..perf.model.speculation import format_speculation
 
+    gating = load_gating_quality(calibration)
     if as_json:
         out = result.to_dict()
         if spec_rows is not None:
             out["speculation"] = [asdict(r) for r in spec_rows]
             out["speculation_routing"] = where
+        if gating is not None:
+            out["gating_quality"] = gating
         click.echo(json.dumps(out, indent=1))
         return
     click.echo(cli_text(format_layouts(result)))
     if spec_rows is not None:
         click.echo(format_speculation(spec_rows, where))
+    if gating is not None:
+        click.echo("\n" + cli_text(format_gating_quality(gating)))

@@ -12,12 +12,14 @@ from typing import Any
 from ..calibration import auto
 from ..calibration.adaptive import GatingOptions, default_calibration_dir
 from ..calibration.slot_alloc import allocate_slots, describe
+from ..calibration.super_experts import protected_experts
 from ..gguf.header import GgufHeader
 from ..gguf.info import ModelInfo
 from ..plan.calibration import calibration_needs
 from ..plan.planner import PlacementPlan
 from ..plan.request import CacheRequest, PlacementError
 from ..plan.tiers import TierStep
+from ..policies.protected import ProtectedExperts
 from ..policies.registry import completed
 from ..runtime import native
 from ..runtime.cache_config import CacheConfig, PolicyConfig, StaticConfig
@@ -120,6 +122,7 @@ def install_cache(
         ),
         alloc=allocation.alloc,
         degrade=req.degrade,
+        protected=_protected(engine, calibration) if req.degrade is not None else ProtectedExperts(),
         prefill_min_tokens=req.device_prefill,
         prefill_ahead=req.device_prefill_ahead,
         prefill_borrow=req.device_prefill_borrow,
@@ -139,6 +142,11 @@ def install_cache(
         )
         engine.set_context_tiers(tiers)
     notify(_describe(engine, req, describe(allocation), dev))
+
+
+def _protected(engine: Engine, calibration: Path | None) -> ProtectedExperts:
+    """The super experts degradation keeps: the calibration's (the model's own where none was needed)."""
+    return protected_experts(calibration or default_calibration_dir(engine.path))
 
 
 def _describe(engine: Engine, req: CacheRequest, allocation: str, dev: native.GgmlDevice | None) -> str:
@@ -204,7 +212,7 @@ def gating_for(opts: GatingOptions, model: Path) -> GatingOptions:
 def install_gating(engine: Engine, opts: GatingOptions | None, *, notify: Notify = log.info) -> None:
     """Adaptive top-k as `opts` asks, calibrated on first use; its calibration directory defaults to the
     model's (gating_for)."""
-    from ..calibration.adaptive import build_gating
+    from ..calibration.adaptive import build_gating, describe_calibrated
 
     if opts is None:
         return
@@ -212,8 +220,10 @@ def install_gating(engine: Engine, opts: GatingOptions | None, *, notify: Notify
     policy = build_gating(engine, opts)
     if policy is not None:
         path = engine.set_gating(policy)
-        where = "in the graph" if path == "graph" else "in the routing hook (blocking loads need it)"
+        why = "it protects the calibration's super experts" if policy.protected else "blocking loads need it"
+        where = "in the graph" if path == "graph" else f"in the routing hook ({why})"
         notify(
             f"gating: {opts.mode}, threshold {policy.threshold:.4g}, {where}"
             + (" (prefill at full top-k)" if opts.decode_only else "")
+            + (f"; {describe_calibrated(policy.calibrated)}" if policy.calibrated else "")
         )

@@ -122,14 +122,7 @@ def plan(
     req = request if request is not None and request.enabled else None
     kv = KvTypes(opts.cache_type_k, opts.cache_type_v)
     given = load.get("n_ubatch")
-    what = Reserve(
-        n_ubatch=given if given is not None else DEFAULT_BATCH,
-        flash_attn=opts.flash_attn != "off",
-        kv=kv,
-        device_prefill=bool(req and req.reserves_prefill_buffers),  # borrowed ones cost no budget
-        mtp=opts.load_mtp,  # the MTP heads' draft context, where loaded
-        measured=device.compute if device is not None else None,
-    )
+    what = _reserve(opts, req, device, given)
     table, choice = _contexts(info, req, n_ctx, what, opts.flash_attn)
     asked = choice.n_ctx if choice is not None else n_ctx
     ctx = engine_ctx(asked, info.n_ctx_train)
@@ -182,6 +175,19 @@ def plan(
         context_steps=steps,
         prefill_ubatch=min(n_ubatch, ctx),
         prefill_ubatch_reason=pick.reason if pick else GIVEN_REASON if given is not None else DEFAULT_REASON,
+    )
+
+
+def _reserve(opts: LoadConfig, req: CacheRequest | None, device: Device | None, given: int | None) -> Reserve:
+    """What the budget reserves beside the slots before the context and ubatch are settled (`given`: the
+    ubatch asked for, None: llama.cpp's default batch until the plan picks one)."""
+    return Reserve(
+        n_ubatch=given if given is not None else DEFAULT_BATCH,
+        flash_attn=opts.flash_attn != "off",
+        kv=KvTypes(opts.cache_type_k, opts.cache_type_v),
+        device_prefill=bool(req and req.reserves_prefill_buffers),  # borrowed ones cost no budget
+        mtp=opts.load_mtp,  # the MTP heads' draft context, where loaded
+        measured=device.compute if device is not None else None,
     )
 
 

@@ -10,17 +10,19 @@ least r times the replaced one's (candidates only get worse and the replaced onl
 way, so the first failure ends it). r = 1 replaces only ties; a smaller r replaces more. The weights
 of a changed token are what the layer's weight rule gives the new selection (normalised, as is, or a
 softmax over the selected), times its scale. Nothing else changes: a token whose selected experts are
-all resident, or that has no close resident alternative, keeps its routing bit for bit.
+all resident, or that has no close resident alternative, keeps its routing bit for bit. A protected expert (a
+model's super experts, edgemoe.policies.protected) is never replaced, nor brought in as a replacement.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from ..errors import EdgeMoeError
+from .protected import ProtectedExperts
 from .route import RouteRecord, WeightRule
 
 
@@ -58,16 +60,25 @@ def router_scores(route: RouteRecord) -> np.ndarray:
 
 
 def degrade(
-    ids: np.ndarray, scores: np.ndarray, resident: np.ndarray, *, ratio: float, keep_first: bool = True
+    ids: np.ndarray,
+    scores: np.ndarray,
+    resident: np.ndarray,
+    *,
+    ratio: float,
+    keep_first: bool = True,
+    protected: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(new ids, replaced) for ids (T, k) (-1: a dropped slot), scores (T, n_expert), resident (n_expert,) bool.
 
     replaced (T, k) bool marks the slots that now name a resident expert instead of a non-resident one.
+    protected (n_expert,) bool: experts never replaced and never chosen as a replacement.
     """
     check_ratio(ratio)
     out = np.array(ids, copy=True)
     replaced = np.zeros(out.shape, bool)
-    if not resident.any():
+    fixed = np.zeros(len(resident), bool) if protected is None else protected
+    candidates = resident & ~fixed
+    if not candidates.any():
         return out, replaced
     for t in range(out.shape[0]):
         row, s = out[t], scores[t]
@@ -75,11 +86,14 @@ def degrade(
         if not valid:
             continue
         first = max(valid, key=lambda j: (s[row[j]], -j)) if keep_first else -1
-        cpu = sorted((j for j in valid if not resident[row[j]] and j != first), key=lambda j: (s[row[j]], j))
+        cpu = sorted(
+            (j for j in valid if not resident[row[j]] and not fixed[row[j]] and j != first),
+            key=lambda j: (s[row[j]], j),
+        )
         if not cpu:
             continue
         chosen = set(int(e) for e in row[valid])
-        cands = [int(e) for e in np.argsort(-s, kind="stable") if resident[e] and int(e) not in chosen]
+        cands = [int(e) for e in np.argsort(-s, kind="stable") if candidates[e] and int(e) not in chosen]
         for j, e_new in zip(cpu, cands, strict=False):
             if not s[e_new] >= ratio * s[row[j]]:
                 break
@@ -117,6 +131,7 @@ class GracefulDegradation:
     )
     decode_only: bool = True
     skip_rows: int = 0
+    protected: ProtectedExperts = field(default_factory=ProtectedExperts)  # never replaced nor brought in
     wants_probs: bool = True
     wants_gate_inp: bool = False
     n_routed: int = 0  # selected expert slots of the rows it handled
@@ -141,7 +156,11 @@ class GracefulDegradation:
         if not resident.any():
             return
         scores = router_scores(route)[rows]
-        new, replaced = degrade(ids, scores, resident, ratio=self.ratio, keep_first=self.keep_first)
+        fixed = np.zeros(route.n_expert, bool)
+        fixed[self.protected.experts(route.layer)] = True
+        new, replaced = degrade(
+            ids, scores, resident, ratio=self.ratio, keep_first=self.keep_first, protected=fixed
+        )
         if not replaced.any():
             return
         self.n_replaced += int(replaced.sum())

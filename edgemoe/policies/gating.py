@@ -14,6 +14,9 @@ rule gives a smaller top-k (renormalised and scaled, or as they are). Rules:
   which is the paper's (1 - a)^2 * S_l <= T; for k > 2 the mass of all dropped
   experts generalises it.
 
+A GatingPolicy never drops a slot routed to one of its ``protected`` experts (a model's super experts,
+edgemoe.policies.protected), whatever the rule says.
+
 An Engine runs these rules inside llama.cpp's graph (ggml_moe_gate, with the
 arithmetic of ``normalised``/``keep_mask`` and the model's own weight rule for the kept
 experts) unless a Python routing hook or the expert cache needs the routing callback; then
@@ -25,12 +28,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
 from ..errors import EdgeMoeError
+from .protected import ProtectedExperts
 from .route import RouteRecord, WeightRule
 
 
@@ -106,6 +111,12 @@ class GatingPolicy:
     wants_gate_inp: bool = False
     n_routed: int = 0  # slots of the routes this policy gated (not those decode_only skipped)
     n_dropped: int = 0  # of these, the slots it dropped
+    # experts never dropped (the calibration's super experts); the graph's gate cannot keep them, so an Engine runs
+    # a policy that has any in the routing hook
+    protected: ProtectedExperts = field(default_factory=ProtectedExperts)
+    # what calibration measured the threshold to cost on its validation text (None: a threshold given as is):
+    # edgemoe.calibration.gating_cost.ThresholdCost's fields, and the KL-divergence budget that chose it, if one did
+    calibrated: Mapping[str, Any] | None = None
 
     def layer_sensitivity(self, layer: int) -> float:
         return 1.0 if self.sensitivity is None else float(self.sensitivity.get(layer, 1.0))
@@ -118,6 +129,7 @@ class GatingPolicy:
         ):
             return
         keep = keep_mask(self.rule, route.weights, self.threshold, self.layer_sensitivity(route.layer))
+        keep |= self.protected.mask(route.layer, route.ids)
         self.n_routed += keep.size
         self.n_dropped += int((~keep).sum())
         apply_keep(route, keep)
@@ -130,6 +142,11 @@ class GatingPolicy:
 
 # lower score thresholds drop more; higher ser / sensitivity thresholds drop more
 _MORE_DROPS_WITH_HIGHER_T = {GatingRule.SCORE: False, GatingRule.SER: True, GatingRule.SENSITIVITY: True}
+
+
+def drops_more_with_higher_threshold(rule: GatingRule) -> bool:
+    """Does a higher threshold drop more experts under `rule` (ser, sensitivity) or fewer (score)?"""
+    return _MORE_DROPS_WITH_HIGHER_T[rule]
 
 
 def bisect_threshold(

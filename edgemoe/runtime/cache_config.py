@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import EdgeMoeError
 from ..policies.copy_queue import load_worker_default
 from ..policies.kinds import DaliConfig, DaopConfig, LruConfig, ManualConfig, PromoeConfig, StaticConfig
+from ..policies.protected import ProtectedExperts
 from ..policies.registry import PolicyRecord, calibrated_config, policy_config, policy_options
 
 __all__ = [  # the records and their builders are re-exported: they lived here
@@ -84,6 +85,8 @@ class CacheConfig:
     # its best) is replaced by the best resident one it did not select whose router score is at least this
     # ratio of the replaced one's (0 < r <= 1; None: off). Changes the routing; runs in the routing hook
     degrade: float | None = None
+    # experts the degradation never swaps out or in (the calibration's super experts, edgemoe.policies.protected)
+    protected: ProtectedExperts = field(default_factory=ProtectedExperts)
 
     @property
     def prefetcher(self) -> bool:

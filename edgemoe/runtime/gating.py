@@ -57,8 +57,8 @@ class Gating:
             self.policy.n_routed = self.policy.n_dropped = 0
 
     def report(self, path: str | None) -> dict[str, Any] | None:
-        """{"rule", "threshold", "path", "activation_reduction"} of the gated routes so far, or None; `path`:
-        where it runs (Engine.gating_path)."""
+        """{"rule", "threshold", "path", "activation_reduction", "protected", "calibrated"} of the gated routes so
+        far, or None; `path`: where it runs (Engine.gating_path)."""
         g = self.policy
         if g is None:
             return None
@@ -72,4 +72,6 @@ class Gating:
             "threshold": g.threshold,
             "path": path,
             "activation_reduction": reduction,
+            "protected": g.protected.to_list(),  # experts it never drops (the calibration's super experts)
+            "calibrated": dict(g.calibrated) if g.calibrated else None,  # its cost on the validation text
         }

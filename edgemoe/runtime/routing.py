@@ -145,19 +145,25 @@ class Routing:
         return self.set_policies(self.policies)
 
     def needs_callback(self) -> bool:
-        """Does anything need the routing callback: a Python policy, or an expert-cache policy that runs
-        in it (blocking loads, dali)?"""
+        """Does anything need the routing callback: a Python policy, gating that protects experts, or an
+        expert-cache policy that runs in it (blocking loads, dali)?"""
         # native promoe maps the cached layers' ids in the callback, where gating must run too (the graph's
         # gating leaves layers the callback maps alone)
-        experts = self.experts
-        return bool(self.policies) or (
-            experts is not None
-            and (
-                experts.native_policy == native.MOE_CACHE_POLICY_CALLBACK
-                or experts.degradation is not None
-                or (
-                    self.gating.policy is not None
-                    and experts.native_policy == native.MOE_CACHE_POLICY_PREDICTED_PREFETCH
+        experts, gating = self.experts, self.gating.policy
+        # the graph's gate (ggml_moe_gate) knows no protected experts: a policy with some runs in the hook
+        protects = gating is not None and bool(gating.protected)
+        return (
+            bool(self.policies)
+            or protects
+            or (
+                experts is not None
+                and (
+                    experts.native_policy == native.MOE_CACHE_POLICY_CALLBACK
+                    or experts.degradation is not None
+                    or (
+                        self.gating.policy is not None
+                        and experts.native_policy == native.MOE_CACHE_POLICY_PREDICTED_PREFETCH
+                    )
                 )
             )
         )
@@ -252,7 +258,9 @@ class Routing:
             self.handle.ctx, config.loads_async(device) and not experts.issues_own_loads
         )
         if config.degrade is not None:
-            experts.degradation = GracefulDegradation(CacheResidency(cache), ratio=config.degrade)
+            experts.degradation = GracefulDegradation(
+                CacheResidency(cache), ratio=config.degrade, protected=config.protected
+            )
         graph = experts.graph_predictors()  # a prefetcher run inside llama.cpp: its predictor in the graph
         if graph is not None:
             predictors, per_token, weights = graph

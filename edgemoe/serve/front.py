@@ -113,8 +113,8 @@ class FrontMiddleware:
                 403,
                 f"this server answers only Host names of this machine (localhost, {self.hosts.bound}), not "
                 f"{echo(host)}: a web page could otherwise reach it through DNS rebinding. Use "
-                "http://127.0.0.1:PORT, or start the server with --api-key (then any Host is answered) or "
-                "--allowed-host NAME",
+                "http://127.0.0.1:PORT, or start the server as `edgemoe serve MODEL --api-key KEY` (then any Host "
+                "is answered) or `edgemoe serve MODEL --allowed-host NAME`",
                 code="host_not_allowed",
             )
         return None

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .kld_column import kld_cells
 from .records import REUSE_QUESTION, BenchResult, RowResult
 
 
@@ -38,6 +39,11 @@ COLUMNS: list[Column] = [
     Column("proj dec", 8, lambda r: _or_dash(r.projected_decode_tps, ".2f")),
     Column("err", 6, lambda r: _or_dash(r.projection_error, "+.1%")),
 ]
+# with `--kld`: each output-changing row's mean KL divergence and same-top rate (edgemoe.perf.bench.kld_column)
+KLD_COLUMNS: list[Column] = [
+    Column("KLD", 7, lambda r: kld_cells(r.metrics.get("kld"))[0]),
+    Column("same top", 8, lambda r: kld_cells(r.metrics.get("kld"))[1]),
+]
 NAME_WIDTH = 26
 
 
@@ -53,7 +59,8 @@ def _note(r: RowResult) -> str:
 def format_table(res: BenchResult, columns: list[Column] | None = None) -> str:
     """The result as a table: a heading, one line per row (its name, COLUMNS, its note), then what the columns
     that need it mean."""
-    cols = COLUMNS if columns is None else columns
+    with_kld = any("kld" in r.metrics for r in res.rows)
+    cols = (COLUMNS + (KLD_COLUMNS if with_kld else [])) if columns is None else columns
     head = (
         f"{res.model} · {res.device} · budget {res.vram / 2**30:.1f} GiB · {res.slots_per_layer} slots/layer · "
         f"{res.prompt_tokens} prompt + {res.gen_tokens} generated tokens"
@@ -70,6 +77,10 @@ def format_table(res: BenchResult, columns: list[Column] | None = None) -> str:
         "state restored from host memory (serve's prompt cache)"
     )
     lines.append(f"ub: the prefill ubatch (-ub) the row ran; {res.ubatch_note or 'llama.cpp default 512'}")
+    if with_kld:
+        lines.append(
+            "KLD, same top: against the KLD base's logits, for the rows that change the output (bench.kld_column)"
+        )
     if res.projection_note:
         lines.append(f"proj dec: PROJECTED decode tok/s, {res.projection_note}")
     elif res.rows:

@@ -63,6 +63,7 @@ class BenchSpec:
     # every row's prefill ubatch (-ub); None: on a GPU with a GPU profile the prefill plan's for stock and +device
     # prefill rows, else 512
     n_ubatch: int | None = None
+    kld_base: Path | None = None  # each output-changing row's KL divergence against it (bench.kld_column)
 
     @property
     def kv(self) -> KvTypes:

@@ -195,6 +195,11 @@ def run_bench(
         rows=tuple(results),
         ubatch_note=rp.ubatches.note,
     )
+    if spec.kld_base is not None:
+        from .kld_column import add_kld_column
+
+        kld = add_kld_column(res.rows, rows, path, spec.kld_base, runner.setup, progress)
+        res = replace(res, rows=kld)
     if spec.profile is not None and generated:
         if progress:
             progress("projection (trace + performance model)")

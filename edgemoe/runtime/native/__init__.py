@@ -34,6 +34,8 @@ from .ggml import (  # noqa: F401  # noqa: F401
     reg_proc_address,
     rpc_loopback_device,
     serve_rpc,
+    tensor_f32,
+    tensor_name,
 )
 from .llama_moe import (  # noqa: F401
     MOE_CACHE_ABSENT,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
+import numpy as np
+
 from ...errors import NativeLibraryError
 from .loader import (
     GgmlBufferType,
@@ -36,6 +38,33 @@ _dev_memory = declare(
 )
 # ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
 _cpu_buft = declare("ggml_backend_cpu_buffer_type", [], ctypes.c_void_p, ggml_cpu_lib)
+
+
+# -- a graph node's name and contents, for llama.cpp's eval callback (edgemoe.runtime.node_probe) -----------
+# const char * ggml_get_name(const struct ggml_tensor * tensor);
+_get_name = declare("ggml_get_name", [ctypes.c_void_p], ctypes.c_char_p, ggml_base_lib)
+# size_t ggml_nbytes(const struct ggml_tensor * tensor);
+_nbytes = declare("ggml_nbytes", [ctypes.c_void_p], ctypes.c_size_t, ggml_base_lib)
+# void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
+_tensor_get = declare(
+    "ggml_backend_tensor_get",
+    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t],
+    None,
+    ggml_base_lib,
+)
+
+
+def tensor_name(tensor: int) -> str:
+    require_ggml_functions(_get_name, caller="the node probe")
+    return (_get_name(tensor) or b"").decode(errors="replace")
+
+
+def tensor_f32(tensor: int) -> np.ndarray:
+    """A contiguous F32 tensor's values, flat (copied from whichever backend holds it)."""
+    require_ggml_functions(_nbytes, _tensor_get, caller="the node probe")
+    out = np.empty(_nbytes(tensor) // 4, np.float32)
+    _tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+    return out
 
 
 def device_by_type(kind: int) -> GgmlDevice | None:
