@@ -231,7 +231,7 @@ def test_dp_misses_no_more_than_equal_on_a_recorded_trace(fixture_model: Path, k
 # -- allocate_slots: --alloc from a calibration -------------------------------------------------
 def test_allocate_slots_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from conftest import FIXTURE_MODELS, ROOT
+    from helpers.models import FIXTURE_MODELS, ROOT
 
     from edgemoe.calibration.slot_alloc import ROUTING_TRACE, allocate_slots
     from edgemoe.calibration.card import CalibrationError

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS, ROOT
+from helpers.models import FIXTURE_MODELS, ROOT
 
 from edgemoe.calibration import CARD, CalibrationError, model_sha256
 from edgemoe.calibration import auto

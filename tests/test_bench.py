@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
@@ -138,7 +138,7 @@ def test_bench_precalc_rows() -> None:
     bad = CliRunner().invoke(cli, [*args, "--precalc-from", str(n_layer)])
     assert bad.exit_code != 0 and "--precalc-from" in bad.output
 
-    from test_perfmodel import skewed_trace
+    from helpers.traces import skewed_trace
 
     from edgemoe.gguf.header import check_gguf
     from edgemoe.perf.bench.project import projections

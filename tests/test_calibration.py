@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS, ROOT
+from helpers.models import FIXTURE_MODELS, ROOT
 
 from edgemoe.calibration import card as cal_mod
 from edgemoe.calibration import (

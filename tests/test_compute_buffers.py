@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS
-from rpc_child import run_child
+from helpers.models import FIXTURE_MODELS
+from helpers.rpc_child import run_child
 
 from edgemoe.gguf.header import check_gguf
 from edgemoe.gguf.info import read_model_info

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import StepRecorder
+from helpers.recorders import StepRecorder
 
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.policies.daop import DaopError, DaopPolicy, PromptSwapResidency, initial_placement, swap_pairs

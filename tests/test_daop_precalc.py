@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import eval_callback_tensors
+from helpers.stock import eval_callback_tensors
 
 from edgemoe.analysis.daop_precalc import decode_residency, precalc_accuracy
 from edgemoe.analysis.trace import DECODE, PREFILL, Trace

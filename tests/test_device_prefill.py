@@ -25,8 +25,6 @@ from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
 from edgemoe.runtime.expert_cache import ExpertCacheError
 from edgemoe.runtime.sampling import GREEDY
 
-pytest_plugins = ["conftest_synth"]
-
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 PROMPT = "Lists are mutable sequences, typically used to store collections of homogeneous items."  # not a prefix of TEXT
 PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)

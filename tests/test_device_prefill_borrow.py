@@ -6,7 +6,7 @@ buffers; the first smaller ubatch (decode) zeroes the slots and refills them wit
 routed most in each layer. Nothing is lost (the slots are a cache), so every logit of a session (a prompt
 over several ubatches, decode steps, a second prompt after truncating the KV cache, a restored snapshot and
 its decode) must equal stock's bitwise, at ubatches of 512, 1024 and 2048 tokens. The RPC device runs the
-same session in tests/test_cache_rpc.py (tests/rpc_borrow_check.py); every architecture in
+same session in tests/test_cache_rpc.py (tests/helpers/rpc_borrow_check.py); every architecture in
 tests/test_arch_sweep.py (the cache-borrow check).
 """
 from __future__ import annotations
@@ -15,49 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.borrow_session import MIN_TOKENS, load_config, session
 
 from edgemoe.gguf.info import read_model_info
 from edgemoe.runtime import native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
-from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.engine import Engine
 from edgemoe.runtime.expert_cache import ExpertCacheError
-
-MIN_TOKENS = 32
-
-
-def session(eng: Engine, n_ubatch: int, n_decode: int = 4) -> list[np.ndarray]:
-    """Logits of a prompt of 2.5 ubatches and greedy decode steps, then (as serve does) the KV cache cut to the
-    prompt's first half and a second prompt of 1.5 ubatches after it with its decode steps, then the first
-    session's snapshot restored and one more step."""
-    rng = np.random.default_rng(n_ubatch)
-    p1 = [int(t) for t in rng.integers(10, eng.n_vocab - 10, n_ubatch * 5 // 2)]
-    p2 = [int(t) for t in rng.integers(10, eng.n_vocab - 10, n_ubatch * 3 // 2)]
-    out: list[np.ndarray] = []
-
-    def step(tokens: list[int]) -> None:
-        eng.feed(tokens)
-        out.append(np.array(eng.logits(-1)))
-
-    def decode() -> None:
-        for _ in range(n_decode):
-            step([int(np.argmax(out[-1]))])
-
-    eng.reset()
-    step(p1)
-    decode()
-    snap = eng.snapshot()
-    eng.truncate(len(p1) // 2)
-    step(p2)
-    decode()
-    eng.restore(snap)
-    step([int(np.argmax(out[n_decode]))])
-    return out
-
-
-def load_config(n_ubatch: int) -> LoadConfig:
-    # past the fixtures' 512-token training context: the logits are compared, not judged
-    return LoadConfig(n_ctx=3 * n_ubatch + 64, n_batch=n_ubatch, n_ubatch=n_ubatch, n_threads=2,
-                      use_extra_bufts=False)
 
 
 def run(path: Path, n_ubatch: int, cache: CacheConfig | None) -> tuple[list[np.ndarray], dict | None]:

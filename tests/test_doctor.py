@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import stock_greedy
+from helpers.stock import stock_greedy
 from edgemoe.analysis import doctor_child
 from edgemoe.analysis.doctor import (
     CLI_PROMPT,
@@ -24,7 +24,7 @@ from edgemoe.analysis.doctor import (
 )
 from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, series_total
 from edgemoe.cli.main import cli
-from test_ops import backend_ops_exe
+from helpers.native_ops import backend_ops_exe
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
 STEPS = ["build", "devices", "cpu", "rpc ngl=0", "rpc ngl=999", "cli cpu", "cli cache", "ops CPU", "ids"]

@@ -5,7 +5,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS, ROOT
+from helpers.models import FIXTURE_MODELS, ROOT
 
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.calibration.adaptive import GatingOptions, build_gating, thresholds_cache_path
 from edgemoe.calibration.gating_cost import (

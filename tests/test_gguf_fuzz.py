@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 from gguf import GGUFValueType as T
-from gguf_mutate import GgufFile
+from helpers.gguf_mutate import GgufFile
 
 SEED = 16  # issue 16
 N_CASES = 40

@@ -25,8 +25,6 @@ from edgemoe.gguf.info import (
 from edgemoe.plan.budget import estimate_kv_cache_bytes, slot_budget
 from edgemoe.gguf.presets import PRESETS
 
-pytest_plugins = ["conftest_synth"]
-
 MakeGguf = Callable[..., Path]  # the make_tiny_gguf fixture
 
 # unpacked by tools/build_llama.py (make install) on every machine that built the library

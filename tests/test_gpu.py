@@ -170,7 +170,7 @@ def test_gpu_skipped_ids_op_test_passes() -> None:
     """tests/native/test_mmid_skip.cpp covers CUDA when the library has it: its run must include CUDA cases."""
     import subprocess
 
-    from test_ops import build_native
+    from helpers.native_ops import build_native
 
     exe = build_native("test_mmid_skip", Path(__import__("tempfile").mkdtemp()))
     out = subprocess.run([str(exe), "4"], capture_output=True, text=True, timeout=900)
@@ -182,7 +182,7 @@ def test_gpu_backend_ops_cases_of_the_series_pass() -> None:
     """llama.cpp's test-backend-ops with the series' cases (skipped ids, moe_gate): CUDA against the CPU."""
     import tempfile
 
-    from test_ops import run_backend_ops
+    from helpers.native_ops import run_backend_ops
 
     run_backend_ops(Path(tempfile.mkdtemp()), "CUDA0")
 

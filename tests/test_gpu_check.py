@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, series_total
-from test_ops import backend_ops_exe
+from helpers.native_ops import backend_ops_exe
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_check.sh"

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.analysis.kld import KldComparison, row_kld
 from edgemoe.analysis.kld_base import BaseRecorder, KldBase, KldBaseError, RunKey

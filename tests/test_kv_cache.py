@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.cli.main import cli
 from edgemoe.errors import InvalidConfigError
@@ -212,7 +212,7 @@ def test_every_model_command_has_the_options() -> None:
 
 
 def test_serve_runs_with_a_quantized_kv_cache(tmp_path: Path) -> None:
-    from serve_harness import MODEL_ID, running
+    from helpers.serve_harness import MODEL_ID, running
 
     log = tmp_path / "server.log"
     with running(log, "--flash-attn", "auto", "-ctk", "q8_0", "-ctv", "q8_0") as srv:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.prompt_cache import KVSnapshot

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import StepRecorder
+from helpers.recorders import StepRecorder
 
 from edgemoe.cli.main import cli
 from edgemoe.errors import EdgeMoeError

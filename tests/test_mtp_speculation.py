@@ -26,8 +26,6 @@ from edgemoe.runtime.mtp import MtpDrafter
 from edgemoe.runtime.native import lib
 from edgemoe.speculation import SpeculationConfig
 
-pytest_plugins = ["conftest_synth"]
-
 MTP = "tiny-deepseek2-mtp"
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET:\nO Romeo, Romeo,"
 
@@ -244,7 +242,7 @@ def test_generate_and_bench_run_mtp(make_tiny_gguf) -> None:  # type: ignore[no-
 
 
 def test_mtp_with_the_cache_on_the_rpc_device(make_tiny_gguf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from rpc_child import run_child
+    from helpers.rpc_child import run_child
 
     out = run_child("rpc_mtp_check.py", make_tiny_gguf(MTP), tmp_path)
     assert out["device"].startswith("RPC"), out

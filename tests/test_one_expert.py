@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import stock_greedy
+from helpers.stock import stock_greedy
 
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.analysis.verify import run_checks

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS, StepRecorder
+from helpers.models import FIXTURE_MODELS
+from helpers.recorders import StepRecorder
 
 from edgemoe.placement import PlacementError, cache_request
 from edgemoe.policies.allocation import replay_curve

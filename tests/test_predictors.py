@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.analysis.predictor_eval import evaluate, evaluation_to_json, format_evaluation, known_from_trace
 from edgemoe.predictors import (

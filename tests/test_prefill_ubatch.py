@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.cli import cli
 from edgemoe.errors import InvalidConfigError
@@ -177,7 +177,8 @@ def test_bench_s_rows_take_the_plan_s_ubatches(tmp_path: Path) -> None:
 def test_bench_projects_each_gpu_row_at_the_ubatch_it_ran() -> None:
     """On a GPU, stock runs at its best -ub with the --n-cpu-moe beside that buffer and +device prefill at its own
     -ub with fewer slots: their projections are the simulator's at those, not at the cached rows' 512."""
-    from test_perfmodel import QWEN, skewed_trace
+    from helpers.models import QWEN
+    from helpers.traces import skewed_trace
 
     from edgemoe.gguf.info import read_model_info
     from edgemoe.perf.bench.project import projections

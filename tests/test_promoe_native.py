@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.errors import EdgeMoeError
@@ -110,7 +110,7 @@ def test_layers_without_slots_still_predict(fixture_model: Path) -> None:
     """Slots per layer as --alloc dp may give them: layers with none route as stock, but llama.cpp still stops at
     those that predict a later layer (predicted prefetch hands their routing to its callback) and queues the predictions;
     the counters equal PromoePolicy replayed, which predicts from every layer."""
-    from test_prefetch_engine import RouteRecorder
+    from helpers.recorders import RouteRecorder
 
     from edgemoe.policies.promoe import PromoePolicy
     from edgemoe.policies.replay import replay

@@ -7,12 +7,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.runtime.prompt_cache import PromptCache, chunk_boundary
 from edgemoe.serve.prefix_cache import PrefixReuse
-from test_serve_parts import FakeEngine
+from helpers.fake_engine import FakeEngine
 
 CHUNK = 64
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe import Engine, LoadConfig
 from edgemoe.analysis.routing_model import RoutingStats, routing_stats, synthesize_trace

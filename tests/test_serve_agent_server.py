@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_harness import API_KEY, THREADS, TOOL_TEMPLATE, Server, running, tool_model
+from helpers.serve_harness import API_KEY, THREADS, TOOL_TEMPLATE, Server, running, tool_model
 
 from edgemoe import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from serve_harness import TOOL_TEMPLATE
+from helpers.serve_harness import TOOL_TEMPLATE
 
 from edgemoe.serve import anthropic as ant
 from edgemoe.serve.conversation import (

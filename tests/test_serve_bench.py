@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_harness import API_KEY, CTX, MODEL_ID, Server, server  # noqa: F401
+from helpers.serve_harness import API_KEY, CTX, MODEL_ID, Server
 
 SYSTEM = " ".join(f"Rule {i}: keep every module small, typed and tested; say why in one line."
                   for i in range(90))

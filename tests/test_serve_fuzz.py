@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from serve_harness import CTX, THREADS, TOOL_TEMPLATE, tool_model
+from helpers.serve_harness import CTX, THREADS, TOOL_TEMPLATE, tool_model
 
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.serve.app import ServerConfig, create_app

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_harness import API_KEY, CTX, THREADS, Server, running, start_server, stop_server, tool_model
+from helpers.serve_harness import API_KEY, CTX, THREADS, Server, running, start_server, stop_server, tool_model
 from edgemoe import Engine, LoadConfig
 
 OTHER_KEY = "second-key"

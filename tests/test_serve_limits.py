@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_harness import (
+from helpers.serve_harness import (
     API_KEY,
     CTX,
     MODEL,

@@ -20,8 +20,8 @@ from edgemoe.policies.route import RouteRecord
 from edgemoe.torchref.model import MoEConfig
 from edgemoe.analysis.verify import FnPolicy
 
-from conftest import eval_callback_tensors
-from test_torchref import random_exported_model
+from helpers.stock import eval_callback_tensors
+from helpers.torch_models import random_exported_model
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2
 

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.runtime.engine import Engine, LoadConfig

@@ -19,8 +19,6 @@ from edgemoe.runtime.sampling import SamplingParams
 from edgemoe.speculation import SpeculationConfig
 from edgemoe.speculation.accept import Verdict
 
-pytest_plugins = ["conftest_synth"]
-
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
 MIXTRAL = ROOT / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 from edgemoe.analysis.perplexity import chunk_tokens
 from edgemoe.calibration.adaptive import GatingOptions, build_gating

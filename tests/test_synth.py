@@ -18,8 +18,6 @@ from edgemoe.gguf.randquant import SUPPORTED_TYPES, TARGET_STD, iter_random_tens
 from edgemoe.gguf.synth import PRESETS, plan_tensors, synthetic_vocab, write_synthetic
 from edgemoe.gguf.presets import QTYPES, Role, tensor_type
 
-pytest_plugins = ["conftest_synth"]
-
 MakeGguf = Callable[..., Path]  # the make_tiny_gguf fixture
 TINY_PRESETS = tuple(name for name, p in PRESETS.items() if p.tiny)
 BIG_PRESETS = tuple(name for name, p in PRESETS.items() if not p.tiny)

@@ -114,7 +114,7 @@ def test_prompt_coverage_known() -> None:
 
 
 def test_trace_stats_cli(tmp_path: Path) -> None:
-    from conftest import FIXTURE_MODELS
+    from helpers.models import FIXTURE_MODELS
 
     model = FIXTURE_MODELS[-1]
     inp = tmp_path / "in.txt"

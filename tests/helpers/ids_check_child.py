@@ -11,12 +11,16 @@ environment's (EDGEMOE_DEVICE_IDS, LLAMA_MOE_DEVICE_IDS_DUMMY). Scenarios:
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
-
-import json
 import sys
-from dataclasses import replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
+import json
+from dataclasses import replace
 
 import numpy as np
 

@@ -7,13 +7,17 @@ CPU's: results must equal stock bitwise. Writes one JSON object to the file name
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
-
-import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
+import json
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 

@@ -12,11 +12,15 @@ prefill buffers; ids_check: the checker's counts (llama_moe_set_ids_check) over 
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
-
-import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
+import json
 
 import numpy as np
 

@@ -12,13 +12,17 @@ entry. Writes {file: {ubatch: {variant: {"equal", "prefill_layers", "prefill_uba
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
 import json
 import os
-import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -1,6 +1,6 @@
 """The in-process checks of tests/test_arch_sweep.py, run in a child process per model.
 
-    python tests/arch_sweep_check.py MODEL CHECK [CHECK ...]
+    python tests/helpers/arch_sweep_check.py MODEL CHECK [CHECK ...]
 
 prints one line `@@ {"check", "ok", "detail", ...}` per check as it finishes. A llama.cpp abort
 kills this process only: the parent blames the first check without a line and runs the rest again.
@@ -54,8 +54,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the helpers package
 
 PROMPT = "ROMEO: But soft, what light through yonder window breaks?"  # 12 tokens of the test vocabulary
 N_GEN = 16
@@ -64,7 +65,7 @@ N_CTX = 128
 # (the parent runs two of these children at a time) costs far more than they compute
 THREADS = 1
 PLAIN = dict(n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_threads=THREADS,
-             use_extra_bufts=False)  # as tests/test_expert_cache.py
+             use_extra_bufts=False)  # as tests/helpers/cache_runs.py
 
 
 def _tokens(n_vocab: int, n: int) -> list[int]:
@@ -79,7 +80,7 @@ def _diff(got: np.ndarray, ref: np.ndarray) -> str:
 
 
 def check_generate(path: Path) -> dict:
-    from conftest import stock_greedy
+    from helpers.stock import stock_greedy
 
     from edgemoe import GREEDY, Engine, LoadConfig
 
