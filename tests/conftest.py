@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from helpers.models import FIXTURE_MODELS
 
 # the suite's devices other than the CPU (the RPC stand-in) take skipped ids filled and masked, whatever a self-test

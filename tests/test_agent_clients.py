@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from helpers.models import ROOT
 from helpers.serve_harness import API_KEY, Server, running, tool_model
 

@@ -166,8 +166,12 @@ def test_a_prefill_row_replays_the_whole_model_on_the_gpu(tmp_path):
 
 
 def test_prefill_fitted_table_regenerates(tmp_path_factory):
-    from edgemoe.perf.model.backtest_prefill import (FITTED_RATES, backtest_prefill, load_published_prefill,
-                                                     prefill_markdown)
+    from edgemoe.perf.model.backtest_prefill import (
+        FITTED_RATES,
+        backtest_prefill,
+        load_published_prefill,
+        prefill_markdown,
+    )
 
     fitted = backtest_prefill(load_published_prefill(), tmp_path_factory.mktemp("fitted-shapes"), FITTED_RATES)
     text = DOC.read_text()

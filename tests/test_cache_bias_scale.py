@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.cache_runs import PLAIN, TEXT, partial_copy_run, run_prefill_and_steps
 
 from edgemoe.analysis.verify import FnPolicy
 from edgemoe.gguf.header import check_gguf
@@ -26,10 +25,12 @@ from edgemoe.gguf.synth import write_synthetic
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.policies.residency import Load
 from edgemoe.policies.route import RouteRecord
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import EXPERT_TENSORS
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.cache_runs import PLAIN, TEXT, partial_copy_run, run_prefill_and_steps
 
 HERE = Path(__file__).resolve().parent
 HELPERS = HERE / "helpers"  # the scripts run in processes of their own
@@ -93,7 +94,7 @@ def test_random_residency_with_biases_and_scales_equals_stock(name: str, model_p
             pre, steps, st = run_prefill_and_steps(path, toks, cache=cfg, rng=rng)
             what = f"{name}: {slots} slots, {'callback' if blocking else 'tables'}"
             assert np.array_equal(pre, ref_pre), f"{what}: prefill"
-            for i, (a, b) in enumerate(zip(steps, ref_steps)):
+            for i, (a, b) in enumerate(zip(steps, ref_steps, strict=False)):
                 assert np.array_equal(a, b), f"{what}: decode step {i}"
             assert st is not None and st["hits"] > 0 and st["loads"] > 0
 
@@ -228,5 +229,5 @@ def test_gpt_oss_20b_shaped_mxfp4_cache_equals_stock(tmp_path: Path) -> None:
     pre, steps, st = run_prefill_and_steps(path, toks, cache=CacheConfig(8, policy=LruConfig()),
                                            rng=np.random.default_rng(0), decode_steps=8)
     assert np.array_equal(pre, ref_pre)
-    assert all(np.array_equal(a, b) for a, b in zip(steps, ref_steps))
+    assert all(np.array_equal(a, b) for a, b in zip(steps, ref_steps, strict=False))
     assert st is not None and st["hits"] > 0

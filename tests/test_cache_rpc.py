@@ -21,6 +21,7 @@ HELPERS = HERE / "helpers"  # the scripts run in processes of their own
 sys.path.insert(0, str(HERE.parent / "tools"))
 import arch_models  # noqa: E402
 
+
 def holds(check: dict, mode: str) -> bool:
     """The id-row checker's counts keep the mode's contract: no id past the last row and no repeat; fill also no -1."""
     return check["n_range"] == check["n_repeat"] == 0 and (mode == "raw" or check["n_negative"] == 0)

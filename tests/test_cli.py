@@ -8,10 +8,11 @@ from pathlib import Path
 import gguf
 import pytest
 from click.testing import CliRunner
-from helpers.models import FIXTURE_MODELS
-from helpers.stock import stock_greedy
 
 from edgemoe.cli import cli
+
+from helpers.models import FIXTURE_MODELS
+from helpers.stock import stock_greedy
 
 MODEL = FIXTURE_MODELS[0]
 

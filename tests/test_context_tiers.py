@@ -10,8 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers.models import FIXTURE_MODELS
-from helpers.tiers_walk import CFG, tiers_for, walk_steps
 
 from edgemoe.errors import InvalidConfigError, ModelLoadError
 from edgemoe.gguf.info import ModelInfo, read_model_info
@@ -23,6 +21,9 @@ from edgemoe.runtime.cache_config import CacheConfig, ExpertCacheError, LruConfi
 from edgemoe.runtime.context_tiers import ContextResizer, ContextTier, ContextTiers, check_tiers
 from edgemoe.runtime.engine import Engine
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.models import FIXTURE_MODELS
+from helpers.tiers_walk import CFG, tiers_for, walk_steps
 
 TIERS = ContextTiers((ContextTier(256, 12), ContextTier(512, 8), ContextTier(1024, 4)))
 

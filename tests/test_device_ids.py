@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers.models import FIXTURE_MODELS
 from edgemoe.errors import InvalidConfigError
 from edgemoe.runtime import device_ids
 from edgemoe.runtime.config import LoadConfig
 from edgemoe.runtime.device_ids import DeviceInfo, choose, run_selftest, setting_from
 from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, ID_ROW_CASES, series_total
+
+from helpers.models import FIXTURE_MODELS
 
 HERE = Path(__file__).resolve().parent
 HELPERS = HERE / "helpers"  # the scripts run in processes of their own

@@ -20,8 +20,8 @@ from edgemoe.cli.main import cli
 from edgemoe.gguf.info import read_model_info
 from edgemoe.plan.budget import prefill_buffer_bytes
 from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import ExpertCacheError
 from edgemoe.runtime.sampling import GREEDY
 

@@ -9,18 +9,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from edgemoe.analysis.verify import FnPolicy
+from edgemoe.errors import InvalidConfigError
+from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, make_policy, replay_policy, used_experts
+from edgemoe.policies.route import RouteRecord
+from edgemoe.runtime.cache_config import (
+    CacheConfig,
+    LruConfig,
+    ManualConfig,
+    calibrated_config,
+    policy_config,
+)
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.expert_cache import ExpertCacheError
+from edgemoe.runtime.sampling import GREEDY
+
 from helpers.cache_runs import PLAIN, TEXT, partial_copy_run, run_prefill_and_steps
 from helpers.models import FIXTURE_MODELS
 from helpers.recorders import StepRecorder
-
-from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.errors import EdgeMoeError, InvalidConfigError
-from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig, calibrated_config, policy_config
-from edgemoe.runtime.expert_cache import ExpertCacheError
-from edgemoe.policies.route import RouteRecord
-from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, make_policy, replay_policy, used_experts
-from edgemoe.runtime.sampling import GREEDY
-from edgemoe.analysis.verify import FnPolicy
 
 SYNTH = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-deepseek2", "tiny-mixtral", "tiny-olmoe"]
 
@@ -40,7 +47,7 @@ def test_random_residency_equals_stock(make_tiny_gguf) -> None:  # type: ignore[
             cfg = CacheConfig(slots, policy=LruConfig())
             pre, steps, st = run_prefill_and_steps(path, toks, cache=cfg, rng=rng)
             assert np.array_equal(pre, ref_pre), f"{path.name}: prefill, {slots} slots"
-            for i, (a, b) in enumerate(zip(steps, ref_steps)):
+            for i, (a, b) in enumerate(zip(steps, ref_steps, strict=False)):
                 assert np.array_equal(a, b), f"{path.name}: decode step {i}, {slots} slots"
             assert st is not None and st["hits"] > 0 and st["loads"] > 0
 

@@ -22,7 +22,10 @@ from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.policies.gating import GatingPolicy, GatingRule, keep_mask
 from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
-from edgemoe.runtime.gating import NATIVE_RULE  # enum ggml_moe_gate_rule, the op's and the API's one numbering
+from edgemoe.runtime.gating import (
+    NATIVE_RULE,  # enum ggml_moe_gate_rule, the op's and the API's one numbering
+)
+
 from helpers.native_ops import build_native
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers.models import FIXTURE_MODELS
 from gguf import GGUFValueType as T
+
 from helpers.gguf_mutate import GgufFile
+from helpers.models import FIXTURE_MODELS
 
 SEED = 16  # issue 16
 N_CASES = 40
@@ -234,7 +235,7 @@ def test_fuzzed_headers_never_crash(tmp_path: Path) -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         outcomes = list(pool.map(run_case, paths, names))
     bad = [f"{p.name} ({o.case}): {problem}\n{o.stderr[-800:]}"
-           for p, o in zip(paths, outcomes) if (problem := o.problem())]
+           for p, o in zip(paths, outcomes, strict=False) if (problem := o.problem())]
     assert not bad, "\n\n".join(bad)
     # the seed gives a mix: some mutations are harmless (the model still runs), most are refused
     ran = sum(o.returncode == 0 for o in outcomes)

@@ -22,8 +22,8 @@ from edgemoe.gguf.info import (
     parse_size,
     read_model_info,
 )
-from edgemoe.plan.budget import estimate_kv_cache_bytes, slot_budget
 from edgemoe.gguf.presets import PRESETS
+from edgemoe.plan.budget import estimate_kv_cache_bytes, slot_budget
 
 MakeGguf = Callable[..., Path]  # the make_tiny_gguf fixture
 
@@ -317,7 +317,13 @@ def test_vram_reserve_grows_with_the_context_past_4096_tokens(tmp_path: Path) ->
     reserves them past 4096 tokens, and plan's budget for N slots, stock's --n-cpu-moe and the slots agree."""
     from edgemoe.gguf.synth import write_synthetic
     from edgemoe.plan.budget import best_n_cpu_moe, slot_budget
-    from edgemoe.plan.reserve import RESERVE_CTX, VRAM_RESERVE, budget_for_slots, context_reserve_bytes, reserve_bytes
+    from edgemoe.plan.reserve import (
+        RESERVE_CTX,
+        VRAM_RESERVE,
+        budget_for_slots,
+        context_reserve_bytes,
+        reserve_bytes,
+    )
 
     info = read_model_info(write_synthetic("qwen3-30b-a3b", tmp_path / "q.gguf", layers=2, shape_only=True,
                                            progress=False))

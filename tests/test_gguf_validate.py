@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers.models import FIXTURE_MODELS
 from gguf import GGUFValueType as T
-from helpers.gguf_mutate import GgufFile
 
 from edgemoe.errors import EdgeMoeError, InvalidConfigError, InvalidHyperparameterError, ModelLoadError
 from edgemoe.gguf.header import check_gguf
 from edgemoe.gguf.info import read_model_info
 from edgemoe.gguf.validate import LLAMA_MAX_EXPERTS, check_model, validate_hparams
+
+from helpers.gguf_mutate import GgufFile
+from helpers.models import FIXTURE_MODELS
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)  # 8 layers, 32 experts, top-4
 MIXTRAL = next(p for p in FIXTURE_MODELS if "mixtral" in p.name)  # arch "llama", 8 layers, 8 experts, top-2

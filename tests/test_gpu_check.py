@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, series_total
+
 from helpers.native_ops import backend_ops_exe
 
 ROOT = Path(__file__).resolve().parent.parent

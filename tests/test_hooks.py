@@ -6,13 +6,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgemoe.analysis.verify import (
+    FnPolicy,
+    _logits,
+    _swap_experts_in_file,
+    check_drop_last,
+    check_identity,
+    check_swap,
+)
+from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.sampling import GREEDY
-from edgemoe.analysis.verify import (
-    FnPolicy, _logits, _swap_experts_in_file, check_drop_last, check_identity, check_swap,
-)
 
 MOE_PRESETS = ["tiny-qwen3moe", "tiny-mixtral", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe"]
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3

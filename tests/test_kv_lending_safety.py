@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.models import FIXTURE_MODELS
 
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.prompt_cache import KVSnapshot
+
+from helpers.models import FIXTURE_MODELS
 
 F16_NAN = b"\x00\x7e"
 KEEP = 10  # the tokens the sequence is cut to; the cells after them are free

@@ -281,9 +281,9 @@ def test_the_plan_keeps_the_mtp_heads_out_of_the_slots(make_tiny_gguf) -> None: 
     KV cache out of the slots; open_engine plans that way for `mtp` speculation and says so."""
     from edgemoe import open_engine
     from edgemoe.gguf.header import check_gguf
-    from edgemoe.plan.reserve import mtp_reserve_bytes
     from edgemoe.plan.planner import Device, plan
     from edgemoe.plan.request import cache_request
+    from edgemoe.plan.reserve import mtp_reserve_bytes
 
     path = make_tiny_gguf(MTP)
     header = check_gguf(path)

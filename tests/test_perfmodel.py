@@ -8,22 +8,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers.models import MIXTRAL, QWEN
-from helpers.traces import skewed_trace
 
 from edgemoe.analysis.trace import DECODE, PREFILL
 from edgemoe.cli.main import cli
 from edgemoe.errors import EdgeMoeError
 from edgemoe.gguf.info import read_model_info
 from edgemoe.perf.model.costmodel import LayerCosts, ModelShape
-from edgemoe.perf.model.profile import (TOKEN_GRID, Curve, HostProfile, ProfileError, RatePoint, Roofline,
-                                  bundled_profiles, load_profile, profile_from_dict)
+from edgemoe.perf.model.profile import (
+    TOKEN_GRID,
+    Curve,
+    HostProfile,
+    ProfileError,
+    RatePoint,
+    Roofline,
+    bundled_profiles,
+    load_profile,
+    profile_from_dict,
+)
 from edgemoe.perf.model.simulate import ConfigResult, SimSpec, simulate
 from edgemoe.perf.model.workload import GatingSpec, build_workload
 from edgemoe.policies.gating import GatingRule
 from edgemoe.policies.residency import LruPolicy
 from edgemoe.policies.residency import replay_policy as replay_residency
 
+from helpers.models import MIXTRAL, QWEN
+from helpers.traces import skewed_trace
 
 # --------------------------------------------------------------------------- profiles
 

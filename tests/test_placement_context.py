@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers.models import FIXTURE_MODELS
 
 from edgemoe.cli import cli
 from edgemoe.gguf.header import check_gguf
@@ -16,8 +15,10 @@ from edgemoe.gguf.info import ModelInfo, read_model_info
 from edgemoe.gguf.kv_types import KvTypes
 from edgemoe.placement import budget_request, cache_request, plan
 from edgemoe.plan.budget import slot_budget
-from edgemoe.plan.reserve import budget_for_slots, reserve_bytes
 from edgemoe.plan.context import KEEP_SLOTS, TABLE_CTX, context_table, default_context, format_context_table
+from edgemoe.plan.reserve import budget_for_slots, reserve_bytes
+
+from helpers.models import FIXTURE_MODELS
 
 QWEN_FIXTURE = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 F16 = KvTypes()

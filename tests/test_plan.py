@@ -5,16 +5,16 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
-from helpers.models import FIXTURE_MODELS
 
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
-from edgemoe.perf.model.layouts import make_layouts
-from edgemoe.perf.model.layouts import suggest
-from edgemoe.plan.reserve import budget_for_slots
+from edgemoe.perf.model.layouts import make_layouts, suggest
 from edgemoe.perf.model.profile import load_profile
 from edgemoe.perf.model.simulate import SimSpec, simulate
+from edgemoe.plan.reserve import budget_for_slots
+
+from helpers.models import FIXTURE_MODELS
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 
@@ -29,7 +29,7 @@ def test_plan_splits_the_budget_and_allocates_dp_slots_within_it() -> None:
     assert dp is not None and len(dp) == len(info.moe_layers)
     left = vram - plan.fits["dense"] - plan.fits["kv_cache"] - plan.fits["reserve"]
     per = info.bytes_per_expert_by_layer
-    assert sum(n * per[il] for n, il in zip(dp, info.moe_layers)) <= left  # the same budget as equal's
+    assert sum(n * per[il] for n, il in zip(dp, info.moe_layers, strict=False)) <= left  # the same budget as equal's
     assert sum(dp) != 8 * len(dp) or dp != plan.slots_per_layer["equal"]  # dp decided something
     assert sum(plan.fits.values()) <= vram
     rows = {(r["config"], r["allocation"]): r for r in plan.expected}

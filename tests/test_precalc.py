@@ -21,8 +21,8 @@ from edgemoe.cli.main import cli
 from edgemoe.gguf.info import read_model_info
 from edgemoe.policies.loads import Load
 from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import ExpertCacheError
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3

@@ -15,8 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers.models import FIXTURE_MODELS
-from helpers.recorders import RouteRecorder
 
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.cli import cli
@@ -24,10 +22,13 @@ from edgemoe.policies.copy_queue import CopyTiming
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.policies.promoe import PromoePolicy
 from edgemoe.policies.replay import replay
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, DaliConfig, PromoeConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.prefetcher import prefetch_predictor
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.models import FIXTURE_MODELS
+from helpers.recorders import RouteRecorder
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)
@@ -50,8 +51,8 @@ def _generate(path: Path, cache: CacheConfig | None, *, gating: GatingPolicy | N
 
 def _slow(path: Path) -> CopyTiming:
     """About one expert's bytes per MoE layer: speculative loads are often incomplete when their layer routes."""
-    from edgemoe.runtime.expert_cache import expert_chunk_bytes
     from edgemoe.gguf.info import read_model_info
+    from edgemoe.runtime.expert_cache import expert_chunk_bytes
 
     chunks = expert_chunk_bytes(path, read_model_info(path).moe_layers)
     per_expert = float(np.mean([sum(c) for c in chunks.values()]))

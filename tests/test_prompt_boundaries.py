@@ -7,12 +7,13 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from helpers.models import FIXTURE_MODELS
 
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.runtime.prompt_cache import PromptCache, chunk_boundary
 from edgemoe.serve.prefix_cache import PrefixReuse
+
 from helpers.fake_engine import FakeEngine
+from helpers.models import FIXTURE_MODELS
 
 CHUNK = 64
 

@@ -15,9 +15,20 @@ import httpx
 import openai
 import pytest
 
-from helpers.serve_harness import (API_KEY, CTX, MAX_QUEUE, MODEL, MODEL_ID, THREADS, Server, chat_reference,
-                                   long_stream, wait_idle)
 from edgemoe import GREEDY, Engine, LoadConfig
+
+from helpers.serve_harness import (
+    API_KEY,
+    CTX,
+    MAX_QUEUE,
+    MODEL,
+    MODEL_ID,
+    THREADS,
+    Server,
+    chat_reference,
+    long_stream,
+    wait_idle,
+)
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "To be, or not to be"}],

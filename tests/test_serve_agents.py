@@ -17,11 +17,22 @@ import httpx
 import openai
 import pytest
 
-from helpers.serve_harness import (API_KEY, CTX, MODEL, MODEL_ID, THREADS, Server, chat_reference, running,
-                                   tool_model, wait_idle)
 from edgemoe import Engine, LoadConfig
 from edgemoe.runtime.chat import ChatMessage
 from edgemoe.serve.template import ChatTemplate
+
+from helpers.serve_harness import (
+    API_KEY,
+    CTX,
+    MODEL,
+    MODEL_ID,
+    THREADS,
+    Server,
+    chat_reference,
+    running,
+    tool_model,
+    wait_idle,
+)
 
 SYSTEM = "You are a terse playwright."
 T0 = {"temperature": 0}  # the anthropic client has no temperature argument any more: sent as an extra field

@@ -44,7 +44,7 @@ def test_alternating_conversations_ttft(server: Server) -> None:
              for q in ("Refactor the parser.", "Write the tests for it.")]
     rows = []
     for turn in (1, 2):
-        for name, conv in zip("AB", convs):
+        for name, conv in zip("AB", convs, strict=False):
             ttft, reply, usage = streamed_ttft(server, conv)
             prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
             rows.append((f"{name}{turn}", ttft, prompt, usage["cache_read_input_tokens"]))

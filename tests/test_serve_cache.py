@@ -16,9 +16,20 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers.serve_harness import API_KEY, CTX, MODEL, MODEL_ID, THREADS, Server, chat_reference, long_stream, running
 from edgemoe import Engine, LoadConfig
 from edgemoe.runtime.chat import ChatMessage
+
+from helpers.serve_harness import (
+    API_KEY,
+    CTX,
+    MODEL,
+    MODEL_ID,
+    THREADS,
+    Server,
+    chat_reference,
+    long_stream,
+    running,
+)
 
 OTHER_KEY = "second-key"
 SYSTEM = " ".join(f"Rule {i}: keep the code small, typed and tested; say why in one line." for i in range(40))

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
 from helpers.serve_harness import API_KEY, MODEL_ID, Server, running
 
 OTHER_KEY = "second-key"

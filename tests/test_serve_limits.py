@@ -18,6 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
+
+from edgemoe import Engine, LoadConfig
+
 from helpers.serve_harness import (
     API_KEY,
     CTX,
@@ -30,8 +33,6 @@ from helpers.serve_harness import (
     stop_server,
     tool_model,
 )
-
-from edgemoe import Engine, LoadConfig
 
 OTHER_KEY = "second-key"
 USER = [{"role": "user", "content": "To be, or not to be"}]

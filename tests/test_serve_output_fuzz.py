@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from helpers.serve_harness import API_KEY, MODEL_ID, Server, running, tool_model
 
 SEED = 53

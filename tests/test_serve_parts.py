@@ -6,8 +6,6 @@ import json
 from typing import Any
 
 import pytest
-from helpers.fake_engine import FakeEngine
-from helpers.serve_harness import TOOL_TEMPLATE
 
 from edgemoe.runtime.prompt_cache import KVSnapshot, PromptCache, common_prefix
 from edgemoe.serve import anthropic as ant
@@ -17,6 +15,9 @@ from edgemoe.serve.prefix_cache import PrefixReuse
 from edgemoe.serve.template import ChatTemplate, load_template
 from edgemoe.serve.tools import ToolCall, ToolCallScanner, split_calls
 from edgemoe.serve.worker import Outcome
+
+from helpers.fake_engine import FakeEngine
+from helpers.serve_harness import TOOL_TEMPLATE
 
 
 def snap(tokens: list[int], nbytes: int = 100) -> KVSnapshot:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from helpers.serve_harness import running
 
 N_SILENT = N_PARTIAL = 1000

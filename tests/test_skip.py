@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.analysis.verify import FnPolicy
 from edgemoe.policies.gating import apply_keep
 from edgemoe.policies.route import RouteRecord
+from edgemoe.runtime import native
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.torchref.model import MoEConfig
-from edgemoe.analysis.verify import FnPolicy
 
 from helpers.stock import eval_callback_tensors
 from helpers.torch_models import random_exported_model

@@ -6,9 +6,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers.serve_harness import API_KEY, MODEL, MODEL_ID, Server, running
 
 from edgemoe import GREEDY, Engine, LoadConfig
+
+from helpers.serve_harness import API_KEY, MODEL, MODEL_ID, Server, running
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nROMEO:\nBut soft,"
 

@@ -6,10 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.torch_models import random_exported_model
 
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.torchref.model import MoEConfig, load_balancing_loss
+
+from helpers.torch_models import random_exported_model
 
 
 @pytest.mark.parametrize("arch,n_expert,k,n_ff", [("qwen3moe", 16, 4, 64), ("llama", 8, 2, 256)])

@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from fastapi.testclient import TestClient  # noqa: E402
-from helpers.serve_harness import MODEL, TOOL_TEMPLATE  # noqa: E402
 
 from edgemoe import Engine, LoadConfig  # noqa: E402
 from edgemoe.perf.agent_ttft import ProjectedTTFT, Session, TurnTTFT, load_session, project_turns, replay  # noqa: E402
@@ -34,6 +33,8 @@ from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 from edgemoe.serve.app import ServerConfig, create_app  # noqa: E402
 from edgemoe.serve.template import ChatTemplate  # noqa: E402
 from edgemoe.serve.worker import EngineWorker  # noqa: E402
+
+from helpers.serve_harness import MODEL, TOOL_TEMPLATE  # noqa: E402
 
 MODEL_ID = "tiny"
 

@@ -87,7 +87,7 @@ def rows(model: Path) -> list[dict[str, object]]:
                 print(f"{name} {kv.k}: no step below {N_CTX} gains a slot", file=sys.stderr)
                 continue
             off = replay(model, info, prof, vram, whole.slots_per_layer, kv, memo)
-            pauses = {b.n_ctx: pause_s(info, prof, a, b, kv) for a, b in zip(steps, steps[1:])}
+            pauses = {b.n_ctx: pause_s(info, prof, a, b, kv) for a, b in zip(steps, steps[1:], strict=False)}
             for n in LENGTHS:
                 step = next(s for s in steps if s.n_ctx >= n)
                 on = replay(model, info, prof, vram, step.slots_per_layer, kv, memo)

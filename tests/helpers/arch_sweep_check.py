@@ -80,9 +80,9 @@ def _diff(got: np.ndarray, ref: np.ndarray) -> str:
 
 
 def check_generate(path: Path) -> dict:
-    from helpers.stock import stock_greedy
-
     from edgemoe import GREEDY, Engine, LoadConfig
+
+    from helpers.stock import stock_greedy
 
     prompt_ids, ref = stock_greedy(path, PROMPT, N_GEN, n_ctx=N_CTX, n_threads=THREADS)
     with Engine(path, LoadConfig(n_ctx=N_CTX, n_threads=THREADS)) as eng:
@@ -91,7 +91,7 @@ def check_generate(path: Path) -> dict:
     if ours_prompt != prompt_ids:
         return dict(ok=False, detail=f"prompt tokens differ: edgemoe {ours_prompt} vs stock {prompt_ids}")
     ok = g.tokens == ref
-    first = next((i for i, (a, b) in enumerate(zip(g.tokens, ref)) if a != b),
+    first = next((i for i, (a, b) in enumerate(zip(g.tokens, ref, strict=False)) if a != b),
                  min(len(g.tokens), len(ref)))
     detail = (f"{len(ref)} greedy tokens equal" if ok
               else f"differ from token {first}: edgemoe {g.tokens} vs stock {ref}")
@@ -393,7 +393,7 @@ def check_speculate(path: Path) -> dict:
             assert st is not None
             seen.append(f"{cfg.mode}: {st.steps} steps, {st.accepted}/{st.drafted} accepted")
             if g.tokens != want:
-                first = next(i for i, (a, b) in enumerate(zip(g.tokens, want)) if a != b)
+                first = next(i for i, (a, b) in enumerate(zip(g.tokens, want, strict=False)) if a != b)
                 problems.append(f"{cfg.mode} differs from token {first} (smallest top-2 gap {st.min_top2_gap})")
         eng.set_speculation(None)
     if problems:

@@ -24,12 +24,12 @@ from dataclasses import replace
 
 import numpy as np
 
+from edgemoe.analysis.verify import FnPolicy
 from edgemoe.policies.gating import GatingPolicy, GatingRule
+from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime import device_ids, native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.analysis.verify import FnPolicy
-from edgemoe.policies.route import RouteRecord
 
 CFG = LoadConfig(n_ctx=128, n_batch=32, n_ubatch=32, n_threads=2, use_extra_bufts=False, op_offload=False)
 ON_DEVICE = replace(CFG, n_gpu_layers=999)

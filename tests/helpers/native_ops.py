@@ -10,9 +10,10 @@ import subprocess
 from pathlib import Path
 
 import llama_cpp
-from helpers.models import ROOT
 
 from edgemoe.runtime.op_tests import BACKEND_OPS_NAME, SERIES_CASES, installed_include_dir, native_tools_dir
+
+from helpers.models import ROOT
 
 NATIVE = ROOT / "tests" / "native"
 LLAMA_SRC = ROOT / ".build" / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"

@@ -20,12 +20,13 @@ import json
 from dataclasses import replace
 
 import numpy as np
-from helpers.tiers_walk import CFG, tiers_for, walk_steps
 
 from edgemoe.runtime import native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.tiers_walk import CFG, tiers_for, walk_steps
 
 
 def walk(path: Path, cfg: LoadConfig, ids: list[int], device: object | None) -> tuple[list[np.ndarray], dict]:

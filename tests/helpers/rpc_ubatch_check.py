@@ -51,7 +51,7 @@ def run(eng: Engine, toks: list[int]) -> list[np.ndarray]:
 
 
 def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
-    return len(a) == len(b) and all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
+    return len(a) == len(b) and all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b, strict=False))
 
 
 def check(path: Path, dev: object, ubatch: int) -> dict[str, object]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
 from helpers.models import ROOT
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ To call one, answer with a JSON object in <tool_call></tool_call> tags:
 def tool_model(directory: Path) -> Path:
     """A copy of the fixture GGUF with TOOL_TEMPLATE as its chat template."""
     from gguf import GGUFValueType
+
     from helpers.gguf_mutate import GgufFile
 
     out = directory / "edgemoe-tiny-qwen3moe-tools.gguf"

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from edgemoe.gguf.synth import write_synthetic
 from edgemoe.gguf.presets import PRESETS
+from edgemoe.gguf.synth import write_synthetic
 
 TINY_PRESETS: tuple[str, ...] = tuple(name for name, p in PRESETS.items() if p.tiny)
 MakeGguf = Callable[..., Path]
