@@ -168,7 +168,7 @@ def test_dp_with_coarsened_byte_units_stays_within_the_budget() -> None:
 
 
 def test_dp_with_bytes_never_adds_to_the_slots_asked() -> None:
-    """Issue 29: with smaller experts in some layers, the byte optimum alone holds more slots than asked."""
+    """With smaller experts in some layers, the byte optimum alone holds more slots than asked."""
     rng = np.random.default_rng(3)
     w = {il: 35_840 if il % 3 == 0 else 29_696 for il in range(8)}  # the qwen3moe fixture's Q6_K / Q4_K layers
     more = 0

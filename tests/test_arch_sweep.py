@@ -1,4 +1,4 @@
-"""edgemoe's features on every MoE architecture llama.cpp builds (issue 16), against stock llama.cpp.
+"""edgemoe's features on every MoE architecture llama.cpp builds, against stock llama.cpp.
 
 The models are llama.cpp's own random-weight test models (tests/test-llama-archs.cpp, built and run
 by tools/arch_models.py on first use into .build/arch-models; every MoE one has 2 experts and routes

@@ -54,7 +54,7 @@ def test_error_stats_are_computed_from_the_rows(projections):
 
 
 def test_backtest_meets_the_error_targets(projections):
-    """Issue 29's targets: median absolute error at most 20% on the stock rows, 25% on the cache rows."""
+    """The backtest's targets: median absolute error at most 20% on the stock rows, 25% on the cache rows."""
     for kind, s in error_stats(projections).items():
         assert s["median_abs_error"] <= s["target"], (kind, s)
 

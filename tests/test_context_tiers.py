@@ -1,5 +1,5 @@
 """Context tiers (edgemoe.runtime.context_tiers, edgemoe.plan.tiers): the context created in steps as the
-sequence grows, each step's unused KV bytes as expert slots; issue 42's fallback for lending the KV cache's unwritten
+sequence grows, each step's unused KV bytes as expert slots; the fallback for lending the KV cache's unwritten
 cells. The logits equal stock llama.cpp's at every length, across every step, with truncations, KV snapshots
 restored and new prompts in between, as serve does."""
 from __future__ import annotations

@@ -25,7 +25,7 @@ from gguf import GGUFValueType as T
 from helpers.gguf_mutate import GgufFile
 from helpers.models import FIXTURE_MODELS
 
-SEED = 16  # issue 16
+SEED = 16  # fixed: every run fuzzes the same headers
 N_CASES = 40
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -313,7 +313,7 @@ def test_known_architectures_match_vendored_llama_arch_cpp() -> None:
 
 
 def test_vram_reserve_grows_with_the_context_past_4096_tokens(tmp_path: Path) -> None:
-    """Without flash attention llama.cpp's compute buffer holds one ubatch's attention scores (issue 29): the plan
+    """Without flash attention llama.cpp's compute buffer holds one ubatch's attention scores: the plan
     reserves them past 4096 tokens, and plan's budget for N slots, stock's --n-cpu-moe and the slots agree."""
     from edgemoe.gguf.synth import write_synthetic
     from edgemoe.plan.budget import best_n_cpu_moe, slot_budget

@@ -1,4 +1,4 @@
-"""Per-route CPU/GPU assignment of a residency policy's misses (edgemoe.policies.miss_assignment; issue 12, 2c):
+"""Per-route CPU/GPU assignment of a residency policy's misses (edgemoe.policies.miss_assignment; docs/research/assignment.md):
 the pure policy on hand-made routes and traces, then through the engine (tokens = stock, live counters =
 the replay) and the CLI."""
 from __future__ import annotations

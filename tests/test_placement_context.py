@@ -1,5 +1,5 @@
 """edgemoe.plan.context: the context length x KV type -> expert slots table of a budget, the context the plan
-picks when none is asked, and where inspect, plan and the opening commands show them (issue 42, item 3)."""
+picks when none is asked, and where inspect, plan and the opening commands show them."""
 from __future__ import annotations
 
 import json
@@ -205,7 +205,7 @@ def test_simulate_plans_the_kv_cache_types_it_is_given(qwen30b: Path) -> None:
 
 def test_inspect_projects_the_prefill_of_long_prompts_with_a_profile(qwen30b: Path) -> None:
     """inspect --vram --profile: the prefill of 2K/8K/32K-token prompts, stock and edgemoe each at its fastest
-    ubatch (issue 41), in the text and in --json; without --profile there is none; a CPU profile is refused."""
+    ubatch, in the text and in --json; without --profile there is none; a CPU profile is refused."""
     out = json.loads(_run("inspect", str(qwen30b), "--vram", "6GiB", "--profile", "rtx4060-laptop", "--json"))
     assert [p["prompt_tokens"] for p in out["prefill"]] == [2048, 8192, 32768]
     for p in out["prefill"]:

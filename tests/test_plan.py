@@ -108,7 +108,7 @@ def _uncalibrated(tmp_path: Path, preset: str, layers: int) -> Path:
 
 
 def test_plan_without_routing_data_projects_with_the_matching_routing_profile(tmp_path: Path) -> None:
-    """Issue 29: a model with no trace and no calibration gets the bundled routing profile of its shape, named."""
+    """A model with no trace and no calibration gets the bundled routing profile of its shape, named."""
     model = _uncalibrated(tmp_path, "qwen3-30b-a3b", 6)
     assert default_calibration_dir(model) is None
     r = CliRunner().invoke(cli, ["plan", str(model), "--vram", "1GiB", "--ctx", "512", "--profile", "rtx4060-laptop",

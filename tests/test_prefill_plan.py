@@ -1,4 +1,4 @@
-"""The prefill ubatch the plan picks (issue 41): llama.cpp's compute buffer against the ubatch, the slots it takes,
+"""The prefill ubatch the plan picks for a long prompt: llama.cpp's compute buffer against the ubatch, the slots it takes,
 stock compared at its own best -ub, and `edgemoe plan --prompt-tokens`."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The prefill ubatch in the runtime (issue 41): -b/-ub validated, a given -ub reaching the engine, and with a budget,
+"""The prefill ubatch in the runtime: -b/-ub validated, a given -ub reaching the engine, and with a budget,
 --device-prefill and a GPU profile the plan's pick (edgemoe.plan.ubatch) with its slots; bench's rows' ubatches."""
 from __future__ import annotations
 

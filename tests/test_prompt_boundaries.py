@@ -1,4 +1,4 @@
-"""Chunked prefill with the prompt cache (issue 41): the state at a prefill's deepest chunk boundary is stored while
+"""Chunked prefill of long prompts with the prompt cache: the state at a prefill's deepest chunk boundary is stored while
 the prefill runs, one state per conversation, and a prompt restored from a boundary gives the logits a fresh full
 prefill gives, bitwise."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Big prefill ubatches on the RPC device (issue 41): the expert cache with device prefill gives stock llama.cpp's
+"""Big prefill ubatches on the RPC device: the expert cache with device prefill gives stock llama.cpp's
 logits bitwise at n_ubatch 512, 1024 and 2048 (tests/helpers/rpc_ubatch_check.py, in a process of its own), on the
 bundled fixtures by default and on every architecture's random-weight model with -m slow. A new switch of the cache
 (prefill borrowing slots) is one more entry of rpc_ubatch_check.VARIANTS: both tests check every variant."""

@@ -1,4 +1,4 @@
-"""`edgemoe serve` under hostile clients (issue 38), over raw HTTP where the official clients would hide the
+"""`edgemoe serve` under hostile clients, over raw HTTP where the official clients would hide the
 case: a chunked body that also announces a Content-Length, lone surrogates, a body that never finishes,
 special tokens in tool names and user text, a SIGTERM in the middle of a stream.
 

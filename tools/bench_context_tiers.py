@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Context tiers against the whole context from the start (issue 42 item 4's fallback), projected: decode hit rate,
-decode and prefill tok/s of the static cache at 1K, 4K, 16K and 32K tokens of conversation, on the bundled
-Qwen3-30B-A3B routing profile, for an 8 GB laptop and a 16 GB card, f16 and q8_0 KV, a 32K context.
+"""Context tiers (the fallback for lending the KV cache's unwritten cells) against the whole context from the start,
+projected: decode hit rate, decode and prefill tok/s of the static cache at 1K, 4K, 16K and 32K tokens of
+conversation, on the bundled Qwen3-30B-A3B routing profile, for an 8 GB laptop and a 16 GB card, f16 and q8_0 KV,
+a 32K context.
 
 With tiers, a conversation of L tokens runs at the smallest step that holds it, with the slots the plan gives that
 step (edgemoe.plan.tiers.context_steps, the real counts); without, at the slots of the whole 32K context. Each

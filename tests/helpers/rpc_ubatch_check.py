@@ -1,6 +1,6 @@
 """Run by tests/test_rpc_ubatch.py in a process of its own (a registered RPC device is seen by every model loaded
 after it): big prefill ubatches through the expert cache on llama.cpp's RPC backend, against stock llama.cpp at
-the same ubatch (issue 41).
+the same ubatch.
 
 For each model (argv[2:]) and each ubatch of UBATCHES that its run's context holds: a prompt of PROMPT_TOKENS
 tokens (more than two ubatches of 512, one whole ubatch of 2048 and a part of the next) prefilled in ubatches of
