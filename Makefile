@@ -46,9 +46,9 @@ $(VENV)/bin/ruff: | $(PY)
 $(VENV)/bin/pyright: | $(PY)
 	$(PY) -m pip install -q $(PYRIGHT)
 
-# ruff's lint rules and formatting on edgemoe/ (configured in pyproject.toml)
+# ruff's lint rules on edgemoe/, tests/ and tools/, its formatting on edgemoe/ (configured in pyproject.toml)
 lint: | $(VENV)/bin/ruff
-	$(VENV)/bin/ruff check edgemoe
+	$(VENV)/bin/ruff check edgemoe tests tools
 	$(VENV)/bin/ruff format --check edgemoe
 
 # pyright (basic) on edgemoe/, against the installed dependencies (llama-cpp-python's bindings included)

@@ -5,8 +5,8 @@
 registry, the tests skip and say why.
 
 Each client runs non-interactively, as its docs/serve.md setup block says, against the fixture with a
-tool-calling template (tests/serve_harness.TOOL_TEMPLATE) at a 32K context, through tools/agent_proxy.py (which
-records what the client sent and what the server answered). The tiny model cannot use tools, so scripted
+tool-calling template (tests/helpers/serve_harness.TOOL_TEMPLATE) at a 32K context, through tools/agent_proxy.py
+(which records what the client sent and what the server answered). The tiny model cannot use tools, so scripted
 replies (serve.scripted) play it: a tool call the client executes (reading README.md), then, once the file's
 text is in the prompt, a final answer. The client must exit 0 with that answer. A second session (Claude Code)
 or a continued one (the others) must then find at least 90% of the first prompt's tokens in the prompt cache.
@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_harness import API_KEY, ROOT, Server, running, tool_model
+
+from helpers.models import ROOT
+from helpers.serve_harness import API_KEY, Server, running, tool_model
 
 pytestmark = pytest.mark.agents
 

@@ -12,8 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemoe.policies.allocation import (AllocationError, decode_steps, dp_allocate, equal_allocate, f_curves,
-                                         keep_top1, layer_steps, replay_curve, steps_of, total_cost)
+from edgemoe.policies.allocation import (
+    AllocationError,
+    decode_steps,
+    dp_allocate,
+    equal_allocate,
+    f_curves,
+    keep_top1,
+    layer_steps,
+    replay_curve,
+    steps_of,
+    total_cost,
+)
 from edgemoe.policies.daop import DaopPolicy
 from edgemoe.policies.residency import DaliPolicy, Load, dali_default_update, make_policy, replay_policy
 
@@ -50,7 +60,7 @@ def test_fast_replays_equal_simulate(kind: str) -> None:
                 res = replay_policy(pol, ([(0, s)] for s in steps), counted)
                 assert (res.misses, res.loads) == (fast.misses[t], fast.loads[t])
         on = [True] * len(steps) if counted is None else counted
-        assert fast.misses[0] == fast.routed == sum(int((s >= 0).sum()) for s, c in zip(steps, on) if c)
+        assert fast.misses[0] == fast.routed == sum(int((s >= 0).sum()) for s, c in zip(steps, on, strict=False) if c)
         if kind == "static":  # nested top-t sets
             assert np.all(np.diff(fast.misses) <= 0)
 
@@ -74,7 +84,7 @@ def test_alpha_keeps_the_first_expert_and_beta_scales() -> None:
     steps = [rng.integers(0, 8, (1, 2)) for _ in range(400)]
     kept = keep_top1(steps, 0.25, seed=1)
     one = np.mean([s[0, 1] == -1 for s in kept])
-    assert 0.18 < one < 0.32 and all(a[0, 0] == b[0, 0] for a, b in zip(steps, kept))
+    assert 0.18 < one < 0.32 and all(a[0, 0] == b[0, 0] for a, b in zip(steps, kept, strict=False))
     base = f_curves({0: steps}, "lru", 8, n_expert=8)[0]
     assert base[0] == 2.0  # at t = 0 every routed expert of a token misses
     half = f_curves({0: steps}, "lru", 8, n_expert=8, beta={0: 0.5})[0]
@@ -87,8 +97,8 @@ def _brute_force(curves: dict[int, np.ndarray], budget: int, w: dict[int, int]) 
     layers = sorted(curves)
     best = np.inf
     for ts in itertools.product(*[range(len(curves[il])) for il in layers]):
-        if sum(t * w[il] for t, il in zip(ts, layers)) <= budget:
-            best = min(best, sum(curves[il][t] for t, il in zip(ts, layers)))
+        if sum(t * w[il] for t, il in zip(ts, layers, strict=False)) <= budget:
+            best = min(best, sum(curves[il][t] for t, il in zip(ts, layers, strict=False)))
     return best
 
 
@@ -131,7 +141,7 @@ def test_dp_cost_is_monotone_in_the_budget_and_uses_it() -> None:
         got = dp_allocate(curves, budget)
         assert sum(got.values()) == budget  # strictly decreasing curves: every slot is worth having
         costs.append(total_cost(curves, got))
-    assert all(b <= a + 1e-12 for a, b in zip(costs, costs[1:]))
+    assert all(b <= a + 1e-12 for a, b in zip(costs, costs[1:], strict=False))
     assert dp_allocate(curves, 10_000) == {il: 16 for il in range(5)}
 
 
@@ -158,7 +168,7 @@ def test_dp_with_coarsened_byte_units_stays_within_the_budget() -> None:
 
 
 def test_dp_with_bytes_never_adds_to_the_slots_asked() -> None:
-    """Issue 29: with smaller experts in some layers, the byte optimum alone holds more slots than asked."""
+    """With smaller experts in some layers, the byte optimum alone holds more slots than asked."""
     rng = np.random.default_rng(3)
     w = {il: 35_840 if il % 3 == 0 else 29_696 for il in range(8)}  # the qwen3moe fixture's Q6_K / Q4_K layers
     more = 0
@@ -231,11 +241,11 @@ def test_dp_misses_no_more_than_equal_on_a_recorded_trace(fixture_model: Path, k
 # -- allocate_slots: --alloc from a calibration -------------------------------------------------
 def test_allocate_slots_dp_equal_fallbacks_and_cached_curves(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from conftest import FIXTURE_MODELS, ROOT
-
-    from edgemoe.calibration.slot_alloc import ROUTING_TRACE, allocate_slots
     from edgemoe.calibration.card import CalibrationError
+    from edgemoe.calibration.slot_alloc import ROUTING_TRACE, allocate_slots
     from edgemoe.gguf.info import read_model_info
+
+    from helpers.models import FIXTURE_MODELS, ROOT
 
     monkeypatch.setenv("EDGEMOE_CACHE_DIR", str(tmp_path / "cache"))
     qwen = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)

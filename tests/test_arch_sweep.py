@@ -1,4 +1,4 @@
-"""edgemoe's features on every MoE architecture llama.cpp builds (issue 16), against stock llama.cpp.
+"""edgemoe's features on every MoE architecture llama.cpp builds, against stock llama.cpp.
 
 The models are llama.cpp's own random-weight test models (tests/test-llama-archs.cpp, built and run
 by tools/arch_models.py on first use into .build/arch-models; every MoE one has 2 experts and routes
@@ -36,7 +36,7 @@ tensors and test_files_as_llama_cpp_wrote_them_load loads the files as written, 
 architectures (arch_models.KEEP_SCALED).
 
 Everything that runs llama.cpp runs in a child process, so an abort fails that architecture's check
-only; the in-process checks of one model share a child (tests/arch_sweep_check.py). The children of
+only; the in-process checks of one model share a child (tests/helpers/arch_sweep_check.py). The children of
 the collected tests run EDGEMOE_SWEEP_JOBS (default: the CPU count) at a time, one thread each.
 Known failures with a precise cause are strict xfails (XFAIL, XFAIL_SMALLER_K, XFAIL_VARIANT).
 """
@@ -59,9 +59,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import arch_models  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent / "arch_sweep_check.py"
-# the in-process checks (tests/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS, a
-# variant file those of its VARIANT_CHECKS
+WORKER = Path(__file__).resolve().parent / "helpers" / "arch_sweep_check.py"
+# the in-process checks (tests/helpers/arch_sweep_check.py): an architecture's own file runs BASE_WORKER_CHECKS,
+# a variant file those of its VARIANT_CHECKS
 BASE_WORKER_CHECKS = ("generate", "speculate", "gating-top1", "cache", "cache-static", "cache-daop", "cache-dali", "cache-precalc",
                       "cache-borrow", "context-tiers")
 WORKER_CHECKS = (*BASE_WORKER_CHECKS, "cache-promoe", "cache-dali-prefetch", "cache-assign", "cache-degrade",

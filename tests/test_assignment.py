@@ -40,7 +40,7 @@ def brute_makespan(workload: dict[int, int], resident: set[int], cost: CostModel
     best = math.inf
     for place in itertools.product((False, True), repeat=len(active)):  # True: GPU
         t_cpu = t_gpu = 0.0
-        for e, on_gpu in zip(active, place):
+        for e, on_gpu in zip(active, place, strict=False):
             w = workload[e]
             if not on_gpu:
                 t_cpu += cost.cpu_s(w)
@@ -156,7 +156,7 @@ def test_greedy_never_beats_the_optimum_and_solvers_agree() -> None:
         p_c = [cost.cpu_s(w) for w in work.values() if w > 0]
         p_g = [cost.gpu_s(w) + (cost.transfer_s() if cost.transfer_mode is TransferMode.SERIAL else 0.0)
                for w in work.values() if w > 0]
-        slack = max((min(c, max(gg, cost.transfer_s())) for c, gg in zip(p_c, p_g)), default=0.0)
+        slack = max((min(c, max(gg, cost.transfer_s())) for c, gg in zip(p_c, p_g, strict=False)), default=0.0)
         assert r.makespan <= ref + slack + 1e-12
         for a in (g, r, o, x):  # a placement: every active expert once, loads = the non-resident GPU ones
             assert sorted(a.cpu + a.gpu) == sorted(e for e, w in work.items() if w > 0)

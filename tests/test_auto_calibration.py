@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS, ROOT
 
-from edgemoe.calibration import CARD, CalibrationError, model_sha256
-from edgemoe.calibration import auto
+from edgemoe.calibration import CARD, CalibrationError, auto, model_sha256
 from edgemoe.calibration.auto import STAGES_FOR, auto_corpora, ensure_calibration
+
+from helpers.models import FIXTURE_MODELS, ROOT
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 

@@ -54,7 +54,7 @@ def test_error_stats_are_computed_from_the_rows(projections):
 
 
 def test_backtest_meets_the_error_targets(projections):
-    """Issue 29's targets: median absolute error at most 20% on the stock rows, 25% on the cache rows."""
+    """The backtest's targets: median absolute error at most 20% on the stock rows, 25% on the cache rows."""
     for kind, s in error_stats(projections).items():
         assert s["median_abs_error"] <= s["target"], (kind, s)
 
@@ -166,8 +166,12 @@ def test_a_prefill_row_replays_the_whole_model_on_the_gpu(tmp_path):
 
 
 def test_prefill_fitted_table_regenerates(tmp_path_factory):
-    from edgemoe.perf.model.backtest_prefill import (FITTED_RATES, backtest_prefill, load_published_prefill,
-                                                     prefill_markdown)
+    from edgemoe.perf.model.backtest_prefill import (
+        FITTED_RATES,
+        backtest_prefill,
+        load_published_prefill,
+        prefill_markdown,
+    )
 
     fitted = backtest_prefill(load_published_prefill(), tmp_path_factory.mktemp("fitted-shapes"), FITTED_RATES)
     text = DOC.read_text()

@@ -5,11 +5,12 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
 from edgemoe.plan.budget import best_n_cpu_moe
+
+from helpers.models import FIXTURE_MODELS
 
 
 def _rows(args: list[str]) -> dict[str, dict]:
@@ -138,14 +139,14 @@ def test_bench_precalc_rows() -> None:
     bad = CliRunner().invoke(cli, [*args, "--precalc-from", str(n_layer)])
     assert bad.exit_code != 0 and "--precalc-from" in bad.output
 
-    from test_perfmodel import skewed_trace
-
     from edgemoe.gguf.header import check_gguf
     from edgemoe.perf.bench.project import projections
     from edgemoe.perf.bench.records import BenchRow, Projection, RowResult
     from edgemoe.perf.model.profile import load_profile
     from edgemoe.perf.model.simulate import SimSpec
     from edgemoe.plan import plan
+
+    from helpers.traces import skewed_trace
 
     trace = skewed_trace(FIXTURE_MODELS[0], n_seq=2, prefill=16, decode=16)
     base = SimSpec(vram=520 * 2**20, n_ctx=256, n_ubatch=512, warmup_seqs=1, policies=("static",), overlap=True)

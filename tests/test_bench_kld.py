@@ -5,11 +5,12 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.cli import cli
 from edgemoe.perf.bench.kld_column import changes_output, kld_cells
 from edgemoe.runtime.config import LoadConfig
+
+from helpers.models import FIXTURE_MODELS
 
 MODEL = FIXTURE_MODELS[0]
 

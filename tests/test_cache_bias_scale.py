@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_expert_cache import PLAIN, TEXT, _run, partial_copy_run
 
 from edgemoe.analysis.verify import FnPolicy
 from edgemoe.gguf.header import check_gguf
@@ -26,14 +25,15 @@ from edgemoe.gguf.synth import write_synthetic
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.policies.residency import Load
 from edgemoe.policies.route import RouteRecord
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import EXPERT_TENSORS
 from edgemoe.runtime.sampling import GREEDY
 
-pytest_plugins = ["conftest_synth"]
+from helpers.cache_runs import PLAIN, TEXT, partial_copy_run, run_prefill_and_steps
 
 HERE = Path(__file__).resolve().parent
+HELPERS = HERE / "helpers"  # the scripts run in processes of their own
 ModelPath = Callable[[str], Path]
 
 # (preset, qtype, expert scales)
@@ -87,14 +87,14 @@ def test_random_residency_with_biases_and_scales_equals_stock(name: str, model_p
     with Engine(path, LoadConfig(**PLAIN)) as eng:
         toks = (eng.tokenize(TEXT) * 2)[:76]
         n_expert = eng.info.n_expert
-    ref_pre, ref_steps, _ = _run(path, toks)
+    ref_pre, ref_steps, _ = run_prefill_and_steps(path, toks)
     for blocking in (False, True):
         for slots in (1, n_expert // 2, n_expert):
             cfg = CacheConfig(slots, policy=LruConfig(blocking=blocking))
-            pre, steps, st = _run(path, toks, cache=cfg, rng=rng)
+            pre, steps, st = run_prefill_and_steps(path, toks, cache=cfg, rng=rng)
             what = f"{name}: {slots} slots, {'callback' if blocking else 'tables'}"
             assert np.array_equal(pre, ref_pre), f"{what}: prefill"
-            for i, (a, b) in enumerate(zip(steps, ref_steps)):
+            for i, (a, b) in enumerate(zip(steps, ref_steps, strict=False)):
                 assert np.array_equal(a, b), f"{what}: decode step {i}"
             assert st is not None and st["hits"] > 0 and st["loads"] > 0
 
@@ -196,10 +196,10 @@ def test_cache_with_biases_and_scales_beside_repacked_cpu_experts(name: str, mod
 @pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "qwen3moe-scales"])
 def test_cache_with_biases_and_scales_on_rpc_device_equals_stock(name: str, model_path: ModelPath,
                                                                   tmp_path: Path) -> None:
-    """tests/rpc_cache_check.py (as test_cache_rpc.py runs it): a device of its own, async copies over a
-    loader connection, and the CLI's GPU layout (biases and scales of the offloaded layers on the device)."""
+    """tests/helpers/rpc_cache_check.py (as test_cache_rpc.py runs it): a device of its own, async copies over
+    a loader connection, and the CLI's GPU layout (biases and scales of the offloaded layers on the device)."""
     result = tmp_path / "rpc.json"
-    cmd = [sys.executable, str(HERE / "rpc_cache_check.py"), str(model_path(name)), str(result)]
+    cmd = [sys.executable, str(HELPERS / "rpc_cache_check.py"), str(model_path(name)), str(result)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(result.read_text())
@@ -225,9 +225,9 @@ def test_gpt_oss_20b_shaped_mxfp4_cache_equals_stock(tmp_path: Path) -> None:
         got = eng.generate(TEXT[:40], max_tokens=16, sampling=GREEDY, ignore_eog=True).tokens
         assert cache.stats()["hits"] > 0
     assert got == ref
-    ref_pre, ref_steps, _ = _run(path, toks, decode_steps=8)
-    pre, steps, st = _run(path, toks, cache=CacheConfig(8, policy=LruConfig()), rng=np.random.default_rng(0),
-                          decode_steps=8)
+    ref_pre, ref_steps, _ = run_prefill_and_steps(path, toks, decode_steps=8)
+    pre, steps, st = run_prefill_and_steps(path, toks, cache=CacheConfig(8, policy=LruConfig()),
+                                           rng=np.random.default_rng(0), decode_steps=8)
     assert np.array_equal(pre, ref_pre)
-    assert all(np.array_equal(a, b) for a, b in zip(steps, ref_steps))
+    assert all(np.array_equal(a, b) for a, b in zip(steps, ref_steps, strict=False))
     assert st is not None and st["hits"] > 0

@@ -1,6 +1,6 @@
 """The expert cache on a device that is not the CPU: llama.cpp's RPC backend on loopback (no GPU needed).
 
-Runs tests/rpc_cache_check.py in a subprocess, because a registered RPC device is seen by every model
+Runs tests/helpers/rpc_cache_check.py in a subprocess, because a registered RPC device is seen by every model
 loaded afterwards in the process.
 """
 from __future__ import annotations
@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURE_MODELS
-from rpc_child import run_child
+from helpers.models import FIXTURE_MODELS
+from helpers.rpc_child import run_child
 
 HERE = Path(__file__).resolve().parent
+HELPERS = HERE / "helpers"  # the scripts run in processes of their own
 sys.path.insert(0, str(HERE.parent / "tools"))
 import arch_models  # noqa: E402
+
 
 def holds(check: dict, mode: str) -> bool:
     """The id-row checker's counts keep the mode's contract: no id past the last row and no repeat; fill also no -1."""
@@ -134,7 +136,7 @@ def test_every_cache_path_hands_the_device_the_ids_of_its_mode(tmp_path: Path, m
     device MUL_MAT_ID, so the counts of host syncs and overlapped splits are left to the test above)."""
     path = FIXTURE_MODELS[0]
     result = tmp_path / "checked.json"
-    proc = subprocess.run([sys.executable, str(HERE / "rpc_cache_check.py"), str(path), str(result)],
+    proc = subprocess.run([sys.executable, str(HELPERS / "rpc_cache_check.py"), str(path), str(result)],
                           capture_output=True, text=True, timeout=900, cwd=HERE,
                           env={**os.environ, "EDGEMOE_CHECK_IDS": "1", "EDGEMOE_DEVICE_IDS": mode})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -177,7 +179,7 @@ def test_overlap_on_every_moe_architecture(tmp_path: Path, mode: str) -> None:
         pytest.skip(f"no random-weight models: {type(err).__name__}: {err}")
     paths = [str(arch_models.DEFAULT_OUT / e["file"]) for e in arch_models.moe_entries(manifest)]
     result = tmp_path / "overlap.json"
-    proc = subprocess.run([sys.executable, str(HERE / "rpc_overlap_archs.py"), str(result), *paths],
+    proc = subprocess.run([sys.executable, str(HELPERS / "rpc_overlap_archs.py"), str(result), *paths],
                           capture_output=True, text=True, timeout=900, cwd=HERE,
                           env={**os.environ, "EDGEMOE_DEVICE_IDS": mode})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,16 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import StepRecorder
 
 from edgemoe.analysis.verify import FnPolicy
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.policies.residency import LruPolicy, make_policy, replay_policy
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, DaliConfig, LruConfig, ManualConfig, calibrated_config
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
 
-pytest_plugins = ["conftest_synth"]
+from helpers.recorders import StepRecorder
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)

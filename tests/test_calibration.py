@@ -10,9 +10,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS, ROOT
 
-from edgemoe.calibration import card as cal_mod
 from edgemoe.calibration import (
     CARD,
     Calibration,
@@ -27,8 +25,11 @@ from edgemoe.calibration import (
     select_stages,
     unregister_stage,
 )
-from edgemoe.cli import cli
+from edgemoe.calibration import card as cal_mod
 from edgemoe.calibration.corpus import default_corpus_dir, split_corpus
+from edgemoe.cli import cli
+
+from helpers.models import FIXTURE_MODELS, ROOT
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 CORPORA = [default_corpus_dir() / "tinyshakespeare.txt", default_corpus_dir() / "python-docs.txt"]
@@ -204,7 +205,7 @@ def test_calibrate_and_predict_eval_cli(tmp_path: Path, _cache: Path) -> None:
     assert (out / "sensitivity.json").is_file() and (out / "gating_validation_tokens.npy").is_file()
     assert card["sensitivity"]["validation_tokens"] > 0 and len(card["sensitivity"]["empirical"]) == 8
     assert card["traces"]["tokens"] == 2048 and card["traces"]["mode"] == "decode"
-    for c, corpus in zip(CORPORA, card["corpus"]):  # never a byte of the held-out split
+    for c, corpus in zip(CORPORA, card["corpus"], strict=False):  # never a byte of the held-out split
         ranges = card["traces"]["ranges"][str(c)]
         assert ranges and all(0 <= s < e <= corpus["train_bytes"][1] for s, e in ranges)
     assert set(card["predictors"]["validation"]) >= {"mlp", "gate", "residual", "first-layer", "prev-token",

@@ -8,11 +8,11 @@ from pathlib import Path
 import gguf
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS, stock_greedy
 
 from edgemoe.cli import cli
 
-pytest_plugins = ["conftest_synth"]
+from helpers.models import FIXTURE_MODELS
+from helpers.stock import stock_greedy
 
 MODEL = FIXTURE_MODELS[0]
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS
-from rpc_child import run_child
 
 from edgemoe.gguf.header import check_gguf
 from edgemoe.gguf.info import read_model_info
@@ -22,6 +20,9 @@ from edgemoe.plan.reserve import (
     reserve_bytes,
 )
 from edgemoe.runtime.config import LoadConfig
+
+from helpers.models import FIXTURE_MODELS
+from helpers.rpc_child import run_child
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 # the estimate's stated error (docs/research/performance-model.md, "Compute buffers, measured"): at most 3 KiB per

@@ -1,5 +1,5 @@
 """Context tiers (edgemoe.runtime.context_tiers, edgemoe.plan.tiers): the context created in steps as the
-sequence grows, each step's unused KV bytes as expert slots; issue 42's fallback for lending the KV cache's unwritten
+sequence grows, each step's unused KV bytes as expert slots; the fallback for lending the KV cache's unwritten
 cells. The logits equal stock llama.cpp's at every length, across every step, with truncations, KV snapshots
 restored and new prompts in between, as serve does."""
 from __future__ import annotations
@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.errors import InvalidConfigError, ModelLoadError
 from edgemoe.gguf.info import ModelInfo, read_model_info
@@ -20,16 +19,13 @@ from edgemoe.plan.reserve import budget_for_slots
 from edgemoe.plan.tiers import context_steps
 from edgemoe.runtime.cache_config import CacheConfig, ExpertCacheError, LruConfig
 from edgemoe.runtime.context_tiers import ContextResizer, ContextTier, ContextTiers, check_tiers
-from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.engine import Engine
 from edgemoe.runtime.sampling import GREEDY
 
-CFG = LoadConfig(n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=2, use_extra_bufts=False)
+from helpers.models import FIXTURE_MODELS
+from helpers.tiers_walk import CFG, tiers_for, walk_steps
+
 TIERS = ContextTiers((ContextTier(256, 12), ContextTier(512, 8), ContextTier(1024, 4)))
-
-
-def tiers_for(n_expert: int) -> ContextTiers:
-    """Three steps on a fixture, 3/4, 1/2 and 1/4 of its experts in slots."""
-    return ContextTiers(tuple(ContextTier(c, n_expert * k // 4) for c, k in ((256, 3), (512, 2), (1024, 1))))
 
 
 # -- the tier rules, over fakes ----------------------------------------------------------------------------------
@@ -157,47 +153,19 @@ def test_steps_keep_only_contexts_that_give_slots_and_end_at_the_context(qwen30b
 
 
 # -- on the engine: bitwise against stock ------------------------------------------------------------------------
-def _walk(eng: Engine, ids: list[int]) -> list[np.ndarray]:
-    """Fill the context from empty across every step, with a truncation, a restored snapshot and a new prompt."""
-    out: list[np.ndarray] = []
-
-    def take() -> None:
-        out.append(np.ctypeslib.as_array(eng.logits(-1)).copy())
-
-    pos = 0
-    for n in (200, 40, 16, 1, 1, 300, 2, 250):
-        eng.feed(ids[pos : pos + n])
-        pos += n
-        take()
-    snap = eng.snapshot()
-    eng.truncate(230)  # speculation's rejected proposals, serve's shared prefix
-    eng.feed(ids[230:300])
-    take()
-    eng.prefill(ids[900:960])  # a new prompt sharing nothing
-    take()
-    eng.restore(snap)  # serve's host prompt cache
-    eng.feed(ids[pos : pos + eng.n_ctx - 3 - len(eng.kv_tokens())])
-    take()
-    for _ in range(3):  # to the last cell of the context
-        eng.feed([int(np.argmax(out[-1]))])
-        take()
-    assert len(eng.kv_tokens()) == eng.n_ctx
-    return out
-
-
 @pytest.mark.parametrize("path", FIXTURE_MODELS, ids=lambda p: p.stem)
 def test_logits_equal_stock_across_every_step(path: Path) -> None:
     rng = np.random.default_rng(1)
     with Engine(path, CFG) as eng:
         ids = [int(x) for x in rng.integers(10, eng.n_vocab - 10, 1100)]
-        ref = _walk(eng, ids)
+        ref = walk_steps(eng, ids)
     with Engine(path, CFG) as eng:
         n_expert = eng.info.n_expert
         eng.enable_expert_cache(CacheConfig(n_expert // 4, policy=LruConfig()))
         resizer = eng.set_context_tiers(tiers_for(n_expert))
         assert resizer is not None and eng.handle.n_ctx == 256 and eng.n_ctx == 1024
         assert set(eng.experts.cache.n_slots.values()) == {n_expert * 3 // 4}  # type: ignore[union-attr]
-        got = _walk(eng, ids)
+        got = walk_steps(eng, ids)
         steps = [(r.from_ctx, r.to_ctx) for r in resizer.resizes]
         assert steps[:3] == [(1024, 256), (256, 512), (512, 1024)], steps
         assert (1024, 256) in steps[3:] and steps[-1][1] == 1024, steps  # the new prompt, then the restore
@@ -252,7 +220,7 @@ def test_cli_takes_no_context_tiers() -> None:
 def test_tiers_on_the_rpc_device_equal_stock(tmp_path: Path) -> None:
     """The cache on a device that is not the CPU (llama.cpp's RPC backend on loopback), and the GPU layout whose KV
     cache lives on that device: each step re-creates it there."""
-    from rpc_child import run_child
+    from helpers.rpc_child import run_child
 
     for path in FIXTURE_MODELS:
         out = run_child("rpc_tiers_check.py", path, tmp_path)

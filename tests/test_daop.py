@@ -8,16 +8,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import StepRecorder
 
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.policies.daop import DaopError, DaopPolicy, PromptSwapResidency, initial_placement, swap_pairs
 from edgemoe.policies.degrade import DegradeError, GracefulDegradation, degrade, rule_weights
 from edgemoe.policies.residency import Load, make_policy, replay_policy
 from edgemoe.policies.route import RouteRecord, WeightRule
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, DaopConfig, ManualConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.recorders import StepRecorder
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)
@@ -277,7 +278,7 @@ def test_degradation_in_a_generation_changes_only_non_resident_picks(fixture_mod
     b = [ids for step in after.steps for _, ids in step]
     assert len(a) == len(b) == len(seen)
     changed = 0
-    for x, y, (_, res) in zip(a, b, seen):
+    for x, y, (_, res) in zip(a, b, seen, strict=False):
         diff = x != y
         if x.shape[0] > 1:
             assert not diff.any()  # prompts are left alone

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import eval_callback_tensors
 
 from edgemoe.analysis.daop_precalc import decode_residency, precalc_accuracy
 from edgemoe.analysis.trace import DECODE, PREFILL, Trace
 from edgemoe.gguf.experts import load_expert_layer
 from edgemoe.policies.daop import DaopPolicy
 from edgemoe.runtime.engine import Engine, LoadConfig
+
+from helpers.stock import eval_callback_tensors
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2
 

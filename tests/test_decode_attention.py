@@ -13,8 +13,13 @@ from edgemoe.analysis.trace import DECODE, PREFILL, Trace
 from edgemoe.errors import EdgeMoeError
 from edgemoe.gguf.info import read_model_info
 from edgemoe.perf.model.costmodel import KV_PAD, LayerCosts, ModelShape, graph_kv_length
-from edgemoe.perf.model.profile import (AttentionTimes, MachineProfile, load_profile, nearest_attention,
-                                        profile_from_dict)
+from edgemoe.perf.model.profile import (
+    AttentionTimes,
+    MachineProfile,
+    load_profile,
+    nearest_attention,
+    profile_from_dict,
+)
 from edgemoe.perf.model.simulate import SimSpec, simulate
 
 QWEN = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"

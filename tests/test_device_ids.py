@@ -16,14 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURE_MODELS
 from edgemoe.errors import InvalidConfigError
 from edgemoe.runtime import device_ids
 from edgemoe.runtime.config import LoadConfig
 from edgemoe.runtime.device_ids import DeviceInfo, choose, run_selftest, setting_from
 from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, ID_ROW_CASES, series_total
 
+from helpers.models import FIXTURE_MODELS
+
 HERE = Path(__file__).resolve().parent
+HELPERS = HERE / "helpers"  # the scripts run in processes of their own
 GPU = DeviceInfo(1, "CUDA0", "NVIDIA H100 80GB HBM3", "CUDA")
 RPC = DeviceInfo(2, "RPC0", "127.0.0.1:50123", "RPC")
 
@@ -153,8 +155,8 @@ def test_engine_on_the_rpc_device_proves_it_once(tmp_path: Path) -> None:
     runs = []
     for i in range(2):
         out = tmp_path / f"run{i}.json"
-        proc = subprocess.run([sys.executable, str(HERE / "ids_check_child.py"), str(FIXTURE_MODELS[0]), "cache",
-                               str(out)], capture_output=True, text=True, timeout=300, cwd=HERE, env=env)
+        cmd = [sys.executable, str(HELPERS / "ids_check_child.py"), str(FIXTURE_MODELS[0]), "cache", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(out.read_text()))
     first, second = (r["device_ids"] for r in runs)
@@ -165,7 +167,7 @@ def test_engine_on_the_rpc_device_proves_it_once(tmp_path: Path) -> None:
     assert [v["raw"] for v in records.values()] == [True], records
 
 
-# host round trips per decoded token and cached layer on the RPC device (tests/rpc_round_trips.py; docs/
+# host round trips per decoded token and cached layer on the RPC device (tests/helpers/rpc_round_trips.py; docs/
 # architecture.md, "Id rows on a device"): measured fill 3.9 reads and 6.3 small writes, raw 2.9 and 5.3; the fill's
 # mask used to come from the CPU too (7.3 writes). A guard against growth: no mode may cost more than this
 ROUND_TRIP_BUDGET = {"fill": {"get_tensor": 4.1, "set_tensor": 6.5}, "raw": {"get_tensor": 3.1, "set_tensor": 5.5}}
@@ -174,8 +176,8 @@ ROUND_TRIP_BUDGET = {"fill": {"get_tensor": 4.1, "set_tensor": 6.5}, "raw": {"ge
 def round_trips(tmp_path: Path, mode: str) -> dict:
     out = tmp_path / f"rtt-{mode}.json"
     env = {**os.environ, "EDGEMOE_DEVICE_IDS": mode}
-    proc = subprocess.run([sys.executable, str(HERE / "rpc_round_trips.py"), str(FIXTURE_MODELS[0]), str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=HERE, env=env)
+    cmd = [sys.executable, str(HELPERS / "rpc_round_trips.py"), str(FIXTURE_MODELS[0]), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -20,12 +20,10 @@ from edgemoe.cli.main import cli
 from edgemoe.gguf.info import read_model_info
 from edgemoe.plan.budget import prefill_buffer_bytes
 from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import ExpertCacheError
 from edgemoe.runtime.sampling import GREEDY
-
-pytest_plugins = ["conftest_synth"]
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 PROMPT = "Lists are mutable sequences, typically used to store collections of homogeneous items."  # not a prefix of TEXT

@@ -6,7 +6,7 @@ buffers; the first smaller ubatch (decode) zeroes the slots and refills them wit
 routed most in each layer. Nothing is lost (the slots are a cache), so every logit of a session (a prompt
 over several ubatches, decode steps, a second prompt after truncating the KV cache, a restored snapshot and
 its decode) must equal stock's bitwise, at ubatches of 512, 1024 and 2048 tokens. The RPC device runs the
-same session in tests/test_cache_rpc.py (tests/rpc_borrow_check.py); every architecture in
+same session in tests/test_cache_rpc.py (tests/helpers/rpc_borrow_check.py); every architecture in
 tests/test_arch_sweep.py (the cache-borrow check).
 """
 from __future__ import annotations
@@ -19,45 +19,10 @@ import pytest
 from edgemoe.gguf.info import read_model_info
 from edgemoe.runtime import native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
-from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.engine import Engine
 from edgemoe.runtime.expert_cache import ExpertCacheError
 
-MIN_TOKENS = 32
-
-
-def session(eng: Engine, n_ubatch: int, n_decode: int = 4) -> list[np.ndarray]:
-    """Logits of a prompt of 2.5 ubatches and greedy decode steps, then (as serve does) the KV cache cut to the
-    prompt's first half and a second prompt of 1.5 ubatches after it with its decode steps, then the first
-    session's snapshot restored and one more step."""
-    rng = np.random.default_rng(n_ubatch)
-    p1 = [int(t) for t in rng.integers(10, eng.n_vocab - 10, n_ubatch * 5 // 2)]
-    p2 = [int(t) for t in rng.integers(10, eng.n_vocab - 10, n_ubatch * 3 // 2)]
-    out: list[np.ndarray] = []
-
-    def step(tokens: list[int]) -> None:
-        eng.feed(tokens)
-        out.append(np.array(eng.logits(-1)))
-
-    def decode() -> None:
-        for _ in range(n_decode):
-            step([int(np.argmax(out[-1]))])
-
-    eng.reset()
-    step(p1)
-    decode()
-    snap = eng.snapshot()
-    eng.truncate(len(p1) // 2)
-    step(p2)
-    decode()
-    eng.restore(snap)
-    step([int(np.argmax(out[n_decode]))])
-    return out
-
-
-def load_config(n_ubatch: int) -> LoadConfig:
-    # past the fixtures' 512-token training context: the logits are compared, not judged
-    return LoadConfig(n_ctx=3 * n_ubatch + 64, n_batch=n_ubatch, n_ubatch=n_ubatch, n_threads=2,
-                      use_extra_bufts=False)
+from helpers.borrow_session import MIN_TOKENS, load_config, session
 
 
 def run(path: Path, n_ubatch: int, cache: CacheConfig | None) -> tuple[list[np.ndarray], dict | None]:
@@ -74,7 +39,7 @@ def check_borrowed(path: Path, n_ubatch: int, blocking: bool) -> dict:
     cfg = CacheConfig(max(1, info.n_expert // 2), policy=LruConfig(blocking=blocking),
                       prefill_min_tokens=MIN_TOKENS, prefill_borrow=True)
     got, st = run(path, n_ubatch, cfg)
-    assert len(got) == len(ref) and all(np.array_equal(a, b) for a, b in zip(got, ref)), (path.name, n_ubatch)
+    assert len(got) == len(ref) and all(np.array_equal(a, b) for a, b in zip(got, ref, strict=False)), (path.name, n_ubatch)
     assert st is not None and "borrow" in st, st
     b = st["borrow"]
     n_prompt_ubatches = 3 + 2  # 2.5 and 1.5 ubatches (the restored snapshot's step is decode)
@@ -163,9 +128,9 @@ def test_plan_gives_the_buffers_bytes_to_the_slots() -> None:
     """With borrowing the budget keeps the two buffers' bytes for slots; too few slots to hold them: refused."""
     from edgemoe.gguf.header import check_gguf
     from edgemoe.plan.budget import borrow_fits, prefill_buffer_bytes
-    from edgemoe.plan.reserve import VRAM_RESERVE
     from edgemoe.plan.planner import plan
     from edgemoe.plan.request import PlacementError, cache_request
+    from edgemoe.plan.reserve import VRAM_RESERVE
 
     path = sorted((Path(__file__).resolve().parent.parent / "models").glob("*qwen3moe*.gguf"))[0]
     header, info = check_gguf(path), read_model_info(path)

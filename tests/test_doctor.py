@@ -8,23 +8,24 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import stock_greedy
 from edgemoe.analysis import doctor_child
 from edgemoe.analysis.doctor import (
     CLI_PROMPT,
-    DoctorReport,
     MIN_PROMPT_TOKENS,
+    DoctorReport,
+    StepResult,
     cli_steps,
     format_report,
     op_step,
     run_doctor,
     run_step,
-    StepResult,
     sanitizer_signal,
 )
-from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, series_total
 from edgemoe.cli.main import cli
-from test_ops import backend_ops_exe
+from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, series_total
+
+from helpers.native_ops import backend_ops_exe
+from helpers.stock import stock_greedy
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
 STEPS = ["build", "devices", "cpu", "rpc ngl=0", "rpc ngl=999", "cli cpu", "cli cache", "ops CPU", "ids"]

@@ -5,13 +5,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import stock_greedy
 
-from edgemoe.runtime.engine import ChatMessage, ChatSession, Engine, LoadConfig
 from edgemoe.errors import ContextOverflowError
+from edgemoe.runtime.engine import ChatMessage, ChatSession, Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY, SamplingParams
 
-pytest_plugins = ["conftest_synth"]
+from helpers.stock import stock_greedy
 
 PROMPT = "ROMEO:\nWhat light through yonder window"
 ARCH_PRESETS = ["tiny-qwen3moe", "tiny-mixtral", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe", "tiny-gpt-oss",

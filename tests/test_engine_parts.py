@@ -5,7 +5,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS, ROOT
 
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
@@ -17,6 +16,8 @@ from edgemoe.runtime.prediction import GraphPredictors
 from edgemoe.runtime.routing import Routing
 from edgemoe.runtime.sequence import KVSequence
 from edgemoe.runtime.vocab import Vocabulary
+
+from helpers.models import FIXTURE_MODELS, ROOT
 
 # the controller's old path to its cache's counters; spelled in two parts so that this file does not hold it
 OLD_PATH = ".cache" + ".cache"

@@ -9,52 +9,31 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import StepRecorder
 
-from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.errors import EdgeMoeError, InvalidConfigError
-from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig, calibrated_config, policy_config
-from edgemoe.runtime.expert_cache import ExpertCacheError
-from edgemoe.policies.route import RouteRecord
-from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, make_policy, replay_policy, used_experts
-from edgemoe.runtime.sampling import GREEDY
 from edgemoe.analysis.verify import FnPolicy
+from edgemoe.errors import InvalidConfigError
+from edgemoe.policies.residency import Load, LruPolicy, StaticPolicy, make_policy, replay_policy, used_experts
+from edgemoe.policies.route import RouteRecord
+from edgemoe.runtime.cache_config import (
+    CacheConfig,
+    LruConfig,
+    ManualConfig,
+    calibrated_config,
+    policy_config,
+)
+from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.runtime.expert_cache import ExpertCacheError
+from edgemoe.runtime.sampling import GREEDY
 
-pytest_plugins = ["conftest_synth"]
+from helpers.cache_runs import PLAIN, TEXT, partial_copy_run, run_prefill_and_steps
+from helpers.models import FIXTURE_MODELS
+from helpers.recorders import StepRecorder
 
-TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
-PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)
 SYNTH = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-deepseek2", "tiny-mixtral", "tiny-olmoe"]
 
 
 def _models(make_tiny_gguf) -> list[Path]:  # type: ignore[no-untyped-def]
-    from conftest import FIXTURE_MODELS
-
     return list(FIXTURE_MODELS) + [make_tiny_gguf(p) for p in SYNTH]
-
-
-def _run(path: Path, toks: list[int], *, cache: CacheConfig | None = None, rng: np.random.Generator | None = None,
-         decode_steps: int = 12) -> tuple[np.ndarray, list[np.ndarray], dict | None]:
-    """Prefill logits (ubatch 64) and then the logits of single-token steps; random loads between steps."""
-    with Engine(path, LoadConfig(**PLAIN)) as eng:
-        c = eng.enable_expert_cache(cache) if cache is not None else None
-
-        def shuffle() -> None:
-            if c is None or rng is None:
-                return
-            for il, n in c.n_slots.items():
-                for s in range(n):
-                    e = int(rng.integers(-1, eng.info.n_expert))  # -1 empties the slot
-                    c.load(Load(il, e, s))
-
-        shuffle()
-        pre = np.array(eng.eval_logits(toks[:-decode_steps]))
-        steps = []
-        for tok in toks[-decode_steps:]:
-            shuffle()
-            eng.feed([tok])
-            steps.append(np.array(eng.logits(-1)))
-        return pre, steps, (c.stats() if c is not None else None)
 
 
 def test_random_residency_equals_stock(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
@@ -63,11 +42,12 @@ def test_random_residency_equals_stock(make_tiny_gguf) -> None:  # type: ignore[
         with Engine(path, LoadConfig(**PLAIN)) as eng:
             toks = (eng.tokenize(TEXT) * 2)[:76]
             n_expert = eng.info.n_expert
-        ref_pre, ref_steps, _ = _run(path, toks)
+        ref_pre, ref_steps, _ = run_prefill_and_steps(path, toks)
         for slots in (1, n_expert // 2, n_expert):
-            pre, steps, st = _run(path, toks, cache=CacheConfig(slots, policy=LruConfig()), rng=rng)
+            cfg = CacheConfig(slots, policy=LruConfig())
+            pre, steps, st = run_prefill_and_steps(path, toks, cache=cfg, rng=rng)
             assert np.array_equal(pre, ref_pre), f"{path.name}: prefill, {slots} slots"
-            for i, (a, b) in enumerate(zip(steps, ref_steps)):
+            for i, (a, b) in enumerate(zip(steps, ref_steps, strict=False)):
                 assert np.array_equal(a, b), f"{path.name}: decode step {i}, {slots} slots"
             assert st is not None and st["hits"] > 0 and st["loads"] > 0
 
@@ -234,41 +214,10 @@ def test_prefetch_is_used_only_after_its_copy_and_its_layer(fixture_model: Path)
         assert (st["prefetches"], st["loads"], st["chunks"], st["preempted"]) == (3, 3, 9, 1)  # 5 was preempted
 
 
-def partial_copy_run(path: Path, rng: np.random.Generator, max_chunks: int
-                     ) -> tuple[np.ndarray, np.ndarray, dict[str, int], int]:
-    """Stock logits fed one token at a time, and the same with half the experts resident and, before
-    each token, an absent one prefetched over a random slot with at most max_chunks - 1 chunks issued;
-    (ref, got, cache stats, synchronous loads before)."""
-    with Engine(path, LoadConfig(**PLAIN)) as eng:
-        toks = eng.tokenize(TEXT)[:40]
-        ref = []
-        for tok in toks:
-            eng.feed([tok], all_logits=True)
-            ref.append(np.array(eng.logits(-1)))
-    with Engine(path, LoadConfig(**PLAIN)) as eng:
-        cache = eng.enable_expert_cache(CacheConfig(eng.info.n_expert, policy=ManualConfig()))
-        n = eng.info.n_expert
-        for il in eng.info.moe_layers:  # half the experts resident ...
-            for e in range(0, n, 2):
-                cache.load(Load(il, e, e))
-        eng.reset()
-        got = []
-        for tok in toks:
-            for il in eng.info.moe_layers:  # ... then an absent one prefetched over a random slot
-                absent = [e for e in range(n) if cache.state(il, e) == "absent"]
-                if absent:
-                    cache.prefetch(Load(il, int(rng.choice(absent)), int(rng.integers(n))))
-            cache.issue(int(rng.integers(0, max_chunks)))  # a few chunks: most copies stay half done
-            eng.feed([tok], all_logits=True)
-            got.append(np.array(eng.logits(-1)))
-        n_first = n // 2 * len(eng.info.moe_layers)
-        return np.stack(ref), np.stack(got), cache.stats(), n_first
-
-
 def test_partial_copies_are_never_computed(make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
     """Slots with some chunks of a new expert issued (the rest stale) stay out of compute."""
     rng = np.random.default_rng(1)
-    for path in [*__import__("conftest").FIXTURE_MODELS, make_tiny_gguf("tiny-qwen2moe")]:
+    for path in [*FIXTURE_MODELS, make_tiny_gguf("tiny-qwen2moe")]:
         ref, got, st, _ = partial_copy_run(path, rng, 4)
         assert np.array_equal(got, ref), path.name
         assert st["hits"] > 0 and st["misses"] > 0 and st["chunks"] > st["loads"]

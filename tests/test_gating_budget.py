@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.calibration.adaptive import GatingOptions, build_gating, thresholds_cache_path
 from edgemoe.calibration.gating_cost import (
@@ -24,6 +23,8 @@ from edgemoe.cli import cli
 from edgemoe.errors import EdgeMoeError
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.runtime.engine import Engine, LoadConfig
+
+from helpers.models import FIXTURE_MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = next(m for m in FIXTURE_MODELS if "qwen3moe" in m.name)

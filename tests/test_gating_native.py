@@ -22,10 +22,11 @@ from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.policies.gating import GatingPolicy, GatingRule, keep_mask
 from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
-from edgemoe.runtime.gating import NATIVE_RULE  # enum ggml_moe_gate_rule, the op's and the API's one numbering
-from test_ops import build_native
+from edgemoe.runtime.gating import (
+    NATIVE_RULE,  # enum ggml_moe_gate_rule, the op's and the API's one numbering
+)
 
-pytest_plugins = ["conftest_synth"]
+from helpers.native_ops import build_native
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"

@@ -8,13 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
+from edgemoe.analysis.perplexity import chunk_tokens, log_softmax_nll, perplexity
 from edgemoe.cli import cli
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.policies.gating import GatingPolicy, GatingRule, apply_keep, keep_mask
 from edgemoe.policies.route import RouteRecord, WeightRule
-from edgemoe.analysis.perplexity import chunk_tokens, log_softmax_nll, perplexity
+from edgemoe.runtime.engine import Engine, LoadConfig
+
+from helpers.models import FIXTURE_MODELS
 
 W = np.array([[0.7, 0.2, 0.1], [0.4, 0.35, 0.25], [0.5, 0.5, 0.0]], np.float32)
 

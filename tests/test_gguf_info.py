@@ -22,10 +22,8 @@ from edgemoe.gguf.info import (
     parse_size,
     read_model_info,
 )
-from edgemoe.plan.budget import estimate_kv_cache_bytes, slot_budget
 from edgemoe.gguf.presets import PRESETS
-
-pytest_plugins = ["conftest_synth"]
+from edgemoe.plan.budget import estimate_kv_cache_bytes, slot_budget
 
 MakeGguf = Callable[..., Path]  # the make_tiny_gguf fixture
 
@@ -315,11 +313,17 @@ def test_known_architectures_match_vendored_llama_arch_cpp() -> None:
 
 
 def test_vram_reserve_grows_with_the_context_past_4096_tokens(tmp_path: Path) -> None:
-    """Without flash attention llama.cpp's compute buffer holds one ubatch's attention scores (issue 29): the plan
+    """Without flash attention llama.cpp's compute buffer holds one ubatch's attention scores: the plan
     reserves them past 4096 tokens, and plan's budget for N slots, stock's --n-cpu-moe and the slots agree."""
     from edgemoe.gguf.synth import write_synthetic
     from edgemoe.plan.budget import best_n_cpu_moe, slot_budget
-    from edgemoe.plan.reserve import RESERVE_CTX, VRAM_RESERVE, budget_for_slots, context_reserve_bytes, reserve_bytes
+    from edgemoe.plan.reserve import (
+        RESERVE_CTX,
+        VRAM_RESERVE,
+        budget_for_slots,
+        context_reserve_bytes,
+        reserve_bytes,
+    )
 
     info = read_model_info(write_synthetic("qwen3-30b-a3b", tmp_path / "q.gguf", layers=2, shape_only=True,
                                            progress=False))

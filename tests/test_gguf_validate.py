@@ -1,6 +1,6 @@
 """Impossible hyper-parameters are refused in Python, with one line naming the key, before llama.cpp aborts.
 
-Each case mutates one metadata key of a bundled fixture (tests/gguf_mutate.py) and checks the error
+Each case mutates one metadata key of a bundled fixture (tests/helpers/gguf_mutate.py) and checks the error
 of `check_model`; the Engine and the CLI tests at the end check that both refuse before llama.cpp
 opens the file. Subprocess tests pin what llama.cpp itself still aborts on.
 """
@@ -14,16 +14,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 from gguf import GGUFValueType as T
-from gguf_mutate import GgufFile
 
 from edgemoe.errors import EdgeMoeError, InvalidConfigError, InvalidHyperparameterError, ModelLoadError
 from edgemoe.gguf.header import check_gguf
 from edgemoe.gguf.info import read_model_info
 from edgemoe.gguf.validate import LLAMA_MAX_EXPERTS, check_model, validate_hparams
 
-pytest_plugins = ["conftest_synth"]
+from helpers.gguf_mutate import GgufFile
+from helpers.models import FIXTURE_MODELS
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)  # 8 layers, 32 experts, top-4
 MIXTRAL = next(p for p in FIXTURE_MODELS if "mixtral" in p.name)  # arch "llama", 8 layers, 8 experts, top-2

@@ -81,7 +81,7 @@ def test_cache_on_gpu_close_to_experts_on_cpu(fixture_model: Path, slots: int, p
         steps = _steps(eng, toks[-8:])  # ubatch 1 (MMVQ)
         st = cache.stats()
     assert _nmse(got, ref) < 1e-4, _nmse(got, ref)
-    for a, b in zip(steps, steps_ref):
+    for a, b in zip(steps, steps_ref, strict=False):
         assert _nmse(a, b) < 1e-4
     if slots:
         assert st["hits"] > 0
@@ -138,7 +138,7 @@ def test_overlap_on_gpu_equals_serial(fixture_model: Path) -> None:
     runs = {o: _gpu_cache_run(fixture_model, CacheConfig(n_expert // 2, policy=LruConfig(), overlap=o))
             for o in (True, False)}
     (on, _, st_on), (off, _, st_off) = runs[True], runs[False]
-    for a, b in zip(on, off):
+    for a, b in zip(on, off, strict=False):
         assert _nmse(a, b) < 1e-9
     assert st_on["n_overlap"] == st_on["n_ubatch"] * n_moe and st_off["n_overlap"] == 0, (st_on, st_off)
     assert st_on["n_host_syncs"] == 0
@@ -155,7 +155,7 @@ def test_load_worker_on_gpu(fixture_model: Path) -> None:
     runs = {a: _gpu_cache_run(fixture_model, CacheConfig(n_expert // 4, policy=LruConfig(), async_loads=a))
             for a in (None, False)}
     (on, cs_on, st_on), (off, cs_off, _) = runs[None], runs[False]
-    for a, b in zip(on, off):
+    for a, b in zip(on, off, strict=False):
         assert _nmse(a, b) < 1e-4
     assert cs_on["worker_chunks"] == cs_on["chunks"] > 0 and cs_off["worker_chunks"] == 0, (cs_on, cs_off)
     # staging buffers: every chunk goes through a pinned staging buffer (CUDA has a host buffer type)
@@ -170,7 +170,7 @@ def test_gpu_skipped_ids_op_test_passes() -> None:
     """tests/native/test_mmid_skip.cpp covers CUDA when the library has it: its run must include CUDA cases."""
     import subprocess
 
-    from test_ops import build_native
+    from helpers.native_ops import build_native
 
     exe = build_native("test_mmid_skip", Path(__import__("tempfile").mkdtemp()))
     out = subprocess.run([str(exe), "4"], capture_output=True, text=True, timeout=900)
@@ -182,7 +182,7 @@ def test_gpu_backend_ops_cases_of_the_series_pass() -> None:
     """llama.cpp's test-backend-ops with the series' cases (skipped ids, moe_gate): CUDA against the CPU."""
     import tempfile
 
-    from test_ops import run_backend_ops
+    from helpers.native_ops import run_backend_ops
 
     run_backend_ops(Path(tempfile.mkdtemp()), "CUDA0")
 
@@ -199,7 +199,7 @@ def test_native_promoe_on_gpu(fixture_model: Path) -> None:
     ref, _, _ = _gpu_cache_run(fixture_model, CacheConfig(0, policy=ManualConfig()))
     cfg = CacheConfig(n_expert // 4, policy=PromoeConfig(calibration=default_calibration_dir(fixture_model)))
     got, cs, st = _gpu_cache_run(fixture_model, cfg)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=False):
         assert _nmse(a, b) < 1e-4
     assert cs["worker_chunks"] > 0 and cs["hits"] > 0 and st["n_host_syncs"] > 0, (cs, st)
     assert st["n_overlap"] > 0, st  # overlap with an eval callback: the device's experts run beside the CPU's after each stop
@@ -217,7 +217,7 @@ def test_device_prefill_on_gpu(fixture_model: Path, ahead: str) -> None:
     ref, _, _ = _gpu_cache_run(fixture_model, CacheConfig(0, policy=ManualConfig()))
     cfg = CacheConfig(n_expert // 4, policy=LruConfig(), prefill_min_tokens=8, prefill_ahead=ahead)
     got, cs, st = _gpu_cache_run(fixture_model, cfg)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=False):
         assert _nmse(a, b) < 1e-4
     assert st["n_host_syncs"] > 0, st
 
@@ -248,7 +248,7 @@ def test_precalc_on_gpu(fixture_model: Path) -> None:
         moe = tuple(eng.info.moe_layers)
     ref, st_ref = run(None, dict(n_ctx=256, n_batch=64, n_ubatch=64))
     got, st = run(native.gpu_device(), dict(CACHE_PLAIN, cpu_expert_layers=moe))
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=False):
         assert _nmse(a, b) < 1e-3
     assert st["layers"] == st_ref["layers"] > 0 and abs(st["used"] - st_ref["used"]) <= 0.05 * st_ref["used"], (st, st_ref)
 

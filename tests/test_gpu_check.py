@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from edgemoe.runtime.op_tests import BACKEND_OPS_ENV, series_total
-from test_ops import backend_ops_exe
+
+from helpers.native_ops import backend_ops_exe
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
@@ -47,12 +48,12 @@ def test_dry_run_runs_every_step_and_returns_at_most_8_files(tmp_path: Path) -> 
     rows = [r["name"] for r in json.loads((out / "bench.json").read_text())["rows"]]
     assert rows[0].startswith("stock") and {"edgemoe lru", "edgemoe static", "edgemoe daop"} <= {
         " ".join(r.split()[:2]) for r in rows}, rows
-    # the prefill rows (issue 41): each records the ubatch it ran (on the CPU nothing is planned: llama.cpp's 512,
+    # the long-prompt prefill rows: each records the ubatch it ran (on the CPU nothing is planned: llama.cpp's 512,
     # cut to the bench's 256-token context)
     prefill = json.loads((out / "prefill.json").read_text())
     assert prefill["prompt_tokens"] == 64 and [r["n_ubatch"] for r in prefill["rows"]] == [256] * len(prefill["rows"])
     assert any(r["name"].endswith("+device prefill") for r in prefill["rows"]), prefill["rows"]
-    # the 32K-context rows (issue 42; 8192 on the fixture): f16 and q8_0 KV; at f16 a +tiers row at the 4096 step
+    # the 32K-context rows (8192 on the fixture): f16 and q8_0 KV; at f16 a +tiers row at the 4096 step
     # (at q8_0 the fixture's budget holds every expert at 8192 already: no step gains a slot, no row)
     ctx = json.loads((out / "ctx.json").read_text())
     assert sorted(ctx) == ["f16", "q8_0"] and all(r["decode_tps"] > 0 for run in ctx.values() for r in run["rows"])

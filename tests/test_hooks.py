@@ -6,15 +6,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgemoe.analysis.verify import (
+    FnPolicy,
+    _logits,
+    _swap_experts_in_file,
+    check_drop_last,
+    check_identity,
+    check_swap,
+)
+from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime import native
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.sampling import GREEDY
-from edgemoe.analysis.verify import (
-    FnPolicy, _logits, _swap_experts_in_file, check_drop_last, check_identity, check_swap,
-)
-
-pytest_plugins = ["conftest_synth"]
 
 MOE_PRESETS = ["tiny-qwen3moe", "tiny-mixtral", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe"]
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
@@ -26,14 +29,14 @@ def _tokens(path: Path, n: int = 96) -> list[int]:
 
 
 def _all_models(make_tiny_gguf) -> list[Path]:  # type: ignore[no-untyped-def]
-    from conftest import FIXTURE_MODELS
+    from helpers.models import FIXTURE_MODELS
 
     return list(FIXTURE_MODELS) + [make_tiny_gguf(p) for p in MOE_PRESETS]
 
 
 @pytest.mark.parametrize("which", ["fixture-0", "fixture-1", *MOE_PRESETS])
 def test_verify_checks(which: str, make_tiny_gguf) -> None:  # type: ignore[no-untyped-def]
-    from conftest import FIXTURE_MODELS
+    from helpers.models import FIXTURE_MODELS
 
     path = FIXTURE_MODELS[int(which[-1])] if which.startswith("fixture") else make_tiny_gguf(which)
     toks = _tokens(path)
@@ -104,7 +107,7 @@ def test_trace_ids_equal_stock_topk(fixture_model: Path) -> None:
         toks = eng.tokenize(TEXT)[:64]
         tr = record_trace(eng, toks, ctx=128)
 
-    from conftest import eval_callback_tensors
+    from helpers.stock import eval_callback_tensors
 
     flat = eval_callback_tensors(fixture_model, toks, "ffn_moe_argsort-", np.int32)
     stock = {il: a.reshape(len(toks), -1) for il, a in flat.items()}
@@ -162,7 +165,7 @@ def test_new_hook_is_set_before_the_old_one_is_freed(monkeypatch: pytest.MonkeyP
     import gc
     import weakref
 
-    from conftest import FIXTURE_MODELS
+    from helpers.models import FIXTURE_MODELS
 
     with Engine(FIXTURE_MODELS[0], LoadConfig(n_ctx=128)) as eng:
         eng.set_policies([FnPolicy(lambda r: None)])

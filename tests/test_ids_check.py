@@ -1,7 +1,7 @@
 """Id rows on a device in both modes: a device's mul_mat_id and add_id get the skipped slots (-1) of the cache's
 misses, a gate's or a hook's drops either as they are ("raw": for a device whose kernels proved they skip them) or
 filled with spare rows and masked ("fill"). llama_moe_set_ids_check counts the rows each mode hands over; the RPC
-device stands in for a GPU (tests/ids_check_child.py runs each scenario in a process of its own).
+device stands in for a GPU (tests/helpers/ids_check_child.py runs each scenario in a process of its own).
 
 - fill: only valid, distinct ids per token (no -1, nothing past the last row, no repeat);
 - raw: -1 where skipped and otherwise valid, distinct ids (the -1 are counted: the mode does hand them over);
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 HERE = Path(__file__).resolve().parent
-CHILD = HERE / "ids_check_child.py"
+HELPERS = HERE / "helpers"  # the scripts run in processes of their own
+CHILD = HELPERS / "ids_check_child.py"
 MODES = ("fill", "raw")
 
 

@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.analysis.kld import KldComparison, row_kld
 from edgemoe.analysis.kld_base import BaseRecorder, KldBase, KldBaseError, RunKey
 from edgemoe.cli import cli
+
+from helpers.models import FIXTURE_MODELS
 
 MODEL_ID = {"architecture": "x", "n_layer": 2, "n_embd": 8, "n_expert": 4, "n_vocab": 6, "vocab_sha256": "0"}
 

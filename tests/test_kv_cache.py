@@ -9,18 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.cli.main import cli
 from edgemoe.errors import InvalidConfigError
 from edgemoe.gguf.info import read_model_info
-from edgemoe.gguf.kv_types import KvTypes
+from edgemoe.gguf.kv_types import KV_CACHE_TYPES, KvTypes, kv_bytes
 from edgemoe.plan.budget import estimate_kv_cache_bytes, slot_budget
 from edgemoe.plan.reserve import VRAM_RESERVE
-from edgemoe.gguf.kv_types import KV_CACHE_TYPES, kv_bytes
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.handle import flash_attn_resolved
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.models import FIXTURE_MODELS
 
 MODEL = FIXTURE_MODELS[0]
 PROMPT = "ROMEO:\nWhat light through yonder window"
@@ -212,7 +212,7 @@ def test_every_model_command_has_the_options() -> None:
 
 
 def test_serve_runs_with_a_quantized_kv_cache(tmp_path: Path) -> None:
-    from serve_harness import MODEL_ID, running
+    from helpers.serve_harness import MODEL_ID, running
 
     log = tmp_path / "server.log"
     with running(log, "--flash-attn", "auto", "-ctk", "q8_0", "-ctv", "q8_0") as srv:

@@ -1,4 +1,4 @@
-"""Issue 42 item 4: is it safe to lend the KV cache's unused cells to expert slots (expert bytes written into K/V
+"""Is it safe to lend the KV cache's unused cells to expert slots (expert bytes written into K/V
 cells no sequence holds, evicted before llama.cpp writes a cell)?
 
 Expert bytes read as f16 hold NaN and inf patterns. The test puts NaN in cells no sequence holds: a KV state of 300
@@ -7,7 +7,7 @@ tokens (llama_memory_seq_rm frees the cells and leaves their bytes), and one tok
 reads every cell up to its window (the cells in use, padded to 256), free ones included, masked:
 
 - without flash attention the masked scores are computed from those bytes, and the NaN reach the logits. Lending as
-  the issue describes it (evict before a cell is *written*) is unsafe: the test is an expected failure (strict, so it
+  first proposed (evict before a cell is *written*) is unsafe: the test is an expected failure (strict, so it
   reports when llama.cpp changes).
 - with flash attention, the CPU's kernel skips masked cells: the logits are equal. The GPU kernels are not checked
   here (they add the mask to scores computed over whole tiles).
@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
 
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.prompt_cache import KVSnapshot
+
+from helpers.models import FIXTURE_MODELS
 
 F16_NAN = b"\x00\x7e"
 KEEP = 10  # the tokens the sequence is cut to; the cells after them are free

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,4 +1,4 @@
-"""Per-route CPU/GPU assignment of a residency policy's misses (edgemoe.policies.miss_assignment; issue 12, 2c):
+"""Per-route CPU/GPU assignment of a residency policy's misses (edgemoe.policies.miss_assignment; docs/research/assignment.md):
 the pure policy on hand-made routes and traces, then through the engine (tokens = stock, live counters =
 the replay) and the CLI."""
 from __future__ import annotations
@@ -9,18 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import StepRecorder
 
 from edgemoe.cli.main import cli
 from edgemoe.errors import EdgeMoeError
 from edgemoe.perf.model.costmodel import ModelShape, expert_costs
 from edgemoe.perf.model.profile import load_profile
-from edgemoe.policies.miss_assignment import AssignedPolicy
 from edgemoe.policies.assignment import CostModel, make_assigner
+from edgemoe.policies.miss_assignment import AssignedPolicy
 from edgemoe.policies.residency import DaliPolicy, LruPolicy, replay_policy
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, policy_config
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.recorders import StepRecorder
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)
@@ -122,9 +123,10 @@ def test_assignment_is_refused_where_it_cannot_act(fixture_model: Path) -> None:
 
 
 def _cpu_profile() -> Path:
-    from edgemoe.perf.model.profile import profile_from_dict
     import dataclasses
     import tempfile
+
+    from edgemoe.perf.model.profile import profile_from_dict
 
     prof = load_profile("rtx4060-laptop")
     path = Path(tempfile.mkdtemp()) / "cpu.json"

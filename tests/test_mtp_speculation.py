@@ -26,8 +26,6 @@ from edgemoe.runtime.mtp import MtpDrafter
 from edgemoe.runtime.native import lib
 from edgemoe.speculation import SpeculationConfig
 
-pytest_plugins = ["conftest_synth"]
-
 MTP = "tiny-deepseek2-mtp"
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET:\nO Romeo, Romeo,"
 
@@ -244,7 +242,7 @@ def test_generate_and_bench_run_mtp(make_tiny_gguf) -> None:  # type: ignore[no-
 
 
 def test_mtp_with_the_cache_on_the_rpc_device(make_tiny_gguf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from rpc_child import run_child
+    from helpers.rpc_child import run_child
 
     out = run_child("rpc_mtp_check.py", make_tiny_gguf(MTP), tmp_path)
     assert out["device"].startswith("RPC"), out
@@ -283,9 +281,9 @@ def test_the_plan_keeps_the_mtp_heads_out_of_the_slots(make_tiny_gguf) -> None: 
     KV cache out of the slots; open_engine plans that way for `mtp` speculation and says so."""
     from edgemoe import open_engine
     from edgemoe.gguf.header import check_gguf
-    from edgemoe.plan.reserve import mtp_reserve_bytes
     from edgemoe.plan.planner import Device, plan
     from edgemoe.plan.request import cache_request
+    from edgemoe.plan.reserve import mtp_reserve_bytes
 
     path = make_tiny_gguf(MTP)
     header = check_gguf(path)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from edgemoe.runtime import native
 from edgemoe.errors import NativeLibraryError
+from edgemoe.runtime import native
 
 
 def test_patched_library_is_loaded() -> None:

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import stock_greedy
 
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.analysis.verify import run_checks
 from edgemoe.gguf.synth import get_preset, write_synthetic
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+
+from helpers.stock import stock_greedy
 
 PROMPT = "hello there, one expert"
 PLAIN = dict(n_ctx=128, n_threads=1, use_extra_bufts=False)

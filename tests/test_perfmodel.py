@@ -9,40 +9,30 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgemoe.analysis.trace import DECODE, PREFILL, Trace
+from edgemoe.analysis.trace import DECODE, PREFILL
 from edgemoe.cli.main import cli
 from edgemoe.errors import EdgeMoeError
 from edgemoe.gguf.info import read_model_info
 from edgemoe.perf.model.costmodel import LayerCosts, ModelShape
-from edgemoe.perf.model.profile import (TOKEN_GRID, Curve, HostProfile, ProfileError, RatePoint, Roofline,
-                                  bundled_profiles, load_profile, profile_from_dict)
+from edgemoe.perf.model.profile import (
+    TOKEN_GRID,
+    Curve,
+    HostProfile,
+    ProfileError,
+    RatePoint,
+    Roofline,
+    bundled_profiles,
+    load_profile,
+    profile_from_dict,
+)
 from edgemoe.perf.model.simulate import ConfigResult, SimSpec, simulate
 from edgemoe.perf.model.workload import GatingSpec, build_workload
 from edgemoe.policies.gating import GatingRule
 from edgemoe.policies.residency import LruPolicy
 from edgemoe.policies.residency import replay_policy as replay_residency
 
-QWEN = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
-MIXTRAL = Path(__file__).resolve().parents[1] / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"
-
-
-def skewed_trace(model: Path, *, n_seq: int = 4, prefill: int = 40, decode: int = 60, seed: int = 0,
-                 layers: int | None = None) -> Trace:
-    """A made-up trace for the replay mechanics (a Zipf-skewed router, not real routing)."""
-    info = read_model_info(model)
-    rng = np.random.default_rng(seed)
-    n_layer = layers or len(info.moe_layers)
-    e, k = info.n_expert, info.n_expert_used
-    p = 1.0 / np.arange(1, e + 1) ** 1.1
-    p /= p.sum()
-    n = n_seq * (prefill + decode)
-    ids = np.stack([rng.choice(e, size=k, replace=False, p=p) for _ in range(n * n_layer)]).reshape(n, n_layer, k)
-    w = np.sort(rng.dirichlet(np.ones(k), size=(n, n_layer)), axis=-1)[..., ::-1].astype(np.float32)
-    phase = np.tile(np.r_[np.full(prefill, PREFILL), np.full(decode, DECODE)], n_seq).astype(np.uint8)
-    seq = np.repeat(np.arange(n_seq), prefill + decode).astype(np.int32)
-    return Trace(tokens=np.zeros(n, np.int32), layers=np.arange(n_layer, dtype=np.int32), ids=ids.astype(np.int32),
-                 weights=w, phase=phase, seq=seq, meta={"n_expert": e, "model": "made-up"})
-
+from helpers.models import MIXTRAL, QWEN
+from helpers.traces import skewed_trace
 
 # --------------------------------------------------------------------------- profiles
 

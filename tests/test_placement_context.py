@@ -1,5 +1,5 @@
 """edgemoe.plan.context: the context length x KV type -> expert slots table of a budget, the context the plan
-picks when none is asked, and where inspect, plan and the opening commands show them (issue 42, item 3)."""
+picks when none is asked, and where inspect, plan and the opening commands show them."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.cli import cli
 from edgemoe.gguf.header import check_gguf
@@ -16,8 +15,10 @@ from edgemoe.gguf.info import ModelInfo, read_model_info
 from edgemoe.gguf.kv_types import KvTypes
 from edgemoe.placement import budget_request, cache_request, plan
 from edgemoe.plan.budget import slot_budget
-from edgemoe.plan.reserve import budget_for_slots, reserve_bytes
 from edgemoe.plan.context import KEEP_SLOTS, TABLE_CTX, context_table, default_context, format_context_table
+from edgemoe.plan.reserve import budget_for_slots, reserve_bytes
+
+from helpers.models import FIXTURE_MODELS
 
 QWEN_FIXTURE = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 F16 = KvTypes()
@@ -204,7 +205,7 @@ def test_simulate_plans_the_kv_cache_types_it_is_given(qwen30b: Path) -> None:
 
 def test_inspect_projects_the_prefill_of_long_prompts_with_a_profile(qwen30b: Path) -> None:
     """inspect --vram --profile: the prefill of 2K/8K/32K-token prompts, stock and edgemoe each at its fastest
-    ubatch (issue 41), in the text and in --json; without --profile there is none; a CPU profile is refused."""
+    ubatch, in the text and in --json; without --profile there is none; a CPU profile is refused."""
     out = json.loads(_run("inspect", str(qwen30b), "--vram", "6GiB", "--profile", "rtx4060-laptop", "--json"))
     assert [p["prompt_tokens"] for p in out["prefill"]] == [2048, 8192, 32768]
     for p in out["prefill"]:

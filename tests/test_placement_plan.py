@@ -6,17 +6,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS
 
-from edgemoe.runtime.cache_config import ExpertCacheError
 from edgemoe.gguf.header import check_gguf
 from edgemoe.gguf.info import read_model_info
 from edgemoe.placement import Device, PlacementError, budget_request, cache_request, open_engine, plan
 from edgemoe.plan.budget import engine_ctx, estimate_kv_cache_bytes, prefill_buffer_bytes
 from edgemoe.plan.reserve import VRAM_RESERVE, budget_for_slots, context_reserve_bytes
+from edgemoe.runtime.cache_config import ExpertCacheError
 from edgemoe.runtime.config import LoadConfig
 
-pytest_plugins = ["conftest_synth"]
+from helpers.models import FIXTURE_MODELS
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 GPU = Device(name="CUDA0", free_bytes=8 * 2**30)

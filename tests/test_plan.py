@@ -5,16 +5,16 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.cli import cli
 from edgemoe.gguf.info import read_model_info
-from edgemoe.perf.model.layouts import make_layouts
-from edgemoe.perf.model.layouts import suggest
-from edgemoe.plan.reserve import budget_for_slots
+from edgemoe.perf.model.layouts import make_layouts, suggest
 from edgemoe.perf.model.profile import load_profile
 from edgemoe.perf.model.simulate import SimSpec, simulate
+from edgemoe.plan.reserve import budget_for_slots
+
+from helpers.models import FIXTURE_MODELS
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 
@@ -29,7 +29,7 @@ def test_plan_splits_the_budget_and_allocates_dp_slots_within_it() -> None:
     assert dp is not None and len(dp) == len(info.moe_layers)
     left = vram - plan.fits["dense"] - plan.fits["kv_cache"] - plan.fits["reserve"]
     per = info.bytes_per_expert_by_layer
-    assert sum(n * per[il] for n, il in zip(dp, info.moe_layers)) <= left  # the same budget as equal's
+    assert sum(n * per[il] for n, il in zip(dp, info.moe_layers, strict=False)) <= left  # the same budget as equal's
     assert sum(dp) != 8 * len(dp) or dp != plan.slots_per_layer["equal"]  # dp decided something
     assert sum(plan.fits.values()) <= vram
     rows = {(r["config"], r["allocation"]): r for r in plan.expected}
@@ -108,7 +108,7 @@ def _uncalibrated(tmp_path: Path, preset: str, layers: int) -> Path:
 
 
 def test_plan_without_routing_data_projects_with_the_matching_routing_profile(tmp_path: Path) -> None:
-    """Issue 29: a model with no trace and no calibration gets the bundled routing profile of its shape, named."""
+    """A model with no trace and no calibration gets the bundled routing profile of its shape, named."""
     model = _uncalibrated(tmp_path, "qwen3-30b-a3b", 6)
     assert default_calibration_dir(model) is None
     r = CliRunner().invoke(cli, ["plan", str(model), "--vram", "1GiB", "--ctx", "512", "--profile", "rtx4060-laptop",

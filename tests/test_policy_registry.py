@@ -15,12 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS, StepRecorder
 
 from edgemoe.placement import PlacementError, cache_request
 from edgemoe.policies.allocation import replay_curve
 from edgemoe.policies.registry import policy_names, policy_spec, unregister
-from edgemoe.policies.residency import Load, make_policy, replay_policy
+from edgemoe.policies.residency import make_policy, replay_policy
+
+from helpers.models import FIXTURE_MODELS
+from helpers.recorders import StepRecorder
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "edgemoe"

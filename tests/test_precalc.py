@@ -21,11 +21,9 @@ from edgemoe.cli.main import cli
 from edgemoe.gguf.info import read_model_info
 from edgemoe.policies.loads import Load
 from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import ExpertCacheError
-
-pytest_plugins = ["conftest_synth"]
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)

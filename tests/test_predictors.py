@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
 
 from edgemoe.analysis.predictor_eval import evaluate, evaluation_to_json, format_evaluation, known_from_trace
+from edgemoe.analysis.trace import Trace
 from edgemoe.predictors import (
     GatePredictor,
     Known,
@@ -28,7 +28,8 @@ from edgemoe.predictors import (
     source_of,
     topk_ids,
 )
-from edgemoe.analysis.trace import Trace
+
+from helpers.models import FIXTURE_MODELS
 
 
 # -- metrics -----------------------------------------------------------------------------------------
@@ -174,12 +175,12 @@ def fitted(request: pytest.FixtureRequest) -> tuple[Path, list, dict, Trace]:  #
     """All predictors fitted on ~3k train-split tokens (3 epochs) and a 1k-token held-out trace."""
     import torch
 
-    from edgemoe.calibration.corpus import default_corpus_dir, split_corpus
-    from edgemoe.runtime.engine import Engine, LoadConfig
-    from edgemoe.predictors import spec_for_model
-    from edgemoe.calibration.predictor_fit import fit_predictors
-    from edgemoe.predictors.train import TrainConfig
     from edgemoe.analysis.trace import record_trace
+    from edgemoe.calibration.corpus import default_corpus_dir, split_corpus
+    from edgemoe.calibration.predictor_fit import fit_predictors
+    from edgemoe.predictors import spec_for_model
+    from edgemoe.predictors.train import TrainConfig
+    from edgemoe.runtime.engine import Engine, LoadConfig
 
     torch.set_num_threads(1)
     model = request.param
@@ -221,7 +222,7 @@ def test_artifacts_round_trip(fitted, tmp_path: Path) -> None:  # type: ignore[n
     back = load_predictors(tmp_path, entries, spec_for_model(model))
     assert [(p.kind, p.distance) for p in back] == [(p.kind, p.distance) for p in preds]
     rows = np.arange(1, 60)
-    for a, b in zip(preds, back):
+    for a, b in zip(preds, back, strict=False):
         if a.kind is PredictorKind.RANDOM:
             continue
         for t in range(len(ev.layers)):

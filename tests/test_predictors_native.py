@@ -15,13 +15,13 @@ import pytest
 
 from edgemoe.calibration import find_calibration
 from edgemoe.errors import EdgeMoeError
+from edgemoe.gguf.info import read_model_info
+from edgemoe.plan.budget import slot_budget
 from edgemoe.policies.route import RouteRecord
 from edgemoe.predictors import Known, Predictor, topk_ids
 from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
-from edgemoe.gguf.info import read_model_info
-from edgemoe.plan.budget import slot_budget
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.prediction import default_n_out, device_bytes
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2
@@ -57,7 +57,7 @@ def _compare(native_ids: np.ndarray, scores: np.ndarray) -> int:
     assert all(len(set(row)) == n_out for row in native_ids.tolist()), "an expert predicted twice"
     ref = topk_ids(scores, n_out)
     ties = 0
-    for t, j in zip(*np.nonzero(native_ids != ref)):
+    for t, j in zip(*np.nonzero(native_ids != ref), strict=False):
         a, b = scores[t, native_ids[t, j]], scores[t, ref[t, j]]
         assert abs(a - b) <= REL_TIE * max(abs(a), abs(b)), (
             f"token {t}, rank {j}: native expert {native_ids[t, j]} ({a}) vs numpy {ref[t, j]} ({b})")
@@ -130,7 +130,7 @@ def test_predictors_leave_the_logits_bitwise(fixture_model: Path, cache: bool) -
         ids = eng.predictions(targets[-1])
         eng.set_predictors(None)
         again = _logits(eng, prompt)
-    for a, b, c in zip(ref, got, again):
+    for a, b, c in zip(ref, got, again, strict=False):
         assert np.array_equal(a, b) and np.array_equal(a, c)
     assert ids.shape == (1, default_n_out(preds[0].spec.k))
 
@@ -186,7 +186,7 @@ def test_smaller_weight_types_agree_mostly(fixture_model: Path, weights: str) ->
             h = rec.by_layer[spec.layers[target - pred.distance]]
             ref = topk_ids(pred.scores(Known(target, 2, h, np.zeros(len(h), np.int32),
                                              np.zeros((len(h), k), np.int32))), k)
-            hits += sum(len(set(a) & set(b)) for a, b in zip(got.tolist(), ref.tolist()))
+            hits += sum(len(set(a) & set(b)) for a, b in zip(got.tolist(), ref.tolist(), strict=False))
             total += ref.size
     assert hits / total >= 0.95, f"{weights}: {hits}/{total} of numpy's top-{k} predicted"
 

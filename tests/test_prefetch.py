@@ -10,8 +10,16 @@ import numpy as np
 import pytest
 
 from edgemoe.errors import EdgeMoeError
-from edgemoe.policies.copy_queue import (CacheModel, CancelOp, CopyStream, CopyTiming, IssueOp, LoadState, PrefetchOp,
-                                         Priority)
+from edgemoe.policies.copy_queue import (
+    CacheModel,
+    CancelOp,
+    CopyStream,
+    CopyTiming,
+    IssueOp,
+    LoadState,
+    PrefetchOp,
+    Priority,
+)
 from edgemoe.policies.promoe import Prediction, PrefetchError, PromoePolicy, predicted_experts
 from edgemoe.policies.replay import replay
 from edgemoe.policies.residency import Load, StaticPolicy, make_policy, replay_policy
@@ -198,7 +206,7 @@ def test_replay_at_infinite_bandwidth_counts_as_simulate(kind: str, blocking: bo
     for seed, slots in ((0, {il: 3 for il in LAYERS}), (1, {0: 0, 1: 1, 2: 4, 3: E})):
         steps, counted = _routes(seed)
 
-        def make() -> object:
+        def make(slots: dict[int, int] = slots) -> object:  # this iteration's slots
             return (StaticPolicy(freq, slots) if kind == "static"
                     else make_policy(kind, slots, blocking=blocking, n_expert=E))
 

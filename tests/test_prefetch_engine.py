@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.cli import cli
@@ -23,30 +22,17 @@ from edgemoe.policies.copy_queue import CopyTiming
 from edgemoe.policies.gating import GatingPolicy, GatingRule
 from edgemoe.policies.promoe import PromoePolicy
 from edgemoe.policies.replay import replay
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, DaliConfig, PromoeConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.prefetcher import prefetch_predictor
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.models import FIXTURE_MODELS
+from helpers.recorders import RouteRecorder
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 3
 PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)
 LAYER_S = 1e-3
-
-
-class RouteRecorder:
-    """Each ubatch's routes as replay() takes them: [(layer, ids, router input), ...] in layer order."""
-
-    wants_probs = False
-    wants_gate_inp = True
-
-    def __init__(self) -> None:
-        self.steps: list[list[tuple[int, np.ndarray, np.ndarray]]] = []
-
-    def on_route(self, r) -> None:  # type: ignore[no-untyped-def]
-        if not self.steps or r.layer <= self.steps[-1][-1][0]:
-            self.steps.append([])
-        assert r.gate_inp is not None
-        self.steps[-1].append((r.layer, r.ids.copy(), r.gate_inp.copy()))
 
 
 def _generate(path: Path, cache: CacheConfig | None, *, gating: GatingPolicy | None = None,
@@ -65,8 +51,8 @@ def _generate(path: Path, cache: CacheConfig | None, *, gating: GatingPolicy | N
 
 def _slow(path: Path) -> CopyTiming:
     """About one expert's bytes per MoE layer: speculative loads are often incomplete when their layer routes."""
-    from edgemoe.runtime.expert_cache import expert_chunk_bytes
     from edgemoe.gguf.info import read_model_info
+    from edgemoe.runtime.expert_cache import expert_chunk_bytes
 
     chunks = expert_chunk_bytes(path, read_model_info(path).moe_layers)
     per_expert = float(np.mean([sum(c) for c in chunks.values()]))

@@ -1,4 +1,4 @@
-"""The prefill ubatch the plan picks (issue 41): llama.cpp's compute buffer against the ubatch, the slots it takes,
+"""The prefill ubatch the plan picks for a long prompt: llama.cpp's compute buffer against the ubatch, the slots it takes,
 stock compared at its own best -ub, and `edgemoe plan --prompt-tokens`."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.analysis.routing_profile import routing_for_model
 from edgemoe.analysis.trace import DECODE, PREFILL
@@ -20,7 +19,15 @@ from edgemoe.perf.model.prefill_plan import UBATCHES, PrefillPlanner, PrefillSpe
 from edgemoe.perf.model.profile import load_profile
 from edgemoe.perf.model.workload import prompt_workload
 from edgemoe.plan.budget import BORROW_SLACK, best_n_cpu_moe, borrow_fits, lent_layers, prefill_buffer_bytes
-from edgemoe.plan.reserve import PLAN_UBATCH, Reserve, compute_buffer_bytes, reserve_bytes, ubatch_reserve_bytes
+from edgemoe.plan.reserve import (
+    PLAN_UBATCH,
+    Reserve,
+    compute_buffer_bytes,
+    reserve_bytes,
+    ubatch_reserve_bytes,
+)
+
+from helpers.models import FIXTURE_MODELS
 
 QWEN = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 MIB = 2**20
@@ -207,7 +214,12 @@ def test_the_long_prompt_command_follows_the_projection() -> None:
 
     from edgemoe.perf.model.layouts import long_prompt
     from edgemoe.perf.model.prefill_decode import DecodeAfterPrompt, SideSlots
-    from edgemoe.perf.model.prefill_plan import PrefillChoice, PrefillProjection, UbatchOption, long_prompt_run
+    from edgemoe.perf.model.prefill_plan import (
+        PrefillChoice,
+        PrefillProjection,
+        UbatchOption,
+        long_prompt_run,
+    )
 
     def opt(u: int, tps: float) -> UbatchOption:
         return UbatchOption(u, 0, 0, 8, None, tps, 8192 / tps, "gpu")

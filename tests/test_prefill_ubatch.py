@@ -1,4 +1,4 @@
-"""The prefill ubatch in the runtime (issue 41): -b/-ub validated, a given -ub reaching the engine, and with a budget,
+"""The prefill ubatch in the runtime: -b/-ub validated, a given -ub reaching the engine, and with a budget,
 --device-prefill and a GPU profile the plan's pick (edgemoe.plan.ubatch) with its slots; bench's rows' ubatches."""
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
 from edgemoe.cli import cli
 from edgemoe.errors import InvalidConfigError
@@ -17,6 +16,8 @@ from edgemoe.perf.model.prefill_plan import ProfilePricing
 from edgemoe.perf.model.profile import load_profile
 from edgemoe.placement import Device, cache_request, open_engine, plan
 from edgemoe.runtime.config import LoadConfig, check_batches
+
+from helpers.models import FIXTURE_MODELS
 
 MODEL = next(p for p in FIXTURE_MODELS if "qwen3moe" in p.name)
 LAPTOP = "rtx4060-laptop"
@@ -177,12 +178,13 @@ def test_bench_s_rows_take_the_plan_s_ubatches(tmp_path: Path) -> None:
 def test_bench_projects_each_gpu_row_at_the_ubatch_it_ran() -> None:
     """On a GPU, stock runs at its best -ub with the --n-cpu-moe beside that buffer and +device prefill at its own
     -ub with fewer slots: their projections are the simulator's at those, not at the cached rows' 512."""
-    from test_perfmodel import QWEN, skewed_trace
-
     from edgemoe.gguf.info import read_model_info
     from edgemoe.perf.bench.project import projections
     from edgemoe.perf.bench.records import BenchRow, Projection, RowResult
     from edgemoe.perf.model.simulate import SimSpec, simulate
+
+    from helpers.models import QWEN
+    from helpers.traces import skewed_trace
 
     tr, prof = skewed_trace(QWEN, n_seq=2, prefill=96, decode=8), load_profile("rtx4060-laptop")
     base = SimSpec(vram=600 * 2**20, n_ctx=512, n_ubatch=32, policies=("lru",), warmup_seqs=1, overlap=True)

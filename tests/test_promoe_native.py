@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURE_MODELS
-
 from edgemoe.calibration.adaptive import default_calibration_dir
 from edgemoe.errors import EdgeMoeError
 from edgemoe.policies.copy_queue import CopyTiming
 from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, PromoeConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.models import FIXTURE_MODELS
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type"
 PLAIN = dict(n_ctx=256, n_batch=64, n_ubatch=64, use_extra_bufts=False)
@@ -88,7 +88,7 @@ def test_promoe_falls_back_to_the_hook_where_it_cannot_run_natively(fixture_mode
     cal = default_calibration_dir(fixture_model)
     slow = CopyTiming(bandwidth=1e6, layer_s=1e-3)
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
-        n, layers = eng.info.n_expert // 4, list(eng.info.moe_layers)
+        n = eng.info.n_expert // 4
         # a copy timing paces the stand-in's copies: only the hook's model of the queue does that
         with caplog.at_level("INFO", logger="edgemoe.runtime.prefetcher"):
             eng.enable_expert_cache(CacheConfig(n, policy=PromoeConfig(calibration=cal, copy_timing=slow)))
@@ -110,11 +110,11 @@ def test_layers_without_slots_still_predict(fixture_model: Path) -> None:
     """Slots per layer as --alloc dp may give them: layers with none route as stock, but llama.cpp still stops at
     those that predict a later layer (predicted prefetch hands their routing to its callback) and queues the predictions;
     the counters equal PromoePolicy replayed, which predicts from every layer."""
-    from test_prefetch_engine import RouteRecorder
-
     from edgemoe.policies.promoe import PromoePolicy
     from edgemoe.policies.replay import replay
     from edgemoe.runtime.prefetcher import prefetch_predictor
+
+    from helpers.recorders import RouteRecorder
 
     ref = _stock(fixture_model)
     cal = default_calibration_dir(fixture_model)

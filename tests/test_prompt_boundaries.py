@@ -1,4 +1,4 @@
-"""Chunked prefill with the prompt cache (issue 41): the state at a prefill's deepest chunk boundary is stored while
+"""Chunked prefill of long prompts with the prompt cache: the state at a prefill's deepest chunk boundary is stored while
 the prefill runs, one state per conversation, and a prompt restored from a boundary gives the logits a fresh full
 prefill gives, bitwise."""
 from __future__ import annotations
@@ -7,12 +7,13 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
 
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.runtime.prompt_cache import PromptCache, chunk_boundary
 from edgemoe.serve.prefix_cache import PrefixReuse
-from test_serve_parts import FakeEngine
+
+from helpers.fake_engine import FakeEngine
+from helpers.models import FIXTURE_MODELS
 
 CHUNK = 64
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from conftest import FIXTURE_MODELS
 
 from edgemoe import GREEDY, Engine, LoadConfig
+
+from helpers.models import FIXTURE_MODELS
 
 PROMPT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
 

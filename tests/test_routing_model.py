@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
 
 from edgemoe import Engine, LoadConfig
 from edgemoe.analysis.routing_model import RoutingStats, routing_stats, synthesize_trace
@@ -14,6 +13,8 @@ from edgemoe.analysis.trace import DECODE, record_trace
 from edgemoe.calibration.corpus import default_corpus_dir, split_corpus
 from edgemoe.errors import EdgeMoeError
 from edgemoe.policies.residency import LruPolicy, replay_policy
+
+from helpers.models import FIXTURE_MODELS
 
 
 def _real_trace(model: Path):  # type: ignore[no-untyped-def]

@@ -1,7 +1,7 @@
-"""Big prefill ubatches on the RPC device (issue 41): the expert cache with device prefill gives stock llama.cpp's
-logits bitwise at n_ubatch 512, 1024 and 2048 (tests/rpc_ubatch_check.py, in a process of its own), on the bundled
-fixtures by default and on every architecture's random-weight model with -m slow. A new switch of the cache (prefill
-borrowing slots) is one more entry of rpc_ubatch_check.VARIANTS: both tests check every variant."""
+"""Big prefill ubatches on the RPC device: the expert cache with device prefill gives stock llama.cpp's
+logits bitwise at n_ubatch 512, 1024 and 2048 (tests/helpers/rpc_ubatch_check.py, in a process of its own), on the
+bundled fixtures by default and on every architecture's random-weight model with -m slow. A new switch of the cache
+(prefill borrowing slots) is one more entry of rpc_ubatch_check.VARIANTS: both tests check every variant."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURE_MODELS
+from helpers.models import FIXTURE_MODELS
 
 HERE = Path(__file__).resolve().parent
+HELPERS = HERE / "helpers"  # the scripts run in processes of their own
 sys.path.insert(0, str(HERE.parent / "tools"))
 import arch_models  # noqa: E402
 
@@ -25,7 +26,7 @@ NO_MOE_GRAPH = {"refact"}
 
 def _run(tmp_path: Path, paths: list[Path], timeout: int) -> dict[str, dict]:
     result = tmp_path / "ubatch.json"
-    proc = subprocess.run([sys.executable, str(HERE / "rpc_ubatch_check.py"), str(result), *map(str, paths)],
+    proc = subprocess.run([sys.executable, str(HELPERS / "rpc_ubatch_check.py"), str(result), *map(str, paths)],
                           capture_output=True, text=True, timeout=timeout, cwd=HERE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(result.read_text())

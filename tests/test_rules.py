@@ -9,8 +9,6 @@ from click.testing import CliRunner
 from edgemoe.analysis.rules import describe_rules, routing_rules
 from edgemoe.cli import cli
 
-pytest_plugins = ["conftest_synth"]
-
 # llama.cpp's build_moe_ffn arguments per architecture (src/models/*.cpp)
 EXPECTED = {
     "tiny-qwen3moe": "norm",  # norm_w = true

@@ -6,17 +6,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURE_MODELS
 
 from edgemoe.calibration.adaptive import GatingOptions, build_gating
-from edgemoe.calibration.sensitivity import save_validation_tokens
-from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.calibration.sensitivity import (
+    Sensitivity,
+    calibrate_sensitivity,
+    save_validation_tokens,
+    spearman,
+)
 from edgemoe.errors import EdgeMoeError, UnsupportedArchitectureError
 from edgemoe.policies.gating import GatingRule
-from edgemoe.calibration.sensitivity import Sensitivity, calibrate_sensitivity, spearman
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.torchref.gguf_import import load_gguf_model
 
-pytest_plugins = ["conftest_synth"]
+from helpers.models import FIXTURE_MODELS
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nThe list type is a mutable sequence.\n" * 12
 

@@ -15,9 +15,20 @@ import httpx
 import openai
 import pytest
 
-from serve_harness import API_KEY, CTX, MAX_QUEUE, MODEL, MODEL_ID, THREADS, Server, server  # noqa: F401
 from edgemoe import GREEDY, Engine, LoadConfig
-from edgemoe.runtime.chat import ChatMessage
+
+from helpers.serve_harness import (
+    API_KEY,
+    CTX,
+    MAX_QUEUE,
+    MODEL,
+    MODEL_ID,
+    THREADS,
+    Server,
+    chat_reference,
+    long_stream,
+    wait_idle,
+)
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "To be, or not to be"}],
@@ -31,13 +42,6 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 def engine() -> Iterator[Engine]:
     with Engine(MODEL, LoadConfig(n_ctx=CTX, n_threads=THREADS)) as eng:
         yield eng
-
-
-def chat_reference(engine: Engine, messages: list[dict[str, str]], n: int) -> tuple[str, int, str]:
-    """(text, completion tokens, finish_reason) as ChatSession.send / generate --temp 0 make them."""
-    prompt = engine.format_chat([ChatMessage(m["role"], m["content"]) for m in messages])
-    g = engine.generate(prompt, max_tokens=n, sampling=GREEDY, parse_special=True)
-    return g.text, len(g.tokens), "stop" if g.stop_reason == "eog" else "length"
 
 
 def text_reference(engine: Engine, prompt: str, n: int) -> str:
@@ -150,37 +154,15 @@ def test_eight_concurrent_requests(server: Server, engine: Engine) -> None:
     assert got == [want[p] for p in prompts]
 
 
-def _long_stream(server: Server, started: threading.Event, stop: threading.Event) -> None:
-    body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": CTX - 16, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=30,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
-        assert r.status_code == 200
-        for n, _ in enumerate(r.iter_lines()):
-            if n >= 3:
-                started.set()
-            if stop.is_set():
-                return  # leaving the block closes the connection mid-stream
-
-
-def _wait_idle(server: Server, timeout: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        h = server.health()
-        if not h["busy"] and h["queued"] == 0:
-            return time.monotonic() - t0
-        time.sleep(0.02)
-    raise AssertionError(f"the engine is still busy after {timeout} s: {server.health()}")
-
-
 def test_disconnect_mid_stream_frees_the_engine(server: Server, engine: Engine) -> None:
     started, stop = threading.Event(), threading.Event()
-    t = threading.Thread(target=_long_stream, args=(server, started, stop))
+    t = threading.Thread(target=long_stream, args=(server, started, stop))
     t.start()
     assert started.wait(20)
     assert server.health()["busy"]
     stop.set()
     t.join(10)
-    _wait_idle(server, 1.5)  # the whole generation (~4000 tokens) would take several seconds
+    wait_idle(server, 1.5)  # the whole generation (~4000 tokens) would take several seconds
     r = server.client().completions.create(model=MODEL_ID, prompt="JULIET:", max_tokens=16, temperature=0)
     assert r.choices[0].text == text_reference(engine, "JULIET:", 16)
     assert r.model_extra["edgemoe"]["queue_s"] < 0.5  # type: ignore[index]
@@ -188,7 +170,7 @@ def test_disconnect_mid_stream_frees_the_engine(server: Server, engine: Engine) 
 
 def test_full_queue_answers_503(server: Server) -> None:
     started, stop = threading.Event(), threading.Event()
-    long = threading.Thread(target=_long_stream, args=(server, started, stop))
+    long = threading.Thread(target=long_stream, args=(server, started, stop))
     long.start()
     assert started.wait(20)
     client = server.client()
@@ -263,14 +245,14 @@ def test_disconnect_while_waiting_for_a_whole_reply(server: Server) -> None:
     body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": CTX - 16, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         post(server, "/completions", body, timeout=httpx.Timeout(30, read=0.3))
-    _wait_idle(server, 1.5)
+    wait_idle(server, 1.5)
     assert server.alive()
 
 
 
 def test_disconnect_while_queued(server: Server) -> None:
     started, stop = threading.Event(), threading.Event()
-    long = threading.Thread(target=_long_stream, args=(server, started, stop))
+    long = threading.Thread(target=long_stream, args=(server, started, stop))
     long.start()
     assert started.wait(20)
     body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": 8, "temperature": 0}
@@ -280,7 +262,7 @@ def test_disconnect_while_queued(server: Server) -> None:
     assert server.health()["queued"] == 2
     stop.set()
     long.join(10)
-    _wait_idle(server, 1.5)  # both skipped; their handlers end (the module's teardown checks none hangs)
+    wait_idle(server, 1.5)  # both skipped; their handlers end (the module's teardown checks none hangs)
     assert server.alive()
 
 

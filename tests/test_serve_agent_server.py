@@ -16,12 +16,13 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_harness import API_KEY, THREADS, TOOL_TEMPLATE, Server, running, tool_model
 
 from edgemoe import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
 from edgemoe.serve.conversation import IMAGE_PLACEHOLDER
 from edgemoe.serve.template import ChatTemplate
+
+from helpers.serve_harness import API_KEY, THREADS, TOOL_TEMPLATE, Server, running, tool_model
 
 DATA = Path(__file__).parent / "data" / "agents"
 MODEL_ID = "edgemoe-tiny-qwen3moe-tools"

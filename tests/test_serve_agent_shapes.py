@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from serve_harness import TOOL_TEMPLATE
 
 from edgemoe.serve import anthropic as ant
 from edgemoe.serve.conversation import (
@@ -38,6 +37,8 @@ from edgemoe.serve.stream import ReplySplitter
 from edgemoe.serve.template import ChatTemplate
 from edgemoe.serve.tools import ToolCall
 from edgemoe.serve.worker import Outcome
+
+from helpers.serve_harness import TOOL_TEMPLATE
 
 DATA = Path(__file__).parent / "data" / "agents"
 # Claude Code's own test of an overflow answer (its cli.js): only this exact wording stops its retries

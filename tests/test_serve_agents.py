@@ -17,12 +17,22 @@ import httpx
 import openai
 import pytest
 
-from serve_harness import (API_KEY, CTX, MODEL, MODEL_ID, THREADS, Server, running, server,  # noqa: F401
-                           tool_model)
 from edgemoe import Engine, LoadConfig
 from edgemoe.runtime.chat import ChatMessage
 from edgemoe.serve.template import ChatTemplate
-from test_serve import _wait_idle, chat_reference
+
+from helpers.serve_harness import (
+    API_KEY,
+    CTX,
+    MODEL,
+    MODEL_ID,
+    THREADS,
+    Server,
+    chat_reference,
+    running,
+    tool_model,
+    wait_idle,
+)
 
 SYSTEM = "You are a terse playwright."
 T0 = {"temperature": 0}  # the anthropic client has no temperature argument any more: sent as an extra field
@@ -232,7 +242,7 @@ def test_disconnect_mid_stream_frees_the_engine(server: Server) -> None:
             deltas += line == "event: content_block_delta"
             if deltas >= 3:
                 break  # leaving the block closes the connection mid-stream
-    _wait_idle(server, 2.0)  # ~4000 tokens would take far longer
+    wait_idle(server, 2.0)  # ~4000 tokens would take far longer
     assert server.alive()
 
 

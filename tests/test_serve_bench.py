@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_harness import API_KEY, CTX, MODEL_ID, Server, server  # noqa: F401
+from helpers.serve_harness import API_KEY, CTX, MODEL_ID, Server
 
 SYSTEM = " ".join(f"Rule {i}: keep every module small, typed and tested; say why in one line."
                   for i in range(90))
@@ -44,7 +44,7 @@ def test_alternating_conversations_ttft(server: Server) -> None:
              for q in ("Refactor the parser.", "Write the tests for it.")]
     rows = []
     for turn in (1, 2):
-        for name, conv in zip("AB", convs):
+        for name, conv in zip("AB", convs, strict=False):
             ttft, reply, usage = streamed_ttft(server, conv)
             prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
             rows.append((f"{name}{turn}", ttft, prompt, usage["cache_read_input_tokens"]))

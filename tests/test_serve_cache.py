@@ -16,10 +16,20 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_harness import API_KEY, CTX, MODEL, MODEL_ID, THREADS, Server, running
 from edgemoe import Engine, LoadConfig
 from edgemoe.runtime.chat import ChatMessage
-from test_serve import _long_stream, chat_reference
+
+from helpers.serve_harness import (
+    API_KEY,
+    CTX,
+    MODEL,
+    MODEL_ID,
+    THREADS,
+    Server,
+    chat_reference,
+    long_stream,
+    running,
+)
 
 OTHER_KEY = "second-key"
 SYSTEM = " ".join(f"Rule {i}: keep the code small, typed and tested; say why in one line." for i in range(40))
@@ -96,7 +106,7 @@ def test_states_stay_with_their_key(srv: Server, engine: Engine) -> None:
 
 def test_sixteen_concurrent_requests_with_max_queue_4(srv: Server) -> None:
     started, stop = threading.Event(), threading.Event()
-    long = threading.Thread(target=_long_stream, args=(srv, started, stop))
+    long = threading.Thread(target=long_stream, args=(srv, started, stop))
     long.start()
     assert started.wait(30)
     user = [{"role": "user", "content": "Hi"}]

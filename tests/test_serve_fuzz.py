@@ -20,13 +20,14 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from serve_harness import CTX, THREADS, TOOL_TEMPLATE, tool_model
 
 from edgemoe import GREEDY, Engine, LoadConfig
 from edgemoe.serve.app import ServerConfig, create_app
 from edgemoe.serve.specials import SpecialGuard, control_texts
 from edgemoe.serve.template import ChatTemplate, load_template
 from edgemoe.serve.worker import EngineWorker
+
+from helpers.serve_harness import CTX, THREADS, TOOL_TEMPLATE, tool_model
 
 MODEL_ID = "m"
 N_CASES = 300

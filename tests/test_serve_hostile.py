@@ -1,4 +1,4 @@
-"""`edgemoe serve` under hostile clients (issue 38), over raw HTTP where the official clients would hide the
+"""`edgemoe serve` under hostile clients, over raw HTTP where the official clients would hide the
 case: a chunked body that also announces a Content-Length, lone surrogates, a body that never finishes,
 special tokens in tool names and user text, a SIGTERM in the middle of a stream.
 
@@ -16,8 +16,18 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_harness import API_KEY, CTX, THREADS, Server, running, start_server, stop_server, tool_model
 from edgemoe import Engine, LoadConfig
+
+from helpers.serve_harness import (
+    API_KEY,
+    CTX,
+    THREADS,
+    Server,
+    running,
+    start_server,
+    stop_server,
+    tool_model,
+)
 
 OTHER_KEY = "second-key"
 READ_TIMEOUT_S = 2
@@ -94,9 +104,9 @@ def test_content_length_with_chunked_body_is_refused(srv: Server) -> None:
 def test_lone_surrogates_are_400(srv: Server, path: str) -> None:
     text, mid = '"a\\ud800b"', json.dumps(model_id(srv))
     if path == "/completions":
-        body = '{"model": %s, "prompt": %s}' % (mid, text)
+        body = f'{{"model": {mid}, "prompt": {text}}}'
     else:
-        body = '{"model": %s, "max_tokens": 4, "messages": [{"role": "user", "content": %s}]}' % (mid, text)
+        body = f'{{"model": {mid}, "max_tokens": 4, "messages": [{{"role": "user", "content": {text}}}]}}'
     status, _, got = raw_post(srv, path, body.encode())
     assert status == 400, got
     err = assert_anthropic_error(got) if path.startswith("/messages") else assert_openai_error(got)

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from serve_harness import API_KEY, MODEL_ID, Server, running
+
+from helpers.serve_harness import API_KEY, MODEL_ID, Server, running
 
 OTHER_KEY = "second-key"
 HEADER_TIMEOUT_S = 10  # the server's default --header-timeout

@@ -18,7 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_harness import (
+
+from edgemoe import Engine, LoadConfig
+
+from helpers.serve_harness import (
     API_KEY,
     CTX,
     MODEL,
@@ -30,8 +33,6 @@ from serve_harness import (
     stop_server,
     tool_model,
 )
-
-from edgemoe import Engine, LoadConfig
 
 OTHER_KEY = "second-key"
 USER = [{"role": "user", "content": "To be, or not to be"}]

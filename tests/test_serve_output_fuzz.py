@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_harness import API_KEY, MODEL_ID, Server, running, tool_model
+
+from helpers.serve_harness import API_KEY, MODEL_ID, Server, running, tool_model
 
 SEED = 53
 N_RANDOM = 60

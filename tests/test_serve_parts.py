@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 import pytest
-from serve_harness import TOOL_TEMPLATE
 
 from edgemoe.runtime.prompt_cache import KVSnapshot, PromptCache, common_prefix
 from edgemoe.serve import anthropic as ant
@@ -16,6 +15,9 @@ from edgemoe.serve.prefix_cache import PrefixReuse
 from edgemoe.serve.template import ChatTemplate, load_template
 from edgemoe.serve.tools import ToolCall, ToolCallScanner, split_calls
 from edgemoe.serve.worker import Outcome
+
+from helpers.fake_engine import FakeEngine
+from helpers.serve_harness import TOOL_TEMPLATE
 
 
 def snap(tokens: list[int], nbytes: int = 100) -> KVSnapshot:
@@ -58,35 +60,6 @@ def test_a_longer_state_replaces_its_prefixes() -> None:
     assert len(list(store.scoped("j"))) == 1  # another scope's entry stays
     assert store.covers("k", [1, 2, 3, 4]) and not store.covers("k", [1, 2, 3, 4, 5, 6])
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
-
-
-class FakeEngine:
-    """The KV-state part of Engine: a list of tokens, snapshots that copy it."""
-
-    def __init__(self) -> None:
-        self.kv: list[int] = []
-        self.snapshots = 0
-        self.restores = 0
-
-    def kv_tokens(self) -> tuple[int, ...]:
-        return tuple(self.kv)
-
-    def reset(self) -> None:
-        self.kv = []
-
-    def snapshot(self) -> KVSnapshot:
-        self.snapshots += 1
-        return KVSnapshot(tuple(self.kv), bytes(4 * len(self.kv)))
-
-    def restore(self, s: KVSnapshot) -> None:
-        self.restores += 1
-        self.kv = list(s.tokens)
-
-    def cached_prefix(self, tokens: list[int]) -> int:
-        return min(common_prefix(self.kv, tokens), len(tokens) - 1)
-
-    def run(self, prompt: list[int], reply: list[int]) -> None:  # what a generation leaves in the cache
-        self.kv = prompt + reply[:-1]
 
 
 def test_alternating_conversations_reuse_their_prefixes() -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_harness import running
+
+from helpers.serve_harness import running
 
 N_SILENT = N_PARTIAL = 1000
 HEADER_TIMEOUT_S = 10  # the server's default --header-timeout

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_harness import API_KEY, MODEL_ID, Server, server  # noqa: F401
+from helpers.serve_harness import API_KEY, MODEL_ID, Server
 
 N_REQUESTS = 200
 WARMUP = 20

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
+from edgemoe.analysis.verify import FnPolicy
 from edgemoe.policies.gating import apply_keep
 from edgemoe.policies.route import RouteRecord
+from edgemoe.runtime import native
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.torchref.model import MoEConfig
-from edgemoe.analysis.verify import FnPolicy
 
-from conftest import eval_callback_tensors
-from test_torchref import random_exported_model
+from helpers.stock import eval_callback_tensors
+from helpers.torch_models import random_exported_model
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2
 

@@ -10,12 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_MODELS
 
 from edgemoe.policies.gating import GatingPolicy, GatingRule
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import SamplingParams
+
+from helpers.models import FIXTURE_MODELS
 
 pytestmark = pytest.mark.slow
 

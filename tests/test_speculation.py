@@ -7,7 +7,13 @@ from scipy import stats
 
 from edgemoe.errors import InvalidConfigError
 from edgemoe.runtime.sampling import SamplingParams
-from edgemoe.speculation import PromptLookup, SpeculationConfig, TokenDistribution, accept_greedy, accept_sampled
+from edgemoe.speculation import (
+    PromptLookup,
+    SpeculationConfig,
+    TokenDistribution,
+    accept_greedy,
+    accept_sampled,
+)
 from edgemoe.speculation.lookup import latest_match
 
 

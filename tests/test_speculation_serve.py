@@ -6,15 +6,17 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serve_harness import API_KEY, MODEL, MODEL_ID, Server, running
 
 from edgemoe import GREEDY, Engine, LoadConfig
+
+from helpers.serve_harness import API_KEY, MODEL, MODEL_ID, Server, running
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nROMEO:\nBut soft,"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def lookup_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server speculating by prompt lookup (the harness's `server` does not speculate)."""
     with running(tmp_path_factory.mktemp("serve") / "server.log", "--speculate", "lookup", "--draft-max", "4") as srv:
         yield srv
 
@@ -26,11 +28,11 @@ def _post(server: Server, path: str, body: dict) -> dict:
 
 
 @pytest.mark.parametrize("speculate", [None, False])
-def test_completions_with_and_without_speculation(server: Server, speculate: bool | None) -> None:
+def test_completions_with_and_without_speculation(lookup_server: Server, speculate: bool | None) -> None:
     body = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
     if speculate is not None:
         body["speculate"] = speculate
-    out = _post(server, "/v1/completions", body)
+    out = _post(lookup_server, "/v1/completions", body)
     with Engine(MODEL, LoadConfig(n_ctx=512, n_threads=1)) as eng:
         want = eng.generate(PROMPT, max_tokens=24, sampling=GREEDY).text
     assert out["choices"][0]["text"] == want
@@ -41,17 +43,17 @@ def test_completions_with_and_without_speculation(server: Server, speculate: boo
         assert spec is not None and spec["mode"] == "lookup" and spec["steps"] > 0
 
 
-def test_anthropic_messages_opt_out(server: Server) -> None:
+def test_anthropic_messages_opt_out(lookup_server: Server) -> None:
     body = {"model": MODEL_ID, "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "ROMEO: But soft, ROMEO: But soft,"}]}
-    on = _post(server, "/v1/messages", body)
-    off = _post(server, "/v1/messages", {**body, "speculate": False})
+    on = _post(lookup_server, "/v1/messages", body)
+    off = _post(lookup_server, "/v1/messages", {**body, "speculate": False})
     assert on["content"] == off["content"]
     assert on["edgemoe"]["speculation"]["mode"] == "lookup" and "speculation" not in off["edgemoe"]
 
 
-def test_a_bad_speculate_value_is_a_400(server: Server) -> None:
-    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", headers={"x-api-key": API_KEY}, timeout=30,
+def test_a_bad_speculate_value_is_a_400(lookup_server: Server) -> None:
+    r = httpx.post(f"http://127.0.0.1:{lookup_server.port}/v1/completions", headers={"x-api-key": API_KEY}, timeout=30,
                    json={"model": MODEL_ID, "prompt": "hi", "max_tokens": 2, "speculate": "yes"})
     assert r.status_code == 400, r.text
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_MODELS
 
 from edgemoe.analysis.perplexity import chunk_tokens
 from edgemoe.calibration.adaptive import GatingOptions, build_gating
@@ -23,6 +22,8 @@ from edgemoe.policies.protected import ProtectedExperts
 from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime.cache_config import CacheConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
+
+from helpers.models import FIXTURE_MODELS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from plant_super_expert import plant_super_expert  # noqa: E402

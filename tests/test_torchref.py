@@ -8,27 +8,9 @@ import pytest
 import torch
 
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.gguf.synth import synthetic_vocab
-from edgemoe.torchref.gguf_export import VocabSpec, export_gguf
-from edgemoe.torchref.model import MoEConfig, MoEModel, load_balancing_loss
+from edgemoe.torchref.model import MoEConfig, load_balancing_loss
 
-
-def _vocab(n_vocab: int) -> VocabSpec:
-    tokens, types, merges = synthetic_vocab(n_vocab)
-    eot = tokens.index("<|endoftext|>")
-    return VocabSpec(tokens=tokens, token_types=types, merges=merges, bos_id=eot, eos_id=eot,
-                     add_bos=False, chat_template="")
-
-
-def random_exported_model(tmp_path: Path, cfg: MoEConfig, seed: int) -> tuple[MoEModel, Path]:
-    """A random torch reference model (weights larger than the init, so routing and attention
-    matter) and its F32 GGUF export."""
-    torch.manual_seed(seed)
-    model = MoEModel(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model, export_gguf(model, _vocab(cfg.n_vocab), tmp_path / f"{cfg.arch}.gguf", "test")
+from helpers.torch_models import random_exported_model
 
 
 @pytest.mark.parametrize("arch,n_expert,k,n_ff", [("qwen3moe", 16, 4, 64), ("llama", 8, 2, 256)])

@@ -7,12 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_MODELS
 
-from edgemoe.cli import cli
-from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.errors import EdgeMoeError
 from edgemoe.analysis.trace import DECODE, PREFILL, Trace, record_trace
+from edgemoe.cli import cli
+from edgemoe.errors import EdgeMoeError
+from edgemoe.runtime.engine import Engine, LoadConfig
+
+from helpers.models import FIXTURE_MODELS
 
 MODEL = FIXTURE_MODELS[-1]  # the qwen3moe fixture
 TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"

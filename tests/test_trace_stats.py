@@ -7,11 +7,22 @@ from pathlib import Path
 import numpy as np
 from click.testing import CliRunner
 
-from edgemoe.cli import cli
 from edgemoe.analysis.trace import DECODE, PREFILL, Trace
-from edgemoe.analysis.trace_stats import (adjacency_matrix, compute_stats, gate_input_cosine, gate_reuse_recall, high_workload_adjacency,
-                                 lru_hit_rates, prefill_decode_similarity, prompt_coverage, reuse_distances,
-                                 reuse_within, temporal_locality, workload_windows)
+from edgemoe.analysis.trace_stats import (
+    adjacency_matrix,
+    compute_stats,
+    gate_input_cosine,
+    gate_reuse_recall,
+    high_workload_adjacency,
+    lru_hit_rates,
+    prefill_decode_similarity,
+    prompt_coverage,
+    reuse_distances,
+    reuse_within,
+    temporal_locality,
+    workload_windows,
+)
+from edgemoe.cli import cli
 
 
 def _trace(ids: np.ndarray, n_expert: int, **kw) -> Trace:  # type: ignore[no-untyped-def]
@@ -114,7 +125,7 @@ def test_prompt_coverage_known() -> None:
 
 
 def test_trace_stats_cli(tmp_path: Path) -> None:
-    from conftest import FIXTURE_MODELS
+    from helpers.models import FIXTURE_MODELS
 
     model = FIXTURE_MODELS[-1]
     inp = tmp_path / "in.txt"

@@ -5,9 +5,9 @@ and the same turns projected for a model shape on machine profiles (edgemoe.perf
         --project rtx4060-laptop:8GiB --project rtx5060ti-desktop:16GiB [--json out.json]
 
 The server runs in this process (the app over an EngineWorker, no sockets): the bundled fixture with the tests'
-tool-calling template (tests/serve_harness.TOOL_TEMPLATE), a 32K context and a prompt cache. The projections
-use the recorded turns' token counts, as the fixture's tokenizer counted them (a real model's counts fewer
-tokens for the same text: the figures are then upper bounds), on the synthetic shape (--shape, default
+tool-calling template (tests/helpers/serve_harness.TOOL_TEMPLATE), a 32K context and a prompt cache. The
+projections use the recorded turns' token counts, as the fixture's tokenizer counted them (a real model's counts
+fewer tokens for the same text: the figures are then upper bounds), on the synthetic shape (--shape, default
 qwen3-30b-a3b, Q4_K) with the bundled routing profile of that shape.
 """
 
@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from fastapi.testclient import TestClient  # noqa: E402
-from serve_harness import MODEL, TOOL_TEMPLATE  # noqa: E402
 
 from edgemoe import Engine, LoadConfig  # noqa: E402
 from edgemoe.perf.agent_ttft import ProjectedTTFT, Session, TurnTTFT, load_session, project_turns, replay  # noqa: E402
@@ -34,6 +33,8 @@ from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 from edgemoe.serve.app import ServerConfig, create_app  # noqa: E402
 from edgemoe.serve.template import ChatTemplate  # noqa: E402
 from edgemoe.serve.worker import EngineWorker  # noqa: E402
+
+from helpers.serve_harness import MODEL, TOOL_TEMPLATE  # noqa: E402
 
 MODEL_ID = "tiny"
 

@@ -43,8 +43,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_llama import (NO_AMX_FLAGS, ROOT, SDIST_NAME, SDIST_SHA256, STAMP_NAME, BuildError,  # noqa: E402
-                         read_series)
+from build_llama import NO_AMX_FLAGS, ROOT, SDIST_NAME, SDIST_SHA256, STAMP_NAME, BuildError, read_series  # noqa: E402
 
 sys.path.insert(0, str(ROOT))  # this checkout's edgemoe, installed or not
 

@@ -20,8 +20,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgemoe.perf.model.backtest import backtest, error_stats, load_published, markdown
-from edgemoe.perf.model.backtest_prefill import (FITTED_RATES, backtest_prefill, load_published_prefill,
-                                                 prefill_error_stats, prefill_markdown)
+from edgemoe.perf.model.backtest_prefill import (
+    FITTED_RATES,
+    backtest_prefill,
+    load_published_prefill,
+    prefill_error_stats,
+    prefill_markdown,
+)
 
 
 def replace_between_markers(text: str, body: str, name: str = "backtest") -> str:

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from edgemoe.analysis.verify import FnPolicy  # noqa: E402
 from edgemoe.runtime import native  # noqa: E402
-from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.runtime.cache_config import CacheConfig, policy_config  # noqa: E402
+from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"

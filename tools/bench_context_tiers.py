@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Context tiers against the whole context from the start (issue 42 item 4's fallback), projected: decode hit rate,
-decode and prefill tok/s of the static cache at 1K, 4K, 16K and 32K tokens of conversation, on the bundled
-Qwen3-30B-A3B routing profile, for an 8 GB laptop and a 16 GB card, f16 and q8_0 KV, a 32K context.
+"""Context tiers (the fallback for lending the KV cache's unwritten cells) against the whole context from the start,
+projected: decode hit rate, decode and prefill tok/s of the static cache at 1K, 4K, 16K and 32K tokens of
+conversation, on the bundled Qwen3-30B-A3B routing profile, for an 8 GB laptop and a 16 GB card, f16 and q8_0 KV,
+a 32K context.
 
 With tiers, a conversation of L tokens runs at the smallest step that holds it, with the slots the plan gives that
 step (edgemoe.plan.tiers.context_steps, the real counts); without, at the slots of the whole 32K context. Each
@@ -87,7 +88,7 @@ def rows(model: Path) -> list[dict[str, object]]:
                 print(f"{name} {kv.k}: no step below {N_CTX} gains a slot", file=sys.stderr)
                 continue
             off = replay(model, info, prof, vram, whole.slots_per_layer, kv, memo)
-            pauses = {b.n_ctx: pause_s(info, prof, a, b, kv) for a, b in zip(steps, steps[1:])}
+            pauses = {b.n_ctx: pause_s(info, prof, a, b, kv) for a, b in zip(steps, steps[1:], strict=False)}
             for n in LENGTHS:
                 step = next(s for s in steps if s.n_ctx >= n)
                 on = replay(model, info, prof, vram, step.slots_per_layer, kv, memo)

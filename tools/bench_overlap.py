@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 from edgemoe.gguf.info import read_model_info  # noqa: E402
 from edgemoe.policies.residency import Load  # noqa: E402
 from edgemoe.runtime import native  # noqa: E402
-from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.runtime.cache_config import CacheConfig, ManualConfig  # noqa: E402
+from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.runtime.sampling import GREEDY  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"

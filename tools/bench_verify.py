@@ -25,7 +25,6 @@ from edgemoe import Engine, LoadConfig
 from edgemoe.analysis.routing_profile import routing_for_model
 from edgemoe.policies.route import RouteRecord
 
-
 WARM_TOKENS = 768
 
 

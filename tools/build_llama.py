@@ -36,6 +36,7 @@ import llama_git  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(ROOT))
 from edgemoe.runtime.op_tests import BACKEND_OPS_NAME, NATIVE_TOOLS_DIR  # noqa: E402  (stdlib only)
+
 SDIST_NAME = "llama_cpp_python-0.3.36"
 SDIST_VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -181,7 +182,7 @@ def apply_series(src: Path, patches: list[Path]) -> None:
         llama_git.init_base(llama_dir, f"{SDIST_NAME} (sha256 {SDIST_SHA256[:12]})")
         llama_git.am_series(llama_dir, patches, log=log, fix_hint=(
             "The build unpacks a fresh tree every run, so fix the patch itself: `python tools/patches.py "
-            f"init` stops at the same patch in .build/patchwork/llama.cpp; resolve it there, `git am "
+            "init` stops at the same patch in .build/patchwork/llama.cpp; resolve it there, `git am "
             "--continue`, then `python tools/patches.py export` (docs/upgrading-llama.md)."))
     except llama_git.SeriesError as err:
         raise BuildError(str(err)) from None

@@ -37,8 +37,8 @@ from validate_perfmodel import measure, prompt_tokens  # noqa: E402
 from edgemoe import Engine, LoadConfig  # noqa: E402
 from edgemoe.analysis.trace import Trace, record_trace  # noqa: E402
 from edgemoe.gguf.synth import write_synthetic  # noqa: E402
-from edgemoe.perf.model.profile import MachineProfile, load_profile  # noqa: E402
 from edgemoe.perf.measure.profiling import measure_profile, summary  # noqa: E402
+from edgemoe.perf.model.profile import MachineProfile, load_profile  # noqa: E402
 from edgemoe.perf.model.simulate import SimSpec, simulate  # noqa: E402
 
 PRESET = "qwen3-30b-a3b"

@@ -33,7 +33,7 @@ def main() -> int:
     for tokens in (16, 64):
         cpu, rpc = ffn(None, tokens, 1.0), ffn(dev, tokens, 1.0)
         both: dict[str, float] = {}
-        bg = threading.Thread(target=lambda: both.__setitem__("rpc", ffn(dev, tokens, 3.0)))
+        bg = threading.Thread(target=lambda out, n: out.__setitem__("rpc", ffn(dev, n, 3.0)), args=(both, tokens))
         bg.start()
         time.sleep(0.3)
         both["cpu"] = ffn(None, tokens, 1.5)

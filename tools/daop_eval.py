@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.analysis.trace import Trace  # noqa: E402
-from edgemoe.calibration.slot_alloc import allocate_slots  # noqa: E402
 from edgemoe.calibration.card import find_calibration  # noqa: E402
+from edgemoe.calibration.slot_alloc import allocate_slots  # noqa: E402
 from edgemoe.gguf.info import read_model_info  # noqa: E402
 from edgemoe.policies.allocation import decode_steps, layer_steps, replay_curve  # noqa: E402
 from edgemoe.policies.daop import DaopPolicy, initial_placement, swap_pairs  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The policy `--vram` chooses, re-derived from projections on realistic routing (issue 29).
+"""The policy `--vram` chooses, re-derived from projections on realistic routing.
 
 For each bundled routing profile of a real model whose shape has a synthetic-model preset, a shape-only GGUF
 (edgemoe.gguf.synth, header only) and a trace drawn from the profile (edgemoe.analysis.routing_profile: 4

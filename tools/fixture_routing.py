@@ -34,7 +34,7 @@ def main() -> None:
         "name": "fixture-qwen3moe", "kind": "stats", "toy": True,
         "n_expert": tr.n_expert, "k": int(tr.ids.shape[2]), "n_layer": int(tr.ids.shape[1]),
         "label": "TOY: the tiny trained qwen3moe fixture (32 experts, top-4, 8 MoE layers), far less local than "
-                 "real models (issue 29)",
+                 "real models",
         "source": {"model": "models/edgemoe-tiny-qwen3moe.Q4_K_M.gguf (trained here)",
                    "text": "first 4096 tokens of the training split of shared/corpus/python-docs.txt",
                    "conditions": "512-token chunks, 256 prefilled then 256 decoded one token at a time",

@@ -29,17 +29,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edgemoe.calibration.adaptive import GatingOptions, build_gating  # noqa: E402
-from edgemoe.calibration.card import CARD, FORMAT_VERSION, write_json  # noqa: E402
-from edgemoe.calibration.run import _model_entry  # noqa: E402
-from edgemoe.calibration.sensitivity import save_validation_tokens  # noqa: E402
-from edgemoe.calibration.corpus import default_corpus_dir, split_corpus  # noqa: E402
-from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
-from edgemoe.analysis.perplexity import perplexity  # noqa: E402
 from edgemoe.analysis.kld import KldComparison  # noqa: E402
 from edgemoe.analysis.kld_base import BaseRecorder, run_key  # noqa: E402
+from edgemoe.analysis.perplexity import perplexity  # noqa: E402
+from edgemoe.calibration.adaptive import GatingOptions, build_gating  # noqa: E402
+from edgemoe.calibration.card import CARD, FORMAT_VERSION, write_json  # noqa: E402
+from edgemoe.calibration.corpus import default_corpus_dir, split_corpus  # noqa: E402
+from edgemoe.calibration.run import _model_entry  # noqa: E402
+from edgemoe.calibration.sensitivity import calibrate_sensitivity, save_validation_tokens  # noqa: E402
+from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.runtime.sampling import GREEDY  # noqa: E402
-from edgemoe.calibration.sensitivity import calibrate_sensitivity  # noqa: E402
 
 MODELS = [ROOT / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf", ROOT / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"]
 CORPORA = ["tinyshakespeare.txt", "python-docs.txt"]
@@ -155,14 +154,14 @@ def plot(results: list[dict[str, object]], out: Path) -> None:
     models = sorted({str(r["model"]) for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
     markers = {"fisher": "o", "empirical": "s", "score": "^", "ser": "v"}
-    for ax, m in zip(axes[0], models):
+    for ax, m in zip(axes[0], models, strict=False):
         for rule in RULES:
-            for c, ls in zip(CORPORA, ("-", "--")):
+            for c, ls in zip(CORPORA, ("-", "--"), strict=False):
                 pts = sorted((float(r["reduction"]), 100 * float(r["nll_increase_rel"])) for r in rows
                              if r["model"] == m and r["rule"] == rule and r["corpus"] == c
                              and r["target"] is not None)
                 if pts:
-                    ax.plot(*zip(*pts), ls, marker=markers[rule], label=f"{rule} ({c.split('.')[0]})")
+                    ax.plot(*zip(*pts, strict=False), ls, marker=markers[rule], label=f"{rule} ({c.split('.')[0]})")
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set(title=m, xlabel="expert activations removed", ylabel="held-out NLL increase (%)")
         ax.legend(fontsize=6)

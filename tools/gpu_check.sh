@@ -37,7 +37,7 @@
 #   |   edgemoe's planned -ub (bench's `ub` column)                   |       | yet: no GPU was lent since)        |
 #   | (warm, ctx only) a 32K context at 8 GiB, f16 then q8_0 KV:      |   240 | two benches of five rows, each a   |
 #   |   stock rows, edgemoe static and static +tiers (the context in  |       | model load and a 512-token prompt  |
-#   |   steps, issue 42)                                              |       | (not measured yet)                 |
+#   |   steps)                                                        |       | (not measured yet)                 |
 #   | tarball, summary                                                |     5 |                                    |
 #   | total                                                           |   550 | at the 540 s a call may take: the  |
 #   |                                                                 |       | profile (30) is the step cut first |
@@ -59,7 +59,7 @@
 # and time, so give BENCH_CAP more seconds and run it as `bench` alone or in a `warm` call),
 # PREFILL_PROFILE (default h100-server: the profile the prefill rows' -ub is planned on; a file or bundled name),
 # PREFILL_CAP (default 240), CTX_CAP (default 240), GPU_CHECK_PRELOAD_LIBSTDCXX (default 1: LD_PRELOAD the system libstdc++.so.6 into everything after the
-# build, the workaround for libggml-cuda's static C++ runtime of issue 37; set 0 once the link fix is in),
+# build, the workaround for libggml-cuda's static C++ runtime, docs/build.md; set 0 once the link fix is in),
 # GPU_CHECK_DRY=1 (the same as dry-run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -127,7 +127,7 @@ status_of() {  # status_of RC: ok, capped (timeout's 124) or fail
     case $1 in 0) echo ok ;; 124) echo capped ;; *) echo "fail($1)" ;; esac
 }
 
-runtime_env() {  # after the build: the workaround for the CUDA library's static C++ runtime (issue 37)
+runtime_env() {  # after the build: the workaround for the CUDA library's static C++ runtime (docs/build.md)
     local lib=/lib/x86_64-linux-gnu/libstdc++.so.6
     if [ "$DRY" != 1 ] && [ "${GPU_CHECK_PRELOAD_LIBSTDCXX:-1}" = 1 ] && [ -f "$lib" ]; then
         export LD_PRELOAD=$lib
@@ -283,7 +283,7 @@ for row in r["rows"]:
 EOF
 }
 
-step_prefill() {  # issue 41: an 8K-token prompt's prefill, each side at the -ub the plan picks on PREFILL_PROFILE
+step_prefill() {  # a long prompt: an 8K-token prompt's prefill, each side at the -ub the plan picks on PREFILL_PROFILE
     local t0=$SECONDS
     timeout "$CAP_PREFILL" "$PY" -m edgemoe.cli bench "$BENCH_MODEL" --vram "${BENCH_VRAM:-8GiB}" "${PREFILL_ARGS[@]}" \
         --policy static --profile "${PREFILL_PROFILE:-h100-server}" --json \
@@ -302,7 +302,7 @@ for row in r["rows"]:  # (the bench's projections beside them are at -ub 512: no
 EOF
 }
 
-step_ctx() {  # issue 42: a 32K context at the budget, f16 and q8_0 KV, static with and without context tiers
+step_ctx() {  # a long context: a 32K context at the budget, f16 and q8_0 KV, static with and without context tiers
     local t0=$SECONDS kv rc=0
     for kv in f16 q8_0; do
         timeout "$CAP_CTX" "$PY" -m edgemoe.cli bench "$BENCH_MODEL" --vram "${CTX_VRAM:-${BENCH_VRAM:-8GiB}}" "${CTX_ARGS[@]}" \

@@ -21,8 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_git  # noqa: E402
-from build_llama import (ROOT, SDIST_NAME, SDIST_SHA256, BuildError, fetch_sdist, read_series,  # noqa: E402
-                         unpack)
+from build_llama import ROOT, SDIST_NAME, SDIST_SHA256, BuildError, fetch_sdist, read_series, unpack  # noqa: E402
 from llama_git import BASE_TAG, SeriesError, git  # noqa: E402
 
 WORK = ROOT / ".build" / "patchwork"

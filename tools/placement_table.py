@@ -25,11 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.analysis.trace import Trace  # noqa: E402
-from edgemoe.calibration.slot_alloc import RoutingTrace, allocate_slots  # noqa: E402
 from edgemoe.calibration.card import find_calibration  # noqa: E402
+from edgemoe.calibration.slot_alloc import RoutingTrace, allocate_slots  # noqa: E402
 from edgemoe.gguf.info import read_model_info  # noqa: E402
-from edgemoe.policies.allocation import (  # noqa: E402
-    Curve, decode_steps, equal_allocate, layer_steps, replay_curve)
+from edgemoe.policies.allocation import Curve, decode_steps, equal_allocate, layer_steps, replay_curve  # noqa: E402
 from edgemoe.policies.residency import dali_default_update, load_frequency  # noqa: E402
 
 POLICIES = ("lru", "dali", "static")

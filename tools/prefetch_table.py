@@ -44,9 +44,9 @@ from edgemoe.policies.dali_prefetch import DALI_PREFETCH_DISTANCE, DaliPrefetchP
 from edgemoe.policies.promoe import PromoePolicy  # noqa: E402
 from edgemoe.policies.replay import ReplayResult, replay  # noqa: E402
 from edgemoe.policies.residency import dali_default_update, make_policy  # noqa: E402
-from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
 from edgemoe.runtime.cache_config import CacheConfig, PromoeConfig  # noqa: E402
-from edgemoe.runtime.expert_cache import expert_chunk_bytes
+from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
+from edgemoe.runtime.expert_cache import expert_chunk_bytes  # noqa: E402
 from edgemoe.runtime.prefetcher import prefetch_predictor  # noqa: E402
 
 MODELS = [ROOT / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf", ROOT / "models" / "edgemoe-tiny-mixtral.Q4_K_M.gguf"]

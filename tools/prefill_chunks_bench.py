@@ -1,4 +1,4 @@
-"""Issue 41's CPU figures (docs/benchmarks.md, "Prefill ubatch and chunk boundaries"):
+"""The long-prompt CPU figures (docs/research/benchmarks.md, "Prefill ubatch and chunk boundaries"):
 
 1. prefill tok/s of a long prompt at each ubatch (-ub, with a batch that holds it), stock and with the lru expert
    cache on the CPU stand-in (half the experts), repetitions interleaved;

@@ -5,8 +5,9 @@ Every figure is a projection of `edgemoe simulate` (edgemoe.perf.model.simulate)
 profile, replaying a routing trace. By default (`--routing real`) the trace is drawn from the bundled
 routing profile of real models for the shape (edgemoe.analysis.routing_profile: Qwen3-30B-A3B and
 Mixtral-8x7B their own, gpt-oss-20b the nearest, OLMoE's), four prompts of 256 tokens then 256 generated;
-`--routing fixture` replays the tiny trained fixtures' traces as the tables did before issue 29 (a toy:
-far less local than real models; the only routing with router weights, hence the only one with gated rows).
+`--routing fixture` replays the tiny trained fixtures' traces as the tables did before the real models' routing
+profiles (2026-11-25; a toy: far less local than real models; the only routing with router weights, hence the only
+one with gated rows).
 
     .venv/bin/python tools/synth_gguf.py qwen3-30b-a3b --shape-only --out .build/shapes/qwen3-30b-a3b.Q4_K.gguf
     .venv/bin/python tools/synth_gguf.py gpt-oss-20b --type MXFP4 --shape-only --out .build/shapes/gpt-oss-20b.MXFP4.gguf
@@ -110,7 +111,7 @@ def _projections(spec: SimSpec) -> Iterator[tuple[str, Path, str, SimResult, dic
 
 def project_policies(out: Path, gib: int) -> None:
     """Each residency policy at one budget, overlap on (the build's default): its decode hit rate and decode
-    speed against lru's and against the best stock configuration's (issue 29, "features that do not pay").
+    speed against lru's and against the best stock configuration's: which features do not pay.
     static and daop are placed by the trace's first half of sequences and every configuration replays the
     second half (simulate's rule without a calibration)."""
     rows = []
@@ -280,7 +281,7 @@ def main() -> None:
     ap.add_argument("--routing", choices=("real", "fixture"), default="real",
                     help="real: traces drawn from the bundled routing profiles of real models (default); "
                          "fixture: the tiny trained fixtures' traces (a toy, far less local), as the tables "
-                         "were before issue 29")
+                         "were before the real models' routing profiles")
     args = ap.parse_args()
     ROUTING["routing"] = args.routing
     if args.summary is not None:
@@ -308,7 +309,7 @@ def main() -> None:
                 res = simulate(model, trace, prof, SimSpec(vram=gib * 2**30, n_ctx=4096, gated=gated),
                                gating=GATE if gated else None)
                 for ov in (False, True):
-                    if ov:  # CPU/GPU overlap and DALI-style prefill assignment (issue 12, not built)
+                    if ov:  # CPU/GPU overlap and DALI-style prefill assignment (not built; docs/research/assignment.md)
                         extra = simulate(model, trace, prof, SimSpec(vram=gib * 2**30, n_ctx=4096, overlap=True,
                                                                      policies=("static",), assign="ratio"))
                         rows = [c for c in extra.configs if c.kind == "edgemoe"]

@@ -15,8 +15,8 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from edgemoe.gguf.info import format_size
-from edgemoe.gguf.synth import PRESETS, plan_tensors, write_synthetic
 from edgemoe.gguf.presets import QTYPES
+from edgemoe.gguf.synth import PRESETS, plan_tensors, write_synthetic
 
 
 def _print_presets(qtype: str) -> None:

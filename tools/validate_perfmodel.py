@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edgemoe import GREEDY, Engine, LoadConfig  # noqa: E402
 from edgemoe.analysis.trace import record_trace  # noqa: E402
 from edgemoe.calibration.corpus import default_corpus_dir, split_corpus  # noqa: E402
-from edgemoe.perf.model.profile import load_profile  # noqa: E402
 from edgemoe.perf.measure.profiling import default_profile_path  # noqa: E402
+from edgemoe.perf.model.profile import load_profile  # noqa: E402
 from edgemoe.perf.model.simulate import SimSpec, simulate  # noqa: E402
 from edgemoe.perf.model.workload import GatingSpec  # noqa: E402
 from edgemoe.policies.gating import GatingPolicy, GatingRule  # noqa: E402

@@ -1,5 +1,5 @@
 """Context tiers: the KV cache allocated in steps as the conversation grows, and the expert slots the smaller steps
-leave (issue 42's fallback for lending the unwritten KV cells to the experts; docs/expert-cache.md, "Context
+leave (the fallback for lending the unwritten KV cells to the experts; docs/expert-cache.md, "Context
 tiers").
 
 llama.cpp allocates a context's whole KV cache when the context is created. While a conversation is short most of

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ..gguf.header import GgufHeader
 
-# architectures whose output a re-created context changes, with why (tests/arch_sweep_check.py, context-tiers)
+# architectures whose output a re-created context changes, with why (tests/helpers/arch_sweep_check.py,
+# context-tiers)
 INEXACT = {
     "deepseek4": "its compressed attention's KV state does not come back exactly through llama.cpp's sequence "
     "state (llama_state_seq_get_data / _set_data), so a context carried to the next step computes other logits",

@@ -25,7 +25,7 @@ from .sim.config import Config
 from .simulate import static_frequency
 from .workload import Step, Workload, build_workload, prompt_workload
 
-N_DECODE = 64  # the decode tokens after the prompt (issue 41: "the first 64 tokens")
+N_DECODE = 64  # the decode tokens after the prompt (the long-prompt goal's "the first 64 tokens")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The prefill ubatch the plan picks for a long prompt (issue 41), and what a prompt then costs before its first
+"""The prefill ubatch the plan picks for a long prompt, and what a prompt then costs before its first
 token, for stock llama.cpp and for edgemoe with --device-prefill at the same VRAM budget.
 
 A prefill ubatch pays each copy of experts once, whatever its size: edgemoe's --device-prefill copies every

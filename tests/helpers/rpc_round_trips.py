@@ -8,22 +8,24 @@ argv: MODEL OUT.json. Writes {"n_moe_layers", "tokens", "per_token": {kind: coun
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ["GGML_RPC_DEBUG"] = "1"  # before the library reads it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
 
-import rpc_kernels  # noqa: E402,F401  # the CPU kernels' setting for runs on the RPC device
+import helpers.rpc_kernels  # noqa: F401  # the CPU kernels' setting for runs on the RPC device
 
-import json  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-from collections import Counter  # noqa: E402
-from pathlib import Path  # noqa: E402
+# isort: split
+import json
+import re
+from collections import Counter
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from edgemoe.runtime import native  # noqa: E402
-from edgemoe.runtime.cache_config import CacheConfig, LruConfig  # noqa: E402
-from edgemoe.runtime.engine import Engine, LoadConfig  # noqa: E402
+from edgemoe.runtime import native
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 
 CFG = LoadConfig(n_ctx=128, n_batch=32, n_ubatch=32, n_threads=2, use_extra_bufts=False, op_offload=False)
 N_DECODE = 8

@@ -1,9 +1,10 @@
 """A real `edgemoe serve` subprocess on a free port, for the server tests.
 
-A test module imports the module-scoped `server` fixture from here; it starts one process per
-test module (the bundled qwen3moe fixture, --ctx CTX, --api-key API_KEY, --max-queue 8).
+The module-scoped `server` fixture (registered in tests/conftest.py: a test takes it by name) starts one
+process per test module (the bundled qwen3moe fixture, --ctx CTX, --api-key API_KEY, --max-queue 8).
 `tool_model` writes a copy of the fixture whose chat template (TOOL_TEMPLATE, Qwen3/Hermes style)
-renders tools and refuses a conversation that does not start with a user message.
+renders tools and refuses a conversation that does not start with a user message. chat_reference is what
+the engine itself answers, to compare the server's replies with.
 """
 from __future__ import annotations
 
@@ -14,16 +15,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.models import ROOT
+
+if TYPE_CHECKING:
+    from edgemoe import Engine
+
 MODEL = ROOT / "models" / "edgemoe-tiny-qwen3moe.Q4_K_M.gguf"
 MODEL_ID = MODEL.name.removesuffix(".gguf")
 API_KEY = "test-key"
@@ -129,7 +136,8 @@ To call one, answer with a JSON object in <tool_call></tool_call> tags:
 def tool_model(directory: Path) -> Path:
     """A copy of the fixture GGUF with TOOL_TEMPLATE as its chat template."""
     from gguf import GGUFValueType
-    from gguf_mutate import GgufFile
+
+    from helpers.gguf_mutate import GgufFile
 
     out = directory / "edgemoe-tiny-qwen3moe-tools.gguf"
     return GgufFile.read(MODEL).set("tokenizer.chat_template", GGUFValueType.STRING, TOOL_TEMPLATE).write(out)
@@ -189,6 +197,41 @@ def running(log: Path, *extra: str, model: Path = MODEL, api_key: bool = True,
         text = stop_server(srv)
     assert "Traceback" not in text, text[-4000:]
     assert "graceful shutdown exceeded" not in text, text[-4000:]  # no request handler left hanging
+
+
+def chat_reference(engine: Engine, messages: list[dict[str, str]], n: int) -> tuple[str, int, str]:
+    """(text, completion tokens, finish_reason) as ChatSession.send / generate --temp 0 make them."""
+    # imported here: this module is a plugin of every test run, and these load llama.cpp
+    from edgemoe import GREEDY
+    from edgemoe.runtime.chat import ChatMessage
+
+    prompt = engine.format_chat([ChatMessage(m["role"], m["content"]) for m in messages])
+    g = engine.generate(prompt, max_tokens=n, sampling=GREEDY, parse_special=True)
+    return g.text, len(g.tokens), "stop" if g.stop_reason == "eog" else "length"
+
+
+def long_stream(server: Server, started: threading.Event, stop: threading.Event) -> None:
+    """A completion streamed to CTX - 16 tokens; `started` once some lines came, closed mid-stream at `stop`."""
+    body = {"model": MODEL_ID, "prompt": "ROMEO:", "max_tokens": CTX - 16, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 3:
+                started.set()
+            if stop.is_set():
+                return  # leaving the block closes the connection mid-stream
+
+
+def wait_idle(server: Server, timeout: float) -> float:
+    """Seconds until the server is neither busy nor queueing; AssertionError after timeout seconds."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        h = server.health()
+        if not h["busy"] and h["queued"] == 0:
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    raise AssertionError(f"the engine is still busy after {timeout} s: {server.health()}")
 
 
 @pytest.fixture(scope="module")

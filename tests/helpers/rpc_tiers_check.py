@@ -1,27 +1,32 @@
 """Run by tests/test_context_tiers.py in a process of its own: context tiers with the expert cache on llama.cpp's RPC
 backend (a registered RPC device is seen by every model loaded afterwards in the process).
 
-The walk of test_context_tiers (the context filled from empty across every step, a truncation, a new prompt, a
+The walk of tiers_walk.walk_steps (the context filled from empty across every step, a truncation, a new prompt, a
 restored snapshot) on stock and on a cached engine whose context is re-created at each step: with the cache on the
 device (the CPU stand-in's layout) and in the CLI's GPU layout (every layer and the KV cache on the device, the
 routed experts in CPU memory). Writes one JSON object to the file named by argv[2].
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
-
-import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
+import json
+from dataclasses import replace
+
 import numpy as np
-from test_context_tiers import CFG, _walk, tiers_for
 
 from edgemoe.runtime import native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
+
+from helpers.tiers_walk import CFG, tiers_for, walk_steps
 
 
 def walk(path: Path, cfg: LoadConfig, ids: list[int], device: object | None) -> tuple[list[np.ndarray], dict]:
@@ -33,7 +38,7 @@ def walk(path: Path, cfg: LoadConfig, ids: list[int], device: object | None) -> 
             eng.set_ids_check(True)
             resizer = eng.set_context_tiers(tiers_for(n_expert))
             assert resizer is not None
-        out = _walk(eng, ids)
+        out = walk_steps(eng, ids)
         if device is not None:
             assert eng.tiers is not None and eng.experts is not None
             info = {"resizes": [[r.from_ctx, r.to_ctx, r.tokens] for r in eng.tiers.resizes],

@@ -1,6 +1,6 @@
 """The in-process checks of tests/test_arch_sweep.py, run in a child process per model.
 
-    python tests/arch_sweep_check.py MODEL CHECK [CHECK ...]
+    python tests/helpers/arch_sweep_check.py MODEL CHECK [CHECK ...]
 
 prints one line `@@ {"check", "ok", "detail", ...}` per check as it finishes. A llama.cpp abort
 kills this process only: the parent blames the first check without a line and runs the rest again.
@@ -54,8 +54,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the helpers package
 
 PROMPT = "ROMEO: But soft, what light through yonder window breaks?"  # 12 tokens of the test vocabulary
 N_GEN = 16
@@ -64,7 +65,7 @@ N_CTX = 128
 # (the parent runs two of these children at a time) costs far more than they compute
 THREADS = 1
 PLAIN = dict(n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_threads=THREADS,
-             use_extra_bufts=False)  # as tests/test_expert_cache.py
+             use_extra_bufts=False)  # as tests/helpers/cache_runs.py
 
 
 def _tokens(n_vocab: int, n: int) -> list[int]:
@@ -79,9 +80,9 @@ def _diff(got: np.ndarray, ref: np.ndarray) -> str:
 
 
 def check_generate(path: Path) -> dict:
-    from conftest import stock_greedy
-
     from edgemoe import GREEDY, Engine, LoadConfig
+
+    from helpers.stock import stock_greedy
 
     prompt_ids, ref = stock_greedy(path, PROMPT, N_GEN, n_ctx=N_CTX, n_threads=THREADS)
     with Engine(path, LoadConfig(n_ctx=N_CTX, n_threads=THREADS)) as eng:
@@ -90,7 +91,7 @@ def check_generate(path: Path) -> dict:
     if ours_prompt != prompt_ids:
         return dict(ok=False, detail=f"prompt tokens differ: edgemoe {ours_prompt} vs stock {prompt_ids}")
     ok = g.tokens == ref
-    first = next((i for i, (a, b) in enumerate(zip(g.tokens, ref)) if a != b),
+    first = next((i for i, (a, b) in enumerate(zip(g.tokens, ref, strict=False)) if a != b),
                  min(len(g.tokens), len(ref)))
     detail = (f"{len(ref)} greedy tokens equal" if ok
               else f"differ from token {first}: edgemoe {g.tokens} vs stock {ref}")
@@ -392,7 +393,7 @@ def check_speculate(path: Path) -> dict:
             assert st is not None
             seen.append(f"{cfg.mode}: {st.steps} steps, {st.accepted}/{st.drafted} accepted")
             if g.tokens != want:
-                first = next(i for i, (a, b) in enumerate(zip(g.tokens, want)) if a != b)
+                first = next(i for i, (a, b) in enumerate(zip(g.tokens, want, strict=False)) if a != b)
                 problems.append(f"{cfg.mode} differs from token {first} (smallest top-2 gap {st.min_top2_gap})")
         eng.set_speculation(None)
     if problems:

@@ -1,6 +1,6 @@
 """Run by tests/test_rpc_ubatch.py in a process of its own (a registered RPC device is seen by every model loaded
 after it): big prefill ubatches through the expert cache on llama.cpp's RPC backend, against stock llama.cpp at
-the same ubatch (issue 41).
+the same ubatch.
 
 For each model (argv[2:]) and each ubatch of UBATCHES that its run's context holds: a prompt of PROMPT_TOKENS
 tokens (more than two ubatches of 512, one whole ubatch of 2048 and a part of the next) prefilled in ubatches of
@@ -12,13 +12,17 @@ entry. Writes {file: {ubatch: {variant: {"equal", "prefill_layers", "prefill_uba
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
 import json
 import os
-import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,7 +51,7 @@ def run(eng: Engine, toks: list[int]) -> list[np.ndarray]:
 
 
 def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
-    return len(a) == len(b) and all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
+    return len(a) == len(b) and all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b, strict=False))
 
 
 def check(path: Path, dev: object, ubatch: int) -> dict[str, object]:

@@ -12,17 +12,21 @@ prefill buffers; ids_check: the checker's counts (llama_moe_set_ids_check) over 
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
-
-import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
+import json
 
 import numpy as np
 
 from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.expert_cache import ExpertCacheError
 
 CFG = LoadConfig(n_ctx=128, n_batch=32, n_ubatch=32, n_threads=2, use_extra_bufts=False, op_offload=False)
@@ -51,7 +55,7 @@ def check(path: Path, dev: object) -> dict[str, object]:
             got = run(eng, toks)
             st = eng.control_stats()
         tag = "on" if overlap else "off"
-        res[f"equal_{tag}"] = all(np.array_equal(a, b) for a, b in zip(got, ref))
+        res[f"equal_{tag}"] = all(np.array_equal(a, b) for a, b in zip(got, ref, strict=False))
         res[f"n_overlap_{tag}"] = st["n_overlap"]
         res["n_ubatch"] = st["n_ubatch"]
     # prefill on the device: the 16-token prompt from the prefill buffers, the decode steps as before
@@ -60,7 +64,7 @@ def check(path: Path, dev: object) -> dict[str, object]:
                                                     prefill_min_tokens=8), device=dev)
         got = run(eng, toks)
         pf = cache.prefill_stats()
-    res["equal_prefill"] = all(np.array_equal(a, b) for a, b in zip(got, ref))
+    res["equal_prefill"] = all(np.array_equal(a, b) for a, b in zip(got, ref, strict=False))
     res["prefill_layers"] = pf["layers"] if pf else 0
     # the id rows handed to the device, checked: the prompt's from the prefill buffers, the decode steps' from the slots
     with Engine(path, CFG) as eng:
@@ -68,7 +72,7 @@ def check(path: Path, dev: object) -> dict[str, object]:
         eng.enable_expert_cache(CacheConfig(slots, policy=LruConfig(), prefill_min_tokens=8), device=dev)
         got = run(eng, toks)
         res["ids_check"] = eng.ids_check()
-    res["equal_checked"] = all(np.array_equal(a, b) for a, b in zip(got, ref))
+    res["equal_checked"] = all(np.array_equal(a, b) for a, b in zip(got, ref, strict=False))
     res.update(check_borrow(path, dev, toks, ref))
     return res
 
@@ -85,7 +89,7 @@ def check_borrow(path: Path, dev: object, toks: list[int], ref: list[np.ndarray]
             return {"equal_borrow": None, "borrow_refused": str(err)}
         got = run(eng, toks) + run(eng, toks)
         pf = cache.prefill_stats() if cache is not None else None
-        return {"equal_borrow": all(np.array_equal(a, b) for a, b in zip(got, ref + ref)),
+        return {"equal_borrow": all(np.array_equal(a, b) for a, b in zip(got, ref + ref, strict=False)),
                 "borrow": (pf or {}).get("borrow"), "borrow_ids_check": eng.ids_check()}
 
 

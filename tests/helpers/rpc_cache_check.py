@@ -7,20 +7,24 @@ CPU's: results must equal stock bitwise. Writes one JSON object to the file name
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
-
-import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
+import json
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
-from edgemoe.runtime import native
-from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig, PromoeConfig
 from edgemoe.policies.residency import Load
+from edgemoe.runtime import native
+from edgemoe.runtime.cache_config import CacheConfig, LruConfig, ManualConfig, PromoeConfig
+from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
 from edgemoe.speculation import SpeculationConfig
 
@@ -61,7 +65,7 @@ def run(eng: Engine, toks: list[int], between: object = None) -> tuple[np.ndarra
 
 
 def same(a: tuple[np.ndarray, list[np.ndarray]], b: tuple[np.ndarray, list[np.ndarray]]) -> bool:
-    return bool(np.array_equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1])))
+    return bool(np.array_equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1], strict=False)))
 
 
 def nmse(got: np.ndarray, ref: np.ndarray) -> float:
@@ -260,7 +264,7 @@ def main(path: Path) -> dict[str, object]:
 
     (a, st_a), (b, st_b) = precalc(CFG, None, 2), precalc(gpu_layout, dev, 2)
     _, st_off = precalc(gpu_layout, dev, None)
-    out["precalc"] = {"equal": same(a, b), "nmse": max(nmse(x, y) for x, y in zip([a[0], *a[1]], [b[0], *b[1]])),
+    out["precalc"] = {"equal": same(a, b), "nmse": max(nmse(x, y) for x, y in zip([a[0], *a[1]], [b[0], *b[1]], strict=False)),
                       "stats_standin": st_a, "stats_device": st_b, "n_overlap_without": st_off["n_overlap"]}
 
     # adaptive top-k in the graph with the overlapped cache: the gated logits of the same layout without a cache
@@ -278,9 +282,9 @@ def main(path: Path) -> dict[str, object]:
     out["gated_overlap_stats"] = gated[1][1]
 
     # edgemoe bench's device configurations (numbers over loopback TCP mean nothing: the code paths run)
+    from edgemoe.gguf.info import read_model_info
     from edgemoe.perf.bench.rows import BenchSpec
     from edgemoe.perf.bench.run import run_bench
-    from edgemoe.gguf.info import read_model_info
     from edgemoe.plan.budget import estimate_kv_cache_bytes
     from edgemoe.plan.reserve import VRAM_RESERVE
 

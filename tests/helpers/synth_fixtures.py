@@ -1,6 +1,7 @@
 """Shared fixtures for the synthetic-model tests: tiny GGUFs written once per session.
 
-Loaded with `pytest_plugins = ["conftest_synth"]` at the top of a test module.
+Registered in tests/conftest.py's `pytest_plugins`: a test takes make_tiny_gguf, tiny_gguf or arctic_like_gguf by
+name.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from edgemoe.gguf.synth import write_synthetic
 from edgemoe.gguf.presets import PRESETS
+from edgemoe.gguf.synth import write_synthetic
 
 TINY_PRESETS: tuple[str, ...] = tuple(name for name, p in PRESETS.items() if p.tiny)
 MakeGguf = Callable[..., Path]

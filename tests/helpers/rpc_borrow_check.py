@@ -1,7 +1,7 @@
 """Run by tests/test_cache_rpc.py in a process of its own: device prefill whose buffers borrow the slots, with the
-cache on llama.cpp's RPC device (tests/rpc_cache_check.py says why a process of its own and why bitwise).
+cache on llama.cpp's RPC device (rpc_cache_check.py says why a process of its own and why bitwise).
 
-For ubatches of 512, 1024 and 2048 tokens: stock logits of test_device_prefill_borrow.session (a prompt of several
+For ubatches of 512, 1024 and 2048 tokens: stock logits of borrow_session.session (a prompt of several
 ubatches, decode steps, a second prompt after cutting the KV cache, a restored snapshot) in the CLI's GPU layout,
 then the same session with the lru cache on the device and borrowing on (the load worker on at 1024 tokens, off
 otherwise), and once more with the id-row checker on (every id row a device reads valid and distinct: the lent
@@ -9,12 +9,16 @@ layers' slots are not read while they hold a buffer's bytes). Writes {str(n_ubat
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
-
-import json
 import sys
-from dataclasses import replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
+import json
+from dataclasses import replace
 
 import numpy as np
 
@@ -23,7 +27,7 @@ from edgemoe.runtime import native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine
 
-from test_device_prefill_borrow import MIN_TOKENS, load_config, session
+from helpers.borrow_session import MIN_TOKENS, load_config, session
 
 
 def check(path: Path, dev: object, n_ubatch: int) -> dict[str, object]:
@@ -41,7 +45,7 @@ def check(path: Path, dev: object, n_ubatch: int) -> dict[str, object]:
             cache = eng.enable_expert_cache(cfg, device=dev)
             got = session(eng, n_ubatch)
             tag = "checked" if checked else "plain"
-            res[f"equal_{tag}"] = len(got) == len(ref) and all(np.array_equal(a, b) for a, b in zip(got, ref))
+            res[f"equal_{tag}"] = len(got) == len(ref) and all(np.array_equal(a, b) for a, b in zip(got, ref, strict=False))
             if checked:
                 res["ids_check"] = eng.ids_check()
             else:

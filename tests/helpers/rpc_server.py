@@ -1,6 +1,7 @@
-"""llama.cpp's RPC server serving this machine's CPU backend in a process of its own: `python rpc_server.py PORT`
-serves 127.0.0.1:PORT until killed; `rpc_server()` runs one for a block, for tests that reach an RPC device from
-another process (test-backend-ops --rpc, the native tests). The server serves one client at a time."""
+"""llama.cpp's RPC server serving this machine's CPU backend in a process of its own:
+`python tests/helpers/rpc_server.py PORT` serves 127.0.0.1:PORT until killed; `rpc_server()` runs one for a block,
+for tests that reach an RPC device from another process (test-backend-ops --rpc, the native tests). The server
+serves one client at a time."""
 from __future__ import annotations
 
 import socket

@@ -11,21 +11,25 @@ environment's (EDGEMOE_DEVICE_IDS, LLAMA_MOE_DEVICE_IDS_DUMMY). Scenarios:
 """
 from __future__ import annotations
 
-import rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
-
-import json
 import sys
-from dataclasses import replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
+
+# isort: split
+import json
+from dataclasses import replace
 
 import numpy as np
 
+from edgemoe.analysis.verify import FnPolicy
 from edgemoe.policies.gating import GatingPolicy, GatingRule
+from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime import device_ids, native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
-from edgemoe.analysis.verify import FnPolicy
-from edgemoe.policies.route import RouteRecord
 
 CFG = LoadConfig(n_ctx=128, n_batch=32, n_ubatch=32, n_threads=2, use_extra_bufts=False, op_offload=False)
 ON_DEVICE = replace(CFG, n_gpu_layers=999)
