@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
 
 # isort: split
-import json
 from dataclasses import replace
 
 import numpy as np
@@ -30,6 +29,8 @@ from edgemoe.policies.route import RouteRecord
 from edgemoe.runtime import device_ids, native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
+
+from helpers.child_result import write_and_exit
 
 CFG = LoadConfig(n_ctx=128, n_batch=32, n_ubatch=32, n_threads=2, use_extra_bufts=False, op_offload=False)
 ON_DEVICE = replace(CFG, n_gpu_layers=999)
@@ -77,4 +78,4 @@ def main(path: Path, scenario: str) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    Path(sys.argv[3]).write_text(json.dumps(main(Path(sys.argv[1]), sys.argv[2])))
+    write_and_exit(sys.argv[3], main(Path(sys.argv[1]), sys.argv[2]))

@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
 
 # isort: split
-import json
 from dataclasses import replace
 
 import numpy as np
@@ -28,6 +27,7 @@ from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine
 
 from helpers.borrow_session import MIN_TOKENS, load_config, session
+from helpers.child_result import write_and_exit
 
 
 def check(path: Path, dev: object, n_ubatch: int) -> dict[str, object]:
@@ -64,4 +64,4 @@ def main(path: Path) -> dict[str, object]:
 
 if __name__ == "__main__":
     # to a file: the RPC server thread prints connection messages to stdout at any time
-    Path(sys.argv[2]).write_text(json.dumps(main(Path(sys.argv[1]))))
+    write_and_exit(sys.argv[2], main(Path(sys.argv[1])))

@@ -3,7 +3,6 @@ llama.cpp's RPC device (serving the CPU backend on loopback), every layer on it 
 plan with a budget loads the model; and open_engine's plan, which measures them."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -12,6 +11,8 @@ from edgemoe.perf.measure.compute_buffers import measure_grid
 from edgemoe.plan.reserve import budget_for_slots
 from edgemoe.runtime import native
 from edgemoe.runtime.config import LoadConfig
+
+from helpers.child_result import write_and_exit
 
 
 def main(path: Path) -> dict[str, object]:
@@ -35,4 +36,4 @@ def main(path: Path) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    Path(sys.argv[2]).write_text(json.dumps(main(Path(sys.argv[1])), default=str))
+    write_and_exit(sys.argv[2], main(Path(sys.argv[1])), default=str)

@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
 
 # isort: split
-import json
 
 from edgemoe.gguf.info import read_model_info
 from edgemoe.runtime import native
@@ -25,6 +24,8 @@ from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
 from edgemoe.speculation import SpeculationConfig
+
+from helpers.child_result import write_and_exit
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? The list type is mutable. " * 2
 
@@ -48,4 +49,4 @@ def main(path: Path) -> dict[str, object]:
 
 if __name__ == "__main__":
     # to a file: the RPC server thread prints connection messages to stdout at any time
-    Path(sys.argv[2]).write_text(json.dumps(main(Path(sys.argv[1]))))
+    write_and_exit(sys.argv[2], main(Path(sys.argv[1])))

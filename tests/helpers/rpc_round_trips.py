@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 import helpers.rpc_kernels  # noqa: F401  # the CPU kernels' setting for runs on the RPC device
 
 # isort: split
-import json
 import re
 from collections import Counter
 
@@ -26,6 +25,8 @@ import numpy as np
 from edgemoe.runtime import native
 from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
+
+from helpers.child_result import write_and_exit
 
 CFG = LoadConfig(n_ctx=128, n_batch=32, n_ubatch=32, n_threads=2, use_extra_bufts=False, op_offload=False)
 N_DECODE = 8
@@ -61,4 +62,4 @@ def main(path: Path) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    Path(sys.argv[2]).write_text(json.dumps(main(Path(sys.argv[1]))))
+    write_and_exit(sys.argv[2], main(Path(sys.argv[1])))

@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 import helpers.rpc_kernels  # noqa: F401  # first: the CPU kernels' setting for bitwise runs on the RPC device
 
 # isort: split
-import json
 from dataclasses import replace
 
 import numpy as np
@@ -26,6 +25,7 @@ from edgemoe.runtime.cache_config import CacheConfig, LruConfig
 from edgemoe.runtime.engine import Engine, LoadConfig
 from edgemoe.runtime.sampling import GREEDY
 
+from helpers.child_result import write_and_exit
 from helpers.tiers_walk import CFG, tiers_for, walk_steps
 
 
@@ -81,4 +81,4 @@ def main(path: Path) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    Path(sys.argv[2]).write_text(json.dumps(main(Path(sys.argv[1])), default=str))
+    write_and_exit(sys.argv[2], main(Path(sys.argv[1])), default=str)
