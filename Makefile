@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (each installs whatever is missing into .venv):
 #   make chat   - chat with the bundled fixture model
-#   make test   - run the test suite
+#   make test   - run the default test suite (about 10 minutes on 2 cores; `make test-long` and .ci/run: the rest)
 # CUDA build: make install EDGEMOE_CUDA=1 [EDGEMOE_CUDA_ARCH=90]
 # Outside the default CI (each takes long on a small machine; docs/build.md):
 #   make asan        - the patched llama.cpp with ASan + UBSan (CPU + RPC) in .build/cmake-asan
@@ -14,7 +14,7 @@ TORCH := torch==2.13.0
 RUFF := ruff==0.17.6
 PYRIGHT := pyright==1.1.414
 
-.PHONY: install llama chat test lint typecheck clean-build asan asan-test cuda-check
+.PHONY: install llama chat test test-long lint typecheck clean-build asan asan-test cuda-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ chat: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the long checks CI runs beside the default suite (marker `long`: the architecture sweep and other multi-minute tests)
+test-long: install
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
 $(VENV)/bin/ruff: | $(PY)
 	$(PY) -m pip install -q $(RUFF)

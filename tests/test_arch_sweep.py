@@ -55,6 +55,9 @@ from pathlib import Path
 
 import pytest
 
+# the architecture sweep: every MoE architecture llama.cpp loads, minutes on 2 cores (`make test-long`, CI)
+pytestmark = pytest.mark.long
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import arch_models  # noqa: E402

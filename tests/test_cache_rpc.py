@@ -149,6 +149,7 @@ def test_every_cache_path_hands_the_device_the_ids_of_its_mode(tmp_path: Path, m
     assert len(equal) > 10 and all(equal.values()), equal
     assert out["precalc"]["nmse"] < 1e-9, out["precalc"]
 
+@pytest.mark.long  # a minute and more on 2 cores; borrowing on the CPU stays in the default suite
 def test_borrowed_slots_on_rpc_device_equal_stock(tmp_path: Path) -> None:
     """Device prefill whose buffers borrow the slots (tests/test_device_prefill_borrow.py) on the RPC device,
     ubatches of 512, 1024 and 2048 tokens, the CLI's GPU layout: a session of two prompts over several ubatches,
@@ -167,6 +168,7 @@ def test_borrowed_slots_on_rpc_device_equal_stock(tmp_path: Path) -> None:
             assert r["prefill"]["ubatches"] == 5 and r["prefill"]["late"] == 0, r["prefill"]
 
 
+@pytest.mark.long  # every MoE architecture, both modes: minutes (`make test-long`)
 @pytest.mark.parametrize("mode", ["fill", "raw"])
 def test_overlap_on_every_moe_architecture(tmp_path: Path, mode: str) -> None:
     """The CPU/GPU overlap on each architecture's random-weight model (test-llama-archs' writer), cache on the RPC

@@ -39,7 +39,11 @@ def _generate(path: Path, cache: CacheConfig | None, policies: list | None = Non
         return toks, (c.stats() if c is not None else None), eng.control_stats(), eng.gating_path
 
 
-@pytest.mark.parametrize("preset", ["fixture", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe"])
+# the fixture in the default suite; the other architectures' tiny models in the long one (`make test-long`)
+PRESETS = ["fixture", *(pytest.param(p, marks=pytest.mark.long) for p in ("tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe"))]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_native_lru_generates_as_stock_without_host_syncs(preset: str, fixture_model: Path, make_tiny_gguf) -> None:
     path = fixture_model if preset == "fixture" else make_tiny_gguf(preset)
     ref, _, _, _ = _generate(path, None)
@@ -56,7 +60,7 @@ def test_native_lru_generates_as_stock_without_host_syncs(preset: str, fixture_m
             assert st["loads"] <= n_expert * n_moe  # with a slot for every expert nothing is evicted
 
 
-@pytest.mark.parametrize("preset", ["fixture", "tiny-qwen2moe", "tiny-deepseek2", "tiny-olmoe"])
+@pytest.mark.parametrize("preset", PRESETS)
 def test_native_dali_generates_as_stock_without_host_syncs(preset: str, fixture_model: Path, make_tiny_gguf) -> None:
     """dali's native twin (window replacement) runs after each ubatch, like the native LRU; with blocking loads it
     runs in the routing callback (a host sync per MoE layer and ubatch)."""

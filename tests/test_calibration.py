@@ -190,6 +190,7 @@ def test_stale_temporary_directories_of_dead_runs_are_removed(tmp_path: Path) ->
 
 
 # -- end to end on a fixture ------------------------------------------------------------------------------
+@pytest.mark.long  # the whole calibration through the CLI: minutes on 2 cores (`make test-long`)
 def test_calibrate_and_predict_eval_cli(tmp_path: Path, _cache: Path) -> None:
     runner = CliRunner()
     args = ["calibrate", str(QWEN), "--tokens", "2048", "--ctx", "128", "--epochs", "2", "-t", "1"]

@@ -191,7 +191,8 @@ def test_prompt_swap_residency_swaps_by_the_prompt_rows() -> None:
 
 
 # -- on the fixtures, CPU-buffer cache -------------------------------------------------------------
-@pytest.mark.parametrize("blocking", [False, True])
+# blocking loads in the long suite (`make test-long`); the default suite runs the asynchronous ones
+@pytest.mark.parametrize("blocking", [False, pytest.param(True, marks=pytest.mark.long)])
 def test_daop_generates_as_stock_and_its_counters_equal_the_replay(fixture_model: Path, blocking: bool) -> None:
     cal = default_calibration_dir(fixture_model)
     with Engine(fixture_model, LoadConfig(**PLAIN)) as eng:
