@@ -6,6 +6,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+
+# isort: split
 from edgemoe.gguf.info import read_model_info
 from edgemoe.perf.measure.compute_buffers import measure_grid
 from edgemoe.plan.reserve import budget_for_slots
