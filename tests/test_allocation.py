@@ -215,6 +215,7 @@ def _recorded_steps(path: Path, n_tokens: int = 768) -> tuple[dict[int, list[np.
         return layer_steps(tr.ids, list(tr.layers), tr.phase, tr.seq, ubatch=eng.n_batch), eng.info.n_expert
 
 
+@pytest.mark.long  # records a trace per policy: the long suite (`make test-long`)
 @pytest.mark.parametrize("kind", ["lru", "dali"])
 def test_dp_misses_no_more_than_equal_on_a_recorded_trace(fixture_model: Path, kind: str) -> None:
     by_layer, E = _recorded_steps(fixture_model)

@@ -180,6 +180,7 @@ def test_native_tree_rebuild_keeps_unchanged_files_mtimes(tmp_path: Path) -> Non
 LLAMA_TREE = ROOT / ".build" / "src" / bl.SDIST_NAME / "vendor" / "llama.cpp"
 
 
+@pytest.mark.long  # builds test-backend-ops: the long suite (`make test-long`)
 @pytest.mark.skipif(not (LLAMA_TREE / "tests").exists(), reason="no patched tree under .build/src (make install)")
 def test_install_backend_ops_puts_a_working_binary_and_the_headers_in_place(tmp_path: Path) -> None:
     """The install step doctor's op step relies on: test-backend-ops built against the installed libraries, the

@@ -344,6 +344,7 @@ def test_chat_survives_bad_lines_and_keeps_going() -> None:
     assert "Traceback" not in err
 
 
+@pytest.mark.long  # a chat that fills its context: the long suite (`make test-long`)
 def test_chat_drops_oldest_turns_when_the_context_is_full() -> None:
     question = "tell me about the python standard library and its many modules, please"
     res = run("chat", str(MODEL), "--ctx", "256", "-n", "24", "--temp", "0", input=(question + "\n") * 6)

@@ -81,6 +81,7 @@ def test_expert_reference_matches_llama_cpp(fixture_model: Path) -> None:
         assert np.mean(err) < 0.03 and np.max(err) < 0.06, (il, np.mean(err), np.max(err))
 
 
+@pytest.mark.long  # many forward passes: the long suite (`make test-long`)
 def test_forward_precalc_off_or_idle_is_the_reference(fixture_model: Path) -> None:
     import torch
 

@@ -172,6 +172,7 @@ def test_crash_in_a_child_is_that_steps_failure_in_json(monkeypatch: pytest.Monk
     assert steps["cpu"]["phase"] == "load" and steps["cpu"]["data"] == {}
 
 
+@pytest.mark.long  # waits out a child's timeout: the long suite (`make test-long`)
 def test_hang_in_a_child_is_killed_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EDGEMOE_DOCTOR_FAULT", "devices:query:hang")
     report = run_doctor(MODEL, timeout=20)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "fixtures" / "train_fixture.py"
 
@@ -18,6 +20,7 @@ def _train(out: Path, seed: int) -> dict:
     return json.loads((out / "edgemoe-tiny-mixtral.json").read_text())
 
 
+@pytest.mark.long  # trains twice: the long suite (`make test-long`)
 def test_training_is_deterministic_and_export_faithful(tmp_path: Path) -> None:
     a = _train(tmp_path / "a", seed=7)
     b = _train(tmp_path / "b", seed=7)

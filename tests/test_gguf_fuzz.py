@@ -226,6 +226,7 @@ def run_case(path: Path, name: str) -> Outcome:
     return Outcome(name, r.returncode, r.stderr)
 
 
+@pytest.mark.long  # hundreds of fuzzed loads: the long suite (`make test-long`)
 def test_fuzzed_headers_never_crash(tmp_path: Path) -> None:
     paths, names = [], []
     for i, case in enumerate(make_cases(SEED, N_CASES)):

@@ -29,6 +29,7 @@ def _run(mode: str, out: Path, env: dict[str, str], timeout: float = 240) -> sub
                           cwd=ROOT)
 
 
+@pytest.mark.long  # every step of the GPU check: the long suite (`make test-long`)
 def test_dry_run_runs_every_step_and_returns_at_most_8_files(tmp_path: Path) -> None:
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir()

@@ -203,6 +203,7 @@ def test_simulate_plans_the_kv_cache_types_it_is_given(qwen30b: Path) -> None:
     assert q8 > f16 > 0
 
 
+@pytest.mark.long  # the full-depth 30B's plans: the long suite (`make test-long`)
 def test_inspect_projects_the_prefill_of_long_prompts_with_a_profile(qwen30b: Path) -> None:
     """inspect --vram --profile: the prefill of 2K/8K/32K-token prompts, stock and edgemoe each at its fastest
     ubatch, in the text and in --json; without --profile there is none; a CPU profile is refused."""
