@@ -34,6 +34,7 @@ def test_rows_are_sourced_and_resolvable():
     assert len({r.id for r in rows}) == len(rows)
 
 
+@pytest.mark.long  # the decode backtest's docs table: the long suite (`make test-long`)
 def test_docs_table_regenerates(projections):
     text = DOC.read_text()
     body = text.split("<!-- backtest:begin -->\n", 1)[1].split("<!-- backtest:end -->", 1)[0]
@@ -130,6 +131,7 @@ def test_prefill_rows_are_sourced_and_resolvable():
         assert f"-ub {r.n_ubatch}" in r.conditions and f"pp{r.prompt_tokens}" in r.conditions
 
 
+@pytest.mark.long  # the prefill backtest's docs table: the long suite (`make test-long`)
 def test_prefill_docs_table_regenerates(prefill_projections):
     from edgemoe.perf.model.backtest_prefill import prefill_markdown
 
@@ -165,6 +167,7 @@ def test_a_prefill_row_replays_the_whole_model_on_the_gpu(tmp_path):
     assert fresh.bound == deep.bound == "gpu" and deep.projected_tps < 0.8 * fresh.projected_tps
 
 
+@pytest.mark.long  # the prefill backtest, refitted: the long suite (`make test-long`)
 def test_prefill_fitted_table_regenerates(tmp_path_factory):
     from edgemoe.perf.model.backtest_prefill import (
         FITTED_RATES,

@@ -86,6 +86,7 @@ def test_default_threshold_is_within_the_budget_and_says_what_it_costs(
                                                                              "ser@kld0.002/top0.99"}
 
 
+@pytest.mark.long  # every gating rule's quality table: the long suite (`make test-long`)
 def test_gating_quality_table_and_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EDGEMOE_CACHE_DIR", str(tmp_path / "user-cache"))
     cal = tmp_path / "cal"

@@ -120,6 +120,7 @@ def test_the_default_context_keeps_the_cache_useful(info: ModelInfo) -> None:
                for vram, p in zip(_budgets(info), picks, strict=True))
 
 
+@pytest.mark.long  # two plans of the 30B: the long suite (`make test-long`)
 def test_plan_picks_the_context_for_a_budget_and_an_explicit_one_wins(info: ModelInfo) -> None:
     header = check_gguf(info.path)
     vram = _budgets(info)[-1]
@@ -151,6 +152,7 @@ def _run(*args: str) -> str:
     return res.output
 
 
+@pytest.mark.long  # the 30B's context table, text and JSON: the long suite (`make test-long`)
 def test_inspect_prints_the_table_and_carries_it_in_json(qwen30b: Path, info: ModelInfo) -> None:
     vram = str(_budget(info, 120))
     choice = default_context(info, int(vram), F16)
@@ -167,6 +169,7 @@ def test_inspect_prints_the_table_and_carries_it_in_json(qwen30b: Path, info: Mo
     assert explicit["vram_plan"]["n_ctx"] == 4096 and explicit["context_table"] == rows
 
 
+@pytest.mark.long  # the 30B's plan with projections: the long suite (`make test-long`)
 def test_plan_prints_the_table_with_projected_speeds(qwen30b: Path, info: ModelInfo) -> None:
     vram = str(_budget(info, 100))
     d = json.loads(_run("plan", str(qwen30b), "--vram", vram, "--profile", "rtx4060-laptop", "--json"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from edgemoe.calibration.adaptive import default_calibration_dir
@@ -107,6 +108,7 @@ def _uncalibrated(tmp_path: Path, preset: str, layers: int) -> Path:
     return write_synthetic(preset, tmp_path / f"{preset}.gguf", layers=layers, shape_only=True, progress=False)
 
 
+@pytest.mark.long  # a projection per policy: the long suite (`make test-long`)
 def test_plan_without_routing_data_projects_with_the_matching_routing_profile(tmp_path: Path) -> None:
     """A model with no trace and no calibration gets the bundled routing profile of its shape, named."""
     model = _uncalibrated(tmp_path, "qwen3-30b-a3b", 6)

@@ -134,6 +134,7 @@ def test_the_plan_picks_a_larger_ubatch_out_of_the_slots_and_stock_at_its_own_be
     assert all(o.n_ubatch <= 2048 for c in some[0].choices for o in c.options)
 
 
+@pytest.mark.long  # prefill replays per prompt length: the long suite (`make test-long`)
 def test_plan_prompt_tokens_cli(tmp_path: Path) -> None:
     model = _synthetic_30b(tmp_path, layers=6)  # the plan's decode rows replay every policy: a short model
     args = ["plan", str(model), "--vram", "2GiB", "--profile", "rtx4060-laptop", "--prompt-tokens", "2048"]

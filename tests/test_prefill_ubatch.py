@@ -67,6 +67,7 @@ def _synthetic_30b(tmp_path: Path) -> Path:
     return write_synthetic("qwen3-30b-a3b", tmp_path / "q30.gguf", shape_only=True, progress=False)
 
 
+@pytest.mark.long  # prefill replays per ubatch: the long suite (`make test-long`)
 def test_the_plan_picks_a_larger_ubatch_for_device_prefill_out_of_the_slots(tmp_path: Path) -> None:
     header = check_gguf(_synthetic_30b(tmp_path))
     req = cache_request(vram=8 << 30, policy="manual", device_prefill=256)
@@ -158,6 +159,7 @@ def test_every_running_command_has_the_batch_options() -> None:
         assert cmd == "bench" or "--batch" in out, cmd
 
 
+@pytest.mark.long  # every bench row's plan: the long suite (`make test-long`)
 def test_bench_s_rows_take_the_plan_s_ubatches(tmp_path: Path) -> None:
     header = check_gguf(_synthetic_30b(tmp_path))
     spec = BenchSpec(vram=8 << 30, prompt_tokens=8192, n_ctx=8192, flash_attn="auto")
