@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (each installs whatever is missing into .venv):
 #   make chat   - chat with the bundled fixture model
-#   make test   - run the default test suite (about 10 minutes on 2 cores; `make test-long` and .ci/run: the rest)
+#   make test   - run the default test suite (7-9 minutes on 2 cores; `make test-long` and .ci/run: the rest)
 # CUDA build: make install EDGEMOE_CUDA=1 [EDGEMOE_CUDA_ARCH=90]
 # Outside the default CI (each takes long on a small machine; docs/build.md):
 #   make asan        - the patched llama.cpp with ASan + UBSan (CPU + RPC) in .build/cmake-asan
