@@ -78,6 +78,24 @@ async def _next(job: Job, timeout: float | None = None) -> tuple[str, Any]:
     return kind, value
 
 
+_STREAMED = ("ping", "delta", "reasoning", "tool_call")  # the events a stream goes on after
+
+
+async def _stream_events(job: Job, ping_s: float) -> AsyncIterator[tuple[str, Any]]:
+    """A running job's events for a streamed reply: ("ping", None) after `ping_s` seconds without one, "delta",
+    "reasoning" and "tool_call" as they come, then the last: ("done", Outcome), or ("error", APIError) once the
+    headers are sent. The caller cancels the job when its own stream ends (the client may leave mid-stream)."""
+    while True:
+        try:
+            event, value = await _next(job, ping_s)
+        except APIError as err:
+            yield "error", err
+            return
+        yield event, value
+        if event not in _STREAMED:
+            return
+
+
 def _busy(worker: EngineWorker) -> APIError:
     return APIError(
         503, f"the server is busy: {worker.max_queue} requests wait already; retry later", code="queue_full"
@@ -334,11 +352,9 @@ class Routes:
         try:
             if reply.kind == "chat":
                 yield _sse(reply.chunk(None, first=True))
-            while True:
-                try:
-                    event, value = await _next(job, self.config.ping_s)
-                except APIError as err:  # after the headers: the error goes in the stream, no [DONE]
-                    yield _sse(err.body())
+            async for event, value in _stream_events(job, self.config.ping_s):
+                if event == "error":  # after the headers: the error goes in the stream, no [DONE]
+                    yield _sse(value.body())
                     return
                 if event == "ping":
                     yield ": ping\n\n"
@@ -359,7 +375,6 @@ class Routes:
                     )
                     if include_usage:
                         yield _sse(reply.usage_chunk(out))
-                    break
             yield _sse("[DONE]")
         finally:
             job.cancel()  # the client went away mid-stream (or we are done): free the engine
@@ -370,13 +385,10 @@ class Routes:
         try:
             yield reply.start(*start)
             yield ant.PING
-            while True:
-                try:
-                    event, value = await _next(job, self.config.ping_s)
-                except APIError as err:
-                    yield ant.error_event(err)
-                    break
-                if event == "ping":
+            async for event, value in _stream_events(job, self.config.ping_s):
+                if event == "error":
+                    yield ant.error_event(value)
+                elif event == "ping":
                     yield ant.PING
                 elif event == "delta":
                     yield reply.text(value)
@@ -386,20 +398,16 @@ class Routes:
                     yield reply.tool_use(value)
                 else:
                     yield reply.end(value)
-                    break
         finally:
             job.cancel()
 
     async def _responses_events(self, job: Job, reply: ResponseReply) -> AsyncIterator[str]:
         try:
             yield reply.start()
-            while True:
-                try:
-                    event, value = await _next(job, self.config.ping_s)
-                except APIError as err:
-                    yield reply.failed(err)
-                    break
-                if event == "ping":
+            async for event, value in _stream_events(job, self.config.ping_s):
+                if event == "error":
+                    yield reply.failed(value)
+                elif event == "ping":
                     yield ": ping\n\n"
                 elif event == "delta":
                     yield reply.text(value)
@@ -409,7 +417,6 @@ class Routes:
                     yield reply.tool_call(value)
                 else:
                     yield reply.end(value)
-                    break
         finally:
             job.cancel()
 
