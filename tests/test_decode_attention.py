@@ -73,6 +73,15 @@ def test_the_models_own_shape_is_preferred_else_the_nearest_work() -> None:
     assert nearest_attention((), 32, 4, 128) is None
 
 
+def test_a_shape_measured_with_its_caches_from_memory_prices_the_other_models() -> None:
+    # the profile measures the model's shape over a pool of caches and the host fit's probes' tiny shape hot:
+    # a model of neither shape is priced by the cold one, even where the hot one's work is nearer
+    big, small = dataclasses.replace(_times(), pool_bytes=512 << 20), _times(4, 2, 64)
+    assert nearest_attention((big, small), 8, 8, 32) is big
+    assert nearest_attention((big, small), 4, 2, 64) is small  # its own shape still first
+    assert nearest_attention((dataclasses.replace(big, pool_bytes=0), small), 8, 8, 32) is small
+
+
 def test_graph_kv_length_pads_as_llama_cpp() -> None:
     assert [graph_kv_length(n) for n in (1, 256, 257, 600)] == [KV_PAD, 256, 512, 768]
 
@@ -99,7 +108,12 @@ def test_a_decode_token_is_priced_by_the_measured_attention_flash_or_not() -> No
 def test_profiles_without_decode_attention_load_and_the_simulation_says_so(tmp_path: Path) -> None:
     prof = _with_attention(load_profile("rtx4060-laptop"), _times(), _times(4, 2, 64))
     assert load_profile(prof.save(tmp_path / "p.json")) == prof
+    cold = _with_attention(prof, dataclasses.replace(_times(), pool_bytes=256 << 20))
+    assert load_profile(cold.save(tmp_path / "cold.json")).cpu.decode_attention[0].pool_bytes == 256 << 20
     old = prof.to_dict()
+    for times in old["cpu"]["decode_attention"]:
+        del times["pool_bytes"]  # measured before the pools of caches: one cache, hot
+    assert profile_from_dict(old) == prof
     del old["cpu"]["decode_attention"]  # a profile measured before 2026-11-27
     assert profile_from_dict(old).cpu.decode_attention == ()
     tr = _decode_trace()
@@ -128,11 +142,35 @@ def test_cpu_probe_times_both_paths_and_refuses_bad_shapes() -> None:
     from edgemoe.perf.measure.attention import AttentionShape, measure_decode_attention, time_attention
 
     shape = AttentionShape(4, 2, 64)
-    (times,) = measure_decode_attention(threads=1, shapes=(shape, shape), rounds=3, min_seconds=0.0)
-    assert (times.n_head, times.n_head_kv, times.head_dim) == (4, 2, 64)
+    (times,) = measure_decode_attention(threads=1, shapes=((shape, 0), (shape, 0)), rounds=3, min_seconds=0.0)
+    assert (times.n_head, times.n_head_kv, times.head_dim, times.pool_bytes) == (4, 2, 64, 0)
     assert all(t > 0 for t in times.flash_s + times.plain_s)
     assert times.flash_s[-1] > times.flash_s[0] and times.plain_s[-1] > times.plain_s[0]
+    # the one-node graph's overhead comes off every point, but never more than half of it
+    (less,) = measure_decode_attention(threads=1, shapes=((shape, 0),), rounds=1, min_seconds=0.0, overhead_s=1.0)
+    assert all(0 < t for t in less.flash_s + less.plain_s)
     with pytest.raises(EdgeMoeError, match="multiple of the KV heads"):
         time_attention(AttentionShape(4, 3, 64), (256,), threads=1, flash=True)
     with pytest.raises(EdgeMoeError, match="positive"):
         time_attention(shape, (), threads=1, flash=True)
+
+
+def test_a_cold_pool_holds_enough_caches_and_is_timed_by_rotation() -> None:
+    from edgemoe.perf.measure.attention import (
+        MAX_POOL,
+        AttentionShape,
+        cache_bytes,
+        pool_size,
+        time_attention,
+    )
+
+    shape = AttentionShape(32, 4, 128)
+    assert cache_bytes(shape, 256) == 2 * 2 * 4 * 128 * 256  # F16 K and V
+    assert pool_size(shape, 256, 0) == 1
+    assert pool_size(shape, 256, 64 << 20) == 128  # 64 MiB of 0.5 MiB caches
+    assert pool_size(shape, 256, 1 << 40) == MAX_POOL
+    assert pool_size(shape, 4096, 1) == 1
+    small = AttentionShape(4, 2, 64)
+    t = time_attention(small, (256,), threads=1, flash=True, min_seconds=0.0, pool_bytes=4 << 20)
+    assert t[256] > 0
+

@@ -115,6 +115,8 @@ def test_cold_is_not_faster_than_hot() -> None:
 def test_graph_node_cost_is_small_and_positive() -> None:
     t = microbench.time_graph_node(threads=1)
     assert 0 < t < 1e-3, t
+    costs = microbench.time_graph_costs(threads=1, n_nodes=64, runs=5)
+    assert 0 < costs.node_s < costs.one_node_s < 1e-2, costs
 
 
 def test_host_copy_bandwidth() -> None:

@@ -255,6 +255,11 @@ def test_curve_fit_splits_fixed_and_per_byte_time() -> None:
     assert [c for c, _, _ in fit] == [1, 8]
     for c, fixed, per_byte in fit:
         assert fixed == pytest.approx(2e-6) and per_byte == pytest.approx(1e-10 * c)
+    # a one-node graph's call and dispatch come off the fixed part only, which stays at least 0
+    less = _fit(small, large, 1000, 9000, overhead_s=1.5e-6)
+    assert [f for _, f, _ in less] == pytest.approx([5e-7, 5e-7])
+    assert [s for _, _, s in less] == [s for _, _, s in fit]
+    assert all(f == 0.0 for _, f, _ in _fit(small, large, 1000, 9000, overhead_s=1e-5))
 
 
 @pytest.mark.slow

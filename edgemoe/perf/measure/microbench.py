@@ -571,31 +571,51 @@ def _chain_graph_seconds(be: Backend, n_nodes: int, stack: ExitStack) -> Callabl
     return run
 
 
-def time_graph_node(
+@dataclass(frozen=True)
+class GraphCosts:
+    """What a CPU graph costs besides its ops' work: each extra node's dispatch and barrier (node_s), and a
+    one-node graph's compute call (one_node_s: waking the threads, the plan, the node): the latter is in every
+    microbenchmark's timing, where a model's graph pays the call once per llama_decode and a node per op."""
+
+    node_s: float
+    one_node_s: float
+
+
+def time_graph_costs(
     *, threads: int, device: int | None = None, n_nodes: int = 256, runs: int = 15, max_seconds: float = 2.0
-) -> float:
-    """Seconds each extra node costs in a graph: (t(2N) - t(N)) / N for chains of N and 2N trivial ops
-    (ggml_add / ggml_scale on a 64-element F32 tensor), t the median of up to `runs` interleaved computes
-    of each (at least 3; no more once max_seconds have passed): the per-op dispatch and thread-barrier
-    cost, without the per-graph cost. Never above t(2N) / 2N (what it returns when noise makes the
-    difference negative)."""
+) -> GraphCosts:
+    """node_s: (t(2N) - t(N)) / N for chains of N and 2N trivial ops (ggml_add / ggml_scale on a 64-element
+    F32 tensor), t the median of up to `runs` interleaved computes of each (at least 3; no more once
+    max_seconds have passed), never above t(2N) / 2N (what it is when noise makes the difference negative);
+    one_node_s: t(1), timed in the same turns."""
     if n_nodes < 1 or runs < 1:
         raise EdgeMoeError(f"n_nodes={n_nodes}, runs={runs}: both must be >= 1")
     with ExitStack() as stack:
         be = stack.enter_context(open_backend(threads, device))
-        short = _chain_graph_seconds(be, n_nodes, stack)
-        long = _chain_graph_seconds(be, 2 * n_nodes, stack)
-        short()
-        long()
-        t_short: list[float] = []
-        t_long: list[float] = []
+        chains = [_chain_graph_seconds(be, n, stack) for n in (1, n_nodes, 2 * n_nodes)]
+        for chain in chains:
+            chain()
+        times: list[list[float]] = [[], [], []]
         start = time.perf_counter()
-        while len(t_short) < max(runs, 3) and (len(t_short) < 3 or time.perf_counter() - start < max_seconds):
-            t_short.append(short())
-            t_long.append(long())
-    a, b = statistics.median(t_short), statistics.median(t_long)
+        while len(times[0]) < max(runs, 3) and (
+            len(times[0]) < 3 or time.perf_counter() - start < max_seconds
+        ):
+            for chain, ts in zip(chains, times, strict=True):
+                ts.append(chain())
+    one, a, b = (statistics.median(ts) for ts in times)
     per_node = (b - a) / n_nodes
-    return per_node if 0 < per_node <= b / (2 * n_nodes) else b / (2 * n_nodes)
+    node_s = per_node if 0 < per_node <= b / (2 * n_nodes) else b / (2 * n_nodes)
+    return GraphCosts(node_s=node_s, one_node_s=one)
+
+
+def time_graph_node(
+    *, threads: int, device: int | None = None, n_nodes: int = 256, runs: int = 15, max_seconds: float = 2.0
+) -> float:
+    """Seconds each extra node costs in a graph (time_graph_costs' node_s): the per-op dispatch and
+    thread-barrier cost, without the per-graph cost."""
+    return time_graph_costs(
+        threads=threads, device=device, n_nodes=n_nodes, runs=runs, max_seconds=max_seconds
+    ).node_s
 
 
 def host_copy_bandwidth(nbytes: int = 256 << 20, *, repeats: int = 5) -> float:

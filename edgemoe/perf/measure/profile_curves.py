@@ -4,7 +4,9 @@ Each (type, size, temperature) is timed over the token grid (edgemoe.perf.measur
 of at least 5 computes over at least MIN_SECONDS). The timings of a kind and temperature form a table that
 edgemoe.perf.model.profile_checks checks; its suspects are timed twice more and settled (kept when reproduced,
 repaired from their neighbours when not), and each type's two sizes are fitted to a fixed and a per-byte
-part at every token count.
+part at every token count. Every timing holds a one-node graph's compute call and node dispatch
+(CurveRun.overhead_s), which the model prices apart (the host fit's per-decode and per-node terms): it is taken
+off the fixed parts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class CurveRun:
     threads: int
     device: int | None  # None: the CPU backend
     pool_bytes: int | None  # cold pools' bytes (None: measure's default)
+    overhead_s: float = 0.0  # a one-node graph's compute call and node dispatch, in every timing
 
     @property
     def shapes(self) -> tuple[tuple[int, int], ...]:
@@ -62,13 +65,18 @@ class CurveRun:
 
 
 def _fit(
-    small: Mapping[int, float], large: Mapping[int, float], b_small: int, b_large: int
+    small: Mapping[int, float],
+    large: Mapping[int, float],
+    b_small: int,
+    b_large: int,
+    overhead_s: float = 0.0,
 ) -> list[tuple[int, float, float]]:
-    """(tokens, fixed_s, s_per_byte) from the times of two weight sizes at each token count."""
+    """(tokens, fixed_s, s_per_byte) from the times of two weight sizes at each token count, the fixed part
+    without overhead_s (at least 0)."""
     out = []
     for c in sorted(small):
         slope = max((large[c] - small[c]) / (b_large - b_small), 1e-15)
-        out.append((c, max(small[c] - slope * b_small, 0.0), slope))
+        out.append((c, max(small[c] - slope * b_small - overhead_s, 0.0), slope))
     return out
 
 
@@ -146,6 +154,7 @@ def measure_curves(
                 dict(zip(table.counts, table.times[ti, 1], strict=True)),
                 int(table.nbytes[ti, 0]),
                 int(table.nbytes[ti, 1]),
+                run.overhead_s,
             )
             for ti, q in enumerate(table.types)
         }
@@ -153,9 +162,12 @@ def measure_curves(
     return curves, notes, remeasured
 
 
-def measure_attention(*, threads: int, device: int | None, tick: Callable[[], None]) -> Curve:
+def measure_attention(
+    *, threads: int, device: int | None, tick: Callable[[], None], overhead_s: float = 0.0
+) -> Curve:
     """K^T q and V p as llama.cpp computes them without flash attention: F16 products with one head-sized row
-    per (head, cached token); a curve per row, since short rows cost their dispatch more than their bytes."""
+    per (head, cached token); a curve per row, since short rows cost their dispatch more than their bytes.
+    overhead_s: as CurveRun's."""
     times = [
         measure.time_matmul(
             "F16",
@@ -170,5 +182,5 @@ def measure_attention(*, threads: int, device: int | None, tick: Callable[[], No
         for rows in ATTENTION_ROWS
     ]
     tick()
-    fit = _fit(times[0], times[1], *ATTENTION_ROWS)
+    fit = _fit(times[0], times[1], *ATTENTION_ROWS, overhead_s)
     return Curve(tuple(RatePoint(c, f, s, s) for c, f, s in fit))

@@ -258,7 +258,7 @@ def measure_profile(
     busy0, own0 = _cpu_busy_seconds(), _own_seconds()
     checks: list[CheckNote] = []
     remeasured = [0]
-    cpu = _measure_cpu(threads, (expert_types, dense_types), model, tick, checks, remeasured)
+    cpu, graph = _measure_cpu(threads, (expert_types, dense_types), model, tick, checks, remeasured)
     node_s = cpu.node_s
     t_probes = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="edgemoe-probe-") as tmp:
@@ -274,6 +274,8 @@ def measure_profile(
         wall * (os.cpu_count() or 1)
     )
     notes = [
+        f"one-node graph: {graph.one_node_s * 1e6:.2f} us (the call and its node), taken off every CPU timing "
+        "of a product or attention",
         *_fit_notes(node_s, fit),
         *map(describe, cpu.decode_attention),
         _report_checks(checks, remeasured[0]),
@@ -311,20 +313,29 @@ def _measure_cpu(
     tick: Callable[[], None],
     checks: list[CheckNote],
     remeasured: list[int],
-) -> DeviceProfile:
+) -> tuple[DeviceProfile, measure.GraphCosts]:
     """The CPU's figures before the host fit: memory bandwidth, node cost, the (expert, dense) types' checked
-    curves, the attention products' curve and one decode token's attention with and without flash attention."""
+    curves, the attention products' curve and one decode token's attention with and without flash attention,
+    every timing without a graph compute call's own cost (returned with the node cost)."""
     expert_types, dense_types = types
     mem_bw = measure.host_copy_bandwidth()
-    node_s = measure.time_graph_node(threads=threads)
+    graph = measure.time_graph_costs(threads=threads)
+    node_s = graph.node_s
+    # what a timed one-node graph adds to its product; the host fit prices it per decode and per node
+    overhead_s = graph.one_node_s
     tick()
     pool = _cold_pool_bytes()
-    matmul = _checked_curves(CurveRun("matmul", threads, None, pool), dense_types, tick, checks, remeasured)
-    expert = _checked_curves(CurveRun("expert", threads, None, pool), expert_types, tick, checks, remeasured)
-    attention = measure_attention(threads=threads, device=None, tick=tick)
-    # the model's heads (or the default's) and the probes', so the host fit subtracts what they really cost
-    shapes = (_attention_shape(model), _attention_shape(None, get_preset(PROBE_PRESET)))
-    decode_attention = measure_decode_attention(threads=threads, shapes=shapes)
+    matmul = _checked_curves(
+        CurveRun("matmul", threads, None, pool, overhead_s), dense_types, tick, checks, remeasured
+    )
+    expert = _checked_curves(
+        CurveRun("expert", threads, None, pool, overhead_s), expert_types, tick, checks, remeasured
+    )
+    attention = measure_attention(threads=threads, device=None, tick=tick, overhead_s=overhead_s)
+    # the model's heads (or the default's), each layer's cache read from memory, and the probes', whose tiny
+    # caches stay in a cache, so the host fit subtracts what they really cost
+    shapes = ((_attention_shape(model), pool), (_attention_shape(None, get_preset(PROBE_PRESET)), 0))
+    decode_attention = measure_decode_attention(threads=threads, shapes=shapes, overhead_s=overhead_s)
     tick()
     return DeviceProfile(
         name=f"CPU ({threads} threads)",
@@ -337,7 +348,7 @@ def _measure_cpu(
         threads=threads,
         attention=attention,
         decode_attention=decode_attention,
-    )
+    ), graph
 
 
 def _types(model: str | Path | None) -> tuple[tuple[str, ...], tuple[str, ...]]:

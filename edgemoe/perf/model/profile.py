@@ -140,6 +140,9 @@ class AttentionTimes:
     n_kv: tuple[int, ...]  # ascending KV lengths
     flash_s: tuple[float, ...]  # seconds at each length with flash attention
     plain_s: tuple[float, ...]  # and without
+    # the bytes of the pool of caches the timed calls rotated over (a model's layers': each read from memory);
+    # 0: one cache, read again from a cache (a tiny model's, as the host fit's probes have)
+    pool_bytes: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.n_kv)
@@ -167,12 +170,13 @@ def nearest_attention(
     measured: tuple[AttentionTimes, ...], heads: int, kv_heads: int, head_dim: int
 ) -> AttentionTimes | None:
     """The measured shape to price a model's attention by: its own, else the one whose query heads times head
-    size is nearest (by ratio); None when nothing was measured."""
+    size is nearest (by ratio), one measured with its caches from memory first (another model's layers read
+    theirs so); None when nothing was measured."""
     exact = [a for a in measured if (a.n_head, a.n_head_kv, a.head_dim) == (heads, kv_heads, head_dim)]
     if exact or not measured:
         return exact[0] if exact else None
     work = max(1, heads * head_dim)
-    return min(measured, key=lambda a: abs(math.log(a.n_head * a.head_dim / work)))
+    return min(measured, key=lambda a: (a.pool_bytes == 0, abs(math.log(a.n_head * a.head_dim / work))))
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,7 @@ def _attention_times(d: Mapping[str, Any]) -> AttentionTimes:
         n_kv=tuple(int(x) for x in d["n_kv"]),
         flash_s=tuple(float(x) for x in d["flash_s"]),
         plain_s=tuple(float(x) for x in d["plain_s"]),
+        pool_bytes=int(d.get("pool_bytes", 0)),
     )
 
 
