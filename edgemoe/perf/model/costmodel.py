@@ -279,8 +279,10 @@ MEMORY_BOUND_TOKENS = 2
 def expert_per_byte(dev: DeviceProfile, qtype: str, tokens: int, hot: bool) -> float:
     """Seconds per weight byte of a routed expert's products over `tokens` tokens. Cold at a memory-bound count
     it is at least the same type's cold dense matmul's: both read their weights once from memory, so an expert
-    reading faster read its microbenchmark's pool from a cache (a VM's cores on two L3 slices hold twice the L3 it
-    reports); that rate contradicts the others and the matmul's is used (profile_checks.expert_reads_cached)."""
+    reading faster either read its microbenchmark's pool from a cache (a VM's cores on two L3 slices hold twice
+    the L3 it reports) or has a cost per expert that the slope between the two sizes leaves out (on a Zen 5 VM,
+    whose 512 MiB pools time as 3 GiB ones do, eight experts in one mul_mat_id took what the matmul's rate
+    prices); that rate contradicts the others and the matmul's is used (profile_checks.expert_reads_cached)."""
     rate = _per_byte(dev.expert_curve(qtype), tokens, hot)
     if hot or tokens > MEMORY_BOUND_TOKENS or qtype not in dev.matmul:
         return rate
@@ -298,7 +300,8 @@ def cached_expert_reads(dev: DeviceProfile) -> list[str]:
             ):
                 out.append(
                     f"{q} experts read {1e-9 / e:.0f} GB/s cold at {t} token(s), faster than {q} matmuls' "
-                    f"{1e-9 / m:.0f} GB/s: their pool stayed in a cache; priced at the matmuls' rate"
+                    f"{1e-9 / m:.0f} GB/s (a pool read from a cache, or a two-size slope short of the per-expert cost); "
+                    "priced at the matmuls' rate"
                 )
     return out
 
