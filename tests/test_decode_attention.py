@@ -174,3 +174,26 @@ def test_a_cold_pool_holds_enough_caches_and_is_timed_by_rotation() -> None:
     t = time_attention(small, (256,), threads=1, flash=True, min_seconds=0.0, pool_bytes=4 << 20)
     assert t[256] > 0
 
+
+def test_the_layer_tool_measures_a_layer_and_prices_it_part_by_part(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "layer_cost_check.py"
+    out = tmp_path / "layer.json"
+    args = ["--preset", "tiny-qwen3moe", "--profile", "rtx4060-laptop", "--shallow", "1", "--deep", "3",
+            "--prompt-tokens", "16", "--gen", "8", "--reps", "1", "--rounds", "1", "--threads", "1"]
+    run = subprocess.run([sys.executable, str(tool), *args, "--json", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["flash"]
+    assert set(rows) == {"off", "on"}
+    for row in rows.values():
+        parts = [row[f"priced_{k}_ms"] for k in ("dense", "attention", "experts", "nodes")]
+        assert all(p > 0 for p in parts) and row["priced_layer_ms"] == pytest.approx(sum(parts))
+        assert set(row["decode_ms"]) == {"1", "3"} and row["measured_layer_ms"] != 0
+        assert row["priced_over_measured"] == pytest.approx(row["priced_layer_ms"] / row["measured_layer_ms"])
+    assert "a layer measured" in run.stdout
+    bad = subprocess.run([sys.executable, str(tool), "--shallow", "3", "--deep", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--shallow" in bad.stderr
