@@ -32,6 +32,7 @@ from helpers.serve_harness import (
     start_server,
     stop_server,
     tool_model,
+    wait_idle,
 )
 
 OTHER_KEY = "second-key"
@@ -74,16 +75,6 @@ def error_of(path: str, r: httpx.Response) -> dict[str, Any]:
     else:
         assert set(body["error"]) == {"message", "type", "param", "code"}, body
     return body["error"]
-
-
-def wait_idle(srv: Server, timeout: float = 60.0) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        h = srv.health()
-        if not h["busy"] and h["queued"] == 0:
-            return time.monotonic() - t0
-        time.sleep(0.02)
-    raise AssertionError(f"the engine is still busy after {timeout} s")
 
 
 # -- JSON nesting: a 400 naming the limit, one log line ----------------------------------------------------
@@ -157,12 +148,12 @@ def test_another_keys_request_does_no_work_on_the_first_keys_state(srv: Server) 
     prompt = " ".join(f"Line {i}: the quality of mercy is not strained." for i in range(40))
     r = post(srv, "/completions", {"model": MODEL_ID, "prompt": prompt, "max_tokens": 4, "temperature": 0})
     n = r.json()["usage"]["prompt_tokens"]
-    wait_idle(srv)
+    wait_idle(srv, 60.0)
     stored = srv.health()["prompt_cache"]["stored"]  # type: ignore[index]
     r = post(srv, "/completions", {"model": MODEL_ID, "prompt": "Another tenant.", "max_tokens": 4},
              key=OTHER_KEY)
     assert r.status_code == 200
-    wait_idle(srv)
+    wait_idle(srv, 60.0)
     assert srv.health()["prompt_cache"]["stored"] == stored  # type: ignore[index]
     r = post(srv, "/completions", {"model": MODEL_ID, "prompt": prompt, "max_tokens": 1})
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1  # the first key's state is back
@@ -286,7 +277,7 @@ def test_a_client_leaving_during_the_prompt_stops_its_evaluation(tmp_path: Path,
         body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 8, "stream": True}
         sock = stream_head(srv, "/completions", body)
         sock.close()  # gone while its prompt is evaluated
-        waited = wait_idle(srv)
+        waited = wait_idle(srv, 60.0)
         r = post(srv, "/completions", {**body, "stream": False, "max_tokens": 1})
         usage = r.json()["usage"]
         # the live state holds only the chunks evaluated before the client left, not the whole prompt
@@ -335,7 +326,7 @@ def test_key_switch_latency_benchmark(srv: Server, plain_engine: Engine) -> None
         for n in sizes:  # interleaved: the machine's load drifts alike for both
             r = post(srv, "/completions", {"model": MODEL_ID, "prompt": f"{rep} {bases[n]}", "max_tokens": 1})
             assert r.status_code == 200
-            wait_idle(srv)
+            wait_idle(srv, 60.0)
             t = time.perf_counter()
             r = post(srv, "/completions", {"model": MODEL_ID, "prompt": "Hi.", "max_tokens": 1}, key=OTHER_KEY)
             latencies[n].append(time.perf_counter() - t)
