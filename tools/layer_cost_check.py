@@ -17,15 +17,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from edgemoe import GREEDY, Engine, LoadConfig  # noqa: E402
+from validate_perfmodel import measure  # noqa: E402
+
+from edgemoe import Engine, LoadConfig  # noqa: E402
 from edgemoe.gguf.presets import get_preset  # noqa: E402
 from edgemoe.gguf.synth import write_synthetic  # noqa: E402
 from edgemoe.perf.measure.profiling import default_profile_path  # noqa: E402
@@ -36,19 +38,14 @@ FLASH = ("off", "on")
 
 
 def decode_ms(path: Path, flash: str, args: argparse.Namespace) -> tuple[float, int]:
-    """Median milliseconds per decode token of args.reps greedy runs after a warm-up, and the decode graph's
-    nodes."""
+    """Milliseconds per decode token at the median of args.reps greedy runs after a warm-up
+    (tools/validate_perfmodel.py's measurement), and the decode graph's nodes."""
     n_ctx = (args.prompt_tokens + args.gen + 255) // 256 * 256
     with Engine(path, LoadConfig(n_ctx=n_ctx, n_threads=args.threads, flash_attn=flash)) as eng:
         prompt = [16 + i % 900 for i in range(args.prompt_tokens)]
-        eng.generate(prompt[:4], max_tokens=4, sampling=GREEDY, ignore_eog=True)
-        runs = []
-        for _ in range(args.reps):
-            eng.reset()
-            g = eng.generate(prompt, max_tokens=args.gen, sampling=GREEDY, ignore_eog=True)
-            runs.append(1e3 / g.timings.decode_tps)
+        _, decode_tps, _ = measure(eng, prompt, args.gen, args.reps)
         nodes = (eng.graph_nodes or (0, 0))[1]
-    return statistics.median(runs), nodes
+    return 1e3 / decode_tps, nodes
 
 
 def priced_ms(path: Path, profile: Any, kv_len: int, nodes: dict[str, float]) -> dict[str, dict[str, float]]:
